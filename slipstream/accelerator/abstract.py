@@ -1,0 +1,72 @@
+"""The device interface everything above this layer uses instead of ``torch.cuda``."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class Accelerator(abc.ABC):
+    """One kind of device: its name, streams and events, pinned memory and memory statistics."""
+
+    name: str
+    communication_backend: str
+
+    @abc.abstractmethod
+    def device(self, index: int | None = None) -> torch.device: ...
+
+    @abc.abstractmethod
+    def set_device(self, index: int) -> None: ...
+
+    @abc.abstractmethod
+    def device_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def synchronize(self) -> None: ...
+
+    # Streams and events. On CPU, work runs in order and communication on the backend's threads,
+    # so these are cheap stand-ins with the same call shape.
+    @abc.abstractmethod
+    def new_stream(self) -> Any: ...
+
+    @abc.abstractmethod
+    def current_stream(self) -> Any: ...
+
+    @abc.abstractmethod
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
+
+    @abc.abstractmethod
+    def new_event(self) -> Any: ...
+
+    @abc.abstractmethod
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def memory_allocated(self) -> int:
+        """Bytes currently held by tensors on this device (process RSS on CPU)."""
+
+    @abc.abstractmethod
+    def max_memory_allocated(self) -> int:
+        """Peak of :meth:`memory_allocated` since start or the last reset."""
+
+    @abc.abstractmethod
+    def reset_peak_memory_stats(self) -> None: ...
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def supports_fused_adam(self) -> bool:
+        """Whether ``torch.optim.AdamW(fused=True)`` runs on this device."""
+        return True
+
+    @contextlib.contextmanager
+    def wait_stream_on_exit(self, stream: Any) -> Iterator[None]:
+        """Run a block on ``stream`` and make the current stream wait for it afterwards."""
+        current = self.current_stream()
+        with self.stream(stream):
+            yield
+        current.wait_stream(stream)

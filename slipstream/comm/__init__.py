@@ -1,0 +1,18 @@
+"""Process groups and collectives with async handles, plus the per-step comms log."""
+
+from slipstream.comm.collectives import (
+    CollectiveError,
+    ReduceOp,
+    Work,
+    all_gather_into_tensor,
+    all_reduce,
+    barrier,
+    broadcast,
+)
+from slipstream.comm.comms_log import CommRecord, CommsLog, comms_log
+from slipstream.comm.distributed import get_rank, get_world_size, init_distributed
+
+__all__ = [
+    "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_reduce",
+    "barrier", "broadcast", "comms_log", "get_rank", "get_world_size", "init_distributed",
+]  # fmt: skip

@@ -1,0 +1,89 @@
+"""Collectives with async handles that name themselves when something goes wrong.
+
+Every call is recorded in :data:`comms_log`. A failed or timed-out wait raises
+:class:`CollectiveError` saying which rank, which operation and what it was moving, instead of
+the backend's bare "Timed out waiting 1800000ms for recv operation".
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from slipstream.comm.comms_log import CommRecord, comms_log
+
+ReduceOp = dist.ReduceOp
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the rank and the operation."""
+
+
+class Work:
+    """Handle of an asynchronous collective; :meth:`wait` blocks until the result is usable."""
+
+    def __init__(self, work: dist.Work | None, record: CommRecord, group: dist.ProcessGroup | None) -> None:
+        self._work = work
+        self._record = record
+        self._group = group
+        self._start = time.perf_counter()
+        self.done = work is None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        try:
+            self._work.wait()
+        except Exception as err:  # the backend raises RuntimeError/DistBackendError variants
+            raise CollectiveError(self._describe(err)) from err
+        self.done = True
+        self._record.seconds = time.perf_counter() - self._start
+
+    def _describe(self, err: BaseException) -> str:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size(self._group) if dist.is_initialized() else 1
+        elapsed = time.perf_counter() - self._start
+        what = f"{self._record.op}" + (f" of {self._record.tag}" if self._record.tag else "")
+        reason = "timed out" if "timed out" in str(err).lower() or "timeout" in str(err).lower() else "failed"
+        return (
+            f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB, comms step {comms_log.step}) "
+            f"{reason} after {elapsed:.1f}s. Another rank probably died or took a different code path "
+            f"(e.g. skipped backward or step). Backend said: {err}"
+        )
+
+
+def _launch(op: str, tensor: torch.Tensor, tag: str, group: dist.ProcessGroup | None, call) -> Work:
+    record = comms_log.add(op, tensor.numel() * tensor.element_size(), tag)
+    try:
+        work = call()
+    except Exception as err:
+        handle = Work(None, record, group)
+        raise CollectiveError(handle._describe(err)) from err
+    return Work(work, record, group)
+
+
+def all_reduce(
+    tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = ReduceOp.SUM, group: dist.ProcessGroup | None = None, tag: str = ""
+) -> Work:
+    """In-place all-reduce, launched asynchronously."""
+    return _launch("all_reduce", tensor, tag, group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
+    return _launch("broadcast", tensor, tag, group, lambda: dist.broadcast(tensor, src=src, group=group, async_op=True))
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = ""
+) -> Work:
+    """Gather equal-sized shards from every rank into one flat ``output`` (rank order)."""
+    return _launch(
+        "all_gather", output, tag, group, lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
+    )
+
+
+def barrier(group: dist.ProcessGroup | None = None, tag: str = "") -> None:
+    token = torch.zeros(1)
+    all_reduce(token, group=group, tag=tag or "barrier").wait()

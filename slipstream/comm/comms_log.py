@@ -1,0 +1,56 @@
+"""A per-step record of every collective: op, bytes, time. Tests and benchmarks read it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+
+@dataclasses.dataclass
+class CommRecord:
+    op: str
+    nbytes: int
+    tag: str
+    seconds: float | None = None  # launch to completion, filled when the work is waited on
+
+
+class CommsLog:
+    """Collectives issued since the last :meth:`next_step`; cheap enough to leave always on."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.records: list[CommRecord] = []
+        self.history: list[list[CommRecord]] = []
+        self.keep_history = 0  # how many finished steps to keep (benchmarks ask for some)
+
+    def add(self, op: str, nbytes: int, tag: str) -> CommRecord:
+        record = CommRecord(op, nbytes, tag)
+        self.records.append(record)
+        return record
+
+    def next_step(self) -> None:
+        if self.keep_history:
+            self.history.append(self.records)
+            del self.history[: -self.keep_history]
+        self.records = []
+        self.step += 1
+
+    def counts(self) -> Counter[str]:
+        return Counter(r.op for r in self.records)
+
+    def bytes_by_op(self) -> Counter[str]:
+        totals: Counter[str] = Counter()
+        for r in self.records:
+            totals[r.op] += r.nbytes
+        return totals
+
+    def summary(self) -> str:
+        parts = []
+        for op, count in sorted(self.counts().items()):
+            nbytes = self.bytes_by_op()[op]
+            seconds = sum(r.seconds or 0.0 for r in self.records if r.op == op)
+            parts.append(f"{op}: {count} calls, {nbytes / 2**20:.2f} MiB, {seconds * 1e3:.1f} ms")
+        return f"step {self.step} comms: " + ("; ".join(parts) if parts else "none")
+
+
+comms_log = CommsLog()

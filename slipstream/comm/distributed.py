@@ -1,0 +1,56 @@
+"""Process-group set-up from torchrun-style environment variables."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch.distributed as dist
+
+from slipstream.accelerator import get_accelerator
+from slipstream.utils.logging import get_logger, set_rank
+
+logger = get_logger(__name__)
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | float | None = None) -> None:
+    """Join (or create) the default process group.
+
+    Reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` as set by
+    ``slipstream run`` or ``torchrun``. With none of them set, a single-process group is created so
+    the same code runs unchanged on a laptop. Does nothing if a group already exists.
+    ``backend`` defaults to the accelerator's (nccl on CUDA, gloo on CPU).
+    """
+    if dist.is_initialized():
+        set_rank(dist.get_rank())
+        return
+    accelerator = get_accelerator()
+    backend = backend or accelerator.communication_backend
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    timeout = timeout or DEFAULT_TIMEOUT
+    if accelerator.name == "cuda":
+        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"init_distributed: environment variables {', '.join(missing)} are not set; launch with "
+                "`slipstream run --nproc_per_node N script.py` (or torchrun), or set RANK, WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT"
+            )
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    set_rank(dist.get_rank())
+    logger.debug("joined process group: rank %d of %d, backend %s", dist.get_rank(), dist.get_world_size(), backend)
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1

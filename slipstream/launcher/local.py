@@ -1,0 +1,211 @@
+"""Launch N copies of a training script on this machine, torchrun-style.
+
+Process management (spawning, watching, restarts, tearing the survivors down when a rank dies,
+forwarding SIGTERM/SIGINT) is torch elastic's ``LocalElasticAgent``; this module only chooses its
+settings and turns its failure report into one readable line per failed rank.
+
+torch is imported inside ``launch`` only, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX = "slipstream run:"
+
+
+@dataclass(frozen=True)
+class LocalLaunch:
+    """What to run and how; ``None`` means "choose at launch" (see ``launch``)."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc_per_node: int | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    max_restarts: int = 0
+
+
+def launch(spec: LocalLaunch) -> int:
+    """Run ``spec.script`` in ``nproc_per_node`` local processes; return the exit code for the shell.
+
+    0 when every rank succeeded; otherwise the first failed rank's exit code (128 + signal number
+    when it was killed by a signal), after printing which ranks failed and how.
+    """
+    nproc = spec.nproc_per_node or default_nproc_per_node()
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # [Note: rendezvous choice]
+    # Without --master_port we use the c10d rendezvous on port 0: the agent binds a TCPStore to a
+    # port the OS picks and hands that very port to the workers as MASTER_PORT, so two concurrent
+    # runs cannot collide and there is no probe-then-bind race. With --master_port the static
+    # rendezvous binds exactly that port. local_addr makes MASTER_ADDR the address we were given
+    # instead of the machine's FQDN.
+    if spec.master_port is None:
+        backend, endpoint, rdzv_configs = "c10d", f"{spec.master_addr}:0", {"is_host": True}
+    else:
+        backend, endpoint, rdzv_configs = "static", f"{spec.master_addr}:{spec.master_port}", {"rank": 0}
+
+    # The agent writes per-rank error files (and, if asked, logs) under log_dir; by default it
+    # leaves a torchelastic_* directory in /tmp on every run, so we own and remove it.
+    with (
+        tempfile.TemporaryDirectory(prefix="slipstream_run_") as log_dir,
+        _omp_num_threads(nproc),
+        _quiet_torch_elastic(),
+    ):
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=uuid.uuid4().hex,
+            rdzv_backend=backend,
+            rdzv_endpoint=endpoint,
+            rdzv_configs=rdzv_configs,
+            max_restarts=spec.max_restarts,
+            local_addr=spec.master_addr,
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        )
+        # -u as torchrun does: ranks' output reaches the terminal as it is written.
+        entrypoint_args = ["-u", spec.script, *spec.script_args]
+        try:
+            elastic_launch(config, sys.executable)(*entrypoint_args)
+        except ChildFailedError as err:
+            return _report_failures(err.failures)
+        except SignalException as err:
+            _say(f"stopped by {err.sigval.name}; all ranks were terminated")
+            return 128 + int(err.sigval)
+        except Exception as err:  # rendezvous/store errors: the job never started
+            _say(f"could not start the job: {_startup_error(err, spec)}")
+            return 1
+    return 0
+
+
+def default_nproc_per_node() -> int:
+    """One process per visible CUDA device, or 1 without CUDA (imports torch: call at launch only)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def describe_failure(rank: int, local_rank: int, exitcode: int) -> str:
+    """``rank 1 (local rank 1) exited with code 3`` or ``... was killed by signal SIGKILL``."""
+    who = f"rank {rank} (local rank {local_rank})"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"number {-exitcode}"
+        how = f"was killed by signal {name}"
+        if name == "SIGKILL":
+            how += " (out of memory? check dmesg)"
+        return f"{who} {how}"
+    return f"{who} exited with code {exitcode}"
+
+
+def _report_failures(failures: dict[int, Any]) -> int:
+    # The agent's own report is a multi-line banner with a docs link; print one line per failed
+    # rank instead, root cause first. Timestamps have one-second resolution, so ties keep the
+    # agent's order, which lists the ranks that failed before the ones it tore down afterwards.
+    ordered = sorted(failures.items(), key=lambda item: item[1].timestamp)
+    root_rank, root = ordered[0]
+    stopped: list[int] = []
+    for i, (rank, failure) in enumerate(ordered):
+        if i > 0 and failure.exitcode == -signal.SIGTERM:
+            stopped.append(rank)  # the agent's SIGTERM to the survivors, not a failure of its own
+            continue
+        line = describe_failure(rank, failure.local_rank, failure.exitcode)
+        detail = _error_file_message(failure)
+        _say(f"{line}: {detail}" if detail else line)
+    if stopped:
+        ranks = ", ".join(str(r) for r in sorted(stopped))
+        _say(f"stopped the other rank(s) ({ranks}) with SIGTERM after rank {root_rank} failed")
+    return 128 - root.exitcode if root.exitcode < 0 else (root.exitcode or 1)
+
+
+def _error_file_message(failure: Any) -> str:
+    """The exception a rank recorded with torch's ``@record`` (its last line), when it did."""
+    data = failure.error_file_data or {}
+    message = data.get("message")
+    if isinstance(message, dict):  # the structured form @record writes
+        message = message.get("message")
+    if not isinstance(message, str) or not message.strip() or message == "<NONE>":
+        return ""
+    return message.strip().splitlines()[-1]
+
+
+def _startup_error(err: Exception, spec: LocalLaunch) -> str:
+    text = str(err)
+    if spec.master_port is not None and ("EADDRINUSE" in text or "address already in use" in text.lower()):
+        return (
+            f"port {spec.master_port} on {spec.master_addr} is already in use; pass another "
+            "--master_port, or omit it to let slipstream pick a free one"
+        )
+    return f"{type(err).__name__}: {text}"
+
+
+@contextlib.contextmanager
+def _omp_num_threads(nproc: int) -> Iterator[None]:
+    """Share the cores between ranks unless the user chose OMP_NUM_THREADS.
+
+    Without this every rank starts one OpenMP thread per core and N ranks oversubscribe the
+    machine N times over. A single rank keeps torch's own default. The variable is restored
+    afterwards so an in-process caller (tests) sees no change.
+    """
+    if "OMP_NUM_THREADS" in os.environ or nproc <= 1:
+        yield
+        return
+    threads = max(1, _usable_cores() // nproc)
+    _say(f"OMP_NUM_THREADS={threads} for each of {nproc} ranks (set OMP_NUM_THREADS to override)")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+
+
+def _usable_cores() -> int:
+    # Cores this process may run on (taskset, cgroup cpusets), not every core in the box.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def _quiet_torch_elastic() -> Iterator[None]:
+    """Mute torch elastic's launch-config dump, teardown warnings and failure banner.
+
+    We print the failures ourselves. ``LOGLEVEL`` is torch elastic's own switch for its logs,
+    so when the user sets it we leave them alone. Levels are restored afterwards.
+    """
+    if "LOGLEVEL" in os.environ:
+        yield
+        return
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher")
+    # Older torch sets a level on each module's logger, newer leaves them NOTSET under one parent.
+    names = set(prefixes) | {
+        name for name in logging.root.manager.loggerDict if name.startswith(prefixes)
+    }
+    saved = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _say(message: str) -> None:
+    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
