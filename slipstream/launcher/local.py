@@ -182,12 +182,44 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+_AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
+_PROCS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _RestartNotice(logging.Filter):
+    """Turns the agent's restart log into one line of ours and drops every record it sees.
+
+    With --max_restarts the agent restarts all ranks after a failure and only says so at INFO,
+    so the user would see the script's output twice with no explanation. The failing rank comes
+    from the "failed (exitcode: C) local_rank: R ..." record logged just before; on one node the
+    global rank equals the local rank.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last_failure: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            if record.name == _PROCS_LOGGER and record.msg.startswith("failed (exitcode"):
+                exitcode, local_rank = int(record.args[0]), int(record.args[1])  # type: ignore[index]
+                self._last_failure = describe_failure(local_rank, local_rank, exitcode)
+            elif record.name == _AGENT_LOGGER and "will restart worker group" in record.msg:
+                left, total = int(record.args[2]), int(record.args[3])  # type: ignore[index]
+                cause = self._last_failure or "a rank failed"
+                _say(f"{cause}; restarting all ranks (restart {total - left + 1} of {total})")
+                self._last_failure = None
+        except (AttributeError, IndexError, TypeError, ValueError):
+            pass  # another torch version worded it differently; staying quiet is fine
+        return False
+
+
 @contextlib.contextmanager
 def _quiet_torch_elastic() -> Iterator[None]:
     """Mute torch elastic's launch-config dump, teardown warnings and failure banner.
 
-    We print the failures ourselves. ``LOGLEVEL`` is torch elastic's own switch for its logs,
-    so when the user sets it we leave them alone. Levels are restored afterwards.
+    We print the failures (and restarts) ourselves. ``LOGLEVEL`` is torch elastic's own switch
+    for its logs, so when the user sets it we leave them alone. Everything is restored afterwards.
     """
     if "LOGLEVEL" in os.environ:
         yield
@@ -197,12 +229,19 @@ def _quiet_torch_elastic() -> Iterator[None]:
     names = set(prefixes) | {
         name for name in logging.root.manager.loggerDict if name.startswith(prefixes)
     }
-    saved = {name: logging.getLogger(name).level for name in names}
-    for name in names:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    levels = {name: logging.CRITICAL for name in names}
+    levels[_AGENT_LOGGER] = levels[_PROCS_LOGGER] = logging.INFO  # seen by _RestartNotice only
+    notice = _RestartNotice()
+    saved = {name: logging.getLogger(name).level for name in levels}
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    for name in (_AGENT_LOGGER, _PROCS_LOGGER):
+        logging.getLogger(name).addFilter(notice)
     try:
         yield
     finally:
+        for name in (_AGENT_LOGGER, _PROCS_LOGGER):
+            logging.getLogger(name).removeFilter(notice)
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
 

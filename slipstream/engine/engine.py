@@ -1,0 +1,207 @@
+"""The Engine: forward/backward/step orchestration around an unchanged user model.
+
+No sharding logic lives here. The engine scales the loss, counts micro-steps, and at each
+accumulation boundary asks its :class:`ShardingStrategy` to finish the gradient reduction, reads
+the global norm (which doubles as the fp16 overflow check), clips, steps and schedules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from slipstream.accelerator import Accelerator
+from slipstream.comm import comms_log, get_rank
+from slipstream.engine.config import SlipstreamConfig
+from slipstream.engine.data import DistributedDataLoader
+from slipstream.engine.precision import DTYPES, LossScaler
+from slipstream.engine.zero.strategy import ShardingStrategy
+from slipstream.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class Engine(torch.nn.Module):
+    """Wraps ``module``; use ``loss = engine(batch); engine.backward(loss); engine.step()``."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: SlipstreamConfig,
+        strategy: ShardingStrategy,
+        loss_scaler: LossScaler,
+        accelerator: Accelerator,
+        world_size: int,
+        lr_scheduler: Any = None,
+        training_dataloader: DistributedDataLoader | None = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.strategy = strategy
+        self.loss_scaler = loss_scaler
+        self.accelerator = accelerator
+        self.world_size = world_size
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._dtype = DTYPES[config.precision]
+        self._auto_cast = (config.fp16.enabled and config.fp16.auto_cast) or (config.bf16.enabled and config.bf16.auto_cast)
+        self._no_sync = False
+        self._backward_since_step = False
+        self._unsynced_boundary = False
+        self._global_grad_norm: float | None = None
+        self._last_loss: torch.Tensor | None = None
+        self._window_start = time.perf_counter()
+        self._window_samples = 0
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.strategy.optimizer
+
+    # ------------------------------------------------------------------ training loop
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._auto_cast:
+            args, kwargs = _cast_floats((args, kwargs), self._dtype)
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Scale ``loss`` for accumulation and fp16, backpropagate, start gradient communication."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"engine.backward: expected the scalar loss tensor, got {type(loss).__name__}"
+                + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                + " (for a ModelOutput pass output.loss)"
+            )
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._backward_since_step:
+            raise RuntimeError(
+                "engine.backward: called twice at an accumulation boundary without engine.step() in between; "
+                "call engine.step() after every engine.backward()"
+            )
+        sync = boundary and not self._no_sync
+        self._unsynced_boundary = boundary and self._no_sync
+        self.strategy.begin_backward(sync)
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
+        (loss.float() * scale).backward(retain_graph=retain_graph)
+        self._backward_since_step = True
+        self._last_loss = loss.detach()
+        return loss
+
+    def step(self) -> None:
+        """Optimizer step at an accumulation boundary; between boundaries only counts the micro-step."""
+        if not self._backward_since_step:
+            raise RuntimeError("engine.step: no engine.backward() since the last step")
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            if self._unsynced_boundary:
+                raise RuntimeError(
+                    "engine.step: the last backward of this accumulation window ran inside engine.no_sync(), so "
+                    "gradients were never reduced across ranks; run the boundary backward outside no_sync()"
+                )
+            self._optimizer_step()
+        self._backward_since_step = False
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
+        self._window_samples += self.train_micro_batch_size_per_gpu() * self.world_size
+        if boundary:
+            self._report_progress()
+
+    def _optimizer_step(self) -> None:
+        self.strategy.finish_gradients()
+        inv_scale = 1.0 / self.loss_scaler.scale
+        norm = float(self.strategy.global_grad_norm()) * inv_scale
+        self._global_grad_norm = norm
+        overflow = not math.isfinite(norm) and (self.loss_scaler.dynamic or self.config.bf16.check_grad_overflow)
+        if overflow:
+            self.skipped_steps += 1
+            if not self.loss_scaler.dynamic:
+                logger.warning("step %d: non-finite gradient norm (%s); step skipped", self.global_steps, norm)
+        else:
+            coef = inv_scale
+            clip = self.config.gradient_clipping
+            if clip > 0:
+                coef *= min(1.0, clip / (norm + 1e-6))
+            self.strategy.scale_gradients(coef)
+            self.strategy.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.loss_scaler.update(overflow)
+        self.strategy.zero_grad()
+        self.global_steps += 1
+        if self.config.comms_logger.enabled and self.config.comms_logger.verbose:
+            logger.info(comms_log.summary())
+        comms_log.next_step()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally without communication (like DDP's ``no_sync``)."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def _report_progress(self) -> None:
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every or get_rank() != 0:
+            return
+        elapsed = time.perf_counter() - self._window_start
+        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
+        lr = self.get_lr()[0] if self.get_lr() else float("nan")
+        logger.info(
+            "step %d | loss %.4f | lr %.3g | grad norm %.3f | %s%.1f samples/s | peak mem %.0f MB",
+            self.global_steps, loss, lr, self._global_grad_norm or 0.0,
+            f"loss scale {self.loss_scale():g} | " if self.loss_scaler.dynamic else "",
+            self._window_samples / max(elapsed, 1e-9), self.accelerator.max_memory_allocated() / 2**20,
+        )  # fmt: skip
+        self._window_start, self._window_samples = time.perf_counter(), 0
+
+    # ------------------------------------------------------------------ accessors
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps)
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global gradient L2 norm of the last optimizer step, before clipping (None before the first)."""
+        return self._global_grad_norm
+
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full fp32 weights by parameter name on rank 0, ``None`` on other ranks. Call on every rank."""
+        return self.strategy.consolidated_state_dict()
+
+    def close(self) -> None:
+        """Detach the engine's hooks from the model."""
+        self.strategy.close()
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value

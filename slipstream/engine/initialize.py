@@ -1,0 +1,143 @@
+"""``slipstream.initialize``: the one call that turns a model and a config into an Engine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream.accelerator import get_accelerator
+from slipstream.comm import init_distributed
+from slipstream.engine.config import ConfigError, SlipstreamConfig
+from slipstream.engine.data import DistributedDataLoader
+from slipstream.engine.engine import Engine
+from slipstream.engine.optimizers import build_optimizer, validate_optimizer_config
+from slipstream.engine.precision import DTYPES, build_loss_scaler
+from slipstream.engine.zero.data_parallel import DataParallelStrategy
+from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingOptions, ShardingStrategy
+from slipstream.utils.logging import get_logger, log_rank0
+
+logger = get_logger(__name__)
+
+# Stage 0's default bucket when reduce_bucket_size is not set: DeepSpeed's 5e8 elements would put
+# a whole model in one bucket and leave nothing to overlap with backward (DDP uses 25 MB).
+STAGE0_DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4
+AVAILABLE_STAGES = (0,)
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: dict[str, Any] | str | os.PathLike[str] | SlipstreamConfig,
+    *,
+    optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    lr_scheduler: Any = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> Engine:
+    """Wrap ``model`` for data-parallel training as described by ``config`` (DeepSpeed's schema).
+
+    Joins the process group (see :func:`slipstream.init_distributed`), validates the config
+    (:class:`ConfigError` names the key), moves and casts the model, synchronizes its initial
+    weights from rank 0 and builds the optimizer, LR schedule, loss scaler and data loader.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    preliminary = config if isinstance(config, SlipstreamConfig) else None
+    init_distributed(timeout=preliminary.comms_timeout_seconds if preliminary else None)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    cfg = SlipstreamConfig.load(config, world_size=world_size)
+    _check_supported(cfg, optimizer, lr_scheduler)
+
+    accelerator = get_accelerator()
+    model.to(device=accelerator.device(), dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None)
+    groups = ParamGroupSpec.from_user(model_parameters if model_parameters is not None else model.parameters())
+    if optimizer is None:
+        assert cfg.optimizer is not None
+        optimizer_config = cfg.optimizer
+
+        def optimizer_factory(param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return build_optimizer(optimizer_config, param_groups, accelerator.supports_fused_adam())
+
+        optimizer = optimizer_factory
+    strategy = _build_strategy(model, cfg, groups, optimizer)
+    scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)
+    loader = None
+    if training_data is not None:
+        loader = DistributedDataLoader(
+            training_data, cfg.train_micro_batch_size_per_gpu, rank, world_size,
+            collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
+        )  # fmt: skip
+    log_rank0(
+        logger,
+        "engine ready: ZeRO stage %d, %s, world size %d, batch %d = micro %d × accumulation %d × %d ranks",
+        cfg.zero_optimization.stage, cfg.precision, world_size, cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world_size,
+    )  # fmt: skip
+    return Engine(
+        model, cfg, strategy, build_loss_scaler(cfg.precision, cfg.fp16), accelerator, world_size,
+        lr_scheduler=scheduler, training_dataloader=loader,
+    )  # fmt: skip
+
+
+def _check_supported(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -> None:
+    zero = cfg.zero_optimization
+    if zero.stage not in AVAILABLE_STAGES:
+        raise ConfigError(
+            f"zero_optimization.stage: stage {zero.stage} is not available in this version of slipstream yet "
+            f"(available: {', '.join(map(str, AVAILABLE_STAGES))})"
+        )
+    for name in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, name)
+        if section is not None and section.device != "none":
+            raise ConfigError(f"zero_optimization.{name}.device: offload needs ZeRO stage 1 or higher; got stage {zero.stage}")
+    if optimizer is None and cfg.optimizer is None:
+        raise ConfigError("optimizer: not set; add an \"optimizer\" section to the config or pass optimizer= to initialize()")
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("optimizer: given both in the config and as initialize(optimizer=...); keep one")
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("scheduler: given both in the config and as initialize(lr_scheduler=...); keep one")
+    if cfg.optimizer is not None:
+        validate_optimizer_config(cfg.optimizer)
+    if cfg.scheduler is not None:
+        from slipstream.engine.schedules import SCHEDULER_PARAMS
+
+        if cfg.scheduler.type not in SCHEDULER_PARAMS:
+            raise ConfigError(
+                f"scheduler.type: {cfg.scheduler.type!r} is not available; use one of {', '.join(SCHEDULER_PARAMS)}"
+            )
+
+
+def _build_strategy(
+    model: torch.nn.Module, cfg: SlipstreamConfig, groups: list[ParamGroupSpec], optimizer: Any
+) -> ShardingStrategy:
+    zero = cfg.zero_optimization
+    bucket = zero.reduce_bucket_size if "reduce_bucket_size" in zero.model_fields_set else STAGE0_DEFAULT_BUCKET_NUMEL
+    options = ShardingOptions(
+        reduce_bucket_numel=bucket,
+        overlap_comm=zero.overlap,
+        communication_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
+        gradient_predivide_factor=cfg.gradient_predivide_factor,
+        prescale_gradients=cfg.prescale_gradients,
+    )
+    return DataParallelStrategy(model, groups, options, optimizer)
+
+
+def _build_scheduler(cfg: SlipstreamConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    if cfg.scheduler is not None:
+        from pydantic import ValidationError
+
+        from slipstream.engine.config import format_validation_error
+        from slipstream.engine.schedules import SCHEDULER_PARAMS, build_lr_scheduler
+
+        try:
+            return build_lr_scheduler(cfg.scheduler.type, cfg.scheduler.params, optimizer)
+        except ValidationError as err:
+            model = SCHEDULER_PARAMS[cfg.scheduler.type]
+            raise ConfigError(format_validation_error(err, model, prefix="scheduler.params")) from None
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return lr_scheduler(optimizer)
+    return lr_scheduler

@@ -1,0 +1,184 @@
+"""ZeRO stage 0: plain data parallelism with bucketed, overlapped gradient all-reduce.
+
+Every rank holds the full model, gradients and optimizer state. Gradients land in one contiguous
+fp32 buffer: for fp32 models ``param.grad`` *is* a view into it (autograd accumulates in place, no
+copies); for bf16/fp16 models a post-accumulate hook adds the low-precision gradient into the fp32
+view and frees it, and fp32 master weights (whose ``.grad`` are the same views) are what the
+optimizer updates.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.engine.zero.grad_buckets import BucketedAllReduce
+from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
+from slipstream.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class DataParallelStrategy(ShardingStrategy):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups: list[ParamGroupSpec],
+        options: ShardingOptions,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+    ) -> None:
+        self.options = options
+        self.group = options.group
+        self.module = module
+        broadcast_module_state(module, self.group)
+        named = list(module.named_parameters())
+        self.names = {id(p): n for n, p in named}
+        self.trainable = [p for _, p in named if p.requires_grad]
+        self.index = {id(p): i for i, p in enumerate(self.trainable)}
+        _check_groups(groups, self.index, self.names)
+        self.low_precision = any(p.dtype != torch.float32 for p in self.trainable)
+        self.reducer = BucketedAllReduce(
+            self.trainable,
+            torch.float32,
+            options.reduce_bucket_numel,
+            group=self.group,
+            communication_dtype=options.communication_dtype,
+            predivide_factor=options.gradient_predivide_factor,
+            prescale=options.prescale_gradients,
+        )
+        logger.debug("stage 0: %d gradient buckets", len(self.reducer.buckets))
+        if self.low_precision:
+            self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.trainable]
+        else:
+            self.masters = self.trainable
+        self.optimizer = _bind_optimizer(optimizer, groups, self.index, self.masters)
+        self.used = torch.zeros(len(self.trainable), dtype=torch.float32)
+        self.sync = False
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
+        self.zero_grad()
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self, sync: bool) -> None:
+        self.sync = sync
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        i = self.index[id(param)]
+        view = self.reducer.views[i]
+        if self.low_precision:
+            view.add_(param.grad)
+            param.grad = None
+        elif param.grad is not view:
+            if param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)  # the user replaced .grad (e.g. zero_grad(set_to_none=True))
+            param.grad = view
+        self.used[i] = 1.0
+        if self.sync:
+            self.reducer.mark_ready(i, launch=self.options.overlap_comm)
+
+    def finish_gradients(self) -> None:
+        self.reducer.finish()
+        # Parameters no rank used keep grad None, as in plain PyTorch, so the optimizer skips them.
+        comm.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group, tag="used-parameter flags").wait()
+        for i, master in enumerate(self.masters):
+            master.grad = self.reducer.views[i] if self.used[i] else None
+        self.sync = False
+
+    # ------------------------------------------------------------------ step
+    def global_grad_norm(self) -> torch.Tensor:
+        # Gradients are replicated after the all-reduce, so the norm needs no collective. Unused
+        # parameters' slots are zero and add nothing.
+        return torch.linalg.vector_norm(self.reducer.buffer)
+
+    def scale_gradients(self, factor: float) -> None:
+        if factor != 1.0:
+            self.reducer.buffer.mul_(factor)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        if self.low_precision:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.trainable], self.masters)
+
+    def zero_grad(self) -> None:
+        self.reducer.buffer.zero_()
+        self.reducer.reset()
+        self.used.zero_()
+        if not self.low_precision:
+            for p, view in zip(self.trainable, self.reducer.views):
+                p.grad = view
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if dist.get_rank() != 0:
+            return None
+        master_of = {id(p): m for p, m in zip(self.trainable, self.masters)}
+        return {
+            name: master_of.get(id(p), p).detach().float().clone() for name, p in self.module.named_parameters()
+        }
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+
+def broadcast_module_state(module: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype)."""
+    if dist.get_world_size(group) == 1:
+        return
+    tensors = [t for t in (*module.parameters(), *module.buffers())]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for dtype, group_tensors in by_dtype.items():
+            flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+            comm.broadcast(flat, src=src, group=group, tag=f"initial {dtype} weights").wait()
+            torch._foreach_copy_(group_tensors, [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in group_tensors]), group_tensors)])
+
+
+def _check_groups(groups: list[ParamGroupSpec], index: dict[int, int], names: dict[int, str]) -> None:
+    seen: set[int] = set()
+    for group in groups:
+        for p in group.params:
+            if id(p) not in names:
+                raise ValueError("optimizer/model_parameters: holds a tensor that is not a parameter of the model")
+            if id(p) in seen:
+                raise ValueError(f"optimizer/model_parameters: parameter {names[id(p)]!r} appears in two groups")
+            seen.add(id(p))
+    frozen = [names[i] for i in seen if i not in index]
+    if frozen:
+        logger.debug("frozen parameters in optimizer groups are skipped: %s", ", ".join(frozen[:5]))
+    missing = [names[i] for i in index if i not in seen]
+    if missing:
+        logger.warning(
+            "%d trainable parameter(s) are in no optimizer group and will not be updated (e.g. %s)",
+            len(missing), ", ".join(missing[:3]),
+        )  # fmt: skip
+
+
+def _bind_optimizer(
+    optimizer: torch.optim.Optimizer | OptimizerFactory,
+    groups: list[ParamGroupSpec],
+    index: dict[int, int],
+    masters: list[torch.Tensor],
+) -> torch.optim.Optimizer:
+    """Point the optimizer at the tensors this strategy updates (fp32 masters or the params)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if any(id(p) != id(masters[index[id(p)]]) for g in optimizer.param_groups for p in g["params"] if id(p) in index):
+            if optimizer.state:
+                raise ValueError(
+                    "optimizer: already has state; pass a fresh optimizer (or a callable params -> optimizer) "
+                    "so slipstream can point it at the fp32 master weights"
+                )
+            for g in optimizer.param_groups:
+                g["params"] = [masters[index[id(p)]] for p in g["params"] if id(p) in index]
+        return optimizer
+    return optimizer(
+        [
+            {**g.options, "params": [masters[index[id(p)]] for p in g.params if id(p) in index]}
+            for g in groups
+            if any(id(p) in index for p in g.params)
+        ]
+    )

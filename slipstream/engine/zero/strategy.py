@@ -1,0 +1,87 @@
+"""The one interface the engine calls, whatever the ZeRO stage.
+
+[Note: why a strategy object] The engine orchestrates forward/backward/step and never branches on
+the stage number: it picks a strategy once and calls the same six methods. Each strategy owns where
+gradients, fp32 master weights and optimizer state live and how ranks synchronize them.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingOptions:
+    """The knobs a strategy needs, copied once out of the config."""
+
+    reduce_bucket_numel: int
+    overlap_comm: bool = True
+    communication_dtype: torch.dtype | None = None  # None: reduce in the gradient buffer's dtype
+    gradient_predivide_factor: float = 1.0
+    prescale_gradients: bool = False
+    group: dist.ProcessGroup | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroupSpec:
+    """A parameter group as the user gave it: parameters plus their optimizer options."""
+
+    params: list[torch.nn.Parameter]
+    options: dict[str, Any]
+
+    @staticmethod
+    def from_user(groups: Iterable[Any]) -> list[ParamGroupSpec]:
+        groups = list(groups)
+        if groups and isinstance(groups[0], dict):
+            specs = []
+            for g in groups:
+                options = {k: v for k, v in g.items() if k != "params"}
+                params = g["params"]
+                params = [params] if isinstance(params, torch.Tensor) else list(params)
+                specs.append(ParamGroupSpec(params, options))
+            return specs
+        return [ParamGroupSpec(list(groups), {})]
+
+
+class ShardingStrategy(abc.ABC):
+    """Gradient hooks, reduction at the boundary, the optimizer step and the state it owns."""
+
+    optimizer: torch.optim.Optimizer
+
+    @abc.abstractmethod
+    def begin_backward(self, sync: bool) -> None:
+        """Called before each backward; ``sync`` says whether this backward completes the gradients."""
+
+    @abc.abstractmethod
+    def finish_gradients(self) -> None:
+        """Complete every reduction: afterwards the gradients this rank owns are averaged over ranks."""
+
+    @abc.abstractmethod
+    def global_grad_norm(self) -> torch.Tensor:
+        """L2 norm over all gradients of all ranks (identical on every rank; inf/nan on overflow)."""
+
+    @abc.abstractmethod
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient this rank owns by ``factor`` (unscaling and clipping)."""
+
+    @abc.abstractmethod
+    def step(self) -> None:
+        """Apply the optimizer and make the updated weights visible in the model's parameters."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full fp32 weights by parameter name on rank 0 (``None`` elsewhere). Collective."""
+
+    def close(self) -> None:
+        """Remove hooks (an engine can be discarded and the model wrapped again)."""

@@ -1,0 +1,158 @@
+"""The ``slipstream`` command: fast help, local multi-rank launch, failure reporting, report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from slipstream.launcher.cli import main
+from slipstream.launcher.local import describe_failure
+
+RANK_DUMP = textwrap.dedent(
+    """
+    import json, os, sys
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT"]
+    record = {key: os.environ.get(key) for key in keys}
+    record["argv"] = sys.argv[1:]
+    with open(os.path.join(OUT, "rank%s.json" % os.environ["RANK"]), "w") as f:
+        json.dump(record, f)
+    """
+)
+
+
+def _slipstream(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOGLEVEL")}
+    return subprocess.run(
+        [sys.executable, "-m", "slipstream.launcher.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def _write(path: Path, source: str) -> str:
+    path.write_text(source)
+    return str(path)
+
+
+def test_help_never_imports_torch():
+    program = textwrap.dedent(
+        """
+        import sys
+        from slipstream.launcher.cli import main
+        for argv in (["--help"], ["run", "--help"]):
+            try:
+                main(argv)
+            except SystemExit as exit:
+                assert exit.code == 0, exit.code
+        assert "torch" not in sys.modules, "slipstream --help imported torch"
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "--nproc_per_node" in done.stdout and "--master_port" in done.stdout
+
+
+def test_version(capsys):
+    from slipstream import __version__
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out.strip() == f"slipstream {__version__}"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--nproc_per_node", "0", "x.py"], "must be at least 1"),
+        (["run", "--master_port", "0", "x.py"], "omit --master_port"),
+        (["run", "does_not_exist.py"], "script not found: does_not_exist.py"),
+        ([], "required: COMMAND"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_run_two_ranks_with_env_and_args(tmp_path):
+    script = _write(tmp_path / "dump.py", RANK_DUMP.replace("OUT", repr(str(tmp_path))))
+    done = _slipstream("run", "--nproc_per_node", "2", script, "a", "--b", "c")
+    assert done.returncode == 0, done.stderr
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for rank, record in enumerate(ranks):
+        assert record["RANK"] == record["LOCAL_RANK"] == str(rank)
+        assert record["WORLD_SIZE"] == record["LOCAL_WORLD_SIZE"] == "2"
+        assert record["MASTER_ADDR"] == "127.0.0.1"
+        assert record["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+        # Script arguments pass through untouched, even ones that look like options.
+        assert record["argv"] == ["a", "--b", "c"]
+    # A port the OS picked at launch, the same for every rank.
+    assert ranks[0]["MASTER_PORT"] == ranks[1]["MASTER_PORT"] != "0"
+    assert "OMP_NUM_THREADS=" in done.stderr
+    assert "torchelastic" not in done.stderr.lower()  # none of torch elastic's banners
+
+
+def test_failed_rank_is_named_and_fails_the_run(tmp_path):
+    script = _write(
+        tmp_path / "fail.py",
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.exit(3)\n"
+        "time.sleep(60)\n",
+    )
+    done = _slipstream("run", "--nproc_per_node", "2", script)
+    assert done.returncode == 3, done.stderr
+    assert "slipstream run: rank 1 (local rank 1) exited with code 3" in done.stderr
+    # Rank 0 was torn down because of rank 1, and is reported as such, not as a second failure.
+    assert "stopped the other rank(s) (0) with SIGTERM after rank 1 failed" in done.stderr
+
+
+def test_restart_is_announced_and_uses_the_given_port(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = _write(
+        tmp_path / "flaky.py",
+        RANK_DUMP.replace("OUT", repr(str(tmp_path)))
+        + "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and os.environ['RANK'] == '1':\n"
+        "    sys.exit(4)\n",
+    )
+    done = _slipstream("run", "--nproc_per_node", "2", "--max_restarts", "1", "--master_port", str(port), script)
+    assert done.returncode == 0, done.stderr
+    assert "rank 1 (local rank 1) exited with code 4; restarting all ranks (restart 1 of 1)" in done.stderr
+    final = json.loads((tmp_path / "rank1.json").read_text())
+    assert final["TORCHELASTIC_RESTART_COUNT"] == "1"
+    assert final["MASTER_PORT"] == str(port)
+
+
+def test_describe_failure_names_signals():
+    assert describe_failure(3, 1, 7) == "rank 3 (local rank 1) exited with code 7"
+    assert describe_failure(0, 0, -signal.SIGSEGV) == "rank 0 (local rank 0) was killed by signal SIGSEGV"
+    assert "SIGKILL (out of memory?" in describe_failure(2, 2, -signal.SIGKILL)
+
+
+def test_report_prints_torch_version(capsys):
+    import torch
+
+    assert main(["report"]) == 0
+    out = capsys.readouterr().out
+    torch_line = next(line for line in out.splitlines() if line.startswith("torch ."))
+    assert torch.__version__ in torch_line
+    for key in ("slipstream ", "python ", "torch.distributed backends ", "ninja ", "g++ ", "ram "):
+        assert any(line.startswith(key) for line in out.splitlines()), key
