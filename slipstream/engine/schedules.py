@@ -12,11 +12,10 @@ OneCycle gives ``cycle_min_lr`` and momentum ``cycle_min_mom`` for -1, then ~``c
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -31,8 +30,16 @@ PerGroup = Union[float, list[float]]
 def _non_negative(cls: type, value: PerGroup | None, info: ValidationInfo) -> PerGroup | None:
     values = value if isinstance(value, list) else [value]
     if any(v is not None and v < 0 for v in values):
-        raise ValueError(f"{info.field_name} must be >= 0 (a float, or a list with one float per param group), got {value}")
+        raise ValueError("must be >= 0 (a float, or a list with one float per param group)")
     return value
+
+
+def _total_after_warmup(cls: type, total: int, info: ValidationInfo) -> int:
+    # A field validator (not a model one) so the error names total_num_steps; needs warmup_num_steps first.
+    warmup = info.data.get("warmup_num_steps")
+    if warmup is not None and total <= warmup:
+        raise ValueError(f"must be greater than warmup_num_steps ({warmup})")
+    return total
 
 
 class _Params(BaseModel):
@@ -58,33 +65,19 @@ class WarmupDecayLRParams(_WarmupParams):
     # Unlike WarmupLR, DeepSpeed's default here is a fixed 1e-3, not the optimizer's lr.
     warmup_max_lr: PerGroup | None = 0.001
 
-    @model_validator(mode="after")
-    def _decay_after_warmup(self) -> WarmupDecayLRParams:
-        _check_total(self.total_num_steps, self.warmup_num_steps)
-        return self
+    check_total = field_validator("total_num_steps")(_total_after_warmup)
 
 
 class WarmupCosineLRParams(_Params):
     """Ratios scale each param group's optimizer lr, so there is no warmup_min_lr/warmup_max_lr."""
 
-    total_num_steps: int = Field(gt=0)
     warmup_min_ratio: float = Field(0.0, ge=0.0, le=1.0)
     warmup_num_steps: int = Field(1000, gt=0)
+    total_num_steps: int = Field(gt=0)
     cos_min_ratio: float = Field(0.0001, ge=0.0, le=1.0)
     warmup_type: Literal["log", "linear"] = "log"
 
-    @model_validator(mode="after")
-    def _decay_after_warmup(self) -> WarmupCosineLRParams:
-        _check_total(self.total_num_steps, self.warmup_num_steps)
-        return self
-
-
-def _check_total(total: int, warmup: int) -> None:
-    if total <= warmup:
-        raise ValueError(
-            f"total_num_steps must be greater than warmup_num_steps, got total_num_steps={total}, "
-            f"warmup_num_steps={warmup}"
-        )
+    check_total = field_validator("total_num_steps")(_total_after_warmup)
 
 
 class OneCycleParams(_Params):
@@ -105,10 +98,8 @@ class OneCycleParams(_Params):
 
 
 SCHEDULER_PARAMS: dict[str, type[BaseModel]] = {
-    "WarmupLR": WarmupLRParams,
-    "WarmupDecayLR": WarmupDecayLRParams,
-    "WarmupCosineLR": WarmupCosineLRParams,
-    "OneCycle": OneCycleParams,
+    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams,
 }
 
 
@@ -121,8 +112,8 @@ def _per_group(value: PerGroup, optimizer: Optimizer, name: str) -> list[float]:
     return [float(value)] * n
 
 
-class _Schedule:
-    """Counter, optimizer writes and state shared by every schedule; subclasses give the values."""
+class LRSchedule:
+    """Base of the schedules: the step counter, writes into the optimizer, state. Subclasses give values."""
 
     def __init__(self, optimizer: Optimizer, last_batch_iteration: int) -> None:
         self.optimizer = optimizer
@@ -176,7 +167,7 @@ def _warmup_gamma(it: int, steps: int, kind: str) -> float:
     return it / steps
 
 
-class WarmupLR(_Schedule):
+class WarmupLR(LRSchedule):
     """Warm up from warmup_min_lr to warmup_max_lr over warmup_num_steps, then hold."""
 
     def __init__(self, optimizer: Optimizer, params: WarmupLRParams) -> None:
@@ -210,12 +201,12 @@ class WarmupDecayLR(WarmupLR):
 
     def _gamma(self, it: int) -> float:
         if it < self.warmup_num_steps:
-            return _warmup_gamma(it, self.warmup_num_steps, self.warmup_type)
-        remaining = float(self.total_num_steps - it)
-        return max(0.0, remaining / float(max(1.0, self.total_num_steps - self.warmup_num_steps)))
+            return super()._gamma(it)
+        decay_steps = float(max(1.0, self.total_num_steps - self.warmup_num_steps))
+        return max(0.0, float(self.total_num_steps - it) / decay_steps)
 
 
-class WarmupCosineLR(_Schedule):
+class WarmupCosineLR(LRSchedule):
     """Scale each group's optimizer lr: warm up from warmup_min_ratio to 1, cosine down to cos_min_ratio.
 
     The base lrs are read from the optimizer at construction, so build the schedule before loading
@@ -235,7 +226,8 @@ class WarmupCosineLR(_Schedule):
             gamma = _warmup_gamma(it, self.warmup_num_steps, self.p.warmup_type)
             return self.p.warmup_min_ratio + gamma * (1.0 - self.p.warmup_min_ratio)
         # The first post-warmup iteration is already one step into the cosine; clamp past the end.
-        progress = min(1.0, (it - self.warmup_num_steps + 1) / max(1, self.p.total_num_steps - self.warmup_num_steps))
+        decay_steps = max(1, self.p.total_num_steps - self.warmup_num_steps)
+        progress = min(1.0, (it - self.warmup_num_steps + 1) / decay_steps)
         cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.p.cos_min_ratio + (1.0 - self.p.cos_min_ratio) * cosine)
 
@@ -244,7 +236,7 @@ class WarmupCosineLR(_Schedule):
         return [base * ratio for base in self.base_lrs]
 
 
-class OneCycle(_Schedule):
+class OneCycle(LRSchedule):
     """1Cycle: lr rises min -> max over the first half-cycle, falls back over the second, then decays.
 
     With ``cycle_momentum``, Adam-style ``betas[0]`` cycles inversely (max_mom -> min_mom -> max_mom).
@@ -259,15 +251,15 @@ class OneCycle(_Schedule):
         self.total_size = self.first + self.second
         self.step_ratio = self.first / self.total_size
         self.first_stairs = p.cycle_first_stair_count
-        self.second_stairs = p.cycle_first_stair_count if p.cycle_second_stair_count is None else p.cycle_second_stair_count
+        self.second_stairs = self.first_stairs if p.cycle_second_stair_count is None else p.cycle_second_stair_count
         self.decay_step_size = p.decay_step_size
         self.decay_lr_rate, self.decay_mom_rate = p.decay_lr_rate, p.decay_mom_rate
         self.min_lrs = _per_group(p.cycle_min_lr, optimizer, "cycle_min_lr")
         self.max_lrs = _per_group(p.cycle_max_lr, optimizer, "cycle_max_lr")
         self.cycle_momentum = p.cycle_momentum and "betas" in optimizer.defaults
         if p.cycle_momentum and not self.cycle_momentum:
-            logger.log(logging.WARNING, "OneCycle: cycle_momentum is off: %s has no 'betas' (as in DeepSpeed)",
-                       type(optimizer).__name__)
+            logger.warning("OneCycle: cycle_momentum is off: %s has no 'betas' (as in DeepSpeed)",
+                           type(optimizer).__name__)
         self.min_moms = _per_group(p.cycle_min_mom, optimizer, "cycle_min_mom")
         self.max_moms = _per_group(p.cycle_max_mom, optimizer, "cycle_max_mom")
         super().__init__(optimizer, p.last_batch_iteration)
@@ -320,13 +312,10 @@ class OneCycle(_Schedule):
         return [(m, 0.99) for m in moms]
 
 
-_SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
-              "OneCycle": OneCycle}
-
-Schedule = Union[WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle]
+_SCHEDULES: dict[str, type[LRSchedule]] = {c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)}
 
 
-def build_lr_scheduler(type_name: str, params: dict | BaseModel, optimizer: Optimizer) -> Schedule:
+def build_lr_scheduler(type_name: str, params: dict | BaseModel, optimizer: Optimizer) -> LRSchedule:
     """Build a schedule from a config "scheduler" section (raw dicts are validated first)."""
     if type_name not in _SCHEDULES:
         raise ValueError(f"scheduler.type must be one of {', '.join(_SCHEDULES)}, got {type_name!r}")

@@ -1,0 +1,115 @@
+"""Tiny real models, deterministic data and the plain-PyTorch reference trajectory tests compare to."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 256
+SEQ = 16
+
+
+def tiny_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 64) -> torch.nn.Module:
+    """A randomly initialised GPT-2 (transformers) small enough to train in milliseconds."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=2, vocab_size=VOCAB, n_positions=SEQ * 2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def global_batches(steps: int, batch: int, seed: int = 1234) -> list[torch.Tensor]:
+    """Sequences that follow ``x[i+1] = (5 x[i] + 3) mod VOCAB`` from a random start: learnable, so losses fall."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        tokens = torch.empty(batch, SEQ, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, VOCAB, (batch,), generator=generator)
+        for i in range(1, SEQ):
+            tokens[:, i] = (5 * tokens[:, i - 1] + 3) % VOCAB
+        batches.append(tokens)
+    return batches
+
+
+def micro_batch(global_batch: torch.Tensor, micro: int, rank: int, world: int, mb: int) -> torch.Tensor:
+    """The slice of a global batch that ``rank`` trains on in accumulation step ``micro``."""
+    start = (micro * world + rank) * mb
+    return global_batch[start : start + mb]
+
+
+def gpt2_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+@dataclasses.dataclass
+class Trajectory:
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    grad_norms: list[float]
+
+
+def train_reference(
+    model: torch.nn.Module, batches: list[torch.Tensor], lr: float = 1e-3, weight_decay: float = 0.0,
+    clip: float = 0.0, dtype: torch.dtype = torch.float32,
+) -> Trajectory:  # fmt: skip
+    """Single process, full global batch, ``torch.optim.AdamW`` with fp32 master weights when ``dtype`` is low."""
+    model = model.to(dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params] if dtype != torch.float32 else params
+    optimizer = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay, fused=True)
+    losses, norms = [], []
+    for tokens in batches:
+        loss = gpt2_loss(model, tokens)
+        loss.backward()
+        if masters is not params:
+            for m, p in zip(masters, params):
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        grads = [m.grad for m in masters if m.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        if masters is not params:
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+        losses.append(float(loss.detach()))
+        norms.append(float(norm))
+    names = {id(p): n for n, p in model.named_parameters()}
+    master_of = dict(zip((id(p) for p in params), masters))
+    return Trajectory(losses, {names[id(p)]: master_of.get(id(p), p).detach().float().clone() for p in model.parameters()}, norms)
+
+
+def train_engine(engine: Any, batches: list[torch.Tensor]) -> Trajectory:
+    """Train with the engine on this rank's share of each global batch; losses are global means."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gas, mb = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
+    losses, norms = [], []
+    for tokens in batches:
+        total = torch.zeros(())
+        for micro in range(gas):
+            loss = gpt2_loss(engine, micro_batch(tokens, micro, rank, world, mb))
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(float(total) / (gas * world))
+        norms.append(engine.get_global_grad_norm())
+    state = engine.consolidated_state_dict()
+    return Trajectory(losses, state or {}, norms)
+
+
+def assert_close_trajectory(ours: Trajectory, ref: Trajectory, loss_rtol: float, param_atol: float, param_rtol: float = 0.0) -> None:
+    for step, (a, b) in enumerate(zip(ours.losses, ref.losses)):
+        assert abs(a - b) <= loss_rtol * abs(b), f"step {step}: loss {a!r} vs reference {b!r} (rtol {loss_rtol})"
+    assert ours.params.keys() == ref.params.keys()
+    for name, value in ours.params.items():
+        torch.testing.assert_close(value, ref.params[name], atol=param_atol, rtol=param_rtol, msg=lambda m: f"{name}: {m}")
