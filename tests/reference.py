@@ -107,9 +107,18 @@ def train_engine(engine: Any, batches: list[torch.Tensor]) -> Trajectory:
     return Trajectory(losses, state or {}, norms)
 
 
-def assert_close_trajectory(ours: Trajectory, ref: Trajectory, loss_rtol: float, param_atol: float, param_rtol: float = 0.0) -> None:
-    for step, (a, b) in enumerate(zip(ours.losses, ref.losses)):
+def assert_close_trajectory(
+    ours: Trajectory, ref: Trajectory, loss_rtol: float, param_atol: float = 0.0, param_rtol: float = 0.0,
+    param_rel_norm: float | None = None,
+) -> None:  # fmt: skip
+    """Per-step losses within ``loss_rtol``; final weights element-wise (atol/rtol) or in relative L2 norm."""
+    for step, (a, b) in enumerate(zip(ours.losses, ref.losses, strict=True)):
         assert abs(a - b) <= loss_rtol * abs(b), f"step {step}: loss {a!r} vs reference {b!r} (rtol {loss_rtol})"
     assert ours.params.keys() == ref.params.keys()
+    if param_rel_norm is not None:
+        diff = torch.sqrt(sum((ours.params[k] - ref.params[k]).pow(2).sum() for k in ref.params))
+        norm = torch.sqrt(sum(ref.params[k].pow(2).sum() for k in ref.params))
+        assert diff <= param_rel_norm * norm, f"weights differ by {float(diff / norm):.2e} relative (limit {param_rel_norm})"
+        return
     for name, value in ours.params.items():
         torch.testing.assert_close(value, ref.params[name], atol=param_atol, rtol=param_rtol, msg=lambda m: f"{name}: {m}")

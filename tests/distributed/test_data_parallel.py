@@ -78,16 +78,16 @@ def _mixed_precision_body(precision: str) -> dict:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         ref = train_reference(tiny_gpt2(seed=0), batches, lr=1e-3, weight_decay=0.01, clip=1.0, dtype=dtype)
         ref32 = train_reference(tiny_gpt2(seed=0), batches, lr=1e-3, weight_decay=0.01, clip=1.0)
-        # Tolerance: bf16 keeps 8 significand bits (relative rounding 2^-9 ≈ 2e-3), fp16 11 bits. The
-        # engine sums per-micro-batch low-precision gradients in fp32, the reference computes one
-        # low-precision gradient over the whole batch, so rounding differs at that level every step;
-        # after 20 Adam steps the observed loss gap is a few 1e-3 (bf16). 2e-2 leaves margin while still
-        # far below the gap to an untrained model (losses fall by > 0.3 here).
-        rtol = 2e-2 if precision == "bf16" else 5e-3
-        assert_close_trajectory(ours, ref, loss_rtol=rtol, param_atol=3e-2 if precision == "bf16" else 5e-3)
+        # Tolerance: bf16 keeps 8 significand bits (rounding 2^-9 ≈ 2e-3), fp16 11. The engine sums
+        # per-micro-batch low-precision gradients in fp32 while the reference computes one low-precision
+        # gradient over the whole batch, so rounding differs at that level every step. Observed over
+        # 20 steps: losses within 7e-5 (bf16) / 1.5e-5 (fp16) relative, all weights within 0.35% in
+        # relative L2 norm (single weights with ~0 gradient may differ by an lr-sized Adam step, so an
+        # element-wise check would test Adam's sign sensitivity, not us). Limits: ~15x / ~6x the
+        # observed gaps, still far below the loss drop (> 0.3) that training produces.
+        assert_close_trajectory(ours, ref, loss_rtol=1e-3, param_rel_norm=2e-2)
         assert ours.losses[-1] < ours.losses[0] - 0.3
-        # and it is the same training as fp32, up to precision
-        assert abs(ours.losses[-1] - ref32.losses[-1]) < 5 * rtol * ref32.losses[-1]
+        assert abs(ours.losses[-1] - ref32.losses[-1]) < 1e-3 * ref32.losses[-1]  # same training as fp32
         result["max_loss_gap"] = max(abs(a - b) / b for a, b in zip(ours.losses, ref.losses))
     return result
 
@@ -101,7 +101,7 @@ def test_mixed_precision_trains_like_reference(precision: str) -> None:
 def _overflow_body(hysteresis: int) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     config = _config(world, 1, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": hysteresis})
-    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
     engine = slipstream.initialize(tiny_gpt2(seed=0), config)
     poison = {"step": 2}
     param = engine.module.transformer.h[0].mlp.c_fc.weight
