@@ -452,13 +452,11 @@ def _describe_expected(err: dict[str, Any]) -> str:
         op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
         bound = next(iter(ctx.values()))
         return f"must be {op} {bound}"
-    if kind.startswith(("int_", "float_", "bool_", "string_", "dict_", "list_", "model_")) or kind in ("missing",):
+    if kind.startswith(("int_", "float_", "bool_", "string_", "dict_", "list_", "tuple_", "model_")):
         expected = {
             "int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
-            "dict": "an object", "list": "a list", "model": "an object",
+            "dict": "an object", "list": "a list", "tuple": "a list", "model": "an object",
         }.get(kind.split("_")[0], "")  # fmt: skip
-        if kind == "missing":
-            return "is required"
         return f"must be {expected}" if expected else err["msg"]
     msg = err["msg"]
     return msg.removeprefix("Value error, ")
@@ -477,6 +475,8 @@ def format_validation_error(err: ValidationError, model: type[BaseModel], prefix
             if prefix == "" and len(loc) == 1:
                 hint = did_you_mean(str(loc[-1]), known_keys(model) + list(IGNORED_SECTIONS))
             line = f"{path}: unknown key{hint}"
+        elif e["type"] == "missing":
+            line = f"{path}: is required"
         elif e["type"] == "value_error" and not loc:
             line = f"config: {_describe_expected(e)}"
         elif e.get("input") == AUTO:

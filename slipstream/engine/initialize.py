@@ -138,6 +138,8 @@ def _build_scheduler(cfg: SlipstreamConfig, lr_scheduler: Any, optimizer: torch.
         except ValidationError as err:
             model = SCHEDULER_PARAMS[cfg.scheduler.type]
             raise ConfigError(format_validation_error(err, model, prefix="scheduler.params")) from None
+        except (ValueError, TypeError) as err:  # e.g. a per-group lr list of the wrong length
+            raise ConfigError(f"scheduler.params: {err}") from None
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         return lr_scheduler(optimizer)
     return lr_scheduler

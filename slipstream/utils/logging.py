@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 _rank: int | None = None
 
@@ -23,6 +24,18 @@ def current_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is now (pytest and notebooks replace it after import)."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
 class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.rank = current_rank()
@@ -33,7 +46,7 @@ def get_logger(name: str = "slipstream") -> logging.Logger:
     """The package logger (``[slipstream rank N] message``); level from ``SLIPSTREAM_LOG_LEVEL``."""
     root = logging.getLogger("slipstream")
     if not root.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.addFilter(_RankFilter())
         handler.setFormatter(logging.Formatter("[slipstream rank %(rank)s] %(levelname)s %(message)s"))
         root.addHandler(handler)
