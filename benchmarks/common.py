@@ -1,0 +1,73 @@
+"""The standard workloads of BENCHMARKS.md, shared by every benchmark script."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+VOCAB, SEQ, MICRO_BATCH = 8192, 128, 4
+MODELS = {
+    "gpt2-small": dict(n_layer=4, n_embd=256, n_head=4),
+    "gpt2-large": dict(n_layer=8, n_embd=512, n_head=8),
+}
+
+
+def build_gpt2(name: str = "gpt2-small", seed: int = 0) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=0, eos_token_id=0, **MODELS[name],
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def random_batches(n: int, batch: int = MICRO_BATCH, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, SEQ), generator=generator) for _ in range(n)]
+
+
+def time_steps(step: Callable[[torch.Tensor], None], batches: list[torch.Tensor], warmup: int) -> list[float]:
+    """Seconds per step after ``warmup`` untimed steps (a barrier keeps ranks aligned per step)."""
+    import torch.distributed as dist
+
+    times = []
+    for i, batch in enumerate(batches):
+        dist.barrier()
+        start = time.perf_counter()
+        step(batch)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_rank_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def summarize(name: str, times: list[float]) -> str:
+    ms = sorted(t * 1e3 for t in times)
+    return f"{name:<34} median {statistics.median(ms):7.1f} ms  (min {ms[0]:.1f}, max {ms[-1]:.1f}, n={len(ms)})"

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up a development environment in .venv: torch (only if none is importable), then slipstream
+# editable with its test and monitoring extras. Safe to re-run; never replaces an existing torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-.venv}"
+TORCH_FALLBACK="${SLIPSTREAM_TORCH:-torch==2.13.0}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  # System site-packages stay visible so a torch the user already has (CPU, CUDA, ROCm) is reused.
+  "$PYTHON" -m venv --system-site-packages "$VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -c 'import sys; assert sys.version_info >= (3, 10), "slipstream needs Python 3.10 or newer"'
+
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+  echo "setup: no torch found; installing $TORCH_FALLBACK" >&2
+  "$PY" -m pip install --quiet --disable-pip-version-check "$TORCH_FALLBACK" 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
+  "$PY" -c 'import torch' || { echo "setup: installing $TORCH_FALLBACK failed" >&2; exit 1; }
+fi
+TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__)')"
+
+# Pin whatever torch is present so resolving our dependencies can never swap it out.
+CONSTRAINTS="$(mktemp)"
+trap 'rm -f "$CONSTRAINTS"' EXIT
+echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
+"$PY" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[dev]" 2>&1 \
+  | grep -v "is ignored: it is neither a file nor a directory" || true
+"$PY" -c 'import slipstream, torch; print(f"setup: slipstream {slipstream.__version__} with torch {torch.__version__} in '"$VENV"'")'
