@@ -83,20 +83,45 @@ class FP16Config(Section):
 
 class BF16Config(Section):
     enabled: bool = False
-    auto_cast: bool = False
+    auto_cast: bool = False  # slipstream's: cast floating-point forward inputs to bf16 (as fp16.auto_cast)
     immediate_grad_update: bool = False
-    check_grad_overflow: bool = False
+    check_grad_overflow: bool = True
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+    @field_validator("bf16_master_weights_and_grads", "bf16_optimizer_states")
+    @classmethod
+    def _fp32_masters_only(cls, v: bool) -> bool:
+        return _unsupported(v, False, "bf16 master weights / optimizer states (slipstream keeps them in fp32)")
+
+
+class TorchAutocastConfig(Section):
+    enabled: bool = False
+    dtype: str | None = None
+    lower_precision_safe_modules: list[str] | None = None
+
+    @field_validator("enabled")
+    @classmethod
+    def _no_autocast(cls, v: bool) -> bool:
+        return _unsupported(v, False, "torch_autocast (use bf16 or fp16)")
 
 
 class OffloadOptimizerConfig(Section):
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None
     buffer_count: int = Field(4, ge=1)
-    pin_memory: bool = False
+    pin_memory: bool = True
     pipeline_read: bool = False
     pipeline_write: bool = False
     fast_init: bool = False
     ratio: float = Field(1.0, ge=0.0, le=1.0)
+    super_offload: bool = False
+    cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
+
+    @field_validator("super_offload")
+    @classmethod
+    def _no_super_offload(cls, v: bool) -> bool:
+        return _unsupported(v, False, "super_offload")
 
 
 class OffloadParamConfig(Section):
@@ -105,11 +130,11 @@ class OffloadParamConfig(Section):
     buffer_count: int = Field(5, ge=1)
     buffer_size: int = Field(100_000_000, ge=1)
     max_in_cpu: int = Field(1_000_000_000, ge=0)
-    pin_memory: bool = False
+    pin_memory: bool = True
 
 
 class ZeroConfig(Section):
-    """``zero_optimization``; defaults follow DeepSpeed 0.19.8 except ``overlap_comm`` (see docs)."""
+    """``zero_optimization``; defaults follow DeepSpeed 0.19.8 except ``overlap_comm`` (docs/config.md)."""
 
     stage: Literal[0, 1, 2, 3] = 0
     overlap_comm: bool | None = None
@@ -140,7 +165,13 @@ class ZeroConfig(Section):
     )
     stage3_unit_modules: list[str] | None = None
     stage3_module_granularity_threshold: int = Field(0, ge=0)
-    use_all_reduce_for_fetch_params: bool = False
+    use_all_reduce_for_fetch_params: bool = Field(
+        False, validation_alias=AliasChoices("use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params")
+    )
+    allgather_sequential: bool = Field(False, validation_alias=AliasChoices("allgather_sequential", "stage3_allgather_sequential"))
+    parameter_alignment: bool = False
+    compute_grad_norm: bool = True
+    zenflow: dict[str, Any] | None = None
     memory_efficient_linear: bool = True
     override_module_apply: bool = True
     log_trace_cache_warnings: bool = False
@@ -162,6 +193,11 @@ class ZeroConfig(Section):
     @classmethod
     def _no_quantized(cls, v: bool) -> bool:
         return _unsupported(v, False, "ZeRO++ quantized communication")
+
+    @field_validator("zenflow")
+    @classmethod
+    def _no_zenflow(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _unsupported(v, None, "ZenFlow")
 
     @field_validator("mics_shard_size")
     @classmethod
@@ -238,7 +274,7 @@ IGNORED_SECTIONS = (
     "hybrid_engine", "weight_quantization", "compile", "timers", "data_types", "checkpoint",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "dump_state",
     "sparse_gradients", "seq_parallel_communication_data_type", "graph_harvesting",
-    "use_data_before_expert_parallelism", "disable_allgather",
+    "use_data_before_expert_parallelism", "disable_allgather", "pipeline",
 )  # fmt: skip
 
 
@@ -259,11 +295,14 @@ class SlipstreamConfig(Section):
     train_batch_size: BatchValue = None
     train_micro_batch_size_per_gpu: BatchValue = None
     gradient_accumulation_steps: BatchValue = None
-    steps_per_print: int = Field(10, ge=0)
+    steps_per_print: int | None = Field(None, ge=0, description="None or 0: no periodic progress line")
     wall_clock_breakdown: bool = False
     gradient_clipping: float = Field(1.0, ge=0.0, description="0 disables clipping")
     prescale_gradients: bool = False
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     dataloader_drop_last: bool = False
     optimizer: OptimizerConfig | None = None
@@ -300,8 +339,10 @@ class SlipstreamConfig(Section):
         return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
 
     @classmethod
-    def load(cls, source: dict[str, Any] | str | os.PathLike[str] | SlipstreamConfig, world_size: int = 1) -> SlipstreamConfig:
-        """Parse ``source`` (dict, .json/.hjson path or config) and resolve the batch triad for ``world_size``."""
+    def load(
+        cls, source: dict[str, Any] | str | os.PathLike[str] | SlipstreamConfig, world_size: int | None = 1
+    ) -> SlipstreamConfig:
+        """Parse ``source`` (dict, .json/.hjson path or config); resolve the batch triad unless ``world_size`` is None."""
         if isinstance(source, SlipstreamConfig):
             raw = source.model_dump(exclude_unset=True, by_alias=False)
             raw.update(source.ignored)
@@ -316,10 +357,11 @@ class SlipstreamConfig(Section):
         except ValidationError as err:
             raise ConfigError(format_validation_error(err, cls)) from None
         config.ignored = ignored
-        config._resolve_batch_triad(world_size)
+        if world_size is not None:
+            config.resolve_batch_triad(world_size)
         return config
 
-    def _resolve_batch_triad(self, world_size: int) -> None:
+    def resolve_batch_triad(self, world_size: int) -> None:
         """``train_batch_size = micro × accumulation × world size``; derive the missing one and log it."""
         tb, mb, gas = (
             None if v == AUTO else v
@@ -379,15 +421,17 @@ def read_config_source(source: dict[str, Any] | str | os.PathLike[str]) -> dict[
 
 
 # Paths where "auto" (as written for the HF Trainer) has a sensible resolution without a trainer.
+# USE_DEFAULT drops the key, so the default applies exactly as if it were not written.
+USE_DEFAULT = object()
 _AUTO_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("gradient_clipping",): 1.0,
     ("fp16", "enabled"): False,
     ("bf16", "enabled"): False,
     ("bfloat16", "enabled"): False,
-    ("zero_optimization", "reduce_bucket_size"): 500_000_000,
-    ("zero_optimization", "allgather_bucket_size"): 500_000_000,
-    ("zero_optimization", "stage3_prefetch_bucket_size"): 50_000_000,
-    ("zero_optimization", "stage3_param_persistence_threshold"): 100_000,
+    ("zero_optimization", "reduce_bucket_size"): USE_DEFAULT,
+    ("zero_optimization", "allgather_bucket_size"): USE_DEFAULT,
+    ("zero_optimization", "stage3_prefetch_bucket_size"): USE_DEFAULT,
+    ("zero_optimization", "stage3_param_persistence_threshold"): USE_DEFAULT,
 }
 
 
@@ -397,8 +441,12 @@ def _resolve_auto(raw: dict[str, Any]) -> dict[str, Any]:
         for key in path[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict) and node.get(path[-1]) == AUTO:
-            node[path[-1]] = value
-            logger.info("config: %s is \"auto\"; resolved to %r", ".".join(path), value)
+            if value is USE_DEFAULT:
+                del node[path[-1]]
+                logger.info("config: %s is \"auto\"; using the default", ".".join(path))
+            else:
+                node[path[-1]] = value
+                logger.info("config: %s is \"auto\"; resolved to %r", ".".join(path), value)
     return raw
 
 

@@ -56,6 +56,8 @@ class Engine(torch.nn.Module):
         self._dtype = DTYPES[config.precision]
         self._auto_cast = (config.fp16.enabled and config.fp16.auto_cast) or (config.bf16.enabled and config.bf16.auto_cast)
         self._no_sync = False
+        # As DeepSpeed: fp16 always skips steps with non-finite gradients; bf16 unless told not to.
+        self._check_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
         self._backward_since_step = False
         self._unsynced_boundary = False
         self._global_grad_norm: float | None = None
@@ -120,7 +122,7 @@ class Engine(torch.nn.Module):
         inv_scale = 1.0 / self.loss_scaler.scale
         norm = float(self.strategy.global_grad_norm()) * inv_scale
         self._global_grad_norm = norm
-        overflow = not math.isfinite(norm) and (self.loss_scaler.dynamic or self.config.bf16.check_grad_overflow)
+        overflow = not math.isfinite(norm) and self._check_overflow
         if overflow:
             self.skipped_steps += 1
             if not self.loss_scaler.dynamic:

@@ -46,10 +46,12 @@ def initialize(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
-    preliminary = config if isinstance(config, SlipstreamConfig) else None
-    init_distributed(timeout=preliminary.comms_timeout_seconds if preliminary else None)
+    cfg = SlipstreamConfig.load(config, world_size=None)  # the triad needs the world size: below
+    if cfg.log_level:
+        get_logger().setLevel(cfg.log_level.upper())
+    init_distributed(timeout=cfg.comms_timeout_seconds)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    cfg = SlipstreamConfig.load(config, world_size=world_size)
+    cfg.resolve_batch_triad(world_size)
     _check_supported(cfg, optimizer, lr_scheduler)
 
     accelerator = get_accelerator()
@@ -122,6 +124,7 @@ def _build_strategy(
         communication_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
         gradient_predivide_factor=cfg.gradient_predivide_factor,
         prescale_gradients=cfg.prescale_gradients,
+        average=cfg.gradient_allreduce_op == "mean",
     )
     return DataParallelStrategy(model, groups, options, optimizer)
 

@@ -57,8 +57,9 @@ class StaticLossScaler(LossScaler):
 class DynamicLossScaler(LossScaler):
     """DeepSpeed's dynamic loss scaler, same rules so a migrated fp16 run skips the same steps.
 
-    On overflow the scale halves once ``hysteresis`` overflows have been absorbed (never below
-    ``min_scale``); after ``window`` overflow-free steps it doubles.
+    On overflow the scale halves once ``hysteresis`` overflows have been absorbed; an overflow at
+    ``min_scale`` is an error (training cannot recover). The scale doubles after ``window``
+    overflow-free steps following the last overflow (the step right after an overflow not counted).
     """
 
     current_scale: float
@@ -82,6 +83,11 @@ class DynamicLossScaler(LossScaler):
     def update(self, overflow: bool) -> None:
         if overflow:
             if self.hysteresis == 1 or self.remaining_hysteresis == 1:
+                if self.current_scale == self.min_scale:
+                    raise FloatingPointError(
+                        f"fp16: gradients overflow at the minimum loss scale {self.min_scale:g}; training cannot "
+                        "continue (lower the learning rate, use bf16, or lower fp16.min_loss_scale)"
+                    )
                 old = self.current_scale
                 self.current_scale = max(self.current_scale / self.factor, self.min_scale)
                 logger.info("fp16 overflow: step skipped, loss scale %g -> %g", old, self.current_scale)
@@ -95,7 +101,8 @@ class DynamicLossScaler(LossScaler):
         else:
             if self.consecutive_hysteresis:
                 self.remaining_hysteresis = self.hysteresis
-            if (self.iteration - self.last_overflow_iteration) % self.window == 0:
+            stable = self.iteration - self.last_overflow_iteration - 1
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.remaining_hysteresis = self.hysteresis
                 self.current_scale *= self.factor

@@ -46,6 +46,7 @@ class DataParallelStrategy(ShardingStrategy):
             communication_dtype=options.communication_dtype,
             predivide_factor=options.gradient_predivide_factor,
             prescale=options.prescale_gradients,
+            average=options.average,
         )
         logger.debug("stage 0: %d gradient buckets", len(self.reducer.buckets))
         if self.low_precision:

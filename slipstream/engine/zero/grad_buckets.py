@@ -17,6 +17,20 @@ import torch.distributed as dist
 from slipstream import comm
 
 
+def reduction_scales(world_size: int, predivide_factor: float, prescale: bool, average: bool) -> tuple[float, float]:
+    """Factors applied before and after the sum, as DeepSpeed does it.
+
+    By default gradients are divided by ``gradient_predivide_factor`` before the sum and by
+    ``world_size / factor`` after; with ``prescale_gradients`` all of the division happens first.
+    ``gradient_allreduce_op: "sum"`` skips the averaging.
+    """
+    if not average:
+        return 1.0, 1.0
+    if prescale:
+        return 1.0 / world_size, 1.0
+    return 1.0 / predivide_factor, predivide_factor / world_size
+
+
 @dataclasses.dataclass
 class Bucket:
     index: int
@@ -48,14 +62,12 @@ class BucketedAllReduce:
         communication_dtype: torch.dtype | None = None,
         predivide_factor: float = 1.0,
         prescale: bool = False,
+        average: bool = True,
     ) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.communication_dtype = communication_dtype if communication_dtype not in (None, dtype) else None
-        # DeepSpeed's convention: divide before the reduction (avoids fp16 overflow in the sum);
-        # with prescale_gradients, divide by the predivide factor before and the rest after.
-        self.pre_scale = 1.0 / predivide_factor if prescale else 1.0 / self.world_size
-        self.post_scale = predivide_factor / self.world_size if prescale else 1.0
+        self.pre_scale, self.post_scale = reduction_scales(self.world_size, predivide_factor, prescale, average)
         total = sum(p.numel() for p in params)
         device = params[0].device if params else torch.device("cpu")
         self.buffer = torch.zeros(total, dtype=dtype, device=device)

@@ -27,6 +27,7 @@ class ShardingOptions:
     communication_dtype: torch.dtype | None = None  # None: reduce in the gradient buffer's dtype
     gradient_predivide_factor: float = 1.0
     prescale_gradients: bool = False
+    average: bool = True  # False: gradient_allreduce_op "sum"
     group: dist.ProcessGroup | None = None
 
 

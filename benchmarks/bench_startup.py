@@ -1,0 +1,68 @@
+"""Start-up cost: ``import slipstream`` vs ``import torch``, and launch-to-first-loss vs plain DDP.
+
+    python benchmarks/bench_startup.py [--repeats 3]
+
+Time to first loss is the wall time from starting the launcher to rank 0 printing the loss of its
+first optimizer step: `slipstream run ... examples/train_gpt2.py` against
+`torchrun ... benchmarks/ddp_gpt2.py` (same model, data and optimizer), run alternately.
+Targets: import overhead <= 0.3 s; first-loss ratio <= 1.3x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def wall(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True)
+    return time.perf_counter() - start
+
+
+def time_to_first_loss(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step    1 |"):
+            elapsed = time.perf_counter() - start
+            proc.wait()
+            return elapsed
+    proc.wait()
+    raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode} before printing a loss")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    py = sys.executable
+    imports = {"torch": [], "slipstream": []}
+    for _ in range(5):
+        imports["torch"].append(wall([py, "-c", "import torch"]))
+        # resolving initialize pulls in the engine, config (pydantic) and comm layers
+        imports["slipstream"].append(wall([py, "-c", "import torch, slipstream; slipstream.initialize"]))
+    t_torch, t_ours = statistics.median(imports["torch"]), statistics.median(imports["slipstream"])
+    print(f"import torch: {t_torch:.2f} s | import torch + slipstream.initialize: {t_ours:.2f} s | overhead {t_ours - t_torch:+.2f} s (target <= 0.3 s)")
+
+    ours = [str(BIN / "slipstream"), "run", "--nproc_per_node", "2", "examples/train_gpt2.py", "--steps", "1", "--print-every", "1"]
+    ddp = [str(BIN / "torchrun"), "--nproc_per_node", "2", "benchmarks/ddp_gpt2.py", "--steps", "1", "--print-every", "1"]
+    first = {"slipstream": [], "ddp": []}
+    for _ in range(args.repeats):
+        first["ddp"].append(time_to_first_loss(ddp))
+        first["slipstream"].append(time_to_first_loss(ours))
+    a, b = statistics.median(first["slipstream"]), statistics.median(first["ddp"])
+    print(f"time to first loss, 2 ranks gpt2-small (median of {args.repeats}): slipstream run {a:.2f} s | torchrun DDP {b:.2f} s | ratio {a / b:.2f}x (target <= 1.3x)")
+    print("  runs:", {k: [round(v, 2) for v in vs] for k, vs in first.items()})
+
+
+if __name__ == "__main__":
+    main()
