@@ -56,6 +56,7 @@ def main() -> None:
                 tokens = args.print_every * 4 * world * SEQ
                 print(f"step {step:4d} | loss {float(loss) / world:.4f} | {tokens / (time.perf_counter() - start):8.0f} tokens/s", flush=True)
             start = time.perf_counter()
+    dist.barrier()  # without it gloo's teardown can hang when one rank leaves first
     dist.destroy_process_group()
 
 

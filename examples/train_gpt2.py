@@ -90,6 +90,7 @@ def main() -> None:
                 )
             window_start, window_steps = time.perf_counter(), 0
     engine.close()
+    dist.barrier()  # without it gloo's teardown can hang when one rank leaves first
     dist.destroy_process_group()
 
 
