@@ -8,6 +8,7 @@ the backend's bare "Timed out waiting 1800000ms for recv operation".
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,10 +25,17 @@ class CollectiveError(RuntimeError):
 class Work:
     """Handle of an asynchronous collective; :meth:`wait` blocks until the result is usable."""
 
-    def __init__(self, work: dist.Work | None, record: CommRecord, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        work: dist.Work | None,
+        record: CommRecord,
+        group: dist.ProcessGroup | None,
+        on_complete: Callable[[], None] | None = None,
+    ) -> None:
         self._work = work
         self._record = record
         self._group = group
+        self._on_complete = on_complete
         self._start = time.perf_counter()
         self.done = work is None
 
@@ -40,6 +48,8 @@ class Work:
             raise CollectiveError(self._describe(err)) from err
         self.done = True
         self._record.seconds = time.perf_counter() - self._start
+        if self._on_complete is not None:
+            self._on_complete()
 
     def _describe(self, err: BaseException) -> str:
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -54,14 +64,21 @@ class Work:
         )
 
 
-def _launch(op: str, tensor: torch.Tensor, tag: str, group: dist.ProcessGroup | None, call) -> Work:
+def _launch(
+    op: str,
+    tensor: torch.Tensor,
+    tag: str,
+    group: dist.ProcessGroup | None,
+    call: Callable[[], dist.Work],
+    on_complete: Callable[[], None] | None = None,
+) -> Work:
     record = comms_log.add(op, tensor.numel() * tensor.element_size(), tag)
     try:
         work = call()
     except Exception as err:
         handle = Work(None, record, group)
         raise CollectiveError(handle._describe(err)) from err
-    return Work(work, record, group)
+    return Work(work, record, group, on_complete)
 
 
 def all_reduce(
@@ -82,6 +99,42 @@ def all_gather_into_tensor(
     return _launch(
         "all_gather", output, tag, group, lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
     )
+
+
+_reduce_scatter_unsupported: set[str] = set()
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = ""
+) -> Work:
+    """Sum ``input`` over ranks and leave chunk ``rank`` of the result in ``output``.
+
+    Where the backend has no reduce-scatter, falls back to an all-reduce of ``input`` (which is
+    overwritten) followed by a copy, and records that as an all-reduce in the comms log.
+    """
+    backend = str(dist.get_backend(group))
+    if backend not in _reduce_scatter_unsupported:
+        try:
+            return _launch(
+                "reduce_scatter", input, tag, group,
+                lambda: dist.reduce_scatter_tensor(output, input, group=group, async_op=True),
+            )  # fmt: skip
+        except CollectiveError as err:
+            if not _is_unsupported(err):
+                raise
+            comms_log.records.pop()
+            _reduce_scatter_unsupported.add(backend)
+    rank = dist.get_rank(group)
+    chunk = input.view(dist.get_world_size(group), -1)[rank]
+    return _launch(
+        "all_reduce", input, tag + " (reduce-scatter fallback)", group,
+        lambda: dist.all_reduce(input, group=group, async_op=True), on_complete=lambda: output.copy_(chunk),
+    )  # fmt: skip
+
+
+def _is_unsupported(err: BaseException) -> bool:
+    text = str(err.__cause__ or err).lower()
+    return "not supported" in text or "unsupported" in text or "not implemented" in text
 
 
 def barrier(group: dist.ProcessGroup | None = None, tag: str = "") -> None:

@@ -6,12 +6,21 @@ import dataclasses
 from collections import Counter
 
 
+# Bytes each rank moves per byte of tensor, in the ZeRO paper's accounting: an all-reduce is a
+# reduce-scatter plus an all-gather.
+TRAFFIC_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}
+
+
 @dataclasses.dataclass
 class CommRecord:
     op: str
-    nbytes: int
+    nbytes: int  # the full (unsharded) tensor the collective is about
     tag: str
     seconds: float | None = None  # launch to completion, filled when the work is waited on
+
+    @property
+    def moved(self) -> int:
+        return self.nbytes * TRAFFIC_FACTOR.get(self.op, 1)
 
 
 class CommsLog:
@@ -43,6 +52,10 @@ class CommsLog:
         for r in self.records:
             totals[r.op] += r.nbytes
         return totals
+
+    def moved_bytes(self) -> int:
+        """Bytes moved per rank this step (all-reduce counts twice: reduce-scatter + all-gather)."""
+        return sum(r.moved for r in self.records)
 
     def summary(self) -> str:
         parts = []

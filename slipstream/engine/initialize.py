@@ -17,15 +17,16 @@ from slipstream.engine.engine import Engine
 from slipstream.engine.optimizers import build_optimizer, validate_optimizer_config
 from slipstream.engine.precision import DTYPES, build_loss_scaler
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
+from slipstream.engine.zero.partitioned import PartitionedStrategy
 from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger, log_rank0
 
 logger = get_logger(__name__)
 
-# Stage 0's default bucket when reduce_bucket_size is not set: DeepSpeed's 5e8 elements would put
-# a whole model in one bucket and leave nothing to overlap with backward (DDP uses 25 MB).
-STAGE0_DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4
-AVAILABLE_STAGES = (0,)
+# The default bucket when reduce_bucket_size is not set: DeepSpeed's 5e8 elements would put a whole
+# model in one bucket and leave nothing to overlap with backward (DDP uses 25 MB).
+DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4
+AVAILABLE_STAGES = (0, 1, 2)
 
 
 def initialize(
@@ -95,7 +96,10 @@ def _check_supported(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -
     for name in ("offload_optimizer", "offload_param"):
         section = getattr(zero, name)
         if section is not None and section.device != "none":
-            raise ConfigError(f"zero_optimization.{name}.device: offload needs ZeRO stage 1 or higher; got stage {zero.stage}")
+            raise ConfigError(
+                f"zero_optimization.{name}.device: offload is not available in this version of slipstream yet; "
+                "remove it or set \"device\": \"none\""
+            )
     if optimizer is None and cfg.optimizer is None:
         raise ConfigError("optimizer: not set; add an \"optimizer\" section to the config or pass optimizer= to initialize()")
     if optimizer is not None and cfg.optimizer is not None:
@@ -117,7 +121,7 @@ def _build_strategy(
     model: torch.nn.Module, cfg: SlipstreamConfig, groups: list[ParamGroupSpec], optimizer: Any
 ) -> ShardingStrategy:
     zero = cfg.zero_optimization
-    bucket = zero.reduce_bucket_size if "reduce_bucket_size" in zero.model_fields_set else STAGE0_DEFAULT_BUCKET_NUMEL
+    bucket = zero.reduce_bucket_size if "reduce_bucket_size" in zero.model_fields_set else DEFAULT_BUCKET_NUMEL
     options = ShardingOptions(
         reduce_bucket_numel=bucket,
         overlap_comm=zero.overlap,
@@ -126,7 +130,9 @@ def _build_strategy(
         prescale_gradients=cfg.prescale_gradients,
         average=cfg.gradient_allreduce_op == "mean",
     )
-    return DataParallelStrategy(model, groups, options, optimizer)
+    if zero.stage == 0:
+        return DataParallelStrategy(model, groups, options, optimizer)
+    return PartitionedStrategy(model, groups, options, optimizer, stage=zero.stage)
 
 
 def _build_scheduler(cfg: SlipstreamConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:

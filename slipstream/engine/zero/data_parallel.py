@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
+from slipstream.engine.zero.params import broadcast_module_state, check_groups
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -36,7 +37,7 @@ class DataParallelStrategy(ShardingStrategy):
         self.names = {id(p): n for n, p in named}
         self.trainable = [p for _, p in named if p.requires_grad]
         self.index = {id(p): i for i, p in enumerate(self.trainable)}
-        _check_groups(groups, self.index, self.names)
+        check_groups(groups, self.index, self.names)
         self.low_precision = any(p.dtype != torch.float32 for p in self.trainable)
         self.reducer = BucketedAllReduce(
             self.trainable,
@@ -121,42 +122,6 @@ class DataParallelStrategy(ShardingStrategy):
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
-
-
-def broadcast_module_state(module: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype)."""
-    if dist.get_world_size(group) == 1:
-        return
-    tensors = [t for t in (*module.parameters(), *module.buffers())]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for dtype, group_tensors in by_dtype.items():
-            flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-            comm.broadcast(flat, src=src, group=group, tag=f"initial {dtype} weights").wait()
-            torch._foreach_copy_(group_tensors, [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in group_tensors]), group_tensors)])
-
-
-def _check_groups(groups: list[ParamGroupSpec], index: dict[int, int], names: dict[int, str]) -> None:
-    seen: set[int] = set()
-    for group in groups:
-        for p in group.params:
-            if id(p) not in names:
-                raise ValueError("optimizer/model_parameters: holds a tensor that is not a parameter of the model")
-            if id(p) in seen:
-                raise ValueError(f"optimizer/model_parameters: parameter {names[id(p)]!r} appears in two groups")
-            seen.add(id(p))
-    frozen = [names[i] for i in seen if i not in index]
-    if frozen:
-        logger.debug("frozen parameters in optimizer groups are skipped: %s", ", ".join(frozen[:5]))
-    missing = [names[i] for i in index if i not in seen]
-    if missing:
-        logger.warning(
-            "%d trainable parameter(s) are in no optimizer group and will not be updated (e.g. %s)",
-            len(missing), ", ".join(missing[:3]),
-        )  # fmt: skip
 
 
 def _bind_optimizer(

@@ -1,10 +1,6 @@
 """A contiguous gradient buffer cut into buckets that all-reduce while backward runs.
 
-[Note: buckets launch in index order] gloo and nccl match collectives by issue order, so every
-rank must launch the same buckets in the same order even when gradients arrive in a different
-order (data-dependent control flow, unused parameters). A bucket whose gradients are complete
-waits until every lower-indexed bucket has launched; anything still pending is launched, in order,
-by :meth:`BucketedAllReduce.finish`.
+Buckets launch in index order on every rank (see ``ordered_launch``).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.engine.zero.ordered_launch import OrderedLauncher
 
 
 def reduction_scales(world_size: int, predivide_factor: float, prescale: bool, average: bool) -> tuple[float, float]:
@@ -37,13 +34,8 @@ class Bucket:
     start: int
     end: int
     members: list[int]  # parameter indices
-    pending: int = 0
     work: comm.Work | None = None
     staging: torch.Tensor | None = None  # low-precision copy when communicating in another dtype
-
-    @property
-    def launched(self) -> bool:
-        return self.work is not None
 
 
 class BucketedAllReduce:
@@ -73,7 +65,6 @@ class BucketedAllReduce:
         self.buffer = torch.zeros(total, dtype=dtype, device=device)
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(params)
         self.buckets: list[Bucket] = []
-        self.bucket_of: list[int] = [0] * len(params)
         offset = 0
         current: Bucket | None = None
         for i in reversed(range(len(params))):
@@ -84,43 +75,21 @@ class BucketedAllReduce:
             self.views[i] = self.buffer[offset : offset + n].view_as(params[i])
             current.members.append(i)
             current.end = offset + n
-            self.bucket_of[i] = current.index
             offset += n
-        self.ready = [False] * len(params)
-        self._next_to_launch = 0
-        self.reset()
+        self.launcher = OrderedLauncher([b.members for b in self.buckets], self._launch)
 
     def reset(self) -> None:
         """Start a new reduction window (does not zero the buffer)."""
         for bucket in self.buckets:
-            bucket.pending = len(bucket.members)
             bucket.work = None
             bucket.staging = None
-        self.ready = [False] * len(self.ready)
-        self._next_to_launch = 0
+        self.launcher.reset()
 
     def mark_ready(self, index: int, launch: bool) -> None:
-        """Gradient ``index`` is final for this window; launch every bucket that can go."""
-        if self.ready[index]:
-            raise RuntimeError(
-                f"gradient of parameter #{index} was produced twice in one backward pass; a parameter reached "
-                "twice through reentrant backward (e.g. reentrant activation checkpointing) cannot be bucketed"
-            )
-        self.ready[index] = True
-        bucket = self.buckets[self.bucket_of[index]]
-        bucket.pending -= 1
-        if launch:
-            self._launch_in_order()
+        self.launcher.mark_ready(index, launch)
 
-    def _launch_in_order(self, force: bool = False) -> None:
-        while self._next_to_launch < len(self.buckets):
-            bucket = self.buckets[self._next_to_launch]
-            if bucket.pending and not force:
-                return
-            self._launch(bucket)
-            self._next_to_launch += 1
-
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
         flat = self.buffer[bucket.start : bucket.end]
         if self.pre_scale != 1.0:
             flat.mul_(self.pre_scale)
@@ -131,7 +100,7 @@ class BucketedAllReduce:
 
     def finish(self) -> None:
         """Launch what is left (in order) and wait for everything; the buffer then holds the mean."""
-        self._launch_in_order(force=True)
+        self.launcher.flush()
         for bucket in self.buckets:
             bucket.work.wait()
             flat = self.buffer[bucket.start : bucket.end]

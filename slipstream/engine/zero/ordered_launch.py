@@ -1,0 +1,46 @@
+"""Launch bucket collectives in a fixed order, whatever order their gradients arrive in.
+
+[Note: buckets launch in index order] gloo and nccl match collectives by issue order, so every
+rank must launch the same buckets in the same order even when gradients arrive differently
+(data-dependent control flow, parameters unused on some ranks). A complete bucket waits until every
+lower-indexed bucket has launched; :meth:`flush` launches whatever is left, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class OrderedLauncher:
+    def __init__(self, members: list[list[int]], launch: Callable[[int], None]) -> None:
+        self.members = members
+        self.bucket_of = {i: b for b, ms in enumerate(members) for i in ms}
+        self.launch = launch
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending = [len(ms) for ms in self.members]
+        self.ready: set[int] = set()
+        self.next = 0
+
+    def mark_ready(self, index: int, launch: bool = True) -> None:
+        """Gradient ``index`` is final for this window; launch every bucket that can go."""
+        if index in self.ready:
+            raise RuntimeError(
+                f"gradient of parameter #{index} was produced twice in one backward pass; a parameter reached "
+                "twice through reentrant backward (e.g. reentrant activation checkpointing) cannot be bucketed"
+            )
+        self.ready.add(index)
+        self.pending[self.bucket_of[index]] -= 1
+        if launch:
+            self._advance(force=False)
+
+    def flush(self) -> None:
+        self._advance(force=True)
+
+    def _advance(self, force: bool) -> None:
+        while self.next < len(self.members):
+            if self.pending[self.next] and not force:
+                return
+            bucket, self.next = self.next, self.next + 1
+            self.launch(bucket)

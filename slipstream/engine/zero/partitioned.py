@@ -1,0 +1,301 @@
+"""ZeRO stages 1 and 2: optimizer state (1) and gradients too (2) partitioned across ranks.
+
+Parameters (in the model's dtype) become views into one flat buffer laid out by
+:class:`FlatLayout`. Each rank keeps fp32 master weights and optimizer state only for its chunks.
+
+* Stage 1 keeps full-size gradients (``param.grad`` are views into a flat buffer, accumulated in
+  place); at the boundary each bucket is reduce-scattered and a rank keeps only its chunk.
+* Stage 2 keeps no full-size gradient buffer: when a bucket's gradients are complete they are
+  packed, reduce-scattered into the rank's gradient shard and the full gradients freed at once.
+  With gradient accumulation the full gradients accumulate locally between boundaries (one
+  collective per optimizer step instead of one per micro-step).
+
+After the step the updated chunks return to every rank with one all-gather per bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.engine.zero.grad_buckets import reduction_scales
+from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
+from slipstream.engine.zero.ordered_launch import OrderedLauncher
+from slipstream.engine.zero.params import broadcast_module_state, check_groups
+from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
+from slipstream.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    work: comm.Work
+    send: torch.Tensor  # keeps the input alive until the collective completes
+    receive: torch.Tensor  # where the reduced chunk lands
+
+
+class PartitionedStrategy(ShardingStrategy):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups: list[ParamGroupSpec],
+        options: ShardingOptions,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        stage: int,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"PartitionedStrategy implements ZeRO stages 1 and 2, got {stage}")
+        self.stage, self.options, self.group, self.module = stage, options, options.group, module
+        broadcast_module_state(module, self.group)
+        named = list(module.named_parameters())
+        self.names = {id(p): n for n, p in named}
+        self.trainable = [p for _, p in named if p.requires_grad]
+        self.index = {id(p): i for i, p in enumerate(self.trainable)}
+        check_groups(groups, self.index, self.names)
+        dtypes = {p.dtype for p in self.trainable}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"ZeRO stage {stage}: trainable parameters have mixed dtypes {sorted(map(str, dtypes))}; they share one "
+                "flat buffer, so cast the model to one dtype (the bf16/fp16 config options do this)"
+            )
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.low_precision = self.dtype != torch.float32
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        group_members = [[self.index[id(p)] for p in g.params if id(p) in self.index] for g in groups]
+        self.layout = FlatLayout(
+            [p.numel() for p in self.trainable], group_members, options.reduce_bucket_numel, self.world, self.rank
+        )
+        self.in_layout = {i for members in group_members for i in members}
+        device = self.trainable[0].device if self.trainable else torch.device("cpu")
+        self.flat_params = self._adopt_parameters(device)
+        self.master_shard = self._make_master_shard(device)
+        self.master_pieces = [self._master_piece(piece) for piece in self.layout.pieces]
+        self.optimizer = self._bind_optimizer(optimizer, groups)
+        if stage == 1:
+            self.flat_grads = torch.zeros(self.layout.numel, dtype=self.dtype, device=device)
+            self.grad_views = [self.layout.param_view(self.flat_grads, i, p.shape) if i in self.in_layout else None
+                               for i, p in enumerate(self.trainable)]  # fmt: skip
+        else:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        self.communication_dtype = options.communication_dtype if options.communication_dtype not in (None, self.dtype) else None
+        self.pre_scale, self.post_scale = reduction_scales(
+            self.world, options.gradient_predivide_factor, options.prescale_gradients, options.average
+        )
+        self.launcher = OrderedLauncher([b.members for b in self.layout.buckets], self._launch)
+        self.inflight: dict[int, _InFlight] = {}
+        self.used = torch.zeros(len(self.trainable), dtype=torch.float32)
+        self.grad32: torch.Tensor | None = None
+        self.sync = False
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
+        logger.debug(
+            "ZeRO stage %d: %d buckets, %d of %d elements owned by this rank",
+            stage, len(self.layout.buckets), self.layout.shard_numel, self.layout.numel,
+        )  # fmt: skip
+        self.zero_grad()
+
+    # ------------------------------------------------------------------ set-up
+    def _adopt_parameters(self, device: torch.device) -> torch.Tensor:
+        """Move every trainable parameter into the flat buffer (before any autograd graph exists)."""
+        flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=device)
+        with torch.no_grad():
+            for i in sorted(self.in_layout):
+                p = self.trainable[i]
+                view = self.layout.param_view(flat, i, p.shape)
+                view.copy_(p.detach())
+                p.data = view
+        return flat
+
+    def _make_master_shard(self, device: torch.device) -> torch.Tensor | None:
+        if not self.low_precision:
+            return None  # fp32: this rank's chunks of the parameters are the masters
+        shard = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=device)
+        for bucket in self.layout.buckets:
+            self.layout.shard_chunk(shard, bucket).copy_(self.layout.own_chunk(self.flat_params, bucket))
+        return shard
+
+    def _master_piece(self, piece: Any) -> torch.Tensor:
+        if self.master_shard is not None:
+            return self.master_shard[piece.shard_offset : piece.shard_offset + piece.numel]
+        slot = self.layout.slots[piece.index]
+        start = slot.start + piece.param_offset
+        return self.flat_params[start : start + piece.numel]
+
+    def _bind_optimizer(
+        self, optimizer: torch.optim.Optimizer | OptimizerFactory, groups: list[ParamGroupSpec]
+    ) -> torch.optim.Optimizer:
+        pieces_of: dict[int, list[torch.Tensor]] = {}
+        for piece, master in zip(self.layout.pieces, self.master_pieces):
+            pieces_of.setdefault(piece.index, []).append(master)
+
+        def owned(params: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [m for p in params if id(p) in self.index for m in pieces_of.get(self.index[id(p)], [])]
+
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if optimizer.state:
+                raise ValueError(
+                    "optimizer: already has state; pass a fresh optimizer (or a callable params -> optimizer) so "
+                    "slipstream can point it at this rank's partition of the fp32 weights"
+                )
+            for g in optimizer.param_groups:
+                g["params"] = owned(g["params"])
+            return optimizer
+        return optimizer([{**g.options, "params": owned(g.params)} for g in groups])
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self, sync: bool) -> None:
+        self.sync = sync
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        i = self.index[id(param)]
+        if i not in self.in_layout:
+            return
+        if self.stage == 1:
+            view = self.grad_views[i]
+            if param.grad is not view:
+                if param.grad.data_ptr() != view.data_ptr():
+                    view.copy_(param.grad)  # the user replaced .grad (e.g. zero_grad(set_to_none=True))
+                param.grad = view
+        self.used[i] = 1.0
+        if self.sync:
+            self.launcher.mark_ready(i, launch=self.options.overlap_comm)
+
+    def _launch(self, index: int) -> None:
+        bucket = self.layout.buckets[index]
+        if self.stage == 1:
+            send = self.layout.bucket_view(self.flat_grads, bucket)
+        else:  # pack the bucket's full gradients and free them
+            send = torch.zeros(bucket.numel, dtype=self.dtype, device=self.flat_params.device)
+            for i in bucket.members:
+                p = self.trainable[i]
+                if p.grad is not None:
+                    slot = self.layout.slots[i]
+                    send[slot.start - bucket.start : slot.start - bucket.start + slot.numel].copy_(p.grad.view(-1))
+                    p.grad = None
+        if self.pre_scale != 1.0:
+            send.mul_(self.pre_scale)
+        if self.communication_dtype is not None:
+            send = send.to(self.communication_dtype)
+        receive = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
+        work = comm.reduce_scatter_tensor(receive, send, group=self.group, tag=f"gradient bucket {index}")
+        self.inflight[index] = _InFlight(work, send, receive)
+
+    def _grad_chunk(self, bucket: LayoutBucket) -> torch.Tensor:
+        """Where this rank's reduced gradient chunk of ``bucket`` is kept."""
+        if self.stage == 1:
+            return self.layout.own_chunk(self.flat_grads, bucket)
+        return self.layout.shard_chunk(self.grad_shard, bucket)
+
+    def finish_gradients(self) -> None:
+        self.launcher.flush()
+        for index, bucket in enumerate(self.layout.buckets):
+            flight = self.inflight.pop(index)
+            flight.work.wait()
+            if self.post_scale != 1.0:
+                flight.receive.mul_(self.post_scale)
+            self._grad_chunk(bucket).copy_(flight.receive)
+        comm.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group, tag="used-parameter flags").wait()
+        if self.low_precision:
+            self.grad32 = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.flat_params.device)
+            for bucket in self.layout.buckets:
+                self.layout.shard_chunk(self.grad32, bucket).copy_(self._grad_chunk(bucket))
+        for piece, master in zip(self.layout.pieces, self.master_pieces):
+            master.grad = self._piece_grad(piece) if self.used[piece.index] else None
+        self.sync = False
+
+    def _piece_grad(self, piece: Any) -> torch.Tensor:
+        if self.grad32 is not None:
+            return self.grad32[piece.shard_offset : piece.shard_offset + piece.numel]
+        if self.stage == 2:
+            return self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel]
+        start = self.layout.slots[piece.index].start + piece.param_offset
+        return self.flat_grads[start : start + piece.numel]
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        if self.grad32 is not None:
+            return [self.grad32]
+        return [self._grad_chunk(b) for b in self.layout.buckets]
+
+    # ------------------------------------------------------------------ step
+    def global_grad_norm(self) -> torch.Tensor:
+        local = sum((torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in self._owned_grads()), torch.zeros(()))
+        squared = local.reshape(1).to(torch.float32)
+        comm.all_reduce(squared, group=self.group, tag="gradient norm").wait()
+        return squared.sqrt()[0]
+
+    def scale_gradients(self, factor: float) -> None:
+        if factor != 1.0:
+            for g in self._owned_grads():
+                g.mul_(factor)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        with torch.no_grad():
+            if self.master_shard is not None:
+                for bucket in self.layout.buckets:
+                    self.layout.own_chunk(self.flat_params, bucket).copy_(self.layout.shard_chunk(self.master_shard, bucket))
+            self._all_gather(self.flat_params, "updated weights")
+
+    def _all_gather(self, flat: torch.Tensor, what: str) -> None:
+        works = []
+        for bucket in self.layout.buckets:
+            mine = self.layout.own_chunk(flat, bucket).clone()  # gather must not read what it overwrites
+            works.append(
+                comm.all_gather_into_tensor(self.layout.bucket_view(flat, bucket), mine, group=self.group, tag=f"{what}, bucket {bucket.index}")
+            )  # fmt: skip
+        for work in works:
+            work.wait()
+
+    def zero_grad(self) -> None:
+        if self.stage == 1:
+            self.flat_grads.zero_()
+            for p, view in zip(self.trainable, self.grad_views):
+                p.grad = view
+        else:
+            self.grad_shard.zero_()
+            for p in self.trainable:
+                p.grad = None
+        for master in self.master_pieces:
+            master.grad = None
+        self.grad32 = None
+        self.launcher.reset()
+        self.used.zero_()
+
+    # ------------------------------------------------------------------ state
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.master_shard is not None:
+            full = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.flat_params.device)
+            for bucket in self.layout.buckets:
+                self.layout.own_chunk(full, bucket).copy_(self.layout.shard_chunk(self.master_shard, bucket))
+            self._all_gather(full, "fp32 master weights")
+        else:
+            full = self.flat_params
+        if self.rank != 0:
+            return None
+        state = {}
+        for name, p in self.module.named_parameters():
+            i = self.index.get(id(p))
+            value = self.layout.param_view(full, i, p.shape) if i in self.in_layout else p
+            state[name] = value.detach().float().clone()
+        return state
+
+    def memory_breakdown(self) -> dict[str, int]:
+        grads = self.flat_grads if self.stage == 1 else self.grad_shard
+        optimizer_state = sum(
+            t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+        )
+        masters = 0 if self.master_shard is None else self.master_shard.numel() * 4
+        return {
+            "params": self.flat_params.numel() * self.flat_params.element_size(),
+            "grads": grads.numel() * grads.element_size(),
+            "optimizer": optimizer_state + masters,
+        }
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
