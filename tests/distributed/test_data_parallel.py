@@ -98,9 +98,10 @@ def test_mixed_precision_trains_like_reference(precision: str) -> None:
     assert results[0]["skipped"] == 0, "fp16 at the initial 2^16 scale must not overflow on this tiny model"
 
 
-def _overflow_body(hysteresis: int) -> dict:
+def _overflow_body(hysteresis: int, stage: int = 0) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     config = _config(world, 1, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": hysteresis})
+    config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": 20_000}
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
     engine = slipstream.initialize(tiny_gpt2(seed=0), config)
     poison = {"step": 2}
@@ -162,10 +163,10 @@ class _Branchy(torch.nn.Module):
         return self.head(h).pow(2).mean()
 
 
-def _unused_body() -> None:
+def _unused_body(stage: int = 0) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     config = _config(world, 1, mb=4)
-    config["zero_optimization"] = {"reduce_bucket_size": 80}  # several buckets, one stalled by the branch
+    config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": 80}  # several buckets, one stalled by the branch
     engine = slipstream.initialize(_Branchy(), config)
     reference = _Branchy()
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01, fused=True)

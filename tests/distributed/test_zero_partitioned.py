@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import slipstream
 from slipstream.comm import collectives, comms_log
-from tests.distributed.test_data_parallel import _Branchy
+from tests.distributed.test_data_parallel import _overflow_body, _unused_body
 from tests.harness import run_distributed
 from tests.reference import (
     assert_close_trajectory,
@@ -56,9 +56,10 @@ def _parity_body(stage: int, gas: int, bucket: int | None, precision: str = "fp3
                 assert abs(a - b) <= 1e-4 * b, (a, b)
         else:
             # Stages 1/2 keep and reduce gradients in bf16 (as DeepSpeed does; the memory formulas
-            # assume it): each reduction rounds to 8 significand bits. Observed: losses within
-            # ~3e-4 relative of the bf16 reference, weights within ~0.5% in relative L2 norm.
-            assert_close_trajectory(ours, ref, loss_rtol=3e-3, param_rel_norm=3e-2)
+            # assume it), so each reduction rounds to 8 significand bits on top of the reasons given
+            # in test_data_parallel. Observed: losses within 7e-5 relative of the bf16 reference over
+            # 20 steps; the bounds are the stage-0 ones (~14x margin).
+            assert_close_trajectory(ours, ref, loss_rtol=1e-3, param_rel_norm=2e-2)
         assert ours.losses[-1] < ours.losses[0] - 0.3
         result["max_rel"] = max(abs(a - b) / b for a, b in zip(ours.losses, ref.losses))
     return result
@@ -80,3 +81,208 @@ def test_partitioned_default_bucket_matches(stage: int) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_partitioned_bf16_matches_reference(stage: int) -> None:
     run_distributed(2, _parity_body, stage, 2, SMALL_BUCKET, "bf16")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_frozen_and_unused_parameters(stage: int) -> None:
+    # Pieces are per parameter, so a parameter no rank used keeps grad None and Adam skips it,
+    # exactly as in plain PyTorch (DeepSpeed would step it with a zero gradient).
+    run_distributed(2, _unused_body, stage)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_overflow_on_one_rank_skips_everywhere(stage: int) -> None:
+    results = run_distributed(2, _overflow_body, 1, stage)
+    assert results[0] == results[1]
+    step, changed, scale_before, scale_after, *_ = results[0]["record"][2]
+    assert not changed and scale_after == scale_before / 2
+    assert all(r[1] for i, r in enumerate(results[0]["record"]) if i != 2)
+
+
+def _param_groups_body(stage: int) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, reference = tiny_gpt2(seed=0), tiny_gpt2(seed=0)
+
+    def groups(m: torch.nn.Module) -> list[dict]:
+        decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in m.named_parameters() if p.dim() < 2]
+        return [{"params": decay, "weight_decay": 0.1, "lr": 2e-3}, {"params": no_decay, "weight_decay": 0.0}]
+
+    config = _config(world, 1, stage, bucket=5_000)
+    config["optimizer"]["params"]["lr"] = 1e-3
+    engine = slipstream.initialize(model, config, model_parameters=groups(model))
+    ref_opt = torch.optim.AdamW(
+        [{**g, "params": g["params"]} for g in groups(reference)], lr=1e-3, fused=True
+    )
+    batches = global_batches(5, config["train_batch_size"])
+    for tokens in batches:
+        engine.backward(gpt2_loss(engine, micro_batch(tokens, 0, rank, world, 2)))
+        engine.step()
+        gpt2_loss(reference, tokens).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    state = engine.consolidated_state_dict()
+    assert engine.get_lr() == [2e-3, 1e-3]
+    engine.close()
+    if rank == 0:
+        assert list(state) == [n for n, _ in reference.named_parameters()]
+        for name, value in reference.named_parameters():
+            torch.testing.assert_close(state[name], value.detach(), atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_param_groups_keep_their_options(stage: int) -> None:
+    run_distributed(2, _param_groups_body, stage)
+
+
+def _comms_body(stage: int) -> dict:
+    world = dist.get_world_size()
+    model = tiny_gpt2(seed=0)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine = slipstream.initialize(model, _config(world, 1, stage))
+    tokens = global_batches(1, engine.train_batch_size())[0]
+    comms_log.next_step()
+    engine.backward(gpt2_loss(engine, micro_batch(tokens, 0, dist.get_rank(), world, 2)))
+    engine.step()
+    records = list(comms_log.history[-1])
+    engine.close()
+    layout = getattr(engine.strategy, "layout", None)
+    return {"numel": numel, "buckets": len(layout.buckets) if layout else None, "padded": layout.numel if layout else None,
+            "records": [(r.op, r.nbytes, r.moved, r.tag) for r in records]}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_each_rank_moves_about_two_psi_per_step(stage: int) -> None:
+    result = run_distributed(2, _comms_body_with_history, stage)[0]
+    records = result["records"]
+    grads = [r for r in records if "gradient bucket" in r[3]]
+    moved = sum(r[2] for r in records)
+    psi_bytes = 4 * result["numel"]
+    # ZeRO analysis: 2Ψ per step for stages 0-2 (all-reduce = reduce-scatter + all-gather); the rest
+    # is padding to chunk boundaries and three scalars/flags.
+    assert 2 * psi_bytes <= moved <= 2 * psi_bytes * 1.02, (moved / psi_bytes)
+    if stage == 0:
+        assert {r[0] for r in grads} == {"all_reduce"}
+    else:
+        gathers = [r for r in records if r[0] == "all_gather"]
+        assert [r[0] for r in grads] == ["reduce_scatter"] * result["buckets"]
+        assert len(gathers) == result["buckets"]
+        assert sum(r[1] for r in grads) == sum(r[1] for r in gathers) == 4 * result["padded"]
+
+
+def _comms_body_with_history(stage: int) -> dict:
+    comms_log.keep_history = 1
+    try:
+        return _comms_body(stage)
+    finally:
+        comms_log.keep_history = 0
+        comms_log.history.clear()
+
+
+def _overlap_body(stage: int) -> list[int]:
+    world = dist.get_world_size()
+    engine = slipstream.initialize(tiny_gpt2(seed=0), _config(world, 1, stage, bucket=5_000))
+    seen = []
+    # The token embedding's gradient is the last one backward produces (it is also the tied LM
+    # head, whose contribution comes first); when it arrives, earlier buckets must already be on the wire.
+    wte = engine.module.transformer.wte.weight
+    wte.register_hook(lambda grad: seen.append(comms_log.counts()["reduce_scatter"]))
+    tokens = global_batches(1, engine.train_batch_size())[0]
+    comms_log.next_step()
+    engine.backward(gpt2_loss(engine, micro_batch(tokens, 0, dist.get_rank(), world, 2)))
+    seen.append(comms_log.counts()["reduce_scatter"])
+    engine.step()
+    engine.close()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reduce_scatter_starts_before_backward_ends(stage: int) -> None:
+    before_last_grad, after_backward = run_distributed(2, _overlap_body, stage)[0]
+    assert before_last_grad >= 1, "no bucket was reduced while backward was still running"
+    assert after_backward > before_last_grad
+
+
+def _memory_body(stage: int, precision: str) -> dict:
+    world = dist.get_world_size()
+    model = tiny_gpt2(seed=0, n_layer=2, n_embd=128)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    extra = {precision: {"enabled": True}} if precision != "fp32" else {}
+    engine = slipstream.initialize(model, _config(world, 1, stage, bucket=None, **extra))
+    tokens = global_batches(1, engine.train_batch_size())[0]
+    engine.backward(gpt2_loss(engine, micro_batch(tokens, 0, dist.get_rank(), world, 2)))
+    engine.step()  # optimizer state exists after the first step
+    held = engine.strategy.memory_breakdown()
+    engine.close()
+    return {"psi": psi, **held}
+
+
+# Bytes per parameter (ZeRO paper, Adam): mixed precision = 2 (bf16 weights) + 2 (bf16 grads) +
+# 12 (fp32 master, m, v); fp32 = 4 + 4 + 8 (the weights are their own masters).
+FORMULAS = {
+    (1, "bf16"): lambda psi, n: 4 * psi + 12 * psi / n,
+    (2, "bf16"): lambda psi, n: 2 * psi + 14 * psi / n,
+    (1, "fp32"): lambda psi, n: 8 * psi + 8 * psi / n,
+    (2, "fp32"): lambda psi, n: 4 * psi + 12 * psi / n,
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("stage", "precision"), list(FORMULAS))
+def test_memory_per_rank_follows_zero_formulas(world: int, stage: int, precision: str) -> None:
+    for rank, held in enumerate(run_distributed(world, _memory_body, stage, precision)):
+        expected = FORMULAS[(stage, precision)](held["psi"], world)
+        total = held["params"] + held["grads"] + held["optimizer"]
+        assert abs(total - expected) <= 0.05 * expected, f"rank {rank}: {total} bytes vs formula {expected:.0f} ({held})"
+
+
+def _fallback_body() -> list[str]:
+    collectives._reduce_scatter_unsupported.add("gloo")
+    try:
+        result = _parity_body(2, 1, SMALL_BUCKET)
+        comms_log.next_step()
+        return result["losses"]
+    finally:
+        collectives._reduce_scatter_unsupported.discard("gloo")
+
+
+def test_reduce_scatter_fallback_trains_the_same() -> None:
+    fallback = run_distributed(2, _fallback_body)
+    direct = run_distributed(2, _parity_body, 2, 1, SMALL_BUCKET)
+    assert fallback[0] == pytest.approx(direct[0]["losses"], rel=1e-6)
+
+
+def _mixed_dtype_body() -> str:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.float64))
+    with pytest.raises(ValueError, match="mixed dtypes"):
+        slipstream.initialize(model, _config(dist.get_world_size(), 1, 2))
+    return "ok"
+
+
+def test_mixed_dtypes_are_refused_with_the_fix() -> None:
+    assert run_distributed(2, _mixed_dtype_body) == ["ok", "ok"]
+
+
+def _user_optimizer_body(stage: int) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, reference = tiny_gpt2(seed=0), tiny_gpt2(seed=0)
+    config = {"train_batch_size": 2 * world, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 7_000}}
+    engine = slipstream.initialize(model, config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for tokens in global_batches(4, 2 * world):
+        engine.backward(gpt2_loss(engine, micro_batch(tokens, 0, rank, world, 2)))
+        engine.step()
+        gpt2_loss(reference, tokens).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    state = engine.consolidated_state_dict()
+    engine.close()
+    if rank == 0:
+        for name, value in reference.named_parameters():
+            torch.testing.assert_close(state[name], value.detach(), atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_user_optimizer_instance_is_partitioned(stage: int) -> None:
+    run_distributed(2, _user_optimizer_body, stage)
