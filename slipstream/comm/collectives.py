@@ -92,13 +92,16 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     return _launch("broadcast", tensor, tag, group, lambda: dist.broadcast(tensor, src=src, group=group, async_op=True))
 
 
+# torch 2.13 renamed the flat collectives (*_single); older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_into_tensor(
     output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = ""
 ) -> Work:
     """Gather equal-sized shards from every rank into one flat ``output`` (rank order)."""
-    return _launch(
-        "all_gather", output, tag, group, lambda: dist.all_gather_into_tensor(output, shard, group=group, async_op=True)
-    )
+    return _launch("all_gather", output, tag, group, lambda: _all_gather_flat(output, shard, group=group, async_op=True))
 
 
 _reduce_scatter_unsupported: set[str] = set()
@@ -117,7 +120,7 @@ def reduce_scatter_tensor(
         try:
             return _launch(
                 "reduce_scatter", input, tag, group,
-                lambda: dist.reduce_scatter_tensor(output, input, group=group, async_op=True),
+                lambda: _reduce_scatter_flat(output, input, group=group, async_op=True),
             )  # fmt: skip
         except CollectiveError as err:
             if not _is_unsupported(err):

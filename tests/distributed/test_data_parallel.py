@@ -163,19 +163,25 @@ class _Branchy(torch.nn.Module):
         return self.head(h).pow(2).mean()
 
 
-def _unused_body(stage: int = 0) -> None:
+def _unused_body(stage: int = 0, gas: int = 1) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
-    config = _config(world, 1, mb=4)
+    config = _config(world, gas, mb=4)
     config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": 80}  # several buckets, one stalled by the branch
     engine = slipstream.initialize(_Branchy(), config)
     reference = _Branchy()
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01, fused=True)
     gen = torch.Generator().manual_seed(7)
+
+    def branch(r: int, step: int, micro: int) -> bool:
+        # Used by rank 0 only, every other step, and only in the first micro-step of the window.
+        return r == 0 and step % 2 == 0 and micro == 0
+
     for step in range(6):
-        x = torch.randn(4 * world, 8, generator=gen)
-        engine.backward(engine(x[rank * 4 : (rank + 1) * 4], use_branch=(rank == 0 and step % 2 == 0)))
-        engine.step()
-        ref_loss = sum(reference(x[r * 4 : (r + 1) * 4], use_branch=(r == 0 and step % 2 == 0)) for r in range(world)) / world
+        x = torch.randn(gas, world, 4, 8, generator=gen)
+        for micro in range(gas):
+            engine.backward(engine(x[micro, rank], use_branch=branch(rank, step, micro)))
+            engine.step()
+        ref_loss = sum(reference(x[m, r], use_branch=branch(r, step, m)) for m in range(gas) for r in range(world)) / (gas * world)
         ref_loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 1.0)
         ref_opt.step()
@@ -189,9 +195,9 @@ def _unused_body(stage: int = 0) -> None:
         assert engine.module.frozen.weight.grad is None
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_frozen_and_unused_parameters(world: int) -> None:
-    run_distributed(world, _unused_body)
+@pytest.mark.parametrize(("world", "gas"), [(2, 1), (4, 1), (2, 2)])
+def test_frozen_and_unused_parameters(world: int, gas: int) -> None:
+    run_distributed(world, _unused_body, 0, gas)
 
 
 def _comms_body() -> dict:

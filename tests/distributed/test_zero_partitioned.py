@@ -84,10 +84,12 @@ def test_partitioned_bf16_matches_reference(stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_frozen_and_unused_parameters(stage: int) -> None:
+@pytest.mark.parametrize("gas", [1, 2])
+def test_frozen_and_unused_parameters(stage: int, gas: int) -> None:
     # Pieces are per parameter, so a parameter no rank used keeps grad None and Adam skips it,
-    # exactly as in plain PyTorch (DeepSpeed would step it with a zero gradient).
-    run_distributed(2, _unused_body, stage)
+    # exactly as in plain PyTorch (DeepSpeed would step it with a zero gradient). With
+    # accumulation, a gradient from an earlier micro-step must survive a last micro-step without it.
+    run_distributed(2, _unused_body, stage, gas)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

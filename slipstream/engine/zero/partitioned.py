@@ -88,6 +88,7 @@ class PartitionedStrategy(ShardingStrategy):
         )
         self.launcher = OrderedLauncher([b.members for b in self.layout.buckets], self._launch)
         self.inflight: dict[int, _InFlight] = {}
+        self.send_buffers: dict[int, torch.Tensor] = {}
         self.used = torch.zeros(len(self.trainable), dtype=torch.float32)
         self.grad32: torch.Tensor | None = None
         self.sync = False
@@ -162,20 +163,31 @@ class PartitionedStrategy(ShardingStrategy):
                 param.grad = view
         self.used[i] = 1.0
         if self.sync:
+            if self.stage == 2:
+                self._pack(i, param)
             self.launcher.mark_ready(i, launch=self.options.overlap_comm)
+
+    def _pack(self, i: int, param: torch.Tensor) -> None:
+        """Stage 2: move a finished gradient into its bucket's send buffer and free it at once."""
+        slot = self.layout.slots[i]
+        bucket = self.layout.buckets[slot.bucket]
+        send = self.send_buffers.get(bucket.index)
+        if send is None:
+            send = self.send_buffers[bucket.index] = torch.zeros(bucket.numel, dtype=self.dtype, device=param.device)
+        send[slot.start - bucket.start : slot.start - bucket.start + slot.numel].copy_(param.grad.view(-1))
+        param.grad = None
 
     def _launch(self, index: int) -> None:
         bucket = self.layout.buckets[index]
         if self.stage == 1:
             send = self.layout.bucket_view(self.flat_grads, bucket)
-        else:  # pack the bucket's full gradients and free them
-            send = torch.zeros(bucket.numel, dtype=self.dtype, device=self.flat_params.device)
-            for i in bucket.members:
-                p = self.trainable[i]
-                if p.grad is not None:
-                    slot = self.layout.slots[i]
-                    send[slot.start - bucket.start : slot.start - bucket.start + slot.numel].copy_(p.grad.view(-1))
-                    p.grad = None
+        else:  # gradients nobody produced (unused parameters, padding) stay zero
+            for i in bucket.members:  # used in an earlier micro-step of this window but not in the last
+                if self.trainable[i].grad is not None:
+                    self._pack(i, self.trainable[i])
+            send = self.send_buffers.pop(index, None)
+            if send is None:
+                send = torch.zeros(bucket.numel, dtype=self.dtype, device=self.flat_params.device)
         if self.pre_scale != 1.0:
             send.mul_(self.pre_scale)
         if self.communication_dtype is not None:
@@ -262,6 +274,7 @@ class PartitionedStrategy(ShardingStrategy):
         for master in self.master_pieces:
             master.grad = None
         self.grad32 = None
+        self.send_buffers.clear()
         self.launcher.reset()
         self.used.zero_()
 

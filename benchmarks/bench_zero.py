@@ -1,0 +1,142 @@
+"""ZeRO stages 0/1/2 vs torch DDP (and DeepSpeed, where installed): step time and peak RSS per rank.
+
+    python benchmarks/bench_zero.py [--model gpt2-large] [--steps 20] [--rounds 2]
+                                    [--deepspeed-python /path/to/venv/bin/python]
+
+Every configuration runs as a fresh 2-rank job (gloo, one thread per rank), so peak RSS is its own;
+configurations alternate round by round (A B C ... A B C ...). All use AdamW(fused=True), lr 1e-3,
+weight decay 0.01, gradient clipping 1.0, micro-batch 4, fp32, and the same JSON config for
+slipstream and DeepSpeed (each with its own defaults for everything not set). DeepSpeed runs under
+the interpreter given by --deepspeed-python (its own venv), or is skipped when none is given and it
+is not importable here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+WARMUP = 5
+
+
+def _config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
+
+
+def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespace, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.common import build_gpt2, peak_rss_mb, random_batches, setup_rank_env, time_steps
+
+    setup_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = build_gpt2(args.model)
+    batches = random_batches(WARMUP + args.steps, seed=rank)
+
+    def adamw(params: object) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+
+    if kind == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = adamw(ddp.parameters())
+
+        def step(batch: torch.Tensor) -> None:
+            ddp(input_ids=batch, labels=batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        framework, stage = kind.split("-")
+        if framework == "slipstream":
+            import slipstream
+
+            engine = slipstream.initialize(model, _config(int(stage)), optimizer=adamw)
+        else:
+            import deepspeed
+
+            config = {**_config(int(stage)), "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+            engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
+
+        def step(batch: torch.Tensor) -> None:
+            loss = engine(input_ids=batch, labels=batch).loss
+            engine.backward(loss)
+            engine.step()
+
+    times = time_steps(step, batches, WARMUP)
+    rss = torch.tensor([peak_rss_mb()])
+    all_rss = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(all_rss, rss)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": times, "rss": [float(r) for r in all_rss]}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_worker(kind: str, args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    from benchmarks.common import free_port
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    mp.spawn(_worker, args=(2, free_port(), kind, args, args.out), nprocs=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2-large")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--stages", default="0,1,2")
+    parser.add_argument("--deepspeed-python", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_worker(args.worker, args)
+        return
+
+    stages = [int(s) for s in args.stages.split(",")]
+    deepspeed_python = args.deepspeed_python or (sys.executable if importlib.util.find_spec("deepspeed") else None)
+    kinds = ["ddp"] + [f"slipstream-{s}" for s in stages]
+    if deepspeed_python:
+        kinds += [f"deepspeed-{s}" for s in stages]
+    results: dict[str, dict[str, list[float]]] = {k: {"times": [], "rss": []} for k in kinds}
+    for _ in range(args.rounds):
+        for kind in kinds:
+            python = deepspeed_python if kind.startswith("deepspeed") else sys.executable
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps)]
+                env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+                subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                data = json.loads(Path(out.name).read_text())
+            results[kind]["times"] += data["times"]
+            results[kind]["rss"] = [max(a, b) for a, b in zip(results[kind]["rss"], data["rss"])] or data["rss"]
+
+    ddp = statistics.median(results["ddp"]["times"])
+    print(f"{args.model}, 2 ranks (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, micro-batch 4;"
+          f" {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
+    print(f"{'config':<14} {'median ms':>9} {'min-max ms':>15} {'peak RSS/rank MB':>18} {'vs DDP':>7} {'vs DeepSpeed':>13}")
+    for kind in kinds:
+        times = sorted(t * 1e3 for t in results[kind]["times"])
+        median = statistics.median(times)
+        rss = "/".join(f"{r:.0f}" for r in results[kind]["rss"])
+        peer = kind.replace("slipstream", "deepspeed")
+        vs_ds = ""
+        if kind.startswith("slipstream") and peer in results:
+            vs_ds = f"{median / (statistics.median(results[peer]['times']) * 1e3):.3f}x"
+        print(f"{kind:<14} {median:9.1f} {times[0]:7.1f}-{times[-1]:<7.1f} {rss:>18} {median / (ddp * 1e3):6.3f}x {vs_ds:>13}")
+
+
+if __name__ == "__main__":
+    main()
