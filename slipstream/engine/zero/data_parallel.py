@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
-from slipstream.engine.zero.params import broadcast_module_state, check_groups
+from slipstream.engine.zero.params import broadcast_module_state, check_groups, optimizer_state_bytes
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -89,10 +89,11 @@ class DataParallelStrategy(ShardingStrategy):
     # ------------------------------------------------------------------ step
     def global_grad_norm(self) -> torch.Tensor:
         # Gradients are replicated after the all-reduce, so the norm needs no collective. Unused
-        # parameters' slots are zero and add nothing.
-        return torch.linalg.vector_norm(self.reducer.buffer)
+        # parameters' slots are zero and add nothing. post_scale (averaging) is still pending.
+        return torch.linalg.vector_norm(self.reducer.buffer) * self.reducer.post_scale
 
     def scale_gradients(self, factor: float) -> None:
+        factor *= self.reducer.post_scale
         if factor != 1.0:
             self.reducer.buffer.mul_(factor)
 
@@ -116,6 +117,15 @@ class DataParallelStrategy(ShardingStrategy):
         master_of = {id(p): m for p, m in zip(self.trainable, self.masters)}
         return {
             name: master_of.get(id(p), p).detach().float().clone() for name, p in self.module.named_parameters()
+        }
+
+    def memory_breakdown(self) -> dict[str, int]:
+        masters = sum(m.numel() * 4 for m in self.masters) if self.low_precision else 0
+        return {
+            "params": sum(p.numel() * p.element_size() for p in self.trainable),
+            "grads": self.reducer.buffer.numel() * self.reducer.buffer.element_size(),
+            "optimizer": optimizer_state_bytes(self.optimizer) + masters,
+            "buffers": 0,
         }
 
     def close(self) -> None:

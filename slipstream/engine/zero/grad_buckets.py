@@ -99,12 +99,13 @@ class BucketedAllReduce:
         bucket.work = comm.all_reduce(flat, group=self.group, tag=f"gradient bucket {bucket.index}")
 
     def finish(self) -> None:
-        """Launch what is left (in order) and wait for everything; the buffer then holds the mean."""
+        """Launch what is left (in order) and wait for everything.
+
+        The buffer then holds the reduced sum times ``pre_scale``; the remaining ``post_scale`` is
+        left to the caller, which folds it into the unscale/clip multiplication (one pass, not two).
+        """
         self.launcher.flush()
         for bucket in self.buckets:
             bucket.work.wait()
-            flat = self.buffer[bucket.start : bucket.end]
             if bucket.staging is not None:
-                flat.copy_(bucket.staging)
-            if self.post_scale != 1.0:
-                flat.mul_(self.post_scale)
+                self.buffer[bucket.start : bucket.end].copy_(bucket.staging)

@@ -46,3 +46,7 @@ def check_groups(groups: list[ParamGroupSpec], index: dict[int, int], names: dic
             "%d trainable parameter(s) are in no optimizer group and will not be updated (e.g. %s)",
             len(missing), ", ".join(missing[:3]),
         )  # fmt: skip
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))

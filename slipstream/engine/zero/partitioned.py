@@ -25,7 +25,7 @@ from slipstream import comm
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
-from slipstream.engine.zero.params import broadcast_module_state, check_groups
+from slipstream.engine.zero.params import broadcast_module_state, check_groups, optimizer_state_bytes
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -37,6 +37,45 @@ class _InFlight:
     work: comm.Work
     send: torch.Tensor  # keeps the input alive until the collective completes
     receive: torch.Tensor  # where the reduced chunk lands
+    pooled: torch.Tensor | None = None  # the pool buffer behind ``send``, returned once the work is done
+
+
+class SendBuffers:
+    """Stage 2's double-buffered send buffers, reused every step so the allocator never churns.
+
+    A bucket takes a buffer when its first gradient arrives. With both buffers taken, the oldest
+    launched bucket is waited for and its buffer reused; if neither has launched yet (buckets
+    blocked behind an unused parameter, or overlap_comm off) a temporary buffer is allocated.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, count: int = 2) -> None:
+        self.free = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
+        self.total_bytes = sum(t.numel() * t.element_size() for t in self.free)
+        self.dtype, self.device = dtype, device
+
+    def acquire(self, numel: int, inflight: dict[int, _InFlight]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        base = self.free.pop() if self.free else self._reclaim(inflight)
+        if base is None:
+            return torch.zeros(numel, dtype=self.dtype, device=self.device), None
+        view = base[:numel]
+        view.zero_()
+        return view, base
+
+    @staticmethod
+    def _reclaim(inflight: dict[int, _InFlight]) -> torch.Tensor | None:
+        for index in sorted(inflight):
+            flight = inflight[index]
+            if flight.pooled is not None:
+                flight.work.wait()
+                base, flight.pooled = flight.pooled, None
+                return base
+        return None
+
+    def release_all(self, inflight: dict[int, _InFlight]) -> None:
+        for flight in inflight.values():
+            if flight.pooled is not None:
+                self.free.append(flight.pooled)
+                flight.pooled = None
 
 
 class PartitionedStrategy(ShardingStrategy):
@@ -82,13 +121,15 @@ class PartitionedStrategy(ShardingStrategy):
                                for i, p in enumerate(self.trainable)]  # fmt: skip
         else:
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+            largest = max((b.numel for b in self.layout.buckets), default=0)
+            self.send_pool = SendBuffers(largest, self.dtype, device, count=2 if options.overlap_comm else 1)
         self.communication_dtype = options.communication_dtype if options.communication_dtype not in (None, self.dtype) else None
         self.pre_scale, self.post_scale = reduction_scales(
             self.world, options.gradient_predivide_factor, options.prescale_gradients, options.average
         )
         self.launcher = OrderedLauncher([b.members for b in self.layout.buckets], self._launch)
         self.inflight: dict[int, _InFlight] = {}
-        self.send_buffers: dict[int, torch.Tensor] = {}
+        self.send_buffers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # bucket -> (send, pool base)
         self.used = torch.zeros(len(self.trainable), dtype=torch.float32)
         self.grad32: torch.Tensor | None = None
         self.sync = False
@@ -171,30 +212,34 @@ class PartitionedStrategy(ShardingStrategy):
         """Stage 2: move a finished gradient into its bucket's send buffer and free it at once."""
         slot = self.layout.slots[i]
         bucket = self.layout.buckets[slot.bucket]
-        send = self.send_buffers.get(bucket.index)
-        if send is None:
-            send = self.send_buffers[bucket.index] = torch.zeros(bucket.numel, dtype=self.dtype, device=param.device)
+        if bucket.index not in self.send_buffers:
+            self.send_buffers[bucket.index] = self.send_pool.acquire(bucket.numel, self.inflight)
+        send = self.send_buffers[bucket.index][0]
         send[slot.start - bucket.start : slot.start - bucket.start + slot.numel].copy_(param.grad.view(-1))
         param.grad = None
 
     def _launch(self, index: int) -> None:
         bucket = self.layout.buckets[index]
+        pooled = None
         if self.stage == 1:
             send = self.layout.bucket_view(self.flat_grads, bucket)
         else:  # gradients nobody produced (unused parameters, padding) stay zero
             for i in bucket.members:  # used in an earlier micro-step of this window but not in the last
                 if self.trainable[i].grad is not None:
                     self._pack(i, self.trainable[i])
-            send = self.send_buffers.pop(index, None)
-            if send is None:
-                send = torch.zeros(bucket.numel, dtype=self.dtype, device=self.flat_params.device)
+            if index not in self.send_buffers:
+                self.send_buffers[index] = self.send_pool.acquire(bucket.numel, self.inflight)
+            send, pooled = self.send_buffers.pop(index)
         if self.pre_scale != 1.0:
             send.mul_(self.pre_scale)
         if self.communication_dtype is not None:
             send = send.to(self.communication_dtype)
-        receive = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
+        if self.stage == 2 and self.communication_dtype is None:
+            receive = self._grad_chunk(bucket)  # straight into the shard: nothing to copy afterwards
+        else:  # stage 1's own chunk is part of the input, and a collective must not alias its input
+            receive = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
         work = comm.reduce_scatter_tensor(receive, send, group=self.group, tag=f"gradient bucket {index}")
-        self.inflight[index] = _InFlight(work, send, receive)
+        self.inflight[index] = _InFlight(work, send, receive, pooled)
 
     def _grad_chunk(self, bucket: LayoutBucket) -> torch.Tensor:
         """Where this rank's reduced gradient chunk of ``bucket`` is kept."""
@@ -205,11 +250,13 @@ class PartitionedStrategy(ShardingStrategy):
     def finish_gradients(self) -> None:
         self.launcher.flush()
         for index, bucket in enumerate(self.layout.buckets):
-            flight = self.inflight.pop(index)
-            flight.work.wait()
-            if self.post_scale != 1.0:
-                flight.receive.mul_(self.post_scale)
-            self._grad_chunk(bucket).copy_(flight.receive)
+            self.inflight[index].work.wait()
+            destination = self._grad_chunk(bucket)
+            if self.inflight[index].receive is not destination:
+                destination.copy_(self.inflight[index].receive)
+        if self.stage == 2:
+            self.send_pool.release_all(self.inflight)
+        self.inflight.clear()
         comm.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group, tag="used-parameter flags").wait()
         if self.low_precision:
             self.grad32 = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.flat_params.device)
@@ -237,9 +284,10 @@ class PartitionedStrategy(ShardingStrategy):
         local = sum((torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in self._owned_grads()), torch.zeros(()))
         squared = local.reshape(1).to(torch.float32)
         comm.all_reduce(squared, group=self.group, tag="gradient norm").wait()
-        return squared.sqrt()[0]
+        return squared.sqrt()[0] * self.post_scale  # the averaging factor is still pending
 
     def scale_gradients(self, factor: float) -> None:
+        factor *= self.post_scale
         if factor != 1.0:
             for g in self._owned_grads():
                 g.mul_(factor)
@@ -250,12 +298,15 @@ class PartitionedStrategy(ShardingStrategy):
             if self.master_shard is not None:
                 for bucket in self.layout.buckets:
                     self.layout.own_chunk(self.flat_params, bucket).copy_(self.layout.shard_chunk(self.master_shard, bucket))
-            self._all_gather(self.flat_params, "updated weights")
+            # The gradient chunks are spent once the optimizer has stepped: they stage the gather input.
+            self._all_gather(self.flat_params, "updated weights", staging=self._grad_chunk)
 
-    def _all_gather(self, flat: torch.Tensor, what: str) -> None:
+    def _all_gather(self, flat: torch.Tensor, what: str, staging: Any = None) -> None:
         works = []
         for bucket in self.layout.buckets:
-            mine = self.layout.own_chunk(flat, bucket).clone()  # gather must not read what it overwrites
+            own = self.layout.own_chunk(flat, bucket)
+            # a collective must not read what it overwrites, so the input is a copy of this rank's chunk
+            mine = staging(bucket).copy_(own) if staging is not None else own.clone()
             works.append(
                 comm.all_gather_into_tensor(self.layout.bucket_view(flat, bucket), mine, group=self.group, tag=f"{what}, bucket {bucket.index}")
             )  # fmt: skip
@@ -274,7 +325,11 @@ class PartitionedStrategy(ShardingStrategy):
         for master in self.master_pieces:
             master.grad = None
         self.grad32 = None
-        self.send_buffers.clear()
+        if self.stage == 2:
+            for _, base in self.send_buffers.values():
+                if base is not None:
+                    self.send_pool.free.append(base)
+            self.send_buffers.clear()
         self.launcher.reset()
         self.used.zero_()
 
@@ -298,14 +353,13 @@ class PartitionedStrategy(ShardingStrategy):
 
     def memory_breakdown(self) -> dict[str, int]:
         grads = self.flat_grads if self.stage == 1 else self.grad_shard
-        optimizer_state = sum(
-            t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
-        )
+        optimizer_state = optimizer_state_bytes(self.optimizer)
         masters = 0 if self.master_shard is None else self.master_shard.numel() * 4
         return {
             "params": self.flat_params.numel() * self.flat_params.element_size(),
             "grads": grads.numel() * grads.element_size(),
             "optimizer": optimizer_state + masters,
+            "buffers": self.send_pool.total_bytes if self.stage == 2 else 0,
         }
 
     def close(self) -> None:

@@ -63,7 +63,11 @@ class ShardingStrategy(abc.ABC):
 
     @abc.abstractmethod
     def finish_gradients(self) -> None:
-        """Complete every reduction: afterwards the gradients this rank owns are averaged over ranks."""
+        """Complete every reduction of this rank's gradients.
+
+        The averaging factor may still be pending: it is folded into :meth:`global_grad_norm` and
+        applied by :meth:`scale_gradients`, which the engine calls before every optimizer step.
+        """
 
     @abc.abstractmethod
     def global_grad_norm(self) -> torch.Tensor:
@@ -83,6 +87,10 @@ class ShardingStrategy(abc.ABC):
     @abc.abstractmethod
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full fp32 weights by parameter name on rank 0 (``None`` elsewhere). Collective."""
+
+    @abc.abstractmethod
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held between steps: ``params``, ``grads``, ``optimizer`` (state + fp32 masters), ``buffers``."""
 
     def close(self) -> None:
         """Remove hooks (an engine can be discarded and the model wrapped again)."""
