@@ -12,8 +12,9 @@ from slipstream.comm.collectives import (
 )
 from slipstream.comm.comms_log import CommRecord, CommsLog, comms_log
 from slipstream.comm.distributed import get_rank, get_world_size, init_distributed
+from slipstream.comm.ring import ring_context
 
 __all__ = [
     "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_reduce",
-    "barrier", "broadcast", "comms_log", "reduce_scatter_tensor", "get_rank", "get_world_size", "init_distributed",
+    "barrier", "broadcast", "comms_log", "reduce_scatter_tensor", "ring_context", "get_rank", "get_world_size", "init_distributed",
 ]  # fmt: skip

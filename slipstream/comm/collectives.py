@@ -7,6 +7,7 @@ the backend's bare "Timed out waiting 1800000ms for recv operation".
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm.comms_log import CommRecord, comms_log
+from slipstream.comm.ring import ring_context
 
 ReduceOp = dist.ReduceOp
 
@@ -100,11 +102,40 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 def all_gather_into_tensor(
     output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = ""
 ) -> Work:
-    """Gather equal-sized shards from every rank into one flat ``output`` (rank order)."""
+    """Gather equal-sized shards from every rank into one flat ``output`` (rank order).
+
+    ``shard`` may be ``output``'s own chunk (in place). On gloo this runs as a ring (see ``ring``).
+    """
+    mine = _own_chunk(output, group)
+    ring = ring_context(group)
+    if ring is not None:
+
+        def run() -> None:
+            if mine.data_ptr() != shard.data_ptr():
+                mine.copy_(shard)
+            ring.all_gather(output)
+
+        return _launch("all_gather", output, tag, group, lambda: _FutureWork(ring.submit(run)))
+    if shard.data_ptr() == mine.data_ptr():
+        shard = shard.clone()  # backend collectives may not read what they overwrite
     return _launch("all_gather", output, tag, group, lambda: _all_gather_flat(output, shard, group=group, async_op=True))
 
 
 _reduce_scatter_unsupported: set[str] = set()
+
+
+class _FutureWork:
+    """Adapts a Future from the ring thread to the ``wait()`` of a backend work handle."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+def _own_chunk(flat: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return flat.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
 
 
 def reduce_scatter_tensor(
@@ -112,26 +143,39 @@ def reduce_scatter_tensor(
 ) -> Work:
     """Sum ``input`` over ranks and leave chunk ``rank`` of the result in ``output``.
 
-    Where the backend has no reduce-scatter, falls back to an all-reduce of ``input`` (which is
-    overwritten) followed by a copy, and records that as an all-reduce in the comms log.
+    ``input`` is scratch: it may be overwritten. ``output`` may be ``input``'s own chunk (in place).
+    On gloo this runs as a ring on the ring thread (see ``ring``); where a backend has no
+    reduce-scatter it falls back to an all-reduce plus a copy, logged as an all-reduce.
     """
+    chunk = _own_chunk(input, group)
+    ring = ring_context(group)
+    if ring is not None:
+
+        def run() -> None:
+            ring.reduce_scatter(input)
+            if output.data_ptr() != chunk.data_ptr():
+                output.copy_(chunk)
+
+        return _launch("reduce_scatter", input, tag, group, lambda: _FutureWork(ring.submit(run)))
+    aliased = output.data_ptr() == chunk.data_ptr()
     backend = str(dist.get_backend(group))
     if backend not in _reduce_scatter_unsupported:
+        target = torch.empty_like(output) if aliased else output  # backend collectives may not alias
         try:
             return _launch(
                 "reduce_scatter", input, tag, group,
-                lambda: _reduce_scatter_flat(output, input, group=group, async_op=True),
+                lambda: _reduce_scatter_flat(target, input, group=group, async_op=True),
+                on_complete=(lambda: output.copy_(target)) if aliased else None,
             )  # fmt: skip
         except CollectiveError as err:
             if not _is_unsupported(err):
                 raise
             comms_log.records.pop()
             _reduce_scatter_unsupported.add(backend)
-    rank = dist.get_rank(group)
-    chunk = input.view(dist.get_world_size(group), -1)[rank]
     return _launch(
         "all_reduce", input, tag + " (reduce-scatter fallback)", group,
-        lambda: dist.all_reduce(input, group=group, async_op=True), on_complete=lambda: output.copy_(chunk),
+        lambda: dist.all_reduce(input, group=group, async_op=True),
+        on_complete=None if aliased else (lambda: output.copy_(chunk)),
     )  # fmt: skip
 
 

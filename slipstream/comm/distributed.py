@@ -13,6 +13,12 @@ from slipstream.utils.logging import get_logger, set_rank
 logger = get_logger(__name__)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+_timeout = DEFAULT_TIMEOUT
+
+
+def current_timeout() -> datetime.timedelta:
+    """The collective timeout the default group was created with (groups we add inherit it)."""
+    return _timeout
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | float | None = None) -> None:
@@ -23,6 +29,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
     the same code runs unchanged on a laptop. Does nothing if a group already exists.
     ``backend`` defaults to the accelerator's (nccl on CUDA, gloo on CPU).
     """
+    global _timeout
     if dist.is_initialized():
         set_rank(dist.get_rank())
         return
@@ -30,7 +37,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
     backend = backend or accelerator.communication_backend
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
-    timeout = timeout or DEFAULT_TIMEOUT
+    timeout = _timeout = timeout or DEFAULT_TIMEOUT
     if accelerator.name == "cuda":
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream
-from slipstream.comm import collectives, comms_log
+from slipstream.comm import collectives, comms_log, ring
 from tests.distributed.test_data_parallel import _overflow_body, _unused_body
 from tests.harness import run_distributed
 from tests.reference import (
@@ -239,20 +239,50 @@ def test_memory_per_rank_follows_zero_formulas(world: int, stage: int, precision
         assert abs(total - expected) <= 0.05 * expected, f"rank {rank}: {total} bytes vs formula {expected:.0f} ({held})"
 
 
-def _fallback_body() -> list[str]:
-    collectives._reduce_scatter_unsupported.add("gloo")
+def _backend_path_body(stage: int, reduce_scatter_missing: bool) -> list[float]:
+    """Train with gloo's own collectives instead of the ring (the path nccl takes), optionally
+    pretending the backend has no reduce-scatter at all."""
+    ring.RING_BACKENDS.discard("gloo")
+    if reduce_scatter_missing:
+        collectives._reduce_scatter_unsupported.add("gloo")
     try:
-        result = _parity_body(2, 1, SMALL_BUCKET)
-        comms_log.next_step()
+        comms_log.keep_history = 1
+        result = _parity_body(stage, 1, SMALL_BUCKET)  # asserts parity with the reference on rank 0
+        ops = {r.op for r in comms_log.records} | {r.op for h in comms_log.history for r in h}
+        assert ("reduce_scatter" not in ops) == reduce_scatter_missing, ops
         return result["losses"]
     finally:
+        ring.RING_BACKENDS.add("gloo")
         collectives._reduce_scatter_unsupported.discard("gloo")
+        comms_log.keep_history = 0
+        comms_log.history.clear()
 
 
-def test_reduce_scatter_fallback_trains_the_same() -> None:
-    fallback = run_distributed(2, _fallback_body)
-    direct = run_distributed(2, _parity_body, 2, 1, SMALL_BUCKET)
-    assert fallback[0] == pytest.approx(direct[0]["losses"], rel=1e-6)
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("reduce_scatter_missing", [False, True])
+def test_backend_collectives_and_fallback_train_the_same(stage: int, reduce_scatter_missing: bool) -> None:
+    other = run_distributed(2, _backend_path_body, stage, reduce_scatter_missing)
+    ringed = run_distributed(2, _parity_body, stage, 1, SMALL_BUCKET)
+    assert other[0] == pytest.approx(ringed[0]["losses"], rel=1e-6)
+
+
+def _ring_body(numel: int) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    context = ring.ring_context(None)
+    assert context is not None
+    data = torch.randn(world, numel * world, generator=torch.Generator().manual_seed(3))
+    buffer = data[rank].clone()
+    slipstream.comm.reduce_scatter_tensor(buffer.view(world, -1)[rank], buffer, tag="ring test").wait()
+    expected = data.sum(0).view(world, -1)[rank]
+    torch.testing.assert_close(buffer.view(world, -1)[rank], expected)
+    gathered = torch.zeros(numel * world)
+    slipstream.comm.all_gather_into_tensor(gathered, expected.clone(), tag="ring test").wait()
+    torch.testing.assert_close(gathered, data.sum(0))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_collectives_match_the_definition(world: int) -> None:
+    run_distributed(world, _ring_body, 1000)
 
 
 def _mixed_dtype_body() -> str:

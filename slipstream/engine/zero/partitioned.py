@@ -127,6 +127,7 @@ class PartitionedStrategy(ShardingStrategy):
         self.pre_scale, self.post_scale = reduction_scales(
             self.world, options.gradient_predivide_factor, options.prescale_gradients, options.average
         )
+        comm.ring_context(self.group)  # collective set-up, done now rather than inside a backward hook
         self.launcher = OrderedLauncher([b.members for b in self.layout.buckets], self._launch)
         self.inflight: dict[int, _InFlight] = {}
         self.send_buffers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # bucket -> (send, pool base)
@@ -234,9 +235,9 @@ class PartitionedStrategy(ShardingStrategy):
             send.mul_(self.pre_scale)
         if self.communication_dtype is not None:
             send = send.to(self.communication_dtype)
-        if self.stage == 2 and self.communication_dtype is None:
-            receive = self._grad_chunk(bucket)  # straight into the shard: nothing to copy afterwards
-        else:  # stage 1's own chunk is part of the input, and a collective must not alias its input
+        if self.communication_dtype is None:
+            receive = self._grad_chunk(bucket)  # straight into place (stage 1: in place in the input)
+        else:
             receive = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
         work = comm.reduce_scatter_tensor(receive, send, group=self.group, tag=f"gradient bucket {index}")
         self.inflight[index] = _InFlight(work, send, receive, pooled)
@@ -298,15 +299,12 @@ class PartitionedStrategy(ShardingStrategy):
             if self.master_shard is not None:
                 for bucket in self.layout.buckets:
                     self.layout.own_chunk(self.flat_params, bucket).copy_(self.layout.shard_chunk(self.master_shard, bucket))
-            # The gradient chunks are spent once the optimizer has stepped: they stage the gather input.
-            self._all_gather(self.flat_params, "updated weights", staging=self._grad_chunk)
+            self._all_gather(self.flat_params, "updated weights")
 
-    def _all_gather(self, flat: torch.Tensor, what: str, staging: Any = None) -> None:
+    def _all_gather(self, flat: torch.Tensor, what: str) -> None:
         works = []
         for bucket in self.layout.buckets:
-            own = self.layout.own_chunk(flat, bucket)
-            # a collective must not read what it overwrites, so the input is a copy of this rank's chunk
-            mine = staging(bucket).copy_(own) if staging is not None else own.clone()
+            mine = self.layout.own_chunk(flat, bucket)  # in place: comm handles the aliasing
             works.append(
                 comm.all_gather_into_tensor(self.layout.bucket_view(flat, bucket), mine, group=self.group, tag=f"{what}, bucket {bucket.index}")
             )  # fmt: skip
