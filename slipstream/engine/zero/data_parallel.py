@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
-from slipstream.engine.zero.params import broadcast_module_state, check_groups, optimizer_state_bytes
+from slipstream.engine.zero.params import TrainableParams, optimizer_state_bytes
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -32,12 +32,8 @@ class DataParallelStrategy(ShardingStrategy):
         self.options = options
         self.group = options.group
         self.module = module
-        broadcast_module_state(module, self.group)
-        named = list(module.named_parameters())
-        self.names = {id(p): n for n, p in named}
-        self.trainable = [p for _, p in named if p.requires_grad]
-        self.index = {id(p): i for i, p in enumerate(self.trainable)}
-        check_groups(groups, self.index, self.names)
+        params = TrainableParams(module, groups, self.group)
+        self.names, self.trainable, self.index = params.names, params.trainable, params.index
         self.low_precision = any(p.dtype != torch.float32 for p in self.trainable)
         self.reducer = BucketedAllReduce(
             self.trainable,
@@ -128,10 +124,6 @@ class DataParallelStrategy(ShardingStrategy):
             "buffers": 0,
         }
 
-    def close(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
 
 
 def _bind_optimizer(

@@ -12,6 +12,21 @@ from slipstream.utils.logging import get_logger
 logger = get_logger(__name__)
 
 
+class TrainableParams:
+    """The model's parameters as every strategy sees them: named, trainable ones indexed, groups checked.
+
+    Building it also makes every rank start from rank 0's weights.
+    """
+
+    def __init__(self, module: torch.nn.Module, groups: list[ParamGroupSpec], group: dist.ProcessGroup | None) -> None:
+        broadcast_module_state(module, group)
+        named = list(module.named_parameters())
+        self.names = {id(p): n for n, p in named}
+        self.trainable = [p for _, p in named if p.requires_grad]
+        self.index = {id(p): i for i, p in enumerate(self.trainable)}
+        check_groups(groups, self.index, self.names)
+
+
 def broadcast_module_state(module: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
     """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype)."""
     if dist.get_world_size(group) == 1:

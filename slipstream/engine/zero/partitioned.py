@@ -25,7 +25,7 @@ from slipstream import comm
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
-from slipstream.engine.zero.params import broadcast_module_state, check_groups, optimizer_state_bytes
+from slipstream.engine.zero.params import TrainableParams, optimizer_state_bytes
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -90,12 +90,8 @@ class PartitionedStrategy(ShardingStrategy):
         if stage not in (1, 2):
             raise ValueError(f"PartitionedStrategy implements ZeRO stages 1 and 2, got {stage}")
         self.stage, self.options, self.group, self.module = stage, options, options.group, module
-        broadcast_module_state(module, self.group)
-        named = list(module.named_parameters())
-        self.names = {id(p): n for n, p in named}
-        self.trainable = [p for _, p in named if p.requires_grad]
-        self.index = {id(p): i for i, p in enumerate(self.trainable)}
-        check_groups(groups, self.index, self.names)
+        params = TrainableParams(module, groups, self.group)
+        self.names, self.trainable, self.index = params.names, params.trainable, params.index
         dtypes = {p.dtype for p in self.trainable}
         if len(dtypes) > 1:
             raise ValueError(
@@ -360,7 +356,3 @@ class PartitionedStrategy(ShardingStrategy):
             "buffers": self.send_pool.total_bytes if self.stage == 2 else 0,
         }
 
-    def close(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []

@@ -56,6 +56,7 @@ class ShardingStrategy(abc.ABC):
     """Gradient hooks, reduction at the boundary, the optimizer step and the state it owns."""
 
     optimizer: torch.optim.Optimizer
+    hooks: list[torch.utils.hooks.RemovableHandle]
 
     @abc.abstractmethod
     def begin_backward(self, sync: bool) -> None:
@@ -94,3 +95,6 @@ class ShardingStrategy(abc.ABC):
 
     def close(self) -> None:
         """Remove hooks (an engine can be discarded and the model wrapped again)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
