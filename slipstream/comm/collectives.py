@@ -107,7 +107,7 @@ def all_gather_into_tensor(
     ``shard`` may be ``output``'s own chunk (in place). On gloo this runs as a ring (see ``ring``).
     """
     mine = _own_chunk(output, group)
-    ring = ring_context(group)
+    ring = ring_context(group) if output.device.type == "cpu" else None
     if ring is not None:
 
         def run() -> None:
@@ -148,7 +148,7 @@ def reduce_scatter_tensor(
     reduce-scatter it falls back to an all-reduce plus a copy, logged as an all-reduce.
     """
     chunk = _own_chunk(input, group)
-    ring = ring_context(group)
+    ring = ring_context(group) if input.device.type == "cpu" else None
     if ring is not None:
 
         def run() -> None:
@@ -185,5 +185,7 @@ def _is_unsupported(err: BaseException) -> bool:
 
 
 def barrier(group: dist.ProcessGroup | None = None, tag: str = "") -> None:
-    token = torch.zeros(1)
+    from slipstream.accelerator import get_accelerator
+
+    token = torch.zeros(1, device=get_accelerator().device())
     all_reduce(token, group=group, tag=tag or "barrier").wait()

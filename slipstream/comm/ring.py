@@ -28,6 +28,7 @@ class RingContext:
     """The ring's process group (a twin of ``group``) and the thread that drives it."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.parent = group if group is not None else dist.group.WORLD
         ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
         self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=current_timeout())
         self.size = len(ranks)
@@ -62,7 +63,7 @@ class RingContext:
         return self.executor.submit(fn, *args)
 
 
-_contexts: dict[int | None, RingContext] = {}
+_contexts: dict[int, RingContext] = {}
 _lock = threading.Lock()
 
 
@@ -70,8 +71,10 @@ def ring_context(group: dist.ProcessGroup | None) -> RingContext | None:
     """The ring for ``group`` if its backend benefits from one, else None. Collective on first use."""
     if str(dist.get_backend(group)) not in RING_BACKENDS or dist.get_world_size(group) == 1:
         return None
-    key = None if group is None else id(group)
+    parent = group if group is not None else dist.group.WORLD
+    key = id(parent)
     with _lock:
-        if key not in _contexts:
-            _contexts[key] = RingContext(group)
-        return _contexts[key]
+        context = _contexts.get(key)
+        if context is None or context.parent is not parent:  # a destroyed-and-recreated world
+            context = _contexts[key] = RingContext(group)
+        return context

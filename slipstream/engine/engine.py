@@ -59,7 +59,6 @@ class Engine(torch.nn.Module):
         # As DeepSpeed: fp16 always skips steps with non-finite gradients; bf16 unless told not to.
         self._check_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
         self._backward_since_step = False
-        self._unsynced_boundary = False
         self._global_grad_norm: float | None = None
         self._last_loss: torch.Tensor | None = None
         self._window_start = time.perf_counter()
@@ -89,11 +88,17 @@ class Engine(torch.nn.Module):
                 "engine.backward: called twice at an accumulation boundary without engine.step() in between; "
                 "call engine.step() after every engine.backward()"
             )
-        sync = boundary and not self._no_sync
-        self._unsynced_boundary = boundary and self._no_sync
-        self.strategy.begin_backward(sync)
+        if boundary and self._no_sync:
+            raise RuntimeError(
+                "engine.backward: this micro-step completes an accumulation window (gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps()}), so its gradients must be reduced across ranks; run it "
+                "outside engine.no_sync()"
+            )
+        self.strategy.begin_backward(boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
         (loss.float() * scale).backward(retain_graph=retain_graph)
+        if boundary:  # like DDP: when backward returns, .grad holds the averaged gradients
+            self.strategy.finish_gradients()
         self._backward_since_step = True
         self._last_loss = loss.detach()
         return loss
@@ -104,11 +109,6 @@ class Engine(torch.nn.Module):
             raise RuntimeError("engine.step: no engine.backward() since the last step")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            if self._unsynced_boundary:
-                raise RuntimeError(
-                    "engine.step: the last backward of this accumulation window ran inside engine.no_sync(), so "
-                    "gradients were never reduced across ranks; run the boundary backward outside no_sync()"
-                )
             self._optimizer_step()
         self._backward_since_step = False
         self.micro_steps += 1
@@ -118,7 +118,6 @@ class Engine(torch.nn.Module):
             self._report_progress()
 
     def _optimizer_step(self) -> None:
-        self.strategy.finish_gradients()
         inv_scale = 1.0 / self.loss_scaler.scale
         norm = float(self.strategy.global_grad_norm()) * inv_scale
         self._global_grad_norm = norm

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,6 +28,9 @@ logger = get_logger(__name__)
 # model in one bucket and leave nothing to overlap with backward (DDP uses 25 MB).
 DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4
 AVAILABLE_STAGES = (0, 1, 2)
+
+# The strategy currently attached to each model, so wrapping a model again detaches the old hooks.
+_attached: weakref.WeakKeyDictionary[torch.nn.Module, ShardingStrategy] = weakref.WeakKeyDictionary()
 
 
 def initialize(
@@ -66,7 +70,11 @@ def initialize(
             return build_optimizer(optimizer_config, param_groups, accelerator.supports_fused_adam())
 
         optimizer = optimizer_factory
-    strategy = _build_strategy(model, cfg, groups, optimizer)
+    previous = _attached.get(model)
+    if previous is not None and previous.hooks:
+        logger.warning("initialize: this model is still attached to an earlier engine; closing that engine's hooks")
+        previous.close()
+    strategy = _attached[model] = _build_strategy(model, cfg, groups, optimizer)
     scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)
     loader = None
     if training_data is not None:

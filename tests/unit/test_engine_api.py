@@ -180,3 +180,26 @@ def test_close_detaches_hooks() -> None:
     engine.close()
     model(torch.randn(2, 4)).backward()
     assert model.a.weight.grad is not None and engine.strategy.used.sum() == 0
+
+
+def test_wrapping_a_model_again_detaches_the_old_engine() -> None:
+    model = _Model()
+    first = slipstream.initialize(model, _config(bf16={"enabled": True}))
+    second = slipstream.initialize(model, _config(bf16={"enabled": True}))
+    assert first.strategy.hooks == []
+    second.backward(second(torch.randn(2, 4, dtype=torch.bfloat16)))
+    second.step()
+    assert second.global_steps == 1
+    second.close()
+
+
+def test_grads_are_final_when_backward_returns() -> None:
+    model = _Model()
+    engine = slipstream.initialize(model, _config(gradient_clipping=0.0))
+    x = torch.randn(2, 4)
+    engine.backward(engine(x))
+    reference = _Model()
+    reference(x).backward()
+    torch.testing.assert_close(model.a.weight.grad, reference.a.weight.grad)
+    engine.step()
+    engine.close()

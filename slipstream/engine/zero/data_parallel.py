@@ -51,7 +51,7 @@ class DataParallelStrategy(ShardingStrategy):
         else:
             self.masters = self.trainable
         self.optimizer = _bind_optimizer(optimizer, groups, self.index, self.masters)
-        self.used = torch.zeros(len(self.trainable), dtype=torch.float32)
+        self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=self.reducer.buffer.device)
         self.sync = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
         self.zero_grad()
@@ -85,11 +85,10 @@ class DataParallelStrategy(ShardingStrategy):
     # ------------------------------------------------------------------ step
     def global_grad_norm(self) -> torch.Tensor:
         # Gradients are replicated after the all-reduce, so the norm needs no collective. Unused
-        # parameters' slots are zero and add nothing. post_scale (averaging) is still pending.
-        return torch.linalg.vector_norm(self.reducer.buffer) * self.reducer.post_scale
+        # parameters' slots are zero and add nothing.
+        return torch.linalg.vector_norm(self.reducer.buffer)
 
     def scale_gradients(self, factor: float) -> None:
-        factor *= self.reducer.post_scale
         if factor != 1.0:
             self.reducer.buffer.mul_(factor)
 

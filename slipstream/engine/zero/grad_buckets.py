@@ -15,15 +15,16 @@ from slipstream.engine.zero.ordered_launch import OrderedLauncher
 
 
 def reduction_scales(world_size: int, predivide_factor: float, prescale: bool, average: bool) -> tuple[float, float]:
-    """Factors applied before and after the sum, as DeepSpeed does it.
+    """Factors applied before and after the sum.
 
-    By default gradients are divided by ``gradient_predivide_factor`` before the sum and by
-    ``world_size / factor`` after; with ``prescale_gradients`` all of the division happens first.
-    ``gradient_allreduce_op: "sum"`` skips the averaging.
+    With a ``gradient_predivide_factor`` f, gradients are divided by f before the sum and by
+    ``world_size / f`` after, as DeepSpeed does; without one (or with ``prescale_gradients``) the
+    whole division happens before the sum, so nothing is left to do afterwards (for 2^k ranks
+    this is bit-identical to dividing afterwards). ``gradient_allreduce_op: "sum"`` skips it.
     """
     if not average:
         return 1.0, 1.0
-    if prescale:
+    if prescale or predivide_factor == 1.0:
         return 1.0 / world_size, 1.0
     return 1.0 / predivide_factor, predivide_factor / world_size
 
@@ -101,11 +102,13 @@ class BucketedAllReduce:
     def finish(self) -> None:
         """Launch what is left (in order) and wait for everything.
 
-        The buffer then holds the reduced sum times ``pre_scale``; the remaining ``post_scale`` is
-        left to the caller, which folds it into the unscale/clip multiplication (one pass, not two).
+        The buffer then holds the averaged gradients.
         """
         self.launcher.flush()
         for bucket in self.buckets:
             bucket.work.wait()
+            flat = self.buffer[bucket.start : bucket.end]
             if bucket.staging is not None:
-                self.buffer[bucket.start : bucket.end].copy_(bucket.staging)
+                flat.copy_(bucket.staging)
+            if self.post_scale != 1.0:
+                flat.mul_(self.post_scale)

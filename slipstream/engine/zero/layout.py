@@ -1,7 +1,7 @@
 """Where every trainable parameter lives in the flat, bucketed, partitioned buffers of ZeRO-1/2.
 
 [Note: partition per bucket] The flat buffer is a sequence of buckets (parameters in reverse
-registration order, one optimizer group per bucket). Each bucket is padded to a multiple of the
+registration order, whatever their optimizer group). Each bucket is padded to a multiple of the
 world size and cut into equal chunks: rank r owns chunk r of *every* bucket. A bucket's gradients
 then reduce-scatter straight into each owner's chunk and its updated weights all-gather back, one
 collective per bucket, while backward is still producing later buckets. A rank's partition is the
@@ -42,7 +42,6 @@ class Piece:
 @dataclasses.dataclass
 class LayoutBucket:
     index: int
-    group: int
     start: int
     numel: int  # padded
     chunk: int  # numel // world
@@ -62,27 +61,27 @@ class FlatLayout:
         self.slots: list[Slot | None] = [None] * len(numels)
         self.buckets: list[LayoutBucket] = []
         offset = 0
-        # Reverse order, the order backward usually produces gradients, so early buckets fill first.
-        for group_index in reversed(range(len(groups))):
-            members: list[int] = []
-            size = 0
-            for i in reversed(groups[group_index]):
-                if members and size + numels[i] > bucket_numel:
-                    offset = self._close(group_index, members, numels, offset)
-                    members, size = [], 0
-                members.append(i)
-                size += numels[i]
-            if members:
-                offset = self._close(group_index, members, numels, offset)
+        # Reverse registration order, the order backward usually produces gradients, so early buckets
+        # fill first. Buckets ignore optimizer groups: the optimizer sees per-parameter pieces.
+        members: list[int] = []
+        size = 0
+        for i in sorted({i for group in groups for i in group}, reverse=True):
+            if members and size + numels[i] > bucket_numel:
+                offset = self._close(members, numels, offset)
+                members, size = [], 0
+            members.append(i)
+            size += numels[i]
+        if members:
+            offset = self._close(members, numels, offset)
         self.numel = offset
         self.shard_numel = sum(b.chunk for b in self.buckets)
         self.pieces = self._pieces()
 
-    def _close(self, group: int, members: list[int], numels: list[int], offset: int) -> int:
+    def _close(self, members: list[int], numels: list[int], offset: int) -> int:
         quantum = self.world * ALIGN
         size = sum(numels[i] for i in members)
         padded = -(-size // quantum) * quantum
-        bucket = LayoutBucket(len(self.buckets), group, offset, padded, padded // self.world, list(members))
+        bucket = LayoutBucket(len(self.buckets), offset, padded, padded // self.world, list(members))
         bucket.shard_offset = sum(b.chunk for b in self.buckets)
         position = offset
         for i in members:

@@ -27,8 +27,9 @@ class OrderedLauncher:
         """Gradient ``index`` is final for this window; launch every bucket that can go."""
         if index in self.ready:
             raise RuntimeError(
-                f"gradient of parameter #{index} was produced twice in one backward pass; a parameter reached "
-                "twice through reentrant backward (e.g. reentrant activation checkpointing) cannot be bucketed"
+                f"gradient of parameter #{index} arrived twice in the micro-step that completes an accumulation "
+                "window: run one backward pass per micro-step (add the losses and call engine.backward once), "
+                "and use non-reentrant activation checkpointing"
             )
         self.ready.add(index)
         self.pending[self.bucket_of[index]] -= 1

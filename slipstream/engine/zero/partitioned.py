@@ -127,7 +127,7 @@ class PartitionedStrategy(ShardingStrategy):
         self.launcher = OrderedLauncher([b.members for b in self.layout.buckets], self._launch)
         self.inflight: dict[int, _InFlight] = {}
         self.send_buffers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # bucket -> (send, pool base)
-        self.used = torch.zeros(len(self.trainable), dtype=torch.float32)
+        self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=device)
         self.grad32: torch.Tensor | None = None
         self.sync = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
@@ -248,9 +248,11 @@ class PartitionedStrategy(ShardingStrategy):
         self.launcher.flush()
         for index, bucket in enumerate(self.layout.buckets):
             self.inflight[index].work.wait()
-            destination = self._grad_chunk(bucket)
-            if self.inflight[index].receive is not destination:
-                destination.copy_(self.inflight[index].receive)
+            destination, receive = self._grad_chunk(bucket), self.inflight[index].receive
+            if receive.data_ptr() != destination.data_ptr():
+                destination.copy_(receive)
+            if self.post_scale != 1.0:
+                destination.mul_(self.post_scale)
         if self.stage == 2:
             self.send_pool.release_all(self.inflight)
         self.inflight.clear()
@@ -278,13 +280,13 @@ class PartitionedStrategy(ShardingStrategy):
 
     # ------------------------------------------------------------------ step
     def global_grad_norm(self) -> torch.Tensor:
-        local = sum((torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in self._owned_grads()), torch.zeros(()))
+        zero = torch.zeros((), device=self.flat_params.device)
+        local = sum((torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in self._owned_grads()), zero)
         squared = local.reshape(1).to(torch.float32)
         comm.all_reduce(squared, group=self.group, tag="gradient norm").wait()
-        return squared.sqrt()[0] * self.post_scale  # the averaging factor is still pending
+        return squared.sqrt()[0]
 
     def scale_gradients(self, factor: float) -> None:
-        factor *= self.post_scale
         if factor != 1.0:
             for g in self._owned_grads():
                 g.mul_(factor)

@@ -64,10 +64,9 @@ class ShardingStrategy(abc.ABC):
 
     @abc.abstractmethod
     def finish_gradients(self) -> None:
-        """Complete every reduction of this rank's gradients.
+        """Complete every reduction: afterwards the gradients this rank owns are averaged over ranks.
 
-        The averaging factor may still be pending: it is folded into :meth:`global_grad_norm` and
-        applied by :meth:`scale_gradients`, which the engine calls before every optimizer step.
+        Called at the end of the boundary backward, so ``.grad`` is final when backward returns.
         """
 
     @abc.abstractmethod
