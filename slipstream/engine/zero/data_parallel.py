@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
-from slipstream.engine.zero.params import TrainableParams, optimizer_state_bytes
+from slipstream.engine.zero.params import TrainableParams, adopt_grad, bind_optimizer, optimizer_state_bytes
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -50,7 +50,7 @@ class DataParallelStrategy(ShardingStrategy):
             self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.trainable]
         else:
             self.masters = self.trainable
-        self.optimizer = _bind_optimizer(optimizer, groups, self.index, self.masters)
+        self.optimizer = bind_optimizer(optimizer, groups, self.index, lambda i: [self.masters[i]])
         self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=self.reducer.buffer.device)
         self.sync = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
@@ -66,10 +66,8 @@ class DataParallelStrategy(ShardingStrategy):
         if self.low_precision:
             view.add_(param.grad)
             param.grad = None
-        elif param.grad is not view:
-            if param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)  # the user replaced .grad (e.g. zero_grad(set_to_none=True))
-            param.grad = view
+        else:
+            adopt_grad(param, view)
         self.used[i] = 1.0
         if self.sync:
             self.reducer.mark_ready(i, launch=self.options.overlap_comm)
@@ -122,30 +120,3 @@ class DataParallelStrategy(ShardingStrategy):
             "optimizer": optimizer_state_bytes(self.optimizer) + masters,
             "buffers": 0,
         }
-
-
-
-def _bind_optimizer(
-    optimizer: torch.optim.Optimizer | OptimizerFactory,
-    groups: list[ParamGroupSpec],
-    index: dict[int, int],
-    masters: list[torch.Tensor],
-) -> torch.optim.Optimizer:
-    """Point the optimizer at the tensors this strategy updates (fp32 masters or the params)."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        if any(id(p) != id(masters[index[id(p)]]) for g in optimizer.param_groups for p in g["params"] if id(p) in index):
-            if optimizer.state:
-                raise ValueError(
-                    "optimizer: already has state; pass a fresh optimizer (or a callable params -> optimizer) "
-                    "so slipstream can point it at the fp32 master weights"
-                )
-            for g in optimizer.param_groups:
-                g["params"] = [masters[index[id(p)]] for p in g["params"] if id(p) in index]
-        return optimizer
-    return optimizer(
-        [
-            {**g.options, "params": [masters[index[id(p)]] for p in g.params if id(p) in index]}
-            for g in groups
-            if any(id(p) in index for p in g.params)
-        ]
-    )

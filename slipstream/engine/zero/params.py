@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from slipstream import comm
-from slipstream.engine.zero.strategy import ParamGroupSpec
+from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -65,3 +67,49 @@ def check_groups(groups: list[ParamGroupSpec], index: dict[int, int], names: dic
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def bind_optimizer(
+    optimizer: torch.optim.Optimizer | OptimizerFactory,
+    groups: list[ParamGroupSpec],
+    index: dict[int, int],
+    targets: Callable[[int], list[torch.Tensor]],
+) -> torch.optim.Optimizer:
+    """Point the optimizer at the tensors this rank updates instead of the model's parameters.
+
+    ``targets(i)`` gives them for trainable parameter ``i``: its fp32 master, the parameter itself,
+    or this rank's slices of it. Frozen parameters drop out. A user's optimizer instance is rebound
+    in place, which is only safe while it has no state; a factory builds one over the targets.
+    """
+
+    def updated_by_this_rank(params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t for p in params if id(p) in index for t in targets(index[id(p)])]
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        trainable = [p for g in optimizer.param_groups for p in g["params"] if id(p) in index]
+        if any(len(targets(index[id(p)])) != 1 or targets(index[id(p)])[0] is not p for p in trainable):
+            if optimizer.state:
+                raise ValueError(
+                    "optimizer: already has state; pass a fresh optimizer (or a callable params -> optimizer) "
+                    "so slipstream can point it at the fp32 weights this rank updates"
+                )
+            for g in optimizer.param_groups:
+                g["params"] = updated_by_this_rank(g["params"])
+        return optimizer
+    # Groups without a trainable parameter are dropped on every rank alike; a group whose
+    # parameters this rank owns no slice of stays (empty), so group indices match across ranks.
+    return optimizer(
+        [{**g.options, "params": updated_by_this_rank(g.params)} for g in groups if any(id(p) in index for p in g.params)]
+    )
+
+
+def adopt_grad(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Make ``param.grad`` the strategy's buffer view again, keeping whatever gradient it holds.
+
+    Autograd accumulates in place into an existing ``.grad``; after a user's
+    ``zero_grad(set_to_none=True)`` it allocates a fresh one, which is copied back here.
+    """
+    if param.grad is not view:
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+        param.grad = view

@@ -25,7 +25,7 @@ from slipstream import comm
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
-from slipstream.engine.zero.params import TrainableParams, optimizer_state_bytes
+from slipstream.engine.zero.params import TrainableParams, adopt_grad, bind_optimizer, optimizer_state_bytes
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -110,7 +110,10 @@ class PartitionedStrategy(ShardingStrategy):
         self.flat_params = self._adopt_parameters(device)
         self.master_shard = self._make_master_shard(device)
         self.master_pieces = [self._master_piece(piece) for piece in self.layout.pieces]
-        self.optimizer = self._bind_optimizer(optimizer, groups)
+        pieces_of: dict[int, list[torch.Tensor]] = {}
+        for piece, master in zip(self.layout.pieces, self.master_pieces):
+            pieces_of.setdefault(piece.index, []).append(master)
+        self.optimizer = bind_optimizer(optimizer, groups, self.index, lambda i: pieces_of.get(i, []))
         if stage == 1:
             self.flat_grads = torch.zeros(self.layout.numel, dtype=self.dtype, device=device)
             self.grad_views = [self.layout.param_view(self.flat_grads, i, p.shape) if i in self.in_layout else None
@@ -164,27 +167,6 @@ class PartitionedStrategy(ShardingStrategy):
         start = slot.start + piece.param_offset
         return self.flat_params[start : start + piece.numel]
 
-    def _bind_optimizer(
-        self, optimizer: torch.optim.Optimizer | OptimizerFactory, groups: list[ParamGroupSpec]
-    ) -> torch.optim.Optimizer:
-        pieces_of: dict[int, list[torch.Tensor]] = {}
-        for piece, master in zip(self.layout.pieces, self.master_pieces):
-            pieces_of.setdefault(piece.index, []).append(master)
-
-        def owned(params: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [m for p in params if id(p) in self.index for m in pieces_of.get(self.index[id(p)], [])]
-
-        if isinstance(optimizer, torch.optim.Optimizer):
-            if optimizer.state:
-                raise ValueError(
-                    "optimizer: already has state; pass a fresh optimizer (or a callable params -> optimizer) so "
-                    "slipstream can point it at this rank's partition of the fp32 weights"
-                )
-            for g in optimizer.param_groups:
-                g["params"] = owned(g["params"])
-            return optimizer
-        return optimizer([{**g.options, "params": owned(g.params)} for g in groups])
-
     # ------------------------------------------------------------------ backward
     def begin_backward(self, sync: bool) -> None:
         self.sync = sync
@@ -194,11 +176,7 @@ class PartitionedStrategy(ShardingStrategy):
         if i not in self.in_layout:
             return
         if self.stage == 1:
-            view = self.grad_views[i]
-            if param.grad is not view:
-                if param.grad.data_ptr() != view.data_ptr():
-                    view.copy_(param.grad)  # the user replaced .grad (e.g. zero_grad(set_to_none=True))
-                param.grad = view
+            adopt_grad(param, self.grad_views[i])
         self.used[i] = 1.0
         if self.sync:
             if self.stage == 2:
@@ -209,9 +187,7 @@ class PartitionedStrategy(ShardingStrategy):
         """Stage 2: move a finished gradient into its bucket's send buffer and free it at once."""
         slot = self.layout.slots[i]
         bucket = self.layout.buckets[slot.bucket]
-        if bucket.index not in self.send_buffers:
-            self.send_buffers[bucket.index] = self.send_pool.acquire(bucket.numel, self.inflight)
-        send = self.send_buffers[bucket.index][0]
+        send = self._send_buffer(bucket)[0]
         send[slot.start - bucket.start : slot.start - bucket.start + slot.numel].copy_(param.grad.view(-1))
         param.grad = None
 
@@ -224,9 +200,8 @@ class PartitionedStrategy(ShardingStrategy):
             for i in bucket.members:  # used in an earlier micro-step of this window but not in the last
                 if self.trainable[i].grad is not None:
                     self._pack(i, self.trainable[i])
-            if index not in self.send_buffers:
-                self.send_buffers[index] = self.send_pool.acquire(bucket.numel, self.inflight)
-            send, pooled = self.send_buffers.pop(index)
+            send, pooled = self._send_buffer(bucket)
+            del self.send_buffers[index]
         if self.pre_scale != 1.0:
             send.mul_(self.pre_scale)
         if self.communication_dtype is not None:
@@ -237,6 +212,12 @@ class PartitionedStrategy(ShardingStrategy):
             receive = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
         work = comm.reduce_scatter_tensor(receive, send, group=self.group, tag=f"gradient bucket {index}")
         self.inflight[index] = _InFlight(work, send, receive, pooled)
+
+    def _send_buffer(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage 2: the bucket's send buffer (and its pool base), taken when first needed."""
+        if bucket.index not in self.send_buffers:
+            self.send_buffers[bucket.index] = self.send_pool.acquire(bucket.numel, self.inflight)
+        return self.send_buffers[bucket.index]
 
     def _grad_chunk(self, bucket: LayoutBucket) -> torch.Tensor:
         """Where this rank's reduced gradient chunk of ``bucket`` is kept."""
