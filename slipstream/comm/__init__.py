@@ -12,9 +12,11 @@ from slipstream.comm.collectives import (
 )
 from slipstream.comm.comms_log import CommRecord, CommsLog, comms_log
 from slipstream.comm.distributed import get_rank, get_world_size, init_distributed
+from slipstream.comm.lanes import lane_group
 from slipstream.comm.ring import ring_context
 
 __all__ = [
     "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_reduce",
     "barrier", "broadcast", "comms_log", "reduce_scatter_tensor", "ring_context", "get_rank", "get_world_size", "init_distributed",
+    "lane_group",
 ]  # fmt: skip

@@ -97,6 +97,7 @@ class Engine(torch.nn.Module):
         self.strategy.begin_backward(boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
         (loss.float() * scale).backward(retain_graph=retain_graph)
+        self.strategy.end_backward()
         if boundary:  # like DDP: when backward returns, .grad holds the averaged gradients
             self.strategy.finish_gradients()
         self._backward_since_step = True

@@ -19,6 +19,7 @@ from slipstream.engine.optimizers import build_optimizer, validate_optimizer_con
 from slipstream.engine.precision import DTYPES, build_loss_scaler
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
 from slipstream.engine.zero.partitioned import PartitionedStrategy
+from slipstream.engine.zero.stage3 import Stage3Options, Stage3Strategy
 from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger, log_rank0
 
@@ -27,7 +28,7 @@ logger = get_logger(__name__)
 # The default bucket when reduce_bucket_size is not set: DeepSpeed's 5e8 elements would put a whole
 # model in one bucket and leave nothing to overlap with backward (DDP uses 25 MB).
 DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4
-AVAILABLE_STAGES = (0, 1, 2)
+AVAILABLE_STAGES = (0, 1, 2, 3)
 
 # The strategy currently attached to each model, so wrapping a model again detaches the old hooks.
 _attached: weakref.WeakKeyDictionary[torch.nn.Module, ShardingStrategy] = weakref.WeakKeyDictionary()
@@ -60,7 +61,15 @@ def initialize(
     _check_supported(cfg, optimizer, lr_scheduler)
 
     accelerator = get_accelerator()
-    model.to(device=accelerator.device(), dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None)
+    dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
+    from slipstream.engine.zero.init import is_presharded, prepare_presharded
+
+    if is_presharded(model):
+        if cfg.zero_optimization.stage != 3:
+            raise ConfigError("zero_optimization.stage: the model was built under slipstream.zero.Init, which needs stage 3")
+        prepare_presharded(model, accelerator.device(), dtype)
+    else:
+        model.to(device=accelerator.device(), dtype=dtype)
     groups = ParamGroupSpec.from_user(model_parameters if model_parameters is not None else model.parameters())
     if optimizer is None:
         assert cfg.optimizer is not None
@@ -140,6 +149,21 @@ def _build_strategy(
     )
     if zero.stage == 0:
         return DataParallelStrategy(model, groups, options, optimizer)
+    if zero.stage == 3:
+        from slipstream.engine.zero.init import take_preshard
+
+        stage3 = Stage3Options(
+            unit_classes=zero.stage3_unit_modules,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+            prefetch_numel=zero.stage3_prefetch_bucket_size,
+            max_live_numel=zero.stage3_max_live_parameters,
+        )
+        try:
+            return Stage3Strategy(model, groups, options, optimizer, stage3, preshard=take_preshard(model))
+        except ValueError as err:
+            if str(err).startswith("zero_optimization."):
+                raise ConfigError(str(err)) from None
+            raise
     return PartitionedStrategy(model, groups, options, optimizer, stage=zero.stage)
 
 

@@ -56,26 +56,39 @@ class LayoutBucket:
 class FlatLayout:
     """Buckets, padding, chunks and this rank's pieces for ``params`` split into optimizer ``groups``."""
 
-    def __init__(self, numels: list[int], groups: list[list[int]], bucket_numel: int, world: int, rank: int) -> None:
+    def __init__(
+        self, numels: list[int], groups: list[list[int]], bucket_numel: int, world: int, rank: int,
+        buckets: list[list[int]] | None = None,
+    ) -> None:  # fmt: skip
+        """``buckets`` fixes the bucket members explicitly (ZeRO-3: one bucket per unit)."""
         self.world, self.rank = world, rank
         self.slots: list[Slot | None] = [None] * len(numels)
         self.buckets: list[LayoutBucket] = []
         offset = 0
-        # Reverse registration order, the order backward usually produces gradients, so early buckets
-        # fill first. Buckets ignore optimizer groups: the optimizer sees per-parameter pieces.
-        members: list[int] = []
-        size = 0
-        for i in sorted({i for group in groups for i in group}, reverse=True):
-            if members and size + numels[i] > bucket_numel:
-                offset = self._close(members, numels, offset)
-                members, size = [], 0
-            members.append(i)
-            size += numels[i]
-        if members:
+        if buckets is None:
+            buckets = self._by_size(numels, groups, bucket_numel)
+        for members in buckets:
             offset = self._close(members, numels, offset)
         self.numel = offset
         self.shard_numel = sum(b.chunk for b in self.buckets)
         self.pieces = self._pieces()
+
+    @staticmethod
+    def _by_size(numels: list[int], groups: list[list[int]], bucket_numel: int) -> list[list[int]]:
+        # Reverse registration order, the order backward usually produces gradients, so early buckets
+        # fill first. Buckets ignore optimizer groups: the optimizer sees per-parameter pieces.
+        buckets: list[list[int]] = []
+        members: list[int] = []
+        size = 0
+        for i in sorted({i for group in groups for i in group}, reverse=True):
+            if members and size + numels[i] > bucket_numel:
+                buckets.append(members)
+                members, size = [], 0
+            members.append(i)
+            size += numels[i]
+        if members:
+            buckets.append(members)
+        return buckets
 
     def _close(self, members: list[int], numels: list[int], offset: int) -> int:
         quantum = self.world * ALIGN

@@ -29,11 +29,11 @@ class TrainableParams:
         check_groups(groups, self.index, self.names)
 
 
-def broadcast_module_state(module: torch.nn.Module, group: dist.ProcessGroup | None) -> None:
+def broadcast_module_state(module: torch.nn.Module, group: dist.ProcessGroup | None, parameters: bool = True) -> None:
     """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype)."""
     if dist.get_world_size(group) == 1:
         return
-    tensors = [t for t in (*module.parameters(), *module.buffers())]
+    tensors = [t for t in (*(module.parameters() if parameters else ()), *module.buffers())]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

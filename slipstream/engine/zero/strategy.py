@@ -62,6 +62,9 @@ class ShardingStrategy(abc.ABC):
     def begin_backward(self, sync: bool) -> None:
         """Called before each backward; ``sync`` says whether this backward completes the gradients."""
 
+    def end_backward(self) -> None:
+        """Called after every backward (ZeRO-3 completes its per-pass bookkeeping here)."""
+
     @abc.abstractmethod
     def finish_gradients(self) -> None:
         """Complete every reduction: afterwards the gradients this rank owns are averaged over ranks.

@@ -1,0 +1,39 @@
+"""Twin process groups ("lanes") so independent streams of collectives never wait on each other.
+
+[Note: why lanes] Backends match collectives by issue order within a group. ZeRO-3 issues
+all-gathers (forward and backward) and reduce-scatters (backward) from different hooks; if both
+shared one group, every rank would have to interleave them identically, which data-dependent
+control flow cannot promise. On their own lanes each kind only needs its own order to match,
+and on gloo each lane gets its own ring thread, so gathers overlap reductions.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch.distributed as dist
+
+from slipstream.comm.distributed import current_timeout
+
+_lanes: dict[tuple[int, str], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_lock = threading.Lock()
+
+
+def lane_group(group: dist.ProcessGroup | None, lane: str) -> dist.ProcessGroup | None:
+    """A process group with the same ranks and backend as ``group``, one per ``lane`` name.
+
+    Collective (every rank must ask for the same lanes in the same order); cached afterwards.
+    A world of one needs no twin and gets ``group`` back.
+    """
+    if dist.get_world_size(group) == 1:
+        return group
+    parent = group if group is not None else dist.group.WORLD
+    key = (id(parent), lane)
+    with _lock:
+        cached = _lanes.get(key)
+        if cached is not None and cached[0] is parent:
+            return cached[1]
+        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+        twin = dist.new_group(ranks=ranks, backend=str(dist.get_backend(group)), timeout=current_timeout())
+        _lanes[key] = (parent, twin)
+        return twin

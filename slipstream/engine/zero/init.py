@@ -1,0 +1,384 @@
+"""``zero.Init``: build a model partitioned from the start, with the values an unsharded build has.
+
+[Note: record on meta, replay one tensor at a time] Inside the context a dispatch mode sends
+every CPU allocation to the meta device and records each operation on meta tensors, so the
+model's own initialisation (``reset_parameters``, transformers' ``post_init``...) runs unchanged
+and costs no memory. On exit the log is replayed on real tensors in the original order, so the
+random number generator is consumed exactly as an unsharded build would consume it. A write that
+a later full overwrite makes irrelevant (a constructor's init before ``post_init`` re-initialises
+the weight) is replayed into a scratch tensor when it draws random numbers, and skipped when it
+does not, so each parameter is materialised only from its last full overwrite to its last use;
+when it is final, this rank keeps its ZeRO-3 chunk and the rest is freed. Peak memory is about
+one parameter, not the model. Buffers are materialised whole (they are replicated anyway).
+
+Nothing is monkey-patched: parameters are found with torch's public parameter-registration hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from slipstream.engine.zero.layout import FlatLayout
+from slipstream.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+_RANDOM = {
+    "uniform_", "normal_", "random_", "bernoulli_", "bernoulli", "exponential_", "geometric_", "log_normal_",
+    "cauchy_", "randn", "rand", "randint", "randperm", "normal", "rand_like", "randn_like", "randint_like",
+    "multinomial", "native_dropout", "poisson",
+}  # fmt: skip
+_OVERWRITE = {"uniform_", "normal_", "fill_", "zero_", "random_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "copy_"}
+_META = torch.device("meta")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """A meta tensor in the log: which storage, and the view of it."""
+
+    key: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.size:
+            n *= s
+        return n
+
+
+@dataclasses.dataclass
+class _Op:
+    func: Any
+    args: Any
+    kwargs: Any
+    writes: set[int]
+    reads: set[int]
+    creates: list[tuple[int, int]]  # (storage key, index of the output leaf)
+    random: bool
+    overwrites: set[int]  # storages this op fills completely, independently of their old values
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[_Op] = []
+        self.storages: dict[int, torch.UntypedStorage] = {}  # kept alive so keys are never reused
+
+    def _ref(self, t: torch.Tensor) -> _Ref:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        self.storages.setdefault(key, storage)
+        return _Ref(key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        schema_args = func._schema.arguments
+        if any(a.name == "device" for a in schema_args) and not any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves(args)):
+            device = kwargs.get("device")
+            if device is None or torch.device(device).type == "cpu":
+                kwargs["device"] = _META
+        out = func(*args, **kwargs)
+        in_leaves = pytree.tree_leaves((args, kwargs))
+        out_leaves = pytree.tree_leaves(out)
+        if not any(isinstance(t, torch.Tensor) and t.is_meta for t in (*in_leaves, *out_leaves)):
+            return out
+        known = set(self.storages)
+        ref_args, ref_kwargs = pytree.tree_map(self._as_ref, (args, kwargs))
+        writes: set[int] = set()
+        for i, a in enumerate(schema_args):
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(value, torch.Tensor) and value.is_meta:
+                writes.add(self._ref(value).key)
+        reads = {r.key for r in pytree.tree_leaves((ref_args, ref_kwargs)) if isinstance(r, _Ref)}
+        creates = []
+        for index, t in enumerate(out_leaves):
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                ref = self._ref(t)
+                if ref.key not in known:
+                    creates.append((ref.key, index))
+                    writes.add(ref.key)
+        name = func.overloadpacket.__name__
+        overwrites = {key for key, _ in creates}
+        if name in _OVERWRITE and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            target = self._ref(args[0])
+            if target.numel() * args[0].element_size() == self.storages[target.key].nbytes() and target.offset == 0:
+                overwrites.add(target.key)
+        self.log.append(_Op(func, ref_args, ref_kwargs, writes, reads, creates, name in _RANDOM, overwrites))
+        return out
+
+    def _as_ref(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_meta:
+            return self._ref(value)
+        return value
+
+
+class Init:
+    """Context manager: modules built inside are partitioned for ZeRO-3 without ever being whole.
+
+    ``with slipstream.zero.Init(config=ds_config): model = MyModel(...)`` and then
+    ``slipstream.initialize(model, ds_config)``. Initial values equal those of an unsharded build
+    under the same seed (the model's own initialisation, e.g. transformers' ``post_init``, runs
+    unchanged), so every rank must be seeded alike. Random draws on other devices inside the
+    context, or ``torch.manual_seed`` calls in a constructor, break that equality (a warning says so).
+    """
+
+    def __init__(self, config: Any = None, enabled: bool = True) -> None:
+        self.config, self.enabled = config, enabled
+        self._recorder: _Recorder | None = None
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        self._rng = torch.get_rng_state()
+        self._modules: dict[int, torch.nn.Module] = {}
+        self._hook = torch.nn.modules.module.register_module_parameter_registration_hook(self._on_parameter)
+        self._recorder = _Recorder()
+        self._recorder.__enter__()
+        return self
+
+    def _on_parameter(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        self._modules[id(module)] = module
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._recorder is None:
+            return
+        recorder, self._recorder = self._recorder, None
+        recorder.__exit__(*exc)
+        self._hook.remove()
+        if exc[0] is not None:
+            return
+        children = {id(c) for m in self._modules.values() for c in m.modules() if c is not m}
+        models = [m for key, m in self._modules.items() if key not in children]
+        drawn = not torch.equal(torch.get_rng_state(), self._rng)
+        if drawn:
+            logger.warning("zero.Init: random numbers were drawn outside the meta device during construction; "
+                           "initial values will differ from an unsharded build")  # fmt: skip
+        torch.set_rng_state(self._rng)
+        _Replay(recorder, models, self.config).run()
+
+
+@dataclasses.dataclass
+class _Preshard:
+    """What zero.Init leaves for initialize(): this rank's chunk of every unit, per layout."""
+
+    unit_classes: list[str] | None
+    persistence_threshold: int
+    world: int
+    shard: torch.Tensor
+
+    def __call__(self, layout: FlatLayout, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        if layout.world != self.world or layout.shard_numel != self.shard.numel():
+            raise ValueError(
+                "zero_optimization: the model was partitioned by zero.Init with other ZeRO-3 settings (world size "
+                f"{self.world}); pass zero.Init the same config as initialize()"
+            )
+        return self.shard
+
+
+_preshards: weakref.WeakKeyDictionary[torch.nn.Module, _Preshard] = weakref.WeakKeyDictionary()
+
+
+def take_preshard(model: torch.nn.Module) -> _Preshard | None:
+    """The shards zero.Init built for ``model`` (consumed: a second initialize needs a new build)."""
+    return _preshards.pop(model, None)
+
+
+def is_presharded(model: torch.nn.Module) -> bool:
+    return model in _preshards
+
+
+class _Replay:
+    def __init__(self, recorder: _Recorder, models: list[torch.nn.Module], config: Any) -> None:
+        from slipstream.comm import init_distributed
+        from slipstream.engine.config import SlipstreamConfig
+
+        init_distributed()
+        zero = SlipstreamConfig.load(config).zero_optimization if config is not None else None
+        self.unit_classes = zero.stage3_unit_modules if zero else None
+        self.threshold = zero.stage3_param_persistence_threshold if zero else 100_000
+        self.recorder, self.models, self.log = recorder, models, recorder.log
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+
+    def run(self) -> None:
+        from slipstream.engine.zero.units import find_units
+
+        targets: dict[int, list[tuple[torch.Tensor, torch.Tensor, list[Any]]]] = {}  # storage key -> [(param, shard, pieces)]
+        layouts = []
+        for model in self.models:
+            specs = find_units(model, self.unit_classes, self.threshold)
+            managed = [p for s in specs for p in s.params]
+            index = {id(p): i for i, p in enumerate(managed)}
+            layout = FlatLayout([p.numel() for p in managed], [], 0, self.world, self.rank,
+                                buckets=[[index[id(p)] for p in s.params] for s in specs])  # fmt: skip
+            shard = torch.zeros(layout.shard_numel, dtype=managed[0].dtype if managed else torch.float32)
+            pieces: dict[int, list[Any]] = {}
+            for piece in layout.pieces:
+                pieces.setdefault(piece.index, []).append(piece)
+            for i, p in enumerate(managed):
+                if p.is_meta:
+                    targets.setdefault(p.untyped_storage()._cdata, []).append((p, shard, pieces.get(i, [])))
+                else:
+                    _take_pieces(p.detach(), shard, pieces.get(i, []))
+            layouts.append((model, shard))
+        buffers = {b.untyped_storage()._cdata for m in self.models for b in m.buffers() if b.is_meta}
+        real = self._replay(targets, buffers)
+        replaced: dict[int, torch.nn.Parameter] = {}
+        for model, shard in layouts:
+            _materialize_buffers(model, real)
+            _hollow_parameters(model, replaced)
+            _preshards[model] = _Preshard(self.unit_classes, self.threshold, self.world, shard)
+
+    def _replay(self, targets: dict[int, list[Any]], keep: set[int]) -> dict[int, torch.UntypedStorage]:
+        last_use: dict[int, int] = {}
+        last_overwrite: dict[int, int] = {}
+        first_foreign_read: dict[int, int] = {}
+        for i, op in enumerate(self.log):
+            for key in op.reads | op.writes:
+                last_use[key] = i
+            for key in op.overwrites:
+                last_overwrite[key] = i
+            for key in op.reads - op.writes:
+                first_foreign_read.setdefault(key, i)
+        # Writes before this index are irrelevant: a later full overwrite replaces them unread.
+        live_from = {key: (i if first_foreign_read.get(key, i) >= i else 0) for key, i in last_overwrite.items()}
+        real: dict[int, torch.UntypedStorage] = {}
+        ends: dict[int, list[int]] = {}
+        for key, i in last_use.items():
+            ends.setdefault(i, []).append(key)
+        for i, op in enumerate(self.log):
+            if not op.writes:
+                continue  # views and reads have no effect of their own: later ops rebuild views from refs
+            if all(i < live_from.get(key, 0) for key in op.writes):
+                if op.random:  # draw the same numbers an unsharded build draws, into scratch
+                    op.func(*pytree.tree_map(_scratch, op.args), **_on_cpu(pytree.tree_map(_scratch, op.kwargs)))
+            else:
+                self._run(op, real)
+            for key in ends.get(i, []):
+                if key in targets and key in real:
+                    for p, shard, pieces in targets[key]:
+                        _take_pieces(_view(real[key], self.recorder._ref(p)), shard, pieces)
+                if key not in keep:
+                    real.pop(key, None)
+        return real
+
+    def _run(self, op: _Op, real: dict[int, torch.UntypedStorage]) -> None:
+        def materialize(value: Any) -> Any:
+            if not isinstance(value, _Ref):
+                return value
+            if value.key not in real:
+                real[value.key] = torch.UntypedStorage(self.recorder.storages[value.key].nbytes())
+            return _view(real[value.key], value)
+
+        args, kwargs = pytree.tree_map(materialize, (op.args, op.kwargs))
+        out = op.func(*args, **_on_cpu(kwargs))
+        leaves = pytree.tree_leaves(out)
+        for key, index in op.creates:
+            real[key] = leaves[index].untyped_storage()
+
+
+def _view(storage: torch.UntypedStorage, ref: _Ref) -> torch.Tensor:
+    return torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
+
+
+def _scratch(value: Any) -> Any:
+    if isinstance(value, _Ref):
+        return torch.empty_strided(value.size, value.stride, dtype=value.dtype)
+    return value
+
+
+def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type == "meta":
+        return {**kwargs, "device": torch.device("cpu")}
+    return kwargs
+
+
+def _take_pieces(value: torch.Tensor, shard: torch.Tensor, pieces: Iterable[Any]) -> None:
+    flat = value.reshape(-1)
+    for piece in pieces:
+        shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(flat[piece.param_offset : piece.param_offset + piece.numel])
+
+
+def _materialize_buffers(model: torch.nn.Module, real: dict[int, torch.UntypedStorage]) -> None:
+    for module in model.modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                key = buffer.untyped_storage()._cdata
+                storage = real.get(key) or torch.UntypedStorage(buffer.untyped_storage().nbytes())
+                module._buffers[name] = torch.empty(0, dtype=buffer.dtype).set_(
+                    storage, buffer.storage_offset(), buffer.shape, buffer.stride()
+                )
+
+
+def hollow(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` whose storage holds zero bytes (ZeRO-3 gives it real storage later)."""
+    t = torch.empty(shape, dtype=dtype, device=device)  # one parameter at a time, freed at once
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def _hollow_parameters(model: torch.nn.Module, replaced: dict[int, torch.nn.Parameter]) -> None:
+    """Swap meta parameters for hollow CPU ones (a meta tensor cannot become a CPU one in place)."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in replaced:
+                    replaced[id(p)] = torch.nn.Parameter(hollow(p.shape, p.dtype, torch.device("cpu")), requires_grad=p.requires_grad)
+                module._parameters[name] = replaced[id(p)]
+
+
+def prepare_presharded(model: torch.nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
+    """initialize()'s ``model.to(device, dtype)`` for a zero.Init model: recast hollow parameters, move buffers."""
+    for p in model.parameters():
+        if p.device != device or (dtype is not None and p.dtype != dtype):
+            p.data = hollow(p.shape, dtype or p.dtype, device)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                cast = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
+                module._buffers[name] = buffer.to(device=device, dtype=cast)
+
+
+class GatheredParameters:
+    """Context manager: the full values of ZeRO-3 partitioned ``params`` inside the block.
+
+    With ``modifier_rank`` set, changes that rank makes in place (under ``torch.no_grad()``) are
+    broadcast and re-partitioned on exit, fp32 master weights included. Collective: every rank
+    enters with the same parameters. Parameters that are not partitioned pass through untouched.
+    """
+
+    def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None, enabled: bool = True) -> None:
+        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.modifier_rank, self.enabled = modifier_rank, enabled
+        self._by_strategy: dict[int, tuple[Any, list[Any]]] = {}
+
+    def __enter__(self) -> GatheredParameters:
+        from slipstream.engine.zero.stage3 import _unit_of_param
+
+        if not self.enabled:
+            return self
+        for p in self.params:
+            found = _unit_of_param.get(id(p))
+            if found is not None:
+                strategy, unit = found
+                units = self._by_strategy.setdefault(id(strategy), (strategy, []))[1]
+                if unit not in units:
+                    units.append(unit)
+        for strategy, units in self._by_strategy.values():
+            strategy.gathered(units)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for strategy, units in self._by_strategy.values():
+            strategy.repartition(units, self.modifier_rank if exc[0] is None else None)
+        self._by_strategy.clear()

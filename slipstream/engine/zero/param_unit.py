@@ -1,0 +1,94 @@
+"""One ZeRO-3 unit at run time: its flat gathered buffer, gathered and freed around compute.
+
+[Note: freeing without rebinding] Each parameter of a unit is, once at set-up, made a view into
+the unit's flat ``full`` buffer. Releasing the unit resizes that buffer's storage to zero bytes;
+gathering resizes it back and fills it. Parameters and the tensors autograd saved from them keep
+pointing at the same storage, so nothing is rebound behind autograd's back and a saved weight
+is valid again as soon as the unit is re-gathered for backward. The collective writes through a
+separate alias of the storage, so the parameters' version counters never move (autograd would
+otherwise report an in-place modification).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
+from slipstream.engine.zero.units import UnitSpec
+
+
+class UnitState(enum.Enum):
+    FREE = "free"
+    GATHERING = "gathering"
+    LIVE = "live"
+
+
+class ParamUnit:
+    """The flat buffer of one unit, this rank's chunk of it, and the collective that fills it."""
+
+    def __init__(
+        self, spec: UnitSpec, bucket: LayoutBucket, layout: FlatLayout, shard: torch.Tensor, gather_group: dist.ProcessGroup | None
+    ) -> None:  # fmt: skip
+        self.spec, self.bucket, self.layout = spec, bucket, layout
+        self.index, self.kind, self.numel = spec.index, spec.kind, bucket.numel
+        self.shard = shard  # this rank's chunk: persistent between steps
+        self.gather_group = gather_group
+        self.full = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self._alias = torch.empty(0, dtype=shard.dtype, device=shard.device).set_(self.full.untyped_storage(), 0, (bucket.numel,), (1,))
+        self.state = UnitState.LIVE
+        self.work: comm.Work | None = None
+        # Per forward/backward pass bookkeeping (see Stage3Strategy).
+        self.depth = 0  # active forward calls
+        self.pending_backward = 0  # forward calls under grad whose backward has not finished
+        self.backward_started = False
+
+    def param_range(self, slot_index: int) -> tuple[int, int]:
+        slot = self.layout.slots[slot_index]
+        assert slot is not None
+        begin = slot.start - self.bucket.start
+        return begin, begin + slot.numel
+
+    def adopt(self, params: list[torch.nn.Parameter], slot_indices: list[int]) -> None:
+        """Make the parameters views into ``full`` (once, at set-up, before any graph exists)."""
+        for p, i in zip(params, slot_indices):
+            begin, end = self.param_range(i)
+            p.data = self.full[begin:end].view(p.shape)
+
+    def gather(self) -> None:
+        """Start filling ``full`` from every rank's chunk (asynchronous)."""
+        if self.state is not UnitState.FREE:
+            return
+        self.full.untyped_storage().resize_(self.nbytes)
+        self.work = comm.all_gather_into_tensor(
+            self._alias, self.shard, group=self.gather_group, tag=f"ZeRO-3 unit {self.index} ({self.spec.name})"
+        )
+        self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        if self.state is UnitState.GATHERING:
+            assert self.work is not None
+            self.work.wait()
+            self.work = None
+            self.state = UnitState.LIVE
+
+    def release(self) -> None:
+        """Free the gathered storage (waiting for a gather still filling it)."""
+        if self.kind == "persistent" or self.state is UnitState.FREE:
+            return
+        self.wait()
+        self.full.untyped_storage().resize_(0)
+        self.state = UnitState.FREE
+
+    def refresh(self) -> None:
+        """Re-gather a live unit after its shard changed (the persistent unit after each step)."""
+        self.state = UnitState.FREE
+        self.gather()
+        self.wait()
+
+    def own_chunk(self) -> torch.Tensor:
+        return self._alias.view(self.layout.world, -1)[self.layout.rank]

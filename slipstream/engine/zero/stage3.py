@@ -1,0 +1,482 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all partitioned; units gathered by hooks.
+
+Each rank keeps only its chunk of every unit (``param_shard``), the matching gradient chunk and
+the optimizer state for it. A unit's full parameters exist while its forward or backward runs:
+
+* forward: the model's pre-hook starts a *pass*; a unit's pre-hook gathers it (one all-gather,
+  plus prefetch of the next units in registration order) and its post-hook frees it;
+* backward: a hook on the unit's outputs gathers it again before its backward; an autograd
+  function wrapped around its inputs fires when its backward is done, and the unit's gradients
+  are packed, reduce-scattered into this rank's gradient chunk and the unit freed.
+
+[Note: the gather cursor] Collectives must be issued in the same order on every rank, but ranks
+may run different units (data-dependent control flow). Each pass therefore walks a fixed order
+(registration order forward, the reverse backward) with a cursor: needing unit k gathers every
+unit from the cursor up to k, whether this rank runs them or not; units passed over are freed
+(and, in backward, reduce-scatter zeros). At the end of each pass the cursor runs to the end, so
+every rank gathers every unit once per pass and reduce-scatters every unit once per backward.
+All-gathers and reduce-scatters travel on separate process groups (``comm.lane_group``), so each
+kind only has to match its own order. A unit needed again after the cursor passed it (a module
+called twice) is gathered once more; ranks must agree on such repeats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.engine.zero.grad_buckets import reduction_scales
+from slipstream.engine.zero.layout import FlatLayout
+from slipstream.engine.zero.ordered_launch import OrderedLauncher
+from slipstream.engine.zero.param_unit import ParamUnit, UnitState
+from slipstream.engine.zero.params import bind_optimizer, broadcast_module_state, check_groups, optimizer_state_bytes
+from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
+from slipstream.engine.zero.tensor_tree import tensors_in
+from slipstream.engine.zero.units import find_units
+from slipstream.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage3Options:
+    unit_classes: list[str] | None = None
+    persistence_threshold: int = 100_000  # elements; smaller parameters stay gathered
+    prefetch_numel: int = 50_000_000  # gather ahead while the units ahead hold fewer elements than this
+    max_live_numel: int = 1_000_000_000  # never prefetch beyond this many gathered elements
+
+
+@dataclasses.dataclass
+class _Reduction:
+    unit: ParamUnit
+    work: comm.Work
+    send: torch.Tensor
+    receive: torch.Tensor
+    accumulate: bool  # add ``receive`` into the gradient chunk once done (it landed elsewhere)
+
+
+class _Pass:
+    """One forward or backward walk over the block units with the gather cursor."""
+
+    def __init__(self, order: list[ParamUnit]) -> None:
+        self.order = order
+        self.position = {u.index: i for i, u in enumerate(order)}
+        self.cursor = 0
+
+
+# Registry so GatheredParameters can find the unit of any partitioned parameter.
+_unit_of_param: dict[int, tuple[Stage3Strategy, ParamUnit]] = {}
+
+
+class Stage3Strategy(ShardingStrategy):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups: list[ParamGroupSpec],
+        options: ShardingOptions,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        stage3: Stage3Options,
+        preshard: Callable[[FlatLayout, list[torch.nn.Parameter]], torch.Tensor] | None = None,
+    ) -> None:
+        self.module, self.options, self.stage3, self.group = module, options, stage3, options.group
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        specs = find_units(module, stage3.unit_classes, stage3.persistence_threshold)
+        self.managed = [p for spec in specs for p in spec.params]
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        self.trainable = [p for p in self.managed if p.requires_grad]
+        self.index = {id(p): i for i, p in enumerate(self.trainable)}
+        check_groups(groups, self.index, self.names)
+        dtypes = {p.dtype for p in self.managed}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"ZeRO stage 3: parameters have mixed dtypes {sorted(map(str, dtypes))}; units are flat buffers of one "
+                "dtype, so cast the model to one dtype (the bf16/fp16 config options do this)"
+            )
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        managed_index = {id(p): i for i, p in enumerate(self.managed)}
+        self.layout = FlatLayout(
+            [p.numel() for p in self.managed], [], 0, self.world, self.rank,
+            buckets=[[managed_index[id(p)] for p in spec.params] for spec in specs],
+        )  # fmt: skip
+        device = next((b.device for b in module.buffers() if b.device.type != "meta"), None) or torch.device(
+            "cpu" if not self.managed or self.managed[0].device.type == "meta" else self.managed[0].device
+        )
+        if preshard is None:
+            broadcast_module_state(module, self.group)  # rank 0's weights win, as in every stage
+            self.param_shard = self._shard_from_full(device)
+        else:  # zero.Init built the shards without ever holding the full model
+            broadcast_module_state(module, self.group, parameters=False)
+            self.param_shard = preshard(self.layout, self.managed).to(device=device, dtype=self.dtype)
+        self.gather_group = comm.lane_group(self.group, "zero3-gather")
+        self.reduce_group = comm.lane_group(self.group, "zero3-reduce")
+        comm.ring_context(self.gather_group)  # set up now rather than inside a hook
+        comm.ring_context(self.reduce_group)
+        self.units: list[ParamUnit] = []
+        for spec, bucket in zip(specs, self.layout.buckets):
+            unit = ParamUnit(spec, bucket, self.layout, self.layout.shard_chunk(self.param_shard, bucket), self.gather_group)
+            unit.adopt(spec.params, bucket.members)
+            unit.state = UnitState.FREE
+            unit.full.untyped_storage().resize_(0)
+            self.units.append(unit)
+            for p in spec.params:
+                _unit_of_param[id(p)] = (self, unit)
+        self.blocks = [u for u in self.units if u.kind == "block"]
+        self.root = next((u for u in self.units if u.kind == "root"), None)
+        self.persistent = next((u for u in self.units if u.kind == "persistent"), None)
+        if self.persistent is not None:
+            self.persistent.refresh()
+        self._bind_optimizer(optimizer, groups, device)
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        self.pre_scale, self.post_scale = reduction_scales(
+            self.world, options.gradient_predivide_factor, options.prescale_gradients, options.average
+        )
+        reduce_order = [*reversed(self.blocks), *(u for u in (self.root, self.persistent) if u is not None)]
+        self.launcher = OrderedLauncher([[u.index] for u in reduce_order], lambda i: self._launch_reduce(reduce_order[i]))
+        self.reductions: list[_Reduction] = []
+        self.reduced_this_pass: set[int] = set()
+        self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
+        self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=device)
+        self.grad32: torch.Tensor | None = None
+        self.forward_pass: _Pass | None = None
+        self.backward_pass: _Pass | None = None
+        self.hooks = self._register_hooks()
+        logger.debug(
+            "ZeRO stage 3: %d units (%s), %d of %d elements owned by this rank",
+            len(self.units), ", ".join(f"{u.spec.name}:{u.numel}" for u in self.units[:4]) + ("..." if len(self.units) > 4 else ""),
+            self.layout.shard_numel, self.layout.numel,
+        )  # fmt: skip
+        self.zero_grad()
+
+    # ------------------------------------------------------------------ set-up
+    def _shard_from_full(self, device: torch.device) -> torch.Tensor:
+        shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        with torch.no_grad():
+            for piece in self.layout.pieces:
+                source = self.managed[piece.index].detach().reshape(-1)
+                shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(source[piece.param_offset : piece.param_offset + piece.numel])
+        return shard
+
+    def _bind_optimizer(self, optimizer: torch.optim.Optimizer | OptimizerFactory, groups: list[ParamGroupSpec], device: torch.device) -> None:
+        low_precision = self.dtype != torch.float32
+        self.master_shard = self.param_shard.float() if low_precision else None
+        masters = self.master_shard if self.master_shard is not None else self.param_shard
+        self.master_pieces: list[tuple[Any, torch.Tensor]] = []
+        pieces_of: dict[int, list[torch.Tensor]] = {}
+        for piece in self.layout.pieces:
+            p = self.managed[piece.index]
+            if id(p) in self.index:
+                view = masters[piece.shard_offset : piece.shard_offset + piece.numel]
+                self.master_pieces.append((piece, view))
+                pieces_of.setdefault(self.index[id(p)], []).append(view)
+        self.optimizer = bind_optimizer(optimizer, groups, self.index, lambda i: pieces_of.get(i, []))
+
+    def _register_hooks(self) -> list[torch.utils.hooks.RemovableHandle]:
+        hooks = [
+            self.module.register_forward_pre_hook(self._begin_forward_pass, prepend=True),
+            self.module.register_forward_hook(self._end_forward_pass),
+        ]
+        for unit in self.blocks:
+            hooks.append(unit.spec.module.register_forward_pre_hook(self._unit_pre_forward(unit), with_kwargs=True))
+            hooks.append(unit.spec.module.register_forward_hook(self._unit_post_forward(unit)))
+        return hooks
+
+    # ------------------------------------------------------------------ forward
+    def _begin_forward_pass(self, module: torch.nn.Module, args: Any) -> None:
+        self.forward_pass = _Pass(self.blocks)
+        if self.root is not None:
+            self.root.gather()
+            self.root.wait()
+        if torch.is_grad_enabled() and self.root is not None:
+            self.root.pending_backward += 1
+        self._prefetch(self.forward_pass)
+
+    def _end_forward_pass(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        current, self.forward_pass = self.forward_pass, None
+        if current is not None:
+            self._advance(current, len(current.order))  # gather what other ranks may still need
+            for unit in current.order:
+                if unit.depth == 0:
+                    unit.release()
+        if self.root is not None:
+            self.root.release()
+            if torch.is_grad_enabled():
+                self._on_output_grad(self.root, output)
+        return output
+
+    def _unit_pre_forward(self, unit: ParamUnit) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            self._ensure(unit, self.forward_pass)
+            unit.depth += 1
+            if not torch.is_grad_enabled():
+                return None
+            unit.pending_backward += 1
+            return _wrap_inputs(self, unit, args, kwargs)
+
+        return hook
+
+    def _unit_post_forward(self, unit: ParamUnit) -> Callable[..., Any]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            unit.depth -= 1
+            if unit.depth == 0:
+                unit.release()
+            if torch.is_grad_enabled():
+                self._on_output_grad(unit, output)
+            return output
+
+        return hook
+
+    def _on_output_grad(self, unit: ParamUnit, output: Any) -> None:
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._pre_backward(unit), mode="any")
+
+    # ------------------------------------------------------------------ gather cursor
+    def _ensure(self, unit: ParamUnit, current: _Pass | None) -> None:
+        """Make ``unit`` live, keeping every rank's sequence of all-gathers identical."""
+        if current is not None and current.position[unit.index] >= current.cursor:
+            self._advance(current, current.position[unit.index] + 1)
+        else:
+            unit.gather()  # repeated use (or no pass): every rank must repeat it alike
+        unit.wait()
+        if current is not None:
+            self._prefetch(current)
+            self._drop_skipped(current, current.position[unit.index])
+
+    def _advance(self, current: _Pass, until: int) -> None:
+        while current.cursor < until:
+            current.order[current.cursor].gather()
+            current.cursor += 1
+
+    def _prefetch(self, current: _Pass) -> None:
+        live = sum(u.numel for u in self.units if u.state is not UnitState.FREE)
+        issued_ahead = [u for u in current.order[: current.cursor] if u.state is UnitState.GATHERING]
+        ahead = sum(u.numel for u in issued_ahead)
+        while current.cursor < len(current.order):
+            nxt = current.order[current.cursor]
+            if ahead + nxt.numel > self.stage3.prefetch_numel or live + nxt.numel > self.stage3.max_live_numel:
+                return
+            nxt.gather()
+            ahead += nxt.numel
+            live += nxt.numel
+            current.cursor += 1
+
+    def _drop_skipped(self, current: _Pass, before: int) -> None:
+        """Free units the cursor passed that this rank did not run (reduce zeros for them in backward)."""
+        backward = current is self.backward_pass
+        for unit in current.order[:before]:
+            if unit.state is UnitState.FREE or unit.depth:
+                continue
+            if backward and (unit.pending_backward or unit.index in self.reduced_this_pass):
+                continue
+            unit.release()
+            if backward:
+                self._finish_unit_backward(unit)
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self, sync: bool) -> None:
+        pass  # ZeRO-3 reduces every micro-step: no rank keeps a full gradient between them
+
+    def _pre_backward(self, unit: ParamUnit) -> None:
+        if self.backward_pass is None:
+            self.backward_pass = _Pass(list(reversed(self.blocks)))
+        unit.backward_started = True
+        if unit is self.root:
+            unit.gather()
+            unit.wait()
+            self._prefetch(self.backward_pass)
+        else:
+            self._ensure(unit, self.backward_pass)
+
+    def _post_backward(self, unit: ParamUnit) -> None:
+        unit.pending_backward -= 1
+        if unit.pending_backward <= 0:
+            unit.pending_backward = 0
+            unit.release()
+            self._finish_unit_backward(unit)
+
+    def _finish_unit_backward(self, unit: ParamUnit) -> None:
+        if unit.index not in self.reduced_this_pass:
+            self.reduced_this_pass.add(unit.index)
+            self.launcher.mark_ready(unit.index)
+
+    def end_backward(self) -> None:
+        """Complete the backward pass: every unit reduced exactly once on every rank, all freed."""
+        current = self.backward_pass or _Pass(list(reversed(self.blocks)))
+        self.backward_pass = current
+        self._advance(current, len(current.order))
+        for unit in [*current.order, *(u for u in (self.root, self.persistent) if u is not None)]:
+            unit.pending_backward = 0
+            unit.backward_started = False
+            unit.release()
+            self._finish_unit_backward(unit)
+        self.launcher.flush()
+        while self.reductions:
+            self._complete_reduction(self.reductions.pop(0))
+        self.launcher.reset()
+        self.reduced_this_pass.clear()
+        self.backward_pass = None
+
+    def _launch_reduce(self, unit: ParamUnit) -> None:
+        send = torch.zeros(unit.numel, dtype=self.dtype, device=self.param_shard.device)
+        for p, i in zip(unit.spec.params, unit.bucket.members):
+            if p.grad is not None:
+                begin, end = unit.param_range(i)
+                send[begin:end].copy_(p.grad.reshape(-1))
+                p.grad = None
+                if id(p) in self.index:
+                    self.used[self.index[id(p)]] = 1.0
+        if self.pre_scale != 1.0:
+            send.mul_(self.pre_scale)
+        chunk = self.layout.shard_chunk(self.grad_shard, unit.bucket)
+        accumulate = unit.index in self.has_grad
+        receive = torch.empty_like(chunk) if accumulate else chunk
+        self.has_grad.add(unit.index)
+        work = comm.reduce_scatter_tensor(receive, send, group=self.reduce_group, tag=f"ZeRO-3 gradients of unit {unit.index} ({unit.spec.name})")
+        self.reductions.append(_Reduction(unit, work, send, receive, accumulate))
+        if len(self.reductions) > 2:  # bound the send buffers alive at once
+            self._complete_reduction(self.reductions.pop(0))
+
+    def _complete_reduction(self, reduction: _Reduction) -> None:
+        reduction.work.wait()
+        if reduction.accumulate:
+            self.layout.shard_chunk(self.grad_shard, reduction.unit.bucket).add_(reduction.receive)
+
+    def finish_gradients(self) -> None:
+        if self.post_scale != 1.0:
+            self.grad_shard.mul_(self.post_scale)
+        comm.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group, tag="used-parameter flags").wait()
+        grads = self.grad_shard
+        if self.master_shard is not None:
+            self.grad32 = grads = self.grad_shard.float()
+        for piece, master in self.master_pieces:
+            used = self.used[self.index[id(self.managed[piece.index])]]
+            master.grad = grads[piece.shard_offset : piece.shard_offset + piece.numel] if used else None
+
+    # ------------------------------------------------------------------ step
+    def _owned_grads(self) -> torch.Tensor:
+        return self.grad32 if self.grad32 is not None else self.grad_shard
+
+    def global_grad_norm(self) -> torch.Tensor:
+        squared = (torch.linalg.vector_norm(self._owned_grads(), dtype=torch.float32) ** 2).reshape(1)
+        comm.all_reduce(squared, group=self.group, tag="gradient norm").wait()
+        return squared.sqrt()[0]
+
+    def scale_gradients(self, factor: float) -> None:
+        if factor != 1.0:
+            self._owned_grads().mul_(factor)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        with torch.no_grad():
+            if self.master_shard is not None:
+                self.param_shard.copy_(self.master_shard)
+            if self.persistent is not None:
+                self.persistent.refresh()
+
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+        self.has_grad.clear()
+        self.grad32 = None
+        for p in self.managed:
+            p.grad = None
+        for _, master in self.master_pieces:
+            master.grad = None
+        self.used.zero_()
+
+    # ------------------------------------------------------------------ gathered access
+    def gathered(self, units: list[ParamUnit]) -> None:
+        for unit in sorted(units, key=lambda u: u.index):
+            unit.gather()
+        for unit in units:
+            unit.wait()
+
+    def repartition(self, units: list[ParamUnit], modifier_rank: int | None) -> None:
+        """After a GatheredParameters block: adopt ``modifier_rank``'s values, then free."""
+        for unit in sorted(units, key=lambda u: u.index):
+            if modifier_rank is not None:
+                full = unit.own_chunk().new_empty(0).set_(unit.full.untyped_storage(), 0, (unit.numel,), (1,))
+                comm.broadcast(full, src=dist.get_global_rank(self.group, modifier_rank) if self.group else modifier_rank,
+                               group=self.group, tag=f"GatheredParameters unit {unit.index}").wait()  # fmt: skip
+                unit.shard.copy_(unit.own_chunk())
+                if self.master_shard is not None:
+                    self.layout.shard_chunk(self.master_shard, unit.bucket).copy_(unit.shard)
+            if unit.kind == "persistent":
+                continue
+            unit.release()
+
+    # ------------------------------------------------------------------ state
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        masters = self.master_shard if self.master_shard is not None else self.param_shard
+        full = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.param_shard.device)
+        works = []
+        for unit in self.units:
+            flat = self.layout.bucket_view(full, unit.bucket)
+            self.layout.own_chunk(full, unit.bucket).copy_(self.layout.shard_chunk(masters, unit.bucket))
+            works.append(comm.all_gather_into_tensor(flat, self.layout.own_chunk(full, unit.bucket), group=self.group, tag=f"fp32 weights of unit {unit.index}"))
+        for work in works:
+            work.wait()
+        if self.rank != 0:
+            return None
+        managed_index = {id(p): i for i, p in enumerate(self.managed)}
+        return {
+            name: self.layout.param_view(full, managed_index[id(p)], p.shape).clone()
+            for name, p in self.module.named_parameters()
+        }
+
+    def memory_breakdown(self) -> dict[str, int]:
+        persistent = self.persistent.nbytes if self.persistent is not None else 0
+        live = sum(u.nbytes for u in self.units if u.state is not UnitState.FREE and u is not self.persistent)
+        masters = 0 if self.master_shard is None else self.master_shard.numel() * 4
+        return {
+            "params": self.param_shard.numel() * self.param_shard.element_size() + persistent,
+            "grads": self.grad_shard.numel() * self.grad_shard.element_size(),
+            "optimizer": optimizer_state_bytes(self.optimizer) + masters,
+            "buffers": live,
+        }
+
+    def close(self) -> None:
+        """Remove the hooks and give every parameter its full value back as an ordinary tensor."""
+        super().close()
+        for unit in self.units:
+            unit.gather()
+            unit.wait()
+            for p, i in zip(unit.spec.params, unit.bucket.members):
+                begin, end = unit.param_range(i)
+                p.data = unit.full[begin:end].view(p.shape).clone()
+                _unit_of_param.pop(id(p), None)
+            unit.full.untyped_storage().resize_(0)
+            unit.state = UnitState.FREE
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's own backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, strategy: Stage3Strategy, unit: ParamUnit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.strategy, ctx.unit = strategy, unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.strategy._post_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+def _wrap_inputs(strategy: Stage3Strategy, unit: ParamUnit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    flat = [(k, v) for k, v in enumerate(args) if isinstance(v, torch.Tensor) and v.requires_grad]
+    named = [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not flat and not named:
+        return None
+    wrapped = _PostBackward.apply(strategy, unit, *(v for _, v in flat), *(v for _, v in named))
+    new_args = list(args)
+    for (k, _), t in zip(flat, wrapped[: len(flat)]):
+        new_args[k] = t
+    new_kwargs = dict(kwargs)
+    for (k, _), t in zip(named, wrapped[len(flat) :]):
+        new_kwargs[k] = t
+    return tuple(new_args), new_kwargs
