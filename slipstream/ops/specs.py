@@ -1,0 +1,24 @@
+"""Every compiled op and how to build it (sources relative to csrc/). Imports no torch."""
+
+from __future__ import annotations
+
+from slipstream.ops.builder import OpSpec
+
+# -ffp-contract=off: the kernel's multiply/add order mirrors torch's AdamW (see cpu_adam.cpp).
+# No -march=native: the kernel picks AVX-512/AVX2 at run time, so one build serves every x86-64.
+CPU_ADAM = OpSpec(
+    name="slipstream_cpu_adam",
+    sources=("adam/cpu_adam.cpp", "adam/cpu_adam_binding.cpp"),
+    cflags=("-fopenmp", "-ffp-contract=off"),
+    ldflags=("-fopenmp",),
+)
+
+# The .cu file holds only CUDA (no torch headers); the binding is built where torch has CUDA.
+FUSED_ADAM = OpSpec(
+    name="slipstream_fused_adam",
+    sources=("adam/fused_adam_binding.cpp", "adam/fused_adam_kernel.cu"),
+    cuda=True,
+    cuda_cflags=("-O3", "-fmad=false"),
+)
+
+ALL_OPS: dict[str, OpSpec] = {"cpu_adam": CPU_ADAM, "fused_adam": FUSED_ADAM}
