@@ -122,3 +122,15 @@ def assert_close_trajectory(
         return
     for name, value in ours.params.items():
         torch.testing.assert_close(value, ref.params[name], atol=param_atol, rtol=param_rtol, msg=lambda m: f"{name}: {m}")
+
+
+def tiny_llama(seed: int = 0, n_layer: int = 2, hidden: int = 64) -> torch.nn.Module:
+    """A randomly initialised Llama-style model (RMSNorm, rotary, gated MLP, untied head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ * 2, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)

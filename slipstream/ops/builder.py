@@ -302,7 +302,7 @@ def build(spec: OpSpec, *, retry_failed: bool = False) -> tuple[ModuleType, str]
             module = _compile(spec, target)
         except Exception as err:
             failed.write_text(f"{type(err).__name__}: {err}\n")
-            raise OpBuildError(f"build failed: {_one_line(err)} (log: {failed})") from err
+            raise OpBuildError(f"build failed: {_first_error(str(err))} (log: {failed})") from err
         seconds = time.perf_counter() - start
         library = Path(str(module.__file__)).name
         marker = {"key": op_key(spec), "library": library, "seconds": round(seconds, 2), "built": time.time()}
@@ -343,6 +343,14 @@ def _ensure_ninja_on_path() -> None:
         if os.path.isfile(os.path.join(folder, "ninja")):
             os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
             return
+
+
+def _first_error(output: str) -> str:
+    """The compiler's first error line (the rest of a failed build's output is in its log)."""
+    for line in output.splitlines():
+        if "error" in line.lower() and not line.startswith("["):
+            return " ".join(line.split())[:300]
+    return " ".join(output.split())[:300]
 
 
 def _one_line(err: BaseException) -> str:

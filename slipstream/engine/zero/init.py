@@ -67,6 +67,7 @@ class _Op:
     creates: list[tuple[int, int]]  # (storage key, index of the output leaf)
     random: bool
     overwrites: set[int]  # storages this op fills completely, independently of their old values
+    reseed: torch.Tensor | None = None  # generator state set by the constructor just before this draw
 
 
 class _Recorder(TorchDispatchMode):
@@ -74,6 +75,8 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.log: list[_Op] = []
         self.storages: dict[int, torch.UntypedStorage] = {}  # kept alive so keys are never reused
+        self.first_rng: torch.Tensor | None = None
+        self.last_rng: torch.Tensor | None = None
 
     def _ref(self, t: torch.Tensor) -> _Ref:
         storage = t.untyped_storage()
@@ -114,7 +117,17 @@ class _Recorder(TorchDispatchMode):
             target = self._ref(args[0])
             if target.numel() * args[0].element_size() == self.storages[target.key].nbytes() and target.offset == 0:
                 overwrites.add(target.key)
-        self.log.append(_Op(func, ref_args, ref_kwargs, writes, reads, creates, name in _RANDOM, overwrites))
+        reseed = None
+        if name in _RANDOM:
+            # Meta draws consume nothing, so the generator only changes here if the constructor
+            # reseeded it (torch.manual_seed); replay must reseed at the same point.
+            state = torch.get_rng_state()
+            if self.last_rng is None:
+                self.first_rng = state
+            elif not torch.equal(state, self.last_rng):
+                reseed = state
+            self.last_rng = state
+        self.log.append(_Op(func, ref_args, ref_kwargs, writes, reads, creates, name in _RANDOM, overwrites, reseed))
         return out
 
     def _as_ref(self, value: Any) -> Any:
@@ -142,30 +155,35 @@ class Init:
             return self
         self._rng = torch.get_rng_state()
         self._modules: dict[int, torch.nn.Module] = {}
-        self._hook = torch.nn.modules.module.register_module_parameter_registration_hook(self._on_parameter)
+        registration = torch.nn.modules.module
+        self._hooks = [
+            registration.register_module_parameter_registration_hook(self._on_registration),
+            registration.register_module_module_registration_hook(self._on_registration),
+            registration.register_module_buffer_registration_hook(self._on_registration),
+        ]
         self._recorder = _Recorder()
         self._recorder.__enter__()
         return self
 
-    def _on_parameter(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        self._modules[id(module)] = module
+    def _on_registration(self, module: torch.nn.Module, name: str, value: Any) -> None:
+        self._modules[id(module)] = module  # every module that gets a parameter, buffer or child
 
     def __exit__(self, *exc: Any) -> None:
         if self._recorder is None:
             return
         recorder, self._recorder = self._recorder, None
         recorder.__exit__(*exc)
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         if exc[0] is not None:
             return
         children = {id(c) for m in self._modules.values() for c in m.modules() if c is not m}
         models = [m for key, m in self._modules.items() if key not in children]
-        drawn = not torch.equal(torch.get_rng_state(), self._rng)
-        if drawn:
-            logger.warning("zero.Init: random numbers were drawn outside the meta device during construction; "
-                           "initial values will differ from an unsharded build")  # fmt: skip
+        at_exit = torch.get_rng_state()
         torch.set_rng_state(self._rng)
         _Replay(recorder, models, self.config).run()
+        if not torch.equal(at_exit, recorder.last_rng if recorder.last_rng is not None else self._rng):
+            torch.set_rng_state(at_exit)  # reseeded after the last random draw
 
 
 @dataclasses.dataclass
@@ -204,7 +222,7 @@ class _Replay:
         from slipstream.engine.config import SlipstreamConfig
 
         init_distributed()
-        zero = SlipstreamConfig.load(config).zero_optimization if config is not None else None
+        zero = SlipstreamConfig.load(config, world_size=dist.get_world_size()).zero_optimization if config is not None else None
         self.unit_classes = zero.stage3_unit_modules if zero else None
         self.threshold = zero.stage3_param_persistence_threshold if zero else 100_000
         self.recorder, self.models, self.log = recorder, models, recorder.log
@@ -256,9 +274,16 @@ class _Replay:
         ends: dict[int, list[int]] = {}
         for key, i in last_use.items():
             ends.setdefault(i, []).append(key)
+        first_draw = True
         for i, op in enumerate(self.log):
             if not op.writes:
                 continue  # views and reads have no effect of their own: later ops rebuild views from refs
+            if op.random:
+                if first_draw:  # the state of the first draw: after any seeding in the constructor
+                    torch.set_rng_state(self.recorder.first_rng)
+                elif op.reseed is not None:
+                    torch.set_rng_state(op.reseed)
+                first_draw = False
             if all(i < live_from.get(key, 0) for key in op.writes):
                 if op.random:  # draw the same numbers an unsharded build draws, into scratch
                     op.func(*pytree.tree_map(_scratch, op.args), **_on_cpu(pytree.tree_map(_scratch, op.kwargs)))
