@@ -14,7 +14,6 @@
 // offsets inside every tensor, which keeps vector loads and the streaming stores aligned.
 #include "cpu_adam.h"
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -29,6 +28,7 @@
 #define SS_X86 1
 #define SS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define SS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#include <immintrin.h>
 #else
 #define SS_X86 0
 #endif
@@ -38,38 +38,6 @@ namespace {
 
 constexpr int64_t kAlign = 16;              // elements per slice boundary (one AVX-512 fp32 vector)
 constexpr int64_t kSerialBelow = 1 << 15;   // smaller calls run on the calling thread
-
-// Float scalars of one step, rounded from double exactly where torch rounds them.
-struct Scalars {
-  float decay;       // 1 - lr*wd for AdamW, else 1
-  float l2;          // wd for Adam (L2), else 0
-  bool use_l2;
-  float grad_scale;
-  float w1;          // 1 - beta1 (lerp weight)
-  float beta2;
-  float c2;          // 1 - beta2
-  float bc2_sqrt;
-  float eps;
-  float neg_step;    // -lr / (1 - beta1^step)
-};
-
-Scalars make_scalars(const AdamHyper& h) {
-  Scalars s;
-  const bool decay = h.weight_decay != 0.0;
-  s.decay = (decay && h.adamw_mode) ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
-  s.use_l2 = decay && !h.adamw_mode;
-  s.l2 = static_cast<float>(s.use_l2 ? h.weight_decay : 0.0);
-  s.grad_scale = static_cast<float>(h.grad_scale);
-  s.w1 = static_cast<float>(1.0 - h.beta1);
-  s.beta2 = static_cast<float>(h.beta2);
-  s.c2 = static_cast<float>(1.0 - h.beta2);
-  const double step = static_cast<double>(h.step);
-  // pow(x, 0.5) as Python's `bias_correction2 ** 0.5`: std::sqrt differs in the last bit for some x.
-  s.bc2_sqrt = static_cast<float>(std::pow(1.0 - std::pow(h.beta2, step), 0.5));
-  s.eps = static_cast<float>(h.eps);
-  s.neg_step = static_cast<float>(-(h.lr / (1.0 - std::pow(h.beta1, step))));
-  return s;
-}
 
 template <DType G>
 inline float load_grad(const void* g, int64_t i) {
@@ -87,7 +55,7 @@ inline void store_lowp(void* out, int64_t i, float p) {
 
 // One element; the vector paths perform the same operations lane by lane.
 template <DType G, DType L, bool Probe>
-inline void adam_element(const AdamTensor& t, int64_t i, const Scalars& s) {
+inline void adam_element(const AdamTensor& t, int64_t i, const AdamScalars& s) {
   float p = t.param[i];
   float g = load_grad<G>(t.grad, i);
   float m = t.exp_avg[i];
@@ -112,7 +80,7 @@ inline void adam_element(const AdamTensor& t, int64_t i, const Scalars& s) {
 }
 
 template <DType G, DType L, bool Probe>
-void range_scalar(const AdamTensor& t, int64_t begin, int64_t end, const Scalars& s) {
+void range_scalar(const AdamTensor& t, int64_t begin, int64_t end, const AdamScalars& s) {
   for (int64_t i = begin; i < end; ++i) adam_element<G, L, Probe>(t, i, s);
 }
 
@@ -148,7 +116,7 @@ SS_AVX512 inline __m256i to_lowp16(__m512 p) {
 }
 
 template <DType G, DType L, bool Probe>
-SS_AVX512 void range_avx512(const AdamTensor& t, int64_t begin, int64_t end, const Scalars& s) {
+SS_AVX512 void range_avx512(const AdamTensor& t, int64_t begin, int64_t end, const AdamScalars& s) {
   const __m512 decay = _mm512_set1_ps(s.decay), l2 = _mm512_set1_ps(s.l2), gs = _mm512_set1_ps(s.grad_scale);
   const __m512 w1 = _mm512_set1_ps(s.w1), b2 = _mm512_set1_ps(s.beta2), c2 = _mm512_set1_ps(s.c2);
   const __m512 bc2 = _mm512_set1_ps(s.bc2_sqrt), eps = _mm512_set1_ps(s.eps), step = _mm512_set1_ps(s.neg_step);
@@ -218,7 +186,7 @@ SS_AVX2 inline __m128i to_lowp8(__m256 p) {
 }
 
 template <DType G, DType L, bool Probe>
-SS_AVX2 void range_avx2(const AdamTensor& t, int64_t begin, int64_t end, const Scalars& s) {
+SS_AVX2 void range_avx2(const AdamTensor& t, int64_t begin, int64_t end, const AdamScalars& s) {
   const __m256 decay = _mm256_set1_ps(s.decay), l2 = _mm256_set1_ps(s.l2), gs = _mm256_set1_ps(s.grad_scale);
   const __m256 w1 = _mm256_set1_ps(s.w1), b2 = _mm256_set1_ps(s.beta2), c2 = _mm256_set1_ps(s.c2);
   const __m256 bc2 = _mm256_set1_ps(s.bc2_sqrt), eps = _mm256_set1_ps(s.eps), step = _mm256_set1_ps(s.neg_step);
@@ -285,7 +253,7 @@ Isa isa() {
   return chosen;
 }
 
-using RangeFn = void (*)(const AdamTensor&, int64_t, int64_t, const Scalars&);
+using RangeFn = void (*)(const AdamTensor&, int64_t, int64_t, const AdamScalars&);
 
 template <DType G, DType L, bool Probe>
 RangeFn pick_for_isa() {
@@ -314,7 +282,7 @@ RangeFn pick(DType grad, DType lowp) {
   }
 }
 
-void run(RangeFn fn, const AdamTensor* tensors, int64_t count, const Scalars& s, int num_threads) {
+void run(RangeFn fn, const AdamTensor* tensors, int64_t count, const AdamScalars& s, int num_threads) {
   std::vector<int64_t> offsets(count + 1, 0);  // padded start of each tensor in the joint space
   for (int64_t k = 0; k < count; ++k) {
     offsets[k + 1] = offsets[k] + (tensors[k].numel + kAlign - 1) / kAlign * kAlign;
@@ -359,12 +327,12 @@ const char* cpu_adam_isa() {
 
 void cpu_adam_step(const AdamTensor* tensors, int64_t count, DType grad_dtype, DType lowp_dtype,
                    const AdamHyper& hyper, int num_threads) {
-  run(pick<false>(grad_dtype, lowp_dtype), tensors, count, make_scalars(hyper), num_threads);
+  run(pick<false>(grad_dtype, lowp_dtype), tensors, count, make_adam_scalars(hyper), num_threads);
 }
 
 void cpu_stream_probe(const AdamTensor* tensors, int64_t count, DType grad_dtype, DType lowp_dtype,
                       int num_threads) {
-  run(pick<true>(grad_dtype, lowp_dtype), tensors, count, Scalars{}, num_threads);
+  run(pick<true>(grad_dtype, lowp_dtype), tensors, count, AdamScalars{}, num_threads);
 }
 
 }  // namespace slipstream

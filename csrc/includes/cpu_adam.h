@@ -4,9 +4,9 @@
 
 #include <cstdint>
 
-namespace slipstream {
+#include "adam_common.h"
 
-enum class DType : int { kNone = 0, kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
+namespace slipstream {
 
 // One tensor's buffers. `grad` holds `numel` values of the call's gradient dtype; `lowp_out`
 // (nullable) receives the updated parameter rounded to the call's low-precision dtype.
@@ -17,19 +17,6 @@ struct AdamTensor {
   float* exp_avg_sq;
   void* lowp_out;
   int64_t numel;
-};
-
-// Hyper-parameters of one call (one param group). The gradient is multiplied by `grad_scale`
-// (unscale x clip coefficient) before use; `adamw_mode` chooses decoupled decay over L2.
-struct AdamHyper {
-  double lr;
-  double beta1;
-  double beta2;
-  double eps;
-  double weight_decay;
-  int64_t step;  // already incremented: 1 on the first step
-  bool adamw_mode;
-  double grad_scale;
 };
 
 // The instruction set the kernel dispatches to on this CPU: "avx512", "avx2" or "scalar".
