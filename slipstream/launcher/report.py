@@ -32,6 +32,7 @@ def collect() -> list[Section]:
         ("cuda", _cuda_facts()),
         ("build tools", _build_tool_facts()),
         ("cpu and memory", _host_facts()),
+        ("compiled ops", _op_facts()),
     ]
 
 
@@ -227,6 +228,44 @@ def _host_facts() -> list[tuple[str, str]]:
         return f"{mem.total / 2**30:.1f} GiB total, {mem.available / 2**30:.1f} GiB available"
 
     return [_fact("cpu", cpu), _fact("cores", cores), _fact("simd", simd), _fact("ram", memory)]
+
+
+def _op_facts() -> list[tuple[str, str]]:
+    """Each op's state: prebuilt, cached, buildable (JIT on first use) or fallback (and why)."""
+
+    def cache_dir() -> str:
+        from slipstream.ops.builder import cache_root
+
+        return str(cache_root())
+
+    def op_state(name: str) -> Callable[[], str]:
+        def get() -> str:
+            from slipstream.ops import builder
+            from slipstream.ops.specs import ALL_OPS
+
+            status = builder.status(ALL_OPS[name])
+            return f"{status.state}: {status.detail}"
+
+        return get
+
+    def cpu_adam_isa() -> str:
+        from slipstream.ops import builder
+        from slipstream.ops.specs import CPU_ADAM
+
+        if builder.status(CPU_ADAM).state not in ("prebuilt", "cached"):
+            return "unknown until the op is built"
+        module = builder.load(CPU_ADAM)
+        return module.isa() if module is not None else "unknown (op failed to load)"
+
+    from slipstream.ops.specs import ALL_OPS  # imports no torch
+
+    facts = [_fact("op cache", cache_dir)]
+    disabled = os.environ.get("SLIPSTREAM_DISABLE_OPS")
+    if disabled:
+        facts.append(("SLIPSTREAM_DISABLE_OPS", disabled))
+    facts += [_fact(f"op {name}", op_state(name)) for name in ALL_OPS]
+    facts.append(_fact("cpu_adam kernel isa", cpu_adam_isa))
+    return facts
 
 
 @cache

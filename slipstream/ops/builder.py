@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -59,7 +59,7 @@ class OpSpec:
     cuda: bool = False  # needs a CUDA build of torch and nvcc
     cuda_cflags: tuple[str, ...] = ()
     include_dirs: tuple[str, ...] = ("includes",)
-    root: Path | None = field(default=None, compare=False)  # csrc root; None: the package's
+    root: Path | None = None  # csrc root; None: the package's (or the checkout's)
 
 
 @dataclass(frozen=True)
@@ -98,12 +98,12 @@ def build_dir(spec: OpSpec) -> Path:
     return cache_root() / f"{spec.name}-{op_key(spec)}"
 
 
-def _sources(spec: OpSpec) -> list[Path]:
+def op_sources(spec: OpSpec) -> list[Path]:
     root = spec.root or csrc_root()
     return [root / source for source in spec.sources]
 
 
-def _include_dirs(spec: OpSpec) -> list[Path]:
+def op_include_dirs(spec: OpSpec) -> list[Path]:
     root = spec.root or csrc_root()
     return [root / include for include in spec.include_dirs]
 
@@ -163,8 +163,8 @@ def _op_key_cached(spec: OpSpec) -> str:
         facts += [_tool_version(nvcc, "--version") if nvcc else "no nvcc", _cuda_archs(), " ".join(spec.cuda_cflags)]
     for fact in facts:
         digest.update(fact.encode() + b"\0")
-    files = list(_sources(spec))
-    for include in _include_dirs(spec):
+    files = list(op_sources(spec))
+    for include in op_include_dirs(spec):
         files += sorted(p for p in include.rglob("*") if p.is_file())
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -320,8 +320,8 @@ def _compile(spec: OpSpec, target: Path) -> ModuleType:
     key_flag = f"-DSLIPSTREAM_OP_KEY={op_key(spec)}"
     return cpp_extension.load(
         name=spec.name,
-        sources=[str(p) for p in _sources(spec)],
-        extra_include_paths=[str(p) for p in _include_dirs(spec)],
+        sources=[str(p) for p in op_sources(spec)],
+        extra_include_paths=[str(p) for p in op_include_dirs(spec)],
         extra_cflags=[*cflags(spec), key_flag],
         extra_ldflags=list(spec.ldflags),
         extra_cuda_cflags=[*spec.cuda_cflags, key_flag] if spec.cuda else None,
@@ -348,7 +348,7 @@ def _ensure_ninja_on_path() -> None:
 def _first_error(output: str) -> str:
     """The compiler's first error line (the rest of a failed build's output is in its log)."""
     for line in output.splitlines():
-        if "error" in line.lower() and not line.startswith("["):
+        if "error:" in line:
             return " ".join(line.split())[:300]
     return " ".join(output.split())[:300]
 
