@@ -1,9 +1,13 @@
 """Package metadata for Slipstream.
 
-Compiled ops are built just in time by default; ``SLIPSTREAM_BUILD_OPS=1`` asks for an
-ahead-of-time build once the ops land (see ``slipstream/ops``).
+Compiled ops are built just in time on first use (and cached); ``SLIPSTREAM_BUILD_OPS=1 pip
+install --no-build-isolation .`` compiles them at install time instead, against the torch already
+installed (see docs/ops.md). The C++/CUDA sources ship inside the package as ``slipstream/ops/csrc``
+so a JIT build works from any install.
 """
 
+import os
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -12,6 +16,14 @@ ROOT = Path(__file__).parent
 version: dict[str, str] = {}
 exec((ROOT / "slipstream" / "version.py").read_text(), version)
 
+ext_modules: list = []
+cmdclass: dict = {}
+if os.environ.get("SLIPSTREAM_BUILD_OPS", "") not in ("", "0"):
+    sys.path.insert(0, str(ROOT))
+    from slipstream.ops.build import aot_extensions  # needs torch: install with --no-build-isolation
+
+    ext_modules, cmdclass = aot_extensions(str(ROOT))
+
 setup(
     name="slipstream",
     version=version["__version__"],
@@ -19,8 +31,11 @@ setup(
     long_description=(ROOT / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["slipstream", "slipstream.*"]),
-    package_data={"slipstream": ["py.typed"]},
+    packages=[*find_packages(include=["slipstream", "slipstream.*"]), "slipstream.ops.csrc"],
+    package_dir={"slipstream.ops.csrc": "csrc"},
+    package_data={"slipstream": ["py.typed"], "slipstream.ops.csrc": ["**/*.h", "**/*.cpp", "**/*.cu", "**/*.cuh"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
     install_requires=[
         # Any build the user already has (CPU, CUDA, ROCm) from 2.4 on; we never pin an exact wheel.
         "torch>=2.4",

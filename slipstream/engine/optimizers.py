@@ -68,6 +68,11 @@ def build_optimizer(config: OptimizerConfig, groups: list[dict[str, Any]], fused
     decoupled = kind == "adamw" or params.adam_w_mode
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     fused = fused_supported if params.fused is None else params.fused
+    if fused and not params.amsgrad and any(p.is_cuda for group in groups for p in group["params"]):
+        from slipstream.ops.adam import FusedAdam, fused_adam_available
+
+        if fused_adam_available():  # our multi-tensor kernel; else torch's fused AdamW below
+            return FusedAdam(groups, lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay, adamw_mode=decoupled)
     options: dict[str, Any] = dict(lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay, amsgrad=params.amsgrad)
     options["fused" if fused else "foreach"] = True
     return cls(groups, **options)

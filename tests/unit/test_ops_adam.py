@@ -303,3 +303,35 @@ def test_bf16_params_take_the_float32_state_path(op):
     reference.step()
     assert optimizer.state[p]["exp_avg"].dtype == torch.float32
     torch.testing.assert_close(p.detach().float(), ref.detach().bfloat16().float(), rtol=2**-8, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_adam_on_cuda_matches_the_cpu_kernel_and_the_engine_picks_it(op):
+    from slipstream.engine.config import OptimizerConfig
+    from slipstream.engine.optimizers import build_optimizer
+    from slipstream.ops.adam import fused_adam_available, fused_adam_step
+
+    assert fused_adam_available()
+    shapes = random_shapes(seed=31, count=12)
+    cpu, gpu = make_params(shapes), [torch.nn.Parameter(p.detach().cuda()) for p in make_params(shapes)]
+    cpu_opt, gpu_opt = CPUAdam(split_groups(cpu)), FusedAdam(split_groups(gpu))
+    for step in range(1, 4):
+        set_grads(cpu, cpu, step)
+        for a, b in zip(cpu, gpu):
+            b.grad = a.grad.cuda()
+        cpu_opt.step()
+        gpu_opt.step()
+    for a, b in zip(cpu, gpu):  # same operations, each correctly rounded, on both devices
+        assert torch.equal(a.detach(), b.detach().cpu())
+    params, m, v = (ts for ts in _state(shapes, seed=2))
+    grads = [torch.randn(s).bfloat16() for s in shapes]
+    outs = [[torch.empty(s, dtype=torch.bfloat16) for s in shapes] for _ in range(2)]
+    hyper = dict(step=2, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, grad_scale=0.5)
+    cuda_state = [[t.cuda() for t in ts] for ts in (params, m, v)]
+    cuda_out = [t.cuda() for t in outs[1]]
+    fused_adam_step(cuda_state[0], [g.cuda() for g in grads], cuda_state[1], cuda_state[2], out_lowp=cuda_out, **hyper)
+    cpu_adam_step(params, grads, m, v, out_lowp=outs[0], **hyper)
+    for a, b in zip(outs[0], cuda_out):
+        assert torch.equal(a, b.cpu())
+    engine_opt = build_optimizer(OptimizerConfig(type="AdamW", params={"lr": 1e-3}), [{"params": gpu}], True)
+    assert isinstance(engine_opt, FusedAdam)
