@@ -1,7 +1,9 @@
-"""ZeRO stages 0/1/2 vs torch DDP (and DeepSpeed, where installed): step time and peak RSS per rank.
+"""ZeRO stages 0-3 vs torch DDP, FSDP2 and DeepSpeed (where installed): step time and peak RSS per rank.
 
-    python benchmarks/bench_zero.py [--model gpt2-large] [--steps 20] [--rounds 2]
-                                    [--deepspeed-python /path/to/venv/bin/python]
+    python benchmarks/bench_zero.py [--model gpt2-large] [--steps 20] [--rounds 2] [--stages 0,1,2,3]
+                                    [--peers ddp,fsdp2] [--deepspeed-python /path/to/venv/bin/python]
+
+FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
 
 Every configuration runs as a fresh 2-rank job (gloo, one thread per rank), so peak RSS is its own;
 configurations alternate round by round (A B C ... A B C ...). All use AdamW(fused=True), lr 1e-3,
@@ -47,13 +49,20 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
     def adamw(params: object) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
 
-    if kind == "ddp":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = adamw(ddp.parameters())
+    if kind in ("ddp", "fsdp2"):
+        if kind == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.transformer.h:
+                fully_shard(block)
+            wrapped = fully_shard(model)
+        optimizer = adamw(wrapped.parameters())
 
         def step(batch: torch.Tensor) -> None:
-            ddp(input_ids=batch, labels=batch).loss.backward()
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            wrapped(input_ids=batch, labels=batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
     else:
@@ -98,6 +107,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--stages", default="0,1,2")
+    parser.add_argument("--peers", default="ddp", help="torch peers besides DDP: fsdp2")
     parser.add_argument("--deepspeed-python", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -108,7 +118,7 @@ def main() -> None:
 
     stages = [int(s) for s in args.stages.split(",")]
     deepspeed_python = args.deepspeed_python or (sys.executable if importlib.util.find_spec("deepspeed") else None)
-    kinds = ["ddp"] + [f"slipstream-{s}" for s in stages]
+    kinds = ["ddp", *(p for p in args.peers.split(",") if p and p != "ddp")] + [f"slipstream-{s}" for s in stages]
     if deepspeed_python:
         kinds += [f"deepspeed-{s}" for s in stages]
     results: dict[str, dict[str, list[float]]] = {k: {"times": [], "rss": []} for k in kinds}
@@ -126,7 +136,9 @@ def main() -> None:
     ddp = statistics.median(results["ddp"]["times"])
     print(f"{args.model}, 2 ranks (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, micro-batch 4;"
           f" {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
-    print(f"{'config':<14} {'median ms':>9} {'min-max ms':>15} {'peak RSS/rank MB':>18} {'vs DDP':>7} {'vs DeepSpeed':>13}")
+    fsdp2 = statistics.median(results["fsdp2"]["times"]) if "fsdp2" in results else None
+    print(f"{'config':<14} {'median ms':>9} {'min-max ms':>15} {'peak RSS/rank MB':>18} {'vs DDP':>7} {'vs DeepSpeed':>13}"
+          + (f" {'vs FSDP2':>9}" if fsdp2 else ""))  # fmt: skip
     for kind in kinds:
         times = sorted(t * 1e3 for t in results[kind]["times"])
         median = statistics.median(times)
@@ -135,7 +147,8 @@ def main() -> None:
         vs_ds = ""
         if kind.startswith("slipstream") and peer in results:
             vs_ds = f"{median / (statistics.median(results[peer]['times']) * 1e3):.3f}x"
-        print(f"{kind:<14} {median:9.1f} {times[0]:7.1f}-{times[-1]:<7.1f} {rss:>18} {median / (ddp * 1e3):6.3f}x {vs_ds:>13}")
+        vs_fsdp2 = f" {median / (fsdp2 * 1e3):8.3f}x" if fsdp2 and kind.startswith("slipstream") else ""
+        print(f"{kind:<14} {median:9.1f} {times[0]:7.1f}-{times[-1]:<7.1f} {rss:>18} {median / (ddp * 1e3):6.3f}x {vs_ds:>13}{vs_fsdp2}")
 
 
 if __name__ == "__main__":

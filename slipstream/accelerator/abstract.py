@@ -59,6 +59,12 @@ class Accelerator(abc.ABC):
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
+    def return_freed_memory(self) -> None:
+        """Make memory freed by partitioning (ZeRO-3 releasing a unit) leave the process.
+
+        Device caching allocators reuse it already; nothing to do by default.
+        """
+
     def supports_fused_adam(self) -> bool:
         """Whether ``torch.optim.AdamW(fused=True)`` runs on this device."""
         return True

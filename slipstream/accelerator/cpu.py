@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import resource
 import sys
 from typing import Any
@@ -11,6 +12,9 @@ import psutil
 import torch
 
 from slipstream.accelerator.abstract import Accelerator
+
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
+_MMAP_THRESHOLD_BYTES = 1 << 20
 
 
 class _CPUStream:
@@ -47,6 +51,7 @@ class CPUAccelerator(Accelerator):
     def __init__(self) -> None:
         self._process = psutil.Process()
         self._peak_baseline = 0
+        self._fixed_mmap_threshold = False
 
     def device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
@@ -87,3 +92,16 @@ class CPUAccelerator(Accelerator):
 
     def reset_peak_memory_stats(self) -> None:
         self._peak_baseline = self.memory_allocated()
+
+    def return_freed_memory(self) -> None:
+        # [Note: glibc and freed units] glibc raises its mmap threshold each time a large block is
+        # freed, so later blocks of that size come from the heap, where alignment slack keeps a freed
+        # unit's hole from fitting the next one: measured here, releasing 24 gathered 12.6 MB units
+        # left 265 MB mapped. A fixed threshold keeps large blocks on mmap, returned when freed.
+        if sys.platform.startswith("linux") and not self._fixed_mmap_threshold:
+            try:
+                libc = ctypes.CDLL("libc.so.6")
+                libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+            except (OSError, AttributeError):  # not glibc (musl...): nothing to tune
+                pass
+            self._fixed_mmap_threshold = True

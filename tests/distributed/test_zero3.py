@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -322,3 +323,80 @@ def _gathered_body() -> None:
 
 def test_gathered_parameters_reads_and_modifies_full_weights() -> None:
     run_distributed(2, _gathered_body)
+
+
+class _Sneaky(_Tricky):
+    def __init__(self) -> None:
+        torch.nn.Module.__init__(self)
+        self.blocks = torch.nn.ModuleList(_Block(8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.blocks[0](x)
+        return self.head(h * self.blocks[1].scale).mean()  # block 1's parameter, never declared
+
+
+def _undeclared_body() -> str:
+    engine = slipstream.initialize(_Sneaky(), _config(dist.get_world_size(), 1))
+    with pytest.raises(RuntimeError, match="register_external_parameter"):
+        engine(torch.randn(2, 8))
+    engine.close()
+    return "ok"
+
+
+def test_undeclared_outside_use_is_explained() -> None:
+    assert run_distributed(2, _undeclared_body) == ["ok", "ok"]
+
+
+def _vm_data_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmData in /proc/self/status")
+
+
+def _capped_body() -> dict:
+    """Build a 24-layer GPT-2 (~300 MB of fp32 weights) under a data-size limit below that size."""
+    import gc
+    import resource
+
+    world = dist.get_world_size()
+    config = {**_config(world, 1, mb=1), "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    warm = slipstream.initialize(tiny_gpt2(seed=0, n_layer=2), config)  # process groups and ring threads exist
+    warm.close()
+    del warm
+    gc.collect()
+    full_bytes = 4 * sum(p.numel() for p in tiny_gpt2(seed=0, n_layer=24, n_embd=512).parameters())
+    gc.collect()
+    cap = int(0.9 * full_bytes)
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (_vm_data_bytes() + cap, hard))
+    try:  # the cap is below the size of the fp32 weights alone: this process cannot hold the model whole
+        with slipstream.zero.Init(config=config):
+            model = tiny_gpt2(seed=0, n_layer=24, n_embd=512)
+        model.requires_grad_(False)  # fine-tune the last block and the final norm (see the note in the test)
+        model.transformer.h[-1].requires_grad_(True)
+        model.transformer.ln_f.requires_grad_(True)
+        engine = slipstream.initialize(model, config)
+        losses = []
+        for tokens in global_batches(3, config["train_batch_size"]):
+            loss = gpt2_loss(engine, micro_batch(tokens, 0, dist.get_rank(), world, 1))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        held = engine.strategy.memory_breakdown()
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    engine.close()
+    return {"losses": losses, "cap": cap, "full": full_bytes, **held}
+
+
+def test_zero_init_trains_a_model_larger_than_the_memory_cap() -> None:
+    # At 2 ranks, training *every* parameter needs at least 8 bytes/parameter/N (fp32 weights and
+    # gradients) = the whole fp32 model, so a cap below the model's size leaves room only for a
+    # fine-tune: a frozen backbone costs its 4/N shard and no gradient or optimizer memory.
+    for result in run_distributed(2, _capped_body):
+        assert result["cap"] < result["full"]
+        losses = result["losses"]
+        assert 5.0 < losses[0] < 6.0 and all(math.isfinite(x) for x in losses), losses  # ln(256) ≈ 5.55 at init
+        assert result["params"] + result["grads"] + result["optimizer"] < result["cap"], result

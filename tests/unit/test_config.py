@@ -144,7 +144,10 @@ def test_initialize_requires_an_optimizer() -> None:
     ("config", "message"),
     [
         ({"optimizer": {"type": "Lamb"}}, "optimizer.type: 'Lamb' is not available; use Adam, AdamW or SGD"),
-        ({"optimizer": {"type": "Adamw"}, "zero_optimization": {"stage": 3}}, "zero_optimization.stage: stage 3 is not available"),
+        (
+            {"optimizer": {"type": "Adamw"}, "zero_optimization": {"stage": 3, "stage3_unit_modules": ["GPT2Block"]}},
+            "zero_optimization.stage3_unit_modules: no module of class GPT2Block in the model",
+        ),
         ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "optimizer.params.lr: must be > 0.0, got -1"),
         ({"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}, "optimizer.params.betas: must be"),
         ({"optimizer": {"type": "sgd", "params": {"momentum": 0.9}}}, "optimizer.params.lr: is required"),

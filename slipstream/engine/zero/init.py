@@ -17,6 +17,7 @@ Nothing is monkey-patched: parameters are found with torch's public parameter-re
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from slipstream.accelerator import get_accelerator
 from slipstream.engine.zero.layout import FlatLayout
 from slipstream.utils.logging import get_logger
 
@@ -222,6 +224,7 @@ class _Replay:
         from slipstream.engine.config import SlipstreamConfig
 
         init_distributed()
+        get_accelerator().return_freed_memory()  # the replay frees one materialised parameter after another
         zero = SlipstreamConfig.load(config, world_size=dist.get_world_size()).zero_optimization if config is not None else None
         self.unit_classes = zero.stage3_unit_modules if zero else None
         self.threshold = zero.stage3_param_persistence_threshold if zero else 100_000
@@ -276,15 +279,15 @@ class _Replay:
             ends.setdefault(i, []).append(key)
         first_draw = True
         for i, op in enumerate(self.log):
-            if not op.writes:
-                continue  # views and reads have no effect of their own: later ops rebuild views from refs
             if op.random:
                 if first_draw:  # the state of the first draw: after any seeding in the constructor
                     torch.set_rng_state(self.recorder.first_rng)
                 elif op.reseed is not None:
                     torch.set_rng_state(op.reseed)
                 first_draw = False
-            if all(i < live_from.get(key, 0) for key in op.writes):
+            if not op.writes:
+                pass  # views and reads have no effect of their own: later ops rebuild views from refs
+            elif all(i < live_from.get(key, 0) for key in op.writes):
                 if op.random:  # draw the same numbers an unsharded build draws, into scratch
                     op.func(*pytree.tree_map(_scratch, op.args), **_on_cpu(pytree.tree_map(_scratch, op.kwargs)))
             else:
@@ -345,28 +348,50 @@ def _materialize_buffers(model: torch.nn.Module, real: dict[int, torch.UntypedSt
                 )
 
 
-def hollow(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of ``shape`` whose storage holds zero bytes (ZeRO-3 gives it real storage later)."""
-    t = torch.empty(shape, dtype=dtype, device=device)  # one parameter at a time, freed at once
-    t.untyped_storage().resize_(0)
-    return t
+def hollow(shapes: list[torch.Size], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Tensors of these shapes whose (shared) storage holds zero bytes; ZeRO-3 gives them real storage.
+
+    ``set_`` needs a large enough storage when the view is made, so one is allocated for the
+    largest shape and emptied afterwards: one allocation, not one per parameter (glibc keeps freed
+    chunks mapped, so a per-parameter allocation would leave the heap as large as the model).
+    """
+    largest = max((math.prod(shape) for shape in shapes), default=0)
+    base = torch.empty(largest, dtype=dtype, device=device)
+    views = [torch.empty(0, dtype=dtype, device=device).set_(base.untyped_storage(), 0, shape, _contiguous_strides(shape)) for shape in shapes]
+    base.untyped_storage().resize_(0)
+    return views
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _hollow_parameters(model: torch.nn.Module, replaced: dict[int, torch.nn.Parameter]) -> None:
     """Swap meta parameters for hollow CPU ones (a meta tensor cannot become a CPU one in place)."""
+    from slipstream.engine.zero.param_unit import ReleasedParameter
+
+    metas = {id(p): p for p in model.parameters() if p.is_meta and id(p) not in replaced}
+    for key, tensor in zip(metas, hollow([p.shape for p in metas.values()], torch.float32, torch.device("cpu"))):
+        source = metas[key]
+        tensor = tensor if source.dtype == torch.float32 else hollow([source.shape], source.dtype, torch.device("cpu"))[0]
+        replaced[key] = torch.nn.Parameter(tensor, requires_grad=source.requires_grad)
+        replaced[key].__class__ = ReleasedParameter  # computing with it before initialize() raises, not crashes
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is not None and p.is_meta:
-                if id(p) not in replaced:
-                    replaced[id(p)] = torch.nn.Parameter(hollow(p.shape, p.dtype, torch.device("cpu")), requires_grad=p.requires_grad)
+            if p is not None and id(p) in replaced:
                 module._parameters[name] = replaced[id(p)]
 
 
 def prepare_presharded(model: torch.nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
     """initialize()'s ``model.to(device, dtype)`` for a zero.Init model: recast hollow parameters, move buffers."""
-    for p in model.parameters():
-        if p.device != device or (dtype is not None and p.dtype != dtype):
-            p.data = hollow(p.shape, dtype or p.dtype, device)
+    params = [p for p in model.parameters() if p.device != device or (dtype is not None and p.dtype != dtype)]
+    if params:
+        for p, tensor in zip(params, hollow([p.shape for p in params], dtype or params[0].dtype, device)):
+            p.data = tensor
     for module in model.modules():
         for name, buffer in module._buffers.items():
             if buffer is not None:

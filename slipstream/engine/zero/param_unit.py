@@ -12,6 +12,7 @@ otherwise report an in-place modification).
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,42 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.units import UnitSpec
+
+
+_HARMLESS = {
+    "shape", "size", "dim", "numel", "dtype", "device", "requires_grad", "requires_grad_", "grad", "data", "is_leaf",
+    "untyped_storage", "element_size", "stride", "storage_offset", "ndim", "layout", "is_meta", "is_cuda", "is_sparse",
+    "is_floating_point", "_version", "grad_fn", "name", "__get__", "__set__", "register_post_accumulate_grad_hook",
+    "register_hook", "__hash__", "__eq__", "__reduce_ex__", "_is_view", "is_quantized", "is_complex", "nbytes", "itemsize",
+}  # fmt: skip
+
+
+class ReleasedParameter(torch.nn.Parameter):
+    """The class a partitioned parameter wears while its unit is not gathered.
+
+    Its storage is empty then; an elementwise kernel would read a null pointer and crash the
+    process, so every computation on it raises an explanation instead. Reading its metadata
+    (shape, dtype, grad, ...) stays allowed. Torch itself switches a parameter's class this way
+    (``UninitializedParameter``).
+    """
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in _HARMLESS or getattr(getattr(func, "__self__", None), "__name__", "") in _HARMLESS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise RuntimeError(
+            f"ZeRO-3: {name or func} used a partitioned parameter while its unit was not gathered (a parameter used "
+            "outside its owning module's forward, a submodule called outside the model's forward, or model.state_dict() "
+            "instead of engine.consolidated_state_dict()). Declare outside uses with "
+            "slipstream.zero.register_external_parameter(module_that_uses_it, parameter) before initialize(), name a "
+            "module enclosing both in zero_optimization.stage3_unit_modules, or wrap the access in "
+            "slipstream.zero.GatheredParameters(params)"
+        )
+
+    def __repr__(self) -> str:
+        return f"ReleasedParameter(shape={tuple(self.shape)}, dtype={self.dtype}; gather with slipstream.zero.GatheredParameters)"
 
 
 class UnitState(enum.Enum):
@@ -64,6 +101,7 @@ class ParamUnit:
         if self.state is not UnitState.FREE:
             return
         self.full.untyped_storage().resize_(self.nbytes)
+        self._mark(released=False)
         self.work = comm.all_gather_into_tensor(
             self._alias, self.shard, group=self.gather_group, tag=f"ZeRO-3 unit {self.index} ({self.spec.name})"
         )
@@ -82,7 +120,15 @@ class ParamUnit:
             return
         self.wait()
         self.full.untyped_storage().resize_(0)
+        self._mark(released=True)
         self.state = UnitState.FREE
+
+    def _mark(self, released: bool) -> None:
+        for p in self.spec.params:
+            if released and type(p) is torch.nn.Parameter:
+                p.__class__ = ReleasedParameter
+            elif not released and type(p) is ReleasedParameter:
+                p.__class__ = torch.nn.Parameter
 
     def refresh(self) -> None:
         """Re-gather a live unit after its shard changed (the persistent unit after each step)."""

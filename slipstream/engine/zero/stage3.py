@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.accelerator import get_accelerator
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.layout import FlatLayout
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
@@ -84,6 +85,7 @@ class Stage3Strategy(ShardingStrategy):
         preshard: Callable[[FlatLayout, list[torch.nn.Parameter]], torch.Tensor] | None = None,
     ) -> None:
         self.module, self.options, self.stage3, self.group = module, options, stage3, options.group
+        get_accelerator().return_freed_memory()
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         specs = find_units(module, stage3.unit_classes, stage3.persistence_threshold)
         self.managed = [p for spec in specs for p in spec.params]
@@ -120,8 +122,7 @@ class Stage3Strategy(ShardingStrategy):
         for spec, bucket in zip(specs, self.layout.buckets):
             unit = ParamUnit(spec, bucket, self.layout, self.layout.shard_chunk(self.param_shard, bucket), self.gather_group)
             unit.adopt(spec.params, bucket.members)
-            unit.state = UnitState.FREE
-            unit.full.untyped_storage().resize_(0)
+            unit.release()
             self.units.append(unit)
             for p in spec.params:
                 _unit_of_param[id(p)] = (self, unit)
@@ -131,7 +132,11 @@ class Stage3Strategy(ShardingStrategy):
         if self.persistent is not None:
             self.persistent.refresh()
         self._bind_optimizer(optimizer, groups, device)
-        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        # Gradient chunks only for units with trainable parameters: a frozen backbone costs no gradient memory.
+        self.grad_chunks = {
+            u.index: torch.zeros(u.bucket.chunk, dtype=self.dtype, device=device)
+            for u in self.units if any(p.requires_grad for p in u.spec.params)
+        }  # fmt: skip
         self.pre_scale, self.post_scale = reduction_scales(
             self.world, options.gradient_predivide_factor, options.prescale_gradients, options.average
         )
@@ -141,7 +146,7 @@ class Stage3Strategy(ShardingStrategy):
         self.reduced_this_pass: set[int] = set()
         self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
         self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=device)
-        self.grad32: torch.Tensor | None = None
+        self.grad32: dict[int, torch.Tensor] | None = None
         self.forward_pass: _Pass | None = None
         self.backward_pass: _Pass | None = None
         self.hooks = self._register_hooks()
@@ -198,7 +203,7 @@ class Stage3Strategy(ShardingStrategy):
     def _end_forward_pass(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         current, self.forward_pass = self.forward_pass, None
         if current is not None:
-            self._advance(current, len(current.order))  # gather what other ranks may still need
+            self._participate_in_rest(current)
             for unit in current.order:
                 if unit.depth == 0:
                     unit.release()
@@ -251,6 +256,14 @@ class Stage3Strategy(ShardingStrategy):
         while current.cursor < until:
             current.order[current.cursor].gather()
             current.cursor += 1
+
+    def _participate_in_rest(self, current: _Pass) -> None:
+        """Gather the units this rank did not reach (other ranks may run them), one at a time."""
+        while current.cursor < len(current.order):
+            unit = current.order[current.cursor]
+            current.cursor += 1
+            unit.gather()
+            unit.release()
 
     def _prefetch(self, current: _Pass) -> None:
         live = sum(u.numel for u in self.units if u.state is not UnitState.FREE)
@@ -308,7 +321,7 @@ class Stage3Strategy(ShardingStrategy):
         """Complete the backward pass: every unit reduced exactly once on every rank, all freed."""
         current = self.backward_pass or _Pass(list(reversed(self.blocks)))
         self.backward_pass = current
-        self._advance(current, len(current.order))
+        self._participate_in_rest(current)
         for unit in [*current.order, *(u for u in (self.root, self.persistent) if u is not None)]:
             unit.pending_backward = 0
             unit.backward_started = False
@@ -322,6 +335,8 @@ class Stage3Strategy(ShardingStrategy):
         self.backward_pass = None
 
     def _launch_reduce(self, unit: ParamUnit) -> None:
+        if unit.index not in self.grad_chunks:
+            return  # frozen on every rank alike: nothing to reduce
         send = torch.zeros(unit.numel, dtype=self.dtype, device=self.param_shard.device)
         for p, i in zip(unit.spec.params, unit.bucket.members):
             if p.grad is not None:
@@ -332,7 +347,7 @@ class Stage3Strategy(ShardingStrategy):
                     self.used[self.index[id(p)]] = 1.0
         if self.pre_scale != 1.0:
             send.mul_(self.pre_scale)
-        chunk = self.layout.shard_chunk(self.grad_shard, unit.bucket)
+        chunk = self.grad_chunks[unit.index]
         accumulate = unit.index in self.has_grad
         receive = torch.empty_like(chunk) if accumulate else chunk
         self.has_grad.add(unit.index)
@@ -344,31 +359,37 @@ class Stage3Strategy(ShardingStrategy):
     def _complete_reduction(self, reduction: _Reduction) -> None:
         reduction.work.wait()
         if reduction.accumulate:
-            self.layout.shard_chunk(self.grad_shard, reduction.unit.bucket).add_(reduction.receive)
+            self.grad_chunks[reduction.unit.index].add_(reduction.receive)
 
     def finish_gradients(self) -> None:
         if self.post_scale != 1.0:
-            self.grad_shard.mul_(self.post_scale)
+            for chunk in self.grad_chunks.values():
+                chunk.mul_(self.post_scale)
         comm.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group, tag="used-parameter flags").wait()
-        grads = self.grad_shard
         if self.master_shard is not None:
-            self.grad32 = grads = self.grad_shard.float()
+            self.grad32 = {i: chunk.float() for i, chunk in self.grad_chunks.items()}
+        grads = self._owned_grads()
         for piece, master in self.master_pieces:
             used = self.used[self.index[id(self.managed[piece.index])]]
-            master.grad = grads[piece.shard_offset : piece.shard_offset + piece.numel] if used else None
+            bucket = self.layout.buckets[self.layout.slots[piece.index].bucket]
+            begin = piece.shard_offset - bucket.shard_offset
+            master.grad = grads[bucket.index][begin : begin + piece.numel] if used else None
 
     # ------------------------------------------------------------------ step
-    def _owned_grads(self) -> torch.Tensor:
-        return self.grad32 if self.grad32 is not None else self.grad_shard
+    def _owned_grads(self) -> dict[int, torch.Tensor]:
+        return self.grad32 if self.grad32 is not None else self.grad_chunks
 
     def global_grad_norm(self) -> torch.Tensor:
-        squared = (torch.linalg.vector_norm(self._owned_grads(), dtype=torch.float32) ** 2).reshape(1)
+        squared = torch.zeros(1, dtype=torch.float32, device=self.param_shard.device)
+        for chunk in self._owned_grads().values():
+            squared += torch.linalg.vector_norm(chunk, dtype=torch.float32) ** 2
         comm.all_reduce(squared, group=self.group, tag="gradient norm").wait()
         return squared.sqrt()[0]
 
     def scale_gradients(self, factor: float) -> None:
         if factor != 1.0:
-            self._owned_grads().mul_(factor)
+            for chunk in self._owned_grads().values():
+                chunk.mul_(factor)
 
     def step(self) -> None:
         self.optimizer.step()
@@ -379,7 +400,8 @@ class Stage3Strategy(ShardingStrategy):
                 self.persistent.refresh()
 
     def zero_grad(self) -> None:
-        self.grad_shard.zero_()
+        for chunk in self.grad_chunks.values():
+            chunk.zero_()
         self.has_grad.clear()
         self.grad32 = None
         for p in self.managed:
@@ -434,7 +456,7 @@ class Stage3Strategy(ShardingStrategy):
         masters = 0 if self.master_shard is None else self.master_shard.numel() * 4
         return {
             "params": self.param_shard.numel() * self.param_shard.element_size() + persistent,
-            "grads": self.grad_shard.numel() * self.grad_shard.element_size(),
+            "grads": sum(c.numel() * c.element_size() for c in self.grad_chunks.values()),
             "optimizer": optimizer_state_bytes(self.optimizer) + masters,
             "buffers": live,
         }
