@@ -38,6 +38,9 @@ namespace {
 
 constexpr int64_t kAlign = 16;              // elements per slice boundary (one AVX-512 fp32 vector)
 constexpr int64_t kSerialBelow = 1 << 15;   // smaller calls run on the calling thread
+// Software prefetch distance in elements (2 KB ahead for fp32). The hardware prefetchers alone
+// leave ~10% of the bandwidth unused with five concurrent streams per core on this kind of CPU.
+constexpr int64_t kPrefetch = 512;
 
 template <DType G>
 inline float load_grad(const void* g, int64_t i) {
@@ -54,6 +57,18 @@ inline void store_lowp(void* out, int64_t i, float p) {
 }
 
 // One element; the vector paths perform the same operations lane by lane.
+#if SS_X86
+template <DType G>
+inline void prefetch_streams(const AdamTensor& t, int64_t i) {
+  const int64_t ahead = i + kPrefetch;
+  _mm_prefetch(reinterpret_cast<const char*>(t.param + ahead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(t.exp_avg + ahead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(t.exp_avg_sq + ahead), _MM_HINT_T0);
+  const char* grad = static_cast<const char*>(t.grad) + ahead * (G == DType::kFloat32 ? 4 : 2);
+  _mm_prefetch(grad, _MM_HINT_T0);
+}
+#endif
+
 template <DType G, DType L, bool Probe>
 inline void adam_element(const AdamTensor& t, int64_t i, const AdamScalars& s) {
   float p = t.param[i];
@@ -126,6 +141,7 @@ SS_AVX512 void range_avx512(const AdamTensor& t, int64_t begin, int64_t end, con
   for (int64_t i = begin; i < end; i += 16) {
     const int64_t left = end - i;
     const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+    prefetch_streams<G>(t, i);
     __m512 p = _mm512_maskz_loadu_ps(mask, t.param + i);
     __m512 g = load_grad16<G>(t.grad, i, mask);
     __m512 m = _mm512_maskz_loadu_ps(mask, t.exp_avg + i);
@@ -194,6 +210,7 @@ SS_AVX2 void range_avx2(const AdamTensor& t, int64_t begin, int64_t end, const A
   const bool stream = L != DType::kNone && (reinterpret_cast<uintptr_t>(lowp + begin) % 16) == 0;
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
+    prefetch_streams<G>(t, i);
     __m256 p = _mm256_loadu_ps(t.param + i);
     __m256 g = load_grad8<G>(t.grad, i);
     __m256 m = _mm256_loadu_ps(t.exp_avg + i);
