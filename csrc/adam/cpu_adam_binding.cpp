@@ -1,38 +1,21 @@
 // Python binding of the CPU Adam kernel: checks tensors, collects raw pointers, releases the GIL.
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
 #include <vector>
 
+#include "binding_checks.h"
 #include "cpu_adam.h"
-
-#ifndef SLIPSTREAM_OP_KEY
-#define SLIPSTREAM_OP_KEY unkeyed
-#endif
-#define SS_STRINGIFY2(x) #x
-#define SS_STRINGIFY(x) SS_STRINGIFY2(x)
 
 namespace {
 
 using slipstream::AdamTensor;
+using slipstream::check_buffer;
 using slipstream::DType;
+using slipstream::to_dtype;
 
-DType to_dtype(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kHalf: return DType::kFloat16;
-    default: TORCH_CHECK(false, "cpu_adam: unsupported dtype ", t.scalar_type(), " (use float32, bfloat16 or float16)");
-  }
-}
-
-void check_buffer(const at::Tensor& t, const char* what, int64_t numel) {
-  TORCH_CHECK(t.device().is_cpu(), "cpu_adam: ", what, " must be a CPU tensor, got ", t.device());
-  TORCH_CHECK(t.is_contiguous(), "cpu_adam: ", what, " must be contiguous");
-  TORCH_CHECK(t.numel() == numel, "cpu_adam: ", what, " has ", t.numel(), " elements, the parameter ", numel);
-}
+constexpr const char* kOp = "cpu_adam";
+const at::Device kCPU(at::kCPU);
 
 // Checks the lists and returns the kernel's view of them plus the gradient and copy dtypes.
 std::vector<AdamTensor> gather(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -42,22 +25,22 @@ std::vector<AdamTensor> gather(const std::vector<at::Tensor>& params, const std:
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
               "cpu_adam: params, grads, exp_avgs and exp_avg_sqs must have the same length");
   TORCH_CHECK(lowp_out.empty() || lowp_out.size() == n, "cpu_adam: lowp_out must be empty or one per parameter");
-  *grad_dtype = n ? to_dtype(grads[0]) : DType::kFloat32;
-  *lowp_dtype = lowp_out.empty() ? DType::kNone : to_dtype(lowp_out[0]);
+  *grad_dtype = n ? to_dtype(grads[0], kOp) : DType::kFloat32;
+  *lowp_dtype = lowp_out.empty() ? DType::kNone : to_dtype(lowp_out[0], kOp);
   TORCH_CHECK(*lowp_dtype != DType::kFloat32, "cpu_adam: lowp_out must be bfloat16 or float16");
   std::vector<AdamTensor> out(n);
   for (size_t k = 0; k < n; ++k) {
     const int64_t numel = params[k].numel();
     for (const at::Tensor* t : {&params[k], &exp_avgs[k], &exp_avg_sqs[k]}) {
       TORCH_CHECK(t->scalar_type() == at::kFloat, "cpu_adam: parameters and Adam state must be float32, got ", t->scalar_type());
-      check_buffer(*t, "parameter/state", numel);
+      check_buffer(*t, kOp, "parameter/state", numel, kCPU);
     }
-    check_buffer(grads[k], "grad", numel);
-    TORCH_CHECK(to_dtype(grads[k]) == *grad_dtype, "cpu_adam: all grads of one call must share a dtype");
+    check_buffer(grads[k], kOp, "grad", numel, kCPU);
+    TORCH_CHECK(to_dtype(grads[k], kOp) == *grad_dtype, "cpu_adam: all grads of one call must share a dtype");
     void* lowp = nullptr;
     if (!lowp_out.empty()) {
-      check_buffer(lowp_out[k], "lowp_out", numel);
-      TORCH_CHECK(to_dtype(lowp_out[k]) == *lowp_dtype, "cpu_adam: all lowp_out tensors must share a dtype");
+      check_buffer(lowp_out[k], kOp, "lowp_out", numel, kCPU);
+      TORCH_CHECK(to_dtype(lowp_out[k], kOp) == *lowp_dtype, "cpu_adam: all lowp_out tensors must share a dtype");
       lowp = lowp_out[k].data_ptr();
     }
     out[k] = AdamTensor{params[k].data_ptr<float>(), grads[k].data_ptr(), exp_avgs[k].data_ptr<float>(),

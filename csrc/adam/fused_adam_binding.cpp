@@ -1,40 +1,22 @@
 // Python binding of the multi-tensor CUDA Adam kernel. Built only where torch has CUDA (the CPU
 // wheel lacks the CUDA headers this file needs); the kernel itself is in fused_adam_kernel.cu.
-#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <string>
 #include <vector>
 
+#include "binding_checks.h"
 #include "fused_adam_cuda.h"
-
-#ifndef SLIPSTREAM_OP_KEY
-#define SLIPSTREAM_OP_KEY unkeyed
-#endif
-#define SS_STRINGIFY2(x) #x
-#define SS_STRINGIFY(x) SS_STRINGIFY2(x)
 
 namespace {
 
+using slipstream::check_buffer;
 using slipstream::DType;
+using slipstream::to_dtype;
 
-DType to_dtype(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kHalf: return DType::kFloat16;
-    default: TORCH_CHECK(false, "fused_adam: unsupported dtype ", t.scalar_type(), " (use float32, bfloat16 or float16)");
-  }
-}
-
-void check_buffer(const at::Tensor& t, const char* what, int64_t numel, const at::Device& device) {
-  TORCH_CHECK(t.device() == device, "fused_adam: ", what, " is on ", t.device(), ", the parameters on ", device);
-  TORCH_CHECK(t.is_contiguous(), "fused_adam: ", what, " must be contiguous");
-  TORCH_CHECK(t.numel() == numel, "fused_adam: ", what, " has ", t.numel(), " elements, the parameter ", numel);
-}
+constexpr const char* kOp = "fused_adam";
 
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
@@ -48,9 +30,9 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   if (n == 0) return;
   const at::Device device = params[0].device();
   TORCH_CHECK(device.is_cuda(), "fused_adam: parameters must be CUDA tensors, got ", device);
-  const DType param_dtype = to_dtype(params[0]);
-  const DType grad_dtype = to_dtype(grads[0]);
-  const DType lowp_dtype = lowp_out.empty() ? DType::kNone : to_dtype(lowp_out[0]);
+  const DType param_dtype = to_dtype(params[0], kOp);
+  const DType grad_dtype = to_dtype(grads[0], kOp);
+  const DType lowp_dtype = lowp_out.empty() ? DType::kNone : to_dtype(lowp_out[0], kOp);
   TORCH_CHECK(grad_dtype == DType::kFloat32 || grad_dtype == param_dtype,
               "fused_adam: grads must be float32 or the parameters' dtype");
   TORCH_CHECK(lowp_dtype == DType::kNone || (param_dtype == DType::kFloat32 && lowp_dtype != DType::kFloat32),
@@ -58,18 +40,18 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   std::vector<slipstream::FusedAdamTensor> tensors(n);
   for (size_t k = 0; k < n; ++k) {
     const int64_t numel = params[k].numel();
-    check_buffer(params[k], "parameter", numel, device);
-    TORCH_CHECK(to_dtype(params[k]) == param_dtype, "fused_adam: all parameters of one call must share a dtype");
-    check_buffer(grads[k], "grad", numel, device);
-    TORCH_CHECK(to_dtype(grads[k]) == grad_dtype, "fused_adam: all grads of one call must share a dtype");
+    check_buffer(params[k], kOp, "parameter", numel, device);
+    TORCH_CHECK(to_dtype(params[k], kOp) == param_dtype, "fused_adam: all parameters of one call must share a dtype");
+    check_buffer(grads[k], kOp, "grad", numel, device);
+    TORCH_CHECK(to_dtype(grads[k], kOp) == grad_dtype, "fused_adam: all grads of one call must share a dtype");
     for (const at::Tensor* t : {&exp_avgs[k], &exp_avg_sqs[k]}) {
       TORCH_CHECK(t->scalar_type() == at::kFloat, "fused_adam: Adam state must be float32, got ", t->scalar_type());
-      check_buffer(*t, "state", numel, device);
+      check_buffer(*t, kOp, "state", numel, device);
     }
     void* lowp = nullptr;
     if (!lowp_out.empty()) {
-      check_buffer(lowp_out[k], "lowp_out", numel, device);
-      TORCH_CHECK(to_dtype(lowp_out[k]) == lowp_dtype, "fused_adam: all lowp_out tensors must share a dtype");
+      check_buffer(lowp_out[k], kOp, "lowp_out", numel, device);
+      TORCH_CHECK(to_dtype(lowp_out[k], kOp) == lowp_dtype, "fused_adam: all lowp_out tensors must share a dtype");
       lowp = lowp_out[k].data_ptr();
     }
     tensors[k] = slipstream::FusedAdamTensor{params[k].data_ptr(), grads[k].data_ptr(), exp_avgs[k].data_ptr<float>(),

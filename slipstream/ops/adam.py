@@ -52,17 +52,9 @@ def cpu_adam_step(
     parameters rounded to nearest even. Runs the compiled kernel, else :func:`torch_adam_step`.
     """
     op = builder.load(CPU_ADAM)
-    if op is None:
-        torch_adam_step(
-            params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, adamw_mode=adamw_mode, grad_scale=grad_scale, out_lowp=out_lowp,
-        )  # fmt: skip
-        return
     threads = num_threads if num_threads is not None else torch.get_num_threads()
-    op.adam_step(
-        params, grads, exp_avgs, exp_avg_sqs, out_lowp or [], step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
-        grad_scale, threads,
-    )  # fmt: skip
+    _step(op, (threads,), params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+          grad_scale, out_lowp)  # fmt: skip
 
 
 def fused_adam_step(
@@ -76,6 +68,16 @@ def fused_adam_step(
     parameters' dtype). Without the compiled op it runs :func:`torch_adam_step`.
     """
     op = builder.load(FUSED_ADAM) if torch.cuda.is_available() else None
+    _step(op, (), params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
+          grad_scale, out_lowp)  # fmt: skip
+
+
+def _step(
+    op: Any, extra: tuple[Any, ...], params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
+    step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adamw_mode: bool,
+    grad_scale: float, out_lowp: Tensors | None,
+) -> None:  # fmt: skip
+    """Run the compiled op's ``adam_step`` (with its ``extra`` trailing arguments) or the fallback."""
     if op is None:
         torch_adam_step(
             params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -84,7 +86,7 @@ def fused_adam_step(
         return
     op.adam_step(
         params, grads, exp_avgs, exp_avg_sqs, out_lowp or [], step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
-        grad_scale,
+        grad_scale, *extra,
     )  # fmt: skip
 
 
@@ -96,7 +98,7 @@ def torch_adam_step(
     """The pure-PyTorch path of :func:`cpu_adam_step` (any device; float32 state).
 
     Parameters of another dtype are updated through a float32 copy. Uses torch's fused Adam
-    kernel where this torch has it for the device, else its foreach implementation.
+    kernel (CPU and CUDA since torch 2.4).
     """
     if not params:
         return
@@ -110,14 +112,7 @@ def torch_adam_step(
     state_steps = [torch.tensor(float(step), device=params[0].device)] * len(params)
     options = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     fused = torch._fused_adamw_ if adamw_mode else torch._fused_adam_
-    try:
-        fused(params32, grads32, list(exp_avgs), list(exp_avg_sqs), [], state_steps, **options)
-    except (RuntimeError, NotImplementedError):  # no fused kernel for this device in this torch
-        functional = torch.optim.adamw.adamw if adamw_mode else torch.optim.adam.adam
-        state_steps = [torch.tensor(float(step - 1)) for _ in params]  # the functional form increments
-        del options["maximize"], options["amsgrad"]
-        functional(params32, grads32, list(exp_avgs), list(exp_avg_sqs), [], state_steps, foreach=True,
-                   amsgrad=False, maximize=False, **options)  # fmt: skip
+    fused(params32, grads32, list(exp_avgs), list(exp_avg_sqs), [], state_steps, **options)
     for p, p32 in zip(params, params32):
         if p32 is not p:
             p.copy_(p32)
