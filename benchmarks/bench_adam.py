@@ -52,8 +52,8 @@ def tensor_sizes(total: int, count: int, seed: int = 0) -> list[int]:
     return sizes
 
 
-def alternate(methods: dict[str, Callable[[], None]], reps: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call, calling the methods in turn (A B C A B C ...)."""
+def alternate(methods: dict[str, Callable[[], None]], reps: int, warmup: int = 2) -> dict[str, tuple[float, float]]:
+    """(median, min) seconds per call, calling the methods in turn (A B C A B C ...)."""
     times: dict[str, list[float]] = {name: [] for name in methods}
     for rep in range(warmup + reps):
         for name, fn in methods.items():
@@ -61,7 +61,7 @@ def alternate(methods: dict[str, Callable[[], None]], reps: int, warmup: int = 2
             fn()
             if rep >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
 
 
 def make_params(sizes: list[int]) -> list[torch.nn.Parameter]:
@@ -186,36 +186,41 @@ def main() -> int:
     return 0
 
 
-def report(layout: str, total: int, fp32: dict[str, float], offload: dict[str, float], ds: dict[str, float] | None) -> dict:
-    def mps(seconds: float) -> float:
-        return total / seconds / 1e6
+def report(layout: str, total: int, fp32: dict, offload: dict, ds: dict[str, float] | None) -> dict:
+    """Print one layout's tables; ratios ("x") are how many times longer the other method took."""
+
+    def line(name: str, times: tuple[float, float], reference: tuple[float, float] | None) -> str:
+        median, best = times
+        text = f"  {name:<34} {median * 1e3:8.1f} ms (min {best * 1e3:7.1f})  {total / median / 1e6:6.0f} M/s"
+        text += f"  {total * BYTES_PER_PARAM / median / 1e9:5.1f} GB/s"
+        if reference is not None:
+            text += f"  {median / reference[0]:5.2f}x (min {best / reference[1]:4.2f}x)"
+        return text
 
     ours, fused = fp32["slipstream CPUAdam"], fp32["torch AdamW fused"]
-    print(f"\n{layout}: fp32 step   (M params/s, ratio = ours faster by)")
-    for name, seconds in fp32.items():
-        extra = f"  {seconds / ours:5.2f}x" if name != "slipstream CPUAdam" and "bandwidth" not in name else ""
-        gbs = f"  {total * BYTES_PER_PARAM / seconds / 1e9:5.1f} GB/s"
-        print(f"  {name:<34} {seconds * 1e3:8.1f} ms  {mps(seconds):7.0f}{gbs}{extra}")
+    print(f"\n{layout}: fp32 step")
+    for name, times in fp32.items():
+        print(line(name, times, ours if name.startswith("torch") else None))
     ds_ratio = None
     if ds:
-        ds_ratio = (ds["ds"] / ds["fused"]) * (fused / ours)  # through torch fused, timed in both processes
-        print(f"  {'DeepSpeedCPUAdam (own process)':<34} {ds['ds'] * 1e3:8.1f} ms  {mps(ds['ds']):7.0f}"
-              f"  (vs its torch fused {ds['ds'] / ds['fused']:.2f}x)  ours faster by {ds_ratio:.2f}x")  # fmt: skip
-    bw_fp32 = fp32["bandwidth (same pattern)"] / ours
-    print(f"  ours at {bw_fp32:.0%} of the bandwidth ceiling")
+        ds_ratio = (ds["ds"] / ds["fused"]) * (fused[0] / ours[0])  # through torch fused, timed in both processes
+        print(f"  {'DeepSpeedCPUAdam (own process)':<34} {ds['ds'] * 1e3:8.1f} ms  {total / ds['ds'] / 1e6:25.0f} M/s"
+              f"  {ds['ds'] / ds['fused']:.2f}x its torch fused -> {ds_ratio:.2f}x ours")  # fmt: skip
+    bw_fp32 = fp32["bandwidth (same pattern)"][0] / ours[0]
+    print(f"  ours at {bw_fp32:.0%} of the bandwidth ceiling (medians)")
 
     one_pass, torch_ops = offload["slipstream cpu_adam_step"], offload["torch cast + fused AdamW + copy"]
-    bw_offload = offload["bandwidth (same pattern)"] / one_pass
+    bw_offload = offload["bandwidth (same pattern)"][0] / one_pass[0]
     print(f"{layout}: offload step (bf16 grads in, scale, fp32 update, bf16 params out)")
-    for name, seconds in offload.items():
-        extra = f"  {seconds / one_pass:5.2f}x" if name.startswith("torch") else ""
-        print(f"  {name:<34} {seconds * 1e3:8.1f} ms  {mps(seconds):7.0f}  {total * BYTES_PER_PARAM / seconds / 1e9:5.1f} GB/s{extra}")
-    print(f"  ours at {bw_offload:.0%} of the bandwidth ceiling")
+    for name, times in offload.items():
+        print(line(name, times, one_pass if name.startswith("torch") else None))
+    print(f"  ours at {bw_offload:.0%} of the bandwidth ceiling (medians)")
     return {
-        "layout": layout, "fp32_ms": {k: v * 1e3 for k, v in fp32.items()},
-        "offload_ms": {k: v * 1e3 for k, v in offload.items()}, "deepspeed_ms": {k: v * 1e3 for k, v in ds.items()} if ds else None,
-        "fp32_vs_fused": fused / ours, "fp32_vs_foreach": fp32["torch AdamW foreach"] / ours, "fp32_vs_deepspeed": ds_ratio,
-        "fp32_bandwidth_fraction": bw_fp32, "offload_vs_torch": torch_ops / one_pass, "offload_bandwidth_fraction": bw_offload,
+        "layout": layout, "fp32_ms": {k: v[0] * 1e3 for k, v in fp32.items()},
+        "offload_ms": {k: v[0] * 1e3 for k, v in offload.items()}, "deepspeed_ms": {k: v * 1e3 for k, v in ds.items()} if ds else None,
+        "fp32_vs_fused": fused[0] / ours[0], "fp32_vs_foreach": fp32["torch AdamW foreach"][0] / ours[0],
+        "fp32_vs_deepspeed": ds_ratio, "fp32_bandwidth_fraction": bw_fp32, "offload_vs_torch": torch_ops[0] / one_pass[0],
+        "offload_bandwidth_fraction": bw_offload,
     }  # fmt: skip
 
 

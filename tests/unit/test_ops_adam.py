@@ -104,7 +104,7 @@ def test_each_step_matches_torch_from_the_same_state(op, adamw, use_op, monkeypa
             sa, sb = optimizer.state[a], reference.state[b]
             assert_step_close(sa["exp_avg"], sb["exp_avg"], sb["exp_avg"], 1e-6)
             assert_step_close(sa["exp_avg_sq"], sb["exp_avg_sq"], sb["exp_avg_sq"], 1e-6)
-            assert sa["step"].item() == sb["step"].item() == step
+            assert sa["step"] == sb["step"].item() == step
         with torch.no_grad():  # restart the next step from torch's exact state
             for a, b in zip(ours, ref):
                 a.copy_(b)
