@@ -24,7 +24,7 @@ _LAZY = {
     "ConfigError": ("slipstream.engine.config", "ConfigError"),
     "init_distributed": ("slipstream.comm.distributed", "init_distributed"),
 }
-_LAZY_MODULES = {"accelerator", "comm", "zero"}
+_LAZY_MODULES = {"accelerator", "comm", "ops", "zero"}
 
 __all__ = ["__version__", *_LAZY, *sorted(_LAZY_MODULES)]
 
