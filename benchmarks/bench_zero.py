@@ -127,7 +127,8 @@ def main() -> None:
             python = deepspeed_python if kind.startswith("deepspeed") else sys.executable
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps)]
-                env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+                # Huge pages for large CPU tensors, as `slipstream run` sets them, for every framework alike.
+                env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
                 subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 data = json.loads(Path(out.name).read_text())
             results[kind]["times"] += data["times"]

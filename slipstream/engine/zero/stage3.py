@@ -143,6 +143,7 @@ class Stage3Strategy(ShardingStrategy):
         reduce_order = [*reversed(self.blocks), *(u for u in (self.root, self.persistent) if u is not None)]
         self.launcher = OrderedLauncher([[u.index] for u in reduce_order], lambda i: self._launch_reduce(reduce_order[i]))
         self.reductions: list[_Reduction] = []
+        self.send_pool: dict[int, list[torch.Tensor]] = {}  # numel -> reusable send buffers
         self.reduced_this_pass: set[int] = set()
         self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
         self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=device)
@@ -208,9 +209,10 @@ class Stage3Strategy(ShardingStrategy):
                 if unit.depth == 0:
                     unit.release()
         if self.root is not None:
-            self.root.release()
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled():  # backward needs it first thing: keep it (FSDP2 keeps its root too)
                 self._on_output_grad(self.root, output)
+            else:
+                self.root.release()
         return output
 
     def _unit_pre_forward(self, unit: ParamUnit) -> Callable[..., Any]:
@@ -337,14 +339,20 @@ class Stage3Strategy(ShardingStrategy):
     def _launch_reduce(self, unit: ParamUnit) -> None:
         if unit.index not in self.grad_chunks:
             return  # frozen on every rank alike: nothing to reduce
-        send = torch.zeros(unit.numel, dtype=self.dtype, device=self.param_shard.device)
+        pooled = self.send_pool.get(unit.numel)
+        send = pooled.pop() if pooled else torch.empty(unit.numel, dtype=self.dtype, device=self.param_shard.device)
+        filled = 0
         for p, i in zip(unit.spec.params, unit.bucket.members):
-            if p.grad is not None:
-                begin, end = unit.param_range(i)
+            begin, end = unit.param_range(i)
+            if p.grad is None:
+                send[begin:end].zero_()  # no gradient on this rank: contributes zeros
+            else:
                 send[begin:end].copy_(p.grad.reshape(-1))
                 p.grad = None
                 if id(p) in self.index:
                     self.used[self.index[id(p)]] = 1.0
+            filled = end
+        send[filled:].zero_()  # padding
         if self.pre_scale != 1.0:
             send.mul_(self.pre_scale)
         chunk = self.grad_chunks[unit.index]
@@ -353,13 +361,18 @@ class Stage3Strategy(ShardingStrategy):
         self.has_grad.add(unit.index)
         work = comm.reduce_scatter_tensor(receive, send, group=self.reduce_group, tag=f"ZeRO-3 gradients of unit {unit.index} ({unit.spec.name})")
         self.reductions.append(_Reduction(unit, work, send, receive, accumulate))
-        if len(self.reductions) > 2:  # bound the send buffers alive at once
+        # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one).
+        while len(self.reductions) > 1 and sum(r.send.numel() for r in self.reductions) > self.options.reduce_bucket_numel:
             self._complete_reduction(self.reductions.pop(0))
 
     def _complete_reduction(self, reduction: _Reduction) -> None:
         reduction.work.wait()
         if reduction.accumulate:
             self.grad_chunks[reduction.unit.index].add_(reduction.receive)
+        # Keep the send buffer for the next unit of this size: a fresh one costs page faults every time.
+        pooled = self.send_pool.setdefault(reduction.send.numel(), [])
+        if len(pooled) < 2:
+            pooled.append(reduction.send)
 
     def finish_gradients(self) -> None:
         if self.post_scale != 1.0:
@@ -453,6 +466,7 @@ class Stage3Strategy(ShardingStrategy):
     def memory_breakdown(self) -> dict[str, int]:
         persistent = self.persistent.nbytes if self.persistent is not None else 0
         live = sum(u.nbytes for u in self.units if u.state is not UnitState.FREE and u is not self.persistent)
+        live += sum(t.numel() * t.element_size() for pool in self.send_pool.values() for t in pool)
         masters = 0 if self.master_shard is None else self.master_shard.numel() * 4
         return {
             "params": self.param_shard.numel() * self.param_shard.element_size() + persistent,
