@@ -20,6 +20,7 @@ AdamW, so its ratio to ours goes through that shared reference.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -178,8 +179,10 @@ def main() -> int:
             sizes = tensor_sizes(total, count)
             layout = f"{size_text} {'flat' if count == 1 else f'x{count}'}"
             fp32 = alternate(fp32_step_methods(sizes, op), args.reps)
+            gc.collect()  # optimizers hold reference cycles: free one stage's gigabytes before the next
             ds = deepspeed_times(args.deepspeed_python, sizes, args.reps, args.threads) if args.deepspeed_python else None
             offload = alternate(offload_step_methods(sizes, op), args.reps)
+            gc.collect()
             rows.append(report(layout, total, fp32, offload, ds))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
