@@ -1,6 +1,6 @@
 """ZeRO stages 0-3 vs torch DDP, FSDP2 and DeepSpeed (where installed): step time and peak RSS per rank.
 
-    python benchmarks/bench_zero.py [--model gpt2-large] [--steps 20] [--rounds 2] [--stages 0,1,2,3]
+    python benchmarks/bench_zero.py [--model gpt2-large] [--steps 20] [--rounds 2] [--stages 0,1,2,3] [--world 2]
                                     [--peers ddp,fsdp2] [--deepspeed-python /path/to/venv/bin/python]
 
 FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
@@ -98,7 +98,7 @@ def run_worker(kind: str, args: argparse.Namespace) -> None:
     from benchmarks.common import free_port
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    mp.spawn(_worker, args=(2, free_port(), kind, args, args.out), nprocs=2)
+    mp.spawn(_worker, args=(args.world, free_port(), kind, args, args.out), nprocs=args.world)
 
 
 def main() -> None:
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt2-large")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--world", type=int, default=2, help="ranks (gloo, one thread each)")
     parser.add_argument("--stages", default="0,1,2")
     parser.add_argument("--peers", default="ddp", help="torch peers besides DDP: fsdp2")
     parser.add_argument("--deepspeed-python", default=None)
@@ -126,7 +127,7 @@ def main() -> None:
         for kind in kinds:
             python = deepspeed_python if kind.startswith("deepspeed") else sys.executable
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps)]
+                command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps), "--world", str(args.world)]
                 # Huge pages for large CPU tensors, as `slipstream run` sets them, for every framework alike.
                 env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
                 subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -135,7 +136,7 @@ def main() -> None:
             results[kind]["rss"] = [max(a, b) for a, b in zip(results[kind]["rss"], data["rss"])] or data["rss"]
 
     ddp = statistics.median(results["ddp"]["times"])
-    print(f"{args.model}, 2 ranks (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, micro-batch 4;"
+    print(f"{args.model}, {args.world} ranks (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, micro-batch 4;"
           f" {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
     fsdp2 = statistics.median(results["fsdp2"]["times"]) if "fsdp2" in results else None
     print(f"{'config':<14} {'median ms':>9} {'min-max ms':>15} {'peak RSS/rank MB':>18} {'vs DDP':>7} {'vs DeepSpeed':>13}"

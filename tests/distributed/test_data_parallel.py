@@ -98,10 +98,10 @@ def test_mixed_precision_trains_like_reference(precision: str) -> None:
     assert results[0]["skipped"] == 0, "fp16 at the initial 2^16 scale must not overflow on this tiny model"
 
 
-def _overflow_body(hysteresis: int, stage: int = 0) -> dict:
+def _overflow_body(hysteresis: int, stage: int = 0, **zero: object) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     config = _config(world, 1, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": hysteresis})
-    config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": 20_000}
+    config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": 20_000, **zero}
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
     engine = slipstream.initialize(tiny_gpt2(seed=0), config)
     poison = {"step": 2}
@@ -117,13 +117,20 @@ def _overflow_body(hysteresis: int, stage: int = 0) -> dict:
     param.register_hook(inject)
     batches = global_batches(4, config["train_batch_size"])
     record = []
+    params = list(engine.module.parameters())
+
+    def weights() -> dict[str, torch.Tensor]:  # gathered under ZeRO-3, as they are at stages 0-2
+        with slipstream.zero.GatheredParameters(params):
+            return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
     for step, tokens in enumerate(batches):
-        before = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        before = weights()
         lr_before = engine.get_lr()[0]
         scale_before = engine.loss_scale()
         engine.backward(gpt2_loss(engine, micro_batch(tokens, 0, rank, world, 2)))
         engine.step()
-        changed = any(not torch.equal(before[n], p.detach().float()) for n, p in engine.module.named_parameters())
+        after = weights()
+        changed = any(not torch.equal(before[n], after[n]) for n in before)
         record.append((step, changed, scale_before, engine.loss_scale(), lr_before, engine.get_lr()[0]))
     engine.close()
     return {"record": record, "skipped": engine.skipped_steps, "global_steps": engine.global_steps}

@@ -405,3 +405,20 @@ def test_zero_init_trains_a_model_larger_than_the_memory_cap() -> None:
         losses = result["losses"]
         assert 5.0 < losses[0] < 6.0 and all(math.isfinite(x) for x in losses), losses  # ln(256) ≈ 5.55 at init
         assert result["params"] + result["grads"] + result["optimizer"] < result["cap"], result
+
+
+# ---------------------------------------------------------------- shared behaviours of every stage
+
+
+@pytest.mark.parametrize("threshold", [0, 100_000])  # every parameter partitioned / all in the persistent unit
+def test_stage3_param_groups_user_optimizer_and_fp16_overflow(threshold: int) -> None:
+    from tests.distributed.test_data_parallel import _overflow_body
+    from tests.distributed.test_zero_partitioned import _param_groups_body, _user_optimizer_body
+
+    zero = {"stage3_param_persistence_threshold": threshold}
+    run_distributed(2, _param_groups_body, 3, **zero)
+    run_distributed(2, _user_optimizer_body, 3, **zero)
+    results = run_distributed(2, _overflow_body, 1, 3, **zero)
+    assert results[0] == results[1]
+    step, changed, scale_before, scale_after, *_ = results[0]["record"][2]
+    assert not changed and scale_after == scale_before / 2

@@ -101,7 +101,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(stage: int) -> None:
     assert all(r[1] for i, r in enumerate(results[0]["record"]) if i != 2)
 
 
-def _param_groups_body(stage: int) -> None:
+def _param_groups_body(stage: int, **zero: object) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     model, reference = tiny_gpt2(seed=0), tiny_gpt2(seed=0)
 
@@ -111,6 +111,7 @@ def _param_groups_body(stage: int) -> None:
         return [{"params": decay, "weight_decay": 0.1, "lr": 2e-3}, {"params": no_decay, "weight_decay": 0.0}]
 
     config = _config(world, 1, stage, bucket=5_000)
+    config["zero_optimization"].update(zero)
     config["optimizer"]["params"]["lr"] = 1e-3
     engine = slipstream.initialize(model, config, model_parameters=groups(model))
     ref_opt = torch.optim.AdamW(
@@ -296,10 +297,10 @@ def test_mixed_dtypes_are_refused_with_the_fix() -> None:
     assert run_distributed(2, _mixed_dtype_body) == ["ok", "ok"]
 
 
-def _user_optimizer_body(stage: int) -> None:
+def _user_optimizer_body(stage: int, **zero: object) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     model, reference = tiny_gpt2(seed=0), tiny_gpt2(seed=0)
-    config = {"train_batch_size": 2 * world, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 7_000}}
+    config = {"train_batch_size": 2 * world, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 7_000, **zero}}
     engine = slipstream.initialize(model, config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for tokens in global_batches(4, 2 * world):

@@ -357,12 +357,12 @@ def hollow(shapes: list[torch.Size], dtype: torch.dtype, device: torch.device) -
     """
     largest = max((math.prod(shape) for shape in shapes), default=0)
     base = torch.empty(largest, dtype=dtype, device=device)
-    views = [torch.empty(0, dtype=dtype, device=device).set_(base.untyped_storage(), 0, shape, _contiguous_strides(shape)) for shape in shapes]
+    views = [torch.empty(0, dtype=dtype, device=device).set_(base.untyped_storage(), 0, shape, contiguous_strides(shape)) for shape in shapes]
     base.untyped_storage().resize_(0)
     return views
 
 
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

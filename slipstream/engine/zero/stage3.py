@@ -39,6 +39,7 @@ from slipstream.engine.zero.params import bind_optimizer, broadcast_module_state
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.engine.zero.tensor_tree import tensors_in
 from slipstream.engine.zero.units import find_units
+from slipstream.engine.zero.init import contiguous_strides as _contiguous_strides
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -144,6 +145,7 @@ class Stage3Strategy(ShardingStrategy):
         self.launcher = OrderedLauncher([[u.index] for u in reduce_order], lambda i: self._launch_reduce(reduce_order[i]))
         self.reductions: list[_Reduction] = []
         self.send_pool: dict[int, list[torch.Tensor]] = {}  # numel -> reusable send buffers
+        self.grad_buffers: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, int] | None]]] = {}
         self.reduced_this_pass: set[int] = set()
         self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
         self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=device)
@@ -306,6 +308,30 @@ class Stage3Strategy(ShardingStrategy):
             self._prefetch(self.backward_pass)
         else:
             self._ensure(unit, self.backward_pass)
+        if unit.index in self.grad_chunks and unit.index not in self.grad_buffers:
+            self._attach_grad_buffer(unit)
+
+    def _attach_grad_buffer(self, unit: ParamUnit) -> None:
+        """Point the unit's ``.grad`` at its send buffer, so autograd accumulates straight into it.
+
+        Saves allocating (and page-faulting) fresh gradient tensors and copying them out. Each
+        gradient is a separate alias of the buffer with its own version counter, so a gradient that
+        arrived is told from one that did not by its version.
+        """
+        send = self._take_send(unit.numel)
+        send.zero_()
+        aliases: list[tuple[torch.Tensor, int] | None] = []
+        for p, i in zip(unit.spec.params, unit.bucket.members):
+            if not p.requires_grad:
+                aliases.append(None)
+                continue
+            begin, _ = unit.param_range(i)
+            alias = send.new_empty(0).set_(send.untyped_storage(), begin, p.shape, _contiguous_strides(p.shape))
+            if p.grad is not None:  # a gradient from before this unit's backward (an outside use)
+                alias.copy_(p.grad)
+            p.grad = alias
+            aliases.append((alias, alias._version))
+        self.grad_buffers[unit.index] = (send, aliases)
 
     def _post_backward(self, unit: ParamUnit) -> None:
         unit.pending_backward -= 1
@@ -336,23 +362,31 @@ class Stage3Strategy(ShardingStrategy):
         self.reduced_this_pass.clear()
         self.backward_pass = None
 
+    def _take_send(self, numel: int) -> torch.Tensor:
+        pooled = self.send_pool.get(numel)
+        return pooled.pop() if pooled else torch.empty(numel, dtype=self.dtype, device=self.param_shard.device)
+
     def _launch_reduce(self, unit: ParamUnit) -> None:
         if unit.index not in self.grad_chunks:
             return  # frozen on every rank alike: nothing to reduce
-        pooled = self.send_pool.get(unit.numel)
-        send = pooled.pop() if pooled else torch.empty(unit.numel, dtype=self.dtype, device=self.param_shard.device)
-        filled = 0
-        for p, i in zip(unit.spec.params, unit.bucket.members):
-            begin, end = unit.param_range(i)
-            if p.grad is None:
-                send[begin:end].zero_()  # no gradient on this rank: contributes zeros
+        send, aliases = self.grad_buffers.pop(unit.index, (None, None))
+        if send is None:
+            send = self._take_send(unit.numel)
+            send.zero_()
+        for k, (p, i) in enumerate(zip(unit.spec.params, unit.bucket.members)):
+            grad, attached = p.grad, aliases[k] if aliases is not None else None
+            if attached is not None and grad is not None and grad.data_ptr() == attached[0].data_ptr():
+                arrived = grad._version != attached[1]  # accumulated in place into the send buffer
             else:
-                send[begin:end].copy_(p.grad.reshape(-1))
-                p.grad = None
-                if id(p) in self.index:
-                    self.used[self.index[id(p)]] = 1.0
-            filled = end
-        send[filled:].zero_()  # padding
+                arrived = grad is not None
+                begin, end = unit.param_range(i)
+                if grad is not None:
+                    send[begin:end].copy_(grad.reshape(-1))
+                elif attached is not None:
+                    send[begin:end].zero_()  # the user dropped the gradient
+            p.grad = None
+            if arrived and id(p) in self.index:
+                self.used[self.index[id(p)]] = 1.0
         if self.pre_scale != 1.0:
             send.mul_(self.pre_scale)
         chunk = self.grad_chunks[unit.index]
@@ -446,22 +480,22 @@ class Stage3Strategy(ShardingStrategy):
 
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Gathers one unit at a time, so ranks other than 0 never hold more than one unit in full."""
         masters = self.master_shard if self.master_shard is not None else self.param_shard
-        full = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.param_shard.device)
-        works = []
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        state: dict[str, torch.Tensor] = {}
         for unit in self.units:
-            flat = self.layout.bucket_view(full, unit.bucket)
-            self.layout.own_chunk(full, unit.bucket).copy_(self.layout.shard_chunk(masters, unit.bucket))
-            works.append(comm.all_gather_into_tensor(flat, self.layout.own_chunk(full, unit.bucket), group=self.group, tag=f"fp32 weights of unit {unit.index}"))
-        for work in works:
-            work.wait()
+            flat = torch.empty(unit.numel, dtype=torch.float32, device=self.param_shard.device)
+            own = flat.view(self.world, -1)[self.rank]
+            own.copy_(self.layout.shard_chunk(masters, unit.bucket))
+            comm.all_gather_into_tensor(flat, own, group=self.group, tag=f"fp32 weights of unit {unit.index}").wait()
+            if self.rank == 0:
+                for p, i in zip(unit.spec.params, unit.bucket.members):
+                    begin, end = unit.param_range(i)
+                    state[names[id(p)]] = flat[begin:end].view(p.shape).clone()
         if self.rank != 0:
             return None
-        managed_index = {id(p): i for i, p in enumerate(self.managed)}
-        return {
-            name: self.layout.param_view(full, managed_index[id(p)], p.shape).clone()
-            for name, p in self.module.named_parameters()
-        }
+        return {name: state[name] for name, _ in self.module.named_parameters()}  # the model's order
 
     def memory_breakdown(self) -> dict[str, int]:
         persistent = self.persistent.nbytes if self.persistent is not None else 0
