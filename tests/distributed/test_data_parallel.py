@@ -170,10 +170,10 @@ class _Branchy(torch.nn.Module):
         return self.head(h).pow(2).mean()
 
 
-def _unused_body(stage: int = 0, gas: int = 1) -> None:
+def _unused_body(stage: int = 0, gas: int = 1, **zero: object) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     config = _config(world, gas, mb=4)
-    config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": 80}  # several buckets, one stalled by the branch
+    config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": 80, **zero}  # several buckets, one stalled by the branch
     engine = slipstream.initialize(_Branchy(), config)
     reference = _Branchy()
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01, fused=True)

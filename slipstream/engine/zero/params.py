@@ -65,6 +65,17 @@ def check_groups(groups: list[ParamGroupSpec], index: dict[int, int], names: dic
         )  # fmt: skip
 
 
+def single_dtype(params: list[torch.nn.Parameter], stage: int) -> torch.dtype:
+    """The one dtype of ``params``, which share flat buffers (fp32 when there are none)."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"ZeRO stage {stage}: parameters have mixed dtypes {sorted(map(str, dtypes))}; they share flat "
+            "buffers of one dtype, so cast the model to one dtype (the bf16/fp16 config options do this)"
+        )
+    return dtypes.pop() if dtypes else torch.float32
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
 

@@ -25,7 +25,7 @@ from slipstream import comm
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
-from slipstream.engine.zero.params import TrainableParams, adopt_grad, bind_optimizer, optimizer_state_bytes
+from slipstream.engine.zero.params import TrainableParams, adopt_grad, bind_optimizer, optimizer_state_bytes, single_dtype
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -92,13 +92,7 @@ class PartitionedStrategy(ShardingStrategy):
         self.stage, self.options, self.group, self.module = stage, options, options.group, module
         params = TrainableParams(module, groups, self.group)
         self.names, self.trainable, self.index = params.names, params.trainable, params.index
-        dtypes = {p.dtype for p in self.trainable}
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"ZeRO stage {stage}: trainable parameters have mixed dtypes {sorted(map(str, dtypes))}; they share one "
-                "flat buffer, so cast the model to one dtype (the bf16/fp16 config options do this)"
-            )
-        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.dtype = single_dtype(self.trainable, stage)
         self.low_precision = self.dtype != torch.float32
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         group_members = [[self.index[id(p)] for p in g.params if id(p) in self.index] for g in groups]

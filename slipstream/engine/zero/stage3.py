@@ -35,7 +35,13 @@ from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.layout import FlatLayout
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
 from slipstream.engine.zero.param_unit import ParamUnit, UnitState
-from slipstream.engine.zero.params import bind_optimizer, broadcast_module_state, check_groups, optimizer_state_bytes
+from slipstream.engine.zero.params import (
+    bind_optimizer,
+    broadcast_module_state,
+    check_groups,
+    optimizer_state_bytes,
+    single_dtype,
+)
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.engine.zero.tensor_tree import tensors_in
 from slipstream.engine.zero.units import find_units
@@ -94,13 +100,7 @@ class Stage3Strategy(ShardingStrategy):
         self.trainable = [p for p in self.managed if p.requires_grad]
         self.index = {id(p): i for i, p in enumerate(self.trainable)}
         check_groups(groups, self.index, self.names)
-        dtypes = {p.dtype for p in self.managed}
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"ZeRO stage 3: parameters have mixed dtypes {sorted(map(str, dtypes))}; units are flat buffers of one "
-                "dtype, so cast the model to one dtype (the bf16/fp16 config options do this)"
-            )
-        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.dtype = single_dtype(self.managed, 3)
         managed_index = {id(p): i for i, p in enumerate(self.managed)}
         self.layout = FlatLayout(
             [p.numel() for p in self.managed], [], 0, self.world, self.rank,
