@@ -59,8 +59,8 @@ class Accelerator(abc.ABC):
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
-    def return_freed_memory(self) -> None:
-        """Make memory freed by partitioning (ZeRO-3 releasing a unit) leave the process.
+    def return_freed_memory(self, block_bytes: int) -> None:
+        """Make freed blocks of ``block_bytes`` or more (ZeRO-3 releasing a unit) leave the process.
 
         Device caching allocators reuse it already; nothing to do by default.
         """

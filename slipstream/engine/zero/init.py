@@ -224,7 +224,7 @@ class _Replay:
         from slipstream.engine.config import SlipstreamConfig
 
         init_distributed()
-        get_accelerator().return_freed_memory()  # the replay frees one materialised parameter after another
+        get_accelerator().return_freed_memory(0)  # the replay frees one materialised parameter after another
         zero = SlipstreamConfig.load(config, world_size=dist.get_world_size()).zero_optimization if config is not None else None
         self.unit_classes = zero.stage3_unit_modules if zero else None
         self.threshold = zero.stage3_param_persistence_threshold if zero else 100_000

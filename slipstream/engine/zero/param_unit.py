@@ -82,7 +82,6 @@ class ParamUnit:
         # Per forward/backward pass bookkeeping (see Stage3Strategy).
         self.depth = 0  # active forward calls
         self.pending_backward = 0  # forward calls under grad whose backward has not finished
-        self.backward_started = False
 
     def param_range(self, slot_index: int) -> tuple[int, int]:
         slot = self.layout.slots[slot_index]

@@ -92,7 +92,6 @@ class Stage3Strategy(ShardingStrategy):
         preshard: Callable[[FlatLayout, list[torch.nn.Parameter]], torch.Tensor] | None = None,
     ) -> None:
         self.module, self.options, self.stage3, self.group = module, options, stage3, options.group
-        get_accelerator().return_freed_memory()
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         specs = find_units(module, stage3.unit_classes, stage3.persistence_threshold)
         self.managed = [p for spec in specs for p in spec.params]
@@ -127,6 +126,8 @@ class Stage3Strategy(ShardingStrategy):
             self.units.append(unit)
             for p in spec.params:
                 _unit_of_param[id(p)] = (self, unit)
+        gathered = [u.nbytes for u in self.units if u.kind != "persistent"]
+        get_accelerator().return_freed_memory(min(gathered, default=0))
         self.blocks = [u for u in self.units if u.kind == "block"]
         self.root = next((u for u in self.units if u.kind == "root"), None)
         self.persistent = next((u for u in self.units if u.kind == "persistent"), None)
@@ -301,7 +302,6 @@ class Stage3Strategy(ShardingStrategy):
     def _pre_backward(self, unit: ParamUnit) -> None:
         if self.backward_pass is None:
             self.backward_pass = _Pass(list(reversed(self.blocks)))
-        unit.backward_started = True
         if unit is self.root:
             unit.gather()
             unit.wait()
@@ -352,7 +352,6 @@ class Stage3Strategy(ShardingStrategy):
         self._participate_in_rest(current)
         for unit in [*current.order, *(u for u in (self.root, self.persistent) if u is not None)]:
             unit.pending_backward = 0
-            unit.backward_started = False
             unit.release()
             self._finish_unit_backward(unit)
         self.launcher.flush()
