@@ -107,6 +107,12 @@ def train_engine(engine: Any, batches: list[torch.Tensor]) -> Trajectory:
     return Trajectory(losses, state or {}, norms)
 
 
+def assert_weights_match(state: dict[str, torch.Tensor], reference: torch.nn.Module, rtol: float, atol: float) -> None:
+    """Every parameter of ``reference`` equals ``state[name]`` (a consolidated state dict) within the tolerances."""
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(state[name], value.detach(), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def assert_close_trajectory(
     ours: Trajectory, ref: Trajectory, loss_rtol: float, param_atol: float = 0.0, param_rtol: float = 0.0,
     param_rel_norm: float | None = None,

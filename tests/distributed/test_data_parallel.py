@@ -11,6 +11,7 @@ from slipstream.comm import comms_log
 from tests.harness import run_distributed
 from tests.reference import (
     assert_close_trajectory,
+    assert_weights_match,
     global_batches,
     gpt2_loss,
     micro_batch,
@@ -196,8 +197,7 @@ def _unused_body(stage: int = 0, gas: int = 1, **zero: object) -> None:
     state = engine.consolidated_state_dict()
     engine.close()
     if rank == 0:
-        for name, value in reference.named_parameters():
-            torch.testing.assert_close(state[name], value.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_weights_match(state, reference, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(state["unused.weight"], _Branchy().unused.weight.detach(), rtol=0, atol=0)
         assert engine.module.frozen.weight.grad is None
 

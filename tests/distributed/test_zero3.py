@@ -17,6 +17,7 @@ from tests.distributed.test_data_parallel import _unused_body
 from tests.harness import run_distributed
 from tests.reference import (
     assert_close_trajectory,
+    assert_weights_match,
     global_batches,
     gpt2_loss,
     micro_batch,
@@ -144,8 +145,7 @@ def _tricky_body() -> None:
     state = engine.consolidated_state_dict()
     engine.close()
     if rank == 0:
-        for name, value in reference.named_parameters():
-            torch.testing.assert_close(state[name], value.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_weights_match(state, reference, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -386,7 +386,10 @@ def test_zero_init_trains_a_model_larger_than_the_memory_cap() -> None:
 @pytest.mark.parametrize("threshold", [0, 100_000])  # every parameter partitioned / all in the persistent unit
 def test_stage3_param_groups_user_optimizer_and_fp16_overflow(threshold: int) -> None:
     from tests.distributed.test_data_parallel import _overflow_body
-    from tests.distributed.test_zero_partitioned import _param_groups_body, _user_optimizer_body
+    from tests.distributed.test_zero_partitioned import (
+        _param_groups_body,
+        _user_optimizer_body,
+    )
 
     zero = {"stage3_param_persistence_threshold": threshold}
     run_distributed(2, _param_groups_body, 3, **zero)

@@ -12,6 +12,7 @@ from tests.distributed.test_data_parallel import _overflow_body, _unused_body
 from tests.harness import run_distributed
 from tests.reference import (
     assert_close_trajectory,
+    assert_weights_match,
     global_batches,
     gpt2_loss,
     micro_batch,
@@ -130,8 +131,7 @@ def _param_groups_body(stage: int, **zero: object) -> None:
     engine.close()
     if rank == 0:
         assert list(state) == [n for n, _ in reference.named_parameters()]
-        for name, value in reference.named_parameters():
-            torch.testing.assert_close(state[name], value.detach(), atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        assert_weights_match(state, reference, rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -312,8 +312,7 @@ def _user_optimizer_body(stage: int, **zero: object) -> None:
     state = engine.consolidated_state_dict()
     engine.close()
     if rank == 0:
-        for name, value in reference.named_parameters():
-            torch.testing.assert_close(state[name], value.detach(), atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        assert_weights_match(state, reference, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

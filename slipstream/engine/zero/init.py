@@ -17,7 +17,6 @@ Nothing is monkey-patched: parameters are found with torch's public parameter-re
 from __future__ import annotations
 
 import dataclasses
-import math
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from slipstream.accelerator import get_accelerator
 from slipstream.engine.zero.layout import FlatLayout
+from slipstream.engine.zero.storage import alias, copy_pieces, hollow
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -192,16 +192,15 @@ class Init:
 class _Preshard:
     """What zero.Init leaves for initialize(): this rank's chunk of every unit, per layout."""
 
-    unit_classes: list[str] | None
-    persistence_threshold: int
     world: int
+    unit_numels: list[int]
     shard: torch.Tensor
 
-    def __call__(self, layout: FlatLayout, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        if layout.world != self.world or layout.shard_numel != self.shard.numel():
+    def __call__(self, layout: FlatLayout) -> torch.Tensor:
+        if layout.world != self.world or [b.numel for b in layout.buckets] != self.unit_numels:
             raise ValueError(
                 "zero_optimization: the model was partitioned by zero.Init with other ZeRO-3 settings (world size "
-                f"{self.world}); pass zero.Init the same config as initialize()"
+                f"{self.world}, units of {self.unit_numels} elements); pass zero.Init the same config as initialize()"
             )
         return self.shard
 
@@ -250,15 +249,15 @@ class _Replay:
                 if p.is_meta:
                     targets.setdefault(p.untyped_storage()._cdata, []).append((p, shard, pieces.get(i, [])))
                 else:
-                    _take_pieces(p.detach(), shard, pieces.get(i, []))
-            layouts.append((model, shard))
+                    copy_pieces(p.detach(), shard, pieces.get(i, []))
+            layouts.append((model, layout, shard))
         buffers = {b.untyped_storage()._cdata for m in self.models for b in m.buffers() if b.is_meta}
         real = self._replay(targets, buffers)
         replaced: dict[int, torch.nn.Parameter] = {}
-        for model, shard in layouts:
+        for model, layout, shard in layouts:
             _materialize_buffers(model, real)
             _hollow_parameters(model, replaced)
-            _preshards[model] = _Preshard(self.unit_classes, self.threshold, self.world, shard)
+            _preshards[model] = _Preshard(self.world, [b.numel for b in layout.buckets], shard)
 
     def _replay(self, targets: dict[int, list[Any]], keep: set[int]) -> dict[int, torch.UntypedStorage]:
         last_use: dict[int, int] = {}
@@ -295,7 +294,8 @@ class _Replay:
             for key in ends.get(i, []):
                 if key in targets and key in real:
                     for p, shard, pieces in targets[key]:
-                        _take_pieces(_view(real[key], self.recorder._ref(p)), shard, pieces)
+                        ref = self.recorder._ref(p)
+                        copy_pieces(alias(real[key], ref.offset, ref.size, ref.dtype, ref.stride), shard, pieces)
                 if key not in keep:
                     real.pop(key, None)
         return real
@@ -306,17 +306,13 @@ class _Replay:
                 return value
             if value.key not in real:
                 real[value.key] = torch.UntypedStorage(self.recorder.storages[value.key].nbytes())
-            return _view(real[value.key], value)
+            return alias(real[value.key], value.offset, value.size, value.dtype, value.stride)
 
         args, kwargs = pytree.tree_map(materialize, (op.args, op.kwargs))
         out = op.func(*args, **_on_cpu(kwargs))
         leaves = pytree.tree_leaves(out)
         for key, index in op.creates:
             real[key] = leaves[index].untyped_storage()
-
-
-def _view(storage: torch.UntypedStorage, ref: _Ref) -> torch.Tensor:
-    return torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
 
 
 def _scratch(value: Any) -> Any:
@@ -331,55 +327,26 @@ def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _take_pieces(value: torch.Tensor, shard: torch.Tensor, pieces: Iterable[Any]) -> None:
-    flat = value.reshape(-1)
-    for piece in pieces:
-        shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(flat[piece.param_offset : piece.param_offset + piece.numel])
-
-
 def _materialize_buffers(model: torch.nn.Module, real: dict[int, torch.UntypedStorage]) -> None:
     for module in model.modules():
         for name, buffer in list(module._buffers.items()):
             if buffer is not None and buffer.is_meta:
                 key = buffer.untyped_storage()._cdata
                 storage = real.get(key) or torch.UntypedStorage(buffer.untyped_storage().nbytes())
-                module._buffers[name] = torch.empty(0, dtype=buffer.dtype).set_(
-                    storage, buffer.storage_offset(), buffer.shape, buffer.stride()
-                )
-
-
-def hollow(shapes: list[torch.Size], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Tensors of these shapes whose (shared) storage holds zero bytes; ZeRO-3 gives them real storage.
-
-    ``set_`` needs a large enough storage when the view is made, so one is allocated for the
-    largest shape and emptied afterwards: one allocation, not one per parameter (glibc keeps freed
-    chunks mapped, so a per-parameter allocation would leave the heap as large as the model).
-    """
-    largest = max((math.prod(shape) for shape in shapes), default=0)
-    base = torch.empty(largest, dtype=dtype, device=device)
-    views = [torch.empty(0, dtype=dtype, device=device).set_(base.untyped_storage(), 0, shape, contiguous_strides(shape)) for shape in shapes]
-    base.untyped_storage().resize_(0)
-    return views
-
-
-def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+                module._buffers[name] = alias(storage, buffer.storage_offset(), buffer.shape, buffer.dtype, buffer.stride())
 
 
 def _hollow_parameters(model: torch.nn.Module, replaced: dict[int, torch.nn.Parameter]) -> None:
     """Swap meta parameters for hollow CPU ones (a meta tensor cannot become a CPU one in place)."""
     from slipstream.engine.zero.param_unit import ReleasedParameter
 
-    metas = {id(p): p for p in model.parameters() if p.is_meta and id(p) not in replaced}
-    for key, tensor in zip(metas, hollow([p.shape for p in metas.values()], torch.float32, torch.device("cpu"))):
-        source = metas[key]
-        tensor = tensor if source.dtype == torch.float32 else hollow([source.shape], source.dtype, torch.device("cpu"))[0]
-        replaced[key] = torch.nn.Parameter(tensor, requires_grad=source.requires_grad)
-        replaced[key].__class__ = ReleasedParameter  # computing with it before initialize() raises, not crashes
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in {id(p): p for p in model.parameters() if p.is_meta and id(p) not in replaced}.values():
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype, metas in by_dtype.items():
+        for source, tensor in zip(metas, hollow([p.shape for p in metas], dtype, torch.device("cpu"))):
+            replaced[id(source)] = torch.nn.Parameter(tensor, requires_grad=source.requires_grad)
+            replaced[id(source)].__class__ = ReleasedParameter  # computing with it before initialize() raises, not crashes
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and id(p) in replaced:

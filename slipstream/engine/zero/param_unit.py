@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
+from slipstream.engine.zero.storage import alias
 from slipstream.engine.zero.units import UnitSpec
-
 
 _HARMLESS = {
     "shape", "size", "dim", "numel", "dtype", "device", "requires_grad", "requires_grad_", "grad", "data", "is_leaf",
@@ -76,7 +76,7 @@ class ParamUnit:
         self.gather_group = gather_group
         self.full = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
         self.nbytes = self.full.untyped_storage().nbytes()
-        self._alias = torch.empty(0, dtype=shard.dtype, device=shard.device).set_(self.full.untyped_storage(), 0, (bucket.numel,), (1,))
+        self.flat = alias(self.full.untyped_storage(), 0, (bucket.numel,), shard.dtype)  # what collectives write through
         self.state = UnitState.LIVE
         self.work: comm.Work | None = None
         # Per forward/backward pass bookkeeping (see Stage3Strategy).
@@ -102,7 +102,7 @@ class ParamUnit:
         self.full.untyped_storage().resize_(self.nbytes)
         self._mark(released=False)
         self.work = comm.all_gather_into_tensor(
-            self._alias, self.shard, group=self.gather_group, tag=f"ZeRO-3 unit {self.index} ({self.spec.name})"
+            self.flat, self.shard, group=self.gather_group, tag=f"ZeRO-3 unit {self.index} ({self.spec.name})"
         )
         self.state = UnitState.GATHERING
 
@@ -136,4 +136,4 @@ class ParamUnit:
         self.wait()
 
     def own_chunk(self) -> torch.Tensor:
-        return self._alias.view(self.layout.world, -1)[self.layout.rank]
+        return self.flat.view(self.layout.world, -1)[self.layout.rank]

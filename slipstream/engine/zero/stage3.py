@@ -42,10 +42,15 @@ from slipstream.engine.zero.params import (
     optimizer_state_bytes,
     single_dtype,
 )
-from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
+from slipstream.engine.zero.storage import alias, copy_pieces
+from slipstream.engine.zero.strategy import (
+    OptimizerFactory,
+    ParamGroupSpec,
+    ShardingOptions,
+    ShardingStrategy,
+)
 from slipstream.engine.zero.tensor_tree import tensors_in
 from slipstream.engine.zero.units import find_units
-from slipstream.engine.zero.init import contiguous_strides as _contiguous_strides
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -89,7 +94,7 @@ class Stage3Strategy(ShardingStrategy):
         options: ShardingOptions,
         optimizer: torch.optim.Optimizer | OptimizerFactory,
         stage3: Stage3Options,
-        preshard: Callable[[FlatLayout, list[torch.nn.Parameter]], torch.Tensor] | None = None,
+        preshard: Callable[[FlatLayout], torch.Tensor] | None = None,
     ) -> None:
         self.module, self.options, self.stage3, self.group = module, options, stage3, options.group
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -105,15 +110,13 @@ class Stage3Strategy(ShardingStrategy):
             [p.numel() for p in self.managed], [], 0, self.world, self.rank,
             buckets=[[managed_index[id(p)] for p in spec.params] for spec in specs],
         )  # fmt: skip
-        device = next((b.device for b in module.buffers() if b.device.type != "meta"), None) or torch.device(
-            "cpu" if not self.managed or self.managed[0].device.type == "meta" else self.managed[0].device
-        )
+        device = self.managed[0].device if self.managed else torch.device("cpu")
         if preshard is None:
             broadcast_module_state(module, self.group)  # rank 0's weights win, as in every stage
             self.param_shard = self._shard_from_full(device)
         else:  # zero.Init built the shards without ever holding the full model
             broadcast_module_state(module, self.group, parameters=False)
-            self.param_shard = preshard(self.layout, self.managed).to(device=device, dtype=self.dtype)
+            self.param_shard = preshard(self.layout).to(device=device, dtype=self.dtype)
         self.gather_group = comm.lane_group(self.group, "zero3-gather")
         self.reduce_group = comm.lane_group(self.group, "zero3-reduce")
         comm.ring_context(self.gather_group)  # set up now rather than inside a hook
@@ -166,8 +169,7 @@ class Stage3Strategy(ShardingStrategy):
         shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
         with torch.no_grad():
             for piece in self.layout.pieces:
-                source = self.managed[piece.index].detach().reshape(-1)
-                shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(source[piece.param_offset : piece.param_offset + piece.numel])
+                copy_pieces(self.managed[piece.index].detach(), shard, [piece])
         return shard
 
     def _bind_optimizer(self, optimizer: torch.optim.Optimizer | OptimizerFactory, groups: list[ParamGroupSpec], device: torch.device) -> None:
@@ -326,11 +328,11 @@ class Stage3Strategy(ShardingStrategy):
                 aliases.append(None)
                 continue
             begin, _ = unit.param_range(i)
-            alias = send.new_empty(0).set_(send.untyped_storage(), begin, p.shape, _contiguous_strides(p.shape))
+            grad = alias(send.untyped_storage(), begin, p.shape, send.dtype)
             if p.grad is not None:  # a gradient from before this unit's backward (an outside use)
-                alias.copy_(p.grad)
-            p.grad = alias
-            aliases.append((alias, alias._version))
+                grad.copy_(p.grad)
+            p.grad = grad
+            aliases.append((grad, grad._version))
         self.grad_buffers[unit.index] = (send, aliases)
 
     def _post_backward(self, unit: ParamUnit) -> None:
@@ -467,8 +469,7 @@ class Stage3Strategy(ShardingStrategy):
         """After a GatheredParameters block: adopt ``modifier_rank``'s values, then free."""
         for unit in sorted(units, key=lambda u: u.index):
             if modifier_rank is not None:
-                full = unit.own_chunk().new_empty(0).set_(unit.full.untyped_storage(), 0, (unit.numel,), (1,))
-                comm.broadcast(full, src=dist.get_global_rank(self.group, modifier_rank) if self.group else modifier_rank,
+                comm.broadcast(unit.flat, src=dist.get_global_rank(self.group, modifier_rank) if self.group else modifier_rank,
                                group=self.group, tag=f"GatheredParameters unit {unit.index}").wait()  # fmt: skip
                 unit.shard.copy_(unit.own_chunk())
                 if self.master_shard is not None:
@@ -481,7 +482,6 @@ class Stage3Strategy(ShardingStrategy):
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gathers one unit at a time, so ranks other than 0 never hold more than one unit in full."""
         masters = self.master_shard if self.master_shard is not None else self.param_shard
-        names = {id(p): n for n, p in self.module.named_parameters()}
         state: dict[str, torch.Tensor] = {}
         for unit in self.units:
             flat = torch.empty(unit.numel, dtype=torch.float32, device=self.param_shard.device)
@@ -491,7 +491,7 @@ class Stage3Strategy(ShardingStrategy):
             if self.rank == 0:
                 for p, i in zip(unit.spec.params, unit.bucket.members):
                     begin, end = unit.param_range(i)
-                    state[names[id(p)]] = flat[begin:end].view(p.shape).clone()
+                    state[self.names[id(p)]] = flat[begin:end].view(p.shape).clone()
         if self.rank != 0:
             return None
         return {name: state[name] for name, _ in self.module.named_parameters()}  # the model's order
