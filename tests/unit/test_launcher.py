@@ -144,7 +144,10 @@ def test_restart_is_announced_and_uses_the_given_port(tmp_path):
 def test_describe_failure_names_signals():
     assert describe_failure(3, 1, 7) == "rank 3 (local rank 1) exited with code 7"
     assert describe_failure(0, 0, -signal.SIGSEGV) == "rank 0 (local rank 0) was killed by signal SIGSEGV"
-    assert "SIGKILL (out of memory?" in describe_failure(2, 2, -signal.SIGKILL)
+    note = "(out of memory: the kernel log records the OOM killer killing pid 7)"
+    assert describe_failure(2, 0, -signal.SIGKILL, "node-b", note) == (
+        f"rank 2 (local rank 0 on node-b) was killed by signal SIGKILL {note}"
+    )
 
 
 def test_report_prints_torch_version(capsys):
