@@ -32,6 +32,8 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
     global _timeout
     if dist.is_initialized():
         set_rank(dist.get_rank())
+        if timeout is not None:
+            _apply_timeout(timeout)
         return
     accelerator = get_accelerator()
     backend = backend or accelerator.communication_backend
@@ -53,6 +55,24 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     set_rank(dist.get_rank())
     logger.debug("joined process group: rank %d of %d, backend %s", dist.get_rank(), dist.get_world_size(), backend)
+
+
+def _apply_timeout(timeout: datetime.timedelta | float) -> None:
+    """Give a process group created elsewhere (torchrun user code, a test harness) our timeout.
+
+    Without this, ``comms_timeout_seconds`` would only reach groups slipstream creates itself and a
+    desynchronized rank would hang for the 30 minutes torch defaults to.
+    """
+    global _timeout
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    _timeout = timeout
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:  # older torch: only the groups created from now on get it
+        logger.warning("this torch cannot change an existing process group's timeout; comms_timeout_seconds "
+                       "applies to slipstream's own groups only")  # fmt: skip
+        return
+    set_timeout(timeout, dist.group.WORLD)
 
 
 def get_rank() -> int:

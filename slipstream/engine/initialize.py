@@ -55,7 +55,8 @@ def initialize(
     cfg = SlipstreamConfig.load(config, world_size=None)  # the triad needs the world size: below
     if cfg.log_level:
         get_logger().setLevel(cfg.log_level.upper())
-    init_distributed(timeout=cfg.comms_timeout_seconds)
+    # An explicit comms_timeout_seconds also re-times a process group the user created; the default does not.
+    init_distributed(timeout=cfg.comms_timeout_seconds if "comms_timeout_seconds" in cfg.model_fields_set else None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg.resolve_batch_triad(world_size)
     _check_supported(cfg, optimizer, lr_scheduler)

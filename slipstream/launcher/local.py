@@ -150,7 +150,7 @@ def default_nproc_per_node() -> int:
 
 
 RENDEZVOUS_TIMEOUT_S = 900  # how long node agents wait for each other (nodes boot at different speeds)
-TRACEBACK_LINES = 12  # of a failed rank's traceback, printed under its failure line
+TRACEBACK_LINES = 10  # of a failed rank's traceback (its innermost frames), printed under its failure line
 
 
 def describe_failure(rank: int, local_rank: int, exitcode: int, host: str | None = None, note: str = "") -> str:
@@ -226,7 +226,12 @@ def _traceback_tail(failure: Any) -> str:
     stack = extra.get("py_callstack") if isinstance(extra, dict) else None
     if not isinstance(stack, str) or not stack.strip():
         return ""
-    lines = stack.rstrip().splitlines()[-TRACEBACK_LINES:]
+    lines = stack.rstrip().splitlines()
+    # The exception line itself is already on the failure line above; keep the frames before it.
+    for end in range(len(lines), 0, -1):
+        if lines[end - 1].startswith(("Traceback", "  ")):
+            break
+    lines = lines[:end][-TRACEBACK_LINES:]
     return "\n".join(f"    | {line}" for line in lines)
 
 

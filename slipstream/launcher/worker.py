@@ -20,16 +20,23 @@ import time
 import traceback
 
 
-def record_exception(error: BaseException) -> None:
-    """Write ``error`` where the agent looks for it (torch elastic's error-file format)."""
+def record_exception(error: BaseException, script: str) -> None:
+    """Write ``error`` where the agent looks for it (torch elastic's error-file format).
+
+    The traceback starts at the user's script: the frames of this module and runpy are noise.
+    """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    tb = error.__traceback__
+    script = os.path.abspath(script)
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != script:
+        tb = tb.tb_next
     data = {
         "message": {
             "message": f"{type(error).__name__}: {error}",
             "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+                "py_callstack": "".join(traceback.format_exception(type(error), error, tb or error.__traceback__)),
                 "timestamp": str(int(time.time())),
             },
         }
@@ -53,7 +60,7 @@ def main() -> None:
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as error:
-        record_exception(error)
+        record_exception(error, script)
         raise
 
 
