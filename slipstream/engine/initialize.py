@@ -98,10 +98,13 @@ def initialize(
         cfg.zero_optimization.stage, cfg.precision, world_size, cfg.train_batch_size,
         cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world_size,
     )  # fmt: skip
-    return Engine(
+    engine = Engine(
         model, cfg, strategy, build_loss_scaler(cfg.precision, cfg.fp16), accelerator, world_size,
         lr_scheduler=scheduler, training_dataloader=loader,
     )  # fmt: skip
+    if cfg.checkpoint.auto_resume:  # the fault-tolerant launcher restarts jobs with this on
+        engine.resumed_from, engine.resumed_client_state = engine.checkpoints.resume(engine)
+    return engine
 
 
 def _check_supported(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -> None:
