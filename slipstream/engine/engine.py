@@ -76,6 +76,7 @@ class Engine(torch.nn.Module):
 
     # ------------------------------------------------------------------ training loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        comms_log.step = self.global_steps  # a timed-out collective names this step (also after a resume)
         if self._auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self._dtype)
         return self.module(*args, **kwargs)

@@ -46,7 +46,10 @@ def main() -> None:
     parser.add_argument("--kill_after_step", type=int, default=-1)
     parser.add_argument("--skip_rank", type=int, default=-1)
     parser.add_argument("--skip_step", type=int, default=-1)
+    parser.add_argument("--own_process_group", action="store_true", help="create the group before initialize()")
     args = parser.parse_args()
+    if args.own_process_group:
+        dist.init_process_group("gloo")  # torch's default 30-minute timeout, until initialize() re-times it
 
     config: dict = {
         "train_micro_batch_size_per_gpu": 4,

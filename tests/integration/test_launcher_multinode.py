@@ -227,9 +227,11 @@ def test_sigkilled_rank_restarts_and_resumes_from_checkpoint(tmp_path, reference
 
 
 def test_rank_skipping_a_collective_fails_the_others_within_the_timeout(tmp_path):
+    # The job creates its process group itself (30-minute default), so this also checks that
+    # comms_timeout_seconds reaches a group slipstream did not create.
     done, exited_at = _slipstream(
         "run", "--nproc_per_node", "2", JOB, "--out", str(tmp_path), "--steps", str(STEPS),
-        "--comms_timeout", "3", "--skip_rank", "1", "--skip_step", "2",
+        "--comms_timeout", "3", "--skip_rank", "1", "--skip_step", "2", "--own_process_group",
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
     # Rank 1 sleeps 300 s instead of stepping; rank 0 gives up after the 3 s timeout (plus teardown).
