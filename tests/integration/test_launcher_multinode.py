@@ -60,6 +60,10 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 def _assert_same_run(out: Path, reference: Path) -> None:
     for rank in range(2):
         assert _losses(out, rank) == _losses(reference, rank), f"rank {rank} losses differ"
+    _assert_same_weights(out, reference)
+
+
+def _assert_same_weights(out: Path, reference: Path) -> None:
     got, want = _weights(out), _weights(reference)
     assert got.keys() == want.keys()
     for name in want:
@@ -103,22 +107,28 @@ def test_reference_run_records_torchrun_environment(reference):
     assert len(losses) == STEPS and losses["7"] < losses["0"]
 
 
-def test_two_agents_as_two_nodes_match_one_node(tmp_path, reference):
-    port = str(_free_port())
+def _two_agents(port: str, job_args: list[str], agent_args: tuple[str, ...] = ()) -> list[str]:
+    """Start node 1's agent, then node 0's (node 1 must wait for node 0's store, not fail); their stderr."""
     common = ["--num_nodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOGLEVEL")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     agents = [
         subprocess.Popen(
-            [sys.executable, "-m", "slipstream.launcher.cli", "run", *common, "--node_rank", str(node),
-             JOB, "--out", str(tmp_path), "--steps", str(STEPS)],
+            [sys.executable, "-m", "slipstream.launcher.cli", "run", *common, *agent_args, "--node_rank", str(node),
+             JOB, *job_args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        for node in (1, 0)  # node 1 first: it must wait for node 0's store, not fail
+        for node in (1, 0)
     ]
-    results = [agent.communicate(timeout=120) for agent in agents]
+    results = [agent.communicate(timeout=180) for agent in agents]
     for agent, (_, err) in zip(agents, results):
         assert agent.returncode == 0, err
+    return [err for _, err in results]
+
+
+def test_two_agents_as_two_nodes_match_one_node(tmp_path, reference):
+    port = str(_free_port())
+    _two_agents(port, ["--out", str(tmp_path), "--steps", str(STEPS)])
     for rank in range(2):
         env_seen = json.loads((tmp_path / f"env_rank{rank}.json").read_text())
         assert env_seen["RANK"] == str(rank) and env_seen["LOCAL_RANK"] == "0"  # node r holds rank r
@@ -221,9 +231,24 @@ def test_sigkilled_rank_restarts_and_resumes_from_checkpoint(tmp_path, reference
     assert sorted(map(int, resumed)) == list(range(4, STEPS))
     want = _losses(reference, 1)
     assert all(resumed[step] == want[step] for step in resumed)
-    got, want_weights = _weights(tmp_path), _weights(reference)
-    for name in want_weights:
-        torch.testing.assert_close(got[name], want_weights[name], rtol=0, atol=0, msg=name)
+    _assert_same_weights(tmp_path, reference)
+
+
+def test_two_node_job_restarts_on_both_nodes_and_resumes(tmp_path, reference):
+    # Rank 1 (node 1) dies; node 1's agent restarts it, node 0's rank sees the dead peer and fails,
+    # node 0's agent restarts too, and both meet again and resume from the step-4 checkpoint.
+    stderr = _two_agents(
+        str(_free_port()),
+        ["--out", str(tmp_path), "--steps", str(STEPS), "--save_dir", str(tmp_path / "checkpoints"), "--interval", "2",
+         "--kill_rank", "1", "--kill_after_step", "5"],
+        ("--max_restarts", "1"),
+    )  # fmt: skip
+    node1 = stderr[0]
+    assert f"node 1 ({socket.gethostname()}): rank 1 (local rank 0 on {socket.gethostname()}) was killed by signal SIGKILL" in node1
+    assert "restarting this node's ranks (restart 1 of 1)" in node1
+    resumed = _losses(tmp_path, 1, attempt=1)
+    assert sorted(map(int, resumed)) == list(range(4, STEPS))
+    _assert_same_weights(tmp_path, reference)
 
 
 def test_rank_skipping_a_collective_fails_the_others_within_the_timeout(tmp_path):
