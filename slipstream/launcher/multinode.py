@@ -48,7 +48,7 @@ def run(runner: str, argvs: list[list[str]], labels: list[str]) -> int:
     except FileNotFoundError as err:
         _say(f"--launcher {runner}: {err.filename} is not installed or not on PATH")
         return 127
-    nodes = [_Node(label, process) for label, process in zip(labels, processes)]
+    nodes = [_Node(label, process) for label, process in zip(labels, processes, strict=True)]
     with _forward_signals(signals, nodes, watch_stdin):
         while True:
             if signals.received:

@@ -121,7 +121,7 @@ def _two_agents(port: str, job_args: list[str], agent_args: tuple[str, ...] = ()
         for node in (1, 0)
     ]
     results = [agent.communicate(timeout=180) for agent in agents]
-    for agent, (_, err) in zip(agents, results):
+    for agent, (_, err) in zip(agents, results, strict=True):
         assert agent.returncode == 0, err
     return [err for _, err in results]
 

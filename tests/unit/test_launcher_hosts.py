@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
@@ -251,3 +250,9 @@ def test_bad_input_is_a_one_line_usage_error(clean_env, capsys, argv, message):
     assert exit.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("slipstream run: error: ") and message in error, error
+
+
+def test_missing_runner_program_is_named(clean_env, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(clean_env))  # no pdsh (nor anything else) on it
+    assert main(["run", "--hostfile", "hostfile", "--exclude", "node-c", "--launcher", "pdsh", "train.py"]) == 127
+    assert "slipstream run: --launcher pdsh: pdsh is not installed or not on PATH" in capsys.readouterr().err
