@@ -6,7 +6,8 @@
 * an uncaught exception is written, with its traceback, to the error file torch elastic names in
   ``TORCHELASTIC_ERROR_FILE`` (the JSON layout of torch's ``@record``), so the launcher can print
   the failing rank's traceback without the user decorating their ``main``;
-* ``faulthandler`` is on, so a crash in native code (segfault, abort) still prints a Python stack.
+* ``faulthandler`` is on, so a crash in native code (segfault, abort) still prints a Python stack,
+  and ``kill -USR1 <pid>`` prints every thread's stack of a rank that seems stuck.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import faulthandler
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -55,6 +57,8 @@ def main() -> None:
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     faulthandler.enable()
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         runpy.run_path(script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt):
