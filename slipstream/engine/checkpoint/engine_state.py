@@ -123,6 +123,7 @@ def _capture_common(engine: Engine, client_state: dict[str, Any] | None, tensors
         "counters": {
             "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
             "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
         },  # fmt: skip
         "optimizer_groups": encode_tree(groups, "common/optimizer_groups", tensors, "optimizer.param_groups"),
         "lr_scheduler": None if scheduler is None or not hasattr(scheduler, "state_dict")
@@ -210,33 +211,57 @@ def _rng_state(engine: Engine) -> dict[str, Any]:
 
 
 def restore(
-    engine: Engine, reader: CheckpointReader, rank: int, *, strict: bool, optimizer: bool, scheduler: bool, module_only: bool
+    engine: Engine, reader: CheckpointReader, rank: int, *, strict: bool, optimizer: bool, scheduler: bool, module_only: bool,
+    agree: Any = None,
 ) -> dict[str, Any]:
-    """Load ``reader``'s checkpoint into ``engine``; returns the client state. Collective."""
-    reader.check_model(engine.module, strict=strict)
+    """Load ``reader``'s checkpoint into ``engine``; returns the client state. Collective.
+
+    Everything is read first (``agree`` runs that on every rank and raises everywhere if any rank
+    fails, e.g. on a corrupt file only it reads), then applied: no rank is left in a collective.
+    """
     owned = engine.strategy.sharded_state()
-    engine.strategy.load_sharded_state(reader.read_param)
-    common = reader.common()
+
+    def read_all() -> tuple[dict[ParamSlice, torch.Tensor], dict[ParamSlice, Any], dict[str, Any]]:
+        reader.check_model(engine.module, strict=strict)
+        values = {o.slice: reader.read_param(o.slice) for o in owned}
+        states = {o.slice: reader.read_optimizer_state(o.slice) for o in owned if o.optimizer_param is not None} if optimizer and not module_only else {}
+        common = reader.common()
+        decoded = {
+            "buffers": {name: reader.tensor(0, key) for name, key in common["buffers"].items()},
+            "groups": reader.decode(0, common["optimizer_groups"]),
+            "scheduler": None if common["lr_scheduler"] is None else reader.decode(0, common["lr_scheduler"]),
+            "scaler": reader.decode(0, common["loss_scaler"]),
+            "client": reader.decode(0, common["client_state"]),
+            "counters": common["counters"],
+        }
+        return values, states, decoded
+
+    values, states, common = agree(read_all, "reading the checkpoint") if agree is not None else read_all()
+    engine.strategy.load_sharded_state(values.__getitem__)
     with torch.no_grad():
         for name, buf in persistent_buffers(engine.module).items():
             if name in common["buffers"]:
-                buf.copy_(reader.tensor(0, common["buffers"][name]))
+                buf.copy_(common["buffers"][name])
     if module_only:
         return {}
     if optimizer:
-        _restore_optimizer(engine.optimizer, owned, reader, common)
-    if scheduler and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(reader.decode(0, common["lr_scheduler"]))
-    engine.loss_scaler.load_state_dict(reader.decode(0, common["loss_scaler"]))
+        _restore_optimizer(engine.optimizer, owned, states, common["groups"], reader)
+    if scheduler and engine.lr_scheduler is not None and common["scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(common["scheduler"])
+    engine.loss_scaler.load_state_dict(common["scaler"])
     counters = common["counters"]
-    engine.global_steps, engine.micro_steps = counters["global_steps"], counters["micro_steps"]
+    engine.global_steps = counters["global_steps"]
+    # Micro-steps count accumulation windows of the *current* size: another world size may mean another gas.
+    into_window = counters["micro_steps"] - counters["global_steps"] * counters["gradient_accumulation_steps"]
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps() + into_window
     engine.global_samples, engine.skipped_steps = counters["global_samples"], counters["skipped_steps"]
     _restore_per_rank(engine, reader, rank)
-    return reader.decode(0, common["client_state"])
+    return common["client"]
 
 
-def _restore_optimizer(opt: torch.optim.Optimizer, owned: list[OwnedSlice], reader: CheckpointReader, common: dict[str, Any]) -> None:
-    groups = reader.decode(0, common["optimizer_groups"])
+def _restore_optimizer(
+    opt: torch.optim.Optimizer, owned: list[OwnedSlice], states: dict[ParamSlice, Any], groups: list[dict[str, Any]], reader: CheckpointReader
+) -> None:  # fmt: skip
     if len(groups) != len(opt.param_groups):
         raise ValueError(
             f"checkpoint {reader.path}: the optimizer had {len(groups)} parameter group(s), this one has "
@@ -254,7 +279,7 @@ def _restore_optimizer(opt: torch.optim.Optimizer, owned: list[OwnedSlice], read
     for o in owned:
         if o.optimizer_param is None:
             continue
-        state = reader.read_optimizer_state(o.slice)
+        state = states[o.slice]
         param = o.optimizer_param
         if state is None:
             opt.state.pop(param, None)

@@ -121,13 +121,14 @@ class CheckpointManager:
         scheduler: bool = True, module_only: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
         self.wait()
-        path = resolve(load_dir, tag)
+        path = _agree(lambda: resolve(load_dir, tag, self.config.verify_checksums), "finding the checkpoint")
         if path is None:
             logger.warning("load_checkpoint: no checkpoint in %s; nothing loaded", load_dir)
             return None, None
-        reader = CheckpointReader(path, verify_checksums=self.config.verify_checksums)
+        reader = _agree(lambda: CheckpointReader(path, verify_checksums=self.config.verify_checksums), "opening the checkpoint")
         client_state = restore(
-            engine, reader, dist.get_rank(), strict=strict, optimizer=optimizer, scheduler=scheduler, module_only=module_only
+            engine, reader, dist.get_rank(), strict=strict, optimizer=optimizer, scheduler=scheduler, module_only=module_only,
+            agree=_agree,
         )
         logger.info(
             "loaded checkpoint %s (saved at step %d by %d ranks, ZeRO stage %d)",
