@@ -1,7 +1,7 @@
 """What one rank saves of an engine, and how it is put back.
 
 :func:`capture` runs on the training thread at a step boundary and returns a :class:`Payload`:
-the tensors to write (live references, or CPU copies after :func:`snapshot`) and the JSON
+the tensors to write (live references; see snapshot.py for background writes) and the JSON
 metadata. :func:`restore` applies a :class:`CheckpointReader` to an engine of any world size or
 ZeRO stage: weights and optimizer state by parameter slice, the rest by name.
 """
@@ -34,7 +34,7 @@ class Payload:
     """One rank's part of a checkpoint: ``tensors`` go to ``rankNNNNN.safetensors``, ``meta`` to its JSON."""
 
     rank: int
-    tensors: dict[str, torch.Tensor]
+    tensors: Any  # dict[str, Tensor] of live tensors, or a GuardedTensors for a background write
     meta: dict[str, Any]
     manifest: dict[str, Any] | None = None  # rank 0: everything of the manifest but the file list
     config: dict[str, Any] | None = None  # rank 0
@@ -69,24 +69,6 @@ def capture(engine: Engine, rank: int, world: int, tag: str, client_state: dict[
         payload.manifest = _manifest_body(engine, world, tag)
         payload.config = engine.config.model_dump(mode="json", by_alias=False, exclude_unset=True)
     return payload
-
-
-def snapshot(payload: Payload, buffers: dict[str, torch.Tensor], pin: Any = None) -> Payload:
-    """Copy the payload's tensors into CPU buffers (reused across saves) so training may go on.
-
-    ``pin`` pins new buffers (CUDA: faster, asynchronous device-to-host copies).
-    """
-    copies = {}
-    for key, t in payload.tensors.items():
-        buf = buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            buffers[key] = buf = pin(buf) if pin is not None and t.device.type != "cpu" else buf
-        buf.copy_(t.detach(), non_blocking=buf.is_pinned())
-        copies[key] = buf
-    for stale in set(buffers) - set(payload.tensors):
-        del buffers[stale]
-    return dataclasses.replace(payload, tensors=copies)
 
 
 def _capture_slice(owned: OwnedSlice, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -329,4 +311,4 @@ def _set_rng_state(engine: Engine, state: dict[str, Any]) -> None:
         engine.accelerator.set_rng_state(state["device"])
 
 
-__all__ = ["Payload", "ParamSlice", "capture", "restore", "snapshot", "persistent_buffers", "state_dict_keys"]
+__all__ = ["Payload", "ParamSlice", "capture", "restore", "persistent_buffers", "state_dict_keys"]

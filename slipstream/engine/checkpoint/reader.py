@@ -267,7 +267,11 @@ class CheckpointReader:
     def _assemble(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
         out: torch.Tensor | None = None
         covered, end = 0, s.start + s.numel
-        for start, numel, rank, entry in self._overlaps(s):
+        overlaps = self._overlaps(s)
+        if len(overlaps) == 1 and overlaps[0][0] == s.start and overlaps[0][1] == s.numel:  # saved as asked: no re-slicing
+            piece = self._open(overlaps[0][2]).get_tensor(key_of(overlaps[0][3]))
+            return piece if dtype is None or piece.dtype == dtype else piece.to(dtype)
+        for start, numel, rank, entry in overlaps:
             lo, hi = max(start, s.start), min(start + numel, end)
             piece = self._open(rank).get_slice(key_of(entry))[lo - start : hi - start]
             if out is None:
