@@ -24,11 +24,11 @@ import torch
 torch.set_num_threads(1)
 os.environ.setdefault("SLIPSTREAM_ACCELERATOR", "cpu")
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
-import slipstream  # noqa: E402
-from slipstream.engine.checkpoint.reader import CheckpointReader, latest_tag  # noqa: E402
-from slipstream.engine.initialize import initialize  # noqa: E402, F401 - imported once, before forking
+import slipstream
+from slipstream.engine.checkpoint.reader import CheckpointReader, latest_tag
+from slipstream.engine.initialize import initialize  # noqa: F401 - imported once, before forking
 
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its first construction imports torch._dynamo (seconds)
 

@@ -103,6 +103,6 @@ def test_checkpoint_cli_help_stays_light() -> None:
         "try:\n    main(['checkpoint', '--help'])\nexcept SystemExit:\n    pass\n"
         "print('torch imported:', 'torch' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert "inspect" in done.stdout and "export" in done.stdout
     assert "torch imported: False" in done.stdout, done.stdout  # --help never imports torch

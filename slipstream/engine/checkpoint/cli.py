@@ -52,7 +52,7 @@ def inspect(directory: Path, tag: str | None, verify: bool) -> int:
     params = m["parameters"]
     numel = sum(_numel(p["shape"]) for p in params.values())
     size = sum(f["bytes"] for f in m["files"].values())
-    created = datetime.datetime.fromtimestamp(m["created"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    created = datetime.datetime.fromtimestamp(m["created"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     first = next((e for e in reader.rank_meta(0)["slices"] if "optimizer" in e), None)
     common = reader.common()
     print(f"checkpoint      {path}")

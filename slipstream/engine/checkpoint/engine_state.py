@@ -93,6 +93,7 @@ def _capture_slice(owned: OwnedSlice, optimizer: torch.optim.Optimizer, tensors:
     return entry
 
 
+# fmt: off
 def _capture_common(engine: Engine, client_state: dict[str, Any] | None, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """State every rank shares (saved once, by rank 0)."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
@@ -106,7 +107,7 @@ def _capture_common(engine: Engine, client_state: dict[str, Any] | None, tensors
             "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
             "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
             "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        },  # fmt: skip
+        },
         "optimizer_groups": encode_tree(groups, "common/optimizer_groups", tensors, "optimizer.param_groups"),
         "lr_scheduler": None if scheduler is None or not hasattr(scheduler, "state_dict")
         else encode_tree(scheduler.state_dict(), "common/lr_scheduler", tensors, "lr_scheduler.state_dict()"),
@@ -114,6 +115,7 @@ def _capture_common(engine: Engine, client_state: dict[str, Any] | None, tensors
         "client_state": encode_tree(client_state or {}, "common/client_state", tensors, "client_state"),
         "buffers": buffers,
     }
+# fmt: on
 
 
 def _manifest_body(engine: Engine, world: int, tag: str) -> dict[str, Any]:
@@ -311,4 +313,4 @@ def _set_rng_state(engine: Engine, state: dict[str, Any]) -> None:
         engine.accelerator.set_rng_state(state["device"])
 
 
-__all__ = ["Payload", "ParamSlice", "capture", "restore", "persistent_buffers", "state_dict_keys"]
+__all__ = ["ParamSlice", "Payload", "capture", "persistent_buffers", "restore", "state_dict_keys"]

@@ -93,7 +93,7 @@ def write_safetensors(path: Path, tensors: Any, metadata: dict[str, str] | None 
             f.write(block)
             crc = zlib.crc32(block, crc)
             size += len(block)
-        for name, _ in tensors.items():
+        for name in tensors:
             with reading(tensors, name) as t:
                 for block in _byte_blocks(t):
                     f.write(block)  # file writes and zlib.crc32 of large buffers release the GIL
@@ -144,7 +144,7 @@ def encode_tree(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], where: 
             return {k: encode_tree(v, f"{prefix}/{k}", tensors, f"{where}[{k!r}]") for k, v in obj.items()}
         if all(isinstance(k, (str, int)) for k in obj):
             return {"__items__": [[k, encode_tree(v, f"{prefix}/{k}", tensors, f"{where}[{k!r}]")] for k, v in obj.items()]}
-    import numpy  # noqa: PLC0415 - only for the rare numpy scalar
+    import numpy
 
     if isinstance(obj, numpy.generic):
         return obj.item()

@@ -53,6 +53,7 @@ class CheckpointManager:
         self._guard: GuardedTensors | None = None
         self.last_saved: Path | None = None
         self.last_stall_s = 0.0  # training-thread time of the last save: the call plus its fence
+        self.last_write_s = 0.0  # from the save call until this rank's files (and, on rank 0, the commit) are done
         _live.add(self)
 
     # ------------------------------------------------------------------ save
@@ -77,13 +78,15 @@ class CheckpointManager:
             self._guard = payload.tensors = GuardedTensors(payload.tensors, self._buffers, pin)
             engine.accelerator.synchronize()  # device-to-host copies are complete before training goes on
             self._thread = threading.Thread(
-                target=self._persist, args=(payload, save_dir, tag, tmp, world, save_latest), name=f"slipstream-save-{tag}", daemon=False
-            )
+                target=self._persist, args=(payload, save_dir, tag, tmp, world, save_latest, started),
+                name=f"slipstream-save-{tag}", daemon=False,
+            )  # fmt: skip
             self._thread.start()
         else:
             _agree(lambda: writer.write_rank(tmp, payload), "writing this rank's checkpoint files")
             _agree(lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest) if rank == 0 else None, "committing the checkpoint")
             logger.info("saved checkpoint %s", final)
+            self.last_write_s = time.perf_counter() - started
         self.last_saved = final
         self.last_stall_s = time.perf_counter() - started
         return final
@@ -94,12 +97,13 @@ class CheckpointManager:
             self.last_stall_s += self._guard.fence()
             self._guard = None
 
-    def _persist(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool) -> None:
+    def _persist(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool, started: float) -> None:
         try:
             writer.write_rank(tmp, payload)
             if payload.rank == 0:
                 self._commit(payload, save_dir, tag, tmp, world, save_latest)
                 logger.info("saved checkpoint %s (in the background)", save_dir / tag)
+            self.last_write_s = time.perf_counter() - started
         except BaseException as err:  # noqa: BLE001 - reported on the training thread at the next wait
             logger.error("background checkpoint save of %s failed: %s", tag, err)
             self._error = err

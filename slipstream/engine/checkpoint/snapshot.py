@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy
 import torch
 
 SMALL = 1 << 20  # bytes: tensors this small are copied at once (cheap, and e.g. BatchNorm buffers change in forward)
@@ -47,7 +48,12 @@ class GuardedTensors:
             if self._pin is not None and t.device.type != "cpu":
                 buf = self._pin(buf)
             self._buffers[key] = buf
-        buf.copy_(t.detach(), non_blocking=t.device.type != "cpu")
+        if t.device.type == "cpu" and t.numel():
+            # One thread, GIL released: torch's copy_ splits over intra-op threads, which on a busy
+            # machine made the copy 5-10x slower than a plain memcpy.
+            numpy.copyto(_bytes(buf), _bytes(t))
+        else:
+            buf.copy_(t.detach(), non_blocking=t.device.type != "cpu")
         return buf
 
     # the mapping the writer iterates (shapes and dtypes for the header)
@@ -56,6 +62,9 @@ class GuardedTensors:
 
     def values(self) -> Iterator[torch.Tensor]:
         return iter(self._live.values())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -87,6 +96,10 @@ class GuardedTensors:
             while self._inflight is not None and self._inflight not in self._copies:
                 self._cond.wait()
         return time.perf_counter() - start
+
+
+def _bytes(t: torch.Tensor) -> numpy.ndarray:
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def reading(tensors: Any, key: str) -> contextlib.AbstractContextManager[torch.Tensor]:
