@@ -99,6 +99,7 @@ def _exact_resume_body(stage: int, gas: int, precision: str, async_save: bool) -
     engine = slipstream.initialize(_with_dropout(tiny_gpt2(seed=0)), config, training_data=data)
     full = _Trainer(engine)
     full.run(SAVE_AT)
+    full_scale_at_save = engine.loss_scale()
     engine.save_checkpoint(directory, client_state={"note": "mid-run", "losses": torch.tensor(full.losses)})
     full.run(STEPS - SAVE_AT)  # with async, training goes on while the snapshot is written
     engine.close()
@@ -111,10 +112,13 @@ def _exact_resume_body(stage: int, gas: int, precision: str, async_save: bool) -
     if rank == 0:  # client_state is saved once, from rank 0 (as DeepSpeed does)
         assert torch.equal(client["losses"], torch.tensor(full.losses[: SAVE_AT * gas]))
     assert (engine.global_steps, engine.micro_steps) == (SAVE_AT, SAVE_AT * gas)
+    scale = engine.loss_scale()
     resumed = _Trainer(engine)
     resumed.run(STEPS - SAVE_AT)
     final = engine.consolidated_state_dict()
     engine.close()
+    if precision == "fp16":
+        assert scale == full_scale_at_save  # the dynamic loss scaler's state came back too
     tail = full.losses[SAVE_AT * gas :]
     assert resumed.losses == tail, f"stage {stage}: resumed losses {resumed.losses} != uninterrupted {tail}"  # bitwise
     assert resumed.seen == full.seen[SAVE_AT * gas * 2 :], "the resumed loader read different samples"
@@ -129,7 +133,7 @@ def _exact_resume_body(stage: int, gas: int, precision: str, async_save: bool) -
 @pytest.mark.parametrize(
     ("stage", "gas", "precision", "async_save"),
     [(0, 2, "fp32", False), (1, 2, "fp32", False), (2, 2, "fp32", True), (3, 2, "fp32", False), (3, 1, "fp32", True),
-     (2, 1, "bf16", False)],
+     (2, 1, "bf16", False), (1, 2, "fp16", True)],
 )  # fmt: skip
 def test_exact_resume(stage: int, gas: int, precision: str, async_save: bool) -> None:
     run_distributed(2, _exact_resume_body, stage, gas, precision, async_save)
