@@ -141,6 +141,7 @@ class Engine(torch.nn.Module):
             if clip > 0:
                 coef *= min(1.0, clip / (norm + 1e-6))
             self.strategy.scale_gradients(coef)
+            self.checkpoints.before_update()  # an async save may still be reading the weights
             self.strategy.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         from slipstream.launcher import report
 
         return report.main()
+    if args.command == "checkpoint":  # reads checkpoint files: imports torch, never the run path
+        from slipstream.engine.checkpoint import cli as checkpoint_cli
+
+        return checkpoint_cli.main(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
 
 
@@ -73,6 +77,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="print versions, devices and build tools for a bug report",
         description="Print the environment facts a Slipstream bug report needs.",
     )
+    _add_checkpoint_parser(commands)
     return parser
 
 
@@ -112,6 +117,21 @@ def _add_multi_node_arguments(run: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     # Set by the ssh runner on the agents it starts: stop when the runner's connection closes.
     run.add_argument("--exit_on_stdin_close", action="store_true", help=argparse.SUPPRESS)
+
+
+def _add_checkpoint_parser(commands: argparse._SubParsersAction) -> None:
+    checkpoint = commands.add_parser(
+        "checkpoint", help="inspect or export a checkpoint", description="Read a checkpoint from its files alone."
+    )
+    actions = checkpoint.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    inspect = actions.add_parser("inspect", help="summarize a checkpoint (and list those in a save directory)")
+    inspect.add_argument("dir", metavar="DIR", help="a save directory (its latest checkpoint) or a checkpoint directory")
+    inspect.add_argument("--tag", default=None, help="the checkpoint in DIR to read (default: latest)")
+    inspect.add_argument("--verify", action="store_true", help="check every file's CRC-32")
+    export = actions.add_parser("export", help="write one consolidated fp32 safetensors file of the model's state_dict")
+    export.add_argument("dir", metavar="DIR", help="a save directory (its latest checkpoint) or a checkpoint directory")
+    export.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+    export.add_argument("--tag", default=None, help="the checkpoint in DIR to export (default: latest)")
 
 
 def _run(args: argparse.Namespace) -> int:

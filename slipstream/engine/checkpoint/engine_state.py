@@ -1,7 +1,7 @@
 """What one rank saves of an engine, and how it is put back.
 
 :func:`capture` runs on the training thread at a step boundary and returns a :class:`Payload`:
-the tensors to write (live references, or CPU copies after :func:`snapshot`) and the JSON
+the tensors to write (live references; see snapshot.py for background writes) and the JSON
 metadata. :func:`restore` applies a :class:`CheckpointReader` to an engine of any world size or
 ZeRO stage: weights and optimizer state by parameter slice, the rest by name.
 """
@@ -34,7 +34,7 @@ class Payload:
     """One rank's part of a checkpoint: ``tensors`` go to ``rankNNNNN.safetensors``, ``meta`` to its JSON."""
 
     rank: int
-    tensors: dict[str, torch.Tensor]
+    tensors: Any  # dict[str, Tensor] of live tensors, or a GuardedTensors for a background write
     meta: dict[str, Any]
     manifest: dict[str, Any] | None = None  # rank 0: everything of the manifest but the file list
     config: dict[str, Any] | None = None  # rank 0
@@ -71,24 +71,6 @@ def capture(engine: Engine, rank: int, world: int, tag: str, client_state: dict[
     return payload
 
 
-def snapshot(payload: Payload, buffers: dict[str, torch.Tensor], pin: Any = None) -> Payload:
-    """Copy the payload's tensors into CPU buffers (reused across saves) so training may go on.
-
-    ``pin`` pins new buffers (CUDA: faster, asynchronous device-to-host copies).
-    """
-    copies = {}
-    for key, t in payload.tensors.items():
-        buf = buffers.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            buffers[key] = buf = pin(buf) if pin is not None and t.device.type != "cpu" else buf
-        buf.copy_(t.detach(), non_blocking=buf.is_pinned())
-        copies[key] = buf
-    for stale in set(buffers) - set(payload.tensors):
-        del buffers[stale]
-    return dataclasses.replace(payload, tensors=copies)
-
-
 def _capture_slice(owned: OwnedSlice, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     s = owned.slice
     key = f"p/{s.name}/{s.start}"
@@ -111,6 +93,7 @@ def _capture_slice(owned: OwnedSlice, optimizer: torch.optim.Optimizer, tensors:
     return entry
 
 
+# fmt: off
 def _capture_common(engine: Engine, client_state: dict[str, Any] | None, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """State every rank shares (saved once, by rank 0)."""
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
@@ -123,7 +106,8 @@ def _capture_common(engine: Engine, client_state: dict[str, Any] | None, tensors
         "counters": {
             "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
             "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
-        },  # fmt: skip
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        },
         "optimizer_groups": encode_tree(groups, "common/optimizer_groups", tensors, "optimizer.param_groups"),
         "lr_scheduler": None if scheduler is None or not hasattr(scheduler, "state_dict")
         else encode_tree(scheduler.state_dict(), "common/lr_scheduler", tensors, "lr_scheduler.state_dict()"),
@@ -131,6 +115,7 @@ def _capture_common(engine: Engine, client_state: dict[str, Any] | None, tensors
         "client_state": encode_tree(client_state or {}, "common/client_state", tensors, "client_state"),
         "buffers": buffers,
     }
+# fmt: on
 
 
 def _manifest_body(engine: Engine, world: int, tag: str) -> dict[str, Any]:
@@ -210,33 +195,57 @@ def _rng_state(engine: Engine) -> dict[str, Any]:
 
 
 def restore(
-    engine: Engine, reader: CheckpointReader, rank: int, *, strict: bool, optimizer: bool, scheduler: bool, module_only: bool
+    engine: Engine, reader: CheckpointReader, rank: int, *, strict: bool, optimizer: bool, scheduler: bool, module_only: bool,
+    agree: Any = None,
 ) -> dict[str, Any]:
-    """Load ``reader``'s checkpoint into ``engine``; returns the client state. Collective."""
-    reader.check_model(engine.module, strict=strict)
+    """Load ``reader``'s checkpoint into ``engine``; returns the client state. Collective.
+
+    Everything is read first (``agree`` runs that on every rank and raises everywhere if any rank
+    fails, e.g. on a corrupt file only it reads), then applied: no rank is left in a collective.
+    """
     owned = engine.strategy.sharded_state()
-    engine.strategy.load_sharded_state(reader.read_param)
-    common = reader.common()
+
+    def read_all() -> tuple[dict[ParamSlice, torch.Tensor], dict[ParamSlice, Any], dict[str, Any]]:
+        reader.check_model(engine.module, strict=strict)
+        values = {o.slice: reader.read_param(o.slice) for o in owned}
+        states = {o.slice: reader.read_optimizer_state(o.slice) for o in owned if o.optimizer_param is not None} if optimizer and not module_only else {}
+        common = reader.common()
+        decoded = {
+            "buffers": {name: reader.tensor(0, key) for name, key in common["buffers"].items()},
+            "groups": reader.decode(0, common["optimizer_groups"]),
+            "scheduler": None if common["lr_scheduler"] is None else reader.decode(0, common["lr_scheduler"]),
+            "scaler": reader.decode(0, common["loss_scaler"]),
+            "client": reader.decode(0, common["client_state"]),
+            "counters": common["counters"],
+        }
+        return values, states, decoded
+
+    values, states, common = agree(read_all, "reading the checkpoint") if agree is not None else read_all()
+    engine.strategy.load_sharded_state(values.__getitem__)
     with torch.no_grad():
         for name, buf in persistent_buffers(engine.module).items():
             if name in common["buffers"]:
-                buf.copy_(reader.tensor(0, common["buffers"][name]))
+                buf.copy_(common["buffers"][name])
     if module_only:
         return {}
     if optimizer:
-        _restore_optimizer(engine.optimizer, owned, reader, common)
-    if scheduler and engine.lr_scheduler is not None and common["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(reader.decode(0, common["lr_scheduler"]))
-    engine.loss_scaler.load_state_dict(reader.decode(0, common["loss_scaler"]))
+        _restore_optimizer(engine.optimizer, owned, states, common["groups"], reader)
+    if scheduler and engine.lr_scheduler is not None and common["scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(common["scheduler"])
+    engine.loss_scaler.load_state_dict(common["scaler"])
     counters = common["counters"]
-    engine.global_steps, engine.micro_steps = counters["global_steps"], counters["micro_steps"]
+    engine.global_steps = counters["global_steps"]
+    # Micro-steps count accumulation windows of the *current* size: another world size may mean another gas.
+    into_window = counters["micro_steps"] - counters["global_steps"] * counters["gradient_accumulation_steps"]
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps() + into_window
     engine.global_samples, engine.skipped_steps = counters["global_samples"], counters["skipped_steps"]
     _restore_per_rank(engine, reader, rank)
-    return reader.decode(0, common["client_state"])
+    return common["client"]
 
 
-def _restore_optimizer(opt: torch.optim.Optimizer, owned: list[OwnedSlice], reader: CheckpointReader, common: dict[str, Any]) -> None:
-    groups = reader.decode(0, common["optimizer_groups"])
+def _restore_optimizer(
+    opt: torch.optim.Optimizer, owned: list[OwnedSlice], states: dict[ParamSlice, Any], groups: list[dict[str, Any]], reader: CheckpointReader
+) -> None:  # fmt: skip
     if len(groups) != len(opt.param_groups):
         raise ValueError(
             f"checkpoint {reader.path}: the optimizer had {len(groups)} parameter group(s), this one has "
@@ -254,7 +263,7 @@ def _restore_optimizer(opt: torch.optim.Optimizer, owned: list[OwnedSlice], read
     for o in owned:
         if o.optimizer_param is None:
             continue
-        state = reader.read_optimizer_state(o.slice)
+        state = states[o.slice]
         param = o.optimizer_param
         if state is None:
             opt.state.pop(param, None)
@@ -304,4 +313,4 @@ def _set_rng_state(engine: Engine, state: dict[str, Any]) -> None:
         engine.accelerator.set_rng_state(state["device"])
 
 
-__all__ = ["Payload", "ParamSlice", "capture", "restore", "snapshot", "persistent_buffers", "state_dict_keys"]
+__all__ = ["ParamSlice", "Payload", "capture", "persistent_buffers", "restore", "state_dict_keys"]

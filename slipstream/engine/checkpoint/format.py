@@ -70,8 +70,10 @@ def write_json_durably(path: Path, obj: Any) -> dict[str, int]:
     return write_bytes_durably(path, json.dumps(obj, indent=1, sort_keys=False).encode())
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict[str, int]:
-    """Write CPU ``tensors`` as a safetensors file, fsync it; return size and CRC-32 (of the whole file)."""
+def write_safetensors(path: Path, tensors: Any, metadata: dict[str, str] | None = None) -> dict[str, int]:
+    """Write ``tensors`` (a dict, or a :class:`GuardedTensors`) as a safetensors file, fsync it; return size and CRC-32."""
+    from slipstream.engine.checkpoint.snapshot import reading
+
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -91,11 +93,12 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
             f.write(block)
             crc = zlib.crc32(block, crc)
             size += len(block)
-        for t in tensors.values():
-            for block in _byte_blocks(t):
-                f.write(block)  # file writes and zlib.crc32 of large buffers release the GIL
-                crc = zlib.crc32(block, crc)
-                size += len(block)
+        for name in tensors:
+            with reading(tensors, name) as t:
+                for block in _byte_blocks(t):
+                    f.write(block)  # file writes and zlib.crc32 of large buffers release the GIL
+                    crc = zlib.crc32(block, crc)
+                    size += len(block)
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": size, "crc32": crc}
@@ -141,7 +144,7 @@ def encode_tree(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], where: 
             return {k: encode_tree(v, f"{prefix}/{k}", tensors, f"{where}[{k!r}]") for k, v in obj.items()}
         if all(isinstance(k, (str, int)) for k in obj):
             return {"__items__": [[k, encode_tree(v, f"{prefix}/{k}", tensors, f"{where}[{k!r}]")] for k, v in obj.items()]}
-    import numpy  # noqa: PLC0415 - only for the rare numpy scalar
+    import numpy
 
     if isinstance(obj, numpy.generic):
         return obj.item()

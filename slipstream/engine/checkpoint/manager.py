@@ -1,8 +1,9 @@
 """The engine's checkpointing: save/load calls, asynchronous persistence, interval saves and auto-resume.
 
-[Note: asynchronous saves] ``checkpoint.async``: the training thread copies this rank's state
-into CPU buffers (reused from the previous save) at the step boundary and returns; a background
-thread writes and fsyncs the files, and rank 0's thread commits the checkpoint once every rank's
+[Note: asynchronous saves] ``checkpoint.async``: the training thread captures this rank's state
+at the step boundary and returns; a background thread writes and fsyncs the files, reading the
+tensors live until the engine's next optimizer step, which first copies whatever is still
+unwritten (snapshot.py), and rank 0's thread commits the checkpoint once every rank's
 files are there (it polls the shared directory, so the background threads never run a collective
 that could interleave with training's). The next save, ``engine.close()`` and interpreter exit
 wait for it. A crash meanwhile leaves only a ``.tmp-`` directory: ``latest`` still names the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from slipstream.engine.checkpoint import writer
-from slipstream.engine.checkpoint.engine_state import Payload, capture, restore, snapshot
+from slipstream.engine.checkpoint.engine_state import Payload, capture, restore
 from slipstream.engine.checkpoint.reader import CheckpointReader, complete_checkpoints, latest_tag, resolve
+from slipstream.engine.checkpoint.snapshot import GuardedTensors
 from slipstream.engine.config import CheckpointConfig
 from slipstream.utils.logging import get_logger
 
@@ -47,11 +50,15 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: dict[str, Any] = {}  # CPU snapshot buffers, reused by every async save
+        self._guard: GuardedTensors | None = None
         self.last_saved: Path | None = None
+        self.last_stall_s = 0.0  # training-thread time of the last save: the call plus its fence
+        self.last_write_s = 0.0  # from the save call until this rank's files (and, on rank 0, the commit) are done
         _live.add(self)
 
     # ------------------------------------------------------------------ save
     def save(self, engine: Engine, save_dir: str | Path, tag: str | None, client_state: dict[str, Any] | None, save_latest: bool = True) -> Path:
+        started = time.perf_counter()
         self.wait()
         save_dir = Path(save_dir)
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -67,25 +74,36 @@ class CheckpointManager:
         tmp = writer.temp_dir(save_dir, tag)
         final = save_dir / tag
         if self.config.async_save:
-            payload = snapshot(payload, self._buffers, engine.accelerator.pin_memory if engine.accelerator.name != "cpu" else None)
-            engine.accelerator.synchronize()  # the device-to-host copies are complete before training goes on
+            pin = engine.accelerator.pin_memory if engine.accelerator.name != "cpu" else None
+            self._guard = payload.tensors = GuardedTensors(payload.tensors, self._buffers, pin)
+            engine.accelerator.synchronize()  # device-to-host copies are complete before training goes on
             self._thread = threading.Thread(
-                target=self._persist, args=(payload, save_dir, tag, tmp, world, save_latest), name=f"slipstream-save-{tag}", daemon=False
-            )
+                target=self._persist, args=(payload, save_dir, tag, tmp, world, save_latest, started),
+                name=f"slipstream-save-{tag}", daemon=False,
+            )  # fmt: skip
             self._thread.start()
         else:
             _agree(lambda: writer.write_rank(tmp, payload), "writing this rank's checkpoint files")
             _agree(lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest) if rank == 0 else None, "committing the checkpoint")
             logger.info("saved checkpoint %s", final)
+            self.last_write_s = time.perf_counter() - started
         self.last_saved = final
+        self.last_stall_s = time.perf_counter() - started
         return final
 
-    def _persist(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool) -> None:
+    def before_update(self) -> None:
+        """The engine is about to change weights and optimizer state: a background save must not read them live any more."""
+        if self._guard is not None:
+            self.last_stall_s += self._guard.fence()
+            self._guard = None
+
+    def _persist(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool, started: float) -> None:
         try:
             writer.write_rank(tmp, payload)
             if payload.rank == 0:
                 self._commit(payload, save_dir, tag, tmp, world, save_latest)
                 logger.info("saved checkpoint %s (in the background)", save_dir / tag)
+            self.last_write_s = time.perf_counter() - started
         except BaseException as err:  # noqa: BLE001 - reported on the training thread at the next wait
             logger.error("background checkpoint save of %s failed: %s", tag, err)
             self._error = err
@@ -99,6 +117,7 @@ class CheckpointManager:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+        self._guard = None
         error, self._error = self._error, None
         if error is not None and raise_errors:
             raise RuntimeError(f"the background checkpoint save failed: {error}") from error
@@ -121,13 +140,14 @@ class CheckpointManager:
         scheduler: bool = True, module_only: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
         self.wait()
-        path = resolve(load_dir, tag)
+        path = _agree(lambda: resolve(load_dir, tag, self.config.verify_checksums), "finding the checkpoint")
         if path is None:
             logger.warning("load_checkpoint: no checkpoint in %s; nothing loaded", load_dir)
             return None, None
-        reader = CheckpointReader(path, verify_checksums=self.config.verify_checksums)
+        reader = _agree(lambda: CheckpointReader(path, verify_checksums=self.config.verify_checksums), "opening the checkpoint")
         client_state = restore(
-            engine, reader, dist.get_rank(), strict=strict, optimizer=optimizer, scheduler=scheduler, module_only=module_only
+            engine, reader, dist.get_rank(), strict=strict, optimizer=optimizer, scheduler=scheduler, module_only=module_only,
+            agree=_agree,
         )
         logger.info(
             "loaded checkpoint %s (saved at step %d by %d ranks, ZeRO stage %d)",

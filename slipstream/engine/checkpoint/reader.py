@@ -121,8 +121,10 @@ def latest_tag(save_dir: Path) -> str | None:
     return file.read_text().strip() or None if file.is_file() else None
 
 
-def resolve(load_dir: str | Path, tag: str | None) -> Path | None:
+def resolve(load_dir: str | Path, tag: str | None, checksums: bool = True) -> Path | None:
     """The checkpoint directory to load: ``tag``, else ``latest``, else (with a warning) the newest complete one.
+
+    Falling back, candidates are checked newest first, with their checksums when ``checksums``.
 
     ``load_dir`` may also be a checkpoint directory itself. None when there is no checkpoint at all.
     """
@@ -140,17 +142,24 @@ def resolve(load_dir: str | Path, tag: str | None) -> Path | None:
             return load_dir / pointed
         except CheckpointError as err:
             reason = str(err)
-    complete = complete_checkpoints(load_dir)
-    if not complete:
+    newest = next((path for path, manifest in reversed(complete_checkpoints(load_dir)) if _verifies(path, manifest, checksums)), None)
+    if newest is None:
         if pointed is not None:
             raise CheckpointError(f"{load_dir}/{LATEST} points to {pointed!r}, which cannot be loaded ({reason}), and no other complete checkpoint exists")
         return None
-    newest = complete[-1][0]
     if pointed is not None:
         warnings.warn(f"checkpoint: {LATEST} points to {pointed!r}, which cannot be loaded ({reason}); loading the newest complete one, {newest.name!r}", stacklevel=3)
     else:
         warnings.warn(f"checkpoint: {load_dir} has no {LATEST} file; loading the newest complete checkpoint, {newest.name!r}", stacklevel=3)
     return newest
+
+
+def _verifies(path: Path, manifest: dict[str, Any], checksums: bool) -> bool:
+    try:
+        check_files(path, manifest, checksums)
+        return True
+    except CheckpointError:
+        return False
 
 
 class CheckpointReader:
@@ -258,7 +267,11 @@ class CheckpointReader:
     def _assemble(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
         out: torch.Tensor | None = None
         covered, end = 0, s.start + s.numel
-        for start, numel, rank, entry in self._overlaps(s):
+        overlaps = self._overlaps(s)
+        if len(overlaps) == 1 and overlaps[0][0] == s.start and overlaps[0][1] == s.numel:  # saved as asked: no re-slicing
+            piece = self._open(overlaps[0][2]).get_tensor(key_of(overlaps[0][3]))
+            return piece if dtype is None or piece.dtype == dtype else piece.to(dtype)
+        for start, numel, rank, entry in overlaps:
             lo, hi = max(start, s.start), min(start + numel, end)
             piece = self._open(rank).get_slice(key_of(entry))[lo - start : hi - start]
             if out is None:
