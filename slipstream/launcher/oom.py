@@ -53,7 +53,7 @@ def _dmesg_mentions(pid: int) -> bool | None:
         return None
     if done.returncode != 0:
         return None
-    pattern = re.compile(rf"(Out of memory|oom-kill|Memory cgroup out of memory).*\b(Killed process|pid=){pid}\b")
+    pattern = re.compile(rf"(Out of memory|oom-kill|Memory cgroup out of memory).*\b(Killed process |pid=){pid}\b")
     return any(pattern.search(line) for line in done.stdout.splitlines()[-2000:])
 
 
