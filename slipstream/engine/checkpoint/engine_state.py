@@ -139,7 +139,9 @@ def _manifest_body(engine: Engine, world: int, tag: str) -> dict[str, Any]:
             n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": n in trainable}
             for n, p in module.named_parameters()
         },
-        "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")} for n, b in persistent_buffers(module).items()},
+        "buffers": {
+            n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")} for n, b in persistent_buffers(module).items()
+        },
         "state_dict_keys": state_dict_keys(module, names),
     }
 
@@ -208,7 +210,9 @@ def restore(
     def read_all() -> tuple[dict[ParamSlice, torch.Tensor], dict[ParamSlice, Any], dict[str, Any]]:
         reader.check_model(engine.module, strict=strict)
         values = {o.slice: reader.read_param(o.slice) for o in owned}
-        states = {o.slice: reader.read_optimizer_state(o.slice) for o in owned if o.optimizer_param is not None} if optimizer and not module_only else {}
+        states = {}
+        if optimizer and not module_only:
+            states = {o.slice: reader.read_optimizer_state(o.slice) for o in owned if o.optimizer_param is not None}
         common = reader.common()
         decoded = {
             "buffers": {name: reader.tensor(0, key) for name, key in common["buffers"].items()},
@@ -244,7 +248,8 @@ def restore(
 
 
 def _restore_optimizer(
-    opt: torch.optim.Optimizer, owned: list[OwnedSlice], states: dict[ParamSlice, Any], groups: list[dict[str, Any]], reader: CheckpointReader
+    opt: torch.optim.Optimizer, owned: list[OwnedSlice], states: dict[ParamSlice, Any], groups: list[dict[str, Any]],
+    reader: CheckpointReader,
 ) -> None:  # fmt: skip
     if len(groups) != len(opt.param_groups):
         raise ValueError(

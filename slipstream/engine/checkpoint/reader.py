@@ -145,10 +145,16 @@ def resolve(load_dir: str | Path, tag: str | None, checksums: bool = True) -> Pa
     newest = next((path for path, manifest in reversed(complete_checkpoints(load_dir)) if _verifies(path, manifest, checksums)), None)
     if newest is None:
         if pointed is not None:
-            raise CheckpointError(f"{load_dir}/{LATEST} points to {pointed!r}, which cannot be loaded ({reason}), and no other complete checkpoint exists")
+            raise CheckpointError(
+                f"{load_dir}/{LATEST} points to {pointed!r}, which cannot be loaded ({reason}), and no other complete checkpoint exists"
+            )
         return None
     if pointed is not None:
-        warnings.warn(f"checkpoint: {LATEST} points to {pointed!r}, which cannot be loaded ({reason}); loading the newest complete one, {newest.name!r}", stacklevel=3)
+        warnings.warn(
+            f"checkpoint: {LATEST} points to {pointed!r}, which cannot be loaded ({reason}); loading the newest complete one, "
+            f"{newest.name!r}",
+            stacklevel=3,
+        )
     else:
         warnings.warn(f"checkpoint: {load_dir} has no {LATEST} file; loading the newest complete checkpoint, {newest.name!r}", stacklevel=3)
     return newest
