@@ -240,6 +240,9 @@ def _bad_input_body(directory: str) -> dict:
         torch.save({"module": {}}, pickled / "mp_rank_00_model_states.pt")
     dist.barrier()
     messages = {}
+    with pytest.raises((TypeError, RuntimeError)) as err:  # rank 0 captures client_state; every rank raises
+        engine.save_checkpoint(directory, tag="bad_client", client_state={"fn": len})
+    messages["client_state"] = str(err.value)
     for name in [*variants, "deepspeed_style/global_step2"]:
         with pytest.raises((CheckpointError, RuntimeError)) as err:
             engine.load_checkpoint(directory, tag=name)
@@ -280,6 +283,7 @@ def test_bad_input_is_refused_with_a_precise_message(tmp_path: Path) -> None:
     for m in messages:  # every rank refuses (the ranks that read a healthy file name the one that did not)
         assert "rank00001.safetensors has" in m["truncated"] and "truncated" in m["truncated"]
         assert "rank00001.safetensors is missing" in m["missing"]
+        assert "client_state['fn'] is a builtins.builtin_function_or_method" in m["client_state"]
         assert "manifest.json is missing" in m["no_manifest"]
         assert "pickle" in m["deepspeed_style/global_step2"] and "mp_rank_00_model_states.pt" in m["deepspeed_style/global_step2"]
         assert "'transformer.wte.weight' has shape (256, 64) in the checkpoint but (256, 32)" in m["wrong_model"]

@@ -106,3 +106,12 @@ def test_checkpoint_cli_help_stays_light() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert "inspect" in done.stdout and "export" in done.stdout
     assert "torch imported: False" in done.stdout, done.stdout  # --help never imports torch
+
+
+def test_a_parameter_not_fully_covered_by_the_saved_slices_is_refused() -> None:
+    from slipstream.engine.checkpoint.reader import CheckpointError, check_coverage
+
+    parameters = {"w": {"shape": [4, 3]}, "b": {"shape": [3]}}
+    check_coverage("t", parameters, [{"name": "w", "numel": 8}, {"name": "w", "numel": 4}, {"name": "b", "numel": 3}])
+    with pytest.raises(CheckpointError, match=r"parameter 'b' has 0 of its 3 elements saved"):
+        check_coverage("t", parameters, [{"name": "w", "numel": 12}])

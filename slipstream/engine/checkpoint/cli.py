@@ -57,12 +57,16 @@ def inspect(directory: Path, tag: str | None, verify: bool) -> int:
     common = reader.common()
     print(f"checkpoint      {path}")
     print(f"saved           {created} by slipstream {m['slipstream_version']} (torch {m['torch_version']}), format v{m['version']}")
-    print(f"training        step {m['global_steps']} (micro-step {m['micro_steps']}), {m['world_size']} rank(s), ZeRO stage {m['zero_stage']}, {m['precision']}")
+    print(
+        f"training        step {m['global_steps']} (micro-step {m['micro_steps']}), {m['world_size']} rank(s), "
+        f"ZeRO stage {m['zero_stage']}, {m['precision']}"
+    )
     print(f"model           {m['module_class']}: {len(params)} parameters, {numel:,} elements; {len(m['buffers'])} buffers")
     print(f"state_dict      {len(m['state_dict_keys'])} keys ({len(m['state_dict_keys']) - len(params) - len(m['buffers'])} tied aliases)")
     print(f"optimizer state {', '.join(first['optimizer']) if first else 'none'}")
     print(f"client_state    {', '.join(_keys(common['client_state'])) or 'empty'}")
-    print(f"files           {len(m['files'])}, {size / 2**20:.1f} MiB, {'CRC-32 verified' if verify else 'sizes checked (--verify for CRC-32)'}")
+    checked = "CRC-32 verified" if verify else "sizes checked (--verify for CRC-32)"
+    print(f"files           {len(m['files'])}, {size / 2**20:.1f} MiB, {checked}")
     return 0
 
 

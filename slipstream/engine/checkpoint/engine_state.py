@@ -23,6 +23,7 @@ from slipstream.version import __version__
 if TYPE_CHECKING:
     from slipstream.engine.checkpoint.reader import CheckpointReader
     from slipstream.engine.engine import Engine
+    from slipstream.engine.zero.strategy import ShardingStrategy
 
 logger = get_logger(__name__)
 
@@ -56,7 +57,7 @@ def capture(engine: Engine, rank: int, world: int, tag: str, client_state: dict[
     for owned in engine.strategy.sharded_state():
         if owned.replicated and rank != 0:
             continue
-        slices.append(_capture_slice(owned, engine.optimizer, tensors))
+        slices.append(_capture_slice(owned, engine.strategy.slice_optimizer_state(owned), tensors))
     meta: dict[str, Any] = {"rank": rank, "world_size": world, "slices": slices}
     meta["rng"] = encode_tree(_rng_state(engine), "rng", tensors, "RNG state")
     meta["stateful"] = {
@@ -71,12 +72,11 @@ def capture(engine: Engine, rank: int, world: int, tag: str, client_state: dict[
     return payload
 
 
-def _capture_slice(owned: OwnedSlice, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _capture_slice(owned: OwnedSlice, state: dict[str, Any] | None, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     s = owned.slice
     key = f"p/{s.name}/{s.start}"
     tensors[key] = owned.value if owned.value.dtype == torch.float32 else owned.value.float()
     entry: dict[str, Any] = {"name": s.name, "shape": list(s.shape), "start": s.start, "numel": s.numel, "key": key}
-    state = optimizer.state.get(owned.optimizer_param) if owned.optimizer_param is not None else None
     if state:
         entry["optimizer"] = opt = {}
         for name, value in state.items():
@@ -139,7 +139,9 @@ def _manifest_body(engine: Engine, world: int, tag: str) -> dict[str, Any]:
             n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": n in trainable}
             for n, p in module.named_parameters()
         },
-        "buffers": {n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")} for n, b in persistent_buffers(module).items()},
+        "buffers": {
+            n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")} for n, b in persistent_buffers(module).items()
+        },
         "state_dict_keys": state_dict_keys(module, names),
     }
 
@@ -208,7 +210,9 @@ def restore(
     def read_all() -> tuple[dict[ParamSlice, torch.Tensor], dict[ParamSlice, Any], dict[str, Any]]:
         reader.check_model(engine.module, strict=strict)
         values = {o.slice: reader.read_param(o.slice) for o in owned}
-        states = {o.slice: reader.read_optimizer_state(o.slice) for o in owned if o.optimizer_param is not None} if optimizer and not module_only else {}
+        states = {}
+        if optimizer and not module_only:
+            states = {o.slice: reader.read_optimizer_state(o.slice) for o in owned if o.optimizer_param is not None}
         common = reader.common()
         decoded = {
             "buffers": {name: reader.tensor(0, key) for name, key in common["buffers"].items()},
@@ -229,7 +233,7 @@ def restore(
     if module_only:
         return {}
     if optimizer:
-        _restore_optimizer(engine.optimizer, owned, states, common["groups"], reader)
+        _restore_optimizer(engine.strategy, owned, states, common["groups"], reader)
     if scheduler and engine.lr_scheduler is not None and common["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(common["scheduler"])
     engine.loss_scaler.load_state_dict(common["scaler"])
@@ -244,8 +248,10 @@ def restore(
 
 
 def _restore_optimizer(
-    opt: torch.optim.Optimizer, owned: list[OwnedSlice], states: dict[ParamSlice, Any], groups: list[dict[str, Any]], reader: CheckpointReader
+    strategy: ShardingStrategy, owned: list[OwnedSlice], states: dict[ParamSlice, Any], groups: list[dict[str, Any]],
+    reader: CheckpointReader,
 ) -> None:  # fmt: skip
+    opt = strategy.optimizer
     if len(groups) != len(opt.param_groups):
         raise ValueError(
             f"checkpoint {reader.path}: the optimizer had {len(groups)} parameter group(s), this one has "
@@ -266,7 +272,7 @@ def _restore_optimizer(
         state = states[o.slice]
         param = o.optimizer_param
         if state is None:
-            opt.state.pop(param, None)
+            strategy.load_slice_optimizer_state(o, None)
             continue
         restored = {}
         for key, (kind, value) in state.items():
@@ -277,7 +283,7 @@ def _restore_optimizer(
                 restored[key] = tensor.to(param.device if on_param else "cpu")
             else:
                 restored[key] = value
-        opt.state[param] = restored
+        strategy.load_slice_optimizer_state(o, restored)
 
 
 def _restore_per_rank(engine: Engine, reader: CheckpointReader, rank: int) -> None:

@@ -57,7 +57,9 @@ class CheckpointManager:
         _live.add(self)
 
     # ------------------------------------------------------------------ save
-    def save(self, engine: Engine, save_dir: str | Path, tag: str | None, client_state: dict[str, Any] | None, save_latest: bool = True) -> Path:
+    def save(
+        self, engine: Engine, save_dir: str | Path, tag: str | None, client_state: dict[str, Any] | None, save_latest: bool = True
+    ) -> Path:
         started = time.perf_counter()
         self.wait()
         save_dir = Path(save_dir)
@@ -69,7 +71,8 @@ class CheckpointManager:
                 "save_checkpoint at micro-step %d, inside an accumulation window: the gradients accumulated so far are "
                 "not saved (save right after engine.step() at a boundary)", engine.micro_steps,
             )  # fmt: skip
-        payload = capture(engine, rank, world, tag, client_state)
+        # e.g. a client_state value that needs pickle: rank 0 alone captures it, every rank must raise
+        payload = _agree(lambda: capture(engine, rank, world, tag, client_state), "capturing the state to save")
         _agree(lambda: writer.prepare(save_dir, tag) if rank == 0 else None, "preparing the checkpoint directory")
         tmp = writer.temp_dir(save_dir, tag)
         final = save_dir / tag
@@ -84,7 +87,10 @@ class CheckpointManager:
             self._thread.start()
         else:
             _agree(lambda: writer.write_rank(tmp, payload), "writing this rank's checkpoint files")
-            _agree(lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest) if rank == 0 else None, "committing the checkpoint")
+            if rank == 0:
+                _agree(lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest), "committing the checkpoint")
+            else:
+                _agree(lambda: None, "committing the checkpoint")
             logger.info("saved checkpoint %s", final)
             self.last_write_s = time.perf_counter() - started
         self.last_saved = final

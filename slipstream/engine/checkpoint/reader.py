@@ -92,6 +92,22 @@ def check_files(path: Path, manifest: dict[str, Any], checksums: bool) -> None:
             raise CheckpointError(f"checkpoint {path}: {name} fails its CRC-32 check (corrupt)")
 
 
+def check_coverage(where: str, parameters: dict[str, Any], slices: list[dict[str, Any]]) -> None:
+    """Every element of every parameter is saved exactly once by the ranks' ``slices``."""
+    saved: dict[str, int] = {}
+    for entry in slices:
+        saved[entry["name"]] = saved.get(entry["name"], 0) + entry["numel"]
+    for name, info in parameters.items():
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        if saved.get(name, 0) != numel:
+            raise CheckpointError(
+                f"checkpoint {where}: parameter {name!r} has {saved.get(name, 0)} of its {numel} elements saved "
+                "(the sharding strategy's sharded_state() does not cover it exactly)"
+            )
+
+
 def is_complete(path: Path) -> dict[str, Any] | None:
     """The manifest if ``path`` is a complete checkpoint (all files present, right sizes), else None."""
     try:
@@ -145,10 +161,16 @@ def resolve(load_dir: str | Path, tag: str | None, checksums: bool = True) -> Pa
     newest = next((path for path, manifest in reversed(complete_checkpoints(load_dir)) if _verifies(path, manifest, checksums)), None)
     if newest is None:
         if pointed is not None:
-            raise CheckpointError(f"{load_dir}/{LATEST} points to {pointed!r}, which cannot be loaded ({reason}), and no other complete checkpoint exists")
+            raise CheckpointError(
+                f"{load_dir}/{LATEST} points to {pointed!r}, which cannot be loaded ({reason}), and no other complete checkpoint exists"
+            )
         return None
     if pointed is not None:
-        warnings.warn(f"checkpoint: {LATEST} points to {pointed!r}, which cannot be loaded ({reason}); loading the newest complete one, {newest.name!r}", stacklevel=3)
+        warnings.warn(
+            f"checkpoint: {LATEST} points to {pointed!r}, which cannot be loaded ({reason}); loading the newest complete one, "
+            f"{newest.name!r}",
+            stacklevel=3,
+        )
     else:
         warnings.warn(f"checkpoint: {load_dir} has no {LATEST} file; loading the newest complete checkpoint, {newest.name!r}", stacklevel=3)
     return newest
@@ -179,6 +201,7 @@ class CheckpointReader:
         for rank in range(self.world_size):
             for entry in self.rank_meta(rank)["slices"]:
                 self._index.setdefault(entry["name"], []).append((entry["start"], entry["numel"], rank, entry))
+        check_coverage(str(self.path), self.manifest["parameters"], [e[3] for entries in self._index.values() for e in entries])
         for entries in self._index.values():
             entries.sort(key=lambda e: e[0])
         self._starts = {name: [e[0] for e in entries] for name, entries in self._index.items()}

@@ -27,7 +27,9 @@ SMALL = 1 << 20  # bytes: tensors this small are copied at once (cheap, and e.g.
 class GuardedTensors:
     """Tensors for :func:`write_safetensors`: live views until :meth:`fence`, CPU copies after."""
 
-    def __init__(self, live: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], pin: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    def __init__(
+        self, live: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], pin: Callable[[torch.Tensor], torch.Tensor] | None
+    ) -> None:
         self._buffers, self._pin = buffers, pin
         self._live = live
         self._copies: dict[str, torch.Tensor] = {}

@@ -32,7 +32,7 @@ from slipstream.engine.checkpoint.format import (
     write_json_durably,
     write_safetensors,
 )
-from slipstream.engine.checkpoint.reader import complete_checkpoints, latest_tag
+from slipstream.engine.checkpoint.reader import check_coverage, complete_checkpoints, latest_tag
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -76,6 +76,7 @@ def commit(
 ) -> Path:  # fmt: skip
     """Rank 0: wait for every rank's files, write the manifest, move the checkpoint into place, point ``latest`` at it."""
     files: dict[str, dict[str, int]] = {}
+    slices: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
     for rank in range(world):
         meta_path = tmp / f"{rank_stem(rank)}.json"
@@ -84,8 +85,11 @@ def commit(
                 raise TimeoutError(f"checkpoint {tag}: rank {rank} did not finish writing within {timeout:.0f}s; not committed")
             time.sleep(0.01)
         data = meta_path.read_bytes()
+        meta = json.loads(data)
         files[meta_path.name] = _record(data)
-        files[f"{rank_stem(rank)}.safetensors"] = json.loads(data)["tensor_file"]
+        files[f"{rank_stem(rank)}.safetensors"] = meta["tensor_file"]
+        slices.extend(meta["slices"])
+    check_coverage(tag, manifest["parameters"], slices)  # never commit a checkpoint that misses weights
     config = tmp / CONFIG
     files[CONFIG] = _record(config.read_bytes())
     write_json_durably(tmp / MANIFEST, {**manifest, "files": files, "checksum": "crc32"})

@@ -107,6 +107,23 @@ class ShardingStrategy(abc.ABC):
     def refresh_from_masters(self) -> None:
         """Make the model's parameters show the values just written into the slices. Collective."""
 
+    def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
+        """The optimizer state of one slice: tensors with the slice's elements, or scalars (``step``).
+
+        Read from ``optimizer.state[owned.optimizer_param]``; a strategy whose optimizer keeps its
+        state elsewhere (offload: one flat CPU/NVMe partition) overrides this and the next method.
+        """
+        if owned.optimizer_param is None:
+            return None
+        return self.optimizer.state.get(owned.optimizer_param) or None
+
+    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
+        """Install ``state`` (tensors already shaped and placed like ``owned.optimizer_param``); None clears it."""
+        if state is None:
+            self.optimizer.state.pop(owned.optimizer_param, None)
+        else:
+            self.optimizer.state[owned.optimizer_param] = state
+
     def load_sharded_state(self, read: Callable[[ParamSlice], torch.Tensor]) -> None:
         """Fill every slice this rank holds with ``read(slice)`` (any checkpoint slicing), then refresh."""
         with torch.no_grad():
