@@ -223,12 +223,31 @@ class ZeroConfig(Section):
 
 
 class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``; ``module_classes`` (slipstream's) applies it to an unchanged model."""
+
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
-    number_checkpoints: int | None = None
+    number_checkpoints: int | None = Field(None, ge=1)
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
+    module_classes: list[str] | None = None
+    use_reentrant: bool = False
+
+    @field_validator("partition_activations")
+    @classmethod
+    def _no_partitioning(cls, v: bool) -> bool:
+        return _unsupported(v, False, "partitioning activations across tensor-parallel ranks (slipstream has no tensor parallelism yet)")
+
+    @field_validator("contiguous_memory_optimization")
+    @classmethod
+    def _no_contiguous(cls, v: bool) -> bool:
+        return _unsupported(v, False, "contiguous_memory_optimization (it packs partitioned activations; see partition_activations)")
+
+    @field_validator("profile")
+    @classmethod
+    def _no_profile(cls, v: bool) -> bool:
+        return _unsupported(v, False, "activation_checkpointing.profile (use wall_clock_breakdown: recomputation shows in the backward time)")
 
 
 class AioConfig(Section):

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         from slipstream.launcher import report
 
         return report.main()
+    if args.command == "estimate":
+        from slipstream import estimator
+
+        return estimator.main(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects unknown ones
 
 
@@ -72,7 +76,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help="print versions, devices and build tools for a bug report",
         description="Print the environment facts a Slipstream bug report needs.",
     )
+    estimate = commands.add_parser(
+        "estimate",
+        help="memory per device by ZeRO stage, and a configuration that fits",
+        description="Per-device bytes for model states (ZeRO paper formulas) and activations, by ZeRO stage.",
+    )
+    _add_estimate_arguments(estimate)
     return parser
+
+
+def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    from slipstream import estimator  # pure Python, no torch
+
+    estimator.add_arguments(parser)
 
 
 def _run(args: argparse.Namespace) -> int:
