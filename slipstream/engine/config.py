@@ -278,6 +278,19 @@ class WandbConfig(Section):
     project: str = "slipstream"
 
 
+class FlopsProfilerConfig(Section):
+    """``flops_profiler``: a measured FLOP profile of one step; ``peak_tflops`` (slipstream's) for MFU."""
+
+    enabled: bool = False
+    profile_step: int = Field(1, ge=1)
+    module_depth: int = Field(-1, ge=-1)
+    top_modules: int = Field(1, ge=1)
+    detailed: bool = True
+    output_file: str | None = None
+    recompute_fwd_factor: float = Field(0.0, ge=0.0, le=1.0)
+    peak_tflops: float | None = Field(None, gt=0.0, description="per-device peak TFLOP/s that MFU is relative to")
+
+
 class CommsLoggerConfig(Section):
     enabled: bool = False
     verbose: bool = False
@@ -288,7 +301,7 @@ class CommsLoggerConfig(Section):
 
 # DeepSpeed sections we accept so existing configs load, but which have no effect here.
 IGNORED_SECTIONS = (
-    "flops_profiler", "autotuning", "elasticity", "compression_training", "data_efficiency",
+    "autotuning", "elasticity", "compression_training", "data_efficiency",
     "curriculum_learning", "progressive_layer_drop", "eigenvalue", "quantize_training", "nebula",
     "hybrid_engine", "weight_quantization", "compile", "timers", "data_types", "checkpoint",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "dump_state",
@@ -336,6 +349,7 @@ class SlipstreamConfig(Section):
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     comms_timeout_seconds: float = Field(1800.0, gt=0.0, description="a collective waiting longer is an error")
     ignored: dict[str, Any] = Field(default_factory=dict, exclude=True)
 
