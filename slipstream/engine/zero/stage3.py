@@ -224,9 +224,8 @@ class Stage3Strategy(ShardingStrategy):
     def _unit_pre_forward(self, unit: ParamUnit) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if is_recomputing():  # see [Note: recomputation and ZeRO-3] in slipstream.checkpointing
-                unit.gather()
+                unit.gather()  # no depth count: a recomputation stops early, skipping post-hooks
                 unit.wait()
-                unit.depth += 1
                 return None
             self._ensure(unit, self.forward_pass)
             unit.depth += 1
@@ -239,9 +238,9 @@ class Stage3Strategy(ShardingStrategy):
 
     def _unit_post_forward(self, unit: ParamUnit) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
-            unit.depth -= 1
             if is_recomputing():
                 return output  # stays gathered for its backward, which comes next and releases it
+            unit.depth -= 1
             if unit.depth == 0:
                 unit.release()
             if torch.is_grad_enabled():
