@@ -30,6 +30,7 @@ class LiveTensorMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        grew = False
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
                 storage = leaf.untyped_storage()
@@ -37,6 +38,9 @@ class LiveTensorMeter(TorchDispatchMode):
                 known = self._storages.get(key)
                 if known is None or known[0].expired():
                     self._storages[key] = (StorageWeakRef(storage), storage.nbytes(), leaf.device.type)
+                    grew = True
+        if not grew:  # frees since the last check only lower the total: the peak cannot move
+            return out
         live = self.live()
         for device, nbytes in live.items():
             self.peak[device] = max(self.peak[device], nbytes)
