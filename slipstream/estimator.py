@@ -107,13 +107,19 @@ class Estimate:
         return "\n".join(lines)
 
 
-def model_state_bytes(params: float, dp: int, stage: int, precision: str = "bf16", offload: str = "none") -> tuple[float, float, float, float]:
-    """(params, grads, optimizer, offloaded) bytes per device for ``stage``; see [Note: the formulas]."""
+def model_state_bytes(
+    params: float, dp: int, stage: int, precision: str = "bf16", offload: str = "none", fp32_grads: bool = False
+) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, offloaded) bytes per device for ``stage``; see [Note: the formulas].
+
+    ``fp32_grads``: gradients accumulate in fp32 even with bf16/fp16 weights (4 bytes, not 2), as
+    slipstream's stage 0 does.
+    """
     if stage not in STAGES:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if dp < 1:
         raise ValueError(f"dp must be at least 1, got {dp}")
-    w, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    w, g, k = (4, 4, 8) if precision == "fp32" else (2, 4 if fp32_grads else 2, 12)
     n = params
     shard = {0: (w * n, g * n, k * n), 1: (w * n, g * n, k * n / dp), 2: (w * n, g * n / dp, k * n / dp), 3: (w * n / dp, g * n / dp, k * n / dp)}[stage]
     p, gr, opt = shard
@@ -170,6 +176,7 @@ def estimate(
     heads: int | None = None,
     vocab: int | None = None,
     flash_attention: bool = True,
+    fp32_grads: bool = False,
 ) -> Estimate:
     """Per-device memory for every ZeRO stage; ``model`` is a parameter count, an ``nn.Module`` or a config dict.
 
@@ -190,17 +197,19 @@ def estimate(
     if shape.params <= 0:
         raise ValueError("the parameter count is unknown: pass a number of parameters, a model or a config with one")
     seq = seq_len or found.get("seq_len")
-    result = _estimate(shape, dp, seq, micro_batch, precision, offload, activation_checkpointing, flash_attention)
+    result = _estimate(shape, dp, seq, micro_batch, precision, offload, activation_checkpointing, flash_attention, fp32_grads)
     if device_memory:
         result = dataclasses.replace(result, recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention))
     return result
 
 
-def _estimate(shape: ModelShape, dp: int, seq: int | None, mb: int, precision: str, offload: str, ac: bool, flash: bool) -> Estimate:
+def _estimate(
+    shape: ModelShape, dp: int, seq: int | None, mb: int, precision: str, offload: str, ac: bool, flash: bool, fp32_grads: bool
+) -> Estimate:
     act = activation_bytes(shape, seq, mb, precision, ac, flash) if seq else None
     stages = []
     for stage in STAGES:
-        p, g, o, off = model_state_bytes(shape.params, dp, stage, precision, offload)
+        p, g, o, off = model_state_bytes(shape.params, dp, stage, precision, offload, fp32_grads)
         stages.append(StageEstimate(stage, p, g, o, off, act))
     return Estimate(shape, dp, precision, offload, seq, mb, ac, stages)
 
@@ -313,6 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, help="vocabulary size (the loss's logits)")
     parser.add_argument("--activation-checkpointing", action="store_true", help="estimate activations with checkpointing on")
     parser.add_argument("--no-flash-attention", action="store_true", help="attention keeps the s×s score matrices")
+    parser.add_argument("--fp32-grads", action="store_true", help="gradients accumulate in fp32 with bf16/fp16 weights (slipstream's stage 0)")
     parser.add_argument("--device-memory", type=float, metavar="GB", help="memory per device in GB (1e9 bytes): adds a recommendation")
 
 
@@ -335,6 +345,7 @@ def main(args: argparse.Namespace) -> int:
             offload=args.offload, activation_checkpointing=args.activation_checkpointing,
             device_memory=args.device_memory * GB if args.device_memory else None, layers=args.layers,
             hidden=args.hidden, heads=args.heads, vocab=args.vocab, flash_attention=not args.no_flash_attention,
+            fp32_grads=args.fp32_grads,
         )  # fmt: skip
     except (ValueError, TypeError) as err:
         raise SystemExit(f"slipstream estimate: {err}") from None
