@@ -222,7 +222,7 @@ class TrainingMonitor:
             for depth in range(1, depth_limit + 1):
                 level = sorted(((n, c) for n, c in counts.items() if n != "Global" and n.count(".") == depth - 1), key=lambda x: -x[1])
                 if not level:
-                    break
+                    continue  # e.g. a ModuleList: never called itself
                 top = ", ".join(f"{n} {c / total:.1%}" for n, c in level[: profiler.top_modules])
                 lines.append(f"  depth {depth}, top {profiler.top_modules}: {top}")
         return "\n".join(lines)
