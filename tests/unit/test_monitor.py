@@ -84,17 +84,18 @@ def test_tensorboard_and_csv_hold_the_logged_losses(tmp_path: Path) -> None:
 
 
 def test_progress_line_reports_throughput_mfu_timers_and_comms(log_lines: list[str]) -> None:
-    config = _config(steps_per_print=2, wall_clock_breakdown=True, flops_profiler={"peak_tflops": 0.5})
+    config = _config(steps_per_print=2, wall_clock_breakdown=True, flops_profiler={"peak_tflops": 0.5, "recompute_fwd_factor": 1.0})
     engine, losses = _train(config)
     lines = [line for line in log_lines if line.startswith("step ")]
     assert len(lines) == STEPS // 2
     first = lines[0]
     for part in ("loss ", "lr ", "grad norm ", "tokens/s", "samples/s", "TFLOP/s/device", "MFU ", "peak mem ",
-                 "time/step forward ", " backward ", " reduce ", " step ", "comms all_reduce"):  # fmt: skip
+                 "HFU ", "time/step forward ", " backward ", " reduce ", " step ", "comms all_reduce"):  # fmt: skip
         assert part in first, (part, first)
     assert f"loss {losses[1]:.4f}" in first
     last = engine.monitor.last
     assert last["mfu"] == pytest.approx(last["tflops_per_device"] / 0.5)
+    assert last["hfu"] == pytest.approx(last["mfu"] * 4 / 3)  # full recomputation: 4 forward-equivalents, not 3
     assert last["tokens_per_second"] == pytest.approx(2 * GAS * 16 / (last["step_time_ms"] / 1e3))
     assert {"time_forward_ms", "time_backward_ms", "time_reduce_ms", "time_step_ms"} <= last.keys()
 

@@ -51,6 +51,7 @@ class TrainingMonitor:
         self.writers: list[Writer] = build_writers(config) if rank == 0 else []
         profiler = config.flops_profiler
         self.peak_tflops = profiler.peak_tflops or _known_peak(accelerator, config.precision)
+        self._recompute = profiler.recompute_fwd_factor  # hardware FLOPs = model FLOPs × (3 + this) / 3
         self.analytic: TransformerFlops | None = analytic_flops(module)
         self.measured_flops_per_token: float | None = None  # from the counter, for models without a config
         self._loss_sum: torch.Tensor | None = None
@@ -157,6 +158,8 @@ class TrainingMonitor:
             metrics["tflops_per_device"] = flops * tokens / self.world_size / step_time / 1e12
             if self.peak_tflops:
                 metrics["mfu"] = metrics["tflops_per_device"] / self.peak_tflops
+                if self._recompute:
+                    metrics["hfu"] = metrics["mfu"] * (3 + self._recompute) / 3
         metrics["peak_memory_MB"] = self.accelerator.max_memory_allocated() / 2**20
         if comms_log.last:
             metrics["comms_MB"] = sum(r.moved for r in comms_log.last) / 2**20
@@ -181,6 +184,8 @@ class TrainingMonitor:
             tflops = flops * w.tokens / self.world_size / w.seconds / 1e12
             parts.append(f"{tflops:.3g} TFLOP/s/device")
             parts.append(f"MFU {tflops / self.peak_tflops:.1%}" if self.peak_tflops else "MFU n/a (set flops_profiler.peak_tflops)")
+            if self.peak_tflops and self._recompute:
+                parts.append(f"HFU {tflops / self.peak_tflops * (3 + self._recompute) / 3:.1%}")
         parts.append(f"peak mem {self.accelerator.max_memory_allocated() / 2**20:.0f} MB")
         if w.timers:
             parts.append("time/step " + " ".join(f"{n} {s / w.steps * 1e3:.1f}" for n, s in w.timers.items()) + " ms")
