@@ -20,7 +20,8 @@ from torch.utils._pytree import tree_leaves
 class LiveTensorMeter(TorchDispatchMode):
     """Inside ``with LiveTensorMeter() as meter:``, ``meter.live()`` and ``meter.peak`` (bytes by device type).
 
-    Only storages created inside the block count (parameters and inputs made before are not).
+    Only storages allocated inside the block count (parameters, inputs made before and views of
+    them do not).
     """
 
     def __init__(self) -> None:
@@ -30,11 +31,16 @@ class LiveTensorMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # A view or in-place result shares an input's storage: nothing was allocated (and a view of
+        # a parameter, such as ``weight.t()``, must not count the parameter as an activation).
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         grew = False
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
                 storage = leaf.untyped_storage()
                 key = storage._cdata
+                if key in inputs:
+                    continue
                 known = self._storages.get(key)
                 if known is None or known[0].expired():
                     self._storages[key] = (StorageWeakRef(storage), storage.nbytes(), leaf.device.type)
