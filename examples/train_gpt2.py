@@ -109,7 +109,7 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _progress_bar(mode: str, steps: int):  # noqa: ANN202 - a tqdm bar or None
+def _progress_bar(mode: str, steps: int):  # returns a tqdm bar or None
     """A tqdm bar in a terminal (``auto``) or when asked (``bar``); None prints lines instead."""
     import sys
 

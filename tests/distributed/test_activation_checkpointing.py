@@ -18,7 +18,13 @@ import torch.distributed as dist
 import slipstream
 from slipstream.comm import comms_log
 from tests.harness import run_distributed
-from tests.reference import assert_close_trajectory, global_batches, tiny_gpt2, train_engine, train_reference
+from tests.reference import (
+    assert_close_trajectory,
+    global_batches,
+    tiny_gpt2,
+    train_engine,
+    train_reference,
+)
 
 STEPS = 6
 

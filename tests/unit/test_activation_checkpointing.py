@@ -89,7 +89,7 @@ def test_checkpoint_function_non_reentrant_and_reentrant() -> None:
     layer = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
     x = torch.randn(4, 8, requires_grad=True)
 
-    def run(fn):  # noqa: ANN001, ANN202
+    def run(fn):
         layer.zero_grad()
         x.grad = None
         fn().pow(2).sum().backward()

@@ -67,7 +67,7 @@ def test_recommendation_escalates_until_it_fits() -> None:
 
 def test_offload_moves_optimizer_state_off_the_device() -> None:
     for stage in (1, 2, 3):
-        params, grads, optimizer, offloaded = estimator.model_state_bytes(1e9, 8, stage, "bf16", "cpu")
+        _, _, optimizer, offloaded = estimator.model_state_bytes(1e9, 8, stage, "bf16", "cpu")
         assert optimizer == 0 and offloaded >= 16e9 / 8
     assert estimator.model_state_bytes(1e9, 8, 3, "bf16", "cpu")[0] == 0  # ZeRO-Infinity: parameter shards too
 

@@ -12,7 +12,11 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.engine.monitor.flops import analytic_flops, flop_counter_mode, matmul_parameters
+from slipstream.engine.monitor.flops import (
+    analytic_flops,
+    flop_counter_mode,
+    matmul_parameters,
+)
 from slipstream.estimator import training_flops_per_token
 from tests.reference import global_batches, gpt2_loss, tiny_gpt2, tiny_llama
 
@@ -109,7 +113,7 @@ def test_flops_profiler_prints_a_measured_profile(log_lines: list[str], tmp_path
 
 
 @pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
-def test_flop_count_per_token_matches_6n_plus_attention(build) -> None:  # noqa: ANN001
+def test_flop_count_per_token_matches_6n_plus_attention(build) -> None:
     layers, hidden, seq = 3, 64, 32
     model = build(n_layer=layers)
     config = model.config

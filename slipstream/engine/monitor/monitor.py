@@ -20,7 +20,11 @@ import torch
 
 from slipstream.comm import comms_log
 from slipstream.engine.config import ConfigError, SlipstreamConfig
-from slipstream.engine.monitor.flops import TransformerFlops, analytic_flops, flop_counter_mode
+from slipstream.engine.monitor.flops import (
+    TransformerFlops,
+    analytic_flops,
+    flop_counter_mode,
+)
 from slipstream.engine.monitor.timers import Timers
 from slipstream.engine.monitor.writers import Writer, build_writers
 from slipstream.utils.logging import get_logger
@@ -69,12 +73,12 @@ class TrainingMonitor:
     @contextlib.contextmanager
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], global_step: int) -> Iterator[None]:
         """Around the model's forward: count the micro-batch's tokens, time it, count FLOPs when due."""
-        tokens = _token_tensor(args, kwargs)
+        training = torch.is_grad_enabled()  # evaluation forwards (no_grad) are not training throughput
+        tokens = _token_tensor(args, kwargs) if training else None
         if tokens is not None:
             self._tokens += tokens.numel()
             self._seq_len = tokens.shape[-1]
         profiler = self.config.flops_profiler
-        training = torch.is_grad_enabled()
         if training and profiler.enabled and not self._profiled and global_step + 1 >= profiler.profile_step:
             self._profiled = True  # forward and backward of this micro-batch, closed in on_loss
             self._profiling = flop_counter_mode(depth=max(profiler.module_depth, 1) if profiler.module_depth > 0 else 16)
@@ -122,10 +126,9 @@ class TrainingMonitor:
             events = [(f"Train/Samples/{name}", value, engine.global_samples) for name, value in metrics.items()]
             for writer in self.writers:
                 writer.write(events)
+                writer.flush()  # as DeepSpeed: a crashed run keeps its curves up to the last step
         if printing:
             logger.info(self._line(engine, loss))
-            for writer in self.writers:
-                writer.flush()
             self._window = _Window()
 
     def close(self) -> None:
