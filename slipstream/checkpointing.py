@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -89,8 +90,9 @@ def checkpoint(
 ) -> Any:
     """``function(*args, **kwargs)`` without keeping its activations; they are recomputed in backward.
 
-    Non-reentrant unless ``use_reentrant=True`` (the reentrant variant takes no keyword
-    arguments and needs an input that requires grad). ``cpu_checkpointing`` (default: the
+    Non-reentrant unless ``use_reentrant=True`` (the reentrant variant binds keyword arguments
+    into the function, so tensors passed by keyword get no gradient, and needs a positional input
+    that requires grad). ``cpu_checkpointing`` (default: the
     configured one) keeps the saved inputs in host memory. Under ``torch.no_grad`` it simply calls
     ``function``.
     """
@@ -99,6 +101,8 @@ def checkpoint(
     reentrant = _defaults.use_reentrant if use_reentrant is None else use_reentrant
     offload = _defaults.cpu_checkpointing if cpu_checkpointing is None else cpu_checkpointing
     extra: dict[str, Any] = {} if reentrant else {"context_fn": _context_fn}
+    if reentrant and kwargs:  # torch's reentrant variant takes positional inputs only
+        function, kwargs = functools.partial(function, **kwargs), {}
     with offload_saved_tensors() if offload else contextlib.nullcontext():
         out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=reentrant, **extra, **kwargs)
     if _defaults.synchronize_checkpoint_boundary:
@@ -181,13 +185,31 @@ def remove_activation_checkpointing(model: torch.nn.Module) -> None:
             delattr(module, _WRAPPED)
 
 
+# [Note: no cache under recomputation] A layer that writes a key/value cache in its forward would
+# write it a second time when backward replays the forward (and then attend over the doubled
+# cache: wrong gradients). Training needs no cache, so a checkpointed module gets none, as the
+# transformers library does for its own gradient checkpointing.
+_CACHE_ARGUMENTS = {"past_key_values": None, "past_key_value": None, "layer_past": None, "use_cache": False}
+
+
 def _wrap(module: torch.nn.Module, cpu_checkpointing: bool | None) -> None:
     if getattr(module, _WRAPPED, None) is not None:
         del module.forward  # wrapped by an earlier initialize(): wrap the class's forward afresh
     original = module.forward
+    try:
+        signature: inspect.Signature | None = inspect.signature(original)
+    except (TypeError, ValueError):
+        signature = None
+    caches = [n for n in _CACHE_ARGUMENTS if signature is not None and n in signature.parameters]
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if caches and torch.is_grad_enabled():
+            bound = signature.bind_partial(*args, **kwargs)
+            for name in caches:
+                if name in bound.arguments and bound.arguments[name] not in (None, False):
+                    bound.arguments[name] = _CACHE_ARGUMENTS[name]
+            args, kwargs = bound.args, bound.kwargs
         return checkpoint(original, *args, cpu_checkpointing=cpu_checkpointing, **kwargs)
 
     module.forward = forward

@@ -138,3 +138,17 @@ def test_config_applies_by_class_and_reports_mistakes() -> None:
         slipstream.initialize(tiny_gpt2(n_layer=1), _config(partition_activations=True))
     with pytest.raises(slipstream.ConfigError, match=r"activation_checkpointing.number_checkpoints: must be >= 1"):
         slipstream.initialize(tiny_gpt2(n_layer=1), _config(module_classes=["GPT2Block"], number_checkpoints=0))
+
+
+def test_reentrant_variant_by_class_binds_keyword_arguments() -> None:
+    plain = _measure(tiny_gpt2(n_layer=2))
+    model = tiny_gpt2(n_layer=2)
+    checkpointing.configure(use_reentrant=True)
+    try:
+        checkpointing.apply_activation_checkpointing(model, ["GPT2Block"])  # GPT2Block takes keyword arguments
+        ours = _measure(model)
+    finally:
+        checkpointing.configure(use_reentrant=False)
+    assert ours["loss"] == plain["loss"]
+    for name, grad in plain["grads"].items():
+        assert torch.equal(ours["grads"][name], grad), name
