@@ -50,6 +50,7 @@ def _worker(kind: str, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     framework, variant = kind.split("-")
     model = build_gpt2(args.model)
+    model.config.use_cache = False  # training keeps no key/value cache (transformers keeps one by default)
     batches = random_batches(WARMUP + args.steps + 1)
     config: dict = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0}
     if variant == "monitored":
