@@ -47,7 +47,7 @@ setup(
         "packaging>=23",
     ],
     extras_require={
-        "test": ["pytest>=7.4", "transformers>=4.40", "safetensors>=0.4"],
+        "test": ["pytest>=7.4", "transformers>=4.40", "safetensors>=0.4", "tensorboard>=2.14"],
         "monitor": ["tensorboard>=2.14", "tqdm>=4.66"],
         "dev": ["pytest>=7.4", "transformers>=4.40", "safetensors>=0.4", "tensorboard>=2.14", "tqdm>=4.66"],
     },
