@@ -45,6 +45,8 @@ setup(
         "py-cpuinfo>=9.0",
         "ninja>=1.11",
         "packaging>=23",
+        "safetensors>=0.4",  # checkpoints: tensors are never unpickled
+        "numpy>=1.22",  # checkpoints: single-threaded, GIL-free copies and writes of tensor bytes
     ],
     extras_require={
         "test": ["pytest>=7.4", "transformers>=4.40", "safetensors>=0.4", "tensorboard>=2.14"],

@@ -29,4 +29,14 @@ trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
 "$PY" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[dev]" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
+# The ssh runner's tests start a private sshd on 127.0.0.1; install the server where we can (root
+# with apt-get). Elsewhere the tests install nothing and skip with the reason.
+if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server >/dev/null 2>&1 \
+      || echo "setup: could not install openssh-server; the ssh launcher tests will be skipped" >&2
+  else
+    echo "setup: no sshd (and no root apt-get to install it); the ssh launcher tests will be skipped" >&2
+  fi
+fi
 "$PY" -c 'import slipstream, torch; print(f"setup: slipstream {slipstream.__version__} with torch {torch.__version__} in '"$VENV"'")'

@@ -59,6 +59,13 @@ class Accelerator(abc.ABC):
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
+    def rng_state(self) -> torch.Tensor | None:
+        """The device's random generator state beyond torch's CPU one (saved in checkpoints); None on CPU."""
+        return None
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Restore what :meth:`rng_state` returned."""
+
     def return_freed_memory(self, block_bytes: int) -> None:
         """Make freed blocks of ``block_bytes`` or more (ZeRO-3 releasing a unit) leave the process.
 

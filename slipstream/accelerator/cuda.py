@@ -53,3 +53,9 @@ class CUDAAccelerator(Accelerator):
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
         torch.cuda.manual_seed_all(seed)
+
+    def rng_state(self) -> torch.Tensor | None:
+        return torch.cuda.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(state.cpu())

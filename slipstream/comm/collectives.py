@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm.comms_log import CommRecord, comms_log
+from slipstream.comm.distributed import current_timeout
 from slipstream.comm.ring import ring_context
 
 ReduceOp = dist.ReduceOp
@@ -58,10 +59,19 @@ class Work:
         world = dist.get_world_size(self._group) if dist.is_initialized() else 1
         elapsed = time.perf_counter() - self._start
         what = f"{self._record.op}" + (f" of {self._record.tag}" if self._record.tag else "")
-        reason = "timed out" if "timed out" in str(err).lower() or "timeout" in str(err).lower() else "failed"
+        timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
+        reason = "timed out" if timed_out else "failed"
+        # comms_log.step is the number of optimizer steps taken, so this collective belongs to the
+        # step after it (0-based: the engine's global_steps while the step runs).
+        hint = (
+            f" (the limit is comms_timeout_seconds = {current_timeout().total_seconds():g}; raise it "
+            "only if this step legitimately takes longer)"
+            if timed_out
+            else ""
+        )
         return (
-            f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB, comms step {comms_log.step}) "
-            f"{reason} after {elapsed:.1f}s. Another rank probably died or took a different code path "
+            f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} "
+            f"{reason} after {elapsed:.1f}s{hint}. Another rank probably died or took a different code path "
             f"(e.g. skipped backward or step). Backend said: {err}"
         )
 

@@ -32,6 +32,8 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
     global _timeout
     if dist.is_initialized():
         set_rank(dist.get_rank())
+        if timeout is not None:
+            _apply_timeout(timeout)
         return
     accelerator = get_accelerator()
     backend = backend or accelerator.communication_backend
@@ -50,9 +52,52 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
                 "`slipstream run --nproc_per_node N script.py` (or torchrun), or set RANK, WORLD_SIZE, "
                 "MASTER_ADDR and MASTER_PORT"
             )
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     set_rank(dist.get_rank())
     logger.debug("joined process group: rank %d of %d, backend %s", dist.get_rank(), dist.get_world_size(), backend)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The launcher's store, seen through a namespace of its own for this restart attempt.
+
+    [Note: one store namespace per attempt] Under torch elastic (``slipstream run``, torchrun)
+    the ranks share the agent's TCPStore (``TORCHELASTIC_USE_AGENT_STORE``), and the agent keeps
+    that store across restarts. torch's ``env://`` set-up writes the same keys in every attempt,
+    so after a restart a rank can read a dead peer's address from the previous attempt and fail
+    ("Connection refused") or hang while connecting. Prefixing the keys with the attempt number
+    (``TORCHELASTIC_RESTART_COUNT``, equal on every rank of an attempt) gives each attempt a clean
+    namespace. Outside torch elastic this returns None and ``env://`` is used as usual.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+        is_master=False, timeout=timeout,
+    )  # fmt: skip
+    return dist.PrefixStore(f"slipstream/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
+def _apply_timeout(timeout: datetime.timedelta | float) -> None:
+    """Give a process group created elsewhere (torchrun user code, a test harness) our timeout.
+
+    Without this, ``comms_timeout_seconds`` would only reach groups slipstream creates itself and a
+    desynchronized rank would hang for the 30 minutes torch defaults to.
+    """
+    global _timeout
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    _timeout = timeout
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:  # older torch: only the groups created from now on get it
+        logger.warning("this torch cannot change an existing process group's timeout; comms_timeout_seconds "
+                       "applies to slipstream's own groups only")  # fmt: skip
+        return
+    set_timeout(timeout, dist.group.WORLD)
 
 
 def get_rank() -> int:

@@ -299,11 +299,48 @@ class CommsLoggerConfig(Section):
     debug: bool = False
 
 
+class CheckpointParallelWriteConfig(Section):
+    pipeline_stage: bool = Field(False, description="DeepSpeed key; accepted, no effect (no pipeline parallelism)")
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``: slipstream's save/resume settings plus DeepSpeed's keys (see docs/checkpoints.md)."""
+
+    save_dir: str | None = Field(None, description="where interval saves go and auto_resume looks")
+    interval: int = Field(0, ge=0, description="save every N optimizer steps into save_dir; 0: never")
+    auto_resume: bool = Field(False, description="initialize() loads the newest complete checkpoint in save_dir")
+    async_save: bool = Field(False, validation_alias=AliasChoices("async", "async_save"), description="persist in the background")
+    keep_last_n: int = Field(0, ge=0, description="keep the newest N checkpoints in a save directory; 0 keeps all")
+    verify_checksums: bool = Field(True, description="check every file's CRC-32 when loading")
+    commit_timeout: float = Field(600.0, gt=0.0, description="seconds rank 0 waits for the other ranks' files")
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    load_universal: bool = Field(False, description="DeepSpeed key; every slipstream checkpoint is universal")
+    use_node_local_storage: bool = Field(False, description="DeepSpeed key; not supported (save_dir must be shared)")
+    parallel_write: CheckpointParallelWriteConfig = Field(default_factory=CheckpointParallelWriteConfig)
+    writer: dict[str, Any] | None = Field(None, description="DeepSpeed FastPersist writer; accepted, no effect")
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _mode_case(cls, v: Any) -> Any:
+        return v.capitalize() if isinstance(v, str) else v
+
+    @field_validator("use_node_local_storage")
+    @classmethod
+    def _shared_only(cls, v: bool) -> bool:
+        return _unsupported(v, False, "use_node_local_storage (each rank writing to its own disk)")
+
+    @model_validator(mode="after")
+    def _dir_for_auto(self) -> CheckpointConfig:
+        if (self.auto_resume or self.interval) and not self.save_dir:
+            raise ValueError("save_dir must be set when auto_resume or interval is used")
+        return self
+
+
 # DeepSpeed sections we accept so existing configs load, but which have no effect here.
 IGNORED_SECTIONS = (
     "autotuning", "elasticity", "compression_training", "data_efficiency",
     "curriculum_learning", "progressive_layer_drop", "eigenvalue", "quantize_training", "nebula",
-    "hybrid_engine", "weight_quantization", "compile", "timers", "data_types", "checkpoint",
+    "hybrid_engine", "weight_quantization", "compile", "timers", "data_types",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "dump_state",
     "sparse_gradients", "seq_parallel_communication_data_type", "graph_harvesting",
     "use_data_before_expert_parallelism", "disable_allgather", "pipeline",
@@ -349,6 +386,7 @@ class SlipstreamConfig(Section):
     csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     comms_timeout_seconds: float = Field(1800.0, gt=0.0, description="a collective waiting longer is an error")
     ignored: dict[str, Any] = Field(default_factory=dict, exclude=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from slipstream.accelerator import Accelerator
 from slipstream.comm import comms_log, get_rank
+from slipstream.engine.checkpoint.manager import CheckpointManager
 from slipstream.engine.config import SlipstreamConfig
 from slipstream.engine.data import DistributedDataLoader
 from slipstream.engine.monitor import TrainingMonitor
@@ -62,6 +64,10 @@ class Engine(torch.nn.Module):
         self._global_grad_norm: float | None = None
         self._last_loss: torch.Tensor | None = None
         self.monitor = TrainingMonitor(config, module, accelerator, get_rank(), world_size)
+        self.checkpoints = CheckpointManager(config.checkpoint)
+        self.checkpoint_states: dict[str, Any] = {}  # extra objects saved through state_dict()/load_state_dict()
+        self.resumed_from: str | None = None  # set by checkpoint.auto_resume
+        self.resumed_client_state: dict[str, Any] | None = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -69,6 +75,7 @@ class Engine(torch.nn.Module):
 
     # ------------------------------------------------------------------ training loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        comms_log.step = self.global_steps  # a timed-out collective names this step (also after a resume)
         if self._auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self._dtype)
         with self.monitor.forward(args, kwargs, self.global_steps):
@@ -120,6 +127,7 @@ class Engine(torch.nn.Module):
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
         if boundary:
             self._report_progress()
+            self.checkpoints.after_step(self)
 
     def _optimizer_step(self) -> None:
         inv_scale = 1.0 / self.loss_scaler.scale
@@ -136,6 +144,7 @@ class Engine(torch.nn.Module):
             if clip > 0:
                 coef *= min(1.0, clip / (norm + 1e-6))
             self.strategy.scale_gradients(coef)
+            self.checkpoints.before_update()  # an async save may still be reading the weights
             self.strategy.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -186,8 +195,33 @@ class Engine(torch.nn.Module):
         """Full fp32 weights by parameter name on rank 0, ``None`` on other ranks. Call on every rank."""
         return self.strategy.consolidated_state_dict()
 
+    # ------------------------------------------------------------------ checkpoints (engine/checkpoint)
+    def save_checkpoint(
+        self, save_dir: str | os.PathLike[str], tag: str | None = None, client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> str:  # fmt: skip
+        """Save everything needed to resume (any world size or stage) to ``save_dir/tag``. Call on every rank."""
+        return str(self.checkpoints.save(self, save_dir, tag, client_state, save_latest))
+
+    def load_checkpoint(
+        self, load_dir: str | os.PathLike[str], tag: str | None = None, load_module_strict: bool = True,
+        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
+        """Load ``load_dir/tag`` (default: ``latest``); returns ``(path, client_state)``, ``(None, None)`` if there is none."""
+        return self.checkpoints.load(
+            self, load_dir, tag, strict=load_module_strict, optimizer=load_optimizer_states,
+            scheduler=load_lr_scheduler_states, module_only=load_module_only,
+        )  # fmt: skip
+
+    def register_checkpoint_state(self, name: str, obj: Any) -> None:
+        """Save ``obj`` (e.g. your data loader) in every checkpoint via its ``state_dict()``/``load_state_dict()``."""
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"register_checkpoint_state: {type(obj).__name__} has no state_dict()/load_state_dict()")
+        self.checkpoint_states[name] = obj
+
     def close(self) -> None:
-        """Detach the engine's hooks from the model; flush and close the metric writers."""
+        """Wait for a background checkpoint save, detach the engine's hooks, close the metric writers."""
+        self.checkpoints.wait()
         self.strategy.close()
         self.monitor.close()
 

@@ -55,7 +55,8 @@ def initialize(
     cfg = SlipstreamConfig.load(config, world_size=None)  # the triad needs the world size: below
     if cfg.log_level:
         get_logger().setLevel(cfg.log_level.upper())
-    init_distributed(timeout=cfg.comms_timeout_seconds)
+    # An explicit comms_timeout_seconds also re-times a process group the user created; the default does not.
+    init_distributed(timeout=cfg.comms_timeout_seconds if "comms_timeout_seconds" in cfg.model_fields_set else None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg.resolve_batch_triad(world_size)
     _check_supported(cfg, optimizer, lr_scheduler)
@@ -98,10 +99,13 @@ def initialize(
         cfg.zero_optimization.stage, cfg.precision, world_size, cfg.train_batch_size,
         cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world_size,
     )  # fmt: skip
-    return Engine(
+    engine = Engine(
         model, cfg, strategy, build_loss_scaler(cfg.precision, cfg.fp16), accelerator, world_size,
         lr_scheduler=scheduler, training_dataloader=loader,
     )  # fmt: skip
+    if cfg.checkpoint.auto_resume:  # the fault-tolerant launcher restarts jobs with this on
+        engine.resumed_from, engine.resumed_client_state = engine.checkpoints.resume(engine)
+    return engine
 
 
 def _check_supported(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -> None:

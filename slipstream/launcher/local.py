@@ -1,8 +1,12 @@
-"""Launch N copies of a training script on this machine, torchrun-style.
+"""The per-node agent: launch this node's ranks of a training script, torchrun-style.
 
 Process management (spawning, watching, restarts, tearing the survivors down when a rank dies,
 forwarding SIGTERM/SIGINT) is torch elastic's ``LocalElasticAgent``; this module only chooses its
-settings and turns its failure report into one readable line per failed rank.
+settings and turns its failure report into one readable line per failed rank, with the tail of
+its traceback (recorded by ``worker.py``) and, for SIGKILL, whether the OOM killer did it.
+
+One node is the whole job by default; with ``num_nodes > 1`` this is one node of a multi-node
+job (started on every node by a runner, see ``runners.py``, or by hand like torchrun).
 
 torch is imported inside ``launch`` only, so importing this module stays cheap.
 """
@@ -13,12 +17,16 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from slipstream.launcher.oom import oom_kill_count, sigkill_note
 
 PREFIX = "slipstream run:"
 
@@ -33,6 +41,13 @@ class LocalLaunch:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     max_restarts: int = 0
+    num_nodes: int = 1
+    node_rank: int = 0
+    exit_on_stdin_close: bool = False  # the runner's ssh went away: stop this node's ranks
+
+    @property
+    def multi_node(self) -> bool:
+        return self.num_nodes > 1
 
 
 def launch(spec: LocalLaunch) -> int:
@@ -42,6 +57,7 @@ def launch(spec: LocalLaunch) -> int:
     when it was killed by a signal), after printing which ranks failed and how.
     """
     nproc = spec.nproc_per_node or default_nproc_per_node()
+    oom_kills_at_start = oom_kill_count()
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -53,43 +69,77 @@ def launch(spec: LocalLaunch) -> int:
     # runs cannot collide and there is no probe-then-bind race. With --master_port the static
     # rendezvous binds exactly that port. local_addr makes MASTER_ADDR the address we were given
     # instead of the machine's FQDN.
-    if spec.master_port is None:
+    # Several nodes use the static rendezvous too: node N's ranks are N * nproc + local rank, in
+    # hostfile order, as DeepSpeed users expect (c10d would order nodes by host name and pid).
+    # Node 0's agent hosts the store on --master_port; every node must use the same run id.
+    # After a failure each agent restarts its own ranks; the other nodes' ranks notice the dead
+    # peer (a closed connection, or at worst comms_timeout_seconds) and restart too, so all nodes
+    # meet again in the next attempt.
+    run_id = uuid.uuid4().hex
+    if spec.multi_node:
+        assert spec.master_port is not None, "the CLI requires --master_port with several nodes"
+        run_id = f"slipstream-{spec.master_port}"
+        backend, endpoint = "static", f"{spec.master_addr}:{spec.master_port}"
+        rdzv_configs = {"rank": spec.node_rank, "timeout": RENDEZVOUS_TIMEOUT_S}
+    elif spec.master_port is None:
         backend, endpoint, rdzv_configs = "c10d", f"{spec.master_addr}:0", {"is_host": True}
     else:
         backend, endpoint, rdzv_configs = "static", f"{spec.master_addr}:{spec.master_port}", {"rank": 0}
+    who = _Describer(spec, nproc, oom_kills_at_start)
 
     # The agent writes per-rank error files (and, if asked, logs) under log_dir; by default it
     # leaves a torchelastic_* directory in /tmp on every run, so we own and remove it.
     with (
         tempfile.TemporaryDirectory(prefix="slipstream_run_") as log_dir,
         _rank_defaults(nproc),
-        _quiet_torch_elastic(),
+        _quiet_torch_elastic(who),
+        _exit_on_stdin_close(spec.exit_on_stdin_close),
     ):
         config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
+            min_nodes=spec.num_nodes,
+            max_nodes=spec.num_nodes,
             nproc_per_node=nproc,
-            run_id=uuid.uuid4().hex,
+            run_id=run_id,
             rdzv_backend=backend,
             rdzv_endpoint=endpoint,
             rdzv_configs=rdzv_configs,
             max_restarts=spec.max_restarts,
-            local_addr=spec.master_addr,
+            local_addr=None if spec.multi_node else spec.master_addr,
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
-        # -u as torchrun does: ranks' output reaches the terminal as it is written.
-        entrypoint_args = ["-u", spec.script, *spec.script_args]
+        # -u as torchrun does: ranks' output reaches the terminal as it is written. The worker
+        # module runs the script as __main__ and records an uncaught exception for the report.
+        entrypoint_args = ["-u", "-m", "slipstream.launcher.worker", spec.script, *spec.script_args]
         try:
             elastic_launch(config, sys.executable)(*entrypoint_args)
         except ChildFailedError as err:
-            return _report_failures(err.failures)
+            return _report_failures(err.failures, who)
         except SignalException as err:
-            _say(f"stopped by {err.sigval.name}; all ranks were terminated")
+            _say(f"{who.node}stopped by {err.sigval.name}; all ranks were terminated")
             return 128 + int(err.sigval)
         except Exception as err:  # rendezvous/store errors: the job never started
-            _say(f"could not start the job: {_startup_error(err, spec)}")
+            _say(f"{who.node}could not start the job: {_startup_error(err, spec)}")
             return 1
     return 0
+
+
+def agent_command_line(spec: LocalLaunch, env: dict[str, str]) -> str:
+    """What ``--dry_run`` prints for a run on this node: the agent's exact command line."""
+    import shlex
+
+    argv = [sys.executable, "-m", "slipstream.launcher.cli", "run", "--launcher", "local"]
+    if spec.multi_node:
+        argv += ["--num_nodes", str(spec.num_nodes), "--node_rank", str(spec.node_rank)]
+    if spec.nproc_per_node is not None:
+        argv += ["--nproc_per_node", str(spec.nproc_per_node)]
+    argv += ["--master_addr", spec.master_addr]
+    if spec.master_port is not None:
+        argv += ["--master_port", str(spec.master_port)]
+    if spec.max_restarts:
+        argv += ["--max_restarts", str(spec.max_restarts)]
+    argv += [spec.script, *spec.script_args]
+    prefix = ["env", *(f"{key}={value}" for key, value in env.items())] if env else []
+    return f"# node {spec.node_rank} (this machine)\n{shlex.join(prefix + argv)}"
 
 
 def default_nproc_per_node() -> int:
@@ -99,22 +149,42 @@ def default_nproc_per_node() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def describe_failure(rank: int, local_rank: int, exitcode: int) -> str:
-    """``rank 1 (local rank 1) exited with code 3`` or ``... was killed by signal SIGKILL``."""
-    who = f"rank {rank} (local rank {local_rank})"
+RENDEZVOUS_TIMEOUT_S = 900  # how long node agents wait for each other (nodes boot at different speeds)
+TRACEBACK_LINES = 10  # of a failed rank's traceback (its innermost frames), printed under its failure line
+
+
+def describe_failure(rank: int, local_rank: int, exitcode: int, host: str | None = None, note: str = "") -> str:
+    """``rank 1 (local rank 1) exited with code 3`` or ``... was killed by signal SIGKILL``.
+
+    With ``host`` (a multi-node job) the rank is placed: ``rank 5 (local rank 1 on node-b)``.
+    ``note`` follows a signal name (the OOM explanation for SIGKILL).
+    """
+    who = f"rank {rank} (local rank {local_rank}{f' on {host}' if host else ''})"
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = f"number {-exitcode}"
-        how = f"was killed by signal {name}"
-        if name == "SIGKILL":
-            how += " (out of memory? check dmesg)"
-        return f"{who} {how}"
+        return f"{who} was killed by signal {name}" + (f" {note}" if note else "")
     return f"{who} exited with code {exitcode}"
 
 
-def _report_failures(failures: dict[int, Any]) -> int:
+class _Describer:
+    """Names ranks the way this node sees them: global rank, local rank, host when multi-node."""
+
+    def __init__(self, spec: LocalLaunch, nproc: int, oom_kills_at_start: int | None) -> None:
+        self.host = socket.gethostname() if spec.multi_node else None
+        self.node = f"node {spec.node_rank} ({self.host}): " if spec.multi_node else ""
+        self.rank_base = spec.node_rank * nproc  # the static rendezvous numbers nodes in order
+        self.oom_kills_at_start = oom_kills_at_start
+
+    def failure(self, rank: int | None, local_rank: int, exitcode: int, pid: int | None) -> str:
+        note = sigkill_note(pid, self.oom_kills_at_start) if exitcode == -signal.SIGKILL else ""
+        global_rank = rank if rank is not None else self.rank_base + local_rank
+        return describe_failure(global_rank, local_rank, exitcode, self.host, note)
+
+
+def _report_failures(failures: dict[int, Any], who: _Describer) -> int:
     # The agent's own report is a multi-line banner with a docs link; print one line per failed
     # rank instead, root cause first. Timestamps have one-second resolution, so ties keep the
     # agent's order, which lists the ranks that failed before the ones it tore down afterwards.
@@ -125,17 +195,20 @@ def _report_failures(failures: dict[int, Any]) -> int:
         if i > 0 and failure.exitcode == -signal.SIGTERM:
             stopped.append(rank)  # the agent's SIGTERM to the survivors, not a failure of its own
             continue
-        line = describe_failure(rank, failure.local_rank, failure.exitcode)
+        line = who.failure(rank, failure.local_rank, failure.exitcode, failure.pid)
         detail = _error_file_message(failure)
-        _say(f"{line}: {detail}" if detail else line)
+        _say(f"{who.node}{line}: {detail}" if detail else f"{who.node}{line}")
+        tail = _traceback_tail(failure)
+        if tail:
+            print(tail, file=sys.stderr, flush=True)
     if stopped:
         ranks = ", ".join(str(r) for r in sorted(stopped))
-        _say(f"stopped the other rank(s) ({ranks}) with SIGTERM after rank {root_rank} failed")
+        _say(f"{who.node}stopped the other rank(s) ({ranks}) with SIGTERM after rank {root_rank} failed")
     return 128 - root.exitcode if root.exitcode < 0 else (root.exitcode or 1)
 
 
 def _error_file_message(failure: Any) -> str:
-    """The exception a rank recorded with torch's ``@record`` (its last line), when it did."""
+    """The exception a rank recorded (``worker.py`` or torch's ``@record``): its last line."""
     data = failure.error_file_data or {}
     message = data.get("message")
     if isinstance(message, dict):  # the structured form @record writes
@@ -143,6 +216,23 @@ def _error_file_message(failure: Any) -> str:
     if not isinstance(message, str) or not message.strip() or message == "<NONE>":
         return ""
     return message.strip().splitlines()[-1]
+
+
+def _traceback_tail(failure: Any) -> str:
+    """The last lines of the rank's recorded traceback, indented under its failure line."""
+    data = failure.error_file_data or {}
+    message = data.get("message")
+    extra = message.get("extraInfo") if isinstance(message, dict) else None
+    stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+    if not isinstance(stack, str) or not stack.strip():
+        return ""
+    lines = stack.rstrip().splitlines()
+    # The exception line itself is already on the failure line above; keep the frames before it.
+    for end in range(len(lines), 0, -1):
+        if lines[end - 1].startswith(("Traceback", "  ")):
+            break
+    lines = lines[:end][-TRACEBACK_LINES:]
+    return "\n".join(f"    | {line}" for line in lines)
 
 
 def _startup_error(err: Exception, spec: LocalLaunch) -> str:
@@ -200,23 +290,25 @@ class _RestartNotice(logging.Filter):
 
     With --max_restarts the agent restarts all ranks after a failure and only says so at INFO,
     so the user would see the script's output twice with no explanation. The failing rank comes
-    from the "failed (exitcode: C) local_rank: R ..." record logged just before; on one node the
-    global rank equals the local rank.
+    from the "failed (exitcode: C) local_rank: R (pid: P) ..." record logged just before.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, who: _Describer) -> None:
         super().__init__()
+        self._who = who
         self._last_failure: str | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             if record.name == _PROCS_LOGGER and record.msg.startswith("failed (exitcode"):
                 exitcode, local_rank = int(record.args[0]), int(record.args[1])  # type: ignore[index]
-                self._last_failure = describe_failure(local_rank, local_rank, exitcode)
+                pid = int(record.args[2]) if len(record.args) > 2 else None  # type: ignore[arg-type,index]
+                self._last_failure = self._who.failure(None, local_rank, exitcode, pid)
             elif record.name == _AGENT_LOGGER and "will restart worker group" in record.msg:
                 left, total = int(record.args[2]), int(record.args[3])  # type: ignore[index]
                 cause = self._last_failure or "a rank failed"
-                _say(f"{cause}; restarting all ranks (restart {total - left + 1} of {total})")
+                ranks = "this node's ranks" if self._who.host else "all ranks"
+                _say(f"{self._who.node}{cause}; restarting {ranks} (restart {total - left + 1} of {total})")
                 self._last_failure = None
         except (AttributeError, IndexError, TypeError, ValueError):
             pass  # another torch version worded it differently; staying quiet is fine
@@ -224,7 +316,7 @@ class _RestartNotice(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet_torch_elastic() -> Iterator[None]:
+def _quiet_torch_elastic(who: _Describer) -> Iterator[None]:
     """Mute torch elastic's launch-config dump, teardown warnings and failure banner.
 
     We print the failures (and restarts) ourselves. ``LOGLEVEL`` is torch elastic's own switch
@@ -240,7 +332,7 @@ def _quiet_torch_elastic() -> Iterator[None]:
     }
     levels = {name: logging.CRITICAL for name in names}
     levels[_AGENT_LOGGER] = levels[_PROCS_LOGGER] = logging.INFO  # seen by _RestartNotice only
-    notice = _RestartNotice()
+    notice = _RestartNotice(who)
     saved = {name: logging.getLogger(name).level for name in levels}
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)
@@ -253,6 +345,28 @@ def _quiet_torch_elastic() -> Iterator[None]:
             logging.getLogger(name).removeFilter(notice)
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
+
+
+@contextlib.contextmanager
+def _exit_on_stdin_close(enabled: bool) -> Iterator[None]:
+    """Stop this node's ranks when stdin reaches end of file.
+
+    The ssh runner keeps a pipe open to every node's agent; when the launcher stops the job (or
+    dies), the pipe closes, ssh passes the end of file on, and this agent sends itself SIGTERM:
+    torch elastic's handler then terminates its ranks the same way as on Ctrl-C. No ``pkill``.
+    """
+    if enabled:
+
+        def watch() -> None:
+            try:
+                while os.read(0, 4096):
+                    pass
+            except OSError:
+                pass
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="slipstream-stdin-watch", daemon=True).start()
+    yield
 
 
 def _say(message: str) -> None:

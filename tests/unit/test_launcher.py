@@ -144,7 +144,10 @@ def test_restart_is_announced_and_uses_the_given_port(tmp_path):
 def test_describe_failure_names_signals():
     assert describe_failure(3, 1, 7) == "rank 3 (local rank 1) exited with code 7"
     assert describe_failure(0, 0, -signal.SIGSEGV) == "rank 0 (local rank 0) was killed by signal SIGSEGV"
-    assert "SIGKILL (out of memory?" in describe_failure(2, 2, -signal.SIGKILL)
+    note = "(out of memory: the kernel log records the OOM killer killing pid 7)"
+    assert describe_failure(2, 0, -signal.SIGKILL, "node-b", note) == (
+        f"rank 2 (local rank 0 on node-b) was killed by signal SIGKILL {note}"
+    )
 
 
 def test_report_prints_torch_version(capsys):
@@ -156,3 +159,37 @@ def test_report_prints_torch_version(capsys):
     assert torch.__version__ in torch_line
     for key in ("slipstream ", "python ", "torch.distributed backends ", "ninja ", "g++ ", "ram "):
         assert any(line.startswith(key) for line in out.splitlines()), key
+
+
+def test_sigkill_note_says_out_of_memory_only_with_evidence(monkeypatch):
+    from slipstream.launcher import oom
+
+    monkeypatch.setattr(oom, "oom_kill_count", lambda: 3)
+    monkeypatch.setattr(oom, "_dmesg_mentions", lambda pid: False)
+    assert oom.sigkill_note(42, 2) == "(out of memory: the OOM killer ran in this job's memory cgroup, oom_kill 2 -> 3)"
+    assert oom.sigkill_note(42, 3).startswith("(no OOM-killer record for it")
+    monkeypatch.setattr(oom, "_dmesg_mentions", lambda pid: True)
+    assert oom.sigkill_note(42, 3) == "(out of memory: the kernel log records the OOM killer killing pid 42)"
+    monkeypatch.setattr(oom, "oom_kill_count", lambda: None)
+    monkeypatch.setattr(oom, "_dmesg_mentions", lambda pid: None)
+    assert oom.sigkill_note(42, None).startswith("(likely out of memory if nothing else killed it; dmesg and")
+
+
+def test_oom_counter_and_kernel_log_parsing(monkeypatch, tmp_path):
+    from slipstream.launcher import oom
+
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 5\noom 2\noom_kill 2\n")
+    monkeypatch.setattr(oom, "_cgroup_oom_files", lambda: [str(tmp_path / "missing"), str(events)])
+    assert oom.oom_kill_count() == 2
+    log = "[ 12.3] Out of memory: Killed process 4242 (python) total-vm:100kB\n[ 12.4] other\n"
+    monkeypatch.setattr(
+        oom.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=log, stderr="")
+    )
+    assert oom._dmesg_mentions(4242) is True
+    assert oom._dmesg_mentions(424) is False
+    log = "[ 9.1] oom-kill:constraint=CONSTRAINT_MEMCG,task=python,pid=777,uid=0\n"
+    monkeypatch.setattr(
+        oom.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=log, stderr="")
+    )
+    assert oom._dmesg_mentions(777) is True

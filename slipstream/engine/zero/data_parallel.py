@@ -15,6 +15,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
 from slipstream.engine.zero.params import TrainableParams, adopt_grad, bind_optimizer, optimizer_state_bytes
+from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -111,6 +112,21 @@ class DataParallelStrategy(ShardingStrategy):
         return {
             name: master_of.get(id(p), p).detach().float().clone() for name, p in self.module.named_parameters()
         }
+
+    def sharded_state(self) -> list[OwnedSlice]:
+        # Every rank holds everything: all slices are whole parameters, replicated.
+        master_of = {id(p): m for p, m in zip(self.trainable, self.masters)}
+        owned = []
+        for name, p in self.module.named_parameters():
+            master = master_of.get(id(p))
+            value = (master if master is not None else p).detach().view(-1)
+            owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), value, master, replicated=True))
+        return owned
+
+    def refresh_from_masters(self) -> None:
+        if self.low_precision:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.trainable], self.masters)
 
     def memory_breakdown(self) -> dict[str, int]:
         masters = sum(m.numel() * 4 for m in self.masters) if self.low_precision else 0

@@ -26,6 +26,7 @@ from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
 from slipstream.engine.zero.params import TrainableParams, adopt_grad, bind_optimizer, optimizer_state_bytes, single_dtype
+from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -321,6 +322,24 @@ class PartitionedStrategy(ShardingStrategy):
             value = self.layout.param_view(full, i, p.shape) if i in self.in_layout else p
             state[name] = value.detach().float().clone()
         return state
+
+    def sharded_state(self) -> list[OwnedSlice]:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        owned = []
+        for piece, master in zip(self.layout.pieces, self.master_pieces):
+            p = self.trainable[piece.index]
+            owned.append(OwnedSlice(ParamSlice(names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), master, master))
+        for name, p in self.module.named_parameters():  # frozen or outside every optimizer group: replicated
+            if self.index.get(id(p)) not in self.in_layout:
+                owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), p.detach().view(-1), None, replicated=True))
+        return owned
+
+    def refresh_from_masters(self) -> None:
+        with torch.no_grad():
+            if self.master_shard is not None:
+                for bucket in self.layout.buckets:
+                    self.layout.own_chunk(self.flat_params, bucket).copy_(self.layout.shard_chunk(self.master_shard, bucket))
+            self._all_gather(self.flat_params, "loaded weights")
 
     def memory_breakdown(self) -> dict[str, int]:
         grads = self.flat_grads if self.stage == 1 else self.grad_shard

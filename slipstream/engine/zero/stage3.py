@@ -43,6 +43,7 @@ from slipstream.engine.zero.params import (
     optimizer_state_bytes,
     single_dtype,
 )
+from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.storage import alias, copy_pieces
 from slipstream.engine.zero.strategy import (
     OptimizerFactory,
@@ -502,6 +503,24 @@ class Stage3Strategy(ShardingStrategy):
         if self.rank != 0:
             return None
         return {name: state[name] for name, _ in self.module.named_parameters()}  # the model's order
+
+    def sharded_state(self) -> list[OwnedSlice]:
+        masters = self.master_shard if self.master_shard is not None else self.param_shard
+        optimized = {piece.shard_offset: view for piece, view in self.master_pieces}
+        owned = []
+        for piece in self.layout.pieces:  # frozen parameters too: they are partitioned like the rest
+            p = self.managed[piece.index]
+            view = optimized.get(piece.shard_offset)
+            value = view if view is not None else masters[piece.shard_offset : piece.shard_offset + piece.numel]
+            owned.append(OwnedSlice(ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), value, view))
+        return owned
+
+    def refresh_from_masters(self) -> None:
+        with torch.no_grad():
+            if self.master_shard is not None:
+                self.param_shard.copy_(self.master_shard)
+            if self.persistent is not None:
+                self.persistent.refresh()
 
     def memory_breakdown(self) -> dict[str, int]:
         persistent = self.persistent.nbytes if self.persistent is not None else 0

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
@@ -94,6 +96,23 @@ class ShardingStrategy(abc.ABC):
     @abc.abstractmethod
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held between steps: ``params``, ``grads``, ``optimizer`` (state + fp32 masters), ``buffers``."""
+
+    # [Note: checkpoint state] The checkpoint code (engine/checkpoint) saves and loads through these
+    # two methods only; what it writes is keyed by parameter name and flat offset, never by rank.
+    @abc.abstractmethod
+    def sharded_state(self) -> list[OwnedSlice]:
+        """This rank's slices of every parameter (fp32 masters where kept), with their optimizer tensors."""
+
+    @abc.abstractmethod
+    def refresh_from_masters(self) -> None:
+        """Make the model's parameters show the values just written into the slices. Collective."""
+
+    def load_sharded_state(self, read: Callable[[ParamSlice], torch.Tensor]) -> None:
+        """Fill every slice this rank holds with ``read(slice)`` (any checkpoint slicing), then refresh."""
+        with torch.no_grad():
+            for owned in self.sharded_state():
+                owned.value.copy_(read(owned.slice).reshape(-1))
+        self.refresh_from_masters()
 
     def close(self) -> None:
         """Remove hooks (an engine can be discarded and the model wrapped again)."""

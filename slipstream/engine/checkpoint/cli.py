@@ -1,0 +1,77 @@
+"""``slipstream checkpoint inspect|export``: read checkpoints offline, from their files alone."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+from slipstream.engine.checkpoint.reader import (
+    CheckpointError,
+    CheckpointReader,
+    check_files,
+    complete_checkpoints,
+    latest_tag,
+    resolve,
+)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.checkpoint_command == "inspect":
+            return inspect(Path(args.dir), args.tag, args.verify)
+        path, keys = _export(args)
+        print(f"wrote {keys} tensors (fp32 weights, every state_dict key) from {path} to {args.out}")
+        return 0
+    except CheckpointError as err:
+        print(f"slipstream checkpoint: {err}", file=sys.stderr)
+        return 1
+
+
+def _export(args: argparse.Namespace) -> tuple[Path, int]:
+    from slipstream.engine.checkpoint.export import export_fp32
+
+    return export_fp32(args.dir, args.out, args.tag)
+
+
+def inspect(directory: Path, tag: str | None, verify: bool) -> int:
+    path = resolve(directory, tag)
+    if path is None:
+        print(f"no checkpoint in {directory}")
+        return 1
+    if path.parent == directory and tag is None:
+        latest = latest_tag(directory)
+        for other, manifest in complete_checkpoints(directory):
+            mark = " <- latest" if other.name == latest else ""
+            print(f"  {other.name:<24} step {manifest['global_steps']:>8}{mark}")
+    reader = CheckpointReader(path, verify_checksums=verify)
+    m = reader.manifest
+    if verify:
+        check_files(path, m, checksums=True)
+    params = m["parameters"]
+    numel = sum(_numel(p["shape"]) for p in params.values())
+    size = sum(f["bytes"] for f in m["files"].values())
+    created = datetime.datetime.fromtimestamp(m["created"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    first = next((e for e in reader.rank_meta(0)["slices"] if "optimizer" in e), None)
+    common = reader.common()
+    print(f"checkpoint      {path}")
+    print(f"saved           {created} by slipstream {m['slipstream_version']} (torch {m['torch_version']}), format v{m['version']}")
+    print(f"training        step {m['global_steps']} (micro-step {m['micro_steps']}), {m['world_size']} rank(s), ZeRO stage {m['zero_stage']}, {m['precision']}")
+    print(f"model           {m['module_class']}: {len(params)} parameters, {numel:,} elements; {len(m['buffers'])} buffers")
+    print(f"state_dict      {len(m['state_dict_keys'])} keys ({len(m['state_dict_keys']) - len(params) - len(m['buffers'])} tied aliases)")
+    print(f"optimizer state {', '.join(first['optimizer']) if first else 'none'}")
+    print(f"client_state    {', '.join(_keys(common['client_state'])) or 'empty'}")
+    print(f"files           {len(m['files'])}, {size / 2**20:.1f} MiB, {'CRC-32 verified' if verify else 'sizes checked (--verify for CRC-32)'}")
+    return 0
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _keys(tree: object) -> list[str]:
+    return [k for k in tree if not k.startswith("__")] if isinstance(tree, dict) else []

@@ -1,0 +1,191 @@
+"""The engine's checkpointing: save/load calls, asynchronous persistence, interval saves and auto-resume.
+
+[Note: asynchronous saves] ``checkpoint.async``: the training thread captures this rank's state
+at the step boundary and returns; a background thread writes and fsyncs the files, reading the
+tensors live until the engine's next optimizer step, which first copies whatever is still
+unwritten (snapshot.py), and rank 0's thread commits the checkpoint once every rank's
+files are there (it polls the shared directory, so the background threads never run a collective
+that could interleave with training's). The next save, ``engine.close()`` and interpreter exit
+wait for it. A crash meanwhile leaves only a ``.tmp-`` directory: ``latest`` still names the
+previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from slipstream.engine.checkpoint import writer
+from slipstream.engine.checkpoint.engine_state import Payload, capture, restore
+from slipstream.engine.checkpoint.reader import CheckpointReader, complete_checkpoints, latest_tag, resolve
+from slipstream.engine.checkpoint.snapshot import GuardedTensors
+from slipstream.engine.config import CheckpointConfig
+from slipstream.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from slipstream.engine.engine import Engine
+
+logger = get_logger(__name__)
+
+_live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_all() -> None:
+    for manager in list(_live):
+        manager.wait(raise_errors=False)
+
+
+class CheckpointManager:
+    """Owned by one engine; every public method is called on every rank (they are collective)."""
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        self.config = config
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._buffers: dict[str, Any] = {}  # CPU snapshot buffers, reused by every async save
+        self._guard: GuardedTensors | None = None
+        self.last_saved: Path | None = None
+        self.last_stall_s = 0.0  # training-thread time of the last save: the call plus its fence
+        self.last_write_s = 0.0  # from the save call until this rank's files (and, on rank 0, the commit) are done
+        _live.add(self)
+
+    # ------------------------------------------------------------------ save
+    def save(self, engine: Engine, save_dir: str | Path, tag: str | None, client_state: dict[str, Any] | None, save_latest: bool = True) -> Path:
+        started = time.perf_counter()
+        self.wait()
+        save_dir = Path(save_dir)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        tag = writer.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+        self._validate_tag(tag, world)
+        if engine.micro_steps % engine.gradient_accumulation_steps():
+            logger.warning(
+                "save_checkpoint at micro-step %d, inside an accumulation window: the gradients accumulated so far are "
+                "not saved (save right after engine.step() at a boundary)", engine.micro_steps,
+            )  # fmt: skip
+        payload = capture(engine, rank, world, tag, client_state)
+        _agree(lambda: writer.prepare(save_dir, tag) if rank == 0 else None, "preparing the checkpoint directory")
+        tmp = writer.temp_dir(save_dir, tag)
+        final = save_dir / tag
+        if self.config.async_save:
+            pin = engine.accelerator.pin_memory if engine.accelerator.name != "cpu" else None
+            self._guard = payload.tensors = GuardedTensors(payload.tensors, self._buffers, pin)
+            engine.accelerator.synchronize()  # device-to-host copies are complete before training goes on
+            self._thread = threading.Thread(
+                target=self._persist, args=(payload, save_dir, tag, tmp, world, save_latest, started),
+                name=f"slipstream-save-{tag}", daemon=False,
+            )  # fmt: skip
+            self._thread.start()
+        else:
+            _agree(lambda: writer.write_rank(tmp, payload), "writing this rank's checkpoint files")
+            _agree(lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest) if rank == 0 else None, "committing the checkpoint")
+            logger.info("saved checkpoint %s", final)
+            self.last_write_s = time.perf_counter() - started
+        self.last_saved = final
+        self.last_stall_s = time.perf_counter() - started
+        return final
+
+    def before_update(self) -> None:
+        """The engine is about to change weights and optimizer state: a background save must not read them live any more."""
+        if self._guard is not None:
+            self.last_stall_s += self._guard.fence()
+            self._guard = None
+
+    def _persist(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool, started: float) -> None:
+        try:
+            writer.write_rank(tmp, payload)
+            if payload.rank == 0:
+                self._commit(payload, save_dir, tag, tmp, world, save_latest)
+                logger.info("saved checkpoint %s (in the background)", save_dir / tag)
+            self.last_write_s = time.perf_counter() - started
+        except BaseException as err:  # noqa: BLE001 - reported on the training thread at the next wait
+            logger.error("background checkpoint save of %s failed: %s", tag, err)
+            self._error = err
+
+    def _commit(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool) -> None:
+        assert payload.manifest is not None
+        writer.commit(save_dir, tag, tmp, world, payload.manifest, save_latest, self.config.commit_timeout, self.config.keep_last_n)
+
+    def wait(self, raise_errors: bool = True) -> None:
+        """Block until the background save (if any) is on disk; re-raise its failure."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        self._guard = None
+        error, self._error = self._error, None
+        if error is not None and raise_errors:
+            raise RuntimeError(f"the background checkpoint save failed: {error}") from error
+
+    def _validate_tag(self, tag: str, world: int) -> None:
+        mode = self.config.tag_validation
+        if mode == "Ignore" or world == 1:
+            return
+        tags: list[Any] = [None] * world
+        dist.all_gather_object(tags, tag)
+        if len(set(tags)) > 1:
+            message = f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; pass the same tag on every rank"
+            if mode == "Fail":
+                raise ValueError(message + " (checkpoint.tag_validation is Fail)")
+            logger.warning(message)
+
+    # ------------------------------------------------------------------ load
+    def load(
+        self, engine: Engine, load_dir: str | Path, tag: str | None, *, strict: bool = True, optimizer: bool = True,
+        scheduler: bool = True, module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
+        self.wait()
+        path = _agree(lambda: resolve(load_dir, tag, self.config.verify_checksums), "finding the checkpoint")
+        if path is None:
+            logger.warning("load_checkpoint: no checkpoint in %s; nothing loaded", load_dir)
+            return None, None
+        reader = _agree(lambda: CheckpointReader(path, verify_checksums=self.config.verify_checksums), "opening the checkpoint")
+        client_state = restore(
+            engine, reader, dist.get_rank(), strict=strict, optimizer=optimizer, scheduler=scheduler, module_only=module_only,
+            agree=_agree,
+        )
+        logger.info(
+            "loaded checkpoint %s (saved at step %d by %d ranks, ZeRO stage %d)",
+            path, reader.manifest["global_steps"], reader.world_size, reader.manifest["zero_stage"],
+        )  # fmt: skip
+        return str(path), client_state
+
+    # ------------------------------------------------------------------ config-driven saves
+    def resume(self, engine: Engine) -> tuple[str | None, dict[str, Any] | None]:
+        """``checkpoint.auto_resume``: load the newest complete checkpoint in ``save_dir``, if there is one."""
+        assert self.config.save_dir is not None
+        save_dir = Path(self.config.save_dir)
+        if latest_tag(save_dir) is None and not complete_checkpoints(save_dir):
+            logger.info("auto_resume: no checkpoint in %s yet; starting from scratch", save_dir)
+            return None, None
+        return self.load(engine, save_dir, None)
+
+    def after_step(self, engine: Engine) -> None:
+        """``checkpoint.interval``: save every N optimizer steps into ``save_dir``."""
+        every = self.config.interval
+        if every and engine.global_steps % every == 0:
+            assert self.config.save_dir is not None
+            self.save(engine, self.config.save_dir, None, None)
+
+
+def _agree(action: Any, what: str) -> Any:
+    """Run ``action`` on this rank; if it fails on any rank, raise on every rank (no rank left waiting)."""
+    error = None
+    try:
+        result = action()
+    except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+        error, result = err, None
+    if dist.get_world_size() > 1:
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        failed = {r: e for r, e in enumerate(errors) if e is not None}
+        if failed and error is None:
+            raise RuntimeError(f"checkpoint: {what} failed on rank(s) {sorted(failed)}: {next(iter(failed.values()))}")
+    if error is not None:
+        raise error
+    return result

@@ -1,0 +1,326 @@
+"""Finding, validating and reading checkpoints, at whatever world size or stage they were written.
+
+[Note: resharding on read] Every rank file lists the slices it holds as (parameter, flat start,
+length). The reader indexes them by parameter; asking for any range of a parameter copies the
+overlapping parts of the saved slices (``safe_open(...).get_slice`` reads just those bytes). A
+strategy of another stage or world size simply asks for the ranges it owns now.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.engine.checkpoint.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    decode_tree,
+    file_crc32,
+    rank_stem,
+)
+from slipstream.engine.zero.slices import ParamSlice
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, corrupt, or does not fit the model; the message says which file or parameter."""
+
+
+def _looks_pickled(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head[:2] == b"PK" or head[:1] == b"\x80"  # torch.save's zip, or a raw pickle stream
+
+
+def _pickle_refusal(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is a torch.save/pickle file, not a slipstream checkpoint; slipstream never unpickles checkpoint files "
+        "(unpickling runs arbitrary code). Load it yourself with torch.load(..., weights_only=True) and "
+        "engine.module.load_state_dict(), then save_checkpoint() to get a slipstream checkpoint"
+    )
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint directory ``path``, or a :class:`CheckpointError` saying what is wrong."""
+    if path.is_file():
+        if _looks_pickled(path):
+            raise _pickle_refusal(path)
+        raise CheckpointError(f"{path} is a file; a slipstream checkpoint is a directory holding {MANIFEST}")
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: the directory does not exist")
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise _pickle_refusal(path / pickles[0])
+        raise CheckpointError(f"checkpoint {path} is incomplete: {MANIFEST} is missing (the save did not finish)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a slipstream checkpoint manifest")
+    if int(manifest.get("version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {manifest['version']}; this slipstream reads up to {FORMAT_VERSION} (upgrade slipstream)"
+        )
+    return manifest
+
+
+def check_files(path: Path, manifest: dict[str, Any], checksums: bool) -> None:
+    """Every file of the manifest exists with its recorded size (and CRC-32 when ``checksums``)."""
+    for name, record in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing (listed in {MANIFEST})")
+        size = file.stat().st_size
+        if size != record["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {path}: {name} has {size} bytes, {MANIFEST} says {record['bytes']} (truncated or corrupt)"
+            )
+        if checksums and file_crc32(file) != record["crc32"]:
+            raise CheckpointError(f"checkpoint {path}: {name} fails its CRC-32 check (corrupt)")
+
+
+def is_complete(path: Path) -> dict[str, Any] | None:
+    """The manifest if ``path`` is a complete checkpoint (all files present, right sizes), else None."""
+    try:
+        manifest = read_manifest(path)
+        check_files(path, manifest, checksums=False)
+        return manifest
+    except CheckpointError:
+        return None
+
+
+def complete_checkpoints(save_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Complete checkpoints under ``save_dir``, oldest first (by global step, then creation time)."""
+    if not save_dir.is_dir():
+        return []
+    found = []
+    for child in save_dir.iterdir():
+        if child.is_dir() and not child.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            manifest = is_complete(child)
+            if manifest is not None:
+                found.append((child, manifest))
+    found.sort(key=lambda item: (item[1].get("global_steps", 0), item[1].get("created", 0.0)))
+    return found
+
+
+def latest_tag(save_dir: Path) -> str | None:
+    file = save_dir / LATEST
+    return file.read_text().strip() or None if file.is_file() else None
+
+
+def resolve(load_dir: str | Path, tag: str | None, checksums: bool = True) -> Path | None:
+    """The checkpoint directory to load: ``tag``, else ``latest``, else (with a warning) the newest complete one.
+
+    Falling back, candidates are checked newest first, with their checksums when ``checksums``.
+
+    ``load_dir`` may also be a checkpoint directory itself. None when there is no checkpoint at all.
+    """
+    load_dir = Path(load_dir)
+    if tag is not None:
+        return load_dir / tag
+    if (load_dir / MANIFEST).is_file():
+        return load_dir
+    if load_dir.is_file():
+        raise _pickle_refusal(load_dir) if _looks_pickled(load_dir) else CheckpointError(f"{load_dir} is not a checkpoint directory")
+    pointed, reason = latest_tag(load_dir), ""
+    if pointed is not None:
+        try:
+            check_files(load_dir / pointed, read_manifest(load_dir / pointed), checksums=False)
+            return load_dir / pointed
+        except CheckpointError as err:
+            reason = str(err)
+    newest = next((path for path, manifest in reversed(complete_checkpoints(load_dir)) if _verifies(path, manifest, checksums)), None)
+    if newest is None:
+        if pointed is not None:
+            raise CheckpointError(f"{load_dir}/{LATEST} points to {pointed!r}, which cannot be loaded ({reason}), and no other complete checkpoint exists")
+        return None
+    if pointed is not None:
+        warnings.warn(f"checkpoint: {LATEST} points to {pointed!r}, which cannot be loaded ({reason}); loading the newest complete one, {newest.name!r}", stacklevel=3)
+    else:
+        warnings.warn(f"checkpoint: {load_dir} has no {LATEST} file; loading the newest complete checkpoint, {newest.name!r}", stacklevel=3)
+    return newest
+
+
+def _verifies(path: Path, manifest: dict[str, Any], checksums: bool) -> bool:
+    try:
+        check_files(path, manifest, checksums)
+        return True
+    except CheckpointError:
+        return False
+
+
+class CheckpointReader:
+    """One validated checkpoint: its manifest, rank metadata and tensors, readable by slice."""
+
+    def __init__(self, path: str | Path, verify_checksums: bool = True) -> None:
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        check_files(self.path, self.manifest, checksums=False)
+        self.verify_checksums = verify_checksums
+        self.world_size = int(self.manifest["world_size"])
+        self._meta: dict[int, dict[str, Any]] = {}
+        self._files: dict[int, Any] = {}
+        self._verified: set[str] = set()
+        # parameter -> sorted starts and their (start, numel, rank, entry)
+        self._index: dict[str, list[tuple[int, int, int, dict[str, Any]]]] = {}
+        for rank in range(self.world_size):
+            for entry in self.rank_meta(rank)["slices"]:
+                self._index.setdefault(entry["name"], []).append((entry["start"], entry["numel"], rank, entry))
+        for entries in self._index.values():
+            entries.sort(key=lambda e: e[0])
+        self._starts = {name: [e[0] for e in entries] for name, entries in self._index.items()}
+
+    # ------------------------------------------------------------------ files
+    def _verify(self, name: str) -> None:
+        if name in self._verified:
+            return
+        record = self.manifest["files"].get(name)
+        if record is None:
+            raise CheckpointError(f"checkpoint {self.path}: {name} is not listed in {MANIFEST}")
+        file = self.path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {self.path} is incomplete: {name} is missing (listed in {MANIFEST})")
+        if (self.verify_checksums or name.endswith(".json")) and file_crc32(file) != record["crc32"]:
+            raise CheckpointError(f"checkpoint {self.path}: {name} fails its CRC-32 check (corrupt)")
+        self._verified.add(name)
+
+    def rank_meta(self, rank: int) -> dict[str, Any]:
+        if rank not in self._meta:
+            name = f"{rank_stem(rank)}.json"
+            self._verify(name)
+            self._meta[rank] = json.loads((self.path / name).read_text())
+        return self._meta[rank]
+
+    def _open(self, rank: int) -> Any:
+        handle = self._files.get(rank)
+        if handle is None:
+            from safetensors import SafetensorError, safe_open
+
+            name = f"{rank_stem(rank)}.safetensors"
+            self._verify(name)
+            if _looks_pickled(self.path / name):
+                raise _pickle_refusal(self.path / name)
+            try:
+                handle = self._files[rank] = safe_open(str(self.path / name), framework="pt")
+            except SafetensorError as err:
+                raise CheckpointError(f"checkpoint {self.path}: {name} is not a valid safetensors file ({err})") from None
+        return handle
+
+    def tensor(self, rank: int, key: str) -> torch.Tensor:
+        return self._open(rank).get_tensor(key)
+
+    def decode(self, rank: int, tree: Any) -> Any:
+        return decode_tree(tree, _LazyTensors(self, rank))
+
+    def common(self) -> dict[str, Any]:
+        return self.rank_meta(0)["common"]
+
+    # ------------------------------------------------------------------ model
+    def check_model(self, module: torch.nn.Module, strict: bool = True) -> None:
+        """Every parameter of ``module`` is in the checkpoint with the same shape (and none extra when ``strict``)."""
+        saved = self.manifest["parameters"]
+        ours = dict(module.named_parameters())
+        for name, p in ours.items():
+            if name in saved and tuple(saved[name]["shape"]) != tuple(p.shape):
+                raise CheckpointError(
+                    f"checkpoint {self.path}: parameter {name!r} has shape {tuple(saved[name]['shape'])} in the checkpoint "
+                    f"but {tuple(p.shape)} in the model (a different model or model config?)"
+                )
+        missing = [n for n in ours if n not in saved]
+        unexpected = [n for n in saved if n not in ours]
+        if missing or (strict and unexpected):
+            parts = []
+            if missing:
+                parts.append(f"missing from the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            if strict and unexpected:
+                parts.append(f"not in the model: {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+            raise CheckpointError(
+                f"checkpoint {self.path} does not fit the model ({self.manifest.get('module_class')} was saved): " + "; ".join(parts)
+            )
+
+    def _overlaps(self, s: ParamSlice) -> list[tuple[int, int, int, dict[str, Any]]]:
+        entries = self._index.get(s.name)
+        if entries is None:
+            raise CheckpointError(f"checkpoint {self.path}: no rank file holds parameter {s.name!r}")
+        first = max(bisect.bisect_right(self._starts[s.name], s.start) - 1, 0)
+        found, end = [], s.start + s.numel
+        for entry in entries[first:]:
+            if entry[0] >= end:
+                break
+            if entry[0] + entry[1] > s.start:
+                found.append(entry)
+        return found
+
+    def _assemble(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+        out: torch.Tensor | None = None
+        covered, end = 0, s.start + s.numel
+        overlaps = self._overlaps(s)
+        if len(overlaps) == 1 and overlaps[0][0] == s.start and overlaps[0][1] == s.numel:  # saved as asked: no re-slicing
+            piece = self._open(overlaps[0][2]).get_tensor(key_of(overlaps[0][3]))
+            return piece if dtype is None or piece.dtype == dtype else piece.to(dtype)
+        for start, numel, rank, entry in overlaps:
+            lo, hi = max(start, s.start), min(start + numel, end)
+            piece = self._open(rank).get_slice(key_of(entry))[lo - start : hi - start]
+            if out is None:
+                out = torch.empty(s.numel, dtype=dtype or piece.dtype)
+            out[lo - s.start : hi - s.start] = piece
+            covered += hi - lo
+        if out is None or covered != s.numel:
+            raise CheckpointError(
+                f"checkpoint {self.path}: elements {s.start}..{end} of parameter {s.name!r} are not all saved "
+                f"({covered} of {s.numel} found; a rank file is missing or does not match {MANIFEST})"
+            )
+        return out
+
+    def read_param(self, s: ParamSlice) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of the flattened fp32 parameter, from whichever slices hold them."""
+        return self._assemble(s, lambda entry: entry["key"], torch.float32)
+
+    def full_param(self, name: str) -> torch.Tensor:
+        shape = tuple(self.manifest["parameters"][name]["shape"])
+        numel = 1
+        for d in shape:
+            numel *= d
+        return self.read_param(ParamSlice(name, shape, 0, numel)).view(shape)
+
+    def read_optimizer_state(self, s: ParamSlice) -> dict[str, tuple[str, Any]] | None:
+        """The optimizer state of this slice: key -> ("slice", tensor) | ("tensor", (tensor, on_param_device)) | ("value", v)."""
+        overlaps = self._overlaps(s)
+        with_state = [e for e in overlaps if "optimizer" in e[3]]
+        if not with_state:
+            return None
+        if len(with_state) != len(overlaps):
+            raise CheckpointError(f"checkpoint {self.path}: parameter {s.name!r} has optimizer state for only some of its slices")
+        first_rank, first = with_state[0][2], with_state[0][3]
+        state: dict[str, tuple[str, Any]] = {}
+        for key, record in first["optimizer"].items():
+            if "slice" in record:
+                state[key] = ("slice", self._assemble(s, lambda entry, key=key: entry["optimizer"][key]["slice"]))
+            elif "tensor" in record:
+                state[key] = ("tensor", (self.tensor(first_rank, record["tensor"]), record["on_param_device"]))
+            else:
+                state[key] = ("value", self.decode(first_rank, record["value"]))
+        return state
+
+
+class _LazyTensors:
+    """``decode_tree``'s tensor lookup: reads each tensor from the rank's file when the tree needs it."""
+
+    def __init__(self, reader: CheckpointReader, rank: int) -> None:
+        self.reader, self.rank = reader, rank
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.reader.tensor(self.rank, key)

@@ -1,0 +1,42 @@
+"""What a strategy hands the checkpoint code: its share of every parameter, by name and flat offset.
+
+[Note: slices, not ranks] ZeRO stores a parameter's elements in flat buffers cut by rank (stage
+1/2 buckets, stage 3 units), so a rank owns contiguous ranges of the *flattened* parameter. A
+checkpoint that records each range as (parameter name, flat start, length) together with the
+parameter's shape can be reassembled by any other world size or stage: the reader simply asks for
+the ranges it owns now. The optimizer's per-parameter tensors (Adam's moments) have the same
+ranges, because the optimizer steps exactly these slices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlice:
+    """Elements ``[start, start + numel)`` of the flattened parameter ``name`` of shape ``shape``."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    numel: int
+
+
+@dataclasses.dataclass
+class OwnedSlice:
+    """One slice as this rank holds it.
+
+    ``value`` is a 1-D view of the fp32 master (trainable parameters) or of the parameter itself
+    (frozen ones, or strategies without masters); writing into it and calling the strategy's
+    ``refresh_from_masters`` makes the model see the new weights. ``optimizer_param`` is the tensor
+    the optimizer steps for this slice (the key of ``optimizer.state``), ``None`` for frozen ones.
+    ``replicated`` slices exist identically on every rank: only rank 0 saves them, every rank loads.
+    """
+
+    slice: ParamSlice
+    value: torch.Tensor
+    optimizer_param: torch.Tensor | None
+    replicated: bool = False

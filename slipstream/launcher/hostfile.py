@@ -1,0 +1,175 @@
+"""Which hosts and slots a job runs on: the hostfile, ``--include``/``--exclude``, Slurm node lists.
+
+The hostfile is DeepSpeed's (and MPI's) format, one host per line::
+
+    # comments and blank lines are ignored
+    worker-1 slots=4
+    worker-2 slots=4
+
+A *slot* is one process (one GPU on a GPU node). ``--include``/``--exclude`` take
+``host1:0,1@host2``: ``@`` separates hosts, ``:`` lists slot indices, a bare host means all its
+slots. The result of every function here is an ordered ``{host: [slot, ...]}``; the first host
+is node 0 and, unless told otherwise, the master.
+
+Every mistake raises :class:`HostfileError` with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import re
+
+Resources = dict[str, list[int]]
+
+# Hostnames, IPv4/IPv6 addresses and ssh's user@host. Anything else (spaces, quotes, ';', a
+# leading '-' that ssh would read as an option) is refused here, before it can reach a command.
+_HOST = re.compile(r"[A-Za-z0-9_.:\[\]%][A-Za-z0-9_.:\[\]%@-]*")
+
+
+class HostfileError(ValueError):
+    """A hostfile, ``--include``/``--exclude`` or node-list mistake (one line, names the problem)."""
+
+
+def check_host(name: str, where: str) -> str:
+    if not _HOST.fullmatch(name):
+        raise HostfileError(f"{where}: {name!r} is not a valid host name")
+    return name
+
+
+def parse_hostfile_text(text: str, source: str = "hostfile") -> dict[str, int]:
+    """``{host: slots}`` in file order from the text of a hostfile."""
+    hosts: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{source} line {number}"
+        fields = line.split()
+        host = check_host(fields[0], where)
+        if len(fields) != 2 or not fields[1].startswith("slots="):
+            raise HostfileError(f"{where}: expected 'HOST slots=N', got {raw.strip()!r}")
+        count = fields[1][len("slots=") :]
+        if not count.isdigit() or int(count) < 1:
+            raise HostfileError(f"{where}: slots must be a positive integer, got {count!r}")
+        if host in hosts:
+            raise HostfileError(f"{where}: host {host!r} is listed twice")
+        hosts[host] = int(count)
+    if not hosts:
+        raise HostfileError(f"{source}: no hosts in it")
+    return hosts
+
+
+def parse_hostfile(path: str) -> dict[str, int]:
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except OSError as err:
+        raise HostfileError(f"--hostfile: cannot read {path}: {err.strerror}") from None
+    return parse_hostfile_text(text, source=path)
+
+
+def parse_host_spec(spec: str, flag: str) -> dict[str, list[int] | None]:
+    """``host1:0,1@host2`` → ``{"host1": [0, 1], "host2": None}`` (None: all slots)."""
+    parsed: dict[str, list[int] | None] = {}
+    for part in spec.split("@"):
+        if not part:
+            raise HostfileError(f"{flag}: empty host in {spec!r}")
+        host, _, slots = part.partition(":")
+        check_host(host, flag)
+        if not _:
+            parsed[host] = None
+            continue
+        try:
+            indices = [int(s) for s in slots.split(",")]
+        except ValueError:
+            raise HostfileError(f"{flag}: slots of {host!r} must be integers like '{host}:0,1', got {slots!r}") from None
+        if any(i < 0 for i in indices):
+            raise HostfileError(f"{flag}: slot indices of {host!r} cannot be negative")
+        previous = parsed.get(host) or []
+        parsed[host] = sorted(set(previous) | set(indices))
+    return parsed
+
+
+def select(
+    hosts: dict[str, int],
+    include: str | None = None,
+    exclude: str | None = None,
+    num_nodes: int | None = None,
+    nproc_per_node: int | None = None,
+) -> Resources:
+    """Apply ``--include``/``--exclude``, then ``--num_nodes`` (first N hosts), then
+    ``--nproc_per_node`` (first N slots of each host). Order follows the hostfile."""
+    if include and exclude:
+        raise HostfileError("--include and --exclude cannot be used together")
+    available: Resources = {host: list(range(slots)) for host, slots in hosts.items()}
+    chosen: Resources
+    if include:
+        chosen = {}
+        wanted = parse_host_spec(include, "--include")
+        for host, slots in wanted.items():
+            _check_known(host, slots, available, "--include")
+        for host in available:  # keep hostfile order, not the order on the command line
+            if host in wanted:
+                chosen[host] = list(available[host]) if wanted[host] is None else wanted[host]  # type: ignore[assignment]
+    elif exclude:
+        chosen = {host: list(slots) for host, slots in available.items()}
+        for host, slots in parse_host_spec(exclude, "--exclude").items():
+            _check_known(host, slots, available, "--exclude")
+            if slots is None:
+                del chosen[host]
+            else:
+                chosen[host] = [s for s in chosen[host] if s not in slots]
+                if not chosen[host]:
+                    del chosen[host]
+    else:
+        chosen = available
+    if not chosen:
+        raise HostfileError("no hosts left after --include/--exclude")
+    if num_nodes is not None:
+        if num_nodes > len(chosen):
+            raise HostfileError(f"--num_nodes {num_nodes}: only {len(chosen)} host(s) available ({', '.join(chosen)})")
+        chosen = dict(list(chosen.items())[:num_nodes])
+    if nproc_per_node is not None:
+        for host, slots in chosen.items():
+            if nproc_per_node > len(slots):
+                raise HostfileError(
+                    f"--nproc_per_node {nproc_per_node}: host {host!r} has only {len(slots)} slot(s) selected"
+                )
+        chosen = {host: slots[:nproc_per_node] for host, slots in chosen.items()}
+    return chosen
+
+
+def _check_known(host: str, slots: list[int] | None, available: Resources, flag: str) -> None:
+    if host not in available:
+        raise HostfileError(f"{flag}: host {host!r} is not in the hostfile (hosts: {', '.join(available)})")
+    if slots:
+        count = len(available[host])
+        beyond = [s for s in slots if s >= count]
+        if beyond:
+            raise HostfileError(
+                f"{flag}: host {host!r} has {count} slot(s) in the hostfile (0-{count - 1}), "
+                f"asked for slot {', '.join(map(str, beyond))}"
+            )
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm node list: ``gpu[01-03,7],login1`` → ``gpu01, gpu02, gpu03, gpu7, login1``.
+
+    Covers the forms ``SLURM_JOB_NODELIST`` uses (one bracket group per name, zero-padded
+    ranges); ``scontrol show hostnames`` is the authority when it is available.
+    """
+    names: list[str] = []
+    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+        if not match:
+            names.append(check_host(item, "SLURM_JOB_NODELIST"))
+            continue
+        prefix, ranges, suffix = match.groups()
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            if not low.isdigit() or (high and not high.isdigit()):
+                raise HostfileError(f"SLURM_JOB_NODELIST: cannot expand {item!r}")
+            for number in range(int(low), int(high or low) + 1):
+                names.append(check_host(f"{prefix}{number:0{len(low)}d}{suffix}", "SLURM_JOB_NODELIST"))
+    if not names:
+        raise HostfileError(f"SLURM_JOB_NODELIST: no hosts in {nodelist!r}")
+    return names
