@@ -49,7 +49,7 @@ setup(
         "numpy>=1.22",  # checkpoints: single-threaded, GIL-free copies and writes of tensor bytes
     ],
     extras_require={
-        "test": ["pytest>=7.4", "transformers>=4.40", "safetensors>=0.4"],
+        "test": ["pytest>=7.4", "transformers>=4.40", "safetensors>=0.4", "tensorboard>=2.14"],
         "monitor": ["tensorboard>=2.14", "tqdm>=4.66"],
         "dev": ["pytest>=7.4", "transformers>=4.40", "safetensors>=0.4", "tensorboard>=2.14", "tqdm>=4.66"],
     },

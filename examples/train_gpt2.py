@@ -2,7 +2,9 @@
 
     slipstream run --nproc_per_node 2 examples/train_gpt2.py [--config examples/configs/zero0.json] [--steps 30]
 
-Prints, from rank 0: loss, tokens/s and the peak memory of every rank.
+Prints, from rank 0: loss, tokens/s, model TFLOP/s per rank (and MFU when the config names the
+device's peak) and the peak memory of every rank; in a terminal with tqdm installed, as a progress
+bar. examples/configs/monitor.json adds activation checkpointing and TensorBoard/CSV logs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2-small")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--print-every", type=int, default=5)
+    parser.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
+                        help="auto: a tqdm progress bar in a terminal, lines otherwise")  # fmt: skip
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -64,6 +68,7 @@ def main() -> None:
 
     tokens_per_step = engine.train_batch_size() * SEQ
     batches = iter(engine.training_dataloader)
+    bar = _progress_bar(args.progress, args.steps) if rank == 0 else None
     window_start, window_steps = time.perf_counter(), 0
     for step in range(1, args.steps + 1):
         loss_sum = torch.zeros(())
@@ -83,15 +88,38 @@ def main() -> None:
             if rank == 0:
                 mean_loss = float(loss_sum) / (engine.gradient_accumulation_steps() * world)
                 memory = " ".join(f"r{r}={float(p):.0f}MB" for r, p in enumerate(peaks))
-                print(
-                    f"step {step:4d} | loss {mean_loss:.4f} | {window_steps * tokens_per_step / elapsed:8.0f} tokens/s "
-                    f"| lr {engine.get_lr()[0]:.2e} | peak RSS {memory}",
-                    flush=True,
-                )
+                tokens_per_s = window_steps * tokens_per_step / elapsed
+                flops = engine.monitor.flops_per_token() or 0.0
+                tflops = flops * tokens_per_s / world / 1e12
+                mfu = f" | MFU {tflops / engine.monitor.peak_tflops:.1%}" if engine.monitor.peak_tflops else ""
+                if bar is not None:
+                    bar.set_postfix_str(f"loss {mean_loss:.4f} | {tokens_per_s:.0f} tok/s | {tflops:.3f} TFLOP/s/rank{mfu} | {memory}")
+                    bar.update(step - bar.n)
+                else:
+                    print(
+                        f"step {step:4d} | loss {mean_loss:.4f} | {tokens_per_s:8.0f} tokens/s | {tflops:.3f} TFLOP/s/rank{mfu} "
+                        f"| lr {engine.get_lr()[0]:.2e} | peak RSS {memory}",
+                        flush=True,
+                    )
             window_start, window_steps = time.perf_counter(), 0
+    if bar is not None:
+        bar.close()
     engine.close()
     dist.barrier()  # without it gloo's teardown can hang when one rank leaves first
     dist.destroy_process_group()
+
+
+def _progress_bar(mode: str, steps: int):  # returns a tqdm bar or None
+    """A tqdm bar in a terminal (``auto``) or when asked (``bar``); None prints lines instead."""
+    import sys
+
+    if mode == "lines" or (mode == "auto" and not sys.stderr.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is in the "monitor" extra
+        return None
+    return tqdm(total=steps, unit="step", dynamic_ncols=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from slipstream.engine.config import ConfigError, SlipstreamConfig
     from slipstream.engine.engine import Engine
     from slipstream.engine.initialize import initialize
+    from slipstream.estimator import estimate
 
 _LAZY = {
     "initialize": ("slipstream.engine.initialize", "initialize"),
@@ -23,8 +24,9 @@ _LAZY = {
     "SlipstreamConfig": ("slipstream.engine.config", "SlipstreamConfig"),
     "ConfigError": ("slipstream.engine.config", "ConfigError"),
     "init_distributed": ("slipstream.comm.distributed", "init_distributed"),
+    "estimate": ("slipstream.estimator", "estimate"),
 }
-_LAZY_MODULES = {"accelerator", "comm", "ops", "zero"}
+_LAZY_MODULES = {"accelerator", "checkpointing", "comm", "ops", "zero"}
 
 __all__ = ["__version__", *_LAZY, *sorted(_LAZY_MODULES)]
 

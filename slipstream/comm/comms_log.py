@@ -29,6 +29,7 @@ class CommsLog:
     def __init__(self) -> None:
         self.step = 0
         self.records: list[CommRecord] = []
+        self.last: list[CommRecord] = []  # the previous step's records (the step monitor reports them)
         self.history: list[list[CommRecord]] = []
         self.keep_history = 0  # how many finished steps to keep (benchmarks ask for some)
 
@@ -41,6 +42,7 @@ class CommsLog:
         if self.keep_history:
             self.history.append(self.records)
             del self.history[: -self.keep_history]
+        self.last = self.records
         self.records = []
         self.step += 1
 

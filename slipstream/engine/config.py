@@ -223,12 +223,31 @@ class ZeroConfig(Section):
 
 
 class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``; ``module_classes`` (slipstream's) applies it to an unchanged model."""
+
     partition_activations: bool = False
     cpu_checkpointing: bool = False
     contiguous_memory_optimization: bool = False
-    number_checkpoints: int | None = None
+    number_checkpoints: int | None = Field(None, ge=1)
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
+    module_classes: list[str] | None = None
+    use_reentrant: bool = False
+
+    @field_validator("partition_activations")
+    @classmethod
+    def _no_partitioning(cls, v: bool) -> bool:
+        return _unsupported(v, False, "partitioning activations across tensor-parallel ranks (slipstream has no tensor parallelism yet)")
+
+    @field_validator("contiguous_memory_optimization")
+    @classmethod
+    def _no_contiguous(cls, v: bool) -> bool:
+        return _unsupported(v, False, "contiguous_memory_optimization (it packs partitioned activations; see partition_activations)")
+
+    @field_validator("profile")
+    @classmethod
+    def _no_profile(cls, v: bool) -> bool:
+        return _unsupported(v, False, "activation_checkpointing.profile (use wall_clock_breakdown: recomputation shows in the backward time)")
 
 
 class AioConfig(Section):
@@ -257,6 +276,19 @@ class WandbConfig(Section):
     group: str | None = None
     team: str | None = None
     project: str = "slipstream"
+
+
+class FlopsProfilerConfig(Section):
+    """``flops_profiler``: a measured FLOP profile of one step; ``peak_tflops`` (slipstream's) for MFU."""
+
+    enabled: bool = False
+    profile_step: int = Field(1, ge=1)
+    module_depth: int = Field(-1, ge=-1)
+    top_modules: int = Field(1, ge=1)
+    detailed: bool = True
+    output_file: str | None = None
+    recompute_fwd_factor: float = Field(0.0, ge=0.0, le=1.0)
+    peak_tflops: float | None = Field(None, gt=0.0, description="per-device peak TFLOP/s that MFU is relative to")
 
 
 class CommsLoggerConfig(Section):
@@ -306,7 +338,7 @@ class CheckpointConfig(Section):
 
 # DeepSpeed sections we accept so existing configs load, but which have no effect here.
 IGNORED_SECTIONS = (
-    "flops_profiler", "autotuning", "elasticity", "compression_training", "data_efficiency",
+    "autotuning", "elasticity", "compression_training", "data_efficiency",
     "curriculum_learning", "progressive_layer_drop", "eigenvalue", "quantize_training", "nebula",
     "hybrid_engine", "weight_quantization", "compile", "timers", "data_types",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "dump_state",
@@ -355,6 +387,7 @@ class SlipstreamConfig(Section):
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     comms_timeout_seconds: float = Field(1800.0, gt=0.0, description="a collective waiting longer is an error")
     ignored: dict[str, Any] = Field(default_factory=dict, exclude=True)
 

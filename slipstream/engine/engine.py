@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from slipstream.comm import comms_log, get_rank
 from slipstream.engine.checkpoint.manager import CheckpointManager
 from slipstream.engine.config import SlipstreamConfig
 from slipstream.engine.data import DistributedDataLoader
+from slipstream.engine.monitor import TrainingMonitor
 from slipstream.engine.precision import DTYPES, LossScaler
 from slipstream.engine.zero.strategy import ShardingStrategy
 from slipstream.utils.logging import get_logger
@@ -63,8 +63,7 @@ class Engine(torch.nn.Module):
         self._backward_since_step = False
         self._global_grad_norm: float | None = None
         self._last_loss: torch.Tensor | None = None
-        self._window_start = time.perf_counter()
-        self._window_samples = 0
+        self.monitor = TrainingMonitor(config, module, accelerator, get_rank(), world_size)
         self.checkpoints = CheckpointManager(config.checkpoint)
         self.checkpoint_states: dict[str, Any] = {}  # extra objects saved through state_dict()/load_state_dict()
         self.resumed_from: str | None = None  # set by checkpoint.auto_resume
@@ -79,7 +78,8 @@ class Engine(torch.nn.Module):
         comms_log.step = self.global_steps  # a timed-out collective names this step (also after a resume)
         if self._auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self._dtype)
-        return self.module(*args, **kwargs)
+        with self.monitor.forward(args, kwargs, self.global_steps):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Scale ``loss`` for accumulation and fp16, backpropagate, start gradient communication."""
@@ -103,12 +103,15 @@ class Engine(torch.nn.Module):
             )
         self.strategy.begin_backward(boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
-        (loss.float() * scale).backward(retain_graph=retain_graph)
-        self.strategy.end_backward()
-        if boundary:  # like DDP: when backward returns, .grad holds the averaged gradients
-            self.strategy.finish_gradients()
+        with self.monitor.timers("backward"):
+            (loss.float() * scale).backward(retain_graph=retain_graph)
+        with self.monitor.timers("reduce"):
+            self.strategy.end_backward()
+            if boundary:  # like DDP: when backward returns, .grad holds the averaged gradients
+                self.strategy.finish_gradients()
         self._backward_since_step = True
         self._last_loss = loss.detach()
+        self.monitor.on_loss(self._last_loss, self.global_steps)
         return loss
 
     def step(self) -> None:
@@ -117,11 +120,11 @@ class Engine(torch.nn.Module):
             raise RuntimeError("engine.step: no engine.backward() since the last step")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            self._optimizer_step()
+            with self.monitor.timers("step"):
+                self._optimizer_step()
         self._backward_since_step = False
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
-        self._window_samples += self.train_micro_batch_size_per_gpu() * self.world_size
         if boundary:
             self._report_progress()
             self.checkpoints.after_step(self)
@@ -162,19 +165,8 @@ class Engine(torch.nn.Module):
             self._no_sync = previous
 
     def _report_progress(self) -> None:
-        every = self.config.steps_per_print
-        if not every or self.global_steps % every or get_rank() != 0:
-            return
-        elapsed = time.perf_counter() - self._window_start
-        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
-        lr = self.get_lr()[0] if self.get_lr() else float("nan")
-        logger.info(
-            "step %d | loss %.4f | lr %.3g | grad norm %.3f | %s%.1f samples/s | peak mem %.0f MB",
-            self.global_steps, loss, lr, self._global_grad_norm or 0.0,
-            f"loss scale {self.loss_scale():g} | " if self.loss_scaler.dynamic else "",
-            self._window_samples / max(elapsed, 1e-9), self.accelerator.max_memory_allocated() / 2**20,
-        )  # fmt: skip
-        self._window_start, self._window_samples = time.perf_counter(), 0
+        """Metrics to the writers every step, the progress line every ``steps_per_print`` (engine/monitor)."""
+        self.monitor.on_step(self)
 
     # ------------------------------------------------------------------ accessors
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -228,9 +220,10 @@ class Engine(torch.nn.Module):
         self.checkpoint_states[name] = obj
 
     def close(self) -> None:
-        """Wait for a background checkpoint save, then detach the engine's hooks from the model."""
+        """Wait for a background checkpoint save, detach the engine's hooks, close the metric writers."""
         self.checkpoints.wait()
         self.strategy.close()
+        self.monitor.close()
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

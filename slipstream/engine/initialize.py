@@ -71,6 +71,7 @@ def initialize(
         prepare_presharded(model, accelerator.device(), dtype)
     else:
         model.to(device=accelerator.device(), dtype=dtype)
+    _apply_activation_checkpointing(model, cfg, accelerator.name)
     groups = ParamGroupSpec.from_user(model_parameters if model_parameters is not None else model.parameters())
     if optimizer is None:
         assert cfg.optimizer is not None
@@ -136,6 +137,30 @@ def _check_supported(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -
             raise ConfigError(
                 f"scheduler.type: {cfg.scheduler.type!r} is not available; use one of {', '.join(SCHEDULER_PARAMS)}"
             )
+
+
+def _apply_activation_checkpointing(model: torch.nn.Module, cfg: SlipstreamConfig, device_type: str) -> None:
+    """Set the defaults of ``slipstream.checkpointing.checkpoint`` and wrap ``module_classes`` (docs/activation_checkpointing.md)."""
+    from slipstream import checkpointing
+
+    section = cfg.activation_checkpointing
+    checkpointing.configure(
+        cpu_checkpointing=section.cpu_checkpointing, use_reentrant=section.use_reentrant,
+        synchronize_checkpoint_boundary=section.synchronize_checkpoint_boundary,
+    )  # fmt: skip
+    if section.cpu_checkpointing and device_type == "cpu":
+        log_rank0(logger, "activation_checkpointing.cpu_checkpointing: the device is the CPU, so saved activations already live in host memory; nothing to offload")
+    if not section.module_classes:
+        if section.number_checkpoints is not None:
+            logger.warning("activation_checkpointing.number_checkpoints: only applies with module_classes; ignored")
+        return
+    try:
+        names = checkpointing.apply_activation_checkpointing(
+            model, section.module_classes, section.number_checkpoints, section.cpu_checkpointing
+        )
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    log_rank0(logger, "activation checkpointing: %d modules (%s%s)", len(names), ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
 
 
 def _build_strategy(

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         from slipstream.launcher import report
 
         return report.main()
+    if args.command == "estimate":
+        from slipstream import estimator
+
+        return estimator.main(args)
     if args.command == "checkpoint":  # reads checkpoint files: imports torch, never the run path
         from slipstream.engine.checkpoint import cli as checkpoint_cli
 
@@ -77,8 +81,20 @@ def _build_parser() -> argparse.ArgumentParser:
         help="print versions, devices and build tools for a bug report",
         description="Print the environment facts a Slipstream bug report needs.",
     )
+    estimate = commands.add_parser(
+        "estimate",
+        help="memory per device by ZeRO stage, and a configuration that fits",
+        description="Per-device bytes for model states (ZeRO paper formulas) and activations, by ZeRO stage.",
+    )
+    _add_estimate_arguments(estimate)
     _add_checkpoint_parser(commands)
     return parser
+
+
+def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    from slipstream import estimator  # pure Python, no torch
+
+    estimator.add_arguments(parser)
 
 
 def _add_multi_node_arguments(run: argparse.ArgumentParser) -> None:

@@ -120,9 +120,9 @@ def test_deepspeed_defaults_and_aliases() -> None:
 
 
 def test_deepspeed_only_sections_are_accepted_with_a_warning(capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = SlipstreamConfig.load({"train_batch_size": 8, "flops_profiler": {"enabled": True}, "zero_allow_untested_optimizer": True})
-    assert set(cfg.ignored) == {"flops_profiler", "zero_allow_untested_optimizer"}
-    assert "'flops_profiler' is accepted for DeepSpeed compatibility but has no effect" in capsys.readouterr().err
+    cfg = SlipstreamConfig.load({"train_batch_size": 8, "autotuning": {"enabled": True}, "zero_allow_untested_optimizer": True})
+    assert set(cfg.ignored) == {"autotuning", "zero_allow_untested_optimizer"}
+    assert "'autotuning' is accepted for DeepSpeed compatibility but has no effect" in capsys.readouterr().err
 
 
 def test_loading_a_parsed_config_round_trips() -> None:

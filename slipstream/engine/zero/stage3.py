@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.accelerator import get_accelerator
+from slipstream.checkpointing import is_recomputing
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.layout import FlatLayout
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
@@ -223,6 +224,10 @@ class Stage3Strategy(ShardingStrategy):
 
     def _unit_pre_forward(self, unit: ParamUnit) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if is_recomputing():  # see [Note: recomputation and ZeRO-3] in slipstream.checkpointing
+                unit.gather()  # no depth count: a recomputation stops early, skipping post-hooks
+                unit.wait()
+                return None
             self._ensure(unit, self.forward_pass)
             unit.depth += 1
             if not torch.is_grad_enabled():
@@ -234,6 +239,8 @@ class Stage3Strategy(ShardingStrategy):
 
     def _unit_post_forward(self, unit: ParamUnit) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if is_recomputing():
+                return output  # stays gathered for its backward, which comes next and releases it
             unit.depth -= 1
             if unit.depth == 0:
                 unit.release()

@@ -1,0 +1,365 @@
+"""Will it fit? Per-device memory by ZeRO stage, from the ZeRO paper's formulas. Pure Python.
+
+Importing this module never imports torch: ``slipstream estimate`` answers as quickly as
+``slipstream --help``. :func:`estimate` accepts a parameter count or an ``nn.Module`` (then
+torch is already loaded) and, for a transformers model, reads layers/hidden/heads/vocab from its
+config.
+
+[Note: the formulas] Model states per device for Ψ parameters and data-parallel degree N, with
+mixed-precision Adam (ZeRO paper, §3): 2Ψ bf16/fp16 weights, 2Ψ gradients and K = 12 bytes per
+parameter of fp32 master weights, momentum and variance:
+
+    stage 0: (2 + 2 + K)Ψ    stage 1: (2 + 2)Ψ + KΨ/N    stage 2: 2Ψ + (2 + K)Ψ/N    stage 3: (2 + 2 + K)Ψ/N
+
+With fp32 training the weights are their own masters: 4 + 4 + 8 bytes. Offload (stages 1-3) moves
+the optimizer's share, plus an fp32 gradient copy for the host Adam (16Ψ/N in all), off the device;
+at stage 3 it moves the parameter shards too (ZeRO-Infinity), leaving the gathered units.
+
+Activations per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation", no tensor
+parallelism): s·b·h·(34 + 5·a·s/h) bytes with 16-bit activations, where s = sequence length,
+b = micro-batch, h = hidden size, a = attention heads; the 5·a·s/h term is the s×s attention
+matrices, which memory-efficient attention (SDPA/flash) does not keep. fp32 doubles it. With
+activation checkpointing each layer keeps only its input (2·s·b·h bytes at 16 bit) and one layer's
+activations exist at a time during recomputation. The loss adds 4·s·b·V bytes (fp32 logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+GB = 1e9  # the paper's unit: 1e9 bytes
+STAGES = (0, 1, 2, 3)
+HEADROOM = 0.9  # fraction of device memory a recommendation may plan for (allocator slack, buffers)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the activation estimate needs; ``None`` fields make it skip activations."""
+
+    params: int
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    vocab: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StageEstimate:
+    stage: int
+    params: float  # bytes per device
+    grads: float
+    optimizer: float
+    offloaded: float  # bytes per rank kept in host memory or on NVMe instead
+    activations: float | None
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + (self.activations or 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    shape: ModelShape
+    dp: int
+    precision: str
+    offload: str
+    seq_len: int | None
+    micro_batch: int
+    activation_checkpointing: bool
+    stages: list[StageEstimate]
+    recommendation: str | None = None
+
+    def stage(self, stage: int) -> StageEstimate:
+        return self.stages[stage]
+
+    def table(self) -> str:
+        """The per-stage table ``slipstream estimate`` prints."""
+        s = self.shape
+        head = (
+            f"{_count(s.params)} parameters, data-parallel degree {self.dp}, {self.precision}"
+            + (f", offload {self.offload}" if self.offload != "none" else "")
+        )
+        if self.seq_len and s.layers and s.hidden:
+            head += (
+                f"; activations for micro-batch {self.micro_batch} × sequence {self.seq_len}, {s.layers} layers, hidden {s.hidden}"
+                + (", checkpointed" if self.activation_checkpointing else "")
+            )
+        lines = [head, f"{'stage':<6}{'params':>10}{'grads':>10}{'optimizer':>11}{'model states':>14}{'activations':>13}{'total':>10}"
+                 + ("   offloaded/rank" if self.offload != "none" else "")]  # fmt: skip
+        for e in self.stages:
+            act = "-" if e.activations is None else _gb(e.activations)
+            line = f"{e.stage:<6}{_gb(e.params):>10}{_gb(e.grads):>10}{_gb(e.optimizer):>11}{_gb(e.model_states):>14}{act:>13}{_gb(e.total):>10}"
+            if self.offload != "none":
+                line += f"   {_gb(e.offloaded) if e.stage else 'n/a (offload needs stage 1-3)'}"
+            lines.append(line)
+        lines.append("(GB = 1e9 bytes per device; ZeRO paper formulas, see docs/monitoring.md#memory-estimator)")
+        if self.recommendation:
+            lines.append(self.recommendation)
+        return "\n".join(lines)
+
+
+def model_state_bytes(
+    params: float, dp: int, stage: int, precision: str = "bf16", offload: str = "none", fp32_grads: bool = False
+) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, offloaded) bytes per device for ``stage``; see [Note: the formulas].
+
+    ``fp32_grads``: gradients accumulate in fp32 even with bf16/fp16 weights (4 bytes, not 2), as
+    slipstream's stage 0 does.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    if dp < 1:
+        raise ValueError(f"dp must be at least 1, got {dp}")
+    w, g, k = (4, 4, 8) if precision == "fp32" else (2, 4 if fp32_grads else 2, 12)
+    n = params
+    shard = {0: (w * n, g * n, k * n), 1: (w * n, g * n, k * n / dp), 2: (w * n, g * n / dp, k * n / dp), 3: (w * n / dp, g * n / dp, k * n / dp)}[stage]
+    p, gr, opt = shard
+    offloaded = 0.0
+    if offload != "none" and stage > 0:
+        offloaded = 16 * n / dp  # fp32 masters, m, v and an fp32 gradient copy for the host optimizer
+        opt = 0.0
+        if stage == 3:  # ZeRO-Infinity: the parameter shards live off the device as well
+            offloaded += p
+            p = 0.0
+    return p, gr, opt, offloaded
+
+
+def activation_bytes(
+    shape: ModelShape, seq_len: int, micro_batch: int, precision: str = "bf16", checkpointing: bool = False, flash: bool = True
+) -> float | None:
+    """Peak activation bytes per device for one micro-batch (None without layers/hidden); see [Note: the formulas]."""
+    if not (shape.layers and shape.hidden):
+        return None
+    s, b, h, layers = seq_len, micro_batch, shape.hidden, shape.layers
+    a = shape.heads or max(1, h // 64)
+    scale = 2.0 if precision == "fp32" else 1.0
+    per_layer = s * b * h * (34 + (0 if flash else 5 * a * s / h)) * scale
+    logits = 4 * s * b * (shape.vocab or 0)
+    if checkpointing:
+        return layers * 2 * s * b * h * scale + per_layer + logits
+    return layers * per_layer + logits
+
+
+def training_flops_per_token(matmul_params: float, layers: int, attention_dim: int, seq_len: int) -> float:
+    """Model FLOPs to train on one token: ``6·N + 12·L·d_attn·s``.
+
+    ``N`` counts the parameters that multiply activations (every weight matrix, the output head
+    included; not embedding lookups, biases or norms): 2 FLOPs per parameter forward, 4 backward.
+    The attention scores ``QKᵀ`` and the weighted sum with ``V`` add ``2·2·s·d_attn`` per layer
+    forward, 3× that for training; causal masking is not discounted (PaLM appendix B, Megatron).
+    Activation recomputation is not counted: these are *model* FLOPs, the basis of MFU.
+    """
+    return 6.0 * matmul_params + 12.0 * layers * attention_dim * seq_len
+
+
+def estimate(
+    model: Any,
+    dp: int = 1,
+    *,
+    seq_len: int | None = None,
+    micro_batch: int = 1,
+    precision: str = "bf16",
+    offload: str = "none",
+    activation_checkpointing: bool = False,
+    device_memory: float | None = None,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    vocab: int | None = None,
+    flash_attention: bool = True,
+    fp32_grads: bool = False,
+) -> Estimate:
+    """Per-device memory for every ZeRO stage; ``model`` is a parameter count, an ``nn.Module`` or a config dict.
+
+    For a transformers model (or its ``config.json`` as a dict) layers, hidden size, heads, vocabulary
+    and sequence length are read from the config unless given. With ``device_memory`` (bytes) the
+    result carries a recommendation.
+    """
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
+    if offload not in ("none", "cpu", "nvme"):
+        raise ValueError(f"offload must be none, cpu or nvme, got {offload!r}")
+    found = _describe(model)
+    shape = ModelShape(
+        params=int(found.get("params", 0)),
+        layers=layers or found.get("layers"), hidden=hidden or found.get("hidden"),
+        heads=heads or found.get("heads"), vocab=vocab or found.get("vocab"),
+    )  # fmt: skip
+    if shape.params <= 0:
+        raise ValueError("the parameter count is unknown: pass a number of parameters, a model or a config with one")
+    seq = seq_len or found.get("seq_len")
+    result = _estimate(shape, dp, seq, micro_batch, precision, offload, activation_checkpointing, flash_attention, fp32_grads)
+    if device_memory:
+        result = dataclasses.replace(result, recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention))
+    return result
+
+
+def _estimate(
+    shape: ModelShape, dp: int, seq: int | None, mb: int, precision: str, offload: str, ac: bool, flash: bool, fp32_grads: bool
+) -> Estimate:
+    act = activation_bytes(shape, seq, mb, precision, ac, flash) if seq else None
+    stages = []
+    for stage in STAGES:
+        p, g, o, off = model_state_bytes(shape.params, dp, stage, precision, offload, fp32_grads)
+        stages.append(StageEstimate(stage, p, g, o, off, act))
+    return Estimate(shape, dp, precision, offload, seq, mb, ac, stages)
+
+
+def recommend(shape: ModelShape, dp: int, seq: int | None, micro_batch: int, precision: str, device_memory: float, flash: bool = True) -> str:
+    """The cheapest configuration that fits in ``HEADROOM`` of ``device_memory`` bytes.
+
+    Cheapest first: no offload before CPU before NVMe offload; without activation checkpointing
+    (which costs about a third more compute) before with it; lower stages (less communication:
+    stage 3 moves 1.5× the bytes) before higher; then smaller micro-batches.
+    """
+    budget = HEADROOM * device_memory
+    batches = [micro_batch]
+    while batches[-1] > 1:
+        batches.append(batches[-1] // 2)
+    for mb in batches:
+        for offload in ("none", "cpu", "nvme"):
+            for ac in (False, True):
+                for stage in STAGES:
+                    if offload != "none" and stage == 0:
+                        continue
+                    p, g, o, _ = model_state_bytes(shape.params, dp, stage, precision, offload)
+                    act = (activation_bytes(shape, seq, mb, precision, ac, flash) if seq else 0.0) or 0.0
+                    if p + g + o + act <= budget:
+                        parts = [f"ZeRO stage {stage}"]
+                        parts.append(f"offload {offload}" if offload != "none" else "no offload")
+                        if seq:
+                            parts.append("activation checkpointing on" if ac else "no activation checkpointing")
+                            parts.append(f"micro-batch {mb}")
+                        return (
+                            f"recommended for {_gb(device_memory)} GB per device: {', '.join(parts)} "
+                            f"({_gb(p + g + o + act)} GB, within {HEADROOM:.0%} of the device)"
+                        )
+    return (
+        f"does not fit in {_gb(device_memory)} GB per device even with NVMe offload, activation checkpointing and "
+        f"micro-batch 1: add data-parallel ranks (--dp) or shorten the sequence"
+    )
+
+
+# --------------------------------------------------------------------------- model description
+
+
+_CONFIG_KEYS = {
+    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "heads": ("num_attention_heads", "n_head"),
+    "vocab": ("vocab_size",),
+    "seq_len": ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"),
+}
+
+
+def shape_from_config(config: Any) -> dict[str, int]:
+    """layers/hidden/heads/vocab/seq_len from a transformers config (object or dict)."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    found: dict[str, int] = {}
+    for field, keys in _CONFIG_KEYS.items():
+        for key in keys:
+            value = get(key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found[field] = value
+                break
+    return found
+
+
+def _describe(model: Any) -> dict[str, int]:
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        return {"params": int(model)}
+    if isinstance(model, dict):
+        found = shape_from_config(model)
+        if "params" in model or "num_parameters" in model:
+            found["params"] = int(model.get("params", model.get("num_parameters")))
+        elif {"layers", "hidden", "vocab"} <= found.keys():
+            found["params"] = gpt_params(found["layers"], found["hidden"], found["vocab"], found.get("seq_len", 0), model.get("intermediate_size"))
+        return found
+    if hasattr(model, "parameters"):  # an nn.Module: torch is loaded already
+        seen: set[int] = set()
+        params = 0
+        for p in model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params += p.numel()
+        found = shape_from_config(getattr(model, "config", None) or {})
+        found["params"] = params
+        return found
+    raise TypeError(f"estimate: expected a parameter count, an nn.Module or a config dict, got {type(model).__name__}")
+
+
+def gpt_params(layers: int, hidden: int, vocab: int, positions: int = 0, intermediate: int | None = None) -> int:
+    """Parameters of a GPT-style model: embeddings + per layer (attention 4h², MLP 2·h·ffn, biases, norms)."""
+    ffn = intermediate or 4 * hidden
+    per_layer = 4 * hidden * hidden + 2 * hidden * ffn + 9 * hidden + ffn
+    return vocab * hidden + positions * hidden + layers * per_layer + 2 * hidden
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``slipstream estimate`` options."""
+    parser.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9 (or give --model-config)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree: ranks the states are partitioned over (default 1)")
+    parser.add_argument("--model-config", metavar="JSON", help="a transformers config.json: layers, hidden, heads, vocab, sequence length")
+    parser.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none", help="optimizer (and at stage 3 parameter) offload")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="bf16/fp16 with fp32 masters (default) or fp32")
+    parser.add_argument("--seq-len", type=int, help="sequence length for the activation estimate")
+    parser.add_argument("--micro-batch", type=int, default=1, help="micro-batch per device (default 1)")
+    parser.add_argument("--layers", type=int, help="transformer layers (activation estimate)")
+    parser.add_argument("--hidden", type=int, help="hidden size (activation estimate)")
+    parser.add_argument("--heads", type=int, help="attention heads (only for --no-flash-attention)")
+    parser.add_argument("--vocab", type=int, help="vocabulary size (the loss's logits)")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="estimate activations with checkpointing on")
+    parser.add_argument("--no-flash-attention", action="store_true", help="attention keeps the s×s score matrices")
+    parser.add_argument("--fp32-grads", action="store_true", help="gradients accumulate in fp32 with bf16/fp16 weights (slipstream's stage 0)")
+    parser.add_argument("--device-memory", type=float, metavar="GB", help="memory per device in GB (1e9 bytes): adds a recommendation")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``slipstream estimate``; returns the exit code."""
+    source: Any = args.params
+    if args.model_config:
+        path = Path(args.model_config)
+        if not path.is_file():
+            raise SystemExit(f"slipstream estimate: --model-config {path} does not exist")
+        config = json.loads(path.read_text())
+        if args.params:
+            config["params"] = args.params
+        source = config
+    if source is None:
+        raise SystemExit("slipstream estimate: give --params N or --model-config config.json")
+    try:
+        result = estimate(
+            source, args.dp, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
+            offload=args.offload, activation_checkpointing=args.activation_checkpointing,
+            device_memory=args.device_memory * GB if args.device_memory else None, layers=args.layers,
+            hidden=args.hidden, heads=args.heads, vocab=args.vocab, flash_attention=not args.no_flash_attention,
+            fp32_grads=args.fp32_grads,
+        )  # fmt: skip
+    except (ValueError, TypeError) as err:
+        raise SystemExit(f"slipstream estimate: {err}") from None
+    print(result.table())
+    return 0
+
+
+def _gb(nbytes: float) -> str:
+    value = nbytes / GB
+    return f"{value:.1f}" if value >= 0.05 or value == 0 else f"{value:.3f}"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.{1 if n / size < 100 else 0}f}{unit}"
+    return str(int(n)) if math.isfinite(n) else str(n)

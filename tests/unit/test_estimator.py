@@ -1,0 +1,82 @@
+"""The memory estimator: the ZeRO paper's worked example, the command line, no torch at import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import slipstream
+from slipstream import estimator
+from slipstream.launcher.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_paper_example_7_5b_on_64_ranks() -> None:
+    # ZeRO paper, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.9 GB per device.
+    result = slipstream.estimate(7.5e9, dp=64)
+    totals = [round(result.stage(s).model_states / 1e9, 1) for s in range(4)]
+    assert totals == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["estimate", "--params", "7.5e9", "--dp", "64"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
+    assert [rows[s][4] for s in "0123"] == ["120.0", "31.4", "16.6", "1.9"]  # the model-states column
+
+
+def test_cli_does_not_import_torch() -> None:
+    code = (
+        "import sys; from slipstream.launcher.cli import main; main(['estimate', '--params', '1e9', '--dp', '8']); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "model states" in done.stdout
+
+
+def test_model_config_activations_and_recommendation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.json"  # GPT-2 XL's config.json keys
+    config.write_text(json.dumps({"n_layer": 48, "n_embd": 1600, "n_head": 25, "vocab_size": 50257, "n_positions": 1024}))
+    assert cli_main(["estimate", "--model-config", str(config), "--dp", "8", "--micro-batch", "8", "--device-memory", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "1.6B parameters" in out and "48 layers, hidden 1600" in out
+    assert "recommended for 40.0 GB per device:" in out
+    # Activations (Korthikanti et al.): s·b·h·34 per layer at 16 bit (flash attention) + 4·s·b·V logits.
+    shape = estimator.ModelShape(params=1, layers=48, hidden=1600, heads=25, vocab=50257)
+    expected = 48 * 1024 * 8 * 1600 * 34 + 4 * 1024 * 8 * 50257
+    assert estimator.activation_bytes(shape, 1024, 8) == expected
+    checkpointed = estimator.activation_bytes(shape, 1024, 8, checkpointing=True)
+    assert checkpointed == 48 * 2 * 1024 * 8 * 1600 + 1024 * 8 * 1600 * 34 + 4 * 1024 * 8 * 50257
+    assert estimator.activation_bytes(shape, 1024, 8, flash=False) > expected
+
+
+def test_recommendation_escalates_until_it_fits() -> None:
+    shape = estimator.ModelShape(params=int(7.5e9), layers=32, hidden=4096, vocab=32000)
+    fits = estimator.recommend(shape, dp=64, seq=2048, micro_batch=1, precision="bf16", device_memory=80e9)
+    assert "ZeRO stage 1, no offload, no activation checkpointing" in fits  # 31.4 GB + activations
+    tight = estimator.recommend(shape, dp=8, seq=2048, micro_batch=4, precision="bf16", device_memory=24e9)
+    assert "activation checkpointing on" in tight or "offload" in tight
+    assert "does not fit" in estimator.recommend(shape, dp=1, seq=2048, micro_batch=1, precision="bf16", device_memory=8e9)
+
+
+def test_offload_moves_optimizer_state_off_the_device() -> None:
+    for stage in (1, 2, 3):
+        _, _, optimizer, offloaded = estimator.model_state_bytes(1e9, 8, stage, "bf16", "cpu")
+        assert optimizer == 0 and offloaded >= 16e9 / 8
+    assert estimator.model_state_bytes(1e9, 8, 3, "bf16", "cpu")[0] == 0  # ZeRO-Infinity: parameter shards too
+
+
+def test_estimate_from_a_model_reads_its_config() -> None:
+    from tests.reference import tiny_gpt2
+
+    model = tiny_gpt2(n_layer=2, n_embd=64)
+    result = slipstream.estimate(model, dp=2, micro_batch=4)
+    assert result.shape.params == sum(p.numel() for p in model.parameters())
+    assert (result.shape.layers, result.shape.hidden, result.shape.vocab, result.seq_len) == (2, 64, 256, 32)
+    assert result.stage(0).activations is not None
