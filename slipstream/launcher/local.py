@@ -186,9 +186,12 @@ class _Describer:
 
 def _report_failures(failures: dict[int, Any], who: _Describer) -> int:
     # The agent's own report is a multi-line banner with a docs link; print one line per failed
-    # rank instead, root cause first. Timestamps have one-second resolution, so ties keep the
+    # rank instead, root cause first. A rank that only failed *because* another one did (its
+    # collective saw the peer vanish, or the agent stopped it) comes after the ranks that failed on
+    # their own: under load a survivor can record its CollectiveError before the agent notices the
+    # SIGKILLed peer. Otherwise by time; timestamps have one-second resolution, so ties keep the
     # agent's order, which lists the ranks that failed before the ones it tore down afterwards.
-    ordered = sorted(failures.items(), key=lambda item: item[1].timestamp)
+    ordered = sorted(failures.items(), key=lambda item: (_is_consequence(item[1]), item[1].timestamp))
     root_rank, root = ordered[0]
     stopped: list[int] = []
     for i, (rank, failure) in enumerate(ordered):
@@ -205,6 +208,14 @@ def _report_failures(failures: dict[int, Any], who: _Describer) -> int:
         ranks = ", ".join(str(r) for r in sorted(stopped))
         _say(f"{who.node}stopped the other rank(s) ({ranks}) with SIGTERM after rank {root_rank} failed")
     return 128 - root.exitcode if root.exitcode < 0 else (root.exitcode or 1)
+
+
+PEER_FAILURE_MARK = "Another rank probably died"  # comm.collectives' wording for a collective a peer broke
+
+
+def _is_consequence(failure: Any) -> bool:
+    """Stopped by the agent, or a collective that failed because a peer went away."""
+    return failure.exitcode == -signal.SIGTERM or PEER_FAILURE_MARK in _error_file_message(failure)
 
 
 def _error_file_message(failure: Any) -> str:

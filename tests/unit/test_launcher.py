@@ -193,3 +193,24 @@ def test_oom_counter_and_kernel_log_parsing(monkeypatch, tmp_path):
         oom.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=log, stderr="")
     )
     assert oom._dmesg_mentions(777) is True
+
+
+def test_root_cause_is_the_rank_that_failed_on_its_own(capsys):
+    # Under load the survivor's CollectiveError can carry an earlier timestamp than the agent's
+    # record of the SIGKILLed peer; the report must still name the killed rank first and exit 137.
+    from types import SimpleNamespace
+
+    from slipstream.launcher.local import _report_failures
+
+    collective = "CollectiveError: rank 0/2: all_reduce of gradient bucket 0 failed after 0.1s. Another rank probably died"
+    failures = {
+        0: SimpleNamespace(exitcode=-signal.SIGTERM, local_rank=0, pid=None, timestamp=100,
+                           error_file_data={"message": collective}),
+        1: SimpleNamespace(exitcode=-signal.SIGKILL, local_rank=1, pid=None, timestamp=101, error_file_data={}),
+    }  # fmt: skip
+    # _Describer's interface without a launch spec
+    who = SimpleNamespace(node="", failure=lambda rank, local, code, pid: describe_failure(rank, local, code))
+    assert _report_failures(failures, who) == 128 + signal.SIGKILL
+    lines = capsys.readouterr().err.splitlines()
+    assert "rank 1 (local rank 1) was killed by signal SIGKILL" in lines[0]
+    assert "stopped the other rank(s) (0)" in lines[-1]
