@@ -45,3 +45,25 @@ class Chunks:
     @property
     def dtype(self) -> torch.dtype:
         return self.tensors[0].dtype if self.tensors else torch.float32
+
+
+def overlaps(chunks: Chunks, lo: int, hi: int) -> list[tuple[int, int, torch.Tensor]]:
+    """``(start, end, tensor view)`` for every part of ``chunks`` inside ``[lo, hi)``."""
+    out = []
+    for offset, tensor in zip(chunks.offsets, chunks.tensors):
+        begin, end = max(lo, offset), min(hi, offset + tensor.numel())
+        if begin < end:
+            out.append((begin, end, tensor[begin - offset : end - offset]))
+    return out
+
+
+def copy_out(chunks: Chunks, destination: torch.Tensor, lo: int) -> None:
+    """Copy what ``chunks`` hold of ``[lo, lo + len(destination))`` into ``destination`` (casting)."""
+    for begin, end, view in overlaps(chunks, lo, lo + destination.numel()):
+        destination[begin - lo : end - lo].copy_(view, non_blocking=True)
+
+
+def copy_in(chunks: Chunks, source: torch.Tensor, lo: int) -> None:
+    """Copy ``source`` (covering ``[lo, lo + len)``) into the parts of ``chunks`` it overlaps (casting)."""
+    for begin, end, view in overlaps(chunks, lo, lo + source.numel()):
+        view.copy_(source[begin - lo : end - lo], non_blocking=True)
