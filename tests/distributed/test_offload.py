@@ -82,6 +82,37 @@ def test_stage3_nvme_offload_matches_reference(tmp_path: os.PathLike[str]) -> No
     # Small sub-groups and prefetch: several swap files, read-ahead and write-behind all exercised.
     results = run_distributed(
         2, _parity_body, 3, "nvme", "nvme", str(tmp_path), gas=2, sub_group_size=20_000,
-        stage3_prefetch_bucket_size=100_000,
+        stage3_prefetch_bucket_size=100_000, stage3_param_persistence_threshold=1000,  # biases stay gathered
     )  # fmt: skip
     assert results[0] == results[1]
+
+
+def test_nvme_offload_trains_a_model_whose_optimizer_state_exceeds_the_memory_cap(tmp_path: os.PathLike[str]) -> None:
+    """Fresh processes (peak RSS must not include earlier tests) under RLIMIT_DATA = now + cap."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    cap = 320 * 2**20
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "PYTHONPATH": root, "OMP_NUM_THREADS": "1",
+        }  # fmt: skip
+        cmd = [sys.executable, "-m", "tests.distributed.offload_capacity", str(tmp_path), str(cap)]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    for r in results:
+        assert r["optimizer_state_per_rank"] > cap, r  # the state could not be held in memory
+        assert r["peak_rss_growth"] < cap, r
+        assert 5.0 < r["losses"][0] < 6.0 and all(5.0 < x < 7.0 for x in r["losses"]), r  # ln(256) ≈ 5.55 at init
+    assert not any(os.scandir(tmp_path)), "swap files left behind"

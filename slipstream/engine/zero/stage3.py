@@ -138,12 +138,12 @@ class Stage3Strategy(ShardingStrategy):
         self.persistent = next((u for u in self.units if u.kind == "persistent"), None)
         if self.persistent is not None:
             self.persistent.refresh()
+        self._bind_optimizer(optimizer, groups, device)
         # Gradient chunks only for units with trainable parameters: a frozen backbone costs no gradient memory.
         self.grad_chunks = {
             u.index: torch.zeros(u.bucket.chunk, dtype=self.dtype, device=device)
             for u in self.units if any(p.requires_grad for p in u.spec.params)
         }  # fmt: skip
-        self._bind_optimizer(optimizer, groups, device)  # after the gradient chunks: offload reads them
         self.pre_scale, self.post_scale = reduction_scales(
             self.world, options.gradient_predivide_factor, options.prescale_gradients, options.average
         )
@@ -185,7 +185,7 @@ class Stage3Strategy(ShardingStrategy):
             from slipstream.engine.zero.offload.wiring import offload_stage3
 
             self.master_shard, self.master_pieces = None, []
-            self.offload = offload_stage3(self, optimizer, groups)
+            self.offload = offload_stage3(self, optimizer, groups, device)
             self.optimizer = self.offload.optimizer
             return
         low_precision = self.dtype != torch.float32

@@ -93,6 +93,7 @@ class OffloadAdam(torch.optim.Optimizer):
         self.grads: Chunks | None = None
         self.used: list[bool] | None = None
         self.grad_scale = 1.0
+        self.before_step: Callable[[], None] | None = None  # e.g. wait for the gradients' copy to CPU memory
         self.lowp = sink.dtype != torch.float32
         self.staging: torch.Tensor | None = None
         if self.lowp and sink.direct is None:
@@ -112,6 +113,8 @@ class OffloadAdam(torch.optim.Optimizer):
                 loss = closure()
         if self.grads is None or self.used is None:
             raise RuntimeError("OffloadAdam.step: no gradients prepared; step through the engine (engine.step())")
+        if self.before_step is not None:
+            self.before_step()
         for k, (lo, hi) in enumerate(self.store.subgroups):
             state = self.store.acquire(k)
             self._step_subgroup(k, lo, hi, state)

@@ -89,8 +89,7 @@ class ParamStore:
     def resident(self) -> Chunks | None:
         """The parameter chunks the optimizer can write in place (None: every update goes through publish)."""
         if self.mode == "nvme":
-            persistent = [u for u in self.units if u.kind == "persistent"]
-            return Chunks([u.bucket.shard_offset for u in persistent], [u.shard for u in persistent]) if persistent else None
+            return None  # publish writes the swapped units and copies into the persistent one
         return Chunks([u.bucket.shard_offset for u in self.units], [u.shard for u in self.units])
 
     @property

@@ -45,17 +45,18 @@ class PartitionOffload:
     def __init__(
         self, options: OffloadOptions, *, numel: int, pieces: list[Any], trainable_of: Callable[[int], int | None],
         num_trainable: int, groups: list[ParamGroupSpec], index: dict[int, int], trainable: list[torch.nn.Parameter],
-        optimizer: torch.optim.Optimizer | OptimizerFactory, dtype: torch.dtype, grads: Chunks, initial: Chunks,
+        optimizer: torch.optim.Optimizer | OptimizerFactory, dtype: torch.dtype, device: torch.device,
+        grads: Callable[[], Chunks], initial: Chunks,
         params: Chunks | None, publish: Callable[[int, int, torch.Tensor], None] | None = None,
         boundaries: list[int], job_id: str, rank: int,
     ) -> None:  # fmt: skip
         """``pieces`` are layout pieces (``index`` into the strategy's parameter list, which
-        ``trainable_of`` maps to a trainable index or None); ``grads``: the strategy's reduced gradient
-        storage; ``initial``: the starting parameter values; ``params``: where updated parameters go
+        ``trainable_of`` maps to a trainable index or None); ``grads``: gives the strategy's reduced
+        gradient storage (asked at the first step, so a strategy may allocate it after this); ``initial``: the starting parameter values; ``params``: where updated parameters go
         (None: ``publish`` takes them); ``boundaries``: bucket starts (sub-groups prefer them)."""
         self.options, self.dtype, self.numel = options, dtype, numel
         self.accelerator = get_accelerator()
-        on_cuda = grads.device.type == "cuda"
+        on_cuda = device.type == "cuda"
         self.pin = options.pin_memory and on_cuda  # pinning only speeds host-device copies
         hyper, group_of = _hyperparameters(optimizer, groups, index, trainable)
         self.segments = [
@@ -79,10 +80,12 @@ class PartitionOffload:
         for s in self.segments:
             view = self.store.views["master"].slice(s.offset, s.numel) if in_memory else torch.empty(s.numel, device="meta")  # type: ignore[attr-defined]
             placeholders[s.group].append(view)
-        self.device_grads = grads
-        self.grads = grads
-        if on_cuda:  # gradients cross to CPU memory once per step, into one pinned buffer
-            self.grads = Chunks.flat(torch.empty(numel, dtype=grads.dtype, pin_memory=self.pin))
+        self._device_grads = grads
+        self.grads: Chunks | None = None
+        self.copy_stream = self.copy_done = None
+        if on_cuda:  # gradients cross to CPU memory once per step, into one pinned buffer, on their own stream
+            self.grads = Chunks.flat(torch.empty(numel, dtype=dtype, pin_memory=self.pin))
+            self.copy_stream, self.copy_done = self.accelerator.new_stream(), self.accelerator.new_event()
         if params is not None and params.device.type == "cpu":
             sink = ParamSink(dtype, direct=params, aliases_master=alias)
         elif params is not None:
@@ -90,6 +93,7 @@ class PartitionOffload:
         else:
             sink = ParamSink(dtype, publish=publish)
         self.optimizer = OffloadAdam(placeholders, hyper, self.segments, self.store, sink, num_trainable)
+        self.optimizer.before_step = self._wait_for_gradients
         logger.debug(
             "offload: optimizer state of %d elements on %s in %d sub-group(s)%s", numel, options.optimizer,
             len(self.store.subgroups), " (masters alias the parameters)" if alias else "",
@@ -113,15 +117,20 @@ class PartitionOffload:
 
     def gradients_ready(self, used: torch.Tensor) -> None:
         """The strategy's reduced gradients are final: bring them to CPU memory (CUDA) and arm the step."""
-        if self.grads is not self.device_grads:
-            copy_out(self.device_grads, self.grads.tensors[0], 0)
-            self.accelerator.synchronize()
+        if self.copy_stream is not None:
+            # The copy runs while the device computes the gradient norm; step() waits for it.
+            assert self.grads is not None
+            self.copy_stream.wait_stream(self.accelerator.current_stream())
+            with self.accelerator.stream(self.copy_stream):
+                copy_out(self._device_grads(), self.grads.tensors[0], 0)
+                self.copy_done.record(self.copy_stream)
         if isinstance(self.store, NVMeStateStore):
             self.store.prefetch_first()  # the first read overlaps with the norm and the clipping
-        self.optimizer.prepare(self.grads, [bool(u) for u in used.tolist()])
+        self.optimizer.prepare(self.grads or self._device_grads(), [bool(u) for u in used.tolist()])
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def _wait_for_gradients(self) -> None:
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
 
     def zero_grad(self) -> None:
         self.optimizer.grad_scale = 1.0
@@ -132,7 +141,7 @@ class PartitionOffload:
         return self.store.read("master", lo, hi)
 
     def memory_bytes(self) -> int:
-        grads = 0 if self.grads is self.device_grads else self.numel * self.grads.tensors[0].element_size()
+        grads = 0 if self.grads is None else self.numel * self.grads.tensors[0].element_size()
         staging = self.optimizer.staging
         return self.store.memory_bytes() + grads + (0 if staging is None else staging.numel() * staging.element_size())
 

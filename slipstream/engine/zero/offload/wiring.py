@@ -20,31 +20,35 @@ if TYPE_CHECKING:
 def offload_partitioned(strategy: PartitionedStrategy, optimizer: Any, groups: list[Any]) -> PartitionOffload:
     layout = strategy.layout
     params = Chunks([b.shard_offset for b in layout.buckets], [layout.own_chunk(strategy.flat_params, b) for b in layout.buckets])
-    if strategy.stage == 1:
-        grads = Chunks([b.shard_offset for b in layout.buckets], [layout.own_chunk(strategy.flat_grads, b) for b in layout.buckets])
-    else:
-        grads = Chunks.flat(strategy.grad_shard)
+
+    def grads() -> Chunks:
+        if strategy.stage == 1:
+            return Chunks([b.shard_offset for b in layout.buckets], [layout.own_chunk(strategy.flat_grads, b) for b in layout.buckets])
+        return Chunks.flat(strategy.grad_shard)
     options = strategy.options.offload
     return PartitionOffload(
         options, numel=layout.shard_numel, pieces=layout.pieces, trainable_of=lambda i: i,
         num_trainable=len(strategy.trainable), groups=groups, index=strategy.index, trainable=strategy.trainable,
-        optimizer=optimizer, dtype=strategy.dtype, grads=grads, initial=params, params=params,
+        optimizer=optimizer, dtype=strategy.dtype, device=strategy.flat_params.device, grads=grads, initial=params,
+        params=params,
         boundaries=[b.shard_offset for b in layout.buckets],
         job_id=shared_job_id(strategy.group) if options.optimizer == "nvme" else "", rank=strategy.rank,
     )  # fmt: skip
 
 
-def offload_stage3(strategy: Stage3Strategy, optimizer: Any, groups: list[Any]) -> PartitionOffload:
+def offload_stage3(strategy: Stage3Strategy, optimizer: Any, groups: list[Any], device: Any) -> PartitionOffload:
     layout = strategy.layout
-    trainable_units = [u for u in strategy.units if u.index in strategy.grad_chunks]
-    grads = Chunks([u.bucket.shard_offset for u in trainable_units], [strategy.grad_chunks[u.index] for u in trainable_units])
+
+    def grads() -> Chunks:
+        units = [u for u in strategy.units if u.index in strategy.grad_chunks]
+        return Chunks([u.bucket.shard_offset for u in units], [strategy.grad_chunks[u.index] for u in units])
     store = strategy.param_store
     options = strategy.options.offload
     offload = PartitionOffload(
         options, numel=layout.shard_numel, pieces=layout.pieces,
         trainable_of=lambda i: strategy.index.get(id(strategy.managed[i])), num_trainable=len(strategy.trainable),
         groups=groups, index=strategy.index, trainable=strategy.trainable, optimizer=optimizer, dtype=strategy.dtype,
-        grads=grads, initial=store.initial(), params=store.resident(), publish=store.publish,
+        device=device, grads=grads, initial=store.initial(), params=store.resident(), publish=store.publish,
         boundaries=[b.shard_offset for b in layout.buckets],
         job_id=strategy.job_id if options.optimizer == "nvme" else "", rank=strategy.rank,
     )  # fmt: skip
