@@ -116,3 +116,83 @@ def test_nvme_offload_trains_a_model_whose_optimizer_state_exceeds_the_memory_ca
         assert r["peak_rss_growth"] < cap, r
         assert 5.0 < r["losses"][0] < 6.0 and all(5.0 < x < 7.0 for x in r["losses"]), r  # ln(256) ≈ 5.55 at init
     assert not any(os.scandir(tmp_path)), "swap files left behind"
+
+
+# ---------------------------------------------------------------- faults and configuration errors
+def _error_body(case: str, root: str) -> str:
+    from unittest import mock
+
+    from slipstream.engine.zero.offload import swap_dir
+
+    world = dist.get_world_size()
+    nvme = {"device": "nvme", "nvme_path": root}
+    zero: dict = {
+        "stage0": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+        "param_stage2": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+        "param_alone": {"stage": 3, "offload_param": {"device": "cpu"}},
+        "no_path": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+        "unwritable": {"stage": 2, "offload_optimizer": {**nvme, "nvme_path": os.path.join(root, "a_file", "swap")}},
+        "full": {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme},
+        "sgd": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }[case]
+    optimizer = {"type": "SGD", "params": {"lr": 0.1}} if case == "sgd" else {"type": "AdamW", "params": {}}
+    config = {"train_batch_size": 2 * world, "optimizer": optimizer, "zero_optimization": zero}
+    usage = mock.patch.object(swap_dir.shutil, "disk_usage", return_value=mock.Mock(free=4096)) if case == "full" else mock.MagicMock()
+    with usage, pytest.raises(slipstream.ConfigError) as err:
+        slipstream.initialize(tiny_gpt2(seed=0), config)
+    return str(err.value)
+
+
+def test_offload_configuration_errors_name_the_key_and_path(tmp_path: os.PathLike[str]) -> None:
+    root = str(tmp_path)
+    with open(os.path.join(root, "a_file"), "w") as f:
+        f.write("not a directory")
+    expected = {
+        "stage0": "offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3",
+        "param_stage2": "offload_param.device: parameter offload needs stage 3",
+        "param_alone": "offload_param.device: parameter offload needs offload_optimizer too",
+        "no_path": "offload_optimizer.nvme_path: required",
+        "unwritable": f"offload_optimizer.nvme_path: cannot create swap files under '{root}/a_file/swap'",
+        "full": f"nvme_path: '{root}' has 0.00 GiB free",
+        "sgd": "must be Adam or AdamW",
+    }
+    for case, message in expected.items():
+        for text in run_distributed(2, _error_body, case, root):
+            assert message in text, (case, text)
+    assert sorted(os.listdir(root)) == ["a_file"], "a failed initialize left swap directories behind"
+
+
+def _train_after_crash_body(root: str) -> list[str]:
+    config = _config(dist.get_world_size(), 2, 1, "nvme", "none", root)
+    engine = slipstream.initialize(tiny_gpt2(seed=0), config)
+    mine = os.listdir(root)
+    train_engine(engine, global_batches(2, config["train_batch_size"]))
+    engine.close()
+    return mine
+
+
+def test_killed_run_leaves_nothing_that_breaks_the_next_one_and_exit_cleans_up(tmp_path: os.PathLike[str]) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    root = str(tmp_path)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for mode in ("exit", "kill"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "PYTHONPATH": repo}  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "tests.distributed.offload_exit", root, mode], env=env, cwd=repo,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert "trained" in done.stdout, done.stderr[-3000:]
+        left = os.listdir(root)
+        if mode == "exit":
+            assert left == [], f"exit without engine.close() left {left}"
+        else:
+            assert done.returncode == -9 and len(left) == 1, (done.returncode, left)  # the killed run's job directory
+            stale = left[0]
+    seen = run_distributed(2, _train_after_crash_body, root)
+    assert stale not in seen[0], "the stale job directory was not removed at start"
+    assert os.listdir(root) == []
