@@ -53,6 +53,7 @@ def _parity_body(
     batches = global_batches(STEPS, config["train_batch_size"])
     ours = train_engine(engine, batches)
     engine.close()
+    dist.barrier()  # every rank closed
     if path is not None:
         assert not any(os.scandir(path)), f"swap files left behind: {os.listdir(path)}"
     if dist.get_rank() == 0:
@@ -66,9 +67,15 @@ def _parity_body(
     return ours.losses
 
 
-@pytest.mark.parametrize(("stage", "gas", "precision"), [(1, 2, "fp32"), (2, 1, "fp32"), (2, 2, "bf16")])
-def test_cpu_optimizer_offload_matches_reference(stage: int, gas: int, precision: str) -> None:
-    results = run_distributed(2, _parity_body, stage, "cpu", gas=gas, precision=precision)
+@pytest.mark.parametrize(
+    ("stage", "device", "gas", "precision"),
+    [(1, "cpu", 2, "fp32"), (2, "cpu", 1, "fp32"), (2, "cpu", 2, "bf16"), (2, "nvme", 1, "bf16")],
+)
+def test_stage12_optimizer_offload_matches_reference(
+    stage: int, device: str, gas: int, precision: str, tmp_path: os.PathLike[str]
+) -> None:
+    path = str(tmp_path) if device == "nvme" else None
+    results = run_distributed(2, _parity_body, stage, device, path=path, gas=gas, precision=precision, sub_group_size=30_000)
     assert results[0] == results[1]
 
 
@@ -78,10 +85,11 @@ def test_stage3_cpu_offload_matches_reference(optimizer: str, param: str, gas: i
     assert results[0] == results[1]
 
 
-def test_stage3_nvme_offload_matches_reference(tmp_path: os.PathLike[str]) -> None:
+@pytest.mark.parametrize(("gas", "precision"), [(2, "fp32"), (1, "bf16")])
+def test_stage3_nvme_offload_matches_reference(gas: int, precision: str, tmp_path: os.PathLike[str]) -> None:
     # Small sub-groups and prefetch: several swap files, read-ahead and write-behind all exercised.
     results = run_distributed(
-        2, _parity_body, 3, "nvme", "nvme", str(tmp_path), gas=2, sub_group_size=20_000,
+        2, _parity_body, 3, "nvme", "nvme", str(tmp_path), gas=gas, precision=precision, sub_group_size=20_000,
         stage3_prefetch_bucket_size=100_000, stage3_param_persistence_threshold=1000,  # biases stay gathered
     )  # fmt: skip
     assert results[0] == results[1]
