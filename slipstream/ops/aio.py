@@ -39,12 +39,15 @@ def aio_available() -> bool:
 def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: bool = False) -> torch.Tensor:
     """An uninitialized 1-D CPU tensor whose data starts on a 4 KiB boundary (O_DIRECT-ready).
 
-    ``pin=True`` allocates page-locked memory (CUDA's pinned allocator returns page-aligned
-    blocks); otherwise an over-allocation is sliced at the first aligned byte.
+    ``pin=True`` asks the accelerator for page-locked memory (on CUDA; plain memory on CPU);
+    an allocation that is not aligned is replaced by an over-allocation sliced at the first
+    aligned byte.
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     if pin:
-        pinned = torch.empty(numel, dtype=dtype, pin_memory=True)
+        from slipstream.accelerator import get_accelerator
+
+        pinned = get_accelerator().pinned_empty(numel, dtype)
         if pinned.data_ptr() % ALIGNMENT == 0:
             return pinned
     raw = torch.empty(numel * itemsize + ALIGNMENT, dtype=torch.uint8)

@@ -98,7 +98,11 @@ class OffloadAdam(torch.optim.Optimizer):
         self.staging: torch.Tensor | None = None
         if self.lowp and sink.direct is None:
             largest = max((hi - lo for lo, hi in store.subgroups), default=0)
-            self.staging = torch.zeros(largest, dtype=sink.dtype, pin_memory=store.pinned)
+            self.staging = torch.zeros(largest, dtype=sink.dtype)
+            if store.pinned:
+                from slipstream.accelerator import get_accelerator
+
+                self.staging = get_accelerator().pinned_empty(largest, sink.dtype).zero_()
         self.by_subgroup = [[s for s in segments if s.offset < hi and lo < s.offset + s.numel] for lo, hi in store.subgroups]
 
     def prepare(self, grads: Chunks, used: list[bool]) -> None:

@@ -37,22 +37,27 @@ class ParamStore:
         self.write_buffers: list[list[tuple[torch.Tensor, int]]] = [[], []]  # last two publishes
         self.last_fetched: int | None = None
         if mode == "cpu" and device.type != "cpu":  # on a CPU device the shard is in CPU memory already
-            self.shard = param_shard.to("cpu")
             if pin:
-                self.shard = self.shard.pin_memory()
+                from slipstream.accelerator import get_accelerator
+
+                self.shard = get_accelerator().pinned_empty(param_shard.numel(), param_shard.dtype).copy_(param_shard)
+            else:
+                self.shard = param_shard.to("cpu")
             self._rebind(lambda u: self.shard[u.bucket.shard_offset : u.bucket.shard_offset + u.bucket.chunk])
-            for u in units:
-                if u.kind != "persistent":
-                    u.fetch = self._from_cpu(u)
+            for u in units:  # the persistent unit too: every all-gather reads from device memory
+                u.fetch = self._from_cpu(u)
         elif mode == "nvme":
             assert swap is not None and io is not None
             swap.check_space(sum(self._file_bytes(u) for u in self.swapped))
             self._initial = Chunks([u.bucket.shard_offset for u in units], [u.shard for u in units])
+            in_flight: list[int] = []  # a few units written at once: bounded memory, the disk kept busy
             for u in self.swapped:
                 buffer = self._buffer(u)
                 buffer[: u.bucket.chunk].copy_(u.shard)
-                self.io.submit_write(buffer, self._file(u))
-                self.io.wait()
+                in_flight.append(self.io.submit_write(buffer, self._file(u)))
+                if len(in_flight) > 3:
+                    self.io.wait(in_flight.pop(0))
+            self.io.wait()
             kept = {u.index: u.shard.clone() for u in units if u.kind == "persistent"}
             self._rebind(lambda u: kept[u.index] if u.index in kept else torch.empty(0, dtype=self.dtype, device=device))
             for u in self.swapped:

@@ -84,7 +84,7 @@ class PartitionOffload:
         self.grads: Chunks | None = None
         self.copy_stream = self.copy_done = None
         if on_cuda:  # gradients cross to CPU memory once per step, into one pinned buffer, on their own stream
-            self.grads = Chunks.flat(torch.empty(numel, dtype=dtype, pin_memory=self.pin))
+            self.grads = Chunks.flat(self.accelerator.pinned_empty(numel, dtype) if self.pin else torch.empty(numel, dtype=dtype))
             self.copy_stream, self.copy_done = self.accelerator.new_stream(), self.accelerator.new_event()
         if params is not None and params.device.type == "cpu":
             sink = ParamSink(dtype, direct=params, aliases_master=alias)

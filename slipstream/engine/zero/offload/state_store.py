@@ -16,6 +16,7 @@ import abc
 
 import torch
 
+from slipstream.accelerator import get_accelerator
 from slipstream.engine.zero.offload.chunks import Chunks, copy_out
 from slipstream.engine.zero.offload.swap_dir import SwapDir
 from slipstream.ops.aio import ALIGNMENT, AsyncIO, aligned_empty
@@ -98,8 +99,9 @@ class CPUStateStore(StateStore):
 
     def __init__(self, numel: int, master: Chunks | None, initial: Chunks | None, pin: bool) -> None:
         def zeros() -> torch.Tensor:
-            t = torch.zeros(numel, dtype=torch.float32, pin_memory=pin)
-            return t
+            if not pin:
+                return torch.zeros(numel, dtype=torch.float32)
+            return get_accelerator().pinned_empty(numel, torch.float32).zero_()
 
         self.pinned = pin
         self.subgroups = [(0, numel)]
