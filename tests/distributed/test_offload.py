@@ -204,3 +204,34 @@ def test_killed_run_leaves_nothing_that_breaks_the_next_one_and_exit_cleans_up(t
     seen = run_distributed(2, _train_after_crash_body, root)
     assert stale not in seen[0], "the stale job directory was not removed at start"
     assert os.listdir(root) == []
+
+
+def _groups_body(stage: int, how: str) -> None:
+    """Param groups (no decay on biases and norms) and a user optimizer: offload matches no offload."""
+    world = dist.get_world_size()
+    results = []
+    for offload in ("none", "cpu"):
+        model = tiny_gpt2(seed=0)
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-3}]
+        zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
+        if offload != "none":
+            zero["offload_optimizer"] = {"device": offload}
+        config: dict = {"train_batch_size": 2 * world, "gradient_clipping": 1.0, "zero_optimization": zero,
+                        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}  # fmt: skip
+        if how == "instance":
+            del config["scheduler"]
+            engine = slipstream.initialize(model, config, optimizer=torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.05))
+        else:
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.05}}
+            engine = slipstream.initialize(model, config, model_parameters=groups)
+        results.append(train_engine(engine, global_batches(6, config["train_batch_size"])))
+        engine.close()
+    if dist.get_rank() == 0:
+        assert_close_trajectory(results[1], results[0], loss_rtol=1e-5, param_atol=5e-5, param_rtol=1e-4)  # CPU Adam: ulps
+
+
+@pytest.mark.parametrize(("stage", "how"), [(2, "config"), (3, "instance")])
+def test_offload_keeps_param_groups_schedules_and_user_optimizers(stage: int, how: str) -> None:
+    run_distributed(2, _groups_body, stage, how)
