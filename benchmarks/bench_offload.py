@@ -47,7 +47,13 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import build_gpt2, peak_rss_mb, random_batches, setup_rank_env, time_steps
+    from benchmarks.common import (
+        build_gpt2,
+        peak_rss_mb,
+        random_batches,
+        setup_rank_env,
+        time_steps,
+    )
 
     setup_rank_env(rank, world, port)
     torch.set_num_threads(1)
@@ -112,7 +118,7 @@ def main() -> None:
                     command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model,
                                "--steps", str(args.steps), "--nvme-path", swap_root]  # fmt: skip
                     env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
-                    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
                     if done.returncode != 0:
                         print(f"{kind} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
                         continue

@@ -22,9 +22,10 @@ N_LAYER, N_EMBD = 20, 512
 
 
 def _status(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 

@@ -10,7 +10,14 @@ import torch.distributed as dist
 
 import slipstream
 from tests.harness import run_distributed
-from tests.reference import assert_close_trajectory, global_batches, tiny_gpt2, tiny_llama, train_engine, train_reference
+from tests.reference import (
+    assert_close_trajectory,
+    global_batches,
+    tiny_gpt2,
+    tiny_llama,
+    train_engine,
+    train_reference,
+)
 
 STEPS = 12
 MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
@@ -193,7 +200,7 @@ def test_killed_run_leaves_nothing_that_breaks_the_next_one_and_exit_cleans_up(t
         env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "PYTHONPATH": repo}  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "tests.distributed.offload_exit", root, mode], env=env, cwd=repo,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
         assert "trained" in done.stdout, done.stderr[-3000:]
         left = os.listdir(root)
         if mode == "exit":

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
 import torch
 
 from slipstream.engine.zero.offload.chunks import Chunks, copy_in, copy_out
-from slipstream.engine.zero.offload.state_store import STATE_NAMES, CPUStateStore, NVMeStateStore, split
+from slipstream.engine.zero.offload.state_store import (
+    STATE_NAMES,
+    CPUStateStore,
+    NVMeStateStore,
+    split,
+)
 from slipstream.engine.zero.offload.swap_dir import SwapDir
 from slipstream.ops.aio import AsyncIO
 
@@ -19,7 +25,7 @@ def test_split_packs_buckets_and_cuts_large_ones_at_4k_multiples() -> None:
     assert split(100, [0, 50], 10**9) == [(0, 100)]
     groups = split(50_000, [0, 1000, 30_000, 31_000], 9000)
     assert groups[0][0] == 0 and groups[-1][1] == 50_000
-    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:])) and all(hi - lo <= 9000 for lo, hi in groups)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups)) and all(hi - lo <= 9000 for lo, hi in groups)
 
 
 def test_chunks_address_partition_coordinates() -> None:

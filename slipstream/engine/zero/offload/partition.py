@@ -20,10 +20,20 @@ import torch
 import torch.distributed as dist
 
 from slipstream.accelerator import get_accelerator
-from slipstream.engine.zero.offload.adam import OffloadAdam, ParamSink, Segment, adam_hyper
+from slipstream.engine.zero.offload.adam import (
+    OffloadAdam,
+    ParamSink,
+    Segment,
+    adam_hyper,
+)
 from slipstream.engine.zero.offload.chunks import Chunks, copy_in, copy_out
 from slipstream.engine.zero.offload.options import OffloadOptions
-from slipstream.engine.zero.offload.state_store import CPUStateStore, NVMeStateStore, StateStore, split
+from slipstream.engine.zero.offload.state_store import (
+    CPUStateStore,
+    NVMeStateStore,
+    StateStore,
+    split,
+)
 from slipstream.engine.zero.offload.swap_dir import SwapDir, new_job_id
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec
 from slipstream.ops.aio import AsyncIO
