@@ -92,6 +92,7 @@ def _worker(rank: int, port: int, kind: str, layers: int, cap: int, nvme: str, o
 
         result["params"] = sum(p.numel() for p in model.parameters())
         result["init_s"] = time.perf_counter() - start
+        result["peak_after_init_mb"] = peak_rss_mb()
         generator = torch.Generator().manual_seed(rank)
         losses, times = [], []
         for _ in range(3):
@@ -99,6 +100,7 @@ def _worker(rank: int, port: int, kind: str, layers: int, cap: int, nvme: str, o
             t = time.perf_counter()
             losses.append(step(batch))
             times.append(time.perf_counter() - t)
+            result.setdefault("peak_per_step_mb", []).append(peak_rss_mb())
         result.update(ok=True, losses=losses, times=times)
     except (RuntimeError, MemoryError, OSError) as err:  # allocation failure under the cap
         result.update(ok=False, error=str(err).splitlines()[0][:200])
@@ -148,7 +150,7 @@ def main() -> None:
         if ok:
             steps = sorted(t for r in results for t in r["times"])
             print(f"L={layers:3d} {params / 1e9:6.3f}B params: trained 3 steps; losses {results[0]['losses']}; "
-                  f"init {results[0]['init_s']:.0f} s, median step {steps[len(steps) // 2]:.1f} s; peak RSS/rank {rss} MB; wall {wall:.0f} s")  # fmt: skip
+                  f"init {results[0]['init_s']:.0f} s (peak {results[0]['peak_after_init_mb']:.0f} MB, then {results[0]['peak_per_step_mb']}), median step {steps[len(steps) // 2]:.1f} s; peak RSS/rank {rss} MB; wall {wall:.0f} s")  # fmt: skip
         else:
             why = next((r["error"] for r in results if not r.get("ok")), None) or (
                 "timeout" if done is None else (done.stderr.strip().splitlines() or ["killed"])[-1][:200])

@@ -82,6 +82,8 @@ class _Pass:
         self.cursor = 0
 
 
+POOL_NUMEL = 64 * 2**20  # elements of reduce-scatter send buffers kept between units and steps
+
 # Registry so GatheredParameters can find the unit of any partitioned parameter.
 _unit_of_param: dict[int, tuple[Stage3Strategy, ParamUnit]] = {}
 
@@ -420,8 +422,11 @@ class Stage3Strategy(ShardingStrategy):
         if reduction.accumulate:
             self.grad_chunks[reduction.unit.index].add_(reduction.receive)
         # Keep the send buffer for the next unit of this size: a fresh one costs page faults every time.
+        # Bounded (POOL_NUMEL in all): with billion-parameter models two buffers per unit size held
+        # ~1 GB per rank between steps, more than the faults it saves are worth.
         pooled = self.send_pool.setdefault(reduction.send.numel(), [])
-        if len(pooled) < 2:
+        held = sum(t.numel() for pool in self.send_pool.values() for t in pool)
+        if len(pooled) < 2 and held + reduction.send.numel() <= POOL_NUMEL:
             pooled.append(reduction.send)
 
     def finish_gradients(self) -> None:
