@@ -143,7 +143,7 @@ class Stage3Strategy(ShardingStrategy):
         self._bind_optimizer(optimizer, groups, device)
         # Gradient chunks only for units with trainable parameters: a frozen backbone costs no gradient memory.
         self.grad_chunks = {
-            u.index: torch.zeros(u.bucket.chunk, dtype=self.dtype, device=device)
+            u.index: self._new_grad_chunk(u, device)
             for u in self.units if any(p.requires_grad for p in u.spec.params)
         }  # fmt: skip
         self.pre_scale, self.post_scale = reduction_scales(
@@ -175,6 +175,11 @@ class Stage3Strategy(ShardingStrategy):
             for piece in self.layout.pieces:
                 copy_pieces(self.managed[piece.index].detach(), shard, [piece])
         return shard
+
+    def _new_grad_chunk(self, unit: ParamUnit, device: torch.device) -> torch.Tensor:
+        if self.offload is not None:  # NVMe optimizer offload on a CPU device: a file-backed chunk
+            return self.offload.new_gradient(f"grad_{unit.index:05d}", unit.bucket.chunk, device)
+        return torch.zeros(unit.bucket.chunk, dtype=self.dtype, device=device)
 
     def _offload_params(self, device: torch.device) -> Any:
         from slipstream.engine.zero.offload.wiring import param_store

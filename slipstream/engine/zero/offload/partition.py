@@ -74,6 +74,7 @@ class PartitionOffload:
             for p in pieces if (t := trainable_of(p.index)) is not None and t in group_of
         ]  # fmt: skip
         self.swap: SwapDir | None = None
+        self.mapped_bytes = 0
         self.io: AsyncIO | None = None
         alias = options.optimizer == "cpu" and params is not None and params.device.type == "cpu" and dtype == torch.float32
         self.store: StateStore
@@ -108,6 +109,23 @@ class PartitionOffload:
             "offload: optimizer state of %d elements on %s in %d sub-group(s)%s", numel, options.optimizer,
             len(self.store.subgroups), " (masters alias the parameters)" if alias else "",
         )  # fmt: skip
+
+    def new_gradient(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """A zeroed gradient chunk for the strategy to reduce into.
+
+        [Note: gradients on NVMe] With the optimizer state on NVMe and a CPU device, ZeRO-3's
+        gradient shards (4 bytes per parameter / N, the largest thing left in RAM) are mapped from
+        swap files (``MAP_SHARED``): the kernel writes them back and drops them under memory
+        pressure, so RAM bounds the working set, not the model. Elsewhere: ordinary memory.
+        """
+        if self.swap is None or device.type != "cpu":
+            return torch.zeros(numel, dtype=self.dtype, device=device)
+        self.mapped_bytes += numel * self.dtype.itemsize
+        self.swap.check_space(self.mapped_bytes)  # sparse files: they take disk space as they are written
+        path = self.swap.file(f"{name}.swp")
+        with open(path, "wb") as f:
+            f.truncate(numel * self.dtype.itemsize)  # sparse: no disk blocks until written
+        return torch.from_file(path, shared=True, size=numel, dtype=self.dtype)  # zeros: a fresh sparse file
 
     def _to_device(self, params: Chunks) -> Callable[[int, int, torch.Tensor], None]:
         def publish(k: int, lo: int, values: torch.Tensor) -> None:
