@@ -45,6 +45,10 @@ class Accelerator(abc.ABC):
     @abc.abstractmethod
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
+    def pinned_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D CPU tensor for host-device copies: page-locked where that makes them faster and async."""
+        return torch.empty(numel, dtype=dtype)
+
     @abc.abstractmethod
     def memory_allocated(self) -> int:
         """Bytes currently held by tensors on this device (process RSS on CPU)."""

@@ -41,6 +41,9 @@ class CUDAAccelerator(Accelerator):
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory()
 
+    def pinned_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)  # page-aligned: also O_DIRECT-ready
+
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated()
 

@@ -18,6 +18,7 @@ from slipstream.engine.engine import Engine
 from slipstream.engine.optimizers import build_optimizer, validate_optimizer_config
 from slipstream.engine.precision import DTYPES, build_loss_scaler
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
+from slipstream.engine.zero.offload.options import offload_options
 from slipstream.engine.zero.partitioned import PartitionedStrategy
 from slipstream.engine.zero.stage3 import Stage3Options, Stage3Strategy
 from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingOptions, ShardingStrategy
@@ -115,13 +116,10 @@ def _check_supported(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -
             f"zero_optimization.stage: stage {zero.stage} is not available in this version of slipstream yet "
             f"(available: {', '.join(map(str, AVAILABLE_STAGES))})"
         )
-    for name in ("offload_optimizer", "offload_param"):
-        section = getattr(zero, name)
-        if section is not None and section.device != "none":
-            raise ConfigError(
-                f"zero_optimization.{name}.device: offload is not available in this version of slipstream yet; "
-                "remove it or set \"device\": \"none\""
-            )
+    try:
+        offload_options(zero, cfg.aio)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if optimizer is None and cfg.optimizer is None:
         raise ConfigError("optimizer: not set; add an \"optimizer\" section to the config or pass optimizer= to initialize()")
     if optimizer is not None and cfg.optimizer is not None:
@@ -175,6 +173,7 @@ def _build_strategy(
         gradient_predivide_factor=cfg.gradient_predivide_factor,
         prescale_gradients=cfg.prescale_gradients,
         average=cfg.gradient_allreduce_op == "mean",
+        offload=offload_options(zero, cfg.aio),
     )
     if zero.stage == 0:
         return DataParallelStrategy(model, groups, options, optimizer)
@@ -190,10 +189,15 @@ def _build_strategy(
         try:
             return Stage3Strategy(model, groups, options, optimizer, stage3, preshard=take_preshard(model))
         except ValueError as err:
-            if str(err).startswith("zero_optimization."):
+            if str(err).startswith(("zero_optimization.", "optimizer")):
                 raise ConfigError(str(err)) from None
             raise
-    return PartitionedStrategy(model, groups, options, optimizer, stage=zero.stage)
+    try:
+        return PartitionedStrategy(model, groups, options, optimizer, stage=zero.stage)
+    except ValueError as err:
+        if str(err).startswith(("zero_optimization.", "optimizer")):
+            raise ConfigError(str(err)) from None
+        raise
 
 
 def _build_scheduler(cfg: SlipstreamConfig, lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:

@@ -1,6 +1,7 @@
 """Compiled ops (C++/CUDA under ``csrc/``) with pure-PyTorch fallbacks.
 
 ``slipstream.ops.adam``: ``CPUAdam``, ``FusedAdam`` and the one-pass ``cpu_adam_step``.
+``slipstream.ops.aio``: ``AsyncIO``, asynchronous file reads and writes for NVMe offload.
 ``slipstream.ops.builder``: the ninja builder and its on-disk cache. ``python -m
 slipstream.ops.build`` builds every op ahead of time. See docs/ops.md.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["adam", "builder", "specs"]
+__all__ = ["adam", "aio", "builder", "specs"]
 
 
 def __getattr__(name: str) -> Any:

@@ -22,3 +22,15 @@ FUSED_ADAM = OpSpec(
 )
 
 ALL_OPS: dict[str, OpSpec] = {"cpu_adam": CPU_ADAM, "fused_adam": FUSED_ADAM}
+
+# Async file I/O for NVMe offload: threads doing pread/pwrite, O_DIRECT where aligned. Plain POSIX:
+# no libaio or io_uring needed, so it builds wherever a C++ compiler does.
+AIO = OpSpec(
+    name="slipstream_aio",
+    sources=("aio/aio_pool.cpp", "aio/aio_binding.cpp"),
+    cflags=("-pthread",),
+    ldflags=("-pthread",),
+    include_dirs=("includes", "aio"),
+)
+
+ALL_OPS["aio"] = AIO

@@ -12,6 +12,7 @@ otherwise report an in-place modification).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,6 +80,8 @@ class ParamUnit:
         self.flat = alias(self.full.untyped_storage(), 0, (bucket.numel,), shard.dtype)  # what collectives write through
         self.state = UnitState.LIVE
         self.work: comm.Work | None = None
+        self.fetch: Callable[[], torch.Tensor] | None = None  # offloaded shard: brings it to the device
+        self.staged: torch.Tensor | None = None  # what the all-gather reads, alive until it completes
         # Per forward/backward pass bookkeeping (see Stage3Strategy).
         self.depth = 0  # active forward calls
         self.pending_backward = 0  # forward calls under grad whose backward has not finished
@@ -101,8 +104,9 @@ class ParamUnit:
             return
         self.full.untyped_storage().resize_(self.nbytes)
         self._mark(released=False)
+        self.staged = self.shard if self.fetch is None else self.fetch()
         self.work = comm.all_gather_into_tensor(
-            self.flat, self.shard, group=self.gather_group, tag=f"ZeRO-3 unit {self.index} ({self.spec.name})"
+            self.flat, self.staged, group=self.gather_group, tag=f"ZeRO-3 unit {self.index} ({self.spec.name})"
         )
         self.state = UnitState.GATHERING
 
@@ -111,6 +115,7 @@ class ParamUnit:
             assert self.work is not None
             self.work.wait()
             self.work = None
+            self.staged = None
             self.state = UnitState.LIVE
 
     def release(self) -> None:

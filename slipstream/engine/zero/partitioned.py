@@ -103,12 +103,14 @@ class PartitionedStrategy(ShardingStrategy):
         self.in_layout = {i for members in group_members for i in members}
         device = self.trainable[0].device if self.trainable else torch.device("cpu")
         self.flat_params = self._adopt_parameters(device)
-        self.master_shard = self._make_master_shard(device)
-        self.master_pieces = [self._master_piece(piece) for piece in self.layout.pieces]
+        offloaded = options.offload is not None and options.offload.optimizer != "none"
+        self.master_shard = None if offloaded else self._make_master_shard(device)
+        self.master_pieces = [] if offloaded else [self._master_piece(piece) for piece in self.layout.pieces]
         pieces_of: dict[int, list[torch.Tensor]] = {}
         for piece, master in zip(self.layout.pieces, self.master_pieces):
             pieces_of.setdefault(piece.index, []).append(master)
-        self.optimizer = bind_optimizer(optimizer, groups, self.index, lambda i: pieces_of.get(i, []))
+        if not offloaded:
+            self.optimizer = bind_optimizer(optimizer, groups, self.index, lambda i: pieces_of.get(i, []))
         if stage == 1:
             self.flat_grads = torch.zeros(self.layout.numel, dtype=self.dtype, device=device)
             self.grad_views = [self.layout.param_view(self.flat_grads, i, p.shape) if i in self.in_layout else None
@@ -128,6 +130,12 @@ class PartitionedStrategy(ShardingStrategy):
         self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=device)
         self.grad32: torch.Tensor | None = None
         self.sync = False
+        self.offload = None
+        if offloaded:
+            from slipstream.engine.zero.offload.wiring import offload_partitioned
+
+            self.offload = offload_partitioned(self, optimizer, groups)
+            self.optimizer = self.offload.optimizer
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
         logger.debug(
             "ZeRO stage %d: %d buckets, %d of %d elements owned by this rank",
@@ -233,7 +241,9 @@ class PartitionedStrategy(ShardingStrategy):
             self.send_pool.release_all(self.inflight)
         self.inflight.clear()
         comm.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group, tag="used-parameter flags").wait()
-        if self.low_precision:
+        if self.offload is not None:
+            self.offload.gradients_ready(self.used)
+        elif self.low_precision:
             self.grad32 = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.flat_params.device)
             for bucket in self.layout.buckets:
                 self.layout.shard_chunk(self.grad32, bucket).copy_(self._grad_chunk(bucket))
@@ -263,12 +273,15 @@ class PartitionedStrategy(ShardingStrategy):
         return squared.sqrt()[0]
 
     def scale_gradients(self, factor: float) -> None:
+        if self.offload is not None:
+            self.offload.grad_scale = factor  # applied by the CPU Adam as it reads each gradient
+            return
         if factor != 1.0:
             for g in self._owned_grads():
                 g.mul_(factor)
 
     def step(self) -> None:
-        self.optimizer.step()
+        self.optimizer.step()  # with offload, also writes the updated parameters into flat_params
         with torch.no_grad():
             if self.master_shard is not None:
                 for bucket in self.layout.buckets:
@@ -297,6 +310,8 @@ class PartitionedStrategy(ShardingStrategy):
         for master in self.master_pieces:
             master.grad = None
         self.grad32 = None
+        if self.offload is not None:
+            self.offload.zero_grad()
         if self.stage == 2:
             for _, base in self.send_buffers.values():
                 if base is not None:
@@ -307,10 +322,14 @@ class PartitionedStrategy(ShardingStrategy):
 
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if self.master_shard is not None:
+        if self.master_shard is not None or (self.offload is not None and self.low_precision):
             full = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.flat_params.device)
             for bucket in self.layout.buckets:
-                self.layout.own_chunk(full, bucket).copy_(self.layout.shard_chunk(self.master_shard, bucket))
+                if self.offload is not None:
+                    masters = self.offload.masters(bucket.shard_offset, bucket.shard_offset + bucket.chunk)
+                else:
+                    masters = self.layout.shard_chunk(self.master_shard, bucket)
+                self.layout.own_chunk(full, bucket).copy_(masters)
             self._all_gather(full, "fp32 master weights")
         else:
             full = self.flat_params
@@ -345,6 +364,8 @@ class PartitionedStrategy(ShardingStrategy):
         grads = self.flat_grads if self.stage == 1 else self.grad_shard
         optimizer_state = optimizer_state_bytes(self.optimizer)
         masters = 0 if self.master_shard is None else self.master_shard.numel() * 4
+        if self.offload is not None:
+            optimizer_state = self.offload.memory_bytes()  # in CPU memory; on NVMe only the swap buffers
         return {
             "params": self.flat_params.numel() * self.flat_params.element_size(),
             "grads": grads.numel() * grads.element_size(),
@@ -352,3 +373,8 @@ class PartitionedStrategy(ShardingStrategy):
             "buffers": self.send_pool.total_bytes if self.stage == 2 else 0,
         }
 
+
+    def close(self) -> None:
+        super().close()
+        if self.offload is not None:
+            self.offload.close()

@@ -84,6 +84,8 @@ class _Pass:
         self.cursor = 0
 
 
+POOL_NUMEL = 64 * 2**20  # elements of reduce-scatter send buffers kept between units and steps
+
 # Registry so GatheredParameters can find the unit of any partitioned parameter.
 _unit_of_param: dict[int, tuple[Stage3Strategy, ParamUnit]] = {}
 
@@ -131,6 +133,8 @@ class Stage3Strategy(ShardingStrategy):
             self.units.append(unit)
             for p in spec.params:
                 _unit_of_param[id(p)] = (self, unit)
+        self.job_id = ""
+        self.param_store = self._offload_params(device)
         gathered = [u.nbytes for u in self.units if u.kind != "persistent"]
         get_accelerator().return_freed_memory(min(gathered, default=0))
         self.blocks = [u for u in self.units if u.kind == "block"]
@@ -141,7 +145,7 @@ class Stage3Strategy(ShardingStrategy):
         self._bind_optimizer(optimizer, groups, device)
         # Gradient chunks only for units with trainable parameters: a frozen backbone costs no gradient memory.
         self.grad_chunks = {
-            u.index: torch.zeros(u.bucket.chunk, dtype=self.dtype, device=device)
+            u.index: self._new_grad_chunk(u, device)
             for u in self.units if any(p.requires_grad for p in u.spec.params)
         }  # fmt: skip
         self.pre_scale, self.post_scale = reduction_scales(
@@ -174,7 +178,25 @@ class Stage3Strategy(ShardingStrategy):
                 copy_pieces(self.managed[piece.index].detach(), shard, [piece])
         return shard
 
+    def _new_grad_chunk(self, unit: ParamUnit, device: torch.device) -> torch.Tensor:
+        if self.offload is not None:  # NVMe optimizer offload on a CPU device: a file-backed chunk
+            return self.offload.new_gradient(f"grad_{unit.index:05d}", unit.bucket.chunk, device)
+        return torch.zeros(unit.bucket.chunk, dtype=self.dtype, device=device)
+
+    def _offload_params(self, device: torch.device) -> Any:
+        from slipstream.engine.zero.offload.wiring import param_store
+
+        return param_store(self, device)
+
     def _bind_optimizer(self, optimizer: torch.optim.Optimizer | OptimizerFactory, groups: list[ParamGroupSpec], device: torch.device) -> None:
+        self.offload = None
+        if self.options.offload is not None:  # optimizer state in CPU memory or on NVMe (zero/offload/)
+            from slipstream.engine.zero.offload.wiring import offload_stage3
+
+            self.master_shard, self.master_pieces = None, []
+            self.offload = offload_stage3(self, optimizer, groups, device)
+            self.optimizer = self.offload.optimizer
+            return
         low_precision = self.dtype != torch.float32
         self.master_shard = self.param_shard.float() if low_precision else None
         masters = self.master_shard if self.master_shard is not None else self.param_shard
@@ -413,8 +435,11 @@ class Stage3Strategy(ShardingStrategy):
         if reduction.accumulate:
             self.grad_chunks[reduction.unit.index].add_(reduction.receive)
         # Keep the send buffer for the next unit of this size: a fresh one costs page faults every time.
+        # Bounded (POOL_NUMEL in all): with billion-parameter models two buffers per unit size held
+        # ~1 GB per rank between steps, more than the faults it saves are worth.
         pooled = self.send_pool.setdefault(reduction.send.numel(), [])
-        if len(pooled) < 2:
+        held = sum(t.numel() for pool in self.send_pool.values() for t in pool)
+        if len(pooled) < 2 and held + reduction.send.numel() <= POOL_NUMEL:
             pooled.append(reduction.send)
 
     def finish_gradients(self) -> None:
@@ -422,7 +447,9 @@ class Stage3Strategy(ShardingStrategy):
             for chunk in self.grad_chunks.values():
                 chunk.mul_(self.post_scale)
         comm.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group, tag="used-parameter flags").wait()
-        if self.master_shard is not None:
+        if self.offload is not None:
+            self.offload.gradients_ready(self.used)
+        elif self.master_shard is not None:
             self.grad32 = {i: chunk.float() for i, chunk in self.grad_chunks.items()}
         grads = self._owned_grads()
         for piece, master in self.master_pieces:
@@ -436,13 +463,16 @@ class Stage3Strategy(ShardingStrategy):
         return self.grad32 if self.grad32 is not None else self.grad_chunks
 
     def global_grad_norm(self) -> torch.Tensor:
-        squared = torch.zeros(1, dtype=torch.float32, device=self.param_shard.device)
+        squared = torch.zeros(1, dtype=torch.float32, device=self.used.device)
         for chunk in self._owned_grads().values():
             squared += torch.linalg.vector_norm(chunk, dtype=torch.float32) ** 2
         comm.all_reduce(squared, group=self.group, tag="gradient norm").wait()
         return squared.sqrt()[0]
 
     def scale_gradients(self, factor: float) -> None:
+        if self.offload is not None:
+            self.offload.grad_scale = factor  # applied by the CPU Adam as it reads each gradient
+            return
         if factor != 1.0:
             for chunk in self._owned_grads().values():
                 chunk.mul_(factor)
@@ -460,6 +490,8 @@ class Stage3Strategy(ShardingStrategy):
             chunk.zero_()
         self.has_grad.clear()
         self.grad32 = None
+        if self.offload is not None:
+            self.offload.zero_grad()
         for p in self.managed:
             p.grad = None
         for _, master in self.master_pieces:
@@ -479,7 +511,11 @@ class Stage3Strategy(ShardingStrategy):
             if modifier_rank is not None:
                 comm.broadcast(unit.flat, src=dist.get_global_rank(self.group, modifier_rank) if self.group else modifier_rank,
                                group=self.group, tag=f"GatheredParameters unit {unit.index}").wait()  # fmt: skip
-                unit.shard.copy_(unit.own_chunk())
+                if self.offload is not None:
+                    self.param_store.modified(unit, unit.own_chunk())
+                    self.offload.store.write("master", unit.bucket.shard_offset, unit.own_chunk().float().cpu())
+                else:
+                    unit.shard.copy_(unit.own_chunk())
                 if self.master_shard is not None:
                     self.layout.shard_chunk(self.master_shard, unit.bucket).copy_(unit.shard)
             if unit.kind == "persistent":
@@ -494,7 +530,10 @@ class Stage3Strategy(ShardingStrategy):
         for unit in self.units:
             flat = torch.empty(unit.numel, dtype=torch.float32, device=self.param_shard.device)
             own = flat.view(self.world, -1)[self.rank]
-            own.copy_(self.layout.shard_chunk(masters, unit.bucket))
+            if self.offload is not None:
+                own.copy_(self.offload.masters(unit.bucket.shard_offset, unit.bucket.shard_offset + unit.bucket.chunk))
+            else:
+                own.copy_(self.layout.shard_chunk(masters, unit.bucket))
             comm.all_gather_into_tensor(flat, own, group=self.group, tag=f"fp32 weights of unit {unit.index}").wait()
             if self.rank == 0:
                 for p, i in zip(unit.spec.params, unit.bucket.members):
@@ -527,10 +566,11 @@ class Stage3Strategy(ShardingStrategy):
         live = sum(u.nbytes for u in self.units if u.state is not UnitState.FREE and u is not self.persistent)
         live += sum(t.numel() * t.element_size() for pool in self.send_pool.values() for t in pool)
         masters = 0 if self.master_shard is None else self.master_shard.numel() * 4
+        offloaded = self.offload.memory_bytes() if self.offload is not None else 0  # CPU memory (NVMe: buffers only)
         return {
-            "params": self.param_shard.numel() * self.param_shard.element_size() + persistent,
+            "params": self.param_store.memory_bytes() + persistent,
             "grads": sum(c.numel() * c.element_size() for c in self.grad_chunks.values()),
-            "optimizer": optimizer_state_bytes(self.optimizer) + masters,
+            "optimizer": optimizer_state_bytes(self.optimizer) + masters + offloaded,
             "buffers": live,
         }
 
@@ -546,6 +586,9 @@ class Stage3Strategy(ShardingStrategy):
                 _unit_of_param.pop(id(p), None)
             unit.full.untyped_storage().resize_(0)
             unit.state = UnitState.FREE
+        if self.offload is not None:
+            self.offload.close()
+        self.param_store.close()
 
 
 class _PostBackward(torch.autograd.Function):

@@ -31,6 +31,7 @@ class ShardingOptions:
     prescale_gradients: bool = False
     average: bool = True  # False: gradient_allreduce_op "sum"
     group: dist.ProcessGroup | None = None
+    offload: Any = None  # OffloadOptions (zero/offload/options.py) when optimizer state or parameters leave the device
 
 
 @dataclasses.dataclass(frozen=True)
