@@ -345,6 +345,12 @@ class PartitionedStrategy(ShardingStrategy):
     def sharded_state(self) -> list[OwnedSlice]:
         names = {id(p): n for n, p in self.module.named_parameters()}
         owned = []
+        if self.offload is not None:  # masters and Adam state live in the offload store
+            from slipstream.engine.zero.offload.checkpoint import offload_slices
+
+            shape_of = [(names[id(p)], tuple(p.shape)) for p in self.trainable]
+            owned = offload_slices(self.offload, [(ParamSlice(*shape_of[piece.index], piece.param_offset, piece.numel), piece.shard_offset)
+                                                  for piece in self.layout.pieces])  # fmt: skip
         for piece, master in zip(self.layout.pieces, self.master_pieces):
             p = self.trainable[piece.index]
             owned.append(OwnedSlice(ParamSlice(names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), master, master))
@@ -353,8 +359,32 @@ class PartitionedStrategy(ShardingStrategy):
                 owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), p.detach().view(-1), None, replicated=True))
         return owned
 
+    def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
+        if self.offload is None:
+            return super().slice_optimizer_state(owned)
+        from slipstream.engine.zero.offload.checkpoint import slice_state
+
+        return slice_state(self.offload, owned)
+
+    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
+        if self.offload is None:
+            return super().load_slice_optimizer_state(owned, state)
+        from slipstream.engine.zero.offload.checkpoint import load_slice_state
+
+        load_slice_state(self.offload, owned, state)
+
+    def load_sharded_state(self, read: Any) -> None:
+        if self.offload is None:
+            return super().load_sharded_state(read)
+        from slipstream.engine.zero.offload.checkpoint import load_masters
+
+        load_masters(self.offload, self.sharded_state(), read)
+        self.refresh_from_masters()
+
     def refresh_from_masters(self) -> None:
         with torch.no_grad():
+            if self.offload is not None:
+                self.offload.publish_masters()  # into this rank's chunks of flat_params
             if self.master_shard is not None:
                 for bucket in self.layout.buckets:
                     self.layout.own_chunk(self.flat_params, bucket).copy_(self.layout.shard_chunk(self.master_shard, bucket))

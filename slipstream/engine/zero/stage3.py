@@ -544,6 +544,14 @@ class Stage3Strategy(ShardingStrategy):
         return {name: state[name] for name, _ in self.module.named_parameters()}  # the model's order
 
     def sharded_state(self) -> list[OwnedSlice]:
+        if self.offload is not None:  # masters and Adam state live in the offload store
+            from slipstream.engine.zero.offload.checkpoint import offload_slices
+
+            pieces = [(piece, self.managed[piece.index]) for piece in self.layout.pieces]
+            return offload_slices(self.offload, [
+                (ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), piece.shard_offset)
+                for piece, p in pieces
+            ])  # fmt: skip
         masters = self.master_shard if self.master_shard is not None else self.param_shard
         optimized = {piece.shard_offset: view for piece, view in self.master_pieces}
         owned = []
@@ -554,8 +562,32 @@ class Stage3Strategy(ShardingStrategy):
             owned.append(OwnedSlice(ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), value, view))
         return owned
 
+    def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
+        if self.offload is None:
+            return super().slice_optimizer_state(owned)
+        from slipstream.engine.zero.offload.checkpoint import slice_state
+
+        return slice_state(self.offload, owned)
+
+    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
+        if self.offload is None:
+            return super().load_slice_optimizer_state(owned, state)
+        from slipstream.engine.zero.offload.checkpoint import load_slice_state
+
+        load_slice_state(self.offload, owned, state)
+
+    def load_sharded_state(self, read: Any) -> None:
+        if self.offload is None:
+            return super().load_sharded_state(read)
+        from slipstream.engine.zero.offload.checkpoint import load_masters
+
+        load_masters(self.offload, self.sharded_state(), read)
+        self.refresh_from_masters()
+
     def refresh_from_masters(self) -> None:
         with torch.no_grad():
+            if self.offload is not None:  # into the parameter shards: device, CPU or NVMe (param_store.py)
+                self.offload.publish_masters()
             if self.master_shard is not None:
                 self.param_shard.copy_(self.master_shard)
             if self.persistent is not None:

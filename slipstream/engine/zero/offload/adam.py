@@ -198,6 +198,20 @@ class OffloadAdam(torch.optim.Optimizer):
             raise ValueError(f"OffloadAdam: steps for {len(state['steps'])} parameters, this partition has {len(self.steps)}")
         self.steps = [int(s) for s in state["steps"]]
 
+    def publish_masters(self) -> None:
+        """Push every master (e.g. just loaded from a checkpoint) to the parameters, sub-group by
+        sub-group, through the sink the step uses: frozen pieces and padding included."""
+        if self.sink.aliases_master:
+            return  # the masters are the parameters
+        from slipstream.engine.zero.offload.chunks import copy_in
+
+        for k, (lo, hi) in enumerate(self.store.subgroups):
+            values = self.store.read("master", lo, hi).to(self.sink.dtype)
+            if self.sink.direct is not None:
+                copy_in(self.sink.direct, values, lo)
+            if self.sink.publish is not None:
+                self.sink.publish(k, lo, values)
+
     def state_dict(self) -> dict[str, Any]:
         out = super().state_dict()
         out["partition_state"] = self.partition_state()

@@ -73,6 +73,7 @@ class PartitionOffload:
             Segment(p.shard_offset, p.numel, group_of[t], t)
             for p in pieces if (t := trainable_of(p.index)) is not None and t in group_of
         ]  # fmt: skip
+        self.segment_of = {s.offset: s for s in self.segments}
         self.swap: SwapDir | None = None
         self.mapped_bytes = 0
         self.io: AsyncIO | None = None
@@ -167,6 +168,34 @@ class PartitionOffload:
     def masters(self, lo: int, hi: int) -> torch.Tensor:
         """fp32 master values over ``[lo, hi)`` of the partition (a copy, in CPU memory)."""
         return self.store.read("master", lo, hi)
+
+    def piece(self, name: str, offset: int, numel: int) -> torch.Tensor:
+        """``name`` ("master", "exp_avg", "exp_avg_sq") over one piece: a writable view when the
+        state is in CPU memory, a copy read from the swap files on NVMe (write it back with :meth:`write`)."""
+        view = self.store.view(name, offset, numel)
+        return view if view is not None else self.store.read(name, offset, offset + numel)
+
+    def in_memory(self) -> bool:
+        """Whether :meth:`piece` returns views (writes into them need no :meth:`write`)."""
+        return isinstance(self.store, CPUStateStore)
+
+    def write(self, name: str, offset: int, values: torch.Tensor) -> None:
+        """Overwrite ``name`` from partition offset ``offset`` (to NVMe when it lives there)."""
+        self.store.write(name, offset, values.to(torch.float32).reshape(-1))
+
+    def segment_at(self, offset: int) -> Segment | None:
+        """The optimizer's segment starting at partition ``offset`` (None: a frozen piece)."""
+        return self.segment_of.get(offset)
+
+    def step_count(self, param: int) -> int:
+        return self.optimizer.steps[param]
+
+    def set_step_count(self, param: int, step: int) -> None:
+        self.optimizer.steps[param] = step
+
+    def publish_masters(self) -> None:
+        """Make the parameters (device, CPU or NVMe shards) show the masters; see OffloadAdam.publish_masters."""
+        self.optimizer.publish_masters()
 
     def memory_bytes(self) -> int:
         grads = 0 if self.grads is None else self.numel * self.grads.tensors[0].element_size()

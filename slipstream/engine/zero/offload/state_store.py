@@ -83,6 +83,10 @@ class StateStore(abc.ABC):
                 self.release(k)
         self.flush()
 
+    def view(self, name: str, lo: int, numel: int) -> torch.Tensor | None:
+        """A writable in-memory view of ``name`` over ``[lo, lo + numel)`` inside one chunk; None when swapped."""
+        return None
+
     def memory_bytes(self) -> int:
         return 0
 
@@ -117,6 +121,9 @@ class CPUStateStore(StateStore):
 
     def acquire(self, k: int) -> dict[str, Chunks]:
         return self.views
+
+    def view(self, name: str, lo: int, numel: int) -> torch.Tensor | None:
+        return self.views[name].slice(lo, numel)
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * 4 for t in self.owned)
