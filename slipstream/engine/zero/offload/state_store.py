@@ -145,6 +145,7 @@ class NVMeStateStore(StateStore):
         self.reads: dict[int, int] = {}  # buffer -> read request in flight
         self.writes: dict[int, list[int]] = {}  # buffer -> requests that still read from it
         self.files = [swap.file(f"optimizer_{k:05d}.swp") for k in range(len(subgroups))]
+        self.dirty: set[int] = set()  # buffers changed by write() and not yet written back
         self._initialize(initial)
 
     def _size(self, k: int) -> int:
@@ -179,6 +180,7 @@ class NVMeStateStore(StateStore):
 
     def _read(self, b: int, k: int) -> None:
         size = self._size(k)
+        self._write_back(b)
         self._drain(b)
         self.holder[b] = k
         requests = [self.io.submit_read(region, self.files[k], i * size * 4) for i, region in enumerate(self._region(b, k))]
@@ -205,13 +207,32 @@ class NVMeStateStore(StateStore):
         return self._views(b, k)
 
     def release(self, k: int) -> None:
+        self.dirty.discard(k % len(self.buffers))
         self._write(k % len(self.buffers), k)
+
+    def write(self, name: str, lo: int, values: torch.Tensor) -> None:
+        """Like StateStore.write, but a sub-group is written back once, when its buffer is reused
+        or at :meth:`flush`, not once per call: loading a checkpoint writes piece by piece."""
+        from slipstream.engine.zero.offload.chunks import copy_in
+
+        hi = lo + values.numel()
+        for k, (a, b) in enumerate(self.subgroups):
+            if a < hi and lo < b:
+                copy_in(self.acquire(k)[name], values[max(a, lo) - lo : min(b, hi) - lo], max(a, lo))
+                self.dirty.add(k % len(self.buffers))
+
+    def _write_back(self, b: int) -> None:
+        holder = self.holder[b]
+        if b in self.dirty and holder is not None:
+            self.dirty.discard(b)
+            self._write(b, holder)
 
     def after_release(self, k: int, request: int) -> None:
         self.writes.setdefault(k % len(self.buffers), []).append(request)
 
     def flush(self) -> None:
         for b in range(len(self.buffers)):
+            self._write_back(b)
             self._drain(b)
 
     def prefetch_first(self) -> None:
