@@ -242,3 +242,27 @@ def _groups_body(stage: int, how: str) -> None:
 @pytest.mark.parametrize(("stage", "how"), [(2, "config"), (3, "instance")])
 def test_offload_keeps_param_groups_schedules_and_user_optimizers(stage: int, how: str) -> None:
     run_distributed(2, _groups_body, stage, how)
+
+
+def _frozen_body(path: str) -> None:
+    world = dist.get_world_size()
+    config = _config(world, 3, 1, "nvme", "nvme", path)
+    config["bf16"] = {"enabled": True}
+    model = tiny_gpt2(seed=0)
+    frozen = dict(model.transformer.h[0].ln_1.named_parameters())  # a unit only partly frozen
+    for p in frozen.values():
+        p.requires_grad_(False)
+    before = {f"transformer.h.0.ln_1.{n}": p.detach().to(torch.bfloat16).float().clone() for n, p in frozen.items()}
+    engine = slipstream.initialize(model, config)
+    train_engine(engine, global_batches(3, config["train_batch_size"]))
+    weights = engine.consolidated_state_dict()
+    engine.close()
+    if dist.get_rank() == 0:
+        for name, value in before.items():
+            torch.testing.assert_close(weights[name], value, rtol=0, atol=0, msg=f"frozen {name} changed")
+
+
+def test_stage3_nvme_offload_leaves_frozen_parameters_untouched(tmp_path: os.PathLike[str]) -> None:
+    # bf16 parameters are published from a staging buffer per sub-group; frozen pieces in it must
+    # carry their (unchanged) values, not whatever the buffer held.
+    run_distributed(2, _frozen_body, str(tmp_path))
