@@ -15,7 +15,7 @@ import torch.distributed as dist
 import slipstream
 from slipstream.engine.checkpoint.reader import CheckpointError
 from tests.harness import run_distributed
-from tests.reference import SEQ, global_batches, gpt2_loss, micro_batch, tiny_gpt2
+from tests.reference import SEQ, global_batches, gpt2_loss, tiny_gpt2, train_engine
 
 STEPS, SAVE_AT = 10, 5
 
@@ -159,14 +159,14 @@ def _cross_offload_body(directory: str, saved_with: str, loaded_with: str) -> di
     swap = os.path.join(directory, "swap")
     batches = global_batches(STEPS, 2 * 2 * world)
     engine = slipstream.initialize(tiny_gpt2(seed=0), _with_offload(_config(world, 3, gas=2), saved_with, swap))
-    _train_global(engine, batches[:SAVE_AT])
+    train_engine(engine, batches[:SAVE_AT])
     engine.save_checkpoint(directory)
-    uninterrupted = _train_global(engine, batches[SAVE_AT:])
+    uninterrupted = train_engine(engine, batches[SAVE_AT:]).losses
     engine.close()
     engine = slipstream.initialize(tiny_gpt2(seed=4), _with_offload(_config(world, 3, gas=2), loaded_with, swap))
     assert (type(engine.optimizer).__name__ == "OffloadAdam") == (loaded_with != "none")
     engine.load_checkpoint(directory)
-    resumed = _train_global(engine, batches[SAVE_AT:])
+    resumed = train_engine(engine, batches[SAVE_AT:]).losses
     engine.close()
     return {"uninterrupted": uninterrupted, "resumed": resumed}
 
@@ -181,27 +181,10 @@ def test_offload_checkpoint_loads_without_offload_and_back(saved_with: str, load
 # ---------------------------------------------------------------- 2. reshard
 
 
-def _train_global(engine: object, batches: list[torch.Tensor]) -> list[float]:
-    """Each global batch split over ranks and micro-steps; returns global mean losses."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gas, mb = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
-    losses = []
-    for tokens in batches:
-        total = torch.zeros(())
-        for micro in range(gas):
-            loss = gpt2_loss(engine, micro_batch(tokens, micro, rank, world, mb))
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        dist.all_reduce(total)
-        losses.append(float(total) / (gas * world))
-    return losses
-
-
 def _save_sharded_body(directory: str, stage: int) -> list[float]:
     world = dist.get_world_size()
     engine = slipstream.initialize(tiny_gpt2(seed=0), _config(world, stage, gas=8 // (2 * world)))
-    losses = _train_global(engine, global_batches(STEPS, 8)[:SAVE_AT])
+    losses = train_engine(engine, global_batches(STEPS, 8)[:SAVE_AT]).losses
     engine.save_checkpoint(directory)
     engine.close()
     return losses
@@ -212,11 +195,11 @@ def _resume_at_new_size_body(directory: str, stage: int) -> dict:
     config = _config(world, stage, gas=8 // (2 * world))
     batches = global_batches(STEPS, 8)
     engine = slipstream.initialize(tiny_gpt2(seed=0), config)
-    uninterrupted = _train_global(engine, batches)
+    uninterrupted = train_engine(engine, batches).losses
     engine.close()
     engine = slipstream.initialize(tiny_gpt2(seed=4), config)
     engine.load_checkpoint(directory)
-    resumed = _train_global(engine, batches[SAVE_AT:])
+    resumed = train_engine(engine, batches[SAVE_AT:]).losses
     engine.close()
     return {"uninterrupted": uninterrupted, "resumed": resumed}
 
@@ -239,7 +222,7 @@ def _interval_body(directory: str) -> dict:
     config = _config(world, 1, gas=1, save_dir=directory, interval=3, keep_last_n=2, auto_resume=True, **{"async": True})
     engine = slipstream.initialize(tiny_gpt2(seed=0), config)
     assert engine.resumed_from is None
-    _train_global(engine, global_batches(STEPS, 2 * world))
+    train_engine(engine, global_batches(STEPS, 2 * world))
     engine.close()  # waits for the background save of step 9
     kept = sorted(p for p in os.listdir(directory) if not p.startswith("."))
     engine = slipstream.initialize(tiny_gpt2(seed=1), config)
@@ -261,7 +244,7 @@ def test_interval_saves_keep_last_n_and_auto_resume(tmp_path: Path) -> None:
 def _bad_input_body(directory: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = slipstream.initialize(tiny_gpt2(seed=0), _config(world, 2, gas=1))
-    _train_global(engine, global_batches(2, 2 * world))
+    train_engine(engine, global_batches(2, 2 * world))
     good = Path(engine.save_checkpoint(directory, tag="good"))
     root = Path(directory)
     variants = {
@@ -338,7 +321,7 @@ def test_bad_input_is_refused_with_a_precise_message(tmp_path: Path) -> None:
 def _export_body(directory: str) -> dict:
     world = dist.get_world_size()
     engine = slipstream.initialize(tiny_gpt2(seed=0), _config(world, 3, gas=1))
-    _train_global(engine, global_batches(3, 2 * world))
+    train_engine(engine, global_batches(3, 2 * world))
     engine.save_checkpoint(directory)
     tokens = global_batches(1, 2, seed=7)[0]
     with torch.no_grad():
