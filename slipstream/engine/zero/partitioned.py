@@ -26,6 +26,7 @@ from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
 from slipstream.engine.zero.params import TrainableParams, adopt_grad, bind_optimizer, optimizer_state_bytes, single_dtype
+from slipstream.engine.zero.offload.checkpoint_hooks import OffloadCheckpointHooks
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
@@ -79,7 +80,7 @@ class SendBuffers:
                 flight.pooled = None
 
 
-class PartitionedStrategy(ShardingStrategy):
+class PartitionedStrategy(OffloadCheckpointHooks, ShardingStrategy):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -358,28 +359,6 @@ class PartitionedStrategy(ShardingStrategy):
             if self.index.get(id(p)) not in self.in_layout:
                 owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), p.detach().view(-1), None, replicated=True))
         return owned
-
-    def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
-        if self.offload is None:
-            return super().slice_optimizer_state(owned)
-        from slipstream.engine.zero.offload.checkpoint import slice_state
-
-        return slice_state(self.offload, owned)
-
-    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
-        if self.offload is None:
-            return super().load_slice_optimizer_state(owned, state)
-        from slipstream.engine.zero.offload.checkpoint import load_slice_state
-
-        load_slice_state(self.offload, owned, state)
-
-    def load_sharded_state(self, read: Any) -> None:
-        if self.offload is None:
-            return super().load_sharded_state(read)
-        from slipstream.engine.zero.offload.checkpoint import load_masters
-
-        load_masters(self.offload, self.sharded_state(), read)
-        self.refresh_from_masters()
 
     def refresh_from_masters(self) -> None:
         with torch.no_grad():

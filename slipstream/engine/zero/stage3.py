@@ -43,6 +43,7 @@ from slipstream.engine.zero.params import (
     optimizer_state_bytes,
     single_dtype,
 )
+from slipstream.engine.zero.offload.checkpoint_hooks import OffloadCheckpointHooks
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.storage import alias, copy_pieces
 from slipstream.engine.zero.strategy import (
@@ -90,7 +91,7 @@ POOL_NUMEL = 64 * 2**20  # elements of reduce-scatter send buffers kept between 
 _unit_of_param: dict[int, tuple[Stage3Strategy, ParamUnit]] = {}
 
 
-class Stage3Strategy(ShardingStrategy):
+class Stage3Strategy(OffloadCheckpointHooks, ShardingStrategy):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -561,28 +562,6 @@ class Stage3Strategy(ShardingStrategy):
             value = view if view is not None else masters[piece.shard_offset : piece.shard_offset + piece.numel]
             owned.append(OwnedSlice(ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), value, view))
         return owned
-
-    def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
-        if self.offload is None:
-            return super().slice_optimizer_state(owned)
-        from slipstream.engine.zero.offload.checkpoint import slice_state
-
-        return slice_state(self.offload, owned)
-
-    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
-        if self.offload is None:
-            return super().load_slice_optimizer_state(owned, state)
-        from slipstream.engine.zero.offload.checkpoint import load_slice_state
-
-        load_slice_state(self.offload, owned, state)
-
-    def load_sharded_state(self, read: Any) -> None:
-        if self.offload is None:
-            return super().load_sharded_state(read)
-        from slipstream.engine.zero.offload.checkpoint import load_masters
-
-        load_masters(self.offload, self.sharded_state(), read)
-        self.refresh_from_masters()
 
     def refresh_from_masters(self) -> None:
         with torch.no_grad():
