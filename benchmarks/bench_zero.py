@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import build_gpt2, peak_rss_mb, random_batches, setup_rank_env, time_steps
+    from benchmarks.common import build_gpt2, random_batches, setup_rank_env, time_steps, write_rank_results
 
     setup_rank_env(rank, world, port)
     torch.set_num_threads(1)
@@ -82,13 +82,7 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
             engine.backward(loss)
             engine.step()
 
-    times = time_steps(step, batches, WARMUP)
-    rss = torch.tensor([peak_rss_mb()])
-    all_rss = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(all_rss, rss)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "rss": [float(r) for r in all_rss]}))
-    dist.barrier()
+    write_rank_results(out, time_steps(step, batches, WARMUP))
     dist.destroy_process_group()
 
 

@@ -52,6 +52,20 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def write_rank_results(out: str, times: list[float]) -> None:
+    """Gather every rank's peak RSS; rank 0 writes ``{"times", "rss"}`` as JSON to ``out``. Collective."""
+    import json
+
+    import torch.distributed as dist
+
+    all_rss = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_rss, torch.tensor([peak_rss_mb()]))
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"times": times, "rss": [float(r) for r in all_rss]}, f)
+    dist.barrier()
+
+
 def current_rss_mb() -> float:
     import psutil
 
