@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--stages", default="0,1,2")
     parser.add_argument("--peers", default="ddp", help="torch peers besides DDP: fsdp2")
     parser.add_argument("--deepspeed-python", default=None)
+    parser.add_argument("--thp", choices=("0", "1"), default="1",
+                        help="THP_MEM_ALLOC_ENABLE for every framework: 1 as `slipstream run` sets it, 0 as plain torchrun leaves it")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -122,8 +124,8 @@ def main() -> None:
             python = deepspeed_python if kind.startswith("deepspeed") else sys.executable
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps), "--world", str(args.world)]
-                # Huge pages for large CPU tensors, as `slipstream run` sets them, for every framework alike.
-                env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+                # Huge pages for large CPU tensors (as `slipstream run` sets them) or not, for every framework alike.
+                env = {**os.environ, "THP_MEM_ALLOC_ENABLE": args.thp, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
                 subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 data = json.loads(Path(out.name).read_text())
             results[kind]["times"] += data["times"]
@@ -131,7 +133,7 @@ def main() -> None:
 
     ddp = statistics.median(results["ddp"]["times"])
     print(f"{args.model}, {args.world} ranks (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, micro-batch 4;"
-          f" {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
+          f" {args.rounds} alternating rounds x {args.steps} steps; THP_MEM_ALLOC_ENABLE={args.thp}")  # fmt: skip
     fsdp2 = statistics.median(results["fsdp2"]["times"]) if "fsdp2" in results else None
     print(f"{'config':<14} {'median ms':>9} {'min-max ms':>15} {'peak RSS/rank MB':>18} {'vs DDP':>7} {'vs DeepSpeed':>13}"
           + (f" {'vs FSDP2':>9}" if fsdp2 else ""))  # fmt: skip
