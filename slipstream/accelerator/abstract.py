@@ -76,6 +76,12 @@ class Accelerator(abc.ABC):
         Device caching allocators reuse it already; nothing to do by default.
         """
 
+    def release_freed_memory(self) -> None:
+        """Hand memory the process has freed but still holds back to the system (once per step, not per unit).
+
+        Device caching allocators keep it on purpose for the next step: nothing to do by default.
+        """
+
     def supports_fused_adam(self) -> bool:
         """Whether ``torch.optim.AdamW(fused=True)`` runs on this device."""
         return True
