@@ -106,8 +106,8 @@ def format_validation_error(
                 line = f"{path}: unknown key{hint}"
         elif e["type"] == "missing":
             line = f"{path}: is required"
-        elif e["type"] == "value_error" and not loc:
-            line = f"config: {_describe_expected(e)}"
+        elif e["type"] == "value_error" and (not loc or isinstance(e.get("input"), dict)):
+            line = f"{path}: {_describe_expected(e)}"  # a check across keys: the section is the value
         elif e.get("input") == AUTO:
             line = f"{path}: \"auto\" cannot be resolved here (there is no trainer to fill it in); set a value"
         else:

@@ -186,7 +186,7 @@ class SlipstreamConfig(Section):
         elif AUTO in raw:
             autos = ", ".join(n for n, v in zip(("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), raw) if v == AUTO)
             raise ConfigError(
-                f"train_batch_size: {autos} is \"auto\", which a trainer fills in (the Hugging Face Trainer, Accelerate), "
+                f"train_batch_size: {autos} {'is' if ',' not in autos else 'are'} \"auto\", which a trainer fills in (the Hugging Face Trainer, Accelerate), "
                 "and there is none here; set train_micro_batch_size_per_gpu (or train_batch_size) to a number, "
                 "or use slipstream.integrations"
             )

@@ -47,6 +47,8 @@ _AUTO_DEFAULTS: dict[tuple[str, ...], Any] = {
     ("zero_optimization", "stage3_param_persistence_threshold"): USE_DEFAULT,
     ("zero_optimization", "prefetch_bucket_size"): USE_DEFAULT,  # DeepSpeed's unprefixed spellings
     ("zero_optimization", "param_persistence_threshold"): USE_DEFAULT,
+    ("zero_optimization", "stage3_gather_16bit_weights_on_model_save"): USE_DEFAULT,  # Accelerate's test configs
+    ("zero_optimization", "gather_16bit_weights_on_model_save"): USE_DEFAULT,
 }
 
 

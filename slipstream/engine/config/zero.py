@@ -61,6 +61,9 @@ STAGE3_ALIASES: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 
 
+ZERO_MEANS_DEFAULT = ("sub_group_size", "reduce_bucket_size", "allgather_bucket_size")
+
+
 class ZeroConfig(Section):
     """``zero_optimization``; defaults follow DeepSpeed 0.19.8 except ``overlap_comm`` (docs/config.md)."""
 
@@ -68,9 +71,9 @@ class ZeroConfig(Section):
     overlap_comm: bool | None = None
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
-    reduce_bucket_size: int = Field(500_000_000, ge=1)
+    reduce_bucket_size: int = Field(500_000_000, ge=0, description="0: the default, as if unset")
     allgather_partitions: bool = True
-    allgather_bucket_size: int = Field(500_000_000, ge=1)
+    allgather_bucket_size: int = Field(500_000_000, ge=0, description="0: the default, as if unset")
     use_multi_rank_bucket_allreduce: bool = True
     load_from_fp32_weights: bool = True
     elastic_checkpoint: bool = False
@@ -151,9 +154,10 @@ class ZeroConfig(Section):
         if self.cpu_offload and self.offload_optimizer is None:
             logger.warning("zero_optimization.cpu_offload is deprecated; treating it as offload_optimizer.device='cpu'")
             self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
-        if self.sub_group_size == 0:  # DeepSpeed accepts 0; it means "no explicit size" here
-            self.__dict__["sub_group_size"] = ZeroConfig.model_fields["sub_group_size"].default
-            self.model_fields_set.discard("sub_group_size")
+        for name in ZERO_MEANS_DEFAULT:  # DeepSpeed accepts 0 (transformers' test configs write it): "not set" here
+            if getattr(self, name) == 0:
+                self.__dict__[name] = ZeroConfig.model_fields[name].default
+                self.model_fields_set.discard(name)
         return self
 
     @property
