@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 AUTO = "auto"
 
@@ -30,3 +30,12 @@ def unsupported(value: Any, default: Any, what: str) -> Any:
     if value != default:
         raise ValueError(f"{what} is not supported by slipstream; remove the key or set it to {default!r}")
     return value
+
+
+def refuse(*fields: str, allowed: Any, what: str) -> Any:
+    """A field validator for a section class body: ``fields`` accept only ``allowed`` (see :func:`unsupported`)."""
+
+    def check(cls: type, value: Any) -> Any:
+        return unsupported(value, allowed, what)
+
+    return field_validator(*fields)(check)

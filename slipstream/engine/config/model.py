@@ -8,31 +8,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BeforeValidator, Field, ValidationError, field_validator, model_validator
 
+from slipstream.engine.config import parallel, sections
 from slipstream.engine.config.base import AUTO, ConfigError, Section
 from slipstream.engine.config.compat import IGNORED_SECTIONS, split_unknown_top_level, warn_no_effect
 from slipstream.engine.config.errors import format_validation_error, known_keys
-from slipstream.engine.config.parallel import (
-    ContextParallelConfig,
-    ExpertParallelConfig,
-    PipelineConfig,
-    TensorParallelConfig,
-    mesh_sizes,
-)
-from slipstream.engine.config.sections import (
-    ActivationCheckpointingConfig,
-    AioConfig,
-    BF16Config,
-    CheckpointConfig,
-    CommsLoggerConfig,
-    CSVMonitorConfig,
-    FlopsProfilerConfig,
-    FP16Config,
-    OptimizerConfig,
-    SchedulerConfig,
-    TensorBoardConfig,
-    TorchAutocastConfig,
-    WandbConfig,
-)
 from slipstream.engine.config.source import read_config_source, resolve_auto
 from slipstream.engine.config.zero import ZeroConfig
 from slipstream.utils.logging import get_logger
@@ -78,30 +57,30 @@ class SlipstreamConfig(Section):
     gradient_predivide_factor: float = Field(1.0, gt=0.0)
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"
     log_level: Literal["debug", "info", "warning", "error", "critical"] | None = None
-    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    torch_autocast: sections.TorchAutocastConfig = Field(default_factory=sections.TorchAutocastConfig)
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     dataloader_drop_last: bool = False
-    optimizer: OptimizerConfig | None = None
-    scheduler: SchedulerConfig | None = None
-    fp16: FP16Config = Field(default_factory=FP16Config)
-    bf16: BF16Config = Field(default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"))
+    optimizer: sections.OptimizerConfig | None = None
+    scheduler: sections.SchedulerConfig | None = None
+    fp16: sections.FP16Config = Field(default_factory=sections.FP16Config)
+    bf16: sections.BF16Config = Field(default_factory=sections.BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"))
     amp: dict[str, Any] | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
-    aio: AioConfig = Field(default_factory=AioConfig)
-    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
-    csv_monitor: CSVMonitorConfig = Field(default_factory=CSVMonitorConfig)
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
-    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    activation_checkpointing: sections.ActivationCheckpointingConfig = Field(default_factory=sections.ActivationCheckpointingConfig)
+    aio: sections.AioConfig = Field(default_factory=sections.AioConfig)
+    tensorboard: sections.TensorBoardConfig = Field(default_factory=sections.TensorBoardConfig)
+    csv_monitor: sections.CSVMonitorConfig = Field(default_factory=sections.CSVMonitorConfig)
+    wandb: sections.WandbConfig = Field(default_factory=sections.WandbConfig)
+    comms_logger: sections.CommsLoggerConfig = Field(default_factory=sections.CommsLoggerConfig)
+    checkpoint: sections.CheckpointConfig = Field(default_factory=sections.CheckpointConfig)
+    flops_profiler: sections.FlopsProfilerConfig = Field(default_factory=sections.FlopsProfilerConfig)
     comms_timeout_seconds: float = Field(1800.0, gt=0.0, le=MAX_TIMEOUT_S, description="a collective waiting longer is an error")
     # The mesh (engine/parallel/mesh.py): world = pp · dp · cp · sp · tp.
-    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
-    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    tensor_parallel: parallel.TensorParallelConfig = Field(default_factory=parallel.TensorParallelConfig)
+    pipeline: parallel.PipelineConfig = Field(default_factory=parallel.PipelineConfig)
     sequence_parallel_size: int = Field(1, ge=1)
-    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
-    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    context_parallel: parallel.ContextParallelConfig = Field(default_factory=parallel.ContextParallelConfig)
+    expert_parallel: parallel.ExpertParallelConfig = Field(default_factory=parallel.ExpertParallelConfig)
     data_parallel_size: int | None = Field(None, ge=1, description="None: world size / (pp · cp · sp · tp)")
     ignored: dict[str, Any] = Field(default_factory=dict, exclude=True)
 
@@ -157,7 +136,7 @@ class SlipstreamConfig(Section):
         ``dp`` is the data-parallel size of the mesh (``world_size`` when every other axis is 1):
         ranks that differ only in pp, cp, sp or tp coordinates work on the same micro-batch.
         """
-        dp = mesh_sizes(self, world_size).dp
+        dp = parallel.mesh_sizes(self, world_size).dp
         size = "world size" if dp == world_size else f"data-parallel size (dp of world {world_size})"
         raw = (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps)
         tb, mb, gas = (None if v == AUTO else v for v in raw)

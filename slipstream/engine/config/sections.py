@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from slipstream.engine.config.base import Section, unsupported
+from slipstream.engine.config.base import Section, refuse
 
 
 # --------------------------------------------------------------------------- sections
@@ -35,10 +35,7 @@ class FP16Config(Section):
     min_loss_scale: float = Field(1.0, gt=0.0)
     fp16_master_weights_and_grads: bool = False
 
-    @field_validator("fp16_master_weights_and_grads")
-    @classmethod
-    def _no_fp16_masters(cls, v: bool) -> bool:
-        return unsupported(v, False, "fp16 master weights")
+    _no_fp16_masters = refuse("fp16_master_weights_and_grads", allowed=False, what="fp16 master weights")
 
 
 class BF16Config(Section):
@@ -49,10 +46,7 @@ class BF16Config(Section):
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
 
-    @field_validator("bf16_master_weights_and_grads", "bf16_optimizer_states")
-    @classmethod
-    def _fp32_masters_only(cls, v: bool) -> bool:
-        return unsupported(v, False, "bf16 master weights / optimizer states (slipstream keeps them in fp32)")
+    _fp32_masters_only = refuse("bf16_master_weights_and_grads", "bf16_optimizer_states", allowed=False, what="bf16 master weights / optimizer states (slipstream keeps them in fp32)")
 
 
 class TorchAutocastConfig(Section):
@@ -60,10 +54,7 @@ class TorchAutocastConfig(Section):
     dtype: str | None = None
     lower_precision_safe_modules: list[str] | None = None
 
-    @field_validator("enabled")
-    @classmethod
-    def _no_autocast(cls, v: bool) -> bool:
-        return unsupported(v, False, "torch_autocast (use bf16 or fp16)")
+    _no_autocast = refuse("enabled", allowed=False, what="torch_autocast (use bf16 or fp16)")
 
 
 class ActivationCheckpointingConfig(Section):
@@ -78,20 +69,11 @@ class ActivationCheckpointingConfig(Section):
     module_classes: list[str] | None = None
     use_reentrant: bool = False
 
-    @field_validator("partition_activations")
-    @classmethod
-    def _no_partitioning(cls, v: bool) -> bool:
-        return unsupported(v, False, "partitioning activations across tensor-parallel ranks (slipstream has no tensor parallelism yet)")
+    _no_partitioning = refuse("partition_activations", allowed=False, what="partitioning activations across tensor-parallel ranks (slipstream has no tensor parallelism yet)")
 
-    @field_validator("contiguous_memory_optimization")
-    @classmethod
-    def _no_contiguous(cls, v: bool) -> bool:
-        return unsupported(v, False, "contiguous_memory_optimization (it packs partitioned activations; see partition_activations)")
+    _no_contiguous = refuse("contiguous_memory_optimization", allowed=False, what="contiguous_memory_optimization (it packs partitioned activations; see partition_activations)")
 
-    @field_validator("profile")
-    @classmethod
-    def _no_profile(cls, v: bool) -> bool:
-        return unsupported(v, False, "activation_checkpointing.profile (use wall_clock_breakdown: recomputation shows in the backward time)")
+    _no_profile = refuse("profile", allowed=False, what="activation_checkpointing.profile (use wall_clock_breakdown: recomputation shows in the backward time)")
 
 
 class AioConfig(Section):

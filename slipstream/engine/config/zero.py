@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from slipstream.engine.config.base import Section, unsupported
+from slipstream.engine.config.base import Section, refuse
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -25,10 +25,7 @@ class OffloadOptimizerConfig(Section):
     super_offload: bool = False
     cpuadam_cores_perc: float = Field(0.8, ge=0.0, le=1.0)
 
-    @field_validator("super_offload")
-    @classmethod
-    def _no_super_offload(cls, v: bool) -> bool:
-        return unsupported(v, False, "super_offload")
+    _no_super_offload = refuse("super_offload", allowed=False, what="super_offload")
 
 
 class OffloadParamConfig(Section):
@@ -124,30 +121,15 @@ class ZeroConfig(Section):
                 raise ValueError(f"{spelled} are one setting with two values; keep one")
         return data
 
-    @field_validator("zero_hpz_partition_size")
-    @classmethod
-    def _no_hpz(cls, v: int) -> int:
-        return unsupported(v, 1, "ZeRO++ hierarchical partitioning")
+    _no_hpz = refuse("zero_hpz_partition_size", allowed=1, what="ZeRO++ hierarchical partitioning")
 
-    @field_validator("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
-    @classmethod
-    def _no_quantized(cls, v: bool) -> bool:
-        return unsupported(v, False, "ZeRO++ quantized communication")
+    _no_quantized = refuse("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients", allowed=False, what="ZeRO++ quantized communication")
 
-    @field_validator("zenflow")
-    @classmethod
-    def _no_zenflow(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return unsupported(v, None, "ZenFlow")
+    _no_zenflow = refuse("zenflow", allowed=None, what="ZenFlow")
 
-    @field_validator("mics_shard_size")
-    @classmethod
-    def _no_mics(cls, v: int) -> int:
-        return unsupported(v, -1, "MiCS sharding")
+    _no_mics = refuse("mics_shard_size", allowed=-1, what="MiCS sharding")
 
-    @field_validator("legacy_stage1")
-    @classmethod
-    def _no_legacy(cls, v: bool) -> bool:
-        return unsupported(v, False, "legacy_stage1")
+    _no_legacy = refuse("legacy_stage1", allowed=False, what="legacy_stage1")
 
     @model_validator(mode="after")
     def _resolve_deprecated_and_zero(self) -> ZeroConfig:
