@@ -62,12 +62,13 @@ def initialize(
     stages, experts, tensor/sequence/context parallel) → shard (the ZeRO strategy over the dense
     group) → Engine. Each step reads only what the steps before it produced.
     """
-    cfg, sizes = _options(model, config, optimizer, lr_scheduler)
+    cfg, sizes = _options(model, config, optimizer, lr_scheduler)  # 1. options: every check, nothing built
     accelerator = get_accelerator()
-    _prepare_model(model, cfg, accelerator)
-    mesh = Mesh.build(sizes)
-    strategy = _shard(model, cfg, mesh, model_parameters, optimizer, accelerator)
-    scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)
+    _prepare_model(model, cfg, accelerator)  # 2. device, dtype, activation checkpointing
+    mesh = Mesh.build(sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
+    # 4. parallelize (pipeline cut, experts, tensor/sequence/context parallel): later issues
+    strategy = _shard(model, cfg, mesh, model_parameters, optimizer, accelerator)  # 5. ZeRO over dp·cp·sp
+    scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)  # 6. the engine and what it holds
     loader = None
     if training_data is not None:  # sharded by the dp coordinate: ranks that share it read the same batches
         loader = DistributedDataLoader(
