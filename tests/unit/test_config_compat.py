@@ -132,6 +132,10 @@ def test_pydantic_type_names_never_appear_in_a_key_path() -> None:
         model.model_validate({"warmup_min_lr": "low"})
     text = format_validation_error(info.value, model, prefix="scheduler.params")  # type: ignore[arg-type]
     assert text.startswith("scheduler.params.warmup_min_lr: ") and "float" not in text.split(":")[0], text
+    with pytest.raises(Exception) as info:
+        model.model_validate({"warmup_min_lr": [0.1, math.inf]})
+    text = format_validation_error(info.value, model, prefix="scheduler.params")  # type: ignore[arg-type]
+    assert text == "scheduler.params.warmup_min_lr.1: must be a finite number, got Infinity", text  # one line: the real problem
     text = _error({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": "half"}}}, None)
     assert text.startswith("zero_optimization.offload_optimizer.ratio: must be a number"), text
 

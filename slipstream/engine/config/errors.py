@@ -88,8 +88,7 @@ def format_validation_error(
     ``top_level`` are the keys of the whole config (with ``prefix`` empty: the keys a top-level
     near miss is compared with); a section name written inside another section is named as such.
     """
-    lines: list[str] = []
-    seen: set[str] = set()
+    found: dict[str, tuple[str, bool]] = {}  # path -> (line, whether it is one branch of a union)
     for e in err.errors():
         loc = key_path(tuple(e["loc"]))
         path = ".".join(str(p) for p in (prefix.split(".") if prefix else []) + list(loc)) or "config"
@@ -112,10 +111,12 @@ def format_validation_error(
             line = f"{path}: \"auto\" cannot be resolved here (there is no trainer to fill it in); set a value"
         else:
             line = f"{path}: {_describe_expected(e)}, got {_show(e.get('input'))}"
-        if path not in seen:
-            seen.add(path)
-            lines.append(line)
-    return "\n".join(lines)
+        found.setdefault(path, (line, len(loc) < len(e["loc"])))
+    # A value one union branch refuses as a whole ("must be a number, got [Infinity]") and another
+    # refuses inside (the list's element 0): the inner line names the real problem.
+    return "\n".join(
+        line for path, (line, branch) in found.items() if not (branch and any(p.startswith(path + ".") for p in found))
+    )
 
 
 def _show(value: Any) -> str:
