@@ -13,7 +13,7 @@ from slipstream.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from slipstream.comm.distributed import init_distributed
-    from slipstream.engine.config import ConfigError, SlipstreamConfig
+    from slipstream.engine.config import ConfigError, SlipstreamConfig, load_config
     from slipstream.engine.engine import Engine
     from slipstream.engine.initialize import initialize
     from slipstream.estimator import estimate
@@ -23,6 +23,7 @@ _LAZY = {
     "Engine": ("slipstream.engine.engine", "Engine"),
     "SlipstreamConfig": ("slipstream.engine.config", "SlipstreamConfig"),
     "ConfigError": ("slipstream.engine.config", "ConfigError"),
+    "load_config": ("slipstream.engine.config", "load_config"),
     "init_distributed": ("slipstream.comm.distributed", "init_distributed"),
     "estimate": ("slipstream.estimator", "estimate"),
 }

@@ -24,7 +24,11 @@ class _ResumableSampler(DistributedSampler):
 
 
 class DistributedDataLoader:
-    """Each rank reads its own micro-batches; every new pass reshuffles (``set_epoch``) the same way on all ranks.
+    """Each data-parallel rank reads its own micro-batches; every new pass reshuffles (``set_epoch``) the same way on all ranks.
+
+    ``rank`` and ``world_size`` are the mesh's dp coordinate and dp size (``initialize`` passes
+    them): ranks that differ only in pp, cp, sp or tp share a dp coordinate and so read the same
+    micro-batches, as tensor, sequence and pipeline parallelism need. "world" below means dp.
 
     [Note: resumable position] The position is kept as (epoch, samples of that epoch consumed by
     all ranks together). The shuffled order of an epoch depends only on the seed, the epoch and

@@ -21,6 +21,7 @@ from slipstream.engine.checkpoint.manager import CheckpointManager
 from slipstream.engine.config import SlipstreamConfig
 from slipstream.engine.data import DistributedDataLoader
 from slipstream.engine.monitor import TrainingMonitor
+from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.precision import DTYPES, LossScaler
 from slipstream.engine.zero.strategy import ShardingStrategy
 from slipstream.utils.logging import get_logger
@@ -41,6 +42,7 @@ class Engine(torch.nn.Module):
         world_size: int,
         lr_scheduler: Any = None,
         training_dataloader: DistributedDataLoader | None = None,
+        mesh: Mesh | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -51,6 +53,10 @@ class Engine(torch.nn.Module):
         self.world_size = world_size
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
+        # --- mesh (engine/parallel/mesh.py): samples are counted over dp, not the world
+        self.mesh = mesh
+        self._dp_size = mesh.size("dp") if mesh is not None else world_size
+        # --- end mesh
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
@@ -124,7 +130,7 @@ class Engine(torch.nn.Module):
                 self._optimizer_step()
         self._backward_since_step = False
         self.micro_steps += 1
-        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self._dp_size
         if boundary:
             self._report_progress()
             self.checkpoints.after_step(self)

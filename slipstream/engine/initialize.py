@@ -12,10 +12,11 @@ import torch.distributed as dist
 
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import init_distributed
-from slipstream.engine.config import ConfigError, SlipstreamConfig
+from slipstream.engine.config import AXIS_KEYS, ConfigError, MeshSizes, SlipstreamConfig, mesh_sizes
 from slipstream.engine.data import DistributedDataLoader
 from slipstream.engine.engine import Engine
 from slipstream.engine.optimizers import build_optimizer, validate_optimizer_config
+from slipstream.engine.parallel.mesh import DENSE, Mesh
 from slipstream.engine.precision import DTYPES, build_loss_scaler
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
 from slipstream.engine.zero.offload.options import offload_options
@@ -30,6 +31,10 @@ logger = get_logger(__name__)
 # model in one bucket and leave nothing to overlap with backward (DDP uses 25 MB).
 DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4
 AVAILABLE_STAGES = (0, 1, 2, 3)
+PARALLELISM_NAMES = {
+    "pp": "pipeline parallelism", "cp": "context parallelism", "sp": "sequence parallelism (Ulysses)",
+    "tp": "tensor parallelism", "ep": "expert parallelism",
+}  # fmt: skip
 
 # The strategy currently attached to each model, so wrapping a model again detaches the old hooks.
 _attached: weakref.WeakKeyDictionary[torch.nn.Module, ShardingStrategy] = weakref.WeakKeyDictionary()
@@ -45,12 +50,51 @@ def initialize(
     training_data: torch.utils.data.Dataset | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> Engine:
-    """Wrap ``model`` for data-parallel training as described by ``config`` (DeepSpeed's schema).
+    """Wrap ``model`` for training as described by ``config`` (DeepSpeed's schema).
 
     Joins the process group (see :func:`slipstream.init_distributed`), validates the config
-    (:class:`ConfigError` names the key), moves and casts the model, synchronizes its initial
-    weights from rank 0 and builds the optimizer, LR schedule, loss scaler and data loader.
+    (:class:`ConfigError` names the key), moves and casts the model, builds the mesh,
+    synchronizes the initial weights from rank 0 and builds the optimizer, LR schedule, loss
+    scaler and data loader.
+
+    [Note: one fixed order] As torchtitan's ``parallelize_llama``: options from the config (every
+    check, before anything is built) → prepare the model → build the mesh → (later: cut pipeline
+    stages, experts, tensor/sequence/context parallel) → shard (the ZeRO strategy over the dense
+    group) → Engine. Each step reads only what the steps before it produced.
     """
+    cfg, sizes = _options(model, config, optimizer, lr_scheduler)  # 1. options: every check, nothing built
+    accelerator = get_accelerator()
+    _prepare_model(model, cfg, accelerator)  # 2. device, dtype, activation checkpointing
+    mesh = Mesh.build(sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
+    # 4. parallelize (pipeline cut, experts, tensor/sequence/context parallel): later issues
+    strategy = _shard(model, cfg, mesh, model_parameters, optimizer, accelerator)  # 5. ZeRO over dp·cp·sp
+    scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)  # 6. the engine and what it holds
+    loader = None
+    if training_data is not None:  # sharded by the dp coordinate: ranks that share it read the same batches
+        loader = DistributedDataLoader(
+            training_data, cfg.train_micro_batch_size_per_gpu, mesh.rank_of("dp"), mesh.size("dp"),
+            collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
+        )  # fmt: skip
+    log_rank0(
+        logger,
+        "engine ready: ZeRO stage %d, %s, world size %d, batch %d = micro %d × accumulation %d × dp %d",
+        cfg.zero_optimization.stage, cfg.precision, sizes.world, cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, sizes.dp,
+    )  # fmt: skip
+    engine = Engine(
+        model, cfg, strategy, build_loss_scaler(cfg.precision, cfg.fp16), accelerator, sizes.world,
+        lr_scheduler=scheduler, training_dataloader=loader, mesh=mesh,
+    )  # fmt: skip
+    if cfg.checkpoint.auto_resume:  # the fault-tolerant launcher restarts jobs with this on
+        engine.resumed_from, engine.resumed_client_state = engine.checkpoints.resume(engine)
+    return engine
+
+
+# --------------------------------------------------------------------------- 1. options (validation only)
+
+
+def _options(model: torch.nn.Module, config: Any, optimizer: Any, lr_scheduler: Any) -> tuple[SlipstreamConfig, MeshSizes]:
+    """Read and check everything; join the process group (the world size decides the mesh and the triad)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = SlipstreamConfig.load(config, world_size=None)  # the triad needs the world size: below
@@ -58,58 +102,21 @@ def initialize(
         get_logger().setLevel(cfg.log_level.upper())
     # An explicit comms_timeout_seconds also re-times a process group the user created; the default does not.
     init_distributed(timeout=cfg.comms_timeout_seconds if "comms_timeout_seconds" in cfg.model_fields_set else None)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
+    sizes = mesh_sizes(cfg, world_size)
     cfg.resolve_batch_triad(world_size)
-    _check_supported(cfg, optimizer, lr_scheduler)
-
-    accelerator = get_accelerator()
-    dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
-    from slipstream.engine.zero.init import is_presharded, prepare_presharded
-
-    if is_presharded(model):
-        if cfg.zero_optimization.stage != 3:
-            raise ConfigError("zero_optimization.stage: the model was built under slipstream.zero.Init, which needs stage 3")
-        prepare_presharded(model, accelerator.device(), dtype)
-    else:
-        model.to(device=accelerator.device(), dtype=dtype)
-    _apply_activation_checkpointing(model, cfg, accelerator.name)
-    groups = ParamGroupSpec.from_user(model_parameters if model_parameters is not None else model.parameters())
-    if optimizer is None:
-        assert cfg.optimizer is not None
-        optimizer_config = cfg.optimizer
-
-        def optimizer_factory(param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-            return build_optimizer(optimizer_config, param_groups, accelerator.supports_fused_adam())
-
-        optimizer = optimizer_factory
-    previous = _attached.get(model)
-    if previous is not None and previous.hooks:
-        logger.warning("initialize: this model is still attached to an earlier engine; closing that engine's hooks")
-        previous.close()
-    strategy = _attached[model] = _build_strategy(model, cfg, groups, optimizer)
-    scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)
-    loader = None
-    if training_data is not None:
-        loader = DistributedDataLoader(
-            training_data, cfg.train_micro_batch_size_per_gpu, rank, world_size,
-            collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
-        )  # fmt: skip
-    log_rank0(
-        logger,
-        "engine ready: ZeRO stage %d, %s, world size %d, batch %d = micro %d × accumulation %d × %d ranks",
-        cfg.zero_optimization.stage, cfg.precision, world_size, cfg.train_batch_size,
-        cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world_size,
-    )  # fmt: skip
-    engine = Engine(
-        model, cfg, strategy, build_loss_scaler(cfg.precision, cfg.fp16), accelerator, world_size,
-        lr_scheduler=scheduler, training_dataloader=loader,
-    )  # fmt: skip
-    if cfg.checkpoint.auto_resume:  # the fault-tolerant launcher restarts jobs with this on
-        engine.resumed_from, engine.resumed_client_state = engine.checkpoints.resume(engine)
-    return engine
+    _check_supported(cfg, sizes, optimizer, lr_scheduler)
+    _check_model(model, cfg, optimizer)
+    return cfg, sizes
 
 
-def _check_supported(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -> None:
+def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr_scheduler: Any) -> None:
+    for axis in ("pp", "cp", "sp", "tp", "ep"):
+        if sizes.size(axis) > 1:
+            raise ConfigError(
+                f"{AXIS_KEYS[axis]}: {sizes.size(axis)} asks for {PARALLELISM_NAMES[axis]}, which is not supported "
+                "yet in this version of slipstream; set it to 1 or remove it"
+            )
     zero = cfg.zero_optimization
     if zero.stage not in AVAILABLE_STAGES:
         raise ConfigError(
@@ -137,6 +144,39 @@ def _check_supported(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -
             )
 
 
+def _check_model(model: torch.nn.Module, cfg: SlipstreamConfig, optimizer: Any) -> None:
+    """What the model and a ready-made optimizer must satisfy before anything is built."""
+    from slipstream.engine.zero.init import is_presharded
+
+    if is_presharded(model) and cfg.zero_optimization.stage != 3:
+        raise ConfigError("zero_optimization.stage: the model was built under slipstream.zero.Init, which needs stage 3")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        # An optimizer over other tensors would step them and never the model: a silent no-op.
+        own = {id(p) for p in model.parameters()}
+        foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
+        if foreign:
+            raise ConfigError(
+                f"optimizer: the optimizer passed to initialize() holds {foreign} tensor(s) that are not parameters of "
+                "the model, so training would never update the model; build it over model.parameters() (of this "
+                "model object), or pass a callable, optimizer=lambda params: torch.optim.AdamW(params, lr=...)"
+            )
+
+
+# --------------------------------------------------------------------------- 2. prepare the model
+
+
+def _prepare_model(model: torch.nn.Module, cfg: SlipstreamConfig, accelerator: Any) -> None:
+    """Device and dtype (a ``zero.Init`` model keeps its shards), then activation checkpointing."""
+    from slipstream.engine.zero.init import is_presharded, prepare_presharded
+
+    dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
+    if is_presharded(model):
+        prepare_presharded(model, accelerator.device(), dtype)
+    else:
+        model.to(device=accelerator.device(), dtype=dtype)
+    _apply_activation_checkpointing(model, cfg, accelerator.name)
+
+
 def _apply_activation_checkpointing(model: torch.nn.Module, cfg: SlipstreamConfig, device_type: str) -> None:
     """Set the defaults of ``slipstream.checkpointing.checkpoint`` and wrap ``module_classes`` (docs/activation_checkpointing.md)."""
     from slipstream import checkpointing
@@ -161,9 +201,37 @@ def _apply_activation_checkpointing(model: torch.nn.Module, cfg: SlipstreamConfi
     log_rank0(logger, "activation checkpointing: %d modules (%s%s)", len(names), ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
 
 
+# --------------------------------------------------------------------------- 5. shard
+
+
+def _shard(
+    model: torch.nn.Module, cfg: SlipstreamConfig, mesh: Mesh, model_parameters: Iterable[Any] | None,
+    optimizer: Any, accelerator: Any,
+) -> ShardingStrategy:  # fmt: skip
+    """The ZeRO strategy over the dense group (dp·cp·sp), with the optimizer it builds over its shards."""
+    groups = ParamGroupSpec.from_user(model_parameters if model_parameters is not None else model.parameters())
+    if optimizer is None:
+        assert cfg.optimizer is not None
+        optimizer_config = cfg.optimizer
+
+        def optimizer_factory(param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return build_optimizer(optimizer_config, param_groups, accelerator.supports_fused_adam())
+
+        optimizer = optimizer_factory
+    previous = _attached.get(model)
+    if previous is not None and previous.hooks:
+        logger.warning("initialize: this model is still attached to an earlier engine; closing that engine's hooks")
+        previous.close()
+    # None is the default group: a dense group spanning the world is exactly that (no second group).
+    group = None if mesh.spans_world(*DENSE) else mesh.dense_group
+    strategy = _attached[model] = _build_strategy(model, cfg, groups, optimizer, group)
+    return strategy
+
+
 def _build_strategy(
-    model: torch.nn.Module, cfg: SlipstreamConfig, groups: list[ParamGroupSpec], optimizer: Any
-) -> ShardingStrategy:
+    model: torch.nn.Module, cfg: SlipstreamConfig, groups: list[ParamGroupSpec], optimizer: Any,
+    group: dist.ProcessGroup | None,
+) -> ShardingStrategy:  # fmt: skip
     zero = cfg.zero_optimization
     bucket = zero.reduce_bucket_size if "reduce_bucket_size" in zero.model_fields_set else DEFAULT_BUCKET_NUMEL
     options = ShardingOptions(
@@ -174,6 +242,7 @@ def _build_strategy(
         prescale_gradients=cfg.prescale_gradients,
         average=cfg.gradient_allreduce_op == "mean",
         offload=offload_options(zero, cfg.aio),
+        group=group,
     )
     if zero.stage == 0:
         return DataParallelStrategy(model, groups, options, optimizer)

@@ -16,7 +16,7 @@ from slipstream.engine.config import ConfigError, OptimizerConfig, did_you_mean,
 
 
 class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf/NaN: ConfigError, never a non-finite run
 
 
 class AdamParams(_Params):

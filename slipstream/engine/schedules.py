@@ -43,7 +43,7 @@ def _total_after_warmup(cls: type, total: int, info: ValidationInfo) -> int:
 
 
 class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf/NaN: ConfigError, never a non-finite run
 
     last_batch_iteration: int = Field(-1, ge=-1, description="-1 starts the schedule from the beginning")
 

@@ -1,0 +1,157 @@
+"""The config sections other than ZeRO and the mesh: precision, optimizer, monitors, checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field, field_validator, model_validator
+
+from slipstream.engine.config.base import Section, refuse
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class OptimizerConfig(Section):
+    """``optimizer``: the type is matched case-insensitively; params are validated per type."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SchedulerConfig(Section):
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class FP16Config(Section):
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = Field(0.0, ge=0.0, description="0 selects dynamic loss scaling")
+    initial_scale_power: int = Field(16, ge=0, le=64)
+    loss_scale_window: int = Field(1000, ge=1)
+    hysteresis: int = Field(2, ge=1)
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = Field(1.0, gt=0.0)
+    fp16_master_weights_and_grads: bool = False
+
+    _no_fp16_masters = refuse("fp16_master_weights_and_grads", allowed=False, what="fp16 master weights")
+
+
+class BF16Config(Section):
+    enabled: bool = False
+    auto_cast: bool = False  # slipstream's: cast floating-point forward inputs to bf16 (as fp16.auto_cast)
+    immediate_grad_update: bool = False
+    check_grad_overflow: bool = True
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+
+    _fp32_masters_only = refuse("bf16_master_weights_and_grads", "bf16_optimizer_states", allowed=False, what="bf16 master weights / optimizer states (slipstream keeps them in fp32)")
+
+
+class TorchAutocastConfig(Section):
+    enabled: bool = False
+    dtype: str | None = None
+    lower_precision_safe_modules: list[str] | None = None
+
+    _no_autocast = refuse("enabled", allowed=False, what="torch_autocast (use bf16 or fp16)")
+
+
+class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``; ``module_classes`` (slipstream's) applies it to an unchanged model."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = Field(None, ge=1)
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+    module_classes: list[str] | None = None
+    use_reentrant: bool = False
+
+    _no_partitioning = refuse("partition_activations", allowed=False, what="partitioning activations across tensor-parallel ranks (slipstream has no tensor parallelism yet)")
+
+    _no_contiguous = refuse("contiguous_memory_optimization", allowed=False, what="contiguous_memory_optimization (it packs partitioned activations; see partition_activations)")
+
+    _no_profile = refuse("profile", allowed=False, what="activation_checkpointing.profile (use wall_clock_breakdown: recomputation shows in the backward time)")
+
+
+class AioConfig(Section):
+    block_size: int = Field(1_048_576, ge=4096)
+    queue_depth: int = Field(8, ge=1)
+    intra_op_parallelism: int = Field(1, ge=1, validation_alias=AliasChoices("intra_op_parallelism", "thread_count"))
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+
+class TensorBoardConfig(Section):
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "SlipstreamJobName"
+
+
+class CSVMonitorConfig(Section):
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "SlipstreamJobName"
+
+
+class WandbConfig(Section):
+    enabled: bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "slipstream"
+
+
+class FlopsProfilerConfig(Section):
+    """``flops_profiler``: a measured FLOP profile of one step; ``peak_tflops`` (slipstream's) for MFU."""
+
+    enabled: bool = False
+    profile_step: int = Field(1, ge=1)
+    module_depth: int = Field(-1, ge=-1)
+    top_modules: int = Field(1, ge=1)
+    detailed: bool = True
+    output_file: str | None = None
+    recompute_fwd_factor: float = Field(0.0, ge=0.0, le=1.0)
+    peak_tflops: float | None = Field(None, gt=0.0, description="per-device peak TFLOP/s that MFU is relative to")
+
+
+class CommsLoggerConfig(Section):
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    prof_ops: list[str] = Field(default_factory=list)
+    debug: bool = False
+
+
+class CheckpointParallelWriteConfig(Section):
+    pipeline_stage: bool = Field(False, description="DeepSpeed key; accepted, no effect (no pipeline parallelism)")
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``: slipstream's save/resume settings plus DeepSpeed's keys (see docs/checkpoints.md)."""
+
+    save_dir: str | None = Field(None, description="where interval saves go and auto_resume looks")
+    interval: int = Field(0, ge=0, description="save every N optimizer steps into save_dir; 0: never")
+    auto_resume: bool = Field(False, description="initialize() loads the newest complete checkpoint in save_dir")
+    async_save: bool = Field(False, validation_alias=AliasChoices("async", "async_save"), description="persist in the background")
+    keep_last_n: int = Field(0, ge=0, description="keep the newest N checkpoints in a save directory; 0 keeps all")
+    verify_checksums: bool = Field(True, description="check every file's CRC-32 when loading")
+    commit_timeout: float = Field(600.0, gt=0.0, description="seconds rank 0 waits for the other ranks' files")
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    load_universal: bool = Field(False, description="DeepSpeed key; every slipstream checkpoint is universal")
+    use_node_local_storage: bool = Field(False, description="DeepSpeed key; accepted, no effect (save_dir must be shared)")
+    parallel_write: CheckpointParallelWriteConfig = Field(default_factory=CheckpointParallelWriteConfig)
+    writer: dict[str, Any] | None = Field(None, description="DeepSpeed FastPersist writer; accepted, no effect")
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _mode_case(cls, v: Any) -> Any:
+        return v.capitalize() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _dir_for_auto(self) -> CheckpointConfig:
+        if (self.auto_resume or self.interval) and not self.save_dir:
+            raise ValueError("save_dir must be set when auto_resume or interval is used")
+        return self
