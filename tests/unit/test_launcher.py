@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.launcher.cli import main
+from slipstream.cli import main
 from slipstream.launcher.local import describe_failure
 
 RANK_DUMP = textwrap.dedent(
@@ -32,7 +32,7 @@ RANK_DUMP = textwrap.dedent(
 def _slipstream(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOGLEVEL")}
     return subprocess.run(
-        [sys.executable, "-m", "slipstream.launcher.cli", *args],
+        [sys.executable, "-m", "slipstream.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -49,7 +49,7 @@ def test_help_never_imports_torch():
     program = textwrap.dedent(
         """
         import sys
-        from slipstream.launcher.cli import main
+        from slipstream.cli import main
         for argv in (["--help"], ["run", "--help"]):
             try:
                 main(argv)
