@@ -123,6 +123,31 @@ def test_failed_rank_is_named_and_fails_the_run(tmp_path):
     assert "stopped the other rank(s) (0) with SIGTERM after rank 1 failed" in done.stderr
 
 
+def test_rank_failing_after_its_script_returned_is_named_with_its_exit_code(tmp_path):
+    # Issue 20 #3: a background checkpoint save that fails at exit makes the process exit non-zero
+    # after training finished; the report names the rank, the code and that it happened at shutdown.
+    script = _write(
+        tmp_path / "finish.py",
+        "import atexit, os, sys\n"
+        "def failed_save():\n"
+        "    print('checkpoint save failed: No space left on device', file=sys.stderr, flush=True)\n"
+        "    os._exit(5)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    atexit.register(failed_save)\n"
+        "print('training finished', os.environ['RANK'])\n",
+    )
+    done = _slipstream("run", "--nproc_per_node", "2", script)
+    assert done.returncode == 5, done.stderr
+    assert sorted(done.stdout.split("\n")[:2]) == ["training finished 0", "training finished 1"]
+    report = [line for line in done.stderr.splitlines() if line.startswith("slipstream run: rank")]
+    assert report == [
+        "slipstream run: rank 1 (local rank 1) exited with code 5: finish.py had returned: the process failed while "
+        "shutting down (an atexit handler or background work such as an asynchronous checkpoint save; its own "
+        "message is in this rank's output)"
+    ], done.stderr
+    assert "checkpoint save failed: No space left on device" in done.stderr
+
+
 def test_restart_is_announced_and_uses_the_given_port(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
