@@ -18,13 +18,13 @@ from collections.abc import Callable
 
 from slipstream import estimator  # pure Python, no torch: the estimate options
 from slipstream.launcher import cli as run_cli
-from slipstream.launcher.usage import OneLineParser, fail
+from slipstream.launcher.usage import OneLineParser, fail, parse_command_line
 from slipstream.version import __version__
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``slipstream`` console script; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(build_parser(), argv)
     return COMMANDS[args.command](args)
 
 

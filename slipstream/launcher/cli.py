@@ -17,7 +17,7 @@ import os
 import sys
 
 from slipstream.launcher.hostfile import MAX_SLOTS
-from slipstream.launcher.usage import OneLineParser, fail, shown
+from slipstream.launcher.usage import OneLineParser, fail, parse_command_line, shown
 
 RUN_DESCRIPTION = (
     "Run SCRIPT in --nproc_per_node processes on this machine, or on every node of a "
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = OneLineParser(prog="slipstream", description="Launch Slipstream training jobs.")
     add_run_parser(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    return run(parser.parse_args(argv))
+    return run(parse_command_line(parser, argv))
 
 
 def add_run_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:

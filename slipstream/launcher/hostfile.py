@@ -77,15 +77,17 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> dict[str, int]:
 
 def _slot_count(count: str, where: str) -> int:
     # ASCII digits only: str.isdigit() also accepts '²', which int() then refuses with a traceback.
-    if not re.fullmatch(r"[0-9]+", count) or int(count.lstrip("0") or "0") < 1:
+    digits = count.lstrip("0")
+    if not re.fullmatch(r"[0-9]+", count) or not digits:
         raise HostfileError(f"{where}: slots must be a positive integer, got {shown(count)}; e.g. 'slots=8'")
-    if len(count) > len(str(MAX_SLOTS)) or int(count) > MAX_SLOTS:
+    # Compared by length first: int() of thousands of digits raises instead of converting.
+    if len(digits) > len(str(MAX_SLOTS)) or int(digits) > MAX_SLOTS:
         value = count if len(count) <= 20 else f"{count[:20]}... ({len(count)} digits)"
         raise HostfileError(
             f"{where}: slots={value} is more than {MAX_SLOTS} processes on one node; "
             "set slots to the node's number of devices (GPUs)"
         )
-    return int(count)
+    return int(digits)
 
 
 def parse_hostfile(path: str) -> dict[str, int]:
@@ -127,11 +129,11 @@ def select(
 
     ``pool`` names where ``hosts`` came from in error messages ("this machine" without a hostfile).
     """
-    if include and exclude:
+    if include is not None and exclude is not None:
         raise HostfileError("--include and --exclude cannot be used together; give one of them")
     available: Resources = {host: list(range(slots)) for host, slots in hosts.items()}
     chosen: Resources
-    if include:
+    if include is not None:
         chosen = {}
         wanted = parse_host_spec(include, "--include")
         for host, slots in wanted.items():
@@ -139,7 +141,7 @@ def select(
         for host in available:  # keep hostfile order, not the order on the command line
             if host in wanted:
                 chosen[host] = list(available[host]) if wanted[host] is None else wanted[host]  # type: ignore[assignment]
-    elif exclude:
+    elif exclude is not None:
         chosen = {host: list(slots) for host, slots in available.items()}
         for host, slots in parse_host_spec(exclude, "--exclude").items():
             _check_known(host, slots, available, "--exclude", pool)

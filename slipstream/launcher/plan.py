@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slipstream.launcher.environment import EnvFileError, exported_env
-from slipstream.launcher.hostfile import HostfileError, check_host, expand_nodelist, parse_hostfile, select
+from slipstream.launcher.hostfile import (
+    HostfileError,
+    check_host,
+    expand_nodelist,
+    parse_host_spec,
+    parse_hostfile,
+    select,
+)
 from slipstream.launcher.local import LocalLaunch
 from slipstream.launcher.runners import Job, Node, RunnerError, commands
 from slipstream.launcher.usage import shown
@@ -73,12 +80,13 @@ def _this_node(args: Any, environ: Mapping[str, str]) -> Plan:
     num_nodes = args.num_nodes or 1
     nproc = args.nproc_per_node
     env: dict[str, str] = {}
-    if args.include or args.exclude:
+    if args.include is not None or args.exclude is not None:
         # No hostfile: this machine alone, its slots being its devices ("localhost:1" picks GPU 1).
         from slipstream.launcher.local import default_nproc_per_node
 
         pool = {"localhost": nproc or default_nproc_per_node()}
-        slots = select(pool, _local_spec(args.include), _local_spec(args.exclude), pool="this machine")["localhost"]
+        include, exclude = _local_spec(args.include, "--include"), _local_spec(args.exclude, "--exclude")
+        slots = select(pool, include, exclude, pool="this machine")["localhost"]
         nproc = len(slots)
         if slots != list(range(len(slots))):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
@@ -134,7 +142,7 @@ def _with_hosts(args: Any, environ: Mapping[str, str], cwd: str, home: str | Non
                 "run inside an allocation or pass --hostfile"
             )
         names = expand_nodelist(nodelist)
-        if args.include or args.exclude:
+        if args.include is not None or args.exclude is not None:
             raise PlanError("--include/--exclude need a --hostfile (Slurm chooses the nodes of an allocation)")
         count = args.num_nodes or len(names)
         if count > len(names):
@@ -174,17 +182,16 @@ def _with_hosts(args: Any, environ: Mapping[str, str], cwd: str, home: str | Non
     return Plan(runner=launcher, job=job, argvs=commands(launcher, job))
 
 
-def _local_spec(spec: str | None) -> str | None:
+def _local_spec(spec: str | None, flag: str) -> str | None:
     """``localhost:1``, ``127.0.0.1:1`` or this host's name all mean this machine here."""
     if spec is None:
         return None
+    parse_host_spec(spec, flag)  # the same form and the same errors as with a hostfile
     parts = []
     for part in spec.split("@"):
         host, sep, slots = part.partition(":")
         if not _is_this_machine(host):
-            raise PlanError(
-                f"--include/--exclude: host {shown(host)} is not this machine; pass a --hostfile for other hosts"
-            )
+            raise PlanError(f"{flag}: host {shown(host)} is not this machine; pass a --hostfile for other hosts")
         parts.append(f"localhost{sep}{slots}")
     return "@".join(parts)
 

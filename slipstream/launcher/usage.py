@@ -27,6 +27,19 @@ class OneLineParser(argparse.ArgumentParser):
         fail(self.prog, f"{message}; see '{self.prog} --help'")
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, with an unknown option blamed on its subcommand.
+
+    argparse reports a subcommand's unknown option from the top-level parser, whose help does not
+    list the subcommand's options; the error should point at ``slipstream run --help``.
+    """
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        prog = f"{parser.prog} {args.command}" if getattr(args, "command", None) else parser.prog
+        fail(prog, f"unrecognized arguments: {' '.join(extras)}; see '{prog} --help'")
+    return args
+
+
 def fail(prog: str, message: str) -> NoReturn:
     """Print ``PROG: error: MESSAGE`` as one line on stderr and exit with status 2."""
     line = " ".join(message.split())  # a message that wraps would no longer be one line
