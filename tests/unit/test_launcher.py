@@ -126,19 +126,24 @@ def test_failed_rank_is_named_and_fails_the_run(tmp_path):
 def test_rank_failing_after_its_script_returned_is_named_with_its_exit_code(tmp_path):
     # Issue 20 #3: a background checkpoint save that fails at exit makes the process exit non-zero
     # after training finished; the report names the rank, the code and that it happened at shutdown.
-    script = _write(
-        tmp_path / "finish.py",
-        "import atexit, os, sys\n"
-        "def failed_save():\n"
-        "    print('checkpoint save failed: No space left on device', file=sys.stderr, flush=True)\n"
-        "    os._exit(5)\n"
-        "if os.environ['RANK'] == '1':\n"
-        "    atexit.register(failed_save)\n"
-        "print('training finished', os.environ['RANK'])\n",
-    )
-    done = _slipstream("run", "--nproc_per_node", "2", script)
+    source = """
+        import atexit, os, sys, time
+
+        def failed_save():  # once rank 0 is done too: the whole run had finished
+            while not os.path.exists(__FINISHED__ + "0") and time.time() < deadline:
+                time.sleep(0.05)
+            print("checkpoint save failed: No space left on device", file=sys.stderr, flush=True)
+            os._exit(5)
+
+        deadline = time.time() + 30
+        if os.environ["RANK"] == "1":
+            atexit.register(failed_save)
+        print("training finished", os.environ["RANK"])
+        open(__FINISHED__ + os.environ["RANK"], "w").close()
+    """.replace("__FINISHED__", repr(str(tmp_path / "finished")))
+    done = _slipstream("run", "--nproc_per_node", "2", _write(tmp_path / "finish.py", textwrap.dedent(source)))
     assert done.returncode == 5, done.stderr
-    assert sorted(done.stdout.split("\n")[:2]) == ["training finished 0", "training finished 1"]
+    assert sorted(done.stdout.splitlines()) == ["training finished 0", "training finished 1"]
     report = [line for line in done.stderr.splitlines() if line.startswith("slipstream run: rank")]
     assert report == [
         "slipstream run: rank 1 (local rank 1) exited with code 5: finish.py had returned: the process failed while "
