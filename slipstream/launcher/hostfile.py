@@ -26,6 +26,7 @@ Resources = dict[str, list[int]]
 # slot list of that length (and before a rank count like that reaches torch elastic).
 MAX_SLOTS = 1024
 MAX_NODELIST_HOSTS = 65536  # a Slurm node list that expands to more is a malformed range
+_SLURM_FIX = "run inside salloc/sbatch or pass --hostfile"
 
 # Hostnames, IPv4/IPv6 addresses and ssh's user@host. Anything else (spaces, quotes, ';', a
 # leading '-' that ssh would read as an option) is refused here, before it can reach a command.
@@ -99,7 +100,9 @@ def parse_host_spec(spec: str, flag: str) -> dict[str, list[int] | None]:
     parsed: dict[str, list[int] | None] = {}
     for part in spec.split("@"):
         if not part:
-            raise HostfileError(f"{flag}: empty host in {shown(spec)}; separate hosts with one '@', e.g. 'host1:0,1@host2'")
+            raise HostfileError(
+                f"{flag}: empty host in {shown(spec)}; separate hosts with one '@', e.g. 'host1:0,1@host2'"
+            )
         host, _, slots = part.partition(":")
         check_host(host, flag)
         if not _:
@@ -108,9 +111,13 @@ def parse_host_spec(spec: str, flag: str) -> dict[str, list[int] | None]:
         try:
             indices = [int(s) for s in slots.split(",")]
         except ValueError:
-            raise HostfileError(f"{flag}: slots of {host!r} must be integers like '{host}:0,1', got {shown(slots)}") from None
+            raise HostfileError(
+                f"{flag}: slots of {host!r} must be integers like '{host}:0,1', got {shown(slots)}"
+            ) from None
         if any(i < 0 for i in indices):
-            raise HostfileError(f"{flag}: slot indices of {host!r} cannot be negative, got {shown(slots)}; slots count from 0")
+            raise HostfileError(
+                f"{flag}: slot indices of {host!r} cannot be negative, got {shown(slots)}; slots count from 0"
+            )
         previous = parsed.get(host) or []
         parsed[host] = sorted(set(previous) | set(indices))
     return parsed
@@ -205,14 +212,13 @@ def expand_nodelist(nodelist: str) -> list[str]:
         for part in ranges.split(","):
             low, _, high = part.partition("-")
             if not re.fullmatch(r"[0-9]{1,9}", low) or (high and not re.fullmatch(r"[0-9]{1,9}", high)):
-                raise HostfileError(f"SLURM_JOB_NODELIST: cannot expand {shown(item)}; run inside salloc/sbatch or pass --hostfile")
+                raise HostfileError(f"SLURM_JOB_NODELIST: cannot expand {shown(item)}; {_SLURM_FIX}")
             if len(names) + int(high or low) - int(low) >= MAX_NODELIST_HOSTS:
                 raise HostfileError(
-                    f"SLURM_JOB_NODELIST: {shown(item)} expands to more than {MAX_NODELIST_HOSTS} hosts; "
-                    "run inside salloc/sbatch or pass --hostfile"
+                    f"SLURM_JOB_NODELIST: {shown(item)} expands to more than {MAX_NODELIST_HOSTS} hosts; {_SLURM_FIX}"
                 )
             for number in range(int(low), int(high or low) + 1):
                 names.append(check_host(f"{prefix}{number:0{len(low)}d}{suffix}", "SLURM_JOB_NODELIST"))
     if not names:
-        raise HostfileError(f"SLURM_JOB_NODELIST: no hosts in {shown(nodelist)}; run inside salloc/sbatch or pass --hostfile")
+        raise HostfileError(f"SLURM_JOB_NODELIST: no hosts in {shown(nodelist)}; {_SLURM_FIX}")
     return names

@@ -72,7 +72,10 @@ def node_rank_from(value: str, environ: Mapping[str, str]) -> int:
             if name in environ:
                 return _non_negative(environ[name], f"--node_rank {value}: {name}")
         names = ", ".join(NODE_RANK_ENV[value])
-        raise PlanError(f"--node_rank {value}: none of {names} is set; is this running under the {value} runner? Otherwise pass the node's rank as a number")
+        raise PlanError(
+            f"--node_rank {value}: none of {names} is set; is this running under the {value} runner? "
+            "Otherwise pass the node's rank as a number"
+        )
     return _non_negative(value, "--node_rank")
 
 
@@ -92,7 +95,9 @@ def _this_node(args: Any, environ: Mapping[str, str]) -> Plan:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     if num_nodes == 1:
         if args.node_rank not in (None, "0"):
-            raise PlanError("--node_rank: only meaningful with --num_nodes greater than 1; drop it, or give --num_nodes N")
+            raise PlanError(
+                "--node_rank: only meaningful with --num_nodes greater than 1; drop it, or give --num_nodes N"
+            )
         local = LocalLaunch(
             script=args.script, script_args=tuple(args.script_args), nproc_per_node=nproc,
             master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
@@ -147,7 +152,8 @@ def _with_hosts(args: Any, environ: Mapping[str, str], cwd: str, home: str | Non
         count = args.num_nodes or len(names)
         if count > len(names):
             raise PlanError(
-                f"--num_nodes {count}: the Slurm allocation has {len(names)} node(s); lower --num_nodes or allocate more"
+                f"--num_nodes {count}: the Slurm allocation has {len(names)} node(s); "
+                "lower --num_nodes or allocate more"
             )
         slots = tuple(range(args.nproc_per_node)) if args.nproc_per_node else None
         nodes = tuple(Node(name, slots) for name in names[:count])

@@ -61,8 +61,8 @@ class _Imports(ast.NodeVisitor):
     visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
 
     def visit_If(self, node: ast.If) -> None:
-        test = node.test
-        if not (isinstance(test, ast.Name | ast.Attribute) and getattr(test, "id", getattr(test, "attr", "")) == "TYPE_CHECKING"):
+        name = getattr(node.test, "id", getattr(node.test, "attr", None))  # TYPE_CHECKING, typing.TYPE_CHECKING
+        if name != "TYPE_CHECKING":
             self.generic_visit(node)
             return
         self.typing += 1
@@ -107,7 +107,8 @@ class Graph:
             collector = _Imports(module, path.name == "__init__.py")
             collector.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
             for name, imported, line, kind in collector.found:
-                target = f"{name}.{imported}" if imported and f"{name}.{imported}" in self.files else self._resolve(name)
+                submodule = f"{name}.{imported}" if imported else None
+                target = submodule if submodule in self.files else self._resolve(name)
                 if target is None:
                     self.external[module].append((name, line, kind))
                 elif target != module:
@@ -207,8 +208,8 @@ def import_cycles(g: Graph) -> list[str]:
         if len(component) < 2:
             continue
         start = min(component)
-        loops = [shortest_path(g.edges, target, {start}, ANY, ANY, component) for target in g.edges[start] if target in component]
-        loop = [start, *min((p for p in loops if p), key=len)]
+        back = [shortest_path(g.edges, t, {start}, ANY, ANY, component) for t in g.edges[start] if t in component]
+        loop = [start, *min((path for path in back if path), key=len)]
         found.append(f"import cycle among {len(component)} modules ({', '.join(sorted(component))}): "
                      + g.describe(loop, ANY, ANY))  # fmt: skip
     return found
