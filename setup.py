@@ -53,7 +53,7 @@ setup(
         "monitor": ["tensorboard>=2.14", "tqdm>=4.66"],
         "dev": ["pytest>=7.4", "transformers>=4.40", "safetensors>=0.4", "tensorboard>=2.14", "tqdm>=4.66"],
     },
-    entry_points={"console_scripts": ["slipstream=slipstream.launcher.cli:main"]},
+    entry_points={"console_scripts": ["slipstream=slipstream.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "License :: OSI Approved :: Apache Software License",

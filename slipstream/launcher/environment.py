@@ -13,6 +13,9 @@ import os
 import re
 from collections.abc import Mapping
 
+from slipstream.launcher.textfile import read_small_text
+from slipstream.launcher.usage import shown
+
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "CUDA_", "OMP_", "SLIPSTREAM_", "TORCH_NCCL_", "UCX_", "FI_")
 ENV_FILE = ".slipstream_env"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -33,10 +36,15 @@ def parse_env_file(text: str, source: str) -> dict[str, str]:
         key, sep, value = line.partition("=")
         key = key.strip()
         if not sep or not _NAME.fullmatch(key):
-            raise EnvFileError(f"{source} line {number}: expected KEY=VALUE, got {raw.strip()!r}")
+            raise EnvFileError(
+                f"{source} line {number}: expected KEY=VALUE, got {shown(raw.strip())}; write one "
+                "variable per line (a name of letters, digits and '_'), or start a comment with #"
+            )
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
+        if "\0" in value:  # the exec of the remote command would fail with a traceback
+            raise EnvFileError(f"{source} line {number}: the value of {key} contains a NUL byte; remove it")
         values[key] = value
     return values
 
@@ -47,7 +55,6 @@ def exported_env(environ: Mapping[str, str], cwd: str, home: str | None) -> dict
     directories = [home, cwd] if home and os.path.abspath(home) != os.path.abspath(cwd) else [cwd]
     for directory in directories:
         path = os.path.join(directory, ENV_FILE)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as file:
-                values.update(parse_env_file(file.read(), path))
+        if os.path.exists(path):
+            values.update(parse_env_file(read_small_text(path, ENV_FILE, EnvFileError), path))
     return values

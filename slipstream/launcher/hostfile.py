@@ -18,7 +18,15 @@ from __future__ import annotations
 
 import re
 
+from slipstream.launcher.textfile import read_small_text
+from slipstream.launcher.usage import shown
+
 Resources = dict[str, list[int]]
+# More processes than any node has devices: a typo (slots=80000), refused before it allocates a
+# slot list of that length (and before a rank count like that reaches torch elastic).
+MAX_SLOTS = 1024
+MAX_NODELIST_HOSTS = 65536  # a Slurm node list that expands to more is a malformed range
+_SLURM_FIX = "run inside salloc/sbatch or pass --hostfile"
 
 # Hostnames, IPv4/IPv6 addresses and ssh's user@host. Anything else (spaces, quotes, ';', a
 # leading '-' that ssh would read as an option) is refused here, before it can reach a command.
@@ -31,13 +39,17 @@ class HostfileError(ValueError):
 
 def check_host(name: str, where: str) -> str:
     if not _HOST.fullmatch(name):
-        raise HostfileError(f"{where}: {name!r} is not a valid host name")
+        raise HostfileError(
+            f"{where}: {shown(name)} is not a valid host name; use a name or address "
+            "(letters, digits, '.', '-', '_', ':', optionally 'user@' before it)"
+        )
     return name
 
 
 def parse_hostfile_text(text: str, source: str = "hostfile") -> dict[str, int]:
     """``{host: slots}`` in file order from the text of a hostfile."""
     hosts: dict[str, int] = {}
+    first_line: dict[str, int] = {}  # the machine (user@ removed) -> the line that named it
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -46,25 +58,41 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> dict[str, int]:
         fields = line.split()
         host = check_host(fields[0], where)
         if len(fields) != 2 or not fields[1].startswith("slots="):
-            raise HostfileError(f"{where}: expected 'HOST slots=N', got {raw.strip()!r}")
-        count = fields[1][len("slots=") :]
-        if not count.isdigit() or int(count) < 1:
-            raise HostfileError(f"{where}: slots must be a positive integer, got {count!r}")
-        if host in hosts:
-            raise HostfileError(f"{where}: host {host!r} is listed twice")
-        hosts[host] = int(count)
+            raise HostfileError(
+                f"{where}: expected 'HOST slots=N', got {shown(raw.strip())}; write one host and its "
+                "process count per line, e.g. 'worker-1 slots=8'"
+            )
+        slots = _slot_count(fields[1][len("slots=") :], where)
+        machine = host.rpartition("@")[2]
+        if machine in first_line:
+            raise HostfileError(
+                f"{where}: host {machine!r} is listed twice (first on line {first_line[machine]}); "
+                "keep one line per host with all its slots"
+            )
+        first_line[machine] = number
+        hosts[host] = slots
     if not hosts:
-        raise HostfileError(f"{source}: no hosts in it")
+        raise HostfileError(f"{source}: no hosts in it; add one 'HOST slots=N' line per node")
     return hosts
 
 
+def _slot_count(count: str, where: str) -> int:
+    # ASCII digits only: str.isdigit() also accepts '²', which int() then refuses with a traceback.
+    digits = count.lstrip("0")
+    if not re.fullmatch(r"[0-9]+", count) or not digits:
+        raise HostfileError(f"{where}: slots must be a positive integer, got {shown(count)}; e.g. 'slots=8'")
+    # Compared by length first: int() of thousands of digits raises instead of converting.
+    if len(digits) > len(str(MAX_SLOTS)) or int(digits) > MAX_SLOTS:
+        value = count if len(count) <= 20 else f"{count[:20]}... ({len(count)} digits)"
+        raise HostfileError(
+            f"{where}: slots={value} is more than {MAX_SLOTS} processes on one node; "
+            "set slots to the node's number of devices (GPUs)"
+        )
+    return int(digits)
+
+
 def parse_hostfile(path: str) -> dict[str, int]:
-    try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-    except OSError as err:
-        raise HostfileError(f"--hostfile: cannot read {path}: {err.strerror}") from None
-    return parse_hostfile_text(text, source=path)
+    return parse_hostfile_text(read_small_text(path, "--hostfile", HostfileError), source=path)
 
 
 def parse_host_spec(spec: str, flag: str) -> dict[str, list[int] | None]:
@@ -72,7 +100,9 @@ def parse_host_spec(spec: str, flag: str) -> dict[str, list[int] | None]:
     parsed: dict[str, list[int] | None] = {}
     for part in spec.split("@"):
         if not part:
-            raise HostfileError(f"{flag}: empty host in {spec!r}")
+            raise HostfileError(
+                f"{flag}: empty host in {shown(spec)}; separate hosts with one '@', e.g. 'host1:0,1@host2'"
+            )
         host, _, slots = part.partition(":")
         check_host(host, flag)
         if not _:
@@ -81,9 +111,13 @@ def parse_host_spec(spec: str, flag: str) -> dict[str, list[int] | None]:
         try:
             indices = [int(s) for s in slots.split(",")]
         except ValueError:
-            raise HostfileError(f"{flag}: slots of {host!r} must be integers like '{host}:0,1', got {slots!r}") from None
+            raise HostfileError(
+                f"{flag}: slots of {host!r} must be integers like '{host}:0,1', got {shown(slots)}"
+            ) from None
         if any(i < 0 for i in indices):
-            raise HostfileError(f"{flag}: slot indices of {host!r} cannot be negative")
+            raise HostfileError(
+                f"{flag}: slot indices of {host!r} cannot be negative, got {shown(slots)}; slots count from 0"
+            )
         previous = parsed.get(host) or []
         parsed[host] = sorted(set(previous) | set(indices))
     return parsed
@@ -95,25 +129,29 @@ def select(
     exclude: str | None = None,
     num_nodes: int | None = None,
     nproc_per_node: int | None = None,
+    pool: str = "the hostfile",
 ) -> Resources:
     """Apply ``--include``/``--exclude``, then ``--num_nodes`` (first N hosts), then
-    ``--nproc_per_node`` (first N slots of each host). Order follows the hostfile."""
-    if include and exclude:
-        raise HostfileError("--include and --exclude cannot be used together")
+    ``--nproc_per_node`` (first N slots of each host). Order follows the hostfile.
+
+    ``pool`` names where ``hosts`` came from in error messages ("this machine" without a hostfile).
+    """
+    if include is not None and exclude is not None:
+        raise HostfileError("--include and --exclude cannot be used together; give one of them")
     available: Resources = {host: list(range(slots)) for host, slots in hosts.items()}
     chosen: Resources
-    if include:
+    if include is not None:
         chosen = {}
         wanted = parse_host_spec(include, "--include")
         for host, slots in wanted.items():
-            _check_known(host, slots, available, "--include")
+            _check_known(host, slots, available, "--include", pool)
         for host in available:  # keep hostfile order, not the order on the command line
             if host in wanted:
                 chosen[host] = list(available[host]) if wanted[host] is None else wanted[host]  # type: ignore[assignment]
-    elif exclude:
+    elif exclude is not None:
         chosen = {host: list(slots) for host, slots in available.items()}
         for host, slots in parse_host_spec(exclude, "--exclude").items():
-            _check_known(host, slots, available, "--exclude")
+            _check_known(host, slots, available, "--exclude", pool)
             if slots is None:
                 del chosen[host]
             else:
@@ -123,31 +161,38 @@ def select(
     else:
         chosen = available
     if not chosen:
-        raise HostfileError("no hosts left after --include/--exclude")
+        raise HostfileError("no hosts left after --include/--exclude; leave at least one host and slot selected")
     if num_nodes is not None:
         if num_nodes > len(chosen):
-            raise HostfileError(f"--num_nodes {num_nodes}: only {len(chosen)} host(s) available ({', '.join(chosen)})")
+            raise HostfileError(
+                f"--num_nodes {num_nodes}: only {len(chosen)} host(s) available ({', '.join(chosen)}); "
+                "lower --num_nodes or add hosts to the hostfile"
+            )
         chosen = dict(list(chosen.items())[:num_nodes])
     if nproc_per_node is not None:
         for host, slots in chosen.items():
             if nproc_per_node > len(slots):
                 raise HostfileError(
-                    f"--nproc_per_node {nproc_per_node}: host {host!r} has only {len(slots)} slot(s) selected"
+                    f"--nproc_per_node {nproc_per_node}: host {host!r} has only {len(slots)} slot(s) selected; "
+                    "lower --nproc_per_node or select more slots of that host"
                 )
         chosen = {host: slots[:nproc_per_node] for host, slots in chosen.items()}
     return chosen
 
 
-def _check_known(host: str, slots: list[int] | None, available: Resources, flag: str) -> None:
+def _check_known(host: str, slots: list[int] | None, available: Resources, flag: str, pool: str) -> None:
     if host not in available:
-        raise HostfileError(f"{flag}: host {host!r} is not in the hostfile (hosts: {', '.join(available)})")
+        raise HostfileError(
+            f"{flag}: host {host!r} is not in {pool} (hosts: {', '.join(available)}); name one of those"
+        )
     if slots:
         count = len(available[host])
-        beyond = [s for s in slots if s >= count]
+        beyond = [str(s) for s in slots if s >= count]
         if beyond:
+            listed = ", ".join(beyond[:8]) + (f", ... ({len(beyond)} in all)" if len(beyond) > 8 else "")
             raise HostfileError(
-                f"{flag}: host {host!r} has {count} slot(s) in the hostfile (0-{count - 1}), "
-                f"asked for slot {', '.join(map(str, beyond))}"
+                f"{flag}: host {host!r} has {count} slot(s) in {pool} (0-{count - 1}), "
+                f"asked for slot {listed}; slots count from 0"
             )
 
 
@@ -166,10 +211,14 @@ def expand_nodelist(nodelist: str) -> list[str]:
         prefix, ranges, suffix = match.groups()
         for part in ranges.split(","):
             low, _, high = part.partition("-")
-            if not low.isdigit() or (high and not high.isdigit()):
-                raise HostfileError(f"SLURM_JOB_NODELIST: cannot expand {item!r}")
+            if not re.fullmatch(r"[0-9]{1,9}", low) or (high and not re.fullmatch(r"[0-9]{1,9}", high)):
+                raise HostfileError(f"SLURM_JOB_NODELIST: cannot expand {shown(item)}; {_SLURM_FIX}")
+            if len(names) + int(high or low) - int(low) >= MAX_NODELIST_HOSTS:
+                raise HostfileError(
+                    f"SLURM_JOB_NODELIST: {shown(item)} expands to more than {MAX_NODELIST_HOSTS} hosts; {_SLURM_FIX}"
+                )
             for number in range(int(low), int(high or low) + 1):
                 names.append(check_host(f"{prefix}{number:0{len(low)}d}{suffix}", "SLURM_JOB_NODELIST"))
     if not names:
-        raise HostfileError(f"SLURM_JOB_NODELIST: no hosts in {nodelist!r}")
+        raise HostfileError(f"SLURM_JOB_NODELIST: no hosts in {shown(nodelist)}; {_SLURM_FIX}")
     return names

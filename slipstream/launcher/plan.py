@@ -20,9 +20,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slipstream.launcher.environment import EnvFileError, exported_env
-from slipstream.launcher.hostfile import HostfileError, expand_nodelist, parse_hostfile, select
+from slipstream.launcher.hostfile import (
+    HostfileError,
+    check_host,
+    expand_nodelist,
+    parse_host_spec,
+    parse_hostfile,
+    select,
+)
 from slipstream.launcher.local import LocalLaunch
 from slipstream.launcher.runners import Job, Node, RunnerError, commands
+from slipstream.launcher.usage import shown
 
 DEFAULT_MULTI_NODE_PORT = 29500
 # Where an agent started by a runner finds its node rank (one agent per node, so the runner's
@@ -48,6 +56,8 @@ class Plan:
 
 def make_plan(args: Any, environ: Mapping[str, str], cwd: str, home: str | None) -> Plan:
     try:
+        if args.master_addr is not None:  # it reaches every rank and, quoted, the runners' commands
+            check_host(args.master_addr, "--master_addr")
         if args.hostfile is None and args.launcher in (None, "local"):
             return _this_node(args, environ)
         return _with_hosts(args, environ, cwd, home)
@@ -62,7 +72,10 @@ def node_rank_from(value: str, environ: Mapping[str, str]) -> int:
             if name in environ:
                 return _non_negative(environ[name], f"--node_rank {value}: {name}")
         names = ", ".join(NODE_RANK_ENV[value])
-        raise PlanError(f"--node_rank {value}: none of {names} is set; is this running under the {value} runner?")
+        raise PlanError(
+            f"--node_rank {value}: none of {names} is set; is this running under the {value} runner? "
+            "Otherwise pass the node's rank as a number"
+        )
     return _non_negative(value, "--node_rank")
 
 
@@ -70,18 +83,21 @@ def _this_node(args: Any, environ: Mapping[str, str]) -> Plan:
     num_nodes = args.num_nodes or 1
     nproc = args.nproc_per_node
     env: dict[str, str] = {}
-    if args.include or args.exclude:
+    if args.include is not None or args.exclude is not None:
         # No hostfile: this machine alone, its slots being its devices ("localhost:1" picks GPU 1).
         from slipstream.launcher.local import default_nproc_per_node
 
         pool = {"localhost": nproc or default_nproc_per_node()}
-        slots = select(pool, _local_spec(args.include), _local_spec(args.exclude))["localhost"]
+        include, exclude = _local_spec(args.include, "--include"), _local_spec(args.exclude, "--exclude")
+        slots = select(pool, include, exclude, pool="this machine")["localhost"]
         nproc = len(slots)
         if slots != list(range(len(slots))):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     if num_nodes == 1:
         if args.node_rank not in (None, "0"):
-            raise PlanError("--node_rank: only meaningful with --num_nodes greater than 1")
+            raise PlanError(
+                "--node_rank: only meaningful with --num_nodes greater than 1; drop it, or give --num_nodes N"
+            )
         local = LocalLaunch(
             script=args.script, script_args=tuple(args.script_args), nproc_per_node=nproc,
             master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
@@ -95,7 +111,7 @@ def _this_node(args: Any, environ: Mapping[str, str]) -> Plan:
         )
     node_rank = node_rank_from(args.node_rank, environ)
     if node_rank >= num_nodes:
-        raise PlanError(f"--node_rank {node_rank}: must be less than --num_nodes {num_nodes}")
+        raise PlanError(f"--node_rank {node_rank}: must be less than --num_nodes {num_nodes} (nodes count from 0)")
     if args.master_addr is None or args.master_port is None:
         raise PlanError(
             "--master_addr and --master_port: required with --num_nodes > 1 "
@@ -131,11 +147,14 @@ def _with_hosts(args: Any, environ: Mapping[str, str], cwd: str, home: str | Non
                 "run inside an allocation or pass --hostfile"
             )
         names = expand_nodelist(nodelist)
-        if args.include or args.exclude:
+        if args.include is not None or args.exclude is not None:
             raise PlanError("--include/--exclude need a --hostfile (Slurm chooses the nodes of an allocation)")
         count = args.num_nodes or len(names)
         if count > len(names):
-            raise PlanError(f"--num_nodes {count}: the Slurm allocation has {len(names)} node(s)")
+            raise PlanError(
+                f"--num_nodes {count}: the Slurm allocation has {len(names)} node(s); "
+                "lower --num_nodes or allocate more"
+            )
         slots = tuple(range(args.nproc_per_node)) if args.nproc_per_node else None
         nodes = tuple(Node(name, slots) for name in names[:count])
     else:
@@ -169,15 +188,16 @@ def _with_hosts(args: Any, environ: Mapping[str, str], cwd: str, home: str | Non
     return Plan(runner=launcher, job=job, argvs=commands(launcher, job))
 
 
-def _local_spec(spec: str | None) -> str | None:
+def _local_spec(spec: str | None, flag: str) -> str | None:
     """``localhost:1``, ``127.0.0.1:1`` or this host's name all mean this machine here."""
     if spec is None:
         return None
+    parse_host_spec(spec, flag)  # the same form and the same errors as with a hostfile
     parts = []
     for part in spec.split("@"):
         host, sep, slots = part.partition(":")
         if not _is_this_machine(host):
-            raise PlanError(f"--include/--exclude: host {host!r} is not this machine; pass a --hostfile for other hosts")
+            raise PlanError(f"{flag}: host {shown(host)} is not this machine; pass a --hostfile for other hosts")
         parts.append(f"localhost{sep}{slots}")
     return "@".join(parts)
 
@@ -190,16 +210,21 @@ def _is_this_machine(host: str) -> bool:
 def _split(text: str | None) -> list[str]:
     import shlex
 
-    return shlex.split(text) if text else []
+    try:
+        return shlex.split(text) if text else []
+    except ValueError as err:  # "No closing quotation", "No escaped character"
+        raise PlanError(
+            f"--launcher_args {shown(text or '')}: {err}; give the runner's arguments as one shell-quoted string"
+        ) from None
 
 
 def _non_negative(text: str, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise PlanError(f"{what}: expected a non-negative integer (or slurm/mpi), got {text!r}") from None
+        raise PlanError(f"{what}: expected a non-negative integer (or slurm/mpi), got {shown(text)}") from None
     if value < 0:
-        raise PlanError(f"{what}: must be 0 or more, got {value}")
+        raise PlanError(f"{what}: must be 0 or more, got {value} (nodes count from 0)")
     return value
 
 

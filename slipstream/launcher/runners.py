@@ -6,7 +6,10 @@ that node's ranks. The runners only differ in how they reach the nodes and how a
 rank:
 
 * ``ssh``: one ``ssh`` per host; the node rank is written into each command.
-* ``pdsh``: one ``pdsh`` for all hosts; pdsh puts each node's rank where ``%n`` stands.
+* ``pdsh``: one ``pdsh`` for all hosts; pdsh puts each node's rank where ``%n`` stands. pdsh
+  rewrites ``%h``, ``%u``, ``%n`` and ``%%`` anywhere in the command, so every ``%`` of ours (paths,
+  environment values, script arguments) is doubled (:func:`pdsh_escape`) and only that ``%n``
+  is substituted: the script receives its arguments unchanged.
 * ``slurm``: one ``srun`` with one task per node; the agent reads ``SLURM_NODEID``.
 * ``mpi``: one ``mpirun`` (Open MPI syntax) with one process per node; the agent reads
   ``OMPI_COMM_WORLD_RANK`` (or ``PMIX_RANK``/``PMI_RANK``).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 RUNNERS = ("ssh", "pdsh", "slurm", "mpi")
@@ -65,18 +69,38 @@ def commands(runner: str, job: Job) -> list[list[str]]:
     raise RunnerError(f"--launcher: unknown runner {runner!r}; choose one of local, {', '.join(RUNNERS)}")
 
 
-def agent_argv(job: Job, node_rank: str, slots: tuple[int, ...] | None, watch_stdin: bool = False) -> list[str]:
-    """The per-node agent's command line (no environment, no directory)."""
-    argv = [job.python, "-m", "slipstream.launcher.cli", "run", "--launcher", "local"]
+def verbatim(word: str) -> str:
+    return word
+
+
+def pdsh_escape(word: str) -> str:
+    """``word`` as pdsh must see it to pass it on unchanged: pdsh turns ``%%`` into ``%`` and
+    ``%h``/``%u``/``%n`` into the host, user and node rank (any other ``%x`` it leaves alone)."""
+    return word.replace("%", "%%")
+
+
+def agent_argv(
+    job: Job,
+    node_rank: str,
+    slots: tuple[int, ...] | None,
+    watch_stdin: bool = False,
+    escape: Callable[[str], str] = verbatim,
+) -> list[str]:
+    """The per-node agent's command line (no environment, no directory).
+
+    ``escape`` applies to every word that comes from the job (interpreter, address, script and
+    its arguments), never to ``node_rank``, which is pdsh's own ``%n`` with the pdsh runner.
+    """
+    argv = [escape(job.python), "-m", "slipstream.launcher.cli", "run", "--launcher", "local"]
     argv += ["--num_nodes", str(len(job.nodes)), "--node_rank", node_rank]
     if slots is not None:
         argv += ["--nproc_per_node", str(len(slots))]
-    argv += ["--master_addr", job.master_addr, "--master_port", str(job.master_port)]
+    argv += ["--master_addr", escape(job.master_addr), "--master_port", str(job.master_port)]
     if job.max_restarts:
         argv += ["--max_restarts", str(job.max_restarts)]
     if watch_stdin:
         argv.append("--exit_on_stdin_close")
-    return [*argv, job.script, *job.script_args]
+    return [*argv, escape(job.script), *map(escape, job.script_args)]
 
 
 def node_env(job: Job, slots: tuple[int, ...] | None) -> dict[str, str]:
@@ -87,12 +111,21 @@ def node_env(job: Job, slots: tuple[int, ...] | None) -> dict[str, str]:
     return env
 
 
-def remote_shell_command(job: Job, node_rank: str, slots: tuple[int, ...] | None, watch_stdin: bool) -> str:
-    """One string for a remote login shell: change directory, then exec the agent under ``env``."""
-    env = [f"{key}={value}" for key, value in node_env(job, slots).items()]
-    agent = shlex.join(["env", *env, *agent_argv(job, node_rank, slots, watch_stdin)])
-    # shlex.join quotes "%n" as-is (no unsafe characters), so pdsh's substitution still sees it.
-    return f"cd {shlex.quote(job.cwd)} && exec {agent}"
+def remote_shell_command(
+    job: Job,
+    node_rank: str,
+    slots: tuple[int, ...] | None,
+    watch_stdin: bool,
+    escape: Callable[[str], str] = verbatim,
+) -> str:
+    """One string for a remote login shell: change directory, then exec the agent under ``env``.
+
+    ``escape`` applies to the directory, the environment and the agent's words (see ``agent_argv``).
+    """
+    env = [escape(f"{key}={value}") for key, value in node_env(job, slots).items()]
+    agent = shlex.join(["env", *env, *agent_argv(job, node_rank, slots, watch_stdin, escape)])
+    # shlex.join leaves '%' unquoted (not shell syntax), so pdsh's substitution still sees "%n".
+    return f"cd {shlex.quote(escape(job.cwd))} && exec {agent}"
 
 
 def ssh_command(job: Job, node_rank: int) -> list[str]:
@@ -107,7 +140,7 @@ def ssh_command(job: Job, node_rank: int) -> list[str]:
 def pdsh_command(job: Job) -> list[str]:
     slots = _uniform_slots(job, "pdsh")
     hosts = ",".join(node.host for node in job.nodes)
-    remote = remote_shell_command(job, "%n", slots, watch_stdin=False)
+    remote = remote_shell_command(job, "%n", slots, watch_stdin=False, escape=pdsh_escape)
     return ["pdsh", "-S", "-R", "ssh", "-f", "1024", "-w", hosts, *job.launcher_args, remote]
 
 

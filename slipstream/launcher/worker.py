@@ -6,6 +6,10 @@
 * an uncaught exception is written, with its traceback, to the error file torch elastic names in
   ``TORCHELASTIC_ERROR_FILE`` (the JSON layout of torch's ``@record``), so the launcher can print
   the failing rank's traceback without the user decorating their ``main``;
+* when the script returns (or exits 0), a note saying so is written there instead: torch elastic
+  reads the file only if the process then exits non-zero, which can only be a failure while it
+  shuts down (an ``atexit`` handler, a background save that failed), and the launcher's report
+  then says so instead of a bare exit code;
 * ``faulthandler`` is on, so a crash in native code (segfault, abort) still prints a Python stack,
   and ``kill -USR1 <pid>`` prints every thread's stack of a rank that seems stuck.
 """
@@ -22,27 +26,39 @@ import time
 import traceback
 
 
+SHUTDOWN_NOTE = (
+    "{script} had returned: the process failed while shutting down (an atexit handler or "
+    "background work such as an asynchronous checkpoint save; its own message is in this rank's output)"
+)
+
+
 def record_exception(error: BaseException, script: str) -> None:
     """Write ``error`` where the agent looks for it (torch elastic's error-file format).
 
     The traceback starts at the user's script: the frames of this module and runpy are noise.
     """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
     tb = error.__traceback__
     script = os.path.abspath(script)
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != script:
         tb = tb.tb_next
-    data = {
-        "message": {
-            "message": f"{type(error).__name__}: {error}",
-            "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(type(error), error, tb or error.__traceback__)),
-                "timestamp": str(int(time.time())),
-            },
-        }
-    }
+    callstack = "".join(traceback.format_exception(type(error), error, tb or error.__traceback__))
+    _write_error_file(f"{type(error).__name__}: {error}", {"py_callstack": callstack})
+
+
+def record_return(script: str) -> None:
+    """Note that the script finished: what the report says if the process exits non-zero anyway.
+
+    Its timestamp (which orders the report's failures) is the time of the return, the earliest
+    moment a failure at shutdown can have happened.
+    """
+    _write_error_file(SHUTDOWN_NOTE.format(script=os.path.basename(script)), {})
+
+
+def _write_error_file(message: str, extra: dict[str, str]) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {**extra, "timestamp": str(int(time.time()))}}}
     try:
         with open(path, "w", encoding="utf-8") as file:
             json.dump(data, file)
@@ -61,11 +77,16 @@ def main() -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         runpy.run_path(script, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as exit:
+        if exit.code is None or exit.code == 0:  # sys.exit() or sys.exit(0): the script finished
+            record_return(script)
+        raise
+    except KeyboardInterrupt:
         raise
     except BaseException as error:
         record_exception(error, script)
         raise
+    record_return(script)
 
 
 if __name__ == "__main__":

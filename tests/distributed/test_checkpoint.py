@@ -333,7 +333,7 @@ def _export_body(directory: str) -> dict:
 def test_export_loads_into_plain_gpt2_with_the_same_logits(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from slipstream.launcher.cli import main
+    from slipstream.cli import main
 
     directory, out = tmp_path / "ckpt", tmp_path / "model.safetensors"
     result = run_distributed(2, _export_body, str(directory))[0]

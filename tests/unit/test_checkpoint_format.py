@@ -99,7 +99,7 @@ def test_checkpoint_cli_help_stays_light() -> None:
 
     code = (
         "import sys\n"
-        "from slipstream.launcher.cli import main\n"
+        "from slipstream.cli import main\n"
         "try:\n    main(['checkpoint', '--help'])\nexcept SystemExit:\n    pass\n"
         "print('torch imported:', 'torch' in sys.modules)\n"
     )

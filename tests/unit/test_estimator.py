@@ -11,7 +11,7 @@ import pytest
 
 import slipstream
 from slipstream import estimator
-from slipstream.launcher.cli import main as cli_main
+from slipstream.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_does_not_import_torch() -> None:
     code = (
-        "import sys; from slipstream.launcher.cli import main; main(['estimate', '--params', '1e9', '--dp', '8']); "
+        "import sys; from slipstream.cli import main; main(['estimate', '--params', '1e9', '--dp', '8']); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False)

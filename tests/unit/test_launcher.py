@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.launcher.cli import main
+from slipstream.cli import main
 from slipstream.launcher.local import describe_failure
 
 RANK_DUMP = textwrap.dedent(
@@ -32,7 +32,7 @@ RANK_DUMP = textwrap.dedent(
 def _slipstream(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOGLEVEL")}
     return subprocess.run(
-        [sys.executable, "-m", "slipstream.launcher.cli", *args],
+        [sys.executable, "-m", "slipstream.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -49,7 +49,7 @@ def test_help_never_imports_torch():
     program = textwrap.dedent(
         """
         import sys
-        from slipstream.launcher.cli import main
+        from slipstream.cli import main
         for argv in (["--help"], ["run", "--help"]):
             try:
                 main(argv)
@@ -121,6 +121,36 @@ def test_failed_rank_is_named_and_fails_the_run(tmp_path):
     assert "slipstream run: rank 1 (local rank 1) exited with code 3" in done.stderr
     # Rank 0 was torn down because of rank 1, and is reported as such, not as a second failure.
     assert "stopped the other rank(s) (0) with SIGTERM after rank 1 failed" in done.stderr
+
+
+def test_rank_failing_after_its_script_returned_is_named_with_its_exit_code(tmp_path):
+    # Issue 20 #3: a background checkpoint save that fails at exit makes the process exit non-zero
+    # after training finished; the report names the rank, the code and that it happened at shutdown.
+    source = """
+        import atexit, os, sys, time
+
+        def failed_save():  # once rank 0 is done too: the whole run had finished
+            while not os.path.exists(__FINISHED__ + "0") and time.time() < deadline:
+                time.sleep(0.05)
+            print("checkpoint save failed: No space left on device", file=sys.stderr, flush=True)
+            os._exit(5)
+
+        deadline = time.time() + 30
+        if os.environ["RANK"] == "1":
+            atexit.register(failed_save)
+        print("training finished", os.environ["RANK"])
+        open(__FINISHED__ + os.environ["RANK"], "w").close()
+    """.replace("__FINISHED__", repr(str(tmp_path / "finished")))
+    done = _slipstream("run", "--nproc_per_node", "2", _write(tmp_path / "finish.py", textwrap.dedent(source)))
+    assert done.returncode == 5, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["training finished 0", "training finished 1"]
+    report = [line for line in done.stderr.splitlines() if line.startswith("slipstream run: rank")]
+    assert report == [
+        "slipstream run: rank 1 (local rank 1) exited with code 5: finish.py had returned: the process failed while "
+        "shutting down (an atexit handler or background work such as an asynchronous checkpoint save; its own "
+        "message is in this rank's output)"
+    ], done.stderr
+    assert "checkpoint save failed: No space left on device" in done.stderr
 
 
 def test_restart_is_announced_and_uses_the_given_port(tmp_path):

@@ -17,7 +17,7 @@ from slipstream.launcher.cli import main
 from slipstream.launcher.environment import EXPORT_PREFIXES, EnvFileError, exported_env, parse_env_file
 from slipstream.launcher.hostfile import HostfileError, expand_nodelist, parse_hostfile_text, select
 from slipstream.launcher.plan import PlanError, node_rank_from
-from slipstream.launcher.runners import Job, Node, remote_shell_command
+from slipstream.launcher.runners import Job, Node, pdsh_command, pdsh_escape, remote_shell_command
 
 HOSTFILE = """
 # the cluster
@@ -256,3 +256,67 @@ def test_missing_runner_program_is_named(clean_env, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(clean_env))  # no pdsh (nor anything else) on it
     assert main(["run", "--hostfile", "hostfile", "--exclude", "node-c", "--launcher", "pdsh", "train.py"]) == 127
     assert "slipstream run: --launcher pdsh: pdsh is not installed or not on PATH" in capsys.readouterr().err
+
+
+def _pdsh_substitute(argument: str, host: str, user: str, rank: int) -> str:
+    """What pdsh does to each word of the remote command (pipecmd_format_arg in pdsh's sources):
+    %h host, %u user, %n rank, %% a single %, any other %x left as it is."""
+    out, i = [], 0
+    while i < len(argument):
+        if argument[i] == "%" and i + 1 < len(argument):
+            code = argument[i + 1]
+            out.append({"h": host, "u": user, "n": str(rank), "%": "%"}.get(code, "%" + code))
+            i += 2
+        else:
+            out.append(argument[i])
+            i += 1
+    return "".join(out)
+
+
+PERCENT_ARGS = ["--name", "%h-%u", "50%", "%%n", "100%x"]
+
+
+def test_dry_run_pdsh_escapes_percent_signs(clean_env, capsys, monkeypatch):
+    # Issue 20 #13: pdsh rewrites %h/%u/%n/%% anywhere in the command; only its %n may be ours.
+    job = clean_env / "run%h"
+    job.mkdir()
+    (job / "train.py").write_text("print('hi')\n")
+    (job / "hostfile").write_text(HOSTFILE)
+    (job / ".slipstream_env").write_text("TAG=100%n%%\n")
+    monkeypatch.chdir(job)
+    out = _dry_run(["--hostfile", "hostfile", "--exclude", "node-c", "--launcher", "pdsh", "train.py", *PERCENT_ARGS], capsys)
+    remote = (
+        f"cd {shlex.quote(str(clean_env))}/run%%h && exec env NCCL_DEBUG=INFO TAG=100%%n%%%% {_agent('%n', '4')} "
+        "train.py --name %%h-%%u 50%% %%%%n 100%%x"
+    )
+    assert out == f"# all 2 nodes\npdsh -S -R ssh -f 1024 -w node-a,node-b {shlex.quote(remote)}"
+
+
+def test_pdsh_passes_arguments_environment_and_paths_unchanged():
+    job = Job(
+        nodes=(Node("node-a", (0,)), Node("node-b", (0,))), script="/jobs/%u/train.py", script_args=tuple(PERCENT_ARGS),
+        master_addr="fe80::1%eth0", master_port=29500, env={"TAG": "100%n%%", "P": "%"}, cwd="/shared/50%/%h",
+        python="/opt/%n/python",
+    )  # fmt: skip
+    remote = pdsh_command(job)[-1]
+    # What the remote shell receives on node 1 after pdsh's substitution, word by word.
+    words = shlex.split(_pdsh_substitute(remote, host="node-b", user="alice", rank=1))
+    assert words[:4] == ["cd", "/shared/50%/%h", "&&", "exec"]
+    assert words[4:7] == ["env", "TAG=100%n%%", "P=%"]
+    agent = words[7:]
+    assert agent[0] == "/opt/%n/python"
+    assert agent[agent.index("--node_rank") + 1] == "1"  # pdsh's own %n, substituted
+    assert agent[agent.index("--master_addr") + 1] == "fe80::1%eth0"
+    assert agent[-len(PERCENT_ARGS) - 1 :] == ["/jobs/%u/train.py", *PERCENT_ARGS]
+    assert pdsh_escape("%h %u %n %% %") == "%%h %%u %%n %%%% %%"
+
+
+@pytest.mark.parametrize("slots", ["99999999999999", "1025", "9" * 5000])
+def test_huge_slots_are_refused_before_anything_is_allocated(slots):
+    # Issue 20 #15: select() built a list of that many slots (MemoryError or a traceback).
+    with pytest.raises(HostfileError) as error:
+        parse_hostfile_text(f"node-a slots=2\nnode-b slots={slots}\n", "hosts.txt")
+    message = str(error.value)
+    assert message.startswith("hosts.txt line 2: slots=") and "is more than 1024 processes on one node" in message
+    assert "set slots to the node's number of devices" in message and "\n" not in message and len(message) < 200
+    assert parse_hostfile_text("node-a slots=1024\n") == {"node-a": 1024}

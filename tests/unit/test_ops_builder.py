@@ -191,7 +191,7 @@ def test_cpu_adam_loads_from_cache_in_under_0_2_s():
 
 
 def test_report_lists_each_op_status(capsys):
-    from slipstream.launcher.cli import main
+    from slipstream.cli import main
 
     assert main(["report"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -1,0 +1,304 @@
+"""The import graph keeps the layering that DESIGN.md draws (standard library only, read from the
+source with ``ast``; nothing is imported, so it takes a fraction of a second).
+
+* No import cycle among ``slipstream`` modules, counting every import: top level, inside
+  functions and under ``if TYPE_CHECKING:`` (a cycle hidden in a function is still a knot).
+* ``slipstream.accelerator``, ``slipstream.comm`` and ``slipstream.ops`` never import
+  ``slipstream.engine``, directly (any kind of import) or through other modules (what those import
+  when they run: top level and in functions, not their ``TYPE_CHECKING`` blocks).
+* The launcher (``slipstream/launcher/**``, the ``slipstream`` dispatcher ``slipstream/cli.py``
+  and the console script's module) imports no torch at module level, so ``slipstream run --help``
+  answers instantly; the launcher never imports ``slipstream.engine`` (the dispatcher may, inside
+  the ``checkpoint`` subcommand).
+* No file under ``slipstream/`` is longer than 600 lines.
+
+[Note: the graph's conventions] ``from a.b import c`` is an edge to ``a.b.c`` when that is a module,
+else to ``a.b``; ``import a.b.c`` is an edge to ``a.b.c`` only (for cycles, importing a submodule
+is not an edge to its parent packages). For "at module level" the parent packages Python executes
+on the way count too. ``importlib.import_module("slipstream...")`` with a constant is an import.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "slipstream"
+ENGINE = "slipstream.engine"
+CORE_LAYERS = ("slipstream.accelerator", "slipstream.comm", "slipstream.ops")
+DISPATCHER = "slipstream.cli"
+MAX_FILE_LINES = 600
+
+TOP, FUNCTION, TYPING = "top level", "in a function", "under TYPE_CHECKING"
+RUNTIME = frozenset({TOP, FUNCTION})  # what a module imports when it runs
+ANY = frozenset({TOP, FUNCTION, TYPING})
+
+Sites = list[tuple[int, str]]  # (line, kind) of each import statement behind one edge
+Edges = dict[str, dict[str, Sites]]
+
+
+class _Imports(ast.NodeVisitor):
+    """Every import of one module as (dotted name, is-a-from-import name, line, kind)."""
+
+    def __init__(self, module: str, is_package: bool) -> None:
+        self.package_parts = module.split(".") if is_package else module.split(".")[:-1]
+        self.found: list[tuple[str, str | None, int, str]] = []  # (module, imported name, line, kind)
+        self.functions = self.typing = 0
+
+    def kind(self) -> str:
+        return TYPING if self.typing else FUNCTION if self.functions else TOP
+
+    def _function(self, node: ast.AST) -> None:
+        self.functions += 1
+        self.generic_visit(node)
+        self.functions -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+    def visit_If(self, node: ast.If) -> None:
+        name = getattr(node.test, "id", getattr(node.test, "attr", None))  # TYPE_CHECKING, typing.TYPE_CHECKING
+        if name != "TYPE_CHECKING":
+            self.generic_visit(node)
+            return
+        self.typing += 1
+        for child in node.body:
+            self.visit(child)
+        self.typing -= 1
+        for child in node.orelse:
+            self.visit(child)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self.found.append((alias.name, None, node.lineno, self.kind()))
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = node.module or ""
+        if node.level:
+            parts = self.package_parts[: len(self.package_parts) - node.level + 1]
+            base = ".".join(parts + ([node.module] if node.module else []))
+        for alias in node.names:
+            self.found.append((base, None if alias.name == "*" else alias.name, node.lineno, self.kind()))
+
+    def visit_Call(self, node: ast.Call) -> None:
+        name = getattr(node.func, "attr", getattr(node.func, "id", None))
+        argument = node.args[0] if node.args else None
+        if name in ("import_module", "__import__") and isinstance(argument, ast.Constant):
+            if isinstance(argument.value, str) and argument.value.startswith(PACKAGE):
+                self.found.append((argument.value, None, node.lineno, self.kind()))
+        self.generic_visit(node)
+
+
+class Graph:
+    """The package's modules, the imports between them and the external modules each imports."""
+
+    def __init__(self, root: Path) -> None:
+        self.files: dict[str, Path] = {}
+        for path in sorted((root / PACKAGE).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            self.files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+        self.edges: Edges = defaultdict(lambda: defaultdict(list))
+        self.external: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
+        for module, path in self.files.items():
+            collector = _Imports(module, path.name == "__init__.py")
+            collector.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+            for name, imported, line, kind in collector.found:
+                submodule = f"{name}.{imported}" if imported else None
+                target = submodule if submodule in self.files else self._resolve(name)
+                if target is None:
+                    self.external[module].append((name, line, kind))
+                elif target != module:
+                    self.edges[module][target].append((line, kind))
+
+    def _resolve(self, name: str) -> str | None:
+        parts = name.split(".")
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in self.files:
+                return ".".join(parts[:end])
+        return None
+
+    def under(self, *prefixes: str) -> set[str]:
+        return {m for m in self.files if any(m == p or m.startswith(p + ".") for p in prefixes)}
+
+    def where(self, module: str, line: int) -> str:
+        return f"{self.files[module].relative_to(ROOT)}:{line}"
+
+    def describe(self, path: list[str], first: frozenset[str], rest: frozenset[str]) -> str:
+        hops = []
+        for i, (a, b) in enumerate(zip(path, path[1:])):
+            kinds = first if i == 0 else rest
+            line, kind = next(((ln, k) for ln, k in self.edges[a][b] if k in kinds), self.edges[a][b][0])
+            hops.append(f"{self.where(a, line)} ({kind}) -> {b}")
+        return "; ".join(hops)
+
+
+@cache
+def graph() -> Graph:
+    return Graph(ROOT)
+
+
+def shortest_path(edges: Edges, start: str, goals: set[str], first: frozenset[str], rest: frozenset[str],
+                  allowed: set[str] | None = None) -> list[str] | None:  # fmt: skip
+    """Breadth-first from ``start`` to any of ``goals``; an edge counts when one of its imports has a
+    kind in ``first`` (edges leaving ``start``) or ``rest`` (every later edge)."""
+    previous: dict[str, str | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        kinds = first if node == start else rest
+        for target, sites in sorted(edges.get(node, {}).items()):
+            if target in previous or (allowed is not None and target not in allowed):
+                continue
+            if not any(kind in kinds for _, kind in sites):
+                continue
+            previous[target] = node
+            if target in goals:
+                path = [target]
+                while previous[path[-1]] is not None:
+                    path.append(previous[path[-1]])  # type: ignore[arg-type]
+                return path[::-1]
+            queue.append(target)
+    return None
+
+
+def strongly_connected(nodes: Iterable[str], edges: Edges) -> list[set[str]]:
+    """Kosaraju's components (two iterative depth-first passes)."""
+    order: list[str] = []
+    seen: set[str] = set()
+    for start in nodes:
+        if start in seen:
+            continue
+        seen.add(start)
+        stack = [(start, iter(sorted(edges.get(start, {}))))]
+        while stack:
+            node, successors = stack[-1]
+            nxt = next((s for s in successors if s not in seen), None)
+            if nxt is None:
+                order.append(node)
+                stack.pop()
+            else:
+                seen.add(nxt)
+                stack.append((nxt, iter(sorted(edges.get(nxt, {})))))
+    reverse: dict[str, set[str]] = defaultdict(set)
+    for source, targets in edges.items():
+        for target in targets:
+            reverse[target].add(source)
+    components, assigned = [], set()
+    for start in reversed(order):
+        if start in assigned:
+            continue
+        component, todo = {start}, [start]
+        assigned.add(start)
+        while todo:
+            for source in reverse[todo.pop()] - assigned:
+                assigned.add(source)
+                component.add(source)
+                todo.append(source)
+        components.append(component)
+    return components
+
+
+def import_cycles(g: Graph) -> list[str]:
+    found = []
+    for component in strongly_connected(sorted(g.files), g.edges):
+        if len(component) < 2:
+            continue
+        start = min(component)
+        back = [shortest_path(g.edges, t, {start}, ANY, ANY, component) for t in g.edges[start] if t in component]
+        loop = [start, *min((path for path in back if path), key=len)]
+        found.append(f"import cycle among {len(component)} modules ({', '.join(sorted(component))}): "
+                     + g.describe(loop, ANY, ANY))  # fmt: skip
+    return found
+
+
+def engine_imports(g: Graph, modules: Iterable[str], rule: str) -> list[str]:
+    found = []
+    engine = g.under(ENGINE)
+    for module in sorted(modules):
+        path = shortest_path(g.edges, module, engine, ANY, RUNTIME)
+        if path:
+            found.append(f"{module} imports {path[-1]} ({rule}): " + g.describe(path, ANY, RUNTIME))
+    return found
+
+
+def launcher_modules(g: Graph) -> set[str]:
+    setup = (ROOT / "setup.py").read_text(encoding="utf-8")
+    console = set(re.findall(r"""slipstream\s*=\s*["']?([A-Za-z_][\w.]*)\s*:""", setup))
+    return g.under(f"{PACKAGE}.launcher") | ({DISPATCHER} | console) & set(g.files)
+
+
+def torch_at_module_level(g: Graph, modules: Iterable[str]) -> list[str]:
+    """Modules that import torch when imported: directly, or through the modules (and parent
+    packages) that their top-level imports execute."""
+    executed: Edges = defaultdict(lambda: defaultdict(list))
+    for source, targets in g.edges.items():
+        for target, sites in targets.items():
+            executed[source][target] += [site for site in sites if site[1] == TOP]
+    for module in g.files:
+        parts = module.split(".")
+        for end in range(1, len(parts)):
+            executed[module][".".join(parts[:end])].append((0, TOP))  # the parent packages run first
+    torch_lines = {
+        module: line
+        for module, names in g.external.items()
+        for name, line, kind in reversed(names)
+        if kind == TOP and (name == "torch" or name.startswith("torch."))
+    }
+    found = []
+    for module in sorted(modules):
+        path = [module] if module in torch_lines else shortest_path(executed, module, set(torch_lines), ANY, ANY)
+        if path:
+            found.append(f"{module} imports torch at module level: {' -> '.join(path)} "
+                         f"({g.where(path[-1], torch_lines[path[-1]])})")  # fmt: skip
+    return found
+
+
+def long_files(g: Graph) -> list[str]:
+    found = []
+    for path in sorted(g.files.values()):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_FILE_LINES:
+            found.append(f"{path.relative_to(ROOT)} has {lines} lines (max {MAX_FILE_LINES}; split it by concern)")
+    return found
+
+
+def test_no_import_cycle() -> None:
+    cycles = import_cycles(graph())
+    assert not cycles, "\n".join(cycles)
+
+
+def test_accelerator_comm_and_ops_never_import_the_engine() -> None:
+    g = graph()
+    found = engine_imports(g, g.under(*CORE_LAYERS), "accelerator, comm and ops sit below the engine")
+    assert not found, "\n".join(found)
+
+
+def test_launcher_never_imports_the_engine() -> None:
+    g = graph()
+    found = engine_imports(g, launcher_modules(g) - {DISPATCHER}, "the launcher never imports the engine")
+    assert not found, "\n".join(found)
+
+
+def test_launcher_imports_no_torch_at_module_level() -> None:
+    g = graph()
+    assert {f"{PACKAGE}.launcher.cli", DISPATCHER} <= launcher_modules(g)
+    found = torch_at_module_level(g, launcher_modules(g))
+    assert not found, "\n".join(found)
+
+
+def test_no_file_over_600_lines() -> None:
+    found = long_files(graph())
+    assert not found, "\n".join(found)
+
+
+def test_the_checks_see_what_they_check() -> None:
+    # A scan that silently found nothing would pass every test above.
+    g = graph()
+    assert len(g.files) > 50 and "slipstream.engine.engine" in g.files
+    assert "slipstream.launcher.cli" in g.edges[DISPATCHER]
+    assert torch_at_module_level(g, ["slipstream.engine.engine"])  # the engine does import torch
+    assert engine_imports(g, [DISPATCHER], "the dispatcher may")  # through its checkpoint subcommand
