@@ -20,7 +20,7 @@ from slipstream.engine.precision import DTYPES, build_loss_scaler
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
 from slipstream.engine.zero.offload.options import offload_options
 from slipstream.engine.zero.partitioned import PartitionedStrategy
-from slipstream.engine.zero.stage3 import Stage3Options, Stage3Strategy
+from slipstream.engine.zero.stage3.strategy import Stage3Options, Stage3Strategy
 from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger, log_rank0
 

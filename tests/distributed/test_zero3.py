@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import slipstream
 from slipstream.comm import comms_log
-from slipstream.engine.zero.param_unit import UnitState
+from slipstream.engine.zero.stage3.unit import UnitState
 from tests.distributed.test_data_parallel import _unused_body
 from tests.harness import run_distributed
 from tests.reference import (

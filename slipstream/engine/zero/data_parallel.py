@@ -9,12 +9,22 @@ optimizer updates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
-from slipstream.engine.zero.params import TrainableParams, adopt_grad, bind_optimizer, optimizer_state_bytes
+from slipstream.engine.zero.params import (
+    TrainableParams,
+    adopt_grad,
+    bind_optimizer,
+    install_slice_state,
+    optimizer_state_bytes,
+    slice_state,
+)
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
@@ -123,9 +133,17 @@ class DataParallelStrategy(ShardingStrategy):
             owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), value, master, replicated=True))
         return owned
 
-    def refresh_from_masters(self) -> None:
-        if self.low_precision:
-            with torch.no_grad():
+    def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
+        return slice_state(self.optimizer, owned.optimizer_param)
+
+    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
+        install_slice_state(self.optimizer, owned.optimizer_param, state)
+
+    def load_sharded_state(self, read: Callable[[ParamSlice], torch.Tensor]) -> None:
+        with torch.no_grad():
+            for owned in self.sharded_state():
+                owned.value.copy_(read(owned.slice).reshape(-1))
+            if self.low_precision:
                 torch._foreach_copy_([p.data for p in self.trainable], self.masters)
 
     def memory_breakdown(self) -> dict[str, int]:
