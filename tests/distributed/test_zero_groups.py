@@ -3,6 +3,8 @@ exactly like one process on the global batch."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +25,16 @@ def _groups(model: torch.nn.Module, pair: dist.ProcessGroup) -> list[dict]:
     ]
 
 
-def _per_group_body(stage: int) -> dict:
+def _group_sizes(strategy: object) -> list[int]:
+    """The sizes of the process groups the strategy shards (stage 0: averages) parameters over."""
+    if hasattr(strategy, "parts"):  # stages 1 and 2
+        return sorted(part.world for part in strategy.parts)
+    if hasattr(strategy, "groups"):  # stage 3
+        return sorted(g.lanes.world for g in strategy.groups)
+    return sorted({dist.get_world_size(b.group) for b in strategy.reducer.buckets})
+
+
+def _per_group_body(stage: int, offload: str, save_dir: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # on every rank, as torch requires
     pair = pairs[rank // 2]
@@ -33,6 +44,8 @@ def _per_group_body(stage: int) -> dict:
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000, "stage3_param_persistence_threshold": 0},
     }
+    if offload != "none":
+        config["zero_optimization"]["offload_optimizer"] = {"device": offload}
     model = tiny_gpt2(seed=rank)  # rank 0's weights win
     engine = slipstream.initialize(model, config, model_parameters=_groups(model, pair))
     # Ranks 0 and 2 see micro-batch X, ranks 1 and 3 micro-batch Y: the mean over a pair and over all
@@ -47,10 +60,15 @@ def _per_group_body(stage: int) -> dict:
         dist.all_reduce(total)
         losses.append(float(total) / world)
         norms.append(engine.get_global_grad_norm())
-    strategy = engine.strategy  # the sizes of the groups each partition is sharded over
-    sizes = sorted(part.world for part in strategy.parts) if stage < 3 else sorted(g.lanes.world for g in strategy.groups)
+    sizes = _group_sizes(engine.strategy)
     state = engine.consolidated_state_dict()
+    engine.save_checkpoint(save_dir, tag="end")  # each element saved once, although the pairs hold replicas
     engine.close()
+    again = tiny_gpt2(seed=7)
+    resumed = slipstream.initialize(again, config, model_parameters=_groups(again, pair))
+    resumed.load_checkpoint(save_dir, tag="end")
+    reloaded = resumed.consolidated_state_dict()
+    resumed.close()
     if rank == 0:
         ref = train_reference(tiny_gpt2(seed=0), batches, lr=1e-3, weight_decay=0.01, clip=1.0)
         ours = Trajectory(losses, state, norms)
@@ -58,13 +76,15 @@ def _per_group_body(stage: int) -> dict:
         for a, b in zip(ours.grad_norms, ref.grad_norms):  # every parameter counted once, across groups
             assert abs(a - b) <= 1e-4 * b, (a, b)
         assert ours.losses[-1] < ours.losses[0] - 0.3
+        for name, value in state.items():
+            assert torch.equal(reloaded[name], value), name
     else:
-        assert state is None
+        assert state is None and reloaded is None
     return {"losses": losses, "sizes": sizes}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_parameter_groups_sharded_over_different_process_groups(stage: int) -> None:
-    results = run_distributed(4, _per_group_body, stage)
+@pytest.mark.parametrize(("stage", "offload"), [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")])
+def test_parameter_groups_sharded_over_different_process_groups(stage: int, offload: str, tmp_path: Path) -> None:
+    results = run_distributed(4, _per_group_body, stage, offload, str(tmp_path))
     assert all(r["losses"] == results[0]["losses"] for r in results)
     assert all(r["sizes"] == [2, 4] for r in results)  # the matrices really were sharded over a pair

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream import comm
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
 from slipstream.engine.zero.params import (
     TrainableParams,
@@ -25,6 +24,7 @@ from slipstream.engine.zero.params import (
     optimizer_state_bytes,
     slice_state,
 )
+from slipstream.engine.zero.sharding_groups import reduce_flags
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
@@ -46,6 +46,7 @@ class DataParallelStrategy(ShardingStrategy):
         params = TrainableParams(module, groups, self.group)
         self.names, self.trainable, self.index = params.names, params.trainable, params.index
         self.low_precision = any(p.dtype != torch.float32 for p in self.trainable)
+        group_of = {id(p): g.sharding_group(self.group) for g in groups for p in g.params}
         self.reducer = BucketedAllReduce(
             self.trainable,
             torch.float32,
@@ -55,6 +56,7 @@ class DataParallelStrategy(ShardingStrategy):
             predivide_factor=options.gradient_predivide_factor,
             prescale=options.prescale_gradients,
             average=options.average,
+            groups=[group_of.get(id(p), self.group) for p in self.trainable],
         )
         logger.debug("stage 0: %d gradient buckets", len(self.reducer.buckets))
         if self.low_precision:
@@ -86,7 +88,10 @@ class DataParallelStrategy(ShardingStrategy):
     def finish_gradients(self) -> None:
         self.reducer.finish()
         # Parameters no rank used keep grad None, as in plain PyTorch, so the optimizer skips them.
-        comm.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group, tag="used-parameter flags").wait()
+        members: dict[int, tuple[dist.ProcessGroup | None, list[int]]] = {}
+        for bucket in self.reducer.buckets:
+            members.setdefault(id(bucket.group), (bucket.group, []))[1].extend(bucket.members)
+        reduce_flags(self.used, list(members.values()) or [(self.group, [])])
         for i, master in enumerate(self.masters):
             master.grad = self.reducer.views[i] if self.used[i] else None
         self.sync = False
@@ -116,7 +121,7 @@ class DataParallelStrategy(ShardingStrategy):
                 p.grad = view
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if dist.get_rank() != 0:
+        if dist.get_rank() != 0:  # global rank 0, whatever the groups: it holds everything
             return None
         master_of = {id(p): m for p, m in zip(self.trainable, self.masters)}
         return {

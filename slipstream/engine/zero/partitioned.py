@@ -17,6 +17,8 @@ After the step the updated chunks return to every rank with one all-gather per b
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -28,7 +30,7 @@ from slipstream.engine.zero.offload.chunks import join
 from slipstream.engine.zero.offload.swap_dir import shared_job_id
 from slipstream.engine.zero.params import TrainableParams, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
-from slipstream.engine.zero.sharding_groups import reduce_flags, split_by_group, sum_over_groups
+from slipstream.engine.zero.sharding_groups import is_replica, reduce_flags, split_by_group, sum_over_groups
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
@@ -152,12 +154,13 @@ class PartitionedStrategy(ShardingStrategy):
         return state
 
     def sharded_state(self) -> list[OwnedSlice]:
-        pieces = []
+        pieces, replica = [], []
         for part in self.parts:
             for piece in part.layout.pieces:
                 p = self.trainable[piece.index]
                 pieces.append((ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), part.base + piece.shard_offset))
-        owned = self.masters.owned_slices(pieces)
+                replica.append(is_replica(part.group, self.options.group))
+        owned = [dataclasses.replace(o, replicated=True) if r else o for o, r in zip(self.masters.owned_slices(pieces), replica)]
         for name, p in self.module.named_parameters():  # frozen or outside every optimizer group: replicated
             if self.index.get(id(p)) not in self.part_of:
                 owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), p.detach().view(-1), None, replicated=True))

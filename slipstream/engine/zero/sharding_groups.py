@@ -62,3 +62,20 @@ def sum_over_groups(partials: list[tuple[dist.ProcessGroup | None, torch.Tensor]
         comm.all_reduce(partial, group=group, tag="gradient norm").wait()
         total = partial if total is None else total + partial
     return total
+
+
+def is_replica(group: dist.ProcessGroup | None, default: dist.ProcessGroup | None) -> bool:
+    """Whether this rank's partition over ``group`` is a replica that another subgroup's ranks save.
+
+    [Note: replicas across subgroups] Every rank of the default group holds the same parameters, so
+    a parameter group sharded over subgroups of it ({0,1} and {2,3} of four ranks) exists once per
+    subgroup. A checkpoint must hold each element once: the subgroup with the default group's first
+    rank saves, the others mark their slices ``replicated`` (saved by global rank 0 only, which is
+    never one of them; loaded by every rank). Expert parallelism will need its own rule: experts in
+    different subgroups are different parameters, not replicas.
+    """
+    if group is default:
+        return False
+    first = 0 if default is None else dist.get_process_group_ranks(default)[0]
+    members = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+    return first not in members

@@ -23,7 +23,7 @@ from slipstream.engine.zero.offload.param_store import open_param_store
 from slipstream.engine.zero.offload.swap_dir import shared_job_id
 from slipstream.engine.zero.params import broadcast_module_state, check_groups, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
-from slipstream.engine.zero.sharding_groups import reduce_flags, sum_over_groups
+from slipstream.engine.zero.sharding_groups import is_replica, reduce_flags, sum_over_groups
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.stage3.gathered import PartitionedUnits
 from slipstream.engine.zero.stage3.hooks import UnitHooks
@@ -170,12 +170,13 @@ class Stage3Strategy(ShardingStrategy):
         return {name: state[name] for name, _ in self.module.named_parameters()}  # the model's order
 
     def sharded_state(self) -> list[OwnedSlice]:
-        pieces = []
+        pieces, replica = [], []
         for g in self.groups:  # frozen parameters too: they are partitioned like the rest
             for piece in g.layout.pieces:
                 p = self.managed[piece.index]
                 pieces.append((ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), g.base + piece.shard_offset))
-        return self.masters.owned_slices(pieces)
+                replica.append(is_replica(g.lanes.group, self.options.group))
+        return [dataclasses.replace(o, replicated=True) if r else o for o, r in zip(self.masters.owned_slices(pieces), replica)]
 
     def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
         return self.masters.slice_optimizer_state(owned)
