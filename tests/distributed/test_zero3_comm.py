@@ -10,29 +10,21 @@ import torch.distributed as dist
 import slipstream
 from slipstream.comm import comms_log
 from tests.distributed.test_zero3 import _config
+from tests.distributed.test_zero_partitioned import reductions_around_last_gradient
 from tests.harness import run_distributed
-from tests.reference import assert_close_trajectory, global_batches, gpt2_loss, micro_batch, tiny_gpt2, train_engine, train_reference
+from tests.reference import assert_close_trajectory, global_batches, tiny_gpt2, train_engine, train_reference
 
 
 def _overlap_body(overlap: bool) -> list[int]:
-    world = dist.get_world_size()
-    engine = slipstream.initialize(tiny_gpt2(seed=0, n_layer=3), _config(world, 1, overlap_comm=overlap))
-    seen: list[int] = []
     # The token embedding (root unit) gets its gradient last: by then the blocks' reduce-scatters
     # are on the wire when overlap is on, and none has started when it is off.
-    engine.module.transformer.wte.weight.register_hook(lambda grad: seen.append(comms_log.counts()["reduce_scatter"]))
-    tokens = global_batches(1, engine.train_batch_size())[0]
-    comms_log.next_step()
-    engine.backward(gpt2_loss(engine, micro_batch(tokens, 0, dist.get_rank(), world, 2)))
-    seen.append(comms_log.counts()["reduce_scatter"])
-    engine.step()
-    engine.close()
-    return seen
+    engine = slipstream.initialize(tiny_gpt2(seed=0, n_layer=3), _config(dist.get_world_size(), 1, overlap_comm=overlap))
+    return reductions_around_last_gradient(engine)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_stage3_overlap_comm_decides_when_reductions_start(overlap: bool) -> None:
-    before_last_grad, after_backward = run_distributed(2, _overlap_body, overlap)[0][-2:]
+    before_last_grad, after_backward = run_distributed(2, _overlap_body, overlap)[0]
     assert after_backward == 4  # root + 3 blocks, once each
     assert (before_last_grad > 0) == overlap, before_last_grad
 
