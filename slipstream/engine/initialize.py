@@ -32,7 +32,9 @@ DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4
 AVAILABLE_STAGES = (0, 1, 2, 3)
 
 # The strategy currently attached to each model, so wrapping a model again detaches the old hooks.
-_attached: weakref.WeakKeyDictionary[torch.nn.Module, ShardingStrategy] = weakref.WeakKeyDictionary()
+# Weak both ways: a strategy refers to its model, so a strong value would keep both alive forever.
+# While attached, a strategy is kept alive by its hooks on the model.
+_attached: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[ShardingStrategy]] = weakref.WeakKeyDictionary()
 
 
 def initialize(
@@ -82,11 +84,12 @@ def initialize(
             return build_optimizer(optimizer_config, param_groups, accelerator.supports_fused_adam())
 
         optimizer = optimizer_factory
-    previous = _attached.get(model)
+    previous = _attached[model]() if model in _attached else None
     if previous is not None and previous.hooks:
         logger.warning("initialize: this model is still attached to an earlier engine; closing that engine's hooks")
         previous.close()
-    strategy = _attached[model] = _build_strategy(model, cfg, groups, optimizer)
+    strategy = _build_strategy(model, cfg, groups, optimizer)
+    _attached[model] = weakref.ref(strategy)
     scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)
     loader = None
     if training_data is not None:

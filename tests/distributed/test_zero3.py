@@ -398,3 +398,23 @@ def test_stage3_param_groups_user_optimizer_and_fp16_overflow(threshold: int) ->
     assert results[0] == results[1]
     step, changed, scale_before, scale_after, *_ = results[0]["record"][2]
     assert not changed and scale_after == scale_before / 2
+
+
+def _discarded_body() -> bool:
+    import gc
+    import weakref
+
+    def build() -> tuple[weakref.ref, weakref.ref]:
+        model = tiny_gpt2(seed=0)
+        engine = slipstream.initialize(model, _config(dist.get_world_size(), 1))
+        with slipstream.zero.GatheredParameters([model.transformer.h[0].mlp.c_fc.weight]):
+            pass
+        return weakref.ref(engine.strategy), weakref.ref(model)
+
+    strategy, model = build()  # neither closed nor kept: nothing global may hold on to them
+    gc.collect()
+    return strategy() is None and model() is None
+
+
+def test_a_discarded_engine_and_model_are_freed() -> None:
+    assert run_distributed(2, _discarded_body) == [True, True]

@@ -7,8 +7,9 @@
   function wrapped around its inputs fires when its backward is done, and the reducer takes its
   gradients.
 
-The hooks never hold the strategy: they hold the units, the schedule and the reducer, so a
-discarded engine leaves nothing behind but the removed hook handles.
+While registered, the hooks keep their ``owner`` (the strategy) alive, as the gradient hooks of
+stages 0-2 do, so the strategy can still be closed when the model is wrapped again; nothing
+global refers to either.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from slipstream.engine.zero.tensor_tree import tensors_in
 
 
 class UnitHooks:
-    def __init__(self, roots: list[ParamUnit], blocks: list[ParamUnit], schedule: GatherSchedule, reducer: UnitReducer) -> None:
-        self.roots, self.blocks, self.schedule, self.reducer = roots, blocks, schedule, reducer
+    def __init__(
+        self, roots: list[ParamUnit], blocks: list[ParamUnit], schedule: GatherSchedule, reducer: UnitReducer, owner: object
+    ) -> None:  # fmt: skip
+        self.roots, self.blocks, self.schedule, self.reducer, self.owner = roots, blocks, schedule, reducer, owner
 
     def register(self, module: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         hooks = [

@@ -93,7 +93,7 @@ class Stage3Strategy(ShardingStrategy):
             lambda u: self.masters.gradient_buffer(f"grad_{u.index:05d}", u.chunk),
         )  # fmt: skip
         self.schedule = GatherSchedule(self.blocks, self.units, stage3.prefetch_numel, stage3.max_live_numel, self.reducer.unit_done)
-        self.hooks = UnitHooks(self.roots, self.blocks, self.schedule, self.reducer).register(module)
+        self.hooks = UnitHooks(self.roots, self.blocks, self.schedule, self.reducer, self).register(module)
         self.gathered = PartitionedUnits(self.units, store, self.masters)
         self.gathered.register()
         logger.debug(
