@@ -18,6 +18,8 @@ After the step the updated chunks return to every rank with one all-gather per b
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -166,13 +168,13 @@ class PartitionedStrategy(ShardingStrategy):
                 owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), p.detach().view(-1), None, replicated=True))
         return owned
 
-    def slice_optimizer_state(self, owned: OwnedSlice) -> dict | None:
+    def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
         return self.masters.slice_optimizer_state(owned)
 
-    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict | None) -> None:
+    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
         self.masters.load_slice_optimizer_state(owned, state)
 
-    def load_sharded_state(self, read) -> None:  # type: ignore[no-untyped-def]
+    def load_sharded_state(self, read: Callable[[ParamSlice], torch.Tensor]) -> None:
         self.masters.load(self.sharded_state(), read)
         self.masters.publish()  # into this rank's chunks of the flat parameters
         for part in self.parts:

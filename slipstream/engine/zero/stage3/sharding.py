@@ -39,7 +39,7 @@ class ShardedUnits:
     shard: torch.Tensor  # this rank's partition of the parameters (model dtype)
 
 
-def split_by_group(specs: list[UnitSpec], group_of: Callable[[torch.nn.Parameter], dist.ProcessGroup | None]) -> list[tuple[dist.ProcessGroup | None, UnitSpec]]:
+def split_units(specs: list[UnitSpec], group_of: Callable[[torch.nn.Parameter], dist.ProcessGroup | None]) -> list[tuple[dist.ProcessGroup | None, UnitSpec]]:
     """Each unit cut into one unit per sharding group of its parameters, renumbered in order."""
     out: list[tuple[dist.ProcessGroup | None, UnitSpec]] = []
     for spec in specs:

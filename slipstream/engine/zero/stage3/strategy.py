@@ -29,7 +29,7 @@ from slipstream.engine.zero.stage3.gathered import PartitionedUnits
 from slipstream.engine.zero.stage3.hooks import UnitHooks
 from slipstream.engine.zero.stage3.reducer import UnitReducer
 from slipstream.engine.zero.stage3.schedule import GatherSchedule
-from slipstream.engine.zero.stage3.sharding import shard_units, split_by_group
+from slipstream.engine.zero.stage3.sharding import shard_units, split_units
 from slipstream.engine.zero.stage3.unit import UnitState
 from slipstream.engine.zero.stage3.units import find_units
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
@@ -64,7 +64,7 @@ class Stage3Strategy(ShardingStrategy):
         device = managed[0].device if managed else torch.device("cpu")
         broadcast_module_state(module, options.group, parameters=preshard is None)  # rank 0's weights win
         group_of = {id(p): g.sharding_group(options.group) for g in groups for p in g.params}
-        sharded = shard_units(split_by_group(specs, lambda p: group_of.get(id(p), options.group)), self.dtype, device, preshard)
+        sharded = shard_units(split_units(specs, lambda p: group_of.get(id(p), options.group)), self.dtype, device, preshard)
         self.units, self.groups, self.managed = sharded.units, sharded.groups, sharded.managed
         offload = options.offload
         nvme = offload is not None and "nvme" in (offload.optimizer, offload.param)
