@@ -17,10 +17,6 @@ After the step the updated chunks return to every rank with one all-gather per b
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -32,9 +28,10 @@ from slipstream.engine.zero.offload.chunks import join
 from slipstream.engine.zero.offload.swap_dir import shared_job_id
 from slipstream.engine.zero.params import TrainableParams, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
-from slipstream.engine.zero.sharding_groups import is_replica, reduce_flags, split_by_group, sum_over_groups
+from slipstream.engine.zero.masters_strategy import MastersStrategy
+from slipstream.engine.zero.sharding_groups import reduce_flags, split_by_group
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
-from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
+from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -47,7 +44,7 @@ def _storage(stage: int, trainable: list[torch.nn.Parameter], dtype: torch.dtype
     return lambda layout, inflight: ShardedGradients(layout, trainable, dtype, device, 2 if overlap else 1, inflight)
 
 
-class PartitionedStrategy(ShardingStrategy):
+class PartitionedStrategy(MastersStrategy):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -117,17 +114,19 @@ class PartitionedStrategy(ShardingStrategy):
         self.sync = False
 
     # ------------------------------------------------------------------ step
-    def global_grad_norm(self) -> torch.Tensor:
-        partials = [(part.group, self.masters.grad_norm_squared(part.base, part.base + part.numel)) for part in self.parts]
-        return sum_over_groups(partials).sqrt()[0]
-
-    def scale_gradients(self, factor: float) -> None:
-        self.masters.scale_gradients(factor)
+    def _ranges(self) -> list[tuple[dist.ProcessGroup | None, int, int]]:
+        return [(part.group, part.base, part.base + part.numel) for part in self.parts]
 
     def step(self) -> None:
         self.masters.step()  # updates this rank's chunks of the flat parameters
+        self._all_gather("updated weights")
+
+    def _show_masters(self) -> None:
+        self._all_gather("loaded weights")
+
+    def _all_gather(self, what: str) -> None:
         for part in self.parts:
-            part.all_gather(part.flat_params, "updated weights")
+            part.all_gather(part.flat_params, what)
 
     def zero_grad(self) -> None:
         for part in self.parts:
@@ -156,29 +155,17 @@ class PartitionedStrategy(ShardingStrategy):
         return state
 
     def sharded_state(self) -> list[OwnedSlice]:
-        pieces, replica = [], []
+        pieces = []
         for part in self.parts:
             for piece in part.layout.pieces:
                 p = self.trainable[piece.index]
-                pieces.append((ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), part.base + piece.shard_offset))
-                replica.append(is_replica(part.group, self.options.group))
-        owned = [dataclasses.replace(o, replicated=True) if r else o for o, r in zip(self.masters.owned_slices(pieces), replica)]
+                where = ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel)
+                pieces.append((where, part.base + piece.shard_offset, part.group))
+        owned = self._owned_slices(pieces)
         for name, p in self.module.named_parameters():  # frozen or outside every optimizer group: replicated
             if self.index.get(id(p)) not in self.part_of:
                 owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), p.detach().view(-1), None, replicated=True))
         return owned
-
-    def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
-        return self.masters.slice_optimizer_state(owned)
-
-    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
-        self.masters.load_slice_optimizer_state(owned, state)
-
-    def load_sharded_state(self, read: Callable[[ParamSlice], torch.Tensor]) -> None:
-        self.masters.load(self.sharded_state(), read)
-        self.masters.publish()  # into this rank's chunks of the flat parameters
-        for part in self.parts:
-            part.all_gather(part.flat_params, "loaded weights")
 
     def memory_breakdown(self) -> dict[str, int]:
         return {
@@ -187,7 +174,3 @@ class PartitionedStrategy(ShardingStrategy):
             "optimizer": self.masters.memory_bytes(),
             "buffers": sum(part.grads.buffer_bytes() for part in self.parts),
         }
-
-    def close(self) -> None:
-        super().close()
-        self.masters.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,8 @@ from slipstream.engine.zero.offload.param_store import open_param_store
 from slipstream.engine.zero.offload.swap_dir import shared_job_id
 from slipstream.engine.zero.params import broadcast_module_state, check_groups, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
-from slipstream.engine.zero.sharding_groups import is_replica, reduce_flags, sum_over_groups
+from slipstream.engine.zero.masters_strategy import MastersStrategy
+from slipstream.engine.zero.sharding_groups import reduce_flags
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.stage3.gathered import PartitionedUnits
 from slipstream.engine.zero.stage3.hooks import UnitHooks
@@ -32,7 +32,7 @@ from slipstream.engine.zero.stage3.schedule import GatherSchedule
 from slipstream.engine.zero.stage3.sharding import shard_units, split_units
 from slipstream.engine.zero.stage3.unit import UnitState
 from slipstream.engine.zero.stage3.units import find_units
-from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
+from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -46,7 +46,7 @@ class Stage3Options:
     max_live_numel: int = 1_000_000_000  # never prefetch beyond this many gathered elements
 
 
-class Stage3Strategy(ShardingStrategy):
+class Stage3Strategy(MastersStrategy):
     def __init__(
         self, module: torch.nn.Module, groups: list[ParamGroupSpec], options: ShardingOptions,
         optimizer: torch.optim.Optimizer | OptimizerFactory, stage3: Stage3Options,
@@ -130,18 +130,14 @@ class Stage3Strategy(ShardingStrategy):
         self.masters.gradients_ready(self.used)
 
     # ------------------------------------------------------------------ step
-    def global_grad_norm(self) -> torch.Tensor:
-        partials = [(g.lanes.group, self.masters.grad_norm_squared(g.base, g.base + g.layout.shard_numel)) for g in self.groups]
-        return sum_over_groups(partials).sqrt()[0]
-
-    def scale_gradients(self, factor: float) -> None:
-        self.masters.scale_gradients(factor)
+    def _ranges(self) -> list[tuple[dist.ProcessGroup | None, int, int]]:
+        return [(g.lanes.group, g.base, g.base + g.layout.shard_numel) for g in self.groups]
 
     def step(self) -> None:
         self.masters.step()
-        self._refresh_persistent()
+        self._show_masters()
 
-    def _refresh_persistent(self) -> None:
+    def _show_masters(self) -> None:  # the partitioned units gather the new shards when next needed
         with torch.no_grad():
             for unit in self.persistent:
                 unit.refresh()
@@ -170,25 +166,13 @@ class Stage3Strategy(ShardingStrategy):
         return {name: state[name] for name, _ in self.module.named_parameters()}  # the model's order
 
     def sharded_state(self) -> list[OwnedSlice]:
-        pieces, replica = [], []
+        pieces = []
         for g in self.groups:  # frozen parameters too: they are partitioned like the rest
             for piece in g.layout.pieces:
                 p = self.managed[piece.index]
-                pieces.append((ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), g.base + piece.shard_offset))
-                replica.append(is_replica(g.lanes.group, self.options.group))
-        return [dataclasses.replace(o, replicated=True) if r else o for o, r in zip(self.masters.owned_slices(pieces), replica)]
-
-    def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
-        return self.masters.slice_optimizer_state(owned)
-
-    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
-        self.masters.load_slice_optimizer_state(owned, state)
-
-    def load_sharded_state(self, read: Callable[[ParamSlice], torch.Tensor]) -> None:
-        self.masters.load(self.sharded_state(), read)
-        with torch.no_grad():
-            self.masters.publish()  # into the parameter shards: device, CPU or NVMe (param_store.py)
-        self._refresh_persistent()
+                where = ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel)
+                pieces.append((where, g.base + piece.shard_offset, g.lanes.group))
+        return self._owned_slices(pieces)
 
     def memory_breakdown(self) -> dict[str, int]:
         persistent = sum(u.nbytes for u in self.persistent)
@@ -202,9 +186,8 @@ class Stage3Strategy(ShardingStrategy):
 
     def close(self) -> None:
         """Remove the hooks and give every parameter its full value back as an ordinary tensor."""
-        super().close()
         self.gathered.unregister()
         for unit in self.units:
             unit.detach()
-        self.masters.close()
+        super().close()
         self.param_store.close()
