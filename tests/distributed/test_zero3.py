@@ -43,11 +43,11 @@ def _config(world: int, gas: int, mb: int = 2, prefetch: int = 0, threshold: int
     }
 
 
-def _parity_body(model_name: str, gas: int, prefetch: int, threshold: int = 0, precision: str = "fp32") -> dict:
+def _parity_body(model_name: str, gas: int, prefetch: int, threshold: int = 0, precision: str = "fp32", **zero: object) -> dict:
     world = dist.get_world_size()
     build = MODELS[model_name]
     extra = {precision: {"enabled": True}} if precision != "fp32" else {}
-    config = {**_config(world, gas, prefetch=prefetch, threshold=threshold), **extra}
+    config = {**_config(world, gas, prefetch=prefetch, threshold=threshold, **zero), **extra}
     engine = slipstream.initialize(build(seed=dist.get_rank()), config)  # rank 0's weights win
     batches = global_batches(STEPS, config["train_batch_size"])
     ours = train_engine(engine, batches)

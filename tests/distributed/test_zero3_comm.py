@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import slipstream
 from slipstream.comm import comms_log
-from tests.distributed.test_zero3 import _config
+from tests.distributed.test_zero3 import _config, _parity_body
 from tests.distributed.test_zero_partitioned import reductions_around_last_gradient
 from tests.harness import run_distributed
 from tests.reference import assert_close_trajectory, global_batches, tiny_gpt2, train_engine, train_reference
@@ -57,17 +57,7 @@ def test_stage3_reduces_in_communication_data_type() -> None:
         assert nbytes == 2 * result["units"][unit], (nbytes, tag)  # 2 bytes per element: bf16, not fp32
 
 
-def _deferred_parity_body() -> None:
-    world = dist.get_world_size()
-    config = _config(world, 2, overlap_comm=False)  # every reduce-scatter waits for the end of backward
-    engine = slipstream.initialize(tiny_gpt2(seed=0), config)
-    batches = global_batches(8, config["train_batch_size"])
-    ours = train_engine(engine, batches)
-    engine.close()
-    if dist.get_rank() == 0:
-        ref = train_reference(tiny_gpt2(seed=0), batches, lr=1e-3, weight_decay=0.01, clip=1.0)
-        assert_close_trajectory(ours, ref, loss_rtol=1e-5, param_atol=5e-5, param_rtol=1e-4)
-
 
 def test_stage3_without_overlap_trains_like_one_process() -> None:
-    run_distributed(2, _deferred_parity_body)
+    # Every reduce-scatter waits for the end of backward; with accumulation the slices add up.
+    run_distributed(2, _parity_body, "gpt2", 2, 0, overlap_comm=False)
