@@ -3,7 +3,30 @@
 ``register_external_parameter`` declares a parameter used outside its owning module's forward.
 """
 
-from slipstream.engine.zero.init import GatheredParameters, Init
-from slipstream.engine.zero.units import register_external_parameter
+from __future__ import annotations
+
+from typing import Any
+
+from slipstream.engine.zero import init as _init
+from slipstream.engine.zero.stage3.gathered import GatheredParameters
+from slipstream.engine.zero.stage3.units import register_external_parameter
+
+
+class Init(_init.Init):
+    """``with slipstream.zero.Init(config=ds_config): model = MyModel(...)``: see ``engine/zero/init.py``.
+
+    ``config`` (a dict, a path or a SlipstreamConfig; the one later given to ``initialize``) decides
+    the units (``zero_optimization.stage3_unit_modules``, ``stage3_param_persistence_threshold``).
+    """
+
+    def __init__(self, config: Any = None, enabled: bool = True) -> None:
+        if config is None:
+            super().__init__(enabled=enabled)
+            return
+        from slipstream.engine.config import SlipstreamConfig
+
+        zero = SlipstreamConfig.load(config, world_size=None).zero_optimization
+        super().__init__(zero.stage3_unit_modules, zero.stage3_param_persistence_threshold, enabled)
+
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter"]

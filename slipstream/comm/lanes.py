@@ -5,6 +5,11 @@ all-gathers (forward and backward) and reduce-scatters (backward) from different
 shared one group, every rank would have to interleave them identically, which data-dependent
 control flow cannot promise. On their own lanes each kind only needs its own order to match,
 and on gloo each lane gets its own ring thread, so gathers overlap reductions.
+
+[Note: twins of a subgroup] A twin of a group smaller than the world is made by its members only
+(``use_local_synchronization``): ranks of different subgroups (ZeRO over {0,1} on ranks 0 and 1,
+over {2,3} on ranks 2 and 3) each ask for their own group's twin, so a world-wide creation would
+never line up. Members agree on the twin because they make the same groups in the same order.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def lane_group(group: dist.ProcessGroup | None, lane: str) -> dist.ProcessGroup 
         if cached is not None and cached[0] is parent:
             return cached[1]
         ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
-        twin = dist.new_group(ranks=ranks, backend=str(dist.get_backend(group)), timeout=current_timeout())
+        twin = dist.new_group(ranks=ranks, backend=str(dist.get_backend(group)), timeout=current_timeout(),
+                              use_local_synchronization=len(ranks) < dist.get_world_size())  # fmt: skip
         _lanes[key] = (parent, twin)
         return twin

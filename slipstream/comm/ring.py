@@ -30,7 +30,9 @@ class RingContext:
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.parent = group if group is not None else dist.group.WORLD
         ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
-        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=current_timeout())
+        # A subgroup's ring is made by its members only (see [Note: twins of a subgroup] in lanes.py).
+        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=current_timeout(),
+                                    use_local_synchronization=len(ranks) < dist.get_world_size())  # fmt: skip
         self.size = len(ranks)
         self.rank = dist.get_rank(self.group)
         self.next_peer = ranks[(self.rank + 1) % self.size]

@@ -163,7 +163,11 @@ class Engine(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally without communication (like DDP's ``no_sync``)."""
+        """Micro-steps that must not complete an accumulation window (like DDP's ``no_sync``).
+
+        Stages 0-2 already communicate only at the boundary; stage 3 still reduce-scatters each
+        micro-step (it keeps no full gradient). A boundary backward inside it is an error.
+        """
         previous, self._no_sync = self._no_sync, True
         try:
             yield

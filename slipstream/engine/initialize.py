@@ -21,7 +21,7 @@ from slipstream.engine.precision import DTYPES, build_loss_scaler
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
 from slipstream.engine.zero.offload.options import offload_options
 from slipstream.engine.zero.partitioned import PartitionedStrategy
-from slipstream.engine.zero.stage3 import Stage3Options, Stage3Strategy
+from slipstream.engine.zero.stage3.strategy import Stage3Options, Stage3Strategy
 from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger, log_rank0
 
@@ -37,7 +37,9 @@ PARALLELISM_NAMES = {
 }  # fmt: skip
 
 # The strategy currently attached to each model, so wrapping a model again detaches the old hooks.
-_attached: weakref.WeakKeyDictionary[torch.nn.Module, ShardingStrategy] = weakref.WeakKeyDictionary()
+# Weak both ways: a strategy refers to its model, so a strong value would keep both alive forever.
+# While attached, a strategy is kept alive by its hooks on the model.
+_attached: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[ShardingStrategy]] = weakref.WeakKeyDictionary()
 
 
 def initialize(
@@ -218,13 +220,14 @@ def _shard(
             return build_optimizer(optimizer_config, param_groups, accelerator.supports_fused_adam())
 
         optimizer = optimizer_factory
-    previous = _attached.get(model)
+    previous = _attached[model]() if model in _attached else None
     if previous is not None and previous.hooks:
         logger.warning("initialize: this model is still attached to an earlier engine; closing that engine's hooks")
         previous.close()
     # None is the default group: a dense group spanning the world is exactly that (no second group).
     group = None if mesh.spans_world(*DENSE) else mesh.dense_group
-    strategy = _attached[model] = _build_strategy(model, cfg, groups, optimizer, group)
+    strategy = _build_strategy(model, cfg, groups, optimizer, group)
+    _attached[model] = weakref.ref(strategy)
     return strategy
 
 

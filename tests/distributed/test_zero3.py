@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import slipstream
 from slipstream.comm import comms_log
-from slipstream.engine.zero.param_unit import UnitState
+from slipstream.engine.zero.stage3.unit import UnitState
 from tests.distributed.test_data_parallel import _unused_body
 from tests.harness import run_distributed
 from tests.reference import (
@@ -43,11 +43,11 @@ def _config(world: int, gas: int, mb: int = 2, prefetch: int = 0, threshold: int
     }
 
 
-def _parity_body(model_name: str, gas: int, prefetch: int, threshold: int = 0, precision: str = "fp32") -> dict:
+def _parity_body(model_name: str, gas: int, prefetch: int, threshold: int = 0, precision: str = "fp32", **zero: object) -> dict:
     world = dist.get_world_size()
     build = MODELS[model_name]
     extra = {precision: {"enabled": True}} if precision != "fp32" else {}
-    config = {**_config(world, gas, prefetch=prefetch, threshold=threshold), **extra}
+    config = {**_config(world, gas, prefetch=prefetch, threshold=threshold, **zero), **extra}
     engine = slipstream.initialize(build(seed=dist.get_rank()), config)  # rank 0's weights win
     batches = global_batches(STEPS, config["train_batch_size"])
     ours = train_engine(engine, batches)
@@ -398,3 +398,23 @@ def test_stage3_param_groups_user_optimizer_and_fp16_overflow(threshold: int) ->
     assert results[0] == results[1]
     step, changed, scale_before, scale_after, *_ = results[0]["record"][2]
     assert not changed and scale_after == scale_before / 2
+
+
+def _discarded_body() -> bool:
+    import gc
+    import weakref
+
+    def build() -> tuple[weakref.ref, weakref.ref]:
+        model = tiny_gpt2(seed=0)
+        engine = slipstream.initialize(model, _config(dist.get_world_size(), 1))
+        with slipstream.zero.GatheredParameters([model.transformer.h[0].mlp.c_fc.weight]):
+            pass
+        return weakref.ref(engine.strategy), weakref.ref(model)
+
+    strategy, model = build()  # neither closed nor kept: nothing global may hold on to them
+    gc.collect()
+    return strategy() is None and model() is None
+
+
+def test_a_discarded_engine_and_model_are_freed() -> None:
+    assert run_distributed(2, _discarded_body) == [True, True]

@@ -184,11 +184,18 @@ def _comms_body_with_history(stage: int) -> dict:
 
 
 def _overlap_body(stage: int) -> list[int]:
+    engine = slipstream.initialize(tiny_gpt2(seed=0), _config(dist.get_world_size(), 1, stage, bucket=5_000))
+    return reductions_around_last_gradient(engine)
+
+
+def reductions_around_last_gradient(engine: slipstream.Engine) -> list[int]:
+    """Reduce-scatters launched when the last gradient of one backward arrives, and after it (then closes ``engine``).
+
+    The token embedding's gradient is the last one backward produces (it is also the tied LM
+    head, whose contribution comes first); when it arrives, earlier buckets must already be on the wire.
+    """
     world = dist.get_world_size()
-    engine = slipstream.initialize(tiny_gpt2(seed=0), _config(world, 1, stage, bucket=5_000))
     seen = []
-    # The token embedding's gradient is the last one backward produces (it is also the tied LM
-    # head, whose contribution comes first); when it arrives, earlier buckets must already be on the wire.
     wte = engine.module.transformer.wte.weight
     wte.register_hook(lambda grad: seen.append(comms_log.counts()["reduce_scatter"]))
     tokens = global_batches(1, engine.train_batch_size())[0]

@@ -9,12 +9,22 @@ optimizer updates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from slipstream import comm
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
-from slipstream.engine.zero.params import TrainableParams, adopt_grad, bind_optimizer, optimizer_state_bytes
+from slipstream.engine.zero.params import (
+    TrainableParams,
+    adopt_grad,
+    bind_optimizer,
+    install_slice_state,
+    optimizer_state_bytes,
+    slice_state,
+)
+from slipstream.engine.zero.sharding_groups import reduce_flags
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
@@ -36,6 +46,7 @@ class DataParallelStrategy(ShardingStrategy):
         params = TrainableParams(module, groups, self.group)
         self.names, self.trainable, self.index = params.names, params.trainable, params.index
         self.low_precision = any(p.dtype != torch.float32 for p in self.trainable)
+        group_of = {id(p): g.sharding_group(self.group) for g in groups for p in g.params}
         self.reducer = BucketedAllReduce(
             self.trainable,
             torch.float32,
@@ -45,6 +56,7 @@ class DataParallelStrategy(ShardingStrategy):
             predivide_factor=options.gradient_predivide_factor,
             prescale=options.prescale_gradients,
             average=options.average,
+            groups=[group_of.get(id(p), self.group) for p in self.trainable],
         )
         logger.debug("stage 0: %d gradient buckets", len(self.reducer.buckets))
         if self.low_precision:
@@ -76,7 +88,10 @@ class DataParallelStrategy(ShardingStrategy):
     def finish_gradients(self) -> None:
         self.reducer.finish()
         # Parameters no rank used keep grad None, as in plain PyTorch, so the optimizer skips them.
-        comm.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group, tag="used-parameter flags").wait()
+        members: dict[int, tuple[dist.ProcessGroup | None, list[int]]] = {}
+        for bucket in self.reducer.buckets:
+            members.setdefault(id(bucket.group), (bucket.group, []))[1].extend(bucket.members)
+        reduce_flags(self.used, list(members.values()) or [(self.group, [])])
         for i, master in enumerate(self.masters):
             master.grad = self.reducer.views[i] if self.used[i] else None
         self.sync = False
@@ -106,7 +121,7 @@ class DataParallelStrategy(ShardingStrategy):
                 p.grad = view
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if dist.get_rank() != 0:
+        if dist.get_rank() != 0:  # global rank 0, whatever the groups: it holds everything
             return None
         master_of = {id(p): m for p, m in zip(self.trainable, self.masters)}
         return {
@@ -123,9 +138,17 @@ class DataParallelStrategy(ShardingStrategy):
             owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), value, master, replicated=True))
         return owned
 
-    def refresh_from_masters(self) -> None:
-        if self.low_precision:
-            with torch.no_grad():
+    def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
+        return slice_state(self.optimizer, owned.optimizer_param)
+
+    def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
+        install_slice_state(self.optimizer, owned.optimizer_param, state)
+
+    def load_sharded_state(self, read: Callable[[ParamSlice], torch.Tensor]) -> None:
+        with torch.no_grad():
+            for owned in self.sharded_state():
+                owned.value.copy_(read(owned.slice).reshape(-1))
+            if self.low_precision:
                 torch._foreach_copy_([p.data for p in self.trainable], self.masters)
 
     def memory_breakdown(self) -> dict[str, int]:

@@ -35,6 +35,7 @@ class Bucket:
     start: int
     end: int
     members: list[int]  # parameter indices
+    group: dist.ProcessGroup | None = None  # averaged over this group (its parameter group's sharding group)
     work: comm.Work | None = None
     staging: torch.Tensor | None = None  # low-precision copy when communicating in another dtype
 
@@ -43,7 +44,8 @@ class BucketedAllReduce:
     """Owns the flat gradient buffer for ``params`` and averages it across the group in buckets.
 
     Parameters are laid out in reverse registration order, the order backward usually produces
-    their gradients, so early buckets fill (and launch) first.
+    their gradients, so early buckets fill (and launch) first. ``groups[i]`` (default: ``group`` for
+    all) is the process group parameter ``i`` is averaged over; a bucket never mixes groups.
     """
 
     def __init__(
@@ -56,11 +58,12 @@ class BucketedAllReduce:
         predivide_factor: float = 1.0,
         prescale: bool = False,
         average: bool = True,
+        groups: list[dist.ProcessGroup | None] | None = None,
     ) -> None:
         self.group = group
-        self.world_size = dist.get_world_size(group)
         self.communication_dtype = communication_dtype if communication_dtype not in (None, dtype) else None
-        self.pre_scale, self.post_scale = reduction_scales(self.world_size, predivide_factor, prescale, average)
+        self.scales = lambda g: reduction_scales(dist.get_world_size(g), predivide_factor, prescale, average)
+        groups = groups if groups is not None else [group] * len(params)
         total = sum(p.numel() for p in params)
         device = params[0].device if params else torch.device("cpu")
         self.buffer = torch.zeros(total, dtype=dtype, device=device)
@@ -70,8 +73,9 @@ class BucketedAllReduce:
         current: Bucket | None = None
         for i in reversed(range(len(params))):
             n = params[i].numel()
-            if current is None or (current.end - current.start + n > bucket_numel and current.members):
-                current = Bucket(len(self.buckets), offset, offset, [])
+            full = current is not None and current.end - current.start + n > bucket_numel and current.members
+            if current is None or full or groups[i] is not current.group:
+                current = Bucket(len(self.buckets), offset, offset, [], groups[i])
                 self.buckets.append(current)
             self.views[i] = self.buffer[offset : offset + n].view_as(params[i])
             current.members.append(i)
@@ -92,12 +96,13 @@ class BucketedAllReduce:
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         flat = self.buffer[bucket.start : bucket.end]
-        if self.pre_scale != 1.0:
-            flat.mul_(self.pre_scale)
+        pre_scale, _ = self.scales(bucket.group)
+        if pre_scale != 1.0:
+            flat.mul_(pre_scale)
         if self.communication_dtype is not None:
             bucket.staging = flat.to(self.communication_dtype)
             flat = bucket.staging
-        bucket.work = comm.all_reduce(flat, group=self.group, tag=f"gradient bucket {bucket.index}")
+        bucket.work = comm.all_reduce(flat, group=bucket.group, tag=f"gradient bucket {bucket.index}")
 
     def finish(self) -> None:
         """Launch what is left (in order) and wait for everything.
@@ -110,5 +115,6 @@ class BucketedAllReduce:
             flat = self.buffer[bucket.start : bucket.end]
             if bucket.staging is not None:
                 flat.copy_(bucket.staging)
-            if self.post_scale != 1.0:
-                flat.mul_(self.post_scale)
+            _, post_scale = self.scales(bucket.group)
+            if post_scale != 1.0:
+                flat.mul_(post_scale)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -146,10 +145,13 @@ class Init:
     under the same seed (the model's own initialisation, e.g. transformers' ``post_init``, runs
     unchanged), so every rank must be seeded alike. Random draws on other devices inside the
     context, or ``torch.manual_seed`` calls in a constructor, break that equality (a warning says so).
+
+    This class takes the unit settings (``unit_classes``, ``persistence_threshold``) that decide
+    the layout; ``slipstream.zero.Init`` reads them from a config.
     """
 
-    def __init__(self, config: Any = None, enabled: bool = True) -> None:
-        self.config, self.enabled = config, enabled
+    def __init__(self, unit_classes: list[str] | None = None, persistence_threshold: int = 100_000, enabled: bool = True) -> None:
+        self.unit_classes, self.persistence_threshold, self.enabled = unit_classes, persistence_threshold, enabled
         self._recorder: _Recorder | None = None
 
     def __enter__(self) -> Init:
@@ -183,7 +185,7 @@ class Init:
         models = [m for key, m in self._modules.items() if key not in children]
         at_exit = torch.get_rng_state()
         torch.set_rng_state(self._rng)
-        _Replay(recorder, models, self.config).run()
+        _Replay(recorder, models, self.unit_classes, self.persistence_threshold).run()
         if not torch.equal(at_exit, recorder.last_rng if recorder.last_rng is not None else self._rng):
             torch.set_rng_state(at_exit)  # reseeded after the last random draw
 
@@ -218,20 +220,17 @@ def is_presharded(model: torch.nn.Module) -> bool:
 
 
 class _Replay:
-    def __init__(self, recorder: _Recorder, models: list[torch.nn.Module], config: Any) -> None:
+    def __init__(self, recorder: _Recorder, models: list[torch.nn.Module], unit_classes: list[str] | None, threshold: int) -> None:
         from slipstream.comm import init_distributed
-        from slipstream.engine.config import SlipstreamConfig
 
         init_distributed()
         get_accelerator().return_freed_memory(0)  # the replay frees one materialised parameter after another
-        zero = SlipstreamConfig.load(config, world_size=dist.get_world_size()).zero_optimization if config is not None else None
-        self.unit_classes = zero.stage3_unit_modules if zero else None
-        self.threshold = zero.stage3_param_persistence_threshold if zero else 100_000
+        self.unit_classes, self.threshold = unit_classes, threshold
         self.recorder, self.models, self.log = recorder, models, recorder.log
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
 
     def run(self) -> None:
-        from slipstream.engine.zero.units import find_units
+        from slipstream.engine.zero.stage3.units import find_units
 
         targets: dict[int, list[tuple[torch.Tensor, torch.Tensor, list[Any]]]] = {}  # storage key -> [(param, shard, pieces)]
         layouts = []
@@ -338,7 +337,7 @@ def _materialize_buffers(model: torch.nn.Module, real: dict[int, torch.UntypedSt
 
 def _hollow_parameters(model: torch.nn.Module, replaced: dict[int, torch.nn.Parameter]) -> None:
     """Swap meta parameters for hollow CPU ones (a meta tensor cannot become a CPU one in place)."""
-    from slipstream.engine.zero.param_unit import ReleasedParameter
+    from slipstream.engine.zero.stage3.unit import ReleasedParameter
 
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for p in {id(p): p for p in model.parameters() if p.is_meta and id(p) not in replaced}.values():
@@ -364,38 +363,3 @@ def prepare_presharded(model: torch.nn.Module, device: torch.device, dtype: torc
             if buffer is not None:
                 cast = dtype if dtype is not None and buffer.is_floating_point() else buffer.dtype
                 module._buffers[name] = buffer.to(device=device, dtype=cast)
-
-
-class GatheredParameters:
-    """Context manager: the full values of ZeRO-3 partitioned ``params`` inside the block.
-
-    With ``modifier_rank`` set, changes that rank makes in place (under ``torch.no_grad()``) are
-    broadcast and re-partitioned on exit, fp32 master weights included. Collective: every rank
-    enters with the same parameters. Parameters that are not partitioned pass through untouched.
-    """
-
-    def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None, enabled: bool = True) -> None:
-        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self.modifier_rank, self.enabled = modifier_rank, enabled
-        self._by_strategy: dict[int, tuple[Any, list[Any]]] = {}
-
-    def __enter__(self) -> GatheredParameters:
-        from slipstream.engine.zero.stage3 import _unit_of_param
-
-        if not self.enabled:
-            return self
-        for p in self.params:
-            found = _unit_of_param.get(id(p))
-            if found is not None:
-                strategy, unit = found
-                units = self._by_strategy.setdefault(id(strategy), (strategy, []))[1]
-                if unit not in units:
-                    units.append(unit)
-        for strategy, units in self._by_strategy.values():
-            strategy.gathered(units)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for strategy, units in self._by_strategy.values():
-            strategy.repartition(units, self.modifier_rank if exc[0] is None else None)
-        self._by_strategy.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,3 +125,18 @@ def adopt_grad(param: torch.Tensor, view: torch.Tensor) -> None:
         if param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
         param.grad = view
+
+
+def slice_state(optimizer: torch.optim.Optimizer, optimizer_param: torch.Tensor | None) -> dict[str, Any] | None:
+    """The optimizer's state of one checkpoint slice (``optimizer.state[optimizer_param]``); None when frozen or unstepped."""
+    if optimizer_param is None:
+        return None
+    return optimizer.state.get(optimizer_param) or None
+
+
+def install_slice_state(optimizer: torch.optim.Optimizer, optimizer_param: torch.Tensor | None, state: dict[str, Any] | None) -> None:
+    """Inverse of :func:`slice_state` (None clears the state)."""
+    if state is None:
+        optimizer.state.pop(optimizer_param, None)
+    else:
+        optimizer.state[optimizer_param] = state

@@ -1,7 +1,9 @@
 """ZeRO stages 1 and 2: optimizer state (1) and gradients too (2) partitioned across ranks.
 
-Parameters (in the model's dtype) become views into one flat buffer laid out by
-:class:`FlatLayout`. Each rank keeps fp32 master weights and optimizer state only for its chunks.
+Each sharding group's parameters live in a :class:`GroupPartition` (flat buffer, buckets,
+reduce-scatter, all-gather); the stage only chooses where gradients wait for their reduction
+(``grad_storage.py``). This rank's fp32 masters and optimizer state cover its chunks of every
+partition, through one :class:`MasterWeights` (on the device or offloaded).
 
 * Stage 1 keeps full-size gradients (``param.grad`` are views into a flat buffer, accumulated in
   place); at the boundary each bucket is reduce-scattered and a rank keeps only its chunk.
@@ -15,72 +17,34 @@ After the step the updated chunks return to every rank with one all-gather per b
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
-from slipstream import comm
-from slipstream.engine.zero.grad_buckets import reduction_scales
-from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
-from slipstream.engine.zero.ordered_launch import OrderedLauncher
-from slipstream.engine.zero.params import TrainableParams, adopt_grad, bind_optimizer, optimizer_state_bytes, single_dtype
-from slipstream.engine.zero.offload.checkpoint_hooks import OffloadCheckpointHooks
+from slipstream.engine.zero.grad_storage import FullGradients, ShardedGradients
+from slipstream.engine.zero.group_partition import GroupPartition, StorageFactory
+from slipstream.engine.zero.layout import FlatLayout
+from slipstream.engine.zero.masters import build_masters
+from slipstream.engine.zero.offload.chunks import join
+from slipstream.engine.zero.offload.swap_dir import shared_job_id
+from slipstream.engine.zero.params import TrainableParams, single_dtype
+from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
+from slipstream.engine.zero.masters_strategy import MastersStrategy
+from slipstream.engine.zero.sharding_groups import reduce_flags, split_by_group
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
-from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
+from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 
-@dataclasses.dataclass
-class _InFlight:
-    work: comm.Work
-    send: torch.Tensor  # keeps the input alive until the collective completes
-    receive: torch.Tensor  # where the reduced chunk lands
-    pooled: torch.Tensor | None = None  # the pool buffer behind ``send``, returned once the work is done
+def _storage(stage: int, trainable: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device, overlap: bool) -> StorageFactory:
+    """The one place where stages 1 and 2 differ: full-size gradients, or a shard and send buffers."""
+    if stage == 1:
+        return lambda layout, inflight: FullGradients(layout, trainable, dtype, device)
+    return lambda layout, inflight: ShardedGradients(layout, trainable, dtype, device, 2 if overlap else 1, inflight)
 
 
-class SendBuffers:
-    """Stage 2's double-buffered send buffers, reused every step so the allocator never churns.
-
-    A bucket takes a buffer when its first gradient arrives. With both buffers taken, the oldest
-    launched bucket is waited for and its buffer reused; if neither has launched yet (buckets
-    blocked behind an unused parameter, or overlap_comm off) a temporary buffer is allocated.
-    """
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, count: int = 2) -> None:
-        self.free = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
-        self.total_bytes = sum(t.numel() * t.element_size() for t in self.free)
-        self.dtype, self.device = dtype, device
-
-    def acquire(self, numel: int, inflight: dict[int, _InFlight]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        base = self.free.pop() if self.free else self._reclaim(inflight)
-        if base is None:
-            return torch.zeros(numel, dtype=self.dtype, device=self.device), None
-        view = base[:numel]
-        view.zero_()
-        return view, base
-
-    @staticmethod
-    def _reclaim(inflight: dict[int, _InFlight]) -> torch.Tensor | None:
-        for index in sorted(inflight):
-            flight = inflight[index]
-            if flight.pooled is not None:
-                flight.work.wait()
-                base, flight.pooled = flight.pooled, None
-                return base
-        return None
-
-    def release_all(self, inflight: dict[int, _InFlight]) -> None:
-        for flight in inflight.values():
-            if flight.pooled is not None:
-                self.free.append(flight.pooled)
-                flight.pooled = None
-
-
-class PartitionedStrategy(OffloadCheckpointHooks, ShardingStrategy):
+class PartitionedStrategy(MastersStrategy):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -91,85 +55,44 @@ class PartitionedStrategy(OffloadCheckpointHooks, ShardingStrategy):
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"PartitionedStrategy implements ZeRO stages 1 and 2, got {stage}")
-        self.stage, self.options, self.group, self.module = stage, options, options.group, module
-        params = TrainableParams(module, groups, self.group)
+        self.options, self.module = options, module
+        params = TrainableParams(module, groups, options.group)
         self.names, self.trainable, self.index = params.names, params.trainable, params.index
         self.dtype = single_dtype(self.trainable, stage)
-        self.low_precision = self.dtype != torch.float32
-        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        group_members = [[self.index[id(p)] for p in g.params if id(p) in self.index] for g in groups]
-        self.layout = FlatLayout(
-            [p.numel() for p in self.trainable], group_members, options.reduce_bucket_numel, self.world, self.rank
-        )
-        self.in_layout = {i for members in group_members for i in members}
         device = self.trainable[0].device if self.trainable else torch.device("cpu")
-        self.flat_params = self._adopt_parameters(device)
-        offloaded = options.offload is not None and options.offload.optimizer != "none"
-        self.master_shard = None if offloaded else self._make_master_shard(device)
-        self.master_pieces = [] if offloaded else [self._master_piece(piece) for piece in self.layout.pieces]
-        pieces_of: dict[int, list[torch.Tensor]] = {}
-        for piece, master in zip(self.layout.pieces, self.master_pieces):
-            pieces_of.setdefault(piece.index, []).append(master)
-        if not offloaded:
-            self.optimizer = bind_optimizer(optimizer, groups, self.index, lambda i: pieces_of.get(i, []))
-        if stage == 1:
-            self.flat_grads = torch.zeros(self.layout.numel, dtype=self.dtype, device=device)
-            self.grad_views = [self.layout.param_view(self.flat_grads, i, p.shape) if i in self.in_layout else None
-                               for i, p in enumerate(self.trainable)]  # fmt: skip
-        else:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
-            largest = max((b.numel for b in self.layout.buckets), default=0)
-            self.send_pool = SendBuffers(largest, self.dtype, device, count=2 if options.overlap_comm else 1)
-        self.communication_dtype = options.communication_dtype if options.communication_dtype not in (None, self.dtype) else None
-        self.pre_scale, self.post_scale = reduction_scales(
-            self.world, options.gradient_predivide_factor, options.prescale_gradients, options.average
-        )
-        comm.ring_context(self.group)  # collective set-up, done now rather than inside a backward hook
-        self.launcher = OrderedLauncher([b.members for b in self.layout.buckets], self._launch)
-        self.inflight: dict[int, _InFlight] = {}
-        self.send_buffers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # bucket -> (send, pool base)
+        storage = _storage(stage, self.trainable, self.dtype, device, options.overlap_comm)
+        self.parts: list[GroupPartition] = []
+        for share in split_by_group(groups, options.group):
+            members = [[self.index[id(p)] for p in g.params if id(p) in self.index] for g in share.specs]
+            base = sum(part.numel for part in self.parts)
+            self.parts.append(GroupPartition(share.group, self.trainable, members, options, storage, base, self.dtype, device))
+        self.part_of = {i: part for part in self.parts for i in part.indices}
+        params_chunks = join([part.params() for part in self.parts])
+        nvme = options.offload is not None and options.offload.optimizer == "nvme"
+        spec = PartitionSpec(
+            numel=sum(part.numel for part in self.parts),
+            pieces=tuple(OptimizedPiece(part.base + piece.shard_offset, piece.numel, piece.index)
+                         for part in self.parts for piece in part.layout.pieces),
+            num_params=len(self.trainable), boundaries=tuple(b for part in self.parts for b in part.boundaries()),
+            dtype=self.dtype, device=device, rank=dist.get_rank(options.group),
+            job_id=shared_job_id(options.group) if nvme else "", initial=params_chunks,
+            grads=lambda: join([part.grads.chunks(part.base) for part in self.parts]), params=params_chunks,
+        )  # fmt: skip
+        self.masters = build_masters(spec, options.offload, optimizer, groups, self.index)
+        self.optimizer = self.masters.optimizer
         self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=device)
-        self.grad32: torch.Tensor | None = None
         self.sync = False
-        self.offload = None
-        if offloaded:
-            from slipstream.engine.zero.offload.wiring import offload_partitioned
-
-            self.offload = offload_partitioned(self, optimizer, groups)
-            self.optimizer = self.offload.optimizer
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
         logger.debug(
-            "ZeRO stage %d: %d buckets, %d of %d elements owned by this rank",
-            stage, len(self.layout.buckets), self.layout.shard_numel, self.layout.numel,
+            "ZeRO stage %d: %d sharding group(s), %d buckets, %d elements owned by this rank",
+            stage, len(self.parts), sum(len(p.layout.buckets) for p in self.parts), spec.numel,
         )  # fmt: skip
         self.zero_grad()
 
-    # ------------------------------------------------------------------ set-up
-    def _adopt_parameters(self, device: torch.device) -> torch.Tensor:
-        """Move every trainable parameter into the flat buffer (before any autograd graph exists)."""
-        flat = torch.zeros(self.layout.numel, dtype=self.dtype, device=device)
-        with torch.no_grad():
-            for i in sorted(self.in_layout):
-                p = self.trainable[i]
-                view = self.layout.param_view(flat, i, p.shape)
-                view.copy_(p.detach())
-                p.data = view
-        return flat
-
-    def _make_master_shard(self, device: torch.device) -> torch.Tensor | None:
-        if not self.low_precision:
-            return None  # fp32: this rank's chunks of the parameters are the masters
-        shard = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=device)
-        for bucket in self.layout.buckets:
-            self.layout.shard_chunk(shard, bucket).copy_(self.layout.own_chunk(self.flat_params, bucket))
-        return shard
-
-    def _master_piece(self, piece: Any) -> torch.Tensor:
-        if self.master_shard is not None:
-            return self.master_shard[piece.shard_offset : piece.shard_offset + piece.numel]
-        slot = self.layout.slots[piece.index]
-        start = slot.start + piece.param_offset
-        return self.flat_params[start : start + piece.numel]
+    @property
+    def layout(self) -> FlatLayout:
+        """The first sharding group's layout (the only one unless parameter groups name their own group)."""
+        return self.parts[0].layout
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self, sync: bool) -> None:
@@ -177,213 +100,77 @@ class PartitionedStrategy(OffloadCheckpointHooks, ShardingStrategy):
 
     def _on_grad(self, param: torch.Tensor) -> None:
         i = self.index[id(param)]
-        if i not in self.in_layout:
-            return
-        if self.stage == 1:
-            adopt_grad(param, self.grad_views[i])
+        part = self.part_of.get(i)
+        if part is None:
+            return  # in no optimizer group: never updated
         self.used[i] = 1.0
-        if self.sync:
-            if self.stage == 2:
-                self._pack(i, param)
-            self.launcher.mark_ready(i, launch=self.options.overlap_comm)
-
-    def _pack(self, i: int, param: torch.Tensor) -> None:
-        """Stage 2: move a finished gradient into its bucket's send buffer and free it at once."""
-        slot = self.layout.slots[i]
-        bucket = self.layout.buckets[slot.bucket]
-        send = self._send_buffer(bucket)[0]
-        send[slot.start - bucket.start : slot.start - bucket.start + slot.numel].copy_(param.grad.view(-1))
-        param.grad = None
-
-    def _launch(self, index: int) -> None:
-        bucket = self.layout.buckets[index]
-        pooled = None
-        if self.stage == 1:
-            send = self.layout.bucket_view(self.flat_grads, bucket)
-        else:  # gradients nobody produced (unused parameters, padding) stay zero
-            for i in bucket.members:  # used in an earlier micro-step of this window but not in the last
-                if self.trainable[i].grad is not None:
-                    self._pack(i, self.trainable[i])
-            send, pooled = self._send_buffer(bucket)
-            del self.send_buffers[index]
-        if self.pre_scale != 1.0:
-            send.mul_(self.pre_scale)
-        if self.communication_dtype is not None:
-            send = send.to(self.communication_dtype)
-        if self.communication_dtype is None:
-            receive = self._grad_chunk(bucket)  # straight into place (stage 1: in place in the input)
-        else:
-            receive = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
-        work = comm.reduce_scatter_tensor(receive, send, group=self.group, tag=f"gradient bucket {index}")
-        self.inflight[index] = _InFlight(work, send, receive, pooled)
-
-    def _send_buffer(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Stage 2: the bucket's send buffer (and its pool base), taken when first needed."""
-        if bucket.index not in self.send_buffers:
-            self.send_buffers[bucket.index] = self.send_pool.acquire(bucket.numel, self.inflight)
-        return self.send_buffers[bucket.index]
-
-    def _grad_chunk(self, bucket: LayoutBucket) -> torch.Tensor:
-        """Where this rank's reduced gradient chunk of ``bucket`` is kept."""
-        if self.stage == 1:
-            return self.layout.own_chunk(self.flat_grads, bucket)
-        return self.layout.shard_chunk(self.grad_shard, bucket)
+        part.on_grad(i, param, self.sync)
 
     def finish_gradients(self) -> None:
-        self.launcher.flush()
-        for index, bucket in enumerate(self.layout.buckets):
-            self.inflight[index].work.wait()
-            destination, receive = self._grad_chunk(bucket), self.inflight[index].receive
-            if receive.data_ptr() != destination.data_ptr():
-                destination.copy_(receive)
-            if self.post_scale != 1.0:
-                destination.mul_(self.post_scale)
-        if self.stage == 2:
-            self.send_pool.release_all(self.inflight)
-        self.inflight.clear()
-        comm.all_reduce(self.used, op=dist.ReduceOp.MAX, group=self.group, tag="used-parameter flags").wait()
-        if self.offload is not None:
-            self.offload.gradients_ready(self.used)
-        elif self.low_precision:
-            self.grad32 = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.flat_params.device)
-            for bucket in self.layout.buckets:
-                self.layout.shard_chunk(self.grad32, bucket).copy_(self._grad_chunk(bucket))
-        for piece, master in zip(self.layout.pieces, self.master_pieces):
-            master.grad = self._piece_grad(piece) if self.used[piece.index] else None
+        for part in self.parts:
+            part.finish()
+        reduce_flags(self.used, [(part.group, part.indices) for part in self.parts])
+        self.masters.gradients_ready(self.used)
         self.sync = False
 
-    def _piece_grad(self, piece: Any) -> torch.Tensor:
-        if self.grad32 is not None:
-            return self.grad32[piece.shard_offset : piece.shard_offset + piece.numel]
-        if self.stage == 2:
-            return self.grad_shard[piece.shard_offset : piece.shard_offset + piece.numel]
-        start = self.layout.slots[piece.index].start + piece.param_offset
-        return self.flat_grads[start : start + piece.numel]
-
-    def _owned_grads(self) -> list[torch.Tensor]:
-        if self.grad32 is not None:
-            return [self.grad32]
-        return [self._grad_chunk(b) for b in self.layout.buckets]
-
     # ------------------------------------------------------------------ step
-    def global_grad_norm(self) -> torch.Tensor:
-        zero = torch.zeros((), device=self.flat_params.device)
-        local = sum((torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in self._owned_grads()), zero)
-        squared = local.reshape(1).to(torch.float32)
-        comm.all_reduce(squared, group=self.group, tag="gradient norm").wait()
-        return squared.sqrt()[0]
-
-    def scale_gradients(self, factor: float) -> None:
-        if self.offload is not None:
-            self.offload.grad_scale = factor  # applied by the CPU Adam as it reads each gradient
-            return
-        if factor != 1.0:
-            for g in self._owned_grads():
-                g.mul_(factor)
+    def _ranges(self) -> list[tuple[dist.ProcessGroup | None, int, int]]:
+        return [(part.group, part.base, part.base + part.numel) for part in self.parts]
 
     def step(self) -> None:
-        self.optimizer.step()  # with offload, also writes the updated parameters into flat_params
-        with torch.no_grad():
-            if self.master_shard is not None:
-                for bucket in self.layout.buckets:
-                    self.layout.own_chunk(self.flat_params, bucket).copy_(self.layout.shard_chunk(self.master_shard, bucket))
-            self._all_gather(self.flat_params, "updated weights")
+        self.masters.step()  # updates this rank's chunks of the flat parameters
+        self._all_gather("updated weights")
 
-    def _all_gather(self, flat: torch.Tensor, what: str) -> None:
-        works = []
-        for bucket in self.layout.buckets:
-            mine = self.layout.own_chunk(flat, bucket)  # in place: comm handles the aliasing
-            works.append(
-                comm.all_gather_into_tensor(self.layout.bucket_view(flat, bucket), mine, group=self.group, tag=f"{what}, bucket {bucket.index}")
-            )  # fmt: skip
-        for work in works:
-            work.wait()
+    def _show_masters(self) -> None:
+        self._all_gather("loaded weights")
+
+    def _all_gather(self, what: str) -> None:
+        for part in self.parts:
+            part.all_gather(part.flat_params, what)
 
     def zero_grad(self) -> None:
-        if self.stage == 1:
-            self.flat_grads.zero_()
-            for p, view in zip(self.trainable, self.grad_views):
-                p.grad = view
-        else:
-            self.grad_shard.zero_()
-            for p in self.trainable:
-                p.grad = None
-        for master in self.master_pieces:
-            master.grad = None
-        self.grad32 = None
-        if self.offload is not None:
-            self.offload.zero_grad()
-        if self.stage == 2:
-            for _, base in self.send_buffers.values():
-                if base is not None:
-                    self.send_pool.free.append(base)
-            self.send_buffers.clear()
-        self.launcher.reset()
+        for part in self.parts:
+            part.zero_grad()
+        self.masters.zero_grad()
         self.used.zero_()
 
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if self.master_shard is not None or (self.offload is not None and self.low_precision):
-            full = torch.zeros(self.layout.numel, dtype=torch.float32, device=self.flat_params.device)
-            for bucket in self.layout.buckets:
-                if self.offload is not None:
-                    masters = self.offload.masters(bucket.shard_offset, bucket.shard_offset + bucket.chunk)
-                else:
-                    masters = self.layout.shard_chunk(self.master_shard, bucket)
-                self.layout.own_chunk(full, bucket).copy_(masters)
-            self._all_gather(full, "fp32 master weights")
-        else:
-            full = self.flat_params
-        if self.rank != 0:
+        fulls = {}
+        for part in self.parts:
+            full = part.flat_params
+            if self.dtype != torch.float32:  # the fp32 masters, not the rounded parameters
+                full = torch.zeros(part.layout.numel, dtype=torch.float32, device=full.device)
+                part.write_own(full, self.masters.read)
+                part.all_gather(full, "fp32 master weights")
+            fulls[id(part)] = full
+        if dist.get_rank() != 0:
             return None
         state = {}
         for name, p in self.module.named_parameters():
             i = self.index.get(id(p))
-            value = self.layout.param_view(full, i, p.shape) if i in self.in_layout else p
+            part = self.part_of.get(i) if i is not None else None
+            value = part.param_view(fulls[id(part)], i, p.shape) if part is not None else p
             state[name] = value.detach().float().clone()
         return state
 
     def sharded_state(self) -> list[OwnedSlice]:
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        owned = []
-        if self.offload is not None:  # masters and Adam state live in the offload store
-            from slipstream.engine.zero.offload.checkpoint import offload_slices
-
-            shape_of = [(names[id(p)], tuple(p.shape)) for p in self.trainable]
-            owned = offload_slices(self.offload, [(ParamSlice(*shape_of[piece.index], piece.param_offset, piece.numel), piece.shard_offset)
-                                                  for piece in self.layout.pieces])  # fmt: skip
-        for piece, master in zip(self.layout.pieces, self.master_pieces):
-            p = self.trainable[piece.index]
-            owned.append(OwnedSlice(ParamSlice(names[id(p)], tuple(p.shape), piece.param_offset, piece.numel), master, master))
+        pieces = []
+        for part in self.parts:
+            for piece in part.layout.pieces:
+                p = self.trainable[piece.index]
+                where = ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel)
+                pieces.append((where, part.base + piece.shard_offset, part.group))
+        owned = self._owned_slices(pieces)
         for name, p in self.module.named_parameters():  # frozen or outside every optimizer group: replicated
-            if self.index.get(id(p)) not in self.in_layout:
+            if self.index.get(id(p)) not in self.part_of:
                 owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), p.detach().view(-1), None, replicated=True))
         return owned
 
-    def refresh_from_masters(self) -> None:
-        with torch.no_grad():
-            if self.offload is not None:
-                self.offload.publish_masters()  # into this rank's chunks of flat_params
-            if self.master_shard is not None:
-                for bucket in self.layout.buckets:
-                    self.layout.own_chunk(self.flat_params, bucket).copy_(self.layout.shard_chunk(self.master_shard, bucket))
-            self._all_gather(self.flat_params, "loaded weights")
-
     def memory_breakdown(self) -> dict[str, int]:
-        grads = self.flat_grads if self.stage == 1 else self.grad_shard
-        optimizer_state = optimizer_state_bytes(self.optimizer)
-        masters = 0 if self.master_shard is None else self.master_shard.numel() * 4
-        if self.offload is not None:
-            optimizer_state = self.offload.memory_bytes()  # in CPU memory; on NVMe only the swap buffers
         return {
-            "params": self.flat_params.numel() * self.flat_params.element_size(),
-            "grads": grads.numel() * grads.element_size(),
-            "optimizer": optimizer_state + masters,
-            "buffers": self.send_pool.total_bytes if self.stage == 2 else 0,
+            "params": sum(part.flat_params.numel() * part.flat_params.element_size() for part in self.parts),
+            "grads": sum(part.grads.nbytes() for part in self.parts),
+            "optimizer": self.masters.memory_bytes(),
+            "buffers": sum(part.grads.buffer_bytes() for part in self.parts),
         }
-
-
-    def close(self) -> None:
-        super().close()
-        if self.offload is not None:
-            self.offload.close()

@@ -34,12 +34,30 @@ class ShardingOptions:
     offload: Any = None  # OffloadOptions (zero/offload/options.py) when optimizer state or parameters leave the device
 
 
+DEFAULT_GROUP: Any = "sharding-options-group"  # ParamGroupSpec.group: shard over ShardingOptions.group
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamGroupSpec:
-    """A parameter group as the user gave it: parameters plus their optimizer options."""
+    """A parameter group as the user gave it: parameters, their optimizer options, their sharding group.
+
+    ``group`` is the process group the group's parameters are sharded over and whose gradients they
+    average (key ``"process_group"`` in a user's param-group dict); by default the strategy's
+    ``ShardingOptions.group``. [Note: per-group sharding] Each rank passes the group it belongs to,
+    so a parameter sharded over {0,1} on ranks 0 and 1 is sharded over {2,3} on ranks 2 and 3: the
+    two subgroups hold replicas that stay equal only if each averages a gradient equal to the
+    other's. So ranks at the same position of different subgroups must see equivalent data, e.g.
+    ranks 0 and 2 micro-batch X and ranks 1 and 3 micro-batch Y: averaging over {0,1} and over all
+    four ranks then both give the gradient of X∪Y. Gradients are averaged over each group's own
+    size (a mean over {0,1} divides by 2); the global gradient norm counts each parameter once.
+    """
 
     params: list[torch.nn.Parameter]
     options: dict[str, Any]
+    group: Any = DEFAULT_GROUP  # dist.ProcessGroup, None (the world) or DEFAULT_GROUP
+
+    def sharding_group(self, default: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        return default if self.group is DEFAULT_GROUP else self.group
 
     @staticmethod
     def from_user(groups: Iterable[Any]) -> list[ParamGroupSpec]:
@@ -47,26 +65,40 @@ class ParamGroupSpec:
         if groups and isinstance(groups[0], dict):
             specs = []
             for g in groups:
-                options = {k: v for k, v in g.items() if k != "params"}
+                options = {k: v for k, v in g.items() if k not in ("params", "process_group")}
                 params = g["params"]
                 params = [params] if isinstance(params, torch.Tensor) else list(params)
-                specs.append(ParamGroupSpec(params, options))
+                specs.append(ParamGroupSpec(params, options, g.get("process_group", DEFAULT_GROUP)))
             return specs
         return [ParamGroupSpec(list(groups), {})]
 
 
 class ShardingStrategy(abc.ABC):
-    """Gradient hooks, reduction at the boundary, the optimizer step and the state it owns."""
+    """Gradient hooks, reduction at the boundary, the optimizer step and the state it owns.
+
+    The calls, in the order of a training step (the engine makes no others):
+
+    * ``begin_backward(sync)`` before each backward, ``end_backward()`` after it, and
+      ``finish_gradients()`` after the one that completes an accumulation window;
+    * at the boundary ``global_grad_norm()``, then ``scale_gradients(factor)`` (unscale and clip),
+      ``step()`` and ``zero_grad()`` (also after a skipped step);
+    * ``consolidated_state_dict()`` for full weights, ``close()`` when the engine is discarded.
+
+    The checkpoint code reads and writes the state through ``sharded_state()``,
+    ``slice_optimizer_state()``, ``load_slice_optimizer_state()`` and ``load_sharded_state()``;
+    ``memory_breakdown()`` is for the memory estimator and tests. ``optimizer`` is what the
+    engine, LR schedulers and users see; ``hooks`` are removed by ``close()``.
+    """
 
     optimizer: torch.optim.Optimizer
     hooks: list[torch.utils.hooks.RemovableHandle]
 
     @abc.abstractmethod
     def begin_backward(self, sync: bool) -> None:
-        """Called before each backward; ``sync`` says whether this backward completes the gradients."""
+        """Before each backward; ``sync``: this backward completes the gradients (stages 0-2 defer communication otherwise)."""
 
     def end_backward(self) -> None:
-        """Called after every backward (ZeRO-3 completes its per-pass bookkeeping here)."""
+        """After every backward (ZeRO-3 completes its per-pass bookkeeping and reductions here)."""
 
     @abc.abstractmethod
     def finish_gradients(self) -> None:
@@ -77,7 +109,7 @@ class ShardingStrategy(abc.ABC):
 
     @abc.abstractmethod
     def global_grad_norm(self) -> torch.Tensor:
-        """L2 norm over all gradients of all ranks (identical on every rank; inf/nan on overflow)."""
+        """L2 norm over all gradients, each parameter counted once (identical on every rank; inf/nan on overflow)."""
 
     @abc.abstractmethod
     def scale_gradients(self, factor: float) -> None:
@@ -88,49 +120,34 @@ class ShardingStrategy(abc.ABC):
         """Apply the optimizer and make the updated weights visible in the model's parameters."""
 
     @abc.abstractmethod
-    def zero_grad(self) -> None: ...
+    def zero_grad(self) -> None:
+        """Start a new accumulation window: gradients and used-parameter flags cleared."""
 
     @abc.abstractmethod
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full fp32 weights by parameter name on rank 0 (``None`` elsewhere). Collective."""
+        """Full fp32 weights by parameter name on global rank 0 (``None`` elsewhere). Collective."""
 
     @abc.abstractmethod
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held between steps: ``params``, ``grads``, ``optimizer`` (state + fp32 masters), ``buffers``."""
 
     # [Note: checkpoint state] The checkpoint code (engine/checkpoint) saves and loads through these
-    # two methods only; what it writes is keyed by parameter name and flat offset, never by rank.
+    # four methods only; what it writes is keyed by parameter name and flat offset, never by rank.
     @abc.abstractmethod
     def sharded_state(self) -> list[OwnedSlice]:
         """This rank's slices of every parameter (fp32 masters where kept), with their optimizer tensors."""
 
     @abc.abstractmethod
-    def refresh_from_masters(self) -> None:
-        """Make the model's parameters show the values just written into the slices. Collective."""
-
     def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
-        """The optimizer state of one slice: tensors with the slice's elements, or scalars (``step``).
+        """The optimizer state of one slice: tensors with the slice's elements, or scalars (``step``)."""
 
-        Read from ``optimizer.state[owned.optimizer_param]``; a strategy whose optimizer keeps its
-        state elsewhere (offload: one flat CPU/NVMe partition) overrides this and the next method.
-        """
-        if owned.optimizer_param is None:
-            return None
-        return self.optimizer.state.get(owned.optimizer_param) or None
-
+    @abc.abstractmethod
     def load_slice_optimizer_state(self, owned: OwnedSlice, state: dict[str, Any] | None) -> None:
         """Install ``state`` (tensors already shaped and placed like ``owned.optimizer_param``); None clears it."""
-        if state is None:
-            self.optimizer.state.pop(owned.optimizer_param, None)
-        else:
-            self.optimizer.state[owned.optimizer_param] = state
 
+    @abc.abstractmethod
     def load_sharded_state(self, read: Callable[[ParamSlice], torch.Tensor]) -> None:
-        """Fill every slice this rank holds with ``read(slice)`` (any checkpoint slicing), then refresh."""
-        with torch.no_grad():
-            for owned in self.sharded_state():
-                owned.value.copy_(read(owned.slice).reshape(-1))
-        self.refresh_from_masters()
+        """Fill every slice this rank holds with ``read(slice)`` (any checkpoint slicing), then show it in the model. Collective."""
 
     def close(self) -> None:
         """Remove hooks (an engine can be discarded and the model wrapped again)."""

@@ -67,3 +67,8 @@ def copy_in(chunks: Chunks, source: torch.Tensor, lo: int) -> None:
     """Copy ``source`` (covering ``[lo, lo + len)``) into the parts of ``chunks`` it overlaps (casting)."""
     for begin, end, view in overlaps(chunks, lo, lo + source.numel()):
         view.copy_(source[begin - lo : end - lo], non_blocking=True)
+
+
+def join(parts: list[Chunks]) -> Chunks:
+    """One ``Chunks`` over several (disjoint) ones, e.g. the partitions of several sharding groups."""
+    return Chunks([o for c in parts for o in c.offsets], [t for c in parts for t in c.tensors])

@@ -15,8 +15,23 @@ from typing import Any
 import torch
 
 from slipstream.engine.zero.offload.chunks import Chunks
+from slipstream.engine.zero.offload.options import OffloadOptions
 from slipstream.engine.zero.offload.swap_dir import SwapDir
 from slipstream.ops.aio import ALIGNMENT, AsyncIO, aligned_empty
+
+
+def open_param_store(
+    options: OffloadOptions | None, shard: torch.Tensor, units: list[Any], device: torch.device, job_id: str, rank: int
+) -> ParamStore:
+    """Stage 3's parameter shard placement from ``offload_param`` (a store that moves nothing without it)."""
+    mode = options.param if options is not None else "none"
+    swap = io = None
+    if options is not None and mode == "nvme":
+        assert options.param_nvme_path is not None
+        swap = SwapDir.open(options.param_nvme_path, job_id, rank, "zero_optimization.offload_param.nvme_path")
+        io = AsyncIO(options.aio.block_size, options.aio.threads, options.aio.use_direct)
+    pin = options is not None and options.pin_memory and device.type == "cuda"
+    return ParamStore(mode, shard, units, device, pin, swap, io)
 
 
 class ParamStore:
@@ -24,7 +39,8 @@ class ParamStore:
         self, mode: str, param_shard: torch.Tensor, units: list[Any], device: torch.device, pin: bool,
         swap: SwapDir | None = None, io: AsyncIO | None = None,
     ) -> None:  # fmt: skip
-        """``mode``: "none", "cpu" or "nvme"; ``units``: ParamUnits whose ``shard`` views ``param_shard``."""
+        """``mode``: "none", "cpu" or "nvme"; ``units``: ParamUnits whose ``shard`` views ``param_shard``
+        (``offset``/``chunk``: where their chunk lies in it)."""
         self.mode, self.device, self.swap, self.io = mode, device, swap, io
         self.dtype = param_shard.dtype
         self.units = units
@@ -43,17 +59,17 @@ class ParamStore:
                 self.shard = get_accelerator().pinned_empty(param_shard.numel(), param_shard.dtype).copy_(param_shard)
             else:
                 self.shard = param_shard.to("cpu")
-            self._rebind(lambda u: self.shard[u.bucket.shard_offset : u.bucket.shard_offset + u.bucket.chunk])
+            self._rebind(lambda u: self.shard[u.offset : u.offset + u.chunk])
             for u in units:  # the persistent unit too: every all-gather reads from device memory
                 u.fetch = self._from_cpu(u)
         elif mode == "nvme":
             assert swap is not None and io is not None
             swap.check_space(sum(self._file_bytes(u) for u in self.swapped))
-            self._initial = Chunks([u.bucket.shard_offset for u in units], [u.shard for u in units])
+            self._initial = Chunks([u.offset for u in units], [u.shard for u in units])
             in_flight: list[int] = []  # a few units written at once: bounded memory, the disk kept busy
             for u in self.swapped:
                 buffer = self._buffer(u)
-                buffer[: u.bucket.chunk].copy_(u.shard)
+                buffer[: u.chunk].copy_(u.shard)
                 in_flight.append(self.io.submit_write(buffer, self._file(u)))
                 if len(in_flight) > 3:
                     self.io.wait(in_flight.pop(0))
@@ -72,7 +88,7 @@ class ParamStore:
         return self.swap.file(f"param_{unit.index:05d}.swp")
 
     def _file_bytes(self, unit: Any) -> int:
-        nbytes = unit.bucket.chunk * self.dtype.itemsize
+        nbytes = unit.chunk * self.dtype.itemsize
         return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
     def _buffer(self, unit: Any) -> torch.Tensor:
@@ -83,7 +99,7 @@ class ParamStore:
         """The starting values of the partition (for the optimizer's fp32 masters)."""
         if self._initial is not None:
             return self._initial
-        return Chunks([u.bucket.shard_offset for u in self.units], [u.shard for u in self.units])
+        return Chunks([u.offset for u in self.units], [u.shard for u in self.units])
 
     def drop_initial(self) -> None:
         """The optimizer has its masters: free the in-memory shard (it lives in the swap files now)."""
@@ -95,7 +111,7 @@ class ParamStore:
         """The parameter chunks the optimizer can write in place (None: every update goes through publish)."""
         if self.mode == "nvme":
             return None  # publish writes the swapped units and copies into the persistent one
-        return Chunks([u.bucket.shard_offset for u in self.units], [u.shard for u in self.units])
+        return Chunks([u.offset for u in self.units], [u.shard for u in self.units])
 
     @property
     def publish(self) -> Any:
@@ -111,16 +127,16 @@ class ParamStore:
         self.write_buffers = [current, previous]
         hi = lo + values.numel()
         for u in self.units:
-            begin, end = max(lo, u.bucket.shard_offset), min(hi, u.bucket.shard_offset + u.bucket.chunk)
+            begin, end = max(lo, u.offset), min(hi, u.offset + u.chunk)
             if begin >= end:
                 continue
             if u.kind == "persistent":
-                u.shard[begin - u.bucket.shard_offset : end - u.bucket.shard_offset].copy_(values[begin - lo : end - lo])
+                u.shard[begin - u.offset : end - u.offset].copy_(values[begin - lo : end - lo])
                 continue
-            whole = begin == u.bucket.shard_offset and end == u.bucket.shard_offset + u.bucket.chunk
+            whole = begin == u.offset and end == u.offset + u.chunk
             buffer = self._buffer(u) if whole else torch.empty(end - begin, dtype=self.dtype)
             buffer[: end - begin].copy_(values[begin - lo : end - lo])
-            request = self.io.submit_write(buffer, self._file(u), (begin - u.bucket.shard_offset) * self.dtype.itemsize)
+            request = self.io.submit_write(buffer, self._file(u), (begin - u.offset) * self.dtype.itemsize)
             current.append((buffer, request))
             self.writes.setdefault(u.index, []).append(request)
             self.reads.pop(u.index, None)  # a read-ahead from before this write is stale
@@ -140,7 +156,7 @@ class ParamStore:
             nxt = self.position[unit.index] + step
             if 0 <= nxt < len(self.swapped) and self.swapped[nxt].index not in self.reads:
                 self._start_read(self.swapped[nxt])
-            chunk = buffer[: unit.bucket.chunk]
+            chunk = buffer[: unit.chunk]
             return chunk if self.device.type == "cpu" else chunk.to(self.device)
 
         return fetch
@@ -164,7 +180,7 @@ class ParamStore:
         """This rank's chunk of ``unit`` in CPU memory (a copy for swapped units)."""
         if unit.fetch is None or self.mode != "nvme":
             return unit.shard
-        return self._read(unit)[: unit.bucket.chunk]
+        return self._read(unit)[: unit.chunk]
 
     def modified(self, unit: Any, values: torch.Tensor) -> None:
         """GatheredParameters changed ``unit``'s chunk: store it."""
@@ -173,7 +189,7 @@ class ParamStore:
             return
         assert self.io is not None
         buffer = self._buffer(unit)
-        buffer[: unit.bucket.chunk].copy_(values)
+        buffer[: unit.chunk].copy_(values)
         self.reads.pop(unit.index, None)
         self.writes.setdefault(unit.index, []).append(self.io.submit_write(buffer, self._file(unit)))
         self.io.wait()

@@ -1,7 +1,7 @@
 """``PartitionOffload``: what a ZeRO strategy calls to keep its optimizer partition off the device.
 
-A strategy hands over its partition (pieces, gradient and parameter storage in partition
-coordinates) and from then on calls four things: :meth:`gradients_ready` when the reduced
+A strategy hands over its partition as one value (``PartitionSpec``: pieces, gradient and
+parameter storage in partition coordinates) and from then on calls four things: :meth:`gradients_ready` when the reduced
 gradients are final, ``grad_scale`` (instead of scaling gradients in place), :meth:`step`, and
 :meth:`masters` for consolidation. ``optimizer`` is the :class:`OffloadAdam` the engine sees.
 
@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from slipstream.accelerator import get_accelerator
 from slipstream.engine.zero.offload.adam import (
@@ -34,7 +33,8 @@ from slipstream.engine.zero.offload.state_store import (
     StateStore,
     split,
 )
-from slipstream.engine.zero.offload.swap_dir import SwapDir, new_job_id
+from slipstream.engine.zero.offload.swap_dir import SwapDir
+from slipstream.engine.zero.partition import PartitionSpec
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec
 from slipstream.ops.aio import AsyncIO
 from slipstream.utils.logging import get_logger
@@ -42,37 +42,20 @@ from slipstream.utils.logging import get_logger
 logger = get_logger(__name__)
 
 
-def shared_job_id(group: dist.ProcessGroup | None) -> str:
-    """One job id for every rank of ``group`` (rank 0's), so swap directories sit side by side."""
-    box = [new_job_id()]
-    if dist.get_world_size(group) > 1:
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
 class PartitionOffload:
     def __init__(
-        self, options: OffloadOptions, *, numel: int, pieces: list[Any], trainable_of: Callable[[int], int | None],
-        num_trainable: int, groups: list[ParamGroupSpec], index: dict[int, int], trainable: list[torch.nn.Parameter],
-        optimizer: torch.optim.Optimizer | OptimizerFactory, dtype: torch.dtype, device: torch.device,
-        grads: Callable[[], Chunks], initial: Chunks,
-        params: Chunks | None, publish: Callable[[int, int, torch.Tensor], None] | None = None,
-        boundaries: list[int], job_id: str, rank: int,
+        self, options: OffloadOptions, spec: PartitionSpec, optimizer: torch.optim.Optimizer | OptimizerFactory,
+        groups: list[ParamGroupSpec], index: dict[int, int],
     ) -> None:  # fmt: skip
-        """``pieces`` are layout pieces (``index`` into the strategy's parameter list, which
-        ``trainable_of`` maps to a trainable index or None); ``grads``: gives the strategy's reduced
-        gradient storage (asked at the first step, so a strategy may allocate it after this); ``initial``: the starting parameter values; ``params``: where updated parameters go
-        (None: ``publish`` takes them); ``boundaries``: bucket starts (sub-groups prefer them)."""
+        """``spec`` describes the partition (partition.py); ``optimizer``, ``groups`` and ``index`` (parameter id
+        -> trainable index) give the Adam settings of each piece's optimizer group."""
+        numel, dtype, params = spec.numel, spec.dtype, spec.params
         self.options, self.dtype, self.numel = options, dtype, numel
         self.accelerator = get_accelerator()
-        on_cuda = device.type == "cuda"
+        on_cuda = spec.device.type == "cuda"
         self.pin = options.pin_memory and on_cuda  # pinning only speeds host-device copies
-        hyper, group_of = _hyperparameters(optimizer, groups, index, trainable)
-        self.segments = [
-            Segment(p.shard_offset, p.numel, group_of[t], t)
-            for p in pieces if (t := trainable_of(p.index)) is not None and t in group_of
-        ]  # fmt: skip
+        hyper, group_of = _hyperparameters(optimizer, groups, index)
+        self.segments = [Segment(p.offset, p.numel, group_of[p.param], p.param) for p in spec.pieces if p.param in group_of]
         self.segment_of = {s.offset: s for s in self.segments}
         self.swap: SwapDir | None = None
         self.mapped_bytes = 0
@@ -81,18 +64,18 @@ class PartitionOffload:
         self.store: StateStore
         if options.optimizer == "nvme":
             assert options.optimizer_nvme_path is not None
-            self.swap = SwapDir.open(options.optimizer_nvme_path, job_id, rank, "zero_optimization.offload_optimizer.nvme_path")
+            self.swap = SwapDir.open(options.optimizer_nvme_path, spec.job_id, spec.rank, "zero_optimization.offload_optimizer.nvme_path")
             self.io = AsyncIO(options.aio.block_size, options.aio.threads, options.aio.use_direct)
-            subgroups = split(numel, boundaries, options.sub_group_numel)
-            self.store = NVMeStateStore(numel, subgroups, initial, self.swap, self.io, self.pin)
+            subgroups = split(numel, list(spec.boundaries), options.sub_group_numel)
+            self.store = NVMeStateStore(numel, subgroups, spec.initial, self.swap, self.io, self.pin)
         else:
-            self.store = CPUStateStore(numel, params if alias else None, None if alias else initial, self.pin)
+            self.store = CPUStateStore(numel, params if alias else None, None if alias else spec.initial, self.pin)
         in_memory = isinstance(self.store, CPUStateStore)
         placeholders: list[list[torch.Tensor]] = [[] for _ in hyper]
         for s in self.segments:
             view = self.store.views["master"].slice(s.offset, s.numel) if in_memory else torch.empty(s.numel, device="meta")  # type: ignore[attr-defined]
             placeholders[s.group].append(view)
-        self._device_grads = grads
+        self._device_grads = spec.grads
         self.grads: Chunks | None = None
         self.copy_stream = self.copy_done = None
         if on_cuda:  # gradients cross to CPU memory once per step, into one pinned buffer, on their own stream
@@ -103,8 +86,8 @@ class PartitionOffload:
         elif params is not None:
             sink = ParamSink(dtype, publish=self._to_device(params))
         else:
-            sink = ParamSink(dtype, publish=publish)
-        self.optimizer = OffloadAdam(placeholders, hyper, self.segments, self.store, sink, num_trainable)
+            sink = ParamSink(dtype, publish=spec.publish)
+        self.optimizer = OffloadAdam(placeholders, hyper, self.segments, self.store, sink, spec.num_params)
         self.optimizer.before_step = self._wait_for_gradients
         logger.debug(
             "offload: optimizer state of %d elements on %s in %d sub-group(s)%s", numel, options.optimizer,
@@ -209,9 +192,8 @@ class PartitionOffload:
 
 
 def _hyperparameters(
-    optimizer: torch.optim.Optimizer | OptimizerFactory, groups: list[ParamGroupSpec], index: dict[int, int],
-    trainable: list[torch.nn.Parameter],
-) -> tuple[list[Any], dict[int, int]]:  # fmt: skip
+    optimizer: torch.optim.Optimizer | OptimizerFactory, groups: list[ParamGroupSpec], index: dict[int, int]
+) -> tuple[list[Any], dict[int, int]]:
     """Adam settings per optimizer group and the group of each trainable parameter.
 
     A user's optimizer instance keeps its own groups; a factory (the config's optimizer, or a

@@ -1,4 +1,10 @@
-"""One ZeRO-3 unit at run time: its flat gathered buffer, gathered and freed around compute.
+"""One ZeRO-3 unit at run time: its flat gathered buffer and its lifecycle around compute.
+
+Like FSDP2's ``FSDPParamGroup``, the unit owns its lifecycle: ``unshard`` (start the all-gather),
+``wait``, ``reshard`` (free), and the bookkeeping of the forward and backward passes that decide
+when it may be freed and when its gradients are complete (``pre_forward``/``post_forward``,
+``pre_backward``/``post_backward``). Which unit to gather when is the schedule's business
+(``schedule.py``); what happens to its gradients, the reducer's (``reducer.py``).
 
 [Note: freeing without rebinding] Each parameter of a unit is, once at set-up, made a view into
 the unit's flat ``full`` buffer. Releasing the unit resizes that buffer's storage to zero bytes;
@@ -11,6 +17,7 @@ otherwise report an in-place modification).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +28,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.storage import alias
-from slipstream.engine.zero.units import UnitSpec
+from slipstream.engine.zero.stage3.units import UnitSpec
 
 _HARMLESS = {
     "shape", "size", "dim", "numel", "dtype", "device", "requires_grad", "requires_grad_", "grad", "data", "is_leaf",
@@ -60,31 +67,69 @@ class ReleasedParameter(torch.nn.Parameter):
 
 
 class UnitState(enum.Enum):
+    """Where the unit's gathered storage is."""
+
     FREE = "free"
     GATHERING = "gathering"
     LIVE = "live"
 
 
+class TrainingState(enum.Enum):
+    """Where the unit is in the current backward pass."""
+
+    IDLE = "idle"  # no backward under way for it (forward, or between passes)
+    PRE_BACKWARD = "pre_backward"  # gathered for backward; gradients arriving
+    POST_BACKWARD = "post_backward"  # gradients handed to the reducer for this pass
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLanes:
+    """One sharding group and its twin groups: all-gathers and reduce-scatters each keep their own order."""
+
+    group: dist.ProcessGroup | None
+    gather: dist.ProcessGroup | None
+    reduce: dist.ProcessGroup | None
+    world: int
+    rank: int
+
+    @staticmethod
+    def of(group: dist.ProcessGroup | None) -> GroupLanes:
+        lanes = GroupLanes(group, comm.lane_group(group, "zero3-gather"), comm.lane_group(group, "zero3-reduce"),
+                           dist.get_world_size(group), dist.get_rank(group))  # fmt: skip
+        comm.ring_context(lanes.gather)  # set up now rather than inside a hook
+        comm.ring_context(lanes.reduce)
+        return lanes
+
+
 class ParamUnit:
     """The flat buffer of one unit, this rank's chunk of it, and the collective that fills it."""
 
-    def __init__(
-        self, spec: UnitSpec, bucket: LayoutBucket, layout: FlatLayout, shard: torch.Tensor, gather_group: dist.ProcessGroup | None
-    ) -> None:  # fmt: skip
-        self.spec, self.bucket, self.layout = spec, bucket, layout
+    def __init__(self, spec: UnitSpec, bucket: LayoutBucket, layout: FlatLayout, shard: torch.Tensor, lanes: GroupLanes, base: int) -> None:
+        """``shard``: this rank's chunk; ``base``: where the unit's group starts in partition coordinates."""
+        self.spec, self.bucket, self.layout, self.lanes = spec, bucket, layout, lanes
         self.index, self.kind, self.numel = spec.index, spec.kind, bucket.numel
-        self.shard = shard  # this rank's chunk: persistent between steps
-        self.gather_group = gather_group
+        self.offset, self.chunk = base + bucket.shard_offset, bucket.chunk  # this rank's chunk in partition coordinates
+        self.shard = shard  # persistent between steps
         self.full = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
         self.nbytes = self.full.untyped_storage().nbytes()
         self.flat = alias(self.full.untyped_storage(), 0, (bucket.numel,), shard.dtype)  # what collectives write through
         self.state = UnitState.LIVE
+        self.training_state = TrainingState.IDLE
         self.work: comm.Work | None = None
         self.fetch: Callable[[], torch.Tensor] | None = None  # offloaded shard: brings it to the device
         self.staged: torch.Tensor | None = None  # what the all-gather reads, alive until it completes
-        # Per forward/backward pass bookkeeping (see Stage3Strategy).
         self.depth = 0  # active forward calls
         self.pending_backward = 0  # forward calls under grad whose backward has not finished
+        self.adopt()
+        self.reshard()
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.spec.params
+
+    @property
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.spec.params)
 
     def param_range(self, slot_index: int) -> tuple[int, int]:
         slot = self.layout.slots[slot_index]
@@ -92,13 +137,17 @@ class ParamUnit:
         begin = slot.start - self.bucket.start
         return begin, begin + slot.numel
 
-    def adopt(self, params: list[torch.nn.Parameter], slot_indices: list[int]) -> None:
+    def ranges(self) -> list[tuple[torch.nn.Parameter, int, int]]:
+        """Each parameter with its ``[begin, end)`` inside the gathered buffer."""
+        return [(p, *self.param_range(i)) for p, i in zip(self.spec.params, self.bucket.members)]
+
+    def adopt(self) -> None:
         """Make the parameters views into ``full`` (once, at set-up, before any graph exists)."""
-        for p, i in zip(params, slot_indices):
-            begin, end = self.param_range(i)
+        for p, begin, end in self.ranges():
             p.data = self.full[begin:end].view(p.shape)
 
-    def gather(self) -> None:
+    # ------------------------------------------------------------------ storage
+    def unshard(self) -> None:
         """Start filling ``full`` from every rank's chunk (asynchronous)."""
         if self.state is not UnitState.FREE:
             return
@@ -106,7 +155,7 @@ class ParamUnit:
         self._mark(released=False)
         self.staged = self.shard if self.fetch is None else self.fetch()
         self.work = comm.all_gather_into_tensor(
-            self.flat, self.staged, group=self.gather_group, tag=f"ZeRO-3 unit {self.index} ({self.spec.name})"
+            self.flat, self.staged, group=self.lanes.gather, tag=f"ZeRO-3 unit {self.index} ({self.spec.name})"
         )
         self.state = UnitState.GATHERING
 
@@ -118,8 +167,13 @@ class ParamUnit:
             self.staged = None
             self.state = UnitState.LIVE
 
-    def release(self) -> None:
-        """Free the gathered storage (waiting for a gather still filling it)."""
+    def gathered(self) -> None:
+        """Unshard and wait."""
+        self.unshard()
+        self.wait()
+
+    def reshard(self) -> None:
+        """Free the gathered storage (waiting for a gather still filling it); the persistent unit stays."""
         if self.kind == "persistent" or self.state is UnitState.FREE:
             return
         self.wait()
@@ -137,8 +191,44 @@ class ParamUnit:
     def refresh(self) -> None:
         """Re-gather a live unit after its shard changed (the persistent unit after each step)."""
         self.state = UnitState.FREE
-        self.gather()
-        self.wait()
+        self.gathered()
 
     def own_chunk(self) -> torch.Tensor:
         return self.flat.view(self.layout.world, -1)[self.layout.rank]
+
+    def detach(self) -> None:
+        """Give every parameter its full value back as an ordinary tensor (the engine is closing)."""
+        self.gathered()
+        for p, begin, end in self.ranges():
+            p.data = self.full[begin:end].view(p.shape).clone()
+        self.full.untyped_storage().resize_(0)
+        self.state = UnitState.FREE
+
+    # ------------------------------------------------------------------ passes
+    def pre_forward(self) -> None:
+        self.depth += 1
+        if torch.is_grad_enabled():
+            self.pending_backward += 1
+
+    def post_forward(self) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.reshard()
+
+    def pre_backward(self) -> None:
+        self.training_state = TrainingState.PRE_BACKWARD
+
+    def post_backward(self) -> bool:
+        """One forward call's backward is done; True when all are (the unit is freed then)."""
+        self.pending_backward -= 1
+        if self.pending_backward > 0:
+            return False
+        self.pending_backward = 0
+        self.reshard()
+        return True
+
+    def idle(self, backward: bool) -> bool:
+        """Gathered but needed by no running forward (nor, in ``backward``, by a pending or finished backward)."""
+        if self.state is UnitState.FREE or self.depth:
+            return False
+        return not backward or not (self.pending_backward or self.training_state is TrainingState.POST_BACKWARD)

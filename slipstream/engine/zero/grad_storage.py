@@ -1,0 +1,186 @@
+"""Where a ZeRO-1/2 partition keeps its gradients: the one thing that differs between the stages.
+
+* :class:`FullGradients` (stage 1): a full-size flat buffer; ``param.grad`` are views into it
+  (autograd accumulates in place) and each bucket reduce-scatters in place, so this rank's
+  chunk of the buffer ends up holding the averaged gradient.
+* :class:`ShardedGradients` (stage 2): only this rank's gradient shard persists. On the boundary
+  micro-step a finished gradient is packed into its bucket's send buffer and freed at once; the
+  bucket reduce-scatters into the shard. Between boundaries gradients accumulate in ``.grad``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+
+from slipstream import comm
+from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
+from slipstream.engine.zero.offload.chunks import Chunks
+from slipstream.engine.zero.params import adopt_grad
+
+
+@dataclasses.dataclass
+class InFlight:
+    work: comm.Work
+    send: torch.Tensor  # keeps the input alive until the collective completes
+    receive: torch.Tensor  # where the reduced chunk lands
+    pooled: torch.Tensor | None = None  # the pool buffer behind ``send``, returned once the work is done
+
+
+class GradientStorage(abc.ABC):
+    def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+        self.layout, self.params, self.dtype, self.device = layout, params, dtype, device
+
+    @abc.abstractmethod
+    def on_grad(self, i: int, param: torch.Tensor, sync: bool) -> None:
+        """Parameter ``i``'s gradient was accumulated; ``sync``: this micro-step completes the window."""
+
+    @abc.abstractmethod
+    def send(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bucket's gradients ready to reduce-scatter, and the pooled buffer behind them (if any)."""
+
+    @abc.abstractmethod
+    def chunk(self, bucket: LayoutBucket) -> torch.Tensor:
+        """Where this rank's reduced chunk of ``bucket`` is kept."""
+
+    def chunks(self, base: int) -> Chunks:
+        """The reduced chunks in partition coordinates (this partition starts at ``base``)."""
+        buckets = self.layout.buckets
+        return Chunks([base + b.shard_offset for b in buckets], [self.chunk(b) for b in buckets])
+
+    def reductions_done(self) -> None:
+        """Every reduction of the window completed."""
+
+    @abc.abstractmethod
+    def zero(self) -> None: ...
+
+    @abc.abstractmethod
+    def nbytes(self) -> int: ...
+
+    def buffer_bytes(self) -> int:
+        return 0
+
+
+class FullGradients(GradientStorage):
+    def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(layout, params, dtype, device)
+        self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
+        self.views = {i: layout.param_view(self.flat, i, params[i].shape) for b in layout.buckets for i in b.members}
+
+    def on_grad(self, i: int, param: torch.Tensor, sync: bool) -> None:
+        adopt_grad(param, self.views[i])
+
+    def send(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.layout.bucket_view(self.flat, bucket), None
+
+    def chunk(self, bucket: LayoutBucket) -> torch.Tensor:
+        return self.layout.own_chunk(self.flat, bucket)
+
+    def zero(self) -> None:
+        self.flat.zero_()
+        for i, view in self.views.items():
+            self.params[i].grad = view
+
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+class ShardedGradients(GradientStorage):
+    def __init__(
+        self, layout: FlatLayout, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device, buffers: int,
+        inflight: dict[int, InFlight],
+    ) -> None:  # fmt: skip
+        """``inflight``: the partition's reductions in flight (a full pool reclaims the oldest one's buffer)."""
+        super().__init__(layout, params, dtype, device)
+        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        largest = max((b.numel for b in layout.buckets), default=0)
+        self.pool = SendBuffers(largest, dtype, device, count=buffers)
+        self.taken: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # bucket -> (send, pool base)
+        self.inflight = inflight
+
+    def on_grad(self, i: int, param: torch.Tensor, sync: bool) -> None:
+        if sync:
+            self._pack(i, param)
+
+    def _pack(self, i: int, param: torch.Tensor) -> None:
+        """Move a finished gradient into its bucket's send buffer and free it at once."""
+        slot = self.layout.slots[i]
+        assert slot is not None
+        bucket = self.layout.buckets[slot.bucket]
+        send = self._take(bucket)[0]
+        send[slot.start - bucket.start : slot.start - bucket.start + slot.numel].copy_(param.grad.view(-1))
+        param.grad = None
+
+    def _take(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if bucket.index not in self.taken:
+            self.taken[bucket.index] = self.pool.acquire(bucket.numel, self.inflight)
+        return self.taken[bucket.index]
+
+    def send(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for i in bucket.members:  # used in an earlier micro-step of this window but not in the last
+            if self.params[i].grad is not None:
+                self._pack(i, self.params[i])
+        # Gradients nobody produced (unused parameters, padding) stay zero.
+        return self.taken.pop(bucket.index, None) or self.pool.acquire(bucket.numel, self.inflight)
+
+    def chunk(self, bucket: LayoutBucket) -> torch.Tensor:
+        return self.layout.shard_chunk(self.shard, bucket)
+
+    def reductions_done(self) -> None:
+        self.pool.release_all(self.inflight)
+
+    def zero(self) -> None:
+        self.shard.zero_()
+        for b in self.layout.buckets:
+            for i in b.members:
+                self.params[i].grad = None
+        for _, base in self.taken.values():
+            if base is not None:
+                self.pool.free.append(base)
+        self.taken.clear()
+
+    def nbytes(self) -> int:
+        return self.shard.numel() * self.shard.element_size()
+
+    def buffer_bytes(self) -> int:
+        return self.pool.total_bytes
+
+
+class SendBuffers:
+    """Stage 2's double-buffered send buffers, reused every step so the allocator never churns.
+
+    A bucket takes a buffer when its first gradient arrives. With both buffers taken, the oldest
+    launched bucket is waited for and its buffer reused; if neither has launched yet (buckets
+    blocked behind an unused parameter, or overlap_comm off) a temporary buffer is allocated.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, count: int = 2) -> None:
+        self.free = [torch.empty(numel, dtype=dtype, device=device) for _ in range(count)]
+        self.total_bytes = sum(t.numel() * t.element_size() for t in self.free)
+        self.dtype, self.device = dtype, device
+
+    def acquire(self, numel: int, inflight: dict[int, InFlight]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        base = self.free.pop() if self.free else self._reclaim(inflight)
+        if base is None:
+            return torch.zeros(numel, dtype=self.dtype, device=self.device), None
+        view = base[:numel]
+        view.zero_()
+        return view, base
+
+    @staticmethod
+    def _reclaim(inflight: dict[int, InFlight]) -> torch.Tensor | None:
+        for index in sorted(inflight):
+            flight = inflight[index]
+            if flight.pooled is not None:
+                flight.work.wait()
+                base, flight.pooled = flight.pooled, None
+                return base
+        return None
+
+    def release_all(self, inflight: dict[int, InFlight]) -> None:
+        for flight in inflight.values():
+            if flight.pooled is not None:
+                self.free.append(flight.pooled)
+                flight.pooled = None

@@ -1,0 +1,81 @@
+"""Parameter groups sharded over different process groups: which goes where, and the two reductions
+that must count every parameter once (used-parameter flags and the gradient norm).
+
+[Note: collectives per group] Each distinct sharding group gets its own partition, in the order in
+which the user's parameter groups first name it (the same position on every rank, although the
+group objects differ between ranks of different subgroups). A rank issues one reduction per
+partition, over that partition's group: a parameter's partial norm is summed only over the ranks
+that share it, never twice across replicas. With one group this is the single collective of a
+plain data-parallel run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.engine.zero.strategy import ParamGroupSpec
+
+
+@dataclasses.dataclass
+class GroupShare:
+    """The parameter groups sharded over one process group (``group``; None: the world)."""
+
+    group: dist.ProcessGroup | None
+    specs: list[ParamGroupSpec]
+
+
+def split_by_group(specs: list[ParamGroupSpec], default: dist.ProcessGroup | None, with_default: bool = False) -> list[GroupShare]:
+    """One share per distinct sharding group, in first-use order. ``with_default``: the default group's
+    share exists even without a parameter group (stage 3 puts parameters of no group there)."""
+    shares: dict[int, GroupShare] = {}
+    for spec in specs:
+        group = spec.sharding_group(default)
+        shares.setdefault(id(group), GroupShare(group, [])).specs.append(spec)
+    if with_default or not shares:
+        shares.setdefault(id(default), GroupShare(default, []))
+    return list(shares.values())
+
+
+def reduce_flags(used: torch.Tensor, members: list[tuple[dist.ProcessGroup | None, list[int]]]) -> None:
+    """``used[i]`` = 1 where parameter ``i`` got a gradient on any rank of its group (MAX, in place)."""
+    if len(members) == 1:
+        comm.all_reduce(used, op=dist.ReduceOp.MAX, group=members[0][0], tag="used-parameter flags").wait()
+        return
+    for group, indices in members:
+        if not indices:  # the same on every rank of the group: its ranks share their parameter groups
+            continue
+        mine = torch.tensor(indices, dtype=torch.long, device=used.device)
+        flags = used.index_select(0, mine)
+        comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, tag="used-parameter flags").wait()
+        used.index_copy_(0, mine, flags)
+
+
+def sum_over_groups(partials: list[tuple[dist.ProcessGroup | None, torch.Tensor]]) -> torch.Tensor:
+    """Sum each partial (e.g. a squared norm, shape (1,)) over its group, then add them up."""
+    total: Any = None
+    for group, partial in partials:
+        comm.all_reduce(partial, group=group, tag="gradient norm").wait()
+        total = partial if total is None else total + partial
+    return total
+
+
+def is_replica(group: dist.ProcessGroup | None, default: dist.ProcessGroup | None) -> bool:
+    """Whether this rank's partition over ``group`` is a replica that another subgroup's ranks save.
+
+    [Note: replicas across subgroups] Every rank of the default group holds the same parameters, so
+    a parameter group sharded over subgroups of it ({0,1} and {2,3} of four ranks) exists once per
+    subgroup. A checkpoint must hold each element once: the subgroup with the default group's first
+    rank saves, the others mark their slices ``replicated`` (saved by global rank 0 only, which is
+    never one of them; loaded by every rank). Expert parallelism will need its own rule: experts in
+    different subgroups are different parameters, not replicas.
+    """
+    if group is default:
+        return False
+    first = 0 if default is None else dist.get_process_group_ranks(default)[0]
+    members = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+    return first not in members

@@ -1,0 +1,174 @@
+"""ZeRO-3 gradients: each unit's reduce-scatter as its backward completes, into this rank's chunk.
+
+Gradients accumulate straight into a send buffer (``attach``), the unit is reduce-scattered over
+its group's reduce lane once per backward (in a fixed unit order on every rank, ``OrderedLauncher``)
+and the result lands in (or is added to) the unit's gradient chunk, which persists until the step.
+Every micro-step reduces: no rank ever holds a full gradient between micro-steps.
+
+[Note: send-buffer pool] A fresh send buffer costs page faults on every unit; finished ones are
+kept per size for the next unit (at most two per size, ``POOL_NUMEL`` elements in all: with
+billion-parameter models two buffers per unit size held ~1 GB per rank between steps, more than
+the faults they save are worth). Buffers alive at once are bounded by ``reduce_bucket_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from slipstream import comm
+from slipstream.engine.zero.grad_buckets import reduction_scales
+from slipstream.engine.zero.offload.chunks import Chunks
+from slipstream.engine.zero.ordered_launch import OrderedLauncher
+from slipstream.engine.zero.stage3.unit import ParamUnit, TrainingState
+from slipstream.engine.zero.storage import alias
+from slipstream.engine.zero.strategy import ShardingOptions
+
+POOL_NUMEL = 64 * 2**20  # elements of reduce-scatter send buffers kept between units and steps
+
+
+@dataclasses.dataclass
+class _Reduction:
+    unit: ParamUnit
+    work: comm.Work
+    send: torch.Tensor  # in the model's dtype: returns to the pool
+    receive: torch.Tensor
+    into: str  # "chunk": landed in place; "copy" or "add": move ``receive`` into the gradient chunk
+
+
+class UnitReducer:
+    def __init__(
+        self, units: list[ParamUnit], order: list[ParamUnit], options: ShardingOptions, dtype: torch.dtype,
+        device: torch.device, used: torch.Tensor, index: dict[int, int], new_chunk: Callable[[ParamUnit], torch.Tensor],
+    ) -> None:  # fmt: skip
+        """``order``: the fixed launch order; ``used``/``index``: flags of trainable parameters (by id) that got a gradient."""
+        self.options, self.dtype, self.device, self.used, self.index = options, dtype, device, used, index
+        self.communication_dtype = options.communication_dtype if options.communication_dtype not in (None, dtype) else None
+        # Chunks only for units with trainable parameters: a frozen backbone costs no gradient memory.
+        self.chunks = {u.index: new_chunk(u) for u in units if u.trainable}
+        self.offsets = {u.index: u.offset for u in units}
+        self.launcher = OrderedLauncher([[u.index] for u in order], lambda i: self._launch(order[i]))
+        self.reductions: list[_Reduction] = []
+        self.pool: dict[int, list[torch.Tensor]] = {}  # numel -> reusable send buffers
+        self.attached: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, int] | None]]] = {}
+        self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
+
+    def grads(self) -> Chunks:
+        """The gradient chunks in partition coordinates."""
+        return Chunks([self.offsets[i] for i in self.chunks], list(self.chunks.values()))
+
+    def attach(self, unit: ParamUnit) -> None:
+        """Point the unit's ``.grad`` at a send buffer, so autograd accumulates straight into it.
+
+        Saves allocating (and page-faulting) fresh gradient tensors and copying them out. Each
+        gradient is a separate alias of the buffer with its own version counter, so a gradient that
+        arrived is told from one that did not by its version.
+        """
+        if unit.index not in self.chunks or unit.index in self.attached:
+            return
+        send = self._take(unit.numel)
+        aliases: list[tuple[torch.Tensor, int] | None] = []
+        for p, begin, _ in unit.ranges():
+            if not p.requires_grad:
+                aliases.append(None)
+                continue
+            grad = alias(send.untyped_storage(), begin, p.shape, send.dtype)
+            if p.grad is not None:  # a gradient from before this unit's backward (an outside use)
+                grad.copy_(p.grad)
+            p.grad = grad
+            aliases.append((grad, grad._version))
+        self.attached[unit.index] = (send, aliases)
+
+    def unit_done(self, unit: ParamUnit) -> None:
+        """The unit's gradients for this backward are complete (once per pass; later calls are ignored)."""
+        if unit.training_state is not TrainingState.POST_BACKWARD:
+            unit.training_state = TrainingState.POST_BACKWARD
+            self.launcher.mark_ready(unit.index, launch=self.options.overlap_comm)
+
+    def _take(self, numel: int) -> torch.Tensor:
+        pooled = self.pool.get(numel)
+        send = pooled.pop() if pooled else torch.empty(numel, dtype=self.dtype, device=self.device)
+        return send.zero_()
+
+    def _launch(self, unit: ParamUnit) -> None:
+        if unit.index not in self.chunks:
+            return  # frozen on every rank alike: nothing to reduce
+        send, aliases = self.attached.pop(unit.index, (None, None))
+        if send is None:
+            send = self._take(unit.numel)
+        for k, (p, begin, end) in enumerate(unit.ranges()):
+            grad, attached = p.grad, aliases[k] if aliases is not None else None
+            if attached is not None and grad is not None and grad.data_ptr() == attached[0].data_ptr():
+                arrived = grad._version != attached[1]  # accumulated in place into the send buffer
+            else:
+                arrived = grad is not None
+                if grad is not None:
+                    send[begin:end].copy_(grad.reshape(-1))
+                elif attached is not None:
+                    send[begin:end].zero_()  # the user dropped the gradient
+            p.grad = None
+            if arrived and id(p) in self.index:
+                self.used[self.index[id(p)]] = 1.0
+        pre_scale, _ = self._scales(unit)
+        if pre_scale != 1.0:
+            send.mul_(pre_scale)
+        chunk = self.chunks[unit.index]
+        wire = send if self.communication_dtype is None else send.to(self.communication_dtype)
+        into = "add" if unit.index in self.has_grad else "copy"
+        if into == "copy" and self.communication_dtype is None:
+            receive, into = chunk, "chunk"
+        else:
+            receive = torch.empty(chunk.numel(), dtype=wire.dtype, device=chunk.device)
+        self.has_grad.add(unit.index)
+        work = comm.reduce_scatter_tensor(receive, wire, group=unit.lanes.reduce, tag=f"ZeRO-3 gradients of unit {unit.index} ({unit.spec.name})")
+        self.reductions.append(_Reduction(unit, work, send, receive, into))
+        # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one).
+        while len(self.reductions) > 1 and sum(r.send.numel() for r in self.reductions) > self.options.reduce_bucket_numel:
+            self._complete(self.reductions.pop(0))
+
+    def _scales(self, unit: ParamUnit) -> tuple[float, float]:
+        o = self.options
+        return reduction_scales(unit.lanes.world, o.gradient_predivide_factor, o.prescale_gradients, o.average)
+
+    def _complete(self, reduction: _Reduction) -> None:
+        reduction.work.wait()
+        chunk = self.chunks[reduction.unit.index]
+        if reduction.into == "add":
+            chunk.add_(reduction.receive)
+        elif reduction.into == "copy":
+            chunk.copy_(reduction.receive)
+        pooled = self.pool.setdefault(reduction.send.numel(), [])
+        held = sum(t.numel() for pool in self.pool.values() for t in pool)
+        if len(pooled) < 2 and held + reduction.send.numel() <= POOL_NUMEL:
+            pooled.append(reduction.send)
+
+    def end_backward(self, units: list[ParamUnit]) -> None:
+        """Every unit of the pass reduced exactly once on every rank (in order), all reductions complete."""
+        for unit in units:
+            self.unit_done(unit)
+        self.launcher.flush()
+        while self.reductions:
+            self._complete(self.reductions.pop(0))
+        self.launcher.reset()
+        for unit in units:
+            unit.training_state = TrainingState.IDLE
+
+    def finish(self, units: list[ParamUnit]) -> None:
+        """The boundary: the rest of the averaging (``gradient_predivide_factor``) on each chunk."""
+        for unit in units:
+            _, post_scale = self._scales(unit)
+            if post_scale != 1.0 and unit.index in self.chunks:
+                self.chunks[unit.index].mul_(post_scale)
+
+    def zero(self) -> None:
+        for chunk in self.chunks.values():
+            chunk.zero_()
+        self.has_grad.clear()
+
+    def grad_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.chunks.values())
+
+    def pool_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pool in self.pool.values() for t in pool)

@@ -1,0 +1,193 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all partitioned; units gathered by hooks.
+
+Each rank keeps only its chunk of every unit (``unit.py``), the matching gradient chunk
+(``reducer.py``) and the fp32 masters and optimizer state for it (``masters.py``). A unit's full
+parameters exist while its forward or backward runs (``hooks.py``), gathered in a rank-consistent
+order (``schedule.py``). This class wires them together and answers the engine's calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.accelerator import get_accelerator
+from slipstream.engine.zero.layout import FlatLayout
+from slipstream.engine.zero.masters import build_masters
+from slipstream.engine.zero.offload.param_store import open_param_store
+from slipstream.engine.zero.offload.swap_dir import shared_job_id
+from slipstream.engine.zero.params import broadcast_module_state, check_groups, single_dtype
+from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
+from slipstream.engine.zero.masters_strategy import MastersStrategy
+from slipstream.engine.zero.sharding_groups import reduce_flags
+from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.zero.stage3.gathered import PartitionedUnits
+from slipstream.engine.zero.stage3.hooks import UnitHooks
+from slipstream.engine.zero.stage3.reducer import UnitReducer
+from slipstream.engine.zero.stage3.schedule import GatherSchedule
+from slipstream.engine.zero.stage3.sharding import shard_units, split_units
+from slipstream.engine.zero.stage3.unit import UnitState
+from slipstream.engine.zero.stage3.units import find_units
+from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions
+from slipstream.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage3Options:
+    unit_classes: list[str] | None = None
+    persistence_threshold: int = 100_000  # elements; smaller parameters stay gathered
+    prefetch_numel: int = 50_000_000  # gather ahead while the units ahead hold fewer elements than this
+    max_live_numel: int = 1_000_000_000  # never prefetch beyond this many gathered elements
+
+
+class Stage3Strategy(MastersStrategy):
+    def __init__(
+        self, module: torch.nn.Module, groups: list[ParamGroupSpec], options: ShardingOptions,
+        optimizer: torch.optim.Optimizer | OptimizerFactory, stage3: Stage3Options,
+        preshard: Callable[[FlatLayout], torch.Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        """``preshard``: zero.Init built this rank's shards without ever holding the full model."""
+        self.module, self.options = module, options
+        specs = find_units(module, stage3.unit_classes, stage3.persistence_threshold)
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        managed = [p for spec in specs for p in spec.params]
+        self.trainable = [p for p in managed if p.requires_grad]
+        self.index = {id(p): i for i, p in enumerate(self.trainable)}
+        check_groups(groups, self.index, self.names)
+        self.dtype = single_dtype(managed, 3)
+        device = managed[0].device if managed else torch.device("cpu")
+        broadcast_module_state(module, options.group, parameters=preshard is None)  # rank 0's weights win
+        group_of = {id(p): g.sharding_group(options.group) for g in groups for p in g.params}
+        sharded = shard_units(split_units(specs, lambda p: group_of.get(id(p), options.group)), self.dtype, device, preshard)
+        self.units, self.groups, self.managed = sharded.units, sharded.groups, sharded.managed
+        offload = options.offload
+        nvme = offload is not None and "nvme" in (offload.optimizer, offload.param)
+        job_id = shared_job_id(options.group) if nvme else ""
+        rank = dist.get_rank(options.group)
+        self.param_store = open_param_store(offload, sharded.shard, self.units, device, job_id, rank)
+        get_accelerator().return_freed_memory(min((u.nbytes for u in self.units if u.kind != "persistent"), default=0))
+        self.blocks = [u for u in self.units if u.kind == "block"]
+        self.roots = [u for u in self.units if u.kind == "root"]
+        self.persistent = [u for u in self.units if u.kind == "persistent"]
+        for unit in self.persistent:
+            unit.refresh()
+        store = self.param_store
+        spec = PartitionSpec(
+            numel=sharded.shard.numel(), pieces=tuple(self._optimized_pieces()), num_params=len(self.trainable),
+            boundaries=tuple(u.offset for u in self.units), dtype=self.dtype, device=device, rank=rank, job_id=job_id,
+            initial=store.initial(), grads=lambda: self.reducer.grads(), params=store.resident(), publish=store.publish,
+        )  # fmt: skip
+        self.masters = build_masters(spec, offload, optimizer, groups, self.index)
+        self.optimizer = self.masters.optimizer
+        store.drop_initial()
+        self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=device)
+        reduce_order = [*reversed(self.blocks), *self.roots, *self.persistent]
+        self.reducer = UnitReducer(
+            self.units, reduce_order, options, self.dtype, device, self.used, self.index,
+            lambda u: self.masters.gradient_buffer(f"grad_{u.index:05d}", u.chunk),
+        )  # fmt: skip
+        self.schedule = GatherSchedule(self.blocks, self.units, stage3.prefetch_numel, stage3.max_live_numel, self.reducer.unit_done)
+        self.hooks = UnitHooks(self.roots, self.blocks, self.schedule, self.reducer, self).register(module)
+        self.gathered = PartitionedUnits(self.units, store, self.masters)
+        self.gathered.register()
+        logger.debug(
+            "ZeRO stage 3: %d units (%s), %d of %d elements owned by this rank", len(self.units),
+            ", ".join(f"{u.spec.name}:{u.numel}" for u in self.units[:4]) + ("..." if len(self.units) > 4 else ""),
+            spec.numel, sum(u.numel for u in self.units),
+        )  # fmt: skip
+        self.zero_grad()
+
+    def _optimized_pieces(self) -> list[OptimizedPiece]:
+        return [
+            OptimizedPiece(g.base + piece.shard_offset, piece.numel, self.index[id(self.managed[piece.index])])
+            for g in self.groups for piece in g.layout.pieces if id(self.managed[piece.index]) in self.index
+        ]  # fmt: skip
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self, sync: bool) -> None:
+        pass  # ZeRO-3 reduces every micro-step: no rank keeps a full gradient between them
+
+    def end_backward(self) -> None:
+        """Complete the backward pass: every unit reduced exactly once on every rank, all freed."""
+        units = [*self.schedule.end_backward(), *self.roots, *self.persistent]
+        for unit in units:
+            unit.pending_backward = 0
+            unit.reshard()
+        self.reducer.end_backward(units)
+
+    def finish_gradients(self) -> None:
+        self.reducer.finish(self.units)
+        flags = {id(g.lanes): (g.lanes.group, []) for g in self.groups}
+        for unit in self.units:
+            flags[id(unit.lanes)][1].extend(self.index[id(p)] for p in unit.params if id(p) in self.index)
+        reduce_flags(self.used, list(flags.values()))
+        self.masters.gradients_ready(self.used)
+
+    # ------------------------------------------------------------------ step
+    def _ranges(self) -> list[tuple[dist.ProcessGroup | None, int, int]]:
+        return [(g.lanes.group, g.base, g.base + g.layout.shard_numel) for g in self.groups]
+
+    def step(self) -> None:
+        self.masters.step()
+        self._show_masters()
+
+    def _show_masters(self) -> None:  # the partitioned units gather the new shards when next needed
+        with torch.no_grad():
+            for unit in self.persistent:
+                unit.refresh()
+
+    def zero_grad(self) -> None:
+        self.reducer.zero()
+        self.masters.zero_grad()
+        for p in self.managed:
+            p.grad = None
+        self.used.zero_()
+
+    # ------------------------------------------------------------------ state
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Gathers one unit at a time, so ranks other than 0 never hold more than one unit in full."""
+        state: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            flat = torch.empty(unit.numel, dtype=torch.float32, device=self.used.device)
+            own = flat.view(unit.lanes.world, -1)[unit.lanes.rank]
+            own.copy_(self.masters.read(unit.offset, unit.offset + unit.chunk))
+            comm.all_gather_into_tensor(flat, own, group=unit.lanes.group, tag=f"fp32 weights of unit {unit.index}").wait()
+            if dist.get_rank() == 0:
+                for p, begin, end in unit.ranges():
+                    state[self.names[id(p)]] = flat[begin:end].view(p.shape).clone()
+        if dist.get_rank() != 0:
+            return None
+        return {name: state[name] for name, _ in self.module.named_parameters()}  # the model's order
+
+    def sharded_state(self) -> list[OwnedSlice]:
+        pieces = []
+        for g in self.groups:  # frozen parameters too: they are partitioned like the rest
+            for piece in g.layout.pieces:
+                p = self.managed[piece.index]
+                where = ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel)
+                pieces.append((where, g.base + piece.shard_offset, g.lanes.group))
+        return self._owned_slices(pieces)
+
+    def memory_breakdown(self) -> dict[str, int]:
+        persistent = sum(u.nbytes for u in self.persistent)
+        live = sum(u.nbytes for u in self.units if u.state is not UnitState.FREE and u.kind != "persistent")
+        return {
+            "params": self.param_store.memory_bytes() + persistent,
+            "grads": self.reducer.grad_bytes(),
+            "optimizer": self.masters.memory_bytes(),  # offload: CPU memory (NVMe: buffers only)
+            "buffers": live + self.reducer.pool_bytes(),
+        }
+
+    def close(self) -> None:
+        """Remove the hooks and give every parameter its full value back as an ordinary tensor."""
+        self.gathered.unregister()
+        for unit in self.units:
+            unit.detach()
+        super().close()
+        self.param_store.close()
