@@ -1,8 +1,9 @@
 """The one interface the engine calls, whatever the ZeRO stage.
 
 [Note: why a strategy object] The engine orchestrates forward/backward/step and never branches on
-the stage number: it picks a strategy once and makes the calls listed on ``ShardingStrategy``. Each strategy owns where
-gradients, fp32 master weights and optimizer state live and how ranks synchronize them.
+the stage number: it picks a strategy once and makes the calls listed on ``ShardingStrategy``.
+Each strategy owns where gradients, fp32 master weights and optimizer state live and how ranks
+synchronize them.
 """
 
 from __future__ import annotations
