@@ -376,6 +376,8 @@ class CheckpointReader:
 
     def _overlaps(self, s: ParamSlice) -> list[tuple[int, int, int, dict[str, Any]]]:
         entries = self._index.get(s.name)
+        if entries is None and s.numel == 0:
+            return []  # a zero-element parameter: strategies may save no slice of it
         if entries is None:
             raise CheckpointError(f"checkpoint {self.path}: no rank file holds parameter {s.name!r}")
         first = max(bisect.bisect_right(self._starts[s.name], s.start) - 1, 0)
@@ -389,12 +391,12 @@ class CheckpointReader:
 
     def _assemble(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
         end = s.start + s.numel
+        if s.numel == 0:
+            return torch.empty(0, dtype=dtype or torch.float32)
         boxed = not s.whole or any(not is_whole(entry_box(e[3], s.shape), s.shape) for e in self._index.get(s.name, []))
         if boxed:
             return self._from_boxes(s, key_of, dtype)
         overlaps = self._overlaps(s)
-        if s.numel == 0:
-            return torch.empty(0, dtype=dtype or torch.float32)
         if len(overlaps) == 1 and overlaps[0][0] == s.start and overlaps[0][1] == s.numel:  # saved as asked: no re-slicing
             piece = self._piece(overlaps[0][2], key_of(overlaps[0][3]), s.numel)[:]
             return piece if dtype is None or piece.dtype == dtype else piece.to(dtype)

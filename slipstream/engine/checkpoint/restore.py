@@ -193,12 +193,15 @@ def _per_rank(target: CheckpointTarget, reader: CheckpointReader, rank: int) -> 
 def _apply_stateful(pieces: list[tuple[str, Any, Any]], reader: CheckpointReader) -> None:
     """``load_state_dict`` each piece; if one fails, put every piece back as it was."""
     previous = [(obj, obj.state_dict()) for _, obj, _ in pieces]
-    for what, obj, state in pieces:
+    for i, (what, obj, state) in enumerate(pieces):
         try:
             obj.load_state_dict(state)
         except Exception as err:  # noqa: BLE001 - rolled back and reported as the checkpoint's fault
-            for prev_obj, prev_state in previous:
-                prev_obj.load_state_dict(prev_state)
+            for prev_obj, prev_state in previous[: i + 1]:
+                try:
+                    prev_obj.load_state_dict(prev_state)
+                except Exception:  # noqa: BLE001, S110 - the failing one may refuse its own state too
+                    pass
             raise CheckpointError(
                 f"checkpoint {reader.path}: {what}.load_state_dict() refused the saved state ({type(err).__name__}: {err}); "
                 "nothing was loaded"
