@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from slipstream.engine.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, encode_tree, key_part
+from slipstream.engine.checkpoint.layout import piece_key
 from slipstream.engine.checkpoint.target import CheckpointTarget
 from slipstream.engine.zero.slices import OwnedSlice
 from slipstream.version import __version__
@@ -54,10 +55,8 @@ def capture(target: CheckpointTarget, rank: int, tag: str, client_state: dict[st
 
 
 def slice_key(prefix: str, owned: OwnedSlice) -> str:
-    """The tensor key of a slice: unique per (parameter, box, start); format-1 keys for whole-tensor boxes."""
     s = owned.slice
-    box = "" if s.whole else "@" + ",".join(map(str, s.offsets)) + ":" + ",".join(map(str, s.sizes))
-    return f"{prefix}/{key_part(s.name)}{box}/{s.start}"
+    return piece_key(prefix, s.name, (s.offsets, s.sizes), tuple(s.shape), s.start, FORMAT_VERSION)
 
 
 def _capture_slice(owned: OwnedSlice, state: dict[str, Any] | None, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

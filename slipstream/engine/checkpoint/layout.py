@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from slipstream.engine.checkpoint.format import key_part
 from slipstream.engine.zero.slices import ParamSlice
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -71,6 +72,35 @@ def check_tiling(name: str, shape: tuple[int, ...], entries: list[dict[str, Any]
                 raise LayoutError(f"parameter {name!r}: boxes at offsets {list(a[0])} and {list(b[0])} overlap")
     if total != numel:
         raise LayoutError(f"parameter {name!r}: its boxes hold {total} of its {numel} elements")
+
+
+def piece_key(prefix: str, name: str, box: Box, shape: tuple[int, ...], start: int, version: int) -> str:
+    """The tensor key of a piece: one per (parameter, box, start), so a rewritten key is detected on load.
+
+    Format 1 wrote ``p/<name>/<start>`` with the name unescaped; format 2 escapes the name and
+    adds ``@offsets:sizes`` for a box that is not the whole tensor.
+    """
+    if version < 2:
+        return f"{prefix}/{name}/{start}"
+    tail = "" if is_whole(box, shape) else "@" + ",".join(map(str, box[0])) + ":" + ",".join(map(str, box[1]))
+    return f"{prefix}/{key_part(name)}{tail}/{start}"
+
+
+def check_keys(entry: dict[str, Any], version: int) -> str | None:
+    """Why the tensor keys of a saved slice entry are not the ones its name, box and start give, or None."""
+    shape = tuple(entry["shape"])
+    box = entry_box(entry, shape)
+    expected = piece_key("p", entry["name"], box, shape, entry["start"], version)
+    if entry["key"] != expected:
+        return f"key {entry['key']!r} (expected {expected!r})"
+    state_prefix = piece_key("o", entry["name"], box, shape, entry["start"], version)
+    for state, record in entry.get("optimizer", {}).items():
+        for kind in ("slice", "tensor"):
+            if kind in record:
+                want = f"{state_prefix}/{state if version < 2 else key_part(state)}"
+                if record[kind] != want:
+                    return f"optimizer key {record[kind]!r} (expected {want!r})"
+    return None
 
 
 def box_index(box: Box) -> tuple[slice, ...]:

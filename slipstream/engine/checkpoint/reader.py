@@ -31,7 +31,7 @@ from slipstream.engine.checkpoint.format import (
     file_crc32,
     rank_stem,
 )
-from slipstream.engine.checkpoint.layout import LayoutError, assemble, check_tiling, cut, entry_box, is_whole
+from slipstream.engine.checkpoint.layout import LayoutError, assemble, check_keys, check_tiling, cut, entry_box, is_whole
 from slipstream.engine.checkpoint.tags import TagError, check_load_tag, tag_problem
 from slipstream.engine.checkpoint.validate import CheckpointError, check_manifest, check_rank_meta
 from slipstream.engine.zero.slices import ParamSlice
@@ -281,6 +281,9 @@ class CheckpointReader:
         self._index: dict[str, list[tuple[int, int, int, dict[str, Any]]]] = {}
         for rank in range(self.world_size):
             for entry in self.rank_meta(rank)["slices"]:
+                wrong = check_keys(entry, self.manifest["version"])
+                if wrong is not None:
+                    raise CheckpointError(f"checkpoint {self.path}: {rank_stem(rank)}.json: a slice of {entry['name']!r} has {wrong} (the file is damaged)")
                 self._index.setdefault(entry["name"], []).append((entry["start"], entry["numel"], rank, entry))
         check_coverage(str(self.path), self.manifest["parameters"], [e[3] for entries in self._index.values() for e in entries])
         for entries in self._index.values():
