@@ -177,7 +177,7 @@ def test_9_overlapping_slices_and_wrong_tensor_sizes_are_refused_by_load_and_ver
 
     def overlap(meta: dict) -> dict:
         entry = next(e for e in meta["slices"] if e["name"] == "a.weight")
-        extra = {**entry, "start": 4, "numel": 4, "key": "p/a.weight/4"}
+        extra = {"name": "a.weight", "shape": entry["shape"], "start": 4, "numel": 4, "key": "p/a.weight/4"}
         entry["numel"] = 20
         meta["slices"].append(extra)
         return meta
