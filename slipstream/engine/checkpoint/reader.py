@@ -392,13 +392,14 @@ class CheckpointReader:
                 found.append(entry)
         return found
 
-    def _assemble(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _assemble(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None = None, what: str = "weights") -> torch.Tensor:
+        """``s`` of the tensor ``what`` (the weights or one optimizer state) whose saved keys ``key_of(entry)`` gives."""
         end = s.start + s.numel
         if s.numel == 0:
             return torch.empty(0, dtype=dtype or torch.float32)
         boxed = not s.whole or any(not is_whole(entry_box(e[3], s.shape), s.shape) for e in self._index.get(s.name, []))
         if boxed:
-            return self._from_boxes(s, key_of, dtype)
+            return self._from_boxes(s, key_of, dtype, what)
         overlaps = self._overlaps(s)
         if len(overlaps) == 1 and overlaps[0][0] == s.start and overlaps[0][1] == s.numel:  # saved as asked: no re-slicing
             piece = self._piece(overlaps[0][2], key_of(overlaps[0][3]), s.numel)[:]
@@ -419,9 +420,9 @@ class CheckpointReader:
             )
         return out
 
-    def _from_boxes(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    def _from_boxes(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None, what: str) -> torch.Tensor:
         """Assemble the whole parameter from its boxes (kept until another one is asked for), then cut ``s`` out."""
-        cache_key = f"{s.name}\0{key_of.__doc__ or id(key_of)}"
+        cache_key = f"{s.name}\0{what}"
         if self._full is None or self._full[0] != cache_key:
             self._full = None  # free the previous parameter first: memory stays bounded by the largest one
             entries = self._index.get(s.name)
@@ -437,11 +438,7 @@ class CheckpointReader:
 
     def read_param(self, s: ParamSlice) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the flattened fp32 parameter, from whichever slices hold them."""
-        def weights(entry: dict[str, Any]) -> Any:
-            """weights"""
-            return entry["key"]
-
-        return self._assemble(s, weights, torch.float32)
+        return self._assemble(s, lambda entry: entry["key"], torch.float32)
 
     def full_param(self, name: str) -> torch.Tensor:
         shape = tuple(self.manifest["parameters"][name]["shape"])
@@ -459,7 +456,7 @@ class CheckpointReader:
         state: dict[str, tuple[str, Any]] = {}
         for key, record in first["optimizer"].items():
             if "slice" in record:
-                state[key] = ("slice", self._assemble(s, _state_key(key, self.path)))
+                state[key] = ("slice", self._assemble(s, _state_key(key, self.path), what=f"optimizer state {key}"))
             elif "tensor" in record:
                 state[key] = ("tensor", (self.tensor(first_rank, record["tensor"]), record["on_param_device"]))
             else:
@@ -474,7 +471,6 @@ def _state_key(key: str, path: Path) -> Any:
             raise CheckpointError(f"checkpoint {path}: a slice of {entry['name']!r} has no optimizer state {key!r} (the files are damaged)")
         return record["slice"]
 
-    of.__doc__ = f"optimizer state {key}"
     return of
 
 
