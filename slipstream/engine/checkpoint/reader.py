@@ -349,7 +349,15 @@ class CheckpointReader:
         return piece
 
     def decode(self, rank: int, tree: Any) -> Any:
-        return decode_tree(tree, _LazyTensors(self, rank))
+        try:
+            return decode_tree(tree, _LazyTensors(self, rank))
+        except (TypeError, ValueError, KeyError, AttributeError) as err:
+            if isinstance(err, CheckpointError):
+                raise
+            raise CheckpointError(
+                f"checkpoint {self.path}: {rank_stem(rank)}.json holds a malformed saved tree ({type(err).__name__}: {err}); "
+                "the file is damaged"
+            ) from None
 
     def common(self) -> dict[str, Any]:
         return self.rank_meta(0)["common"]

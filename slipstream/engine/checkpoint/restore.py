@@ -134,12 +134,26 @@ def _check_groups(reader: CheckpointReader, opt: torch.optim.Optimizer, groups: 
     for i, (group, saved) in enumerate(zip(opt.param_groups, groups)):
         for key, value in saved.items():
             current = group.get(key)
-            if isinstance(current, (int, float)) and not isinstance(current, bool):
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if isinstance(current, tuple) and not (
+                isinstance(value, (list, tuple)) and len(value) == len(current) and all(_finite(v) for v in value)
+            ):
+                raise CheckpointError(
+                    f"checkpoint {reader.path}: optimizer group {i} {key!r} is {value!r}, expected {len(current)} finite numbers "
+                    "(the file is damaged: load another checkpoint, or load with load_optimizer_states=False)"
+                )
+            numeric = torch.is_tensor(current) or (isinstance(current, (int, float)) and not isinstance(current, bool))
+            if numeric:
+                if torch.is_tensor(value) and value.numel() == 1:
+                    value = value.item()
+                if not _finite(value):
                     raise CheckpointError(
                         f"checkpoint {reader.path}: optimizer group {i} {key!r} is {value!r}, expected a finite number "
                         "(the file is damaged: load another checkpoint, or load with load_optimizer_states=False)"
                     )
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_state(reader: CheckpointReader, o: OwnedSlice, state: dict[str, tuple[str, Any]] | None) -> dict[str, Any] | None:

@@ -125,4 +125,7 @@ def check_rank_meta(path: Path, meta: Any, file: str, rank: int) -> None:
             "counters": (lambda v: isinstance(v, dict), "an object"),
             "buffers": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v.values()), "an object of tensor keys"),
             "client_state": (lambda v: isinstance(v, (dict, list)), "an encoded dict"),
+            "optimizer_groups": (lambda v: isinstance(v, list), "a list of groups"),
+            "loss_scaler": (lambda v: isinstance(v, dict), "an object"),
+            "lr_scheduler": (lambda v: v is None or isinstance(v, dict), "an object or null"),
         }, "common.")  # fmt: skip
