@@ -67,7 +67,7 @@ def test_2_a_crash_between_the_renames_of_a_resave_keeps_latest_loadable_and_is_
     assert found is not None and found.name.startswith(".tmp-last")  # the committed new copy stands in
     fresh = engine(seed=9)
     fresh.load_checkpoint(tmp_path)
-    assert same({k: v for k, v in snapshot(fresh).items() if not k.startswith("buf")}, {k: v for k, v in expected.items() if not k.startswith("buf")})
+    assert same(snapshot(fresh), expected)
     eng.save_checkpoint(tmp_path, tag="other")  # the next save puts "last" back and cleans up
     assert (tmp_path / "last" / "manifest.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-", ".trash-"))]
@@ -109,7 +109,6 @@ def test_4_a_failed_load_leaves_the_engine_untouched(tmp_path: Path) -> None:
     target.register_checkpoint_state("picky", Refuses())
     before = snapshot(target)
     saved_dir = tmp_path / "good"
-    (saved_dir / "rank00000.json").write_text((saved_dir / "rank00000.json").read_text())  # untouched file, valid CRC
     rewrite_json(saved_dir, "rank00000.json", lambda m: {**m, "stateful": {**m["stateful"], "picky": {"n": 2}}})
     with pytest.raises(CheckpointError, match="picky.load_state_dict"):
         target.load_checkpoint(tmp_path, tag="good")

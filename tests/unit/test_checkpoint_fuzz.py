@@ -14,7 +14,6 @@ import json
 import shutil
 import tempfile
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slipstream.engine.checkpoint.reader import CheckpointError
-from tests.unit.ckpt_helpers import engine, same, snapshot, train
+from tests.unit.ckpt_helpers import engine, rewrite_json, same, snapshot, train
 
 EXAMPLES = 130  # per test; 4 tests
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
@@ -76,15 +75,6 @@ def world() -> _World:
     yield w
     w.engine.close()
     shutil.rmtree(w.root, ignore_errors=True)
-
-
-def _rewrite_json(ckpt: Path, name: str, data: Any) -> None:
-    raw = json.dumps(data).encode()
-    (ckpt / name).write_bytes(raw)
-    if name != "manifest.json":
-        manifest = json.loads((ckpt / "manifest.json").read_text())
-        manifest["files"][name] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
-        (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _paths(tree: Any, prefix: tuple = ()) -> list[tuple]:
@@ -143,7 +133,7 @@ def test_json_fields_of_another_type(world: _World, data: st.DataObject) -> None
     tree = json.loads((ckpt / name).read_text())
     path = data.draw(st.sampled_from(_paths(tree)[1:]))
     value = data.draw(ODD)
-    _rewrite_json(ckpt, name, _set(tree, path, value))
+    rewrite_json(ckpt, name, lambda _: _set(tree, path, value))
     world.load_and_judge()
 
 
@@ -169,5 +159,5 @@ def test_slice_entries_rewritten_with_consistent_crcs(world: _World, data: st.Da
         meta["slices"].remove(entry)
     else:
         entry[field] = data.draw(small)
-    _rewrite_json(ckpt, "rank00000.json", meta)
+    rewrite_json(ckpt, "rank00000.json", lambda _: meta)
     world.load_and_judge()
