@@ -18,9 +18,11 @@ import torch
 from slipstream.accelerator import Accelerator
 from slipstream.comm import comms_log, get_rank
 from slipstream.engine.checkpoint.manager import CheckpointManager
+from slipstream.engine.checkpoint.rng import RngState
+from slipstream.engine.checkpoint.target import CheckpointTarget, Counters, TrainState
 from slipstream.engine.config import SlipstreamConfig
 from slipstream.engine.data import DistributedDataLoader
-from slipstream.engine.monitor import TrainingMonitor
+from slipstream.engine.monitor import StepRecord, TrainingMonitor
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.precision import DTYPES, LossScaler
 from slipstream.engine.zero.strategy import ShardingStrategy
@@ -133,7 +135,8 @@ class Engine(torch.nn.Module):
         self.global_samples += self.train_micro_batch_size_per_gpu() * self._dp_size
         if boundary:
             self._report_progress()
-            self.checkpoints.after_step(self)
+            if self.checkpoints.due(self.global_steps):  # checkpoint.interval
+                self.save_checkpoint(self.config.checkpoint.save_dir)
 
     def _optimizer_step(self) -> None:
         inv_scale = 1.0 / self.loss_scaler.scale
@@ -176,7 +179,12 @@ class Engine(torch.nn.Module):
 
     def _report_progress(self) -> None:
         """Metrics to the writers every step, the progress line every ``steps_per_print`` (engine/monitor)."""
-        self.monitor.on_step(self)
+        lrs = self.get_lr()
+        self.monitor.on_step(StepRecord(
+            global_steps=self.global_steps, global_samples=self.global_samples, train_batch_size=self.train_batch_size(),
+            lr=lrs[0] if lrs else None, grad_norm=self._global_grad_norm, loss_scale=self.loss_scale(),
+            dynamic_loss_scale=self.loss_scaler.dynamic,
+        ))  # fmt: skip
 
     # ------------------------------------------------------------------ accessors
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -211,7 +219,9 @@ class Engine(torch.nn.Module):
         save_latest: bool = True,
     ) -> str:  # fmt: skip
         """Save everything needed to resume (any world size or stage) to ``save_dir/tag``. Call on every rank."""
-        return str(self.checkpoints.save(self, save_dir, tag, client_state, save_latest))
+        pin = self.accelerator.pin_memory if self.accelerator.name != "cpu" else None
+        target = self.checkpoint_target()
+        return str(self.checkpoints.save(target, save_dir, tag, client_state, save_latest, pin, self.accelerator.synchronize))
 
     def load_checkpoint(
         self, load_dir: str | os.PathLike[str], tag: str | None = None, load_module_strict: bool = True,
@@ -219,9 +229,32 @@ class Engine(torch.nn.Module):
     ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
         """Load ``load_dir/tag`` (default: ``latest``); returns ``(path, client_state)``, ``(None, None)`` if there is none."""
         return self.checkpoints.load(
-            self, load_dir, tag, strict=load_module_strict, optimizer=load_optimizer_states,
+            self.checkpoint_target(), load_dir, tag, strict=load_module_strict, optimizer=load_optimizer_states,
             scheduler=load_lr_scheduler_states, module_only=load_module_only,
         )  # fmt: skip
+
+    def checkpoint_target(self) -> CheckpointTarget:
+        """What a checkpoint saves and restores, as ``Stateful`` pieces (engine/checkpoint never sees the engine)."""
+        extra: dict[str, Any] = {}
+        loader = self.training_dataloader
+        if loader is not None and hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+            extra["training_dataloader"] = loader
+        extra.update(self.checkpoint_states)
+        scheduler = self.lr_scheduler if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict") else None
+        return CheckpointTarget(
+            module=self.module, shards=self.strategy, optimizer=self.optimizer, scheduler=scheduler,
+            loss_scaler=self.loss_scaler, counters=Counters(self._train_state, self._set_train_state),
+            rng=RngState(self.accelerator.rng_state, self.accelerator.set_rng_state), extra=extra,
+            config=self.config.model_dump(mode="json", by_alias=False, exclude_unset=True),
+            zero_stage=self.config.zero_optimization.stage, precision=self.config.precision, world_size=self.world_size,
+        )  # fmt: skip
+
+    def _train_state(self) -> TrainState:
+        return TrainState(self.global_steps, self.micro_steps, self.global_samples, self.skipped_steps, self.gradient_accumulation_steps())
+
+    def _set_train_state(self, state: TrainState) -> None:
+        self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
+        self.global_samples, self.skipped_steps = state.global_samples, state.skipped_steps
 
     def register_checkpoint_state(self, name: str, obj: Any) -> None:
         """Save ``obj`` (e.g. your data loader) in every checkpoint via its ``state_dict()``/``load_state_dict()``."""

@@ -10,7 +10,6 @@ from pathlib import Path
 from slipstream.engine.checkpoint.reader import (
     CheckpointError,
     CheckpointReader,
-    check_files,
     complete_checkpoints,
     latest_tag,
     resolve,
@@ -18,6 +17,7 @@ from slipstream.engine.checkpoint.reader import (
 
 
 def main(args: argparse.Namespace) -> int:
+    """Entry point of ``slipstream checkpoint``: a user error is one line on stderr and status 1, never a traceback."""
     try:
         if args.checkpoint_command == "inspect":
             return inspect(Path(args.dir), args.tag, args.verify)
@@ -25,6 +25,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {keys} tensors (fp32 weights, every state_dict key) from {path} to {args.out}")
         return 0
     except CheckpointError as err:
+        print(f"slipstream checkpoint: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
         print(f"slipstream checkpoint: {err}", file=sys.stderr)
         return 1
 
@@ -48,7 +51,9 @@ def inspect(directory: Path, tag: str | None, verify: bool) -> int:
     reader = CheckpointReader(path, verify_checksums=verify)
     m = reader.manifest
     if verify:
-        check_files(path, m, checksums=True)
+        from slipstream.engine.checkpoint.verify import verify as verify_all
+
+        verify_all(reader)
     params = m["parameters"]
     numel = sum(_numel(p["shape"]) for p in params.values())
     size = sum(f["bytes"] for f in m["files"].values())
@@ -64,6 +69,10 @@ def inspect(directory: Path, tag: str | None, verify: bool) -> int:
     print(f"model           {m['module_class']}: {len(params)} parameters, {numel:,} elements; {len(m['buffers'])} buffers")
     print(f"state_dict      {len(m['state_dict_keys'])} keys ({len(m['state_dict_keys']) - len(params) - len(m['buffers'])} tied aliases)")
     print(f"optimizer state {', '.join(first['optimizer']) if first else 'none'}")
+    pieces = [e for r in range(reader.world_size) for e in reader.rank_meta(r)["slices"]]
+    boxed = sum(1 for e in pieces if "box" in e)
+    layout = f"{boxed} in boxes (parts of a tensor-parallel cut)" if boxed else "all whole-tensor boxes (ZeRO flat ranges)"
+    print(f"layout          {len(pieces)} saved pieces, {layout}")
     print(f"client_state    {', '.join(_keys(common['client_state'])) or 'empty'}")
     checked = "CRC-32 verified" if verify else "sizes checked (--verify for CRC-32)"
     print(f"files           {len(m['files'])}, {size / 2**20:.1f} MiB, {checked}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.engine.checkpoint.format import write_safetensors
+from slipstream.engine.checkpoint.format import LATEST, TMP_PREFIX, TRASH_PREFIX, write_safetensors
 from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader, resolve
 
 
@@ -32,10 +32,27 @@ def export_fp32(checkpoint: str | Path, out: str | Path, tag: str | None = None)
             tensors[key] = values[name]
         else:
             tensors[key] = reader.tensor(0, buffers[source["buffer"]])
-    out = Path(out)
+    out = _check_output(Path(out), path)
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_name(out.name + ".part")
     metadata = {"format": "pt", "slipstream_checkpoint": str(path), "global_steps": str(reader.manifest["global_steps"])}
-    write_safetensors(part, tensors, metadata)
-    os.replace(part, out)
+    try:
+        write_safetensors(part, tensors, metadata)
+        os.replace(part, out)
+    finally:
+        if part.is_file():
+            part.unlink()
     return path, len(tensors)
+
+
+def _check_output(out: Path, checkpoint: Path) -> Path:
+    """Refuse an output that is a directory or lies inside the checkpoint (or its save directory's ``latest``)."""
+    if out.is_dir():
+        raise CheckpointError(f"export: {out} is a directory; pass a file path such as {out / 'model.safetensors'}")
+    resolved, source = out.resolve(), checkpoint.resolve()
+    if resolved.is_relative_to(source) or resolved == source.parent / LATEST or resolved.parent.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        raise CheckpointError(
+            f"export: {out} lies inside the checkpoint {checkpoint} it exports and could overwrite one of its files; "
+            "write the export elsewhere"
+        )
+    return out

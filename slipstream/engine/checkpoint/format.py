@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 FORMAT_NAME = "slipstream-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: slices may carry a box; tree keys escape '/' and '%'. Version 1 still loads.
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 CONFIG = "config.json"
 LATEST = "latest"
@@ -57,12 +58,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def naming_file(path: Path, err: OSError) -> OSError:
+    """``err`` with the file being written in its message (a bare ENOSPC from ``write`` names none)."""
+    if err.filename:
+        return err
+    named = OSError(err.errno, f"{err.strerror or err} while writing the checkpoint file", str(path))
+    return named
+
+
 def write_bytes_durably(path: Path, data: bytes) -> dict[str, int]:
     """Write ``data`` to ``path``, fsync it; return its size and CRC-32 for the manifest."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise naming_file(path, err) from None
     return {"bytes": len(data), "crc32": zlib.crc32(data)}
 
 
@@ -88,19 +100,22 @@ def write_safetensors(path: Path, tensors: Any, metadata: dict[str, str] | None 
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     crc = 0
     size = 0
-    with open(path, "wb") as f:
-        for block in (struct.pack("<Q", len(encoded)), encoded):
-            f.write(block)
-            crc = zlib.crc32(block, crc)
-            size += len(block)
-        for name in tensors:
-            with reading(tensors, name) as t:
-                for block in _byte_blocks(t):
-                    f.write(block)  # file writes and zlib.crc32 of large buffers release the GIL
-                    crc = zlib.crc32(block, crc)
-                    size += len(block)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            for block in (struct.pack("<Q", len(encoded)), encoded):
+                f.write(block)
+                crc = zlib.crc32(block, crc)
+                size += len(block)
+            for name in tensors:
+                with reading(tensors, name) as t:
+                    for block in _byte_blocks(t):
+                        f.write(block)  # file writes and zlib.crc32 of large buffers release the GIL
+                        crc = zlib.crc32(block, crc)
+                        size += len(block)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise naming_file(path, err) from None
     return {"bytes": size, "crc32": crc}
 
 
@@ -124,11 +139,24 @@ def file_crc32(path: Path) -> int:
 # --------------------------------------------------------------------------- JSON trees with tensors
 
 
+def key_part(name: str | int) -> str:
+    """One component of a tensor key, escaped so that distinct paths give distinct keys.
+
+    [Note: injective keys] Keys join path components with '/'. A dict key holding '/' (or '%')
+    is escaped, and an integer key gets a '%i' prefix that no escaped string can produce, so
+    ``{"a/b": x}`` and ``{"a": {"b": y}}`` (or ``{1: x}`` and ``{"1": y}``) never share a key.
+    """
+    if isinstance(name, int) and not isinstance(name, bool):
+        return f"%i{name}"
+    return name.replace("%", "%25").replace("/", "%2F")
+
+
 def encode_tree(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], where: str) -> Any:
     """A JSON-able copy of ``obj``; tensors go into ``tensors`` under ``prefix``-based keys.
 
     Holds dicts, lists, tuples, str/int/float/bool/None and tensors (what ``state_dict()`` methods
-    return). Anything else would need pickle: a ``TypeError`` names where it is.
+    return). Anything else would need pickle: a ``TypeError`` names where it is. Non-finite floats
+    are kept (JSON's NaN/Infinity, which Python's json reads back).
     """
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
@@ -140,10 +168,15 @@ def encode_tree(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], where: 
         items = [encode_tree(v, f"{prefix}/{i}", tensors, f"{where}[{i}]") for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
     if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj) and "__tensor__" not in obj and "__tuple__" not in obj:
-            return {k: encode_tree(v, f"{prefix}/{k}", tensors, f"{where}[{k!r}]") for k, v in obj.items()}
-        if all(isinstance(k, (str, int)) for k in obj):
-            return {"__items__": [[k, encode_tree(v, f"{prefix}/{k}", tensors, f"{where}[{k!r}]")] for k, v in obj.items()]}
+        markers = ("__tensor__", "__tuple__", "__items__")
+        if all(isinstance(k, str) for k in obj) and not any(m in obj for m in markers):
+            return {k: encode_tree(v, f"{prefix}/{key_part(k)}", tensors, f"{where}[{k!r}]") for k, v in obj.items()}
+        if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in obj):
+            return {"__items__": [[k, encode_tree(v, f"{prefix}/{key_part(k)}", tensors, f"{where}[{k!r}]")] for k, v in obj.items()]}
+        bad = next(k for k in obj if not isinstance(k, (str, int)) or isinstance(k, bool))
+        raise TypeError(
+            f"checkpoint: {where} has the key {bad!r} ({type(bad).__name__}); checkpoint dicts take str or int keys only"
+        )
     import numpy
 
     if isinstance(obj, numpy.generic):

@@ -13,33 +13,56 @@ previous complete checkpoint.
 from __future__ import annotations
 
 import atexit
+import os
+import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from slipstream.engine.checkpoint import writer
-from slipstream.engine.checkpoint.engine_state import Payload, capture, restore
+from slipstream.engine.checkpoint.capture import Payload, capture
 from slipstream.engine.checkpoint.reader import CheckpointReader, complete_checkpoints, latest_tag, resolve
+from slipstream.engine.checkpoint.restore import restore
 from slipstream.engine.checkpoint.snapshot import GuardedTensors
+from slipstream.engine.checkpoint.tags import check_load_tag, check_tag
+from slipstream.engine.checkpoint.target import CheckpointTarget
 from slipstream.engine.config import CheckpointConfig
 from slipstream.utils.logging import get_logger
-
-if TYPE_CHECKING:
-    from slipstream.engine.engine import Engine
 
 logger = get_logger(__name__)
 
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
+class TargetSource(Protocol):
+    """What ``resume`` is handed: anything that can build the :class:`CheckpointTarget` (the engine)."""
+
+    def checkpoint_target(self) -> CheckpointTarget: ...
+
+
 @atexit.register
 def _wait_all() -> None:
+    """At interpreter exit: finish background saves; one that failed makes the process exit non-zero.
+
+    [Note: a lost last checkpoint is a failure] The training script has returned, so there is no
+    caller left to raise to. Exiting 0 would tell the launcher and the scheduler that the run's
+    final checkpoint is safe when it is not: the error goes to stderr and the exit status is 1.
+    """
+    failed = []
     for manager in list(_live):
-        manager.wait(raise_errors=False)
+        error = manager.wait(raise_errors=False)
+        if error is not None:
+            failed.append(error)
+    if failed:
+        print(f"slipstream: the background checkpoint save failed: {failed[0]}; exiting with status 1", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 class CheckpointManager:
@@ -51,6 +74,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._buffers: dict[str, Any] = {}  # CPU snapshot buffers, reused by every async save
         self._guard: GuardedTensors | None = None
+        self._lock: writer.TagLock | None = None  # rank 0: held from prepare until the commit ends
         self.last_saved: Path | None = None
         self.last_stall_s = 0.0  # training-thread time of the last save: the call plus its fence
         self.last_write_s = 0.0  # from the save call until this rank's files (and, on rank 0, the commit) are done
@@ -58,39 +82,45 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(
-        self, engine: Engine, save_dir: str | Path, tag: str | None, client_state: dict[str, Any] | None, save_latest: bool = True
-    ) -> Path:
+        self, target: CheckpointTarget, save_dir: str | Path, tag: Any, client_state: dict[str, Any] | None, save_latest: bool = True,
+        pin: Callable[[Any], Any] | None = None, synchronize: Callable[[], None] | None = None,
+    ) -> Path:  # fmt: skip
+        """Save ``target`` to ``save_dir/tag``. ``pin`` pins async snapshot buffers, ``synchronize`` waits for device copies."""
         started = time.perf_counter()
         self.wait()
         save_dir = Path(save_dir)
         rank, world = dist.get_rank(), dist.get_world_size()
-        tag = writer.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+        counters = target.counters.record()
+        tag = check_tag(tag if tag is not None else f"global_step{counters.global_steps}", "save_checkpoint")
         self._validate_tag(tag, world)
-        if engine.micro_steps % engine.gradient_accumulation_steps():
+        if counters.micro_steps % counters.gradient_accumulation_steps:
             logger.warning(
                 "save_checkpoint at micro-step %d, inside an accumulation window: the gradients accumulated so far are "
-                "not saved (save right after engine.step() at a boundary)", engine.micro_steps,
+                "not saved (save right after engine.step() at a boundary)", counters.micro_steps,
             )  # fmt: skip
         # e.g. a client_state value that needs pickle: rank 0 alone captures it, every rank must raise
-        payload = _agree(lambda: capture(engine, rank, world, tag, client_state), "capturing the state to save")
-        _agree(lambda: writer.prepare(save_dir, tag) if rank == 0 else None, "preparing the checkpoint directory")
+        payload = _agree(lambda: capture(target, rank, tag, client_state), "capturing the state to save")
+        self._lock = _agree(lambda: writer.prepare(save_dir, tag) if rank == 0 else None, "preparing the checkpoint directory")
         tmp = writer.temp_dir(save_dir, tag)
         final = save_dir / tag
         if self.config.async_save:
-            pin = engine.accelerator.pin_memory if engine.accelerator.name != "cpu" else None
             self._guard = payload.tensors = GuardedTensors(payload.tensors, self._buffers, pin)
-            engine.accelerator.synchronize()  # device-to-host copies are complete before training goes on
+            if synchronize is not None:
+                synchronize()  # device-to-host copies are complete before training goes on
             self._thread = threading.Thread(
                 target=self._persist, args=(payload, save_dir, tag, tmp, world, save_latest, started),
                 name=f"slipstream-save-{tag}", daemon=False,
             )  # fmt: skip
             self._thread.start()
         else:
-            _agree(lambda: writer.write_rank(tmp, payload), "writing this rank's checkpoint files")
-            if rank == 0:
-                _agree(lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest), "committing the checkpoint")
-            else:
-                _agree(lambda: None, "committing the checkpoint")
+            try:
+                _agree(lambda: writer.write_rank(tmp, payload), "writing this rank's checkpoint files")
+                if rank == 0:
+                    _agree(lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest), "committing the checkpoint")
+                else:
+                    _agree(lambda: None, "committing the checkpoint")
+            finally:
+                self._release()
             logger.info("saved checkpoint %s", final)
             self.last_write_s = time.perf_counter() - started
         self.last_saved = final
@@ -113,13 +143,20 @@ class CheckpointManager:
         except BaseException as err:  # noqa: BLE001 - reported on the training thread at the next wait
             logger.error("background checkpoint save of %s failed: %s", tag, err)
             self._error = err
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def _commit(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool) -> None:
         assert payload.manifest is not None
         writer.commit(save_dir, tag, tmp, world, payload.manifest, save_latest, self.config.commit_timeout, self.config.keep_last_n)
 
-    def wait(self, raise_errors: bool = True) -> None:
-        """Block until the background save (if any) is on disk; re-raise its failure."""
+    def wait(self, raise_errors: bool = True) -> BaseException | None:
+        """Block until the background save (if any) is on disk; re-raise its failure (or return it)."""
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
@@ -127,6 +164,7 @@ class CheckpointManager:
         error, self._error = self._error, None
         if error is not None and raise_errors:
             raise RuntimeError(f"the background checkpoint save failed: {error}") from error
+        return error
 
     def _validate_tag(self, tag: str, world: int) -> None:
         mode = self.config.tag_validation
@@ -142,17 +180,19 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
     def load(
-        self, engine: Engine, load_dir: str | Path, tag: str | None, *, strict: bool = True, optimizer: bool = True,
+        self, target: CheckpointTarget, load_dir: str | Path, tag: Any, *, strict: bool = True, optimizer: bool = True,
         scheduler: bool = True, module_only: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
         self.wait()
+        if tag is not None:
+            tag = check_load_tag(tag, "load_checkpoint")
         path = _agree(lambda: resolve(load_dir, tag, self.config.verify_checksums), "finding the checkpoint")
         if path is None:
             logger.warning("load_checkpoint: no checkpoint in %s; nothing loaded", load_dir)
             return None, None
         reader = _agree(lambda: CheckpointReader(path, verify_checksums=self.config.verify_checksums), "opening the checkpoint")
         client_state = restore(
-            engine, reader, dist.get_rank(), strict=strict, optimizer=optimizer, scheduler=scheduler, module_only=module_only,
+            target, reader, dist.get_rank(), strict=strict, optimizer=optimizer, scheduler=scheduler, module_only=module_only,
             agree=_agree,
         )
         logger.info(
@@ -162,21 +202,19 @@ class CheckpointManager:
         return str(path), client_state
 
     # ------------------------------------------------------------------ config-driven saves
-    def resume(self, engine: Engine) -> tuple[str | None, dict[str, Any] | None]:
+    def resume(self, source: TargetSource) -> tuple[str | None, dict[str, Any] | None]:
         """``checkpoint.auto_resume``: load the newest complete checkpoint in ``save_dir``, if there is one."""
         assert self.config.save_dir is not None
         save_dir = Path(self.config.save_dir)
         if latest_tag(save_dir) is None and not complete_checkpoints(save_dir):
             logger.info("auto_resume: no checkpoint in %s yet; starting from scratch", save_dir)
             return None, None
-        return self.load(engine, save_dir, None)
+        return self.load(source.checkpoint_target(), save_dir, None)
 
-    def after_step(self, engine: Engine) -> None:
-        """``checkpoint.interval``: save every N optimizer steps into ``save_dir``."""
+    def due(self, global_steps: int) -> bool:
+        """``checkpoint.interval``: whether the step just finished should be saved into ``save_dir``."""
         every = self.config.interval
-        if every and engine.global_steps % every == 0:
-            assert self.config.save_dir is not None
-            self.save(engine, self.config.save_dir, None, None)
+        return bool(every) and global_steps % every == 0 and self.config.save_dir is not None
 
 
 def _agree(action: Any, what: str) -> Any:

@@ -9,7 +9,10 @@ strategy of another stage or world size simply asks for the ranges it owns now.
 from __future__ import annotations
 
 import bisect
+import glob
 import json
+import math
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,25 +24,43 @@ from slipstream.engine.checkpoint.format import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
+    READABLE_VERSIONS,
     TMP_PREFIX,
     TRASH_PREFIX,
     decode_tree,
     file_crc32,
     rank_stem,
 )
+from slipstream.engine.checkpoint.layout import LayoutError, assemble, check_keys, check_tiling, cut, entry_box, is_whole
+from slipstream.engine.checkpoint.tags import TagError, check_load_tag, tag_problem
+from slipstream.engine.checkpoint.validate import CheckpointError, check_manifest, check_rank_meta
 from slipstream.engine.zero.slices import ParamSlice
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt")
 
+__all__ = ["CheckpointError", "CheckpointReader", "check_coverage", "check_files", "complete_checkpoints", "latest_tag", "resolve"]
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, corrupt, or does not fit the model; the message says which file or parameter."""
+
+def _looks_safetensors(head: bytes, size: int) -> bool:
+    """An 8-byte little-endian header length that fits the file, then a JSON object."""
+    if len(head) < 9:
+        return False
+    (length,) = struct.unpack("<Q", head[:8])
+    return 2 <= length <= size - 8 and head[8:9] == b"{"
 
 
 def _looks_pickled(path: Path) -> bool:
+    """torch.save's zip or a raw pickle stream, and *not* a safetensors file.
+
+    [Note: the sniff] A safetensors file starts with its header length: its low byte is 0x80 for
+    one header length in 32, exactly a pickle's first byte. So a file is taken for a pickle only
+    when it does not parse as the start of a safetensors file.
+    """
     with open(path, "rb") as f:
-        head = f.read(4)
-    return head[:2] == b"PK" or head[:1] == b"\x80"  # torch.save's zip, or a raw pickle stream
+        head = f.read(9)
+    if _looks_safetensors(head, path.stat().st_size):
+        return False
+    return head[:2] == b"PK" or head[:1] == b"\x80"
 
 
 def _pickle_refusal(path: Path) -> CheckpointError:
@@ -48,6 +69,18 @@ def _pickle_refusal(path: Path) -> CheckpointError:
         "(unpickling runs arbitrary code). Load it yourself with torch.load(..., weights_only=True) and "
         "engine.module.load_state_dict(), then save_checkpoint() to get a slipstream checkpoint"
     )
+
+
+def read_json(path: Path, where: str) -> Any:
+    """A JSON file, or a :class:`CheckpointError` naming it (unreadable, not UTF-8, not JSON)."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"checkpoint {where}: {path.name} is not UTF-8 text (byte {err.start}); the file is damaged") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint {where}: {path.name} is corrupt ({err})") from None
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {where}: {path.name} cannot be read ({err.strerror})") from None
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -64,16 +97,17 @@ def read_manifest(path: Path) -> dict[str, Any]:
         if pickles:
             raise _pickle_refusal(path / pickles[0])
         raise CheckpointError(f"checkpoint {path} is incomplete: {MANIFEST} is missing (the save did not finish)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({err})") from None
+    manifest = read_json(manifest_path, str(path))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a slipstream checkpoint manifest")
-    if int(manifest.get("version", 0)) > FORMAT_VERSION:
+    version = manifest.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise CheckpointError(
-            f"checkpoint {path} has format version {manifest['version']}; this slipstream reads up to {FORMAT_VERSION} (upgrade slipstream)"
+            f"checkpoint {path} has format version {version}; this slipstream reads up to {FORMAT_VERSION} (upgrade slipstream)"
         )
+    check_manifest(path, manifest, MANIFEST)
+    if manifest["version"] not in READABLE_VERSIONS:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} has format version {manifest['version']}; readable: {READABLE_VERSIONS}")
     return manifest
 
 
@@ -93,19 +127,30 @@ def check_files(path: Path, manifest: dict[str, Any], checksums: bool) -> None:
 
 
 def check_coverage(where: str, parameters: dict[str, Any], slices: list[dict[str, Any]]) -> None:
-    """Every element of every parameter is saved exactly once by the ranks' ``slices``."""
+    """Every element of every parameter is saved exactly once by the ranks' ``slices`` (no overlap, no gap)."""
     saved: dict[str, int] = {}
+    by_name: dict[str, list[dict[str, Any]]] = {}
     for entry in slices:
         saved[entry["name"]] = saved.get(entry["name"], 0) + entry["numel"]
+        by_name.setdefault(entry["name"], []).append(entry)
     for name, info in parameters.items():
-        numel = 1
-        for d in info["shape"]:
-            numel *= d
+        numel = math.prod(info["shape"])
         if saved.get(name, 0) != numel:
             raise CheckpointError(
                 f"checkpoint {where}: parameter {name!r} has {saved.get(name, 0)} of its {numel} elements saved "
                 "(the sharding strategy's sharded_state() does not cover it exactly)"
             )
+        entries = by_name.get(name, [])
+        if any(tuple(e.get("shape", info["shape"])) != tuple(info["shape"]) for e in entries):
+            raise CheckpointError(f"checkpoint {where}: a slice of parameter {name!r} records another shape than {MANIFEST}")
+        if all("start" in e for e in entries):
+            try:
+                check_tiling(name, tuple(info["shape"]), entries)
+            except LayoutError as err:
+                raise CheckpointError(f"checkpoint {where}: {err} (the rank files are damaged)") from None
+    unknown = sorted(set(by_name) - set(parameters))
+    if unknown:
+        raise CheckpointError(f"checkpoint {where}: slices of {unknown[0]!r}, which {MANIFEST} does not list (the rank files are damaged)")
 
 
 def is_complete(path: Path) -> dict[str, Any] | None:
@@ -132,9 +177,34 @@ def complete_checkpoints(save_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     return found
 
 
-def latest_tag(save_dir: Path) -> str | None:
+def read_latest(save_dir: Path) -> tuple[str | None, str]:
+    """The tag ``latest`` names and, when it names none usable, why (empty when there is no ``latest``)."""
     file = save_dir / LATEST
-    return file.read_text().strip() or None if file.is_file() else None
+    if not file.is_file():
+        return None, ""
+    try:
+        tag = file.read_bytes().decode("utf-8").strip()
+    except (UnicodeDecodeError, OSError) as err:
+        return None, f"{file} cannot be read as text ({err})"
+    problem = tag_problem(tag)
+    if problem is not None:
+        return None, f"{file} holds {tag[:60]!r}, which {problem}; it must hold one checkpoint directory name"
+    return tag, ""
+
+
+def latest_tag(save_dir: Path) -> str | None:
+    return read_latest(save_dir)[0]
+
+
+def stand_in(save_dir: Path, tag: str) -> Path | None:
+    """Where a crash between the two renames of a re-save left ``tag``: the committed ``.tmp-<tag>``, else its trash copy."""
+    tmp = save_dir / f"{TMP_PREFIX}{tag}"
+    if is_complete(tmp) is not None:
+        return tmp
+    if latest_tag(save_dir) != tag:
+        return None
+    trash = sorted((p for p in save_dir.glob(f"{TRASH_PREFIX}{glob.escape(tag)}-*") if p.name.rpartition("-")[0] == f"{TRASH_PREFIX}{tag}"), reverse=True)
+    return next((p for p in trash if is_complete(p) is not None), None)
 
 
 def resolve(load_dir: str | Path, tag: str | None, checksums: bool = True) -> Path | None:
@@ -146,26 +216,32 @@ def resolve(load_dir: str | Path, tag: str | None, checksums: bool = True) -> Pa
     """
     load_dir = Path(load_dir)
     if tag is not None:
-        return load_dir / tag
+        try:
+            return load_dir / check_load_tag(tag, "checkpoint")
+        except TagError as err:
+            raise CheckpointError(str(err)) from None
     if (load_dir / MANIFEST).is_file():
         return load_dir
     if load_dir.is_file():
         raise _pickle_refusal(load_dir) if _looks_pickled(load_dir) else CheckpointError(f"{load_dir} is not a checkpoint directory")
-    pointed, reason = latest_tag(load_dir), ""
+    pointed, reason = read_latest(load_dir)
     if pointed is not None:
+        candidate = load_dir / pointed
+        if not candidate.exists():
+            candidate = stand_in(load_dir, pointed) or candidate
         try:
-            check_files(load_dir / pointed, read_manifest(load_dir / pointed), checksums=False)
-            return load_dir / pointed
+            check_files(candidate, read_manifest(candidate), checksums=False)
+            return candidate
         except CheckpointError as err:
             reason = str(err)
     newest = next((path for path, manifest in reversed(complete_checkpoints(load_dir)) if _verifies(path, manifest, checksums)), None)
     if newest is None:
-        if pointed is not None:
+        if pointed is not None or reason:
             raise CheckpointError(
                 f"{load_dir}/{LATEST} points to {pointed!r}, which cannot be loaded ({reason}), and no other complete checkpoint exists"
             )
         return None
-    if pointed is not None:
+    if pointed is not None or reason:
         warnings.warn(
             f"checkpoint: {LATEST} points to {pointed!r}, which cannot be loaded ({reason}); loading the newest complete one, "
             f"{newest.name!r}",
@@ -192,14 +268,22 @@ class CheckpointReader:
         self.manifest = read_manifest(self.path)
         check_files(self.path, self.manifest, checksums=False)
         self.verify_checksums = verify_checksums
-        self.world_size = int(self.manifest["world_size"])
+        self.world_size = self.manifest["world_size"]
+        for rank in range(self.world_size):
+            for suffix in (".json", ".safetensors"):
+                if f"{rank_stem(rank)}{suffix}" not in self.manifest["files"]:
+                    raise CheckpointError(f"checkpoint {self.path}: {MANIFEST} lists no {rank_stem(rank)}{suffix} (world size {self.world_size})")
         self._meta: dict[int, dict[str, Any]] = {}
+        self._full: tuple[str, torch.Tensor] | None = None  # the last parameter assembled from boxes
         self._files: dict[int, Any] = {}
         self._verified: set[str] = set()
         # parameter -> sorted starts and their (start, numel, rank, entry)
         self._index: dict[str, list[tuple[int, int, int, dict[str, Any]]]] = {}
         for rank in range(self.world_size):
             for entry in self.rank_meta(rank)["slices"]:
+                wrong = check_keys(entry, self.manifest["version"])
+                if wrong is not None:
+                    raise CheckpointError(f"checkpoint {self.path}: {rank_stem(rank)}.json: a slice of {entry['name']!r} has {wrong} (the file is damaged)")
                 self._index.setdefault(entry["name"], []).append((entry["start"], entry["numel"], rank, entry))
         check_coverage(str(self.path), self.manifest["parameters"], [e[3] for entries in self._index.values() for e in entries])
         for entries in self._index.values():
@@ -224,7 +308,9 @@ class CheckpointReader:
         if rank not in self._meta:
             name = f"{rank_stem(rank)}.json"
             self._verify(name)
-            self._meta[rank] = json.loads((self.path / name).read_text())
+            meta = read_json(self.path / name, str(self.path))
+            check_rank_meta(self.path, meta, name, rank)
+            self._meta[rank] = meta
         return self._meta[rank]
 
     def _open(self, rank: int) -> Any:
@@ -242,11 +328,36 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {self.path}: {name} is not a valid safetensors file ({err})") from None
         return handle
 
-    def tensor(self, rank: int, key: str) -> torch.Tensor:
-        return self._open(rank).get_tensor(key)
+    def tensor(self, rank: int, key: Any) -> torch.Tensor:
+        handle = self._open(rank)
+        if not isinstance(key, str) or key not in handle.keys():
+            raise CheckpointError(f"checkpoint {self.path}: {rank_stem(rank)}.safetensors holds no tensor {key!r} (the files are damaged)")
+        return handle.get_tensor(key)
+
+    def _piece(self, rank: int, key: Any, numel: int) -> Any:
+        """The saved 1-D tensor ``key`` as a lazy slice, after checking it has the ``numel`` its entry says."""
+        handle = self._open(rank)
+        if not isinstance(key, str) or key not in handle.keys():
+            raise CheckpointError(f"checkpoint {self.path}: {rank_stem(rank)}.safetensors holds no tensor {key!r} (the files are damaged)")
+        piece = handle.get_slice(key)
+        shape = piece.get_shape()
+        if list(shape) != [numel]:
+            raise CheckpointError(
+                f"checkpoint {self.path}: tensor {key!r} of {rank_stem(rank)}.safetensors has shape {list(shape)}, its slice "
+                f"entry says {numel} elements (the files are damaged)"
+            )
+        return piece
 
     def decode(self, rank: int, tree: Any) -> Any:
-        return decode_tree(tree, _LazyTensors(self, rank))
+        try:
+            return decode_tree(tree, _LazyTensors(self, rank))
+        except (TypeError, ValueError, KeyError, AttributeError) as err:
+            if isinstance(err, CheckpointError):
+                raise
+            raise CheckpointError(
+                f"checkpoint {self.path}: {rank_stem(rank)}.json holds a malformed saved tree ({type(err).__name__}: {err}); "
+                "the file is damaged"
+            ) from None
 
     def common(self) -> dict[str, Any]:
         return self.rank_meta(0)["common"]
@@ -276,6 +387,8 @@ class CheckpointReader:
 
     def _overlaps(self, s: ParamSlice) -> list[tuple[int, int, int, dict[str, Any]]]:
         entries = self._index.get(s.name)
+        if entries is None and s.numel == 0:
+            return []  # a zero-element parameter: strategies may save no slice of it
         if entries is None:
             raise CheckpointError(f"checkpoint {self.path}: no rank file holds parameter {s.name!r}")
         first = max(bisect.bisect_right(self._starts[s.name], s.start) - 1, 0)
@@ -287,16 +400,23 @@ class CheckpointReader:
                 found.append(entry)
         return found
 
-    def _assemble(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
-        out: torch.Tensor | None = None
-        covered, end = 0, s.start + s.numel
+    def _assemble(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None = None, what: str = "weights") -> torch.Tensor:
+        """``s`` of the tensor ``what`` (the weights or one optimizer state) whose saved keys ``key_of(entry)`` gives."""
+        end = s.start + s.numel
+        if s.numel == 0:
+            return torch.empty(0, dtype=dtype or torch.float32)
+        boxed = not s.whole or any(not is_whole(entry_box(e[3], s.shape), s.shape) for e in self._index.get(s.name, []))
+        if boxed:
+            return self._from_boxes(s, key_of, dtype, what)
         overlaps = self._overlaps(s)
         if len(overlaps) == 1 and overlaps[0][0] == s.start and overlaps[0][1] == s.numel:  # saved as asked: no re-slicing
-            piece = self._open(overlaps[0][2]).get_tensor(key_of(overlaps[0][3]))
+            piece = self._piece(overlaps[0][2], key_of(overlaps[0][3]), s.numel)[:]
             return piece if dtype is None or piece.dtype == dtype else piece.to(dtype)
+        out: torch.Tensor | None = None
+        covered = 0
         for start, numel, rank, entry in overlaps:
             lo, hi = max(start, s.start), min(start + numel, end)
-            piece = self._open(rank).get_slice(key_of(entry))[lo - start : hi - start]
+            piece = self._piece(rank, key_of(entry), numel)[lo - start : hi - start]
             if out is None:
                 out = torch.empty(s.numel, dtype=dtype or piece.dtype)
             out[lo - s.start : hi - s.start] = piece
@@ -308,16 +428,29 @@ class CheckpointReader:
             )
         return out
 
+    def _from_boxes(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None, what: str) -> torch.Tensor:
+        """Assemble the whole parameter from its boxes (kept until another one is asked for), then cut ``s`` out."""
+        cache_key = f"{s.name}\0{what}"
+        if self._full is None or self._full[0] != cache_key:
+            self._full = None  # free the previous parameter first: memory stays bounded by the largest one
+            entries = self._index.get(s.name)
+            if entries is None:
+                raise CheckpointError(f"checkpoint {self.path}: no rank file holds parameter {s.name!r}")
+
+            def reader_of(rank: int, entry: dict[str, Any]) -> Any:
+                return lambda lo, hi: self._piece(rank, key_of(entry), entry["numel"])[lo:hi]
+
+            pieces = [(entry, reader_of(rank, entry)) for _, _, rank, entry in entries]
+            self._full = (cache_key, assemble(tuple(s.shape), pieces, dtype or torch.float32))
+        return cut(self._full[1], s)
+
     def read_param(self, s: ParamSlice) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the flattened fp32 parameter, from whichever slices hold them."""
         return self._assemble(s, lambda entry: entry["key"], torch.float32)
 
     def full_param(self, name: str) -> torch.Tensor:
         shape = tuple(self.manifest["parameters"][name]["shape"])
-        numel = 1
-        for d in shape:
-            numel *= d
-        return self.read_param(ParamSlice(name, shape, 0, numel)).view(shape)
+        return self.read_param(ParamSlice(name, shape, 0, math.prod(shape))).view(shape)
 
     def read_optimizer_state(self, s: ParamSlice) -> dict[str, tuple[str, Any]] | None:
         """The optimizer state of this slice: key -> ("slice", tensor) | ("tensor", (tensor, on_param_device)) | ("value", v)."""
@@ -331,12 +464,22 @@ class CheckpointReader:
         state: dict[str, tuple[str, Any]] = {}
         for key, record in first["optimizer"].items():
             if "slice" in record:
-                state[key] = ("slice", self._assemble(s, lambda entry, key=key: entry["optimizer"][key]["slice"]))
+                state[key] = ("slice", self._assemble(s, _state_key(key, self.path), what=f"optimizer state {key}"))
             elif "tensor" in record:
                 state[key] = ("tensor", (self.tensor(first_rank, record["tensor"]), record["on_param_device"]))
             else:
                 state[key] = ("value", self.decode(first_rank, record["value"]))
         return state
+
+
+def _state_key(key: str, path: Path) -> Any:
+    def of(entry: dict[str, Any]) -> Any:
+        record = entry.get("optimizer", {}).get(key)
+        if not isinstance(record, dict) or "slice" not in record:
+            raise CheckpointError(f"checkpoint {path}: a slice of {entry['name']!r} has no optimizer state {key!r} (the files are damaged)")
+        return record["slice"]
+
+    return of
 
 
 class _LazyTensors:

@@ -8,10 +8,22 @@ the directory to ``<tag>`` (atomic), fsyncs ``save_dir``, and only then replaces
 temporary file renamed over it). Killed before the rename: only a ``.tmp-`` directory is left.
 Killed after it: the new checkpoint is complete and ``latest`` points to it or to the previous
 one. Retention deletes old checkpoints only after that, and never the one ``latest`` names.
+
+[Note: saving a tag again] ``<tag>`` already exists (``"last"``, ``"best"``): the new directory
+and the old one are swapped in one ``renameat2(RENAME_EXCHANGE)``, so ``<tag>`` is a complete
+checkpoint at every instant; the old copy, now in ``.tmp-<tag>``, is deleted afterwards. Where the
+file system cannot exchange, the old one is first renamed to ``.trash-<tag>-<ns>``: a crash in the
+gap leaves ``<tag>`` missing, and readers then take the complete ``.tmp-<tag>`` (or the trash copy)
+in its place; the next save puts it back (``recover``). A lock file per tag, held by rank 0 from
+``prepare`` to the end of the commit, makes a second job saving the same tag fail at once.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -19,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slipstream.engine.checkpoint.engine_state import Payload
+from slipstream.engine.checkpoint.capture import Payload
 from slipstream.engine.checkpoint.format import (
     CONFIG,
     LATEST,
@@ -32,30 +44,107 @@ from slipstream.engine.checkpoint.format import (
     write_json_durably,
     write_safetensors,
 )
-from slipstream.engine.checkpoint.reader import check_coverage, complete_checkpoints, latest_tag
+from slipstream.engine.checkpoint.reader import CheckpointError, check_coverage, complete_checkpoints, latest_tag, stand_in
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 
-def check_tag(tag: str) -> str:
-    if not tag or "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST:
-        raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain directory name (no '/', not starting with '.', not {LATEST!r})")
-    return tag
+LOCK_PREFIX = ".lock-"
+
+
+class TagLock:
+    """An exclusive ``flock`` on ``<save_dir>/.lock-<tag>``; the kernel drops it if the process dies."""
+
+    def __init__(self, save_dir: Path, tag: str) -> None:
+        self.path = save_dir / f"{LOCK_PREFIX}{tag}"
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = None
+            raise CheckpointError(
+                f"save_checkpoint: another job is saving tag {tag!r} into {save_dir} right now ({self.path} is locked); "
+                "give each job its own save_dir or tag"
+            ) from None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _is_free(save_dir: Path, tag: str) -> bool:
+    try:
+        TagLock(save_dir, tag).release()
+        return True
+    except CheckpointError:
+        return False
 
 
 def temp_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f"{TMP_PREFIX}{tag}"
 
 
-def prepare(save_dir: Path, tag: str) -> Path:
-    """Rank 0, before any rank writes: an empty temporary directory (leftovers of a crashed save removed)."""
-    tmp = temp_dir(save_dir, tag)
+def prepare(save_dir: Path, tag: str) -> TagLock:
+    """Rank 0, before any rank writes: lock the tag, recover or clean what crashed saves left, make ``.tmp-<tag>``."""
     save_dir.mkdir(parents=True, exist_ok=True)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return tmp
+    lock = TagLock(save_dir, tag)
+    try:
+        recover(save_dir, tag)
+        tmp = temp_dir(save_dir, tag)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def recover(save_dir: Path, own_tag: str) -> None:
+    """Put back a checkpoint a crash left only in ``.tmp-``/``.trash-``; delete stale leftovers of unlocked tags."""
+    for child in sorted(save_dir.iterdir()):
+        name = child.name
+        if not child.is_dir() or not name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            continue
+        tag = name.removeprefix(TMP_PREFIX) if name.startswith(TMP_PREFIX) else name.removeprefix(TRASH_PREFIX).rpartition("-")[0]
+        if tag != own_tag and not _is_free(save_dir, tag):
+            continue  # another job's save in progress
+        if not (save_dir / tag).exists():
+            found = stand_in(save_dir, tag)
+            if found is not None and found.exists():
+                os.replace(found, save_dir / tag)
+                fsync_dir(save_dir)
+                continue
+        if child.exists():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    libc = _libc()
+    renameat2 = getattr(libc, "renameat2", None) if libc is not None else None
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"{os.strerror(err)} while exchanging {a} and {b}", str(a))
+
+
+_LIBC: list[Any] = []
+
+
+def _libc() -> Any:
+    if not _LIBC:
+        name = ctypes.util.find_library("c")
+        _LIBC.append(ctypes.CDLL(name, use_errno=True) if name else None)
+    return _LIBC[0]
 
 
 def write_rank(tmp: Path, payload: Payload) -> None:
@@ -95,18 +184,26 @@ def commit(
     write_json_durably(tmp / MANIFEST, {**manifest, "files": files, "checksum": "crc32"})
     fsync_dir(tmp)
     final = save_dir / tag
-    trash = None
+    old = None
     if final.exists():  # saving a tag again: the old one leaves only once the new one is in place
-        trash = save_dir / f"{TRASH_PREFIX}{tag}-{time.time_ns()}"
-        os.replace(final, trash)
-    os.replace(tmp, final)
+        if _exchange(tmp, final):
+            old = tmp
+        else:
+            old = save_dir / f"{TRASH_PREFIX}{tag}-{time.time_ns()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+    else:
+        os.replace(tmp, final)
     fsync_dir(save_dir)
     if save_latest:
         write_latest(save_dir, tag)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     if keep_last_n > 0:
-        retain(save_dir, keep_last_n)
+        try:
+            retain(save_dir, keep_last_n)
+        except (OSError, CheckpointError) as err:  # the new checkpoint is committed: a failed cleanup must not undo that
+            logger.warning("checkpoint retention (keep_last_n=%d) in %s failed: %s", keep_last_n, save_dir, err)
     return final
 
 

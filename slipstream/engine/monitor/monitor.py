@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,12 +25,10 @@ from slipstream.engine.monitor.flops import (
     analytic_flops,
     flop_counter_mode,
 )
+from slipstream.engine.monitor.record import StepRecord
 from slipstream.engine.monitor.timers import Timers
 from slipstream.engine.monitor.writers import Writer, build_writers
 from slipstream.utils.logging import get_logger
-
-if TYPE_CHECKING:
-    from slipstream.engine.engine import Engine
 
 logger = get_logger(__name__)
 
@@ -102,17 +100,17 @@ class TrainingMonitor:
             mode.__exit__(None, None, None)
             self._finish_profile(mode, engine_step)
 
-    def on_step(self, engine: Engine) -> None:
+    def on_step(self, step: StepRecord) -> None:
         """At each optimizer step: metrics for the writers, the progress line every ``steps_per_print``."""
         now = time.perf_counter()
         step_time, self._step_start = now - self._step_start, now
-        samples = engine.train_batch_size()
+        samples = step.train_batch_size
         tokens = self._tokens * self.world_size  # every rank trains on micro-batches of the same shape
         self._tokens = 0
         timers = self.timers.take()
         self._window.add(step_time, samples, tokens, timers)
         every = self.config.steps_per_print
-        printing = bool(every) and engine.global_steps % every == 0
+        printing = bool(every) and step.global_steps % every == 0
         if self.rank != 0 or not (self.writers or printing):
             self._loss_sum, self._losses = None, 0
             if printing:
@@ -120,15 +118,15 @@ class TrainingMonitor:
             return
         loss = float(self._loss_sum) / self._losses if self._loss_sum is not None and self._losses else math.nan
         self._loss_sum, self._losses = None, 0
-        metrics = self._metrics(engine, loss, step_time, samples, tokens, timers)
+        metrics = self._metrics(step, loss, step_time, samples, tokens, timers)
         self.last = metrics
         if self.writers:
-            events = [(f"Train/Samples/{name}", value, engine.global_samples) for name, value in metrics.items()]
+            events = [(f"Train/Samples/{name}", value, step.global_samples) for name, value in metrics.items()]
             for writer in self.writers:
                 writer.write(events)
                 writer.flush()  # as DeepSpeed: a crashed run keeps its curves up to the last step
         if printing:
-            logger.info(self._line(engine, loss))
+            logger.info(self._line(step, loss))
             self._window = _Window()
 
     def close(self) -> None:
@@ -146,12 +144,11 @@ class TrainingMonitor:
             return self.analytic.per_token(self._seq_len)
         return self.measured_flops_per_token
 
-    def _metrics(self, engine: Engine, loss: float, step_time: float, samples: int, tokens: int, timers: dict[str, float]) -> dict[str, float]:
-        metrics = {"train_loss": loss, "lr": engine.get_lr()[0] if engine.get_lr() else math.nan}
-        norm = engine.get_global_grad_norm()
-        if norm is not None:
-            metrics["grad_norm"] = norm
-        metrics["loss_scale"] = engine.loss_scale()
+    def _metrics(self, step: StepRecord, loss: float, step_time: float, samples: int, tokens: int, timers: dict[str, float]) -> dict[str, float]:
+        metrics = {"train_loss": loss, "lr": step.lr if step.lr is not None else math.nan}
+        if step.grad_norm is not None:
+            metrics["grad_norm"] = step.grad_norm
+        metrics["loss_scale"] = step.loss_scale
         metrics["samples_per_second"] = samples / step_time
         if tokens:
             metrics["tokens_per_second"] = tokens / step_time
@@ -170,14 +167,13 @@ class TrainingMonitor:
             metrics[f"time_{name}_ms"] = seconds * 1e3
         return metrics
 
-    def _line(self, engine: Engine, loss: float) -> str:
+    def _line(self, step: StepRecord, loss: float) -> str:
         w = self._window
-        parts = [f"step {engine.global_steps}", f"loss {loss:.4f}", f"lr {engine.get_lr()[0]:.3g}"]
-        norm = engine.get_global_grad_norm()
-        if norm is not None:
-            parts.append(f"grad norm {norm:.3f}")
-        if engine.loss_scaler.dynamic:
-            parts.append(f"loss scale {engine.loss_scale():g}")
+        parts = [f"step {step.global_steps}", f"loss {loss:.4f}", f"lr {step.lr if step.lr is not None else math.nan:.3g}"]
+        if step.grad_norm is not None:
+            parts.append(f"grad norm {step.grad_norm:.3f}")
+        if step.dynamic_loss_scale:
+            parts.append(f"loss scale {step.loss_scale:g}")
         if w.tokens:
             parts.append(f"{w.tokens / w.seconds:.0f} tokens/s")
         parts.append(f"{w.samples / w.seconds:.1f} samples/s")

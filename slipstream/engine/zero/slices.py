@@ -6,6 +6,10 @@ checkpoint that records each range as (parameter name, flat start, length) toget
 parameter's shape can be reassembled by any other world size or stage: the reader simply asks for
 the ranges it owns now. The optimizer's per-parameter tensors (Adam's moments) have the same
 ranges, because the optimizer steps exactly these slices.
+
+[Note: boxes] Tensor parallelism cuts a parameter into boxes (offsets and sizes along each
+dimension) before ZeRO flattens what a rank holds. So a slice is a flat range *inside a box* of the
+global tensor; ZeRO alone is the case "box = the whole tensor", the default.
 """
 
 from __future__ import annotations
@@ -17,12 +21,29 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlice:
-    """Elements ``[start, start + numel)`` of the flattened parameter ``name`` of shape ``shape``."""
+    """Elements ``[start, start + numel)`` of the flattened ``box`` of the parameter ``name`` of global shape ``shape``.
+
+    ``box`` is ``(offsets, sizes)`` within the global tensor; ``None`` means the whole tensor.
+    """
 
     name: str
     shape: tuple[int, ...]
     start: int
     numel: int
+    box: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.box[0] if self.box is not None else (0,) * len(self.shape)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.box[1] if self.box is not None else tuple(self.shape)
+
+    @property
+    def whole(self) -> bool:
+        """True when the box is the whole tensor (every ZeRO-only slice)."""
+        return self.box is None or (all(o == 0 for o in self.box[0]) and tuple(self.box[1]) == tuple(self.shape))
 
 
 @dataclasses.dataclass

@@ -1,0 +1,18 @@
+"""The step record the engine hands the monitor at each optimizer step (the monitor never sees the engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step reports: counters and the numbers the progress line and writers show."""
+
+    global_steps: int
+    global_samples: int
+    train_batch_size: int
+    lr: float | None  # the first parameter group's; None without groups
+    grad_norm: float | None
+    loss_scale: float
+    dynamic_loss_scale: bool
