@@ -44,12 +44,15 @@ def initialize(
     lr_scheduler: Any = None,
     training_data: torch.utils.data.Dataset | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    inference: bool = False,
 ) -> Engine:
     """Wrap ``model`` for data-parallel training as described by ``config`` (DeepSpeed's schema).
 
     Joins the process group (see :func:`slipstream.init_distributed`), validates the config
     (:class:`ConfigError` names the key), moves and casts the model, synchronizes its initial
     weights from rank 0 and builds the optimizer, LR schedule, loss scaler and data loader.
+    ``inference=True`` builds no optimizer and no schedule (the config's are ignored, as DeepSpeed's
+    inference path drops them): forward works, ``backward``/``step`` raise.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -60,6 +63,15 @@ def initialize(
     init_distributed(timeout=cfg.comms_timeout_seconds if "comms_timeout_seconds" in cfg.model_fields_set else None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg.resolve_batch_triad(world_size)
+    # --- integrations (issue 15): an engine without an optimizer, for evaluation and inference
+    if inference:
+        from slipstream.engine.no_optimizer import NoOptimizer
+
+        if optimizer is not None or lr_scheduler is not None:
+            raise ValueError("initialize: inference=True builds no optimizer; do not pass optimizer= or lr_scheduler=")
+        cfg = cfg.model_copy(update={"optimizer": None, "scheduler": None})
+        optimizer = NoOptimizer
+    # --- end integrations
     _check_supported(cfg, optimizer, lr_scheduler)
 
     accelerator = get_accelerator()

@@ -51,11 +51,14 @@ def stateful_objects(engine: Engine) -> dict[str, Any]:
     return objects
 
 
-def capture(engine: Engine, rank: int, world: int, tag: str, client_state: dict[str, Any] | None) -> Payload:
+def capture(
+    engine: Engine, rank: int, world: int, tag: str, client_state: dict[str, Any] | None, exclude_frozen: bool = False
+) -> Payload:
     tensors: dict[str, torch.Tensor] = {}
     slices = []
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
     for owned in engine.strategy.sharded_state():
-        if owned.replicated and rank != 0:
+        if (owned.replicated and rank != 0) or owned.slice.name in frozen:  # exclude_frozen_parameters (issue 15)
             continue
         slices.append(_capture_slice(owned, engine.strategy.slice_optimizer_state(owned), tensors))
     meta: dict[str, Any] = {"rank": rank, "world_size": world, "slices": slices}
@@ -68,6 +71,10 @@ def capture(engine: Engine, rank: int, world: int, tag: str, client_state: dict[
     if rank == 0:
         meta["common"] = _capture_common(engine, client_state, tensors)
         payload.manifest = _manifest_body(engine, world, tag)
+        if frozen:  # the manifest lists exactly what the files hold (issue 15)
+            payload.manifest["parameters"] = {n: v for n, v in payload.manifest["parameters"].items() if n not in frozen}
+            keys = payload.manifest["state_dict_keys"]
+            payload.manifest["state_dict_keys"] = {k: v for k, v in keys.items() if v.get("param") not in frozen}
         payload.config = engine.config.model_dump(mode="json", by_alias=False, exclude_unset=True)
     return payload
 

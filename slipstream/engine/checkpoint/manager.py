@@ -58,7 +58,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(
-        self, engine: Engine, save_dir: str | Path, tag: str | None, client_state: dict[str, Any] | None, save_latest: bool = True
+        self, engine: Engine, save_dir: str | Path, tag: str | None, client_state: dict[str, Any] | None, save_latest: bool = True,
+        exclude_frozen: bool = False,
     ) -> Path:
         started = time.perf_counter()
         self.wait()
@@ -72,7 +73,7 @@ class CheckpointManager:
                 "not saved (save right after engine.step() at a boundary)", engine.micro_steps,
             )  # fmt: skip
         # e.g. a client_state value that needs pickle: rank 0 alone captures it, every rank must raise
-        payload = _agree(lambda: capture(engine, rank, world, tag, client_state), "capturing the state to save")
+        payload = _agree(lambda: capture(engine, rank, world, tag, client_state, exclude_frozen), "capturing the state to save")
         _agree(lambda: writer.prepare(save_dir, tag) if rank == 0 else None, "preparing the checkpoint directory")
         tmp = writer.temp_dir(save_dir, tag)
         final = save_dir / tag

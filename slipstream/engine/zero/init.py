@@ -148,8 +148,19 @@ class Init:
     context, or ``torch.manual_seed`` calls in a constructor, break that equality (a warning says so).
     """
 
-    def __init__(self, config: Any = None, enabled: bool = True) -> None:
-        self.config, self.enabled = config, enabled
+    def __init__(
+        self, config: Any = None, enabled: bool = True, *, config_dict_or_path: Any = None, remote_device: str | None = None,
+        dtype: torch.dtype | None = None, **deepspeed_only: Any,
+    ) -> None:  # fmt: skip
+        # DeepSpeed's spelling (issue 15): config_dict_or_path is the config; where parameters live
+        # (remote_device) and their dtype come from the config at initialize(), so those are accepted
+        # for compatibility; DeepSpeed-only knobs (module=, mpu=, pin_memory=...) change nothing here.
+        if config is not None and config_dict_or_path is not None:
+            raise ValueError("zero.Init: pass the config once (config= or config_dict_or_path=)")
+        self.config, self.enabled = config if config is not None else config_dict_or_path, enabled
+        self.remote_device, self.dtype = remote_device, dtype
+        if deepspeed_only:
+            logger.debug("zero.Init: ignoring DeepSpeed-only arguments %s", ", ".join(sorted(deepspeed_only)))
         self._recorder: _Recorder | None = None
 
     def __enter__(self) -> Init:
