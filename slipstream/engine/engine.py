@@ -286,6 +286,13 @@ class Engine(torch.nn.Module):
         """DeepSpeed's switch: whether saving the model at stage 3 gathers full 16-bit weights."""
         return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
+    def gathered_model_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+        """What ``save_16bit_model`` writes, as a dict on rank 0 (``None`` elsewhere): parameters in the
+        training dtype and persistent buffers, for a host's own ``save_pretrained(state_dict=...)``. Collective."""
+        from slipstream.engine.model_save import full_model_state
+
+        return full_model_state(self, exclude_frozen_parameters)
+
     def save_16bit_model(
         self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
     ) -> bool:

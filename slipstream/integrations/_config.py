@@ -92,3 +92,22 @@ def fill_hidden_size_autos(config: dict[str, Any], model: torch.nn.Module) -> No
     if get(config, "zero_optimization.stage") == 3:
         fill_auto(config, "zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden * hidden))
         fill_auto(config, "zero_optimization.stage3_param_persistence_threshold", 10 * hidden)
+
+
+def inference_config(config: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """A config for an engine without an optimizer: no optimizer or schedule, no batch-size "auto" left."""
+    config = copy.deepcopy(config)
+    config.pop("optimizer", None)
+    config.pop("scheduler", None)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if config.get(key) == "auto":
+            config.pop(key)
+    if not any(k in config for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
+        config["train_micro_batch_size_per_gpu"] = 1  # nothing trains; the triad still needs one value
+    for section in ("fp16", "bf16"):
+        if isinstance(config.get(section), dict) and config[section].get("enabled") == "auto":
+            config[section]["enabled"] = False
+    if config.get("gradient_clipping") == "auto":
+        config.pop("gradient_clipping")
+    fill_hidden_size_autos(config, model)
+    return config
