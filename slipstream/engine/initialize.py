@@ -69,7 +69,13 @@ def initialize(
 
         if optimizer is not None or lr_scheduler is not None:
             raise ValueError("initialize: inference=True builds no optimizer; do not pass optimizer= or lr_scheduler=")
-        cfg = cfg.model_copy(update={"optimizer": None, "scheduler": None})
+        # No optimizer state to offload; parameter offload stays where this version allows it alone.
+        zero = cfg.zero_optimization.model_copy(update={"offload_optimizer": None, "cpu_offload": None})
+        try:
+            offload_options(zero, cfg.aio)
+        except ValueError:
+            zero = zero.model_copy(update={"offload_param": None})
+        cfg = cfg.model_copy(update={"optimizer": None, "scheduler": None, "zero_optimization": zero})
         optimizer = NoOptimizer
     # --- end integrations
     _check_supported(cfg, optimizer, lr_scheduler)

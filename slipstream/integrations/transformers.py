@@ -62,6 +62,9 @@ class SlipstreamTrainer(Trainer):
             )
         super().__init__(model, args, *rest, **kwargs)
 
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        return None  # slipstream.initialize places (and at ZeRO-3 partitions) the model, as DeepSpeed does
+
     # ------------------------------------------------------------------ the accelerator
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         built = super()._build_accelerator_args(**kwargs)
