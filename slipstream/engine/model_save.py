@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from slipstream.engine.engine import Engine
+Engine = Any  # the Engine calls in here; typing it by name would make an import cycle
 
 
 def consolidated(engine: Engine, dtype: torch.dtype | None, exclude_frozen: bool) -> dict[str, torch.Tensor] | None:
@@ -35,7 +34,7 @@ def consolidated(engine: Engine, dtype: torch.dtype | None, exclude_frozen: bool
 
 def full_model_state(engine: Engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
     """Parameters in the training dtype plus persistent buffers, on rank 0 (``None`` elsewhere). Collective."""
-    from slipstream.engine.checkpoint.engine_state import persistent_buffers
+    from slipstream.engine.checkpoint.engine_state import persistent_buffers  # shared: what state_dict() holds
 
     state = consolidated(engine, engine.training_dtype, exclude_frozen)
     if state is None:
