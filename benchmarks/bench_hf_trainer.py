@@ -62,7 +62,9 @@ def worker(side: str, model_name: str, steps: int, out: str, config_path: str) -
         learning_rate=1e-4, report_to="none", use_cpu=not torch.cuda.is_available(), save_strategy="no",
         logging_steps=10**6, disable_tqdm=True,
     )  # fmt: skip
-    Trainer(model=build_gpt2(model_name), args=args, train_dataset=data, callbacks=[Clock()]).train()
+    model = build_gpt2(model_name)
+    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel maps to no loss type by name; same loss, no warning
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[Clock()]).train()
     write_rank_results(out, times[1:])
     if dist.get_rank() == 0:
         result = json.load(open(out))
@@ -72,9 +74,13 @@ def worker(side: str, model_name: str, steps: int, out: str, config_path: str) -
 
 def run_side(python: str, side: str, model: str, steps: int, config_path: str) -> dict:
     out = tempfile.mktemp(suffix=".json")
-    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0", __file__,
+    sys.path.insert(0, ROOT)
+    from benchmarks.common import free_port
+
+    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), __file__,
            "--worker", side, "--model", model, "--steps", str(steps), "--out", out, "--config", config_path]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT}
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     return json.load(open(out))
 
 
