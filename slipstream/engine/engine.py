@@ -70,6 +70,7 @@ class Engine(torch.nn.Module):
         self.resumed_client_state: dict[str, Any] | None = None
         self._forced_boundary: bool | None = None  # integrations API: set_gradient_accumulation_boundary
         self._step_applied = False
+        self._window_micro_steps = 0  # micro-steps since the last boundary (forced boundaries included)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -133,6 +134,7 @@ class Engine(torch.nn.Module):
                 self._optimizer_step()
         self._backward_since_step = False
         self.micro_steps += 1
+        self._window_micro_steps = 0 if boundary else self._window_micro_steps + 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
         if boundary:
             self._report_progress()
@@ -249,6 +251,10 @@ class Engine(torch.nn.Module):
         the Trainer forces a boundary on an epoch's last batch); ``None`` returns to counting.
         """
         self._forced_boundary = None if is_boundary is None else bool(is_boundary)
+
+    def micro_steps_in_window(self) -> int:
+        """Micro-steps whose gradients are accumulated but not yet applied (0 right after a boundary)."""
+        return self._window_micro_steps
 
     def was_step_applied(self) -> bool:
         """Whether the last ``step()`` updated the weights (false between boundaries and after an fp16 overflow skip)."""

@@ -70,13 +70,14 @@ def test_a_forced_boundary_steps_and_a_forced_non_boundary_does_not(stage: int) 
     engine.backward(engine(x2))
     engine.step()
     assert (engine.global_steps, engine.micro_steps, engine.was_step_applied()) == (1, 2, True)
+    assert engine.micro_steps_in_window() == 0  # a save here is at a boundary, whatever micro_steps % gas says
     after = _weights(engine)
     assert any(not torch.equal(before[n], after[n]) for n in before)
     engine.set_gradient_accumulation_boundary(None)  # back to counting: micro-step 3 of 4 is no boundary
     assert not engine.is_gradient_accumulation_boundary()
     engine.backward(engine(x3))
     engine.step()
-    assert engine.global_steps == 1
+    assert engine.global_steps == 1 and engine.micro_steps_in_window() == 1
     engine.destroy()
 
 

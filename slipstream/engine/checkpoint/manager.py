@@ -67,7 +67,7 @@ class CheckpointManager:
         rank, world = dist.get_rank(), dist.get_world_size()
         tag = writer.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
         self._validate_tag(tag, world)
-        if engine.micro_steps % engine.gradient_accumulation_steps():
+        if engine.micro_steps_in_window():  # not micro_steps % gas: hosts force early boundaries (issue 15)
             logger.warning(
                 "save_checkpoint at micro-step %d, inside an accumulation window: the gradients accumulated so far are "
                 "not saved (save right after engine.step() at a boundary)", engine.micro_steps,
