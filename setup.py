@@ -51,7 +51,13 @@ setup(
     extras_require={
         "test": ["pytest>=7.4", "transformers>=4.40", "safetensors>=0.4", "tensorboard>=2.14"],
         "monitor": ["tensorboard>=2.14", "tqdm>=4.66"],
-        "dev": ["pytest>=7.4", "transformers>=4.40", "safetensors>=0.4", "tensorboard>=2.14", "tqdm>=4.66"],
+        # Host libraries of slipstream.integrations, in the ranges the tests run against.
+        "hf": ["transformers>=5.0,<6", "accelerate>=1.10,<2"],
+        "lightning": ["lightning>=2.5,<3"],
+        "dev": [
+            "pytest>=7.4", "transformers>=5.0,<6", "accelerate>=1.10,<2", "lightning>=2.5,<3", "safetensors>=0.4",
+            "tensorboard>=2.14", "tqdm>=4.66",
+        ],
     },
     entry_points={"console_scripts": ["slipstream=slipstream.cli:main"]},
     classifiers=[

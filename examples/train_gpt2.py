@@ -1,6 +1,6 @@
-"""Train a small GPT-2 data-parallel with slipstream on generated data.
+"""Train a small GPT-2 with slipstream's ZeRO-2 sharding on generated data.
 
-    slipstream run --nproc_per_node 2 examples/train_gpt2.py [--config examples/configs/zero0.json] [--steps 30]
+    slipstream run --nproc_per_node 2 examples/train_gpt2.py [--config examples/configs/zero2.json] [--steps 30]
 
 Prints, from rank 0: loss, tokens/s, model TFLOP/s per rank (and MFU when the config names the
 device's peak) and the peak memory of every rank; in a terminal with tqdm installed, as a progress
@@ -46,7 +46,8 @@ class PatternTokens(torch.utils.data.Dataset):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(Path(__file__).parent / "configs" / "zero0.json"))
+    # ZeRO-2 by default: optimizer state and gradients sharded over the ranks (zero0.json: plain data parallel).
+    parser.add_argument("--config", default=str(Path(__file__).parent / "configs" / "zero2.json"))
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2-small")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--print-every", type=int, default=5)
@@ -60,6 +61,9 @@ def main() -> None:
         GPT2Config(vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                    bos_token_id=0, eos_token_id=0, **MODELS[args.model])  # fmt: skip
     )
+    # GPT2LMHeadModel's class name maps to no transformers loss type; naming it keeps transformers from
+    # warning on the first forward (the loss is the same causal-LM loss either way).
+    model.loss_type = "ForCausalLM"
     engine = slipstream.initialize(model, args.config, training_data=PatternTokens(100_000))
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:

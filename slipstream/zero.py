@@ -17,9 +17,20 @@ class Init(_init.Init):
 
     ``config`` (a dict, a path or a SlipstreamConfig; the one later given to ``initialize``) decides
     the units (``zero_optimization.stage3_unit_modules``, ``stage3_param_persistence_threshold``).
+    DeepSpeed's ``config_dict_or_path=``, ``remote_device=`` and ``dtype=`` are accepted too.
     """
 
-    def __init__(self, config: Any = None, enabled: bool = True) -> None:
+    def __init__(
+        self, config: Any = None, enabled: bool = True, *, config_dict_or_path: Any = None, remote_device: str | None = None,
+        dtype: Any = None, **deepspeed_only: Any,
+    ) -> None:  # fmt: skip
+        # DeepSpeed's spelling: config_dict_or_path is the config. Where parameters live (remote_device)
+        # and their dtype come from the config at initialize(), so those two are accepted and change
+        # nothing; neither do DeepSpeed-only knobs (module=, mpu=, pin_memory=, ...).
+        if config is not None and config_dict_or_path is not None:
+            raise ValueError("zero.Init: pass the config once (config= or config_dict_or_path=)")
+        config = config if config is not None else config_dict_or_path
+        self.remote_device, self.dtype, self.ignored_arguments = remote_device, dtype, sorted(deepspeed_only)
         if config is None:
             super().__init__(enabled=enabled)
             return

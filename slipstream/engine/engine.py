@@ -76,6 +76,9 @@ class Engine(torch.nn.Module):
         self.checkpoint_states: dict[str, Any] = {}  # extra objects saved through state_dict()/load_state_dict()
         self.resumed_from: str | None = None  # set by checkpoint.auto_resume
         self.resumed_client_state: dict[str, Any] | None = None
+        self._forced_boundary: bool | None = None  # integrations API: set_gradient_accumulation_boundary
+        self._step_applied = False
+        self._window_micro_steps = 0  # micro-steps since the last boundary (forced boundaries included)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -89,8 +92,13 @@ class Engine(torch.nn.Module):
         with self.monitor.forward(args, kwargs, self.global_steps):
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Scale ``loss`` for accumulation and fp16, backpropagate, start gradient communication."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Scale ``loss`` for accumulation and fp16, backpropagate, start gradient communication.
+
+        ``scale_wrt_gas=False``: the caller already divided the loss by the accumulation steps (as
+        the Hugging Face Trainer does), so only the fp16 loss scale is applied.
+        """
+        self._require_optimizer("engine.backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
                 f"engine.backward: expected the scalar loss tensor, got {type(loss).__name__}"
@@ -110,7 +118,7 @@ class Engine(torch.nn.Module):
                 "outside engine.no_sync()"
             )
         self.strategy.begin_backward(boundary)
-        scale = self.loss_scaler.scale / self.gradient_accumulation_steps()
+        scale = self.loss_scaler.scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         with self.monitor.timers("backward"):
             (loss.float() * scale).backward(retain_graph=retain_graph)
         with self.monitor.timers("reduce"):
@@ -124,14 +132,17 @@ class Engine(torch.nn.Module):
 
     def step(self) -> None:
         """Optimizer step at an accumulation boundary; between boundaries only counts the micro-step."""
+        self._require_optimizer("engine.step")
         if not self._backward_since_step:
             raise RuntimeError("engine.step: no engine.backward() since the last step")
         boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False
         if boundary:
             with self.monitor.timers("step"):
                 self._optimizer_step()
         self._backward_since_step = False
         self.micro_steps += 1
+        self._window_micro_steps = 0 if boundary else self._window_micro_steps + 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self._dp_size
         if boundary:
             self._report_progress()
@@ -155,6 +166,7 @@ class Engine(torch.nn.Module):
             self.strategy.scale_gradients(coef)
             self.checkpoints.before_update()  # an async save may still be reading the weights
             self.strategy.step()
+            self._step_applied = True
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)
@@ -188,6 +200,8 @@ class Engine(torch.nn.Module):
 
     # ------------------------------------------------------------------ accessors
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._forced_boundary is not None:  # set_gradient_accumulation_boundary()
+            return self._forced_boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def train_batch_size(self) -> int:
@@ -209,19 +223,21 @@ class Engine(torch.nn.Module):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
-    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full fp32 weights by parameter name on rank 0, ``None`` on other ranks. Call on every rank."""
-        return self.strategy.consolidated_state_dict()
 
     # ------------------------------------------------------------------ checkpoints (engine/checkpoint)
     def save_checkpoint(
         self, save_dir: str | os.PathLike[str], tag: str | None = None, client_state: dict[str, Any] | None = None,
-        save_latest: bool = True,
+        save_latest: bool = True, exclude_frozen_parameters: bool = False,
     ) -> str:  # fmt: skip
-        """Save everything needed to resume (any world size or stage) to ``save_dir/tag``. Call on every rank."""
+        """Save everything needed to resume (any world size or stage) to ``save_dir/tag``. Call on every rank.
+
+        ``exclude_frozen_parameters=True`` leaves out parameters with ``requires_grad=False``.
+        """
         pin = self.accelerator.pin_memory if self.accelerator.name != "cpu" else None
-        target = self.checkpoint_target()
-        return str(self.checkpoints.save(target, save_dir, tag, client_state, save_latest, pin, self.accelerator.synchronize))
+        return str(self.checkpoints.save(
+            self.checkpoint_target(), save_dir, tag, client_state, save_latest, pin, self.accelerator.synchronize,
+            exclude_frozen=exclude_frozen_parameters, mid_window=self.micro_steps_in_window() > 0,
+        ))  # fmt: skip
 
     def load_checkpoint(
         self, load_dir: str | os.PathLike[str], tag: str | None = None, load_module_strict: bool = True,
@@ -267,6 +283,83 @@ class Engine(torch.nn.Module):
         self.checkpoints.wait()
         self.strategy.close()
         self.monitor.close()
+
+    # ------------------------------------------------------------------ integrations API (issue 15)
+    # [Note: DeepSpeed's names] The Hugging Face Trainer, Accelerate and Lightning drive a DeepSpeed
+    # engine through these calls; they keep DeepSpeed's names and meaning so those loops (and code
+    # written against them) drive this engine unchanged. Saving helpers live in model_save.py.
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Force the next ``backward``/``step`` to be (or not be) an accumulation boundary.
+
+        The flag stays until set again, as in DeepSpeed (hosts set it before every micro-step, e.g.
+        the Trainer forces a boundary on an epoch's last batch); ``None`` returns to counting.
+        """
+        self._forced_boundary = None if is_boundary is None else bool(is_boundary)
+
+    def micro_steps_in_window(self) -> int:
+        """Micro-steps whose gradients are accumulated but not yet applied (0 right after a boundary)."""
+        return self._window_micro_steps
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the weights (false between boundaries and after an fp16 overflow skip)."""
+        return self._step_applied
+
+    def has_optimizer(self) -> bool:
+        from slipstream.engine.no_optimizer import NoOptimizer
+
+        return not isinstance(self.strategy.optimizer, NoOptimizer)
+
+    def _require_optimizer(self, call: str) -> None:
+        if not self.has_optimizer():
+            from slipstream.engine.no_optimizer import MISSING_OPTIMIZER
+
+            raise RuntimeError(f"{call}: {MISSING_OPTIMIZER}")
+
+    def consolidated_state_dict(
+        self, dtype: torch.dtype | None = None, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """Full weights by parameter name on rank 0, ``None`` on other ranks. Call on every rank.
+
+        ``dtype=None`` gives the fp32 master values; pass the training dtype (``engine.training_dtype``)
+        for what ``save_16bit_model`` writes.
+        """
+        from slipstream.engine.model_save import consolidated
+
+        return consolidated(self, dtype, exclude_frozen_parameters)
+
+    @property
+    def training_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: fp16, bf16 or fp32."""
+        return self._dtype
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's switch: whether saving the model at stage 3 gathers full 16-bit weights."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def gathered_model_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+        """What ``save_16bit_model`` writes, as a dict on rank 0 (``None`` elsewhere): parameters in the
+        training dtype and persistent buffers, for a host's own ``save_pretrained(state_dict=...)``. Collective."""
+        from slipstream.engine.model_save import full_model_state
+
+        return full_model_state(self, exclude_frozen_parameters)
+
+    def save_16bit_model(
+        self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Write the full weights in the training dtype to ``save_dir/save_filename`` (rank 0). Call on every rank.
+
+        A ``.safetensors`` name writes safetensors; any other a ``torch.save`` of a plain tensor dict
+        (readable with ``weights_only=True``), as Hugging Face's ``from_pretrained`` expects.
+        """
+        from slipstream.engine.model_save import save_model_weights
+
+        return save_model_weights(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for :meth:`close`."""
+        self.close()
+
+    # ------------------------------------------------------------------ end integrations API
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:

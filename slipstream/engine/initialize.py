@@ -51,20 +51,22 @@ def initialize(
     lr_scheduler: Any = None,
     training_data: torch.utils.data.Dataset | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    inference: bool = False,
 ) -> Engine:
     """Wrap ``model`` for training as described by ``config`` (DeepSpeed's schema).
 
     Joins the process group (see :func:`slipstream.init_distributed`), validates the config
     (:class:`ConfigError` names the key), moves and casts the model, builds the mesh,
     synchronizes the initial weights from rank 0 and builds the optimizer, LR schedule, loss
-    scaler and data loader.
+    scaler and data loader. ``inference=True`` builds no optimizer and no schedule (the config's are
+    ignored, as DeepSpeed's inference path drops them): forward works, ``backward``/``step`` raise.
 
     [Note: one fixed order] As torchtitan's ``parallelize_llama``: options from the config (every
     check, before anything is built) → prepare the model → build the mesh → (later: cut pipeline
     stages, experts, tensor/sequence/context parallel) → shard (the ZeRO strategy over the dense
     group) → Engine. Each step reads only what the steps before it produced.
     """
-    cfg, sizes = _options(model, config, optimizer, lr_scheduler)  # 1. options: every check, nothing built
+    cfg, sizes, optimizer = _options(model, config, optimizer, lr_scheduler, inference)  # 1. options: every check, nothing built
     accelerator = get_accelerator()
     _prepare_model(model, cfg, accelerator)  # 2. device, dtype, activation checkpointing
     mesh = Mesh.build(sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
@@ -95,7 +97,9 @@ def initialize(
 # --------------------------------------------------------------------------- 1. options (validation only)
 
 
-def _options(model: torch.nn.Module, config: Any, optimizer: Any, lr_scheduler: Any) -> tuple[SlipstreamConfig, MeshSizes]:
+def _options(
+    model: torch.nn.Module, config: Any, optimizer: Any, lr_scheduler: Any, inference: bool
+) -> tuple[SlipstreamConfig, MeshSizes, Any]:
     """Read and check everything; join the process group (the world size decides the mesh and the triad)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -107,9 +111,26 @@ def _options(model: torch.nn.Module, config: Any, optimizer: Any, lr_scheduler: 
     world_size = dist.get_world_size()
     sizes = mesh_sizes(cfg, world_size)
     cfg.resolve_batch_triad(world_size)
+    if inference:
+        cfg, optimizer = _without_optimizer(cfg, optimizer, lr_scheduler)
     _check_supported(cfg, sizes, optimizer, lr_scheduler)
     _check_model(model, cfg, optimizer)
-    return cfg, sizes
+    return cfg, sizes, optimizer
+
+
+def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -> tuple[SlipstreamConfig, Any]:
+    """An engine for evaluation and inference: no optimizer, no schedule, no optimizer state to offload."""
+    from slipstream.engine.no_optimizer import NoOptimizer
+
+    if optimizer is not None or lr_scheduler is not None:
+        raise ValueError("initialize: inference=True builds no optimizer; do not pass optimizer= or lr_scheduler=")
+    # No optimizer state to offload; parameter offload stays where this version allows it alone.
+    zero = cfg.zero_optimization.model_copy(update={"offload_optimizer": None, "cpu_offload": None})
+    try:
+        offload_options(zero, cfg.aio)
+    except ValueError:
+        zero = zero.model_copy(update={"offload_param": None})
+    return cfg.model_copy(update={"optimizer": None, "scheduler": None, "zero_optimization": zero}), NoOptimizer
 
 
 def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr_scheduler: Any) -> None:

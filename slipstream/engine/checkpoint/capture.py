@@ -33,11 +33,15 @@ class Payload:
     config: dict[str, Any] | None = None  # rank 0
 
 
-def capture(target: CheckpointTarget, rank: int, tag: str, client_state: dict[str, Any] | None) -> Payload:
+def capture(
+    target: CheckpointTarget, rank: int, tag: str, client_state: dict[str, Any] | None, exclude_frozen: bool = False
+) -> Payload:
+    """``exclude_frozen``: leave out parameters that do not require gradients (files and manifest alike)."""
     tensors: dict[str, torch.Tensor] = {}
     slices = []
+    frozen = {n for n, p in target.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
     for owned in target.shards.sharded_state():
-        if owned.replicated and rank != 0:
+        if (owned.replicated and rank != 0) or owned.slice.name in frozen:
             continue
         slices.append(_capture_slice(owned, target.shards.slice_optimizer_state(owned), tensors))
     meta: dict[str, Any] = {"rank": rank, "world_size": target.world_size, "slices": slices}
@@ -50,6 +54,11 @@ def capture(target: CheckpointTarget, rank: int, tag: str, client_state: dict[st
     if rank == 0:
         meta["common"] = _capture_common(target, client_state, tensors)
         payload.manifest = _manifest_body(target, tag)
+        if frozen:  # the manifest lists exactly what the files hold
+            manifest = payload.manifest
+            manifest["parameters"] = {n: v for n, v in manifest["parameters"].items() if n not in frozen}
+            keys = manifest["state_dict_keys"]
+            manifest["state_dict_keys"] = {k: v for k, v in keys.items() if v.get("param") not in frozen}
         payload.config = target.config
     return payload
 

@@ -83,9 +83,14 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
     def save(
         self, target: CheckpointTarget, save_dir: str | Path, tag: Any, client_state: dict[str, Any] | None, save_latest: bool = True,
-        pin: Callable[[Any], Any] | None = None, synchronize: Callable[[], None] | None = None,
+        pin: Callable[[Any], Any] | None = None, synchronize: Callable[[], None] | None = None, *,
+        exclude_frozen: bool = False, mid_window: bool = False,
     ) -> Path:  # fmt: skip
-        """Save ``target`` to ``save_dir/tag``. ``pin`` pins async snapshot buffers, ``synchronize`` waits for device copies."""
+        """Save ``target`` to ``save_dir/tag``. ``pin`` pins async snapshot buffers, ``synchronize`` waits for device copies.
+
+        ``exclude_frozen`` leaves out parameters that do not require gradients; ``mid_window`` says the
+        owner holds accumulated gradients not yet applied (they are not saved: a warning says so).
+        """
         started = time.perf_counter()
         self.wait()
         save_dir = Path(save_dir)
@@ -93,13 +98,13 @@ class CheckpointManager:
         counters = target.counters.record()
         tag = check_tag(tag if tag is not None else f"global_step{counters.global_steps}", "save_checkpoint")
         self._validate_tag(tag, world)
-        if counters.micro_steps % counters.gradient_accumulation_steps:
+        if mid_window:  # not micro_steps % gas: training hosts force early boundaries (an epoch's end)
             logger.warning(
                 "save_checkpoint at micro-step %d, inside an accumulation window: the gradients accumulated so far are "
                 "not saved (save right after engine.step() at a boundary)", counters.micro_steps,
             )  # fmt: skip
         # e.g. a client_state value that needs pickle: rank 0 alone captures it, every rank must raise
-        payload = _agree(lambda: capture(target, rank, tag, client_state), "capturing the state to save")
+        payload = _agree(lambda: capture(target, rank, tag, client_state, exclude_frozen), "capturing the state to save")
         self._lock = _agree(lambda: writer.prepare(save_dir, tag) if rank == 0 else None, "preparing the checkpoint directory")
         tmp = writer.temp_dir(save_dir, tag)
         final = save_dir / tag

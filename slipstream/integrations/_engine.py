@@ -1,0 +1,49 @@
+"""Build (and hand over) the Slipstream engine behind a host's model.
+
+[Note: one engine per model] Evaluation before training, or a model loaded straight into ZeRO-3
+shards, gets an *inference* engine (no optimizer). When training starts, that engine is closed —
+which gives every parameter its full value back — and the training engine is built over the same
+model. ``attached`` remembers the inference engine of each model for that hand-over.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+import slipstream
+
+_inference_engines: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def attach_inference_engine(model: torch.nn.Module, engine: Any) -> None:
+    _inference_engines[model] = engine
+
+
+def inference_engine(model: torch.nn.Module) -> Any:
+    """The inference engine attached to ``model``, if any."""
+    return _inference_engines.get(model)
+
+
+def build_inference_engine(model: torch.nn.Module, config: dict[str, Any]) -> Any:
+    """An engine without an optimizer for evaluation; reused until training replaces it."""
+    engine = _inference_engines.get(model)
+    if engine is None:
+        engine = slipstream.initialize(model, config, inference=True)
+        _inference_engines[model] = engine
+    return engine
+
+
+def build_training_engine(
+    model: torch.nn.Module, config: dict[str, Any], optimizer: Any = None, lr_scheduler: Any = None,
+    model_parameters: Any = None,
+) -> Any:  # fmt: skip
+    """``slipstream.initialize`` after closing the model's inference engine (collective)."""
+    previous = _inference_engines.pop(model, None)
+    if previous is not None:
+        previous.close()
+    return slipstream.initialize(
+        model, config, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters
+    )

@@ -1,0 +1,232 @@
+"""Accelerate's DeepSpeed path, on Slipstream: ``SlipstreamAccelerator(slipstream_plugin=SlipstreamPlugin(...))``.
+
+The switch is one line: ``Accelerator(deepspeed_plugin=DeepSpeedPlugin(...))`` becomes
+``SlipstreamAccelerator(slipstream_plugin=SlipstreamPlugin(...))`` with the same fields (and the
+same ``ACCELERATE_DEEPSPEED_*`` environment variables). ``prepare`` builds the engine; ``backward``
+runs ``engine.backward`` and ``engine.step`` (the optimizer and scheduler returned by ``prepare``
+step inside the engine, as with DeepSpeed); ``accumulate``, ``clip_grad_norm_``, ``save_state`` /
+``load_state`` and ``unwrap_model`` behave as they do under DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state, save_custom_state
+
+import slipstream
+from slipstream.integrations._config import fill_auto, fill_hidden_size_autos, get
+from slipstream.integrations._engine import build_training_engine, inference_engine
+from slipstream.integrations._plugin import DummyOptim, DummyScheduler, SlipstreamPlugin
+from slipstream.integrations._wrappers import SlipstreamOptimizer, SlipstreamScheduler
+from slipstream.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+__all__ = ["DummyOptim", "DummyScheduler", "SlipstreamAccelerator", "SlipstreamPlugin"]
+
+CHECKPOINT_TAG = "pytorch_model"  # Accelerate's DeepSpeed checkpoint id for the first model
+
+
+class SlipstreamAccelerator(Accelerator):
+    """An ``Accelerator`` whose models train on a Slipstream engine (ZeRO 0-3, offload, mixed precision)."""
+
+    def __init__(self, *args: Any, slipstream_plugin: SlipstreamPlugin | None = None, **kwargs: Any) -> None:
+        if kwargs.get("deepspeed_plugin") is not None:
+            raise ValueError("SlipstreamAccelerator: pass slipstream_plugin= instead of deepspeed_plugin=")
+        self.slipstream_plugin = slipstream_plugin if slipstream_plugin is not None else SlipstreamPlugin()
+        gas = self.slipstream_plugin.gradient_accumulation_steps
+        if isinstance(gas, int) and "gradient_accumulation_steps" not in kwargs and "gradient_accumulation_plugin" not in kwargs:
+            kwargs["gradient_accumulation_steps"] = gas  # as Accelerate takes it from the DeepSpeed plugin
+        super().__init__(*args, **kwargs)
+        self.engines: list[Any] = []
+        # The Hugging Face Trainer divides the loss by the accumulation steps itself (SlipstreamTrainer sets this).
+        self.caller_scales_loss = False
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        models = [a for a in args if isinstance(a, torch.nn.Module) and not isinstance(a, slipstream.Engine)]
+        if not models:
+            return super().prepare(*args, device_placement=device_placement)
+        if len(models) > 1:
+            raise ValueError("SlipstreamAccelerator.prepare: one model per call (one engine per model)")
+        optimizers = [a for a in args if isinstance(a, (torch.optim.Optimizer, DummyOptim))]
+        schedulers = [a for a in args if _is_scheduler(a)]
+        others = [a for a in args if a is not models[0] and a not in optimizers and a not in schedulers]
+        prepared_others = super().prepare(*others, device_placement=device_placement) if others else ()
+        if len(others) == 1:
+            prepared_others = (prepared_others,)
+        engine = self._build_engine(models[0], optimizers[0] if optimizers else None, schedulers[0] if schedulers else None)
+        result = []
+        rest = iter(prepared_others)
+        for a in args:
+            if a is models[0]:
+                result.append(engine)
+            elif optimizers and a is optimizers[0]:
+                result.append(self._optimizers[-1])
+            elif schedulers and a is schedulers[0]:
+                result.append(self._schedulers[-1])
+            else:
+                result.append(next(rest))
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _build_engine(self, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> Any:
+        config = self._filled_config(model, optimizer, scheduler)
+        user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        if user_optimizer is not None and "optimizer" in config:
+            raise ValueError(
+                "You cannot specify an optimizer in the config file and in the code at the same time. Please remove "
+                "the optimizer from the config file or create `DummyOptim` in the code."
+            )
+        if isinstance(optimizer, DummyOptim) and "optimizer" not in config:
+            raise ValueError(
+                "You cannot create a `DummyOptim` without specifying an optimizer in the config file "
+                "(add an \"optimizer\" section)."
+            )
+        params = optimizer.params if isinstance(optimizer, DummyOptim) else None
+        user_scheduler = scheduler if scheduler is not None and not isinstance(scheduler, DummyScheduler) else None
+        callable_scheduler = None
+        if isinstance(scheduler, DummyScheduler) and "scheduler" not in config:
+            if scheduler.lr_scheduler_callable is None:
+                raise ValueError(
+                    "You cannot create a `DummyScheduler` without specifying a scheduler in the config file "
+                    "(add a \"scheduler\" section, or give DummyScheduler an lr_scheduler_callable)."
+                )
+            callable_scheduler = scheduler.lr_scheduler_callable
+        engine = build_training_engine(
+            model, config, optimizer=user_optimizer, lr_scheduler=callable_scheduler, model_parameters=params
+        )
+        self.engines.append(engine)
+        self._models.append(engine)
+        self._optimizers.append(SlipstreamOptimizer(engine))
+        if scheduler is not None:
+            # A scheduler the user built over their optimizer follows it (the engine rebinds it in place)
+            # and is saved with the engine's checkpoint.
+            wrapped = SlipstreamScheduler(engine, user_scheduler)
+            if user_scheduler is not None:
+                engine.register_checkpoint_state("accelerate_lr_scheduler", user_scheduler)
+            self._schedulers.append(wrapped)
+        return engine
+
+    def _filled_config(self, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+        """Accelerate's DeepSpeed "auto" filling: batch sizes from the data loader, optimizer and schedule from the dummies."""
+        config = self.slipstream_plugin.config_copy()
+        batch = next((getattr(d, "total_batch_size", None) for d in self._dataloaders), None)
+        mb = get(config, "train_micro_batch_size_per_gpu")
+        if mb == "auto" and batch is not None:
+            mb = batch // self.num_processes if not self.split_batches else batch // self.num_processes
+            fill_auto(config, "train_micro_batch_size_per_gpu", mb)
+        fill_auto(config, "gradient_accumulation_steps", self.gradient_accumulation_steps)
+        mb = get(config, "train_micro_batch_size_per_gpu")
+        gas = get(config, "gradient_accumulation_steps")
+        if isinstance(mb, int) and isinstance(gas, int):
+            fill_auto(config, "train_batch_size", mb * gas * self.num_processes)
+        if get(config, "gradient_clipping") == "auto":
+            config.pop("gradient_clipping")
+        if isinstance(optimizer, DummyOptim):
+            fill_auto(config, "optimizer.params.lr", optimizer.lr)
+            fill_auto(config, "optimizer.params.weight_decay", optimizer.weight_decay)
+            for key in ("betas", "eps"):
+                if key in optimizer.kwargs:
+                    fill_auto(config, f"optimizer.params.{key}", optimizer.kwargs[key])
+        for key in ("betas", "eps"):  # the optimizer's own defaults
+            parent = get(config, "optimizer.params")
+            if isinstance(parent, dict) and parent.get(key) == "auto":
+                parent.pop(key)
+        if isinstance(scheduler, DummyScheduler):
+            lr = get(config, "optimizer.params.lr")
+            fill_auto(config, "scheduler.params.total_num_steps", scheduler.total_num_steps)
+            fill_auto(config, "scheduler.params.warmup_num_steps", max(1, scheduler.warmup_num_steps or 0))
+            fill_auto(config, "scheduler.params.warmup_min_lr", 0)
+            fill_auto(config, "scheduler.params.warmup_max_lr", lr)
+        fill_hidden_size_autos(config, model)
+        return config
+
+    # ------------------------------------------------------------------ training calls
+    def _engine(self) -> Any:
+        if not self.engines:
+            raise RuntimeError("SlipstreamAccelerator: call prepare(model, optimizer, ...) before backward()")
+        return self.engines[-1]
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``engine.backward`` then ``engine.step`` (a no-op between accumulation boundaries), as Accelerate does for DeepSpeed."""
+        engine = self._engine()
+        engine.set_gradient_accumulation_boundary(self.sync_gradients)
+        scale_wrt_gas = kwargs.pop("scale_wrt_gas", not self.caller_scales_loss)
+        engine.backward(loss, retain_graph=kwargs.pop("retain_graph", False), scale_wrt_gas=scale_wrt_gas)
+        engine.step()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        """The engine clips at ``gradient_clipping`` during its step; this returns the norm before clipping."""
+        engine = self._engine()
+        configured = engine.config.gradient_clipping
+        if max_norm not in (configured, float("inf")) and not getattr(self, "_clip_warned", False):
+            self._clip_warned = True
+            logger.warning(
+                "clip_grad_norm_(max_norm=%s): the engine clips at gradient_clipping=%s from the config "
+                "(set it there, or gradient_clipping= on SlipstreamPlugin)", max_norm, configured,
+            )  # fmt: skip
+        norm = engine.get_global_grad_norm()
+        return None if norm is None else torch.tensor(norm)
+
+    def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
+        if isinstance(model, slipstream.Engine):
+            return model.module
+        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
+        if evaluation_mode and inference_engine(model) is not None:
+            return model  # the inference engine's hooks gather its ZeRO-3 shards
+        if evaluation_mode:
+            return model
+        return self.prepare(model)
+
+    def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, torch.Tensor] | None:
+        """Full weights in the training dtype on the main process (collective for an engine)."""
+        if isinstance(model, slipstream.Engine):
+            state = model.consolidated_state_dict(dtype=model.training_dtype)
+            return state
+        return super().get_state_dict(model, unwrap=unwrap)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:
+        """The engines' checkpoints (weights, optimizer, schedule) plus Accelerate's RNG, data-loader and custom state."""
+        if output_dir is None:
+            raise ValueError("SlipstreamAccelerator.save_state: give output_dir")
+        os.makedirs(output_dir, exist_ok=True)
+        for i, engine in enumerate(self.engines):
+            engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG if i == 0 else f"{CHECKPOINT_TAG}_{i}", **save_model_func_kwargs)
+        location = save_accelerator_state(
+            output_dir, [], [], [], self._dataloaders, self.state.process_index, self.step, self.scaler,
+            save_on_each_node=self.project_configuration.save_on_each_node, safe_serialization=safe_serialization,
+        )  # fmt: skip
+        for i, obj in enumerate(self._custom_objects):
+            save_custom_state(obj, output_dir, i, save_on_each_node=self.project_configuration.save_on_each_node)
+        self.wait_for_everyone()
+        return str(location)
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any) -> None:
+        if input_dir is None:
+            raise ValueError("SlipstreamAccelerator.load_state: give input_dir")
+        for i, engine in enumerate(self.engines):
+            engine.load_checkpoint(input_dir, tag=CHECKPOINT_TAG if i == 0 else f"{CHECKPOINT_TAG}_{i}", **load_model_func_kwargs)
+        override = load_accelerator_state(input_dir, [], [], [], self._dataloaders, self.state.process_index, self.scaler)
+        if "step" in override:
+            self.step = override["step"]
+        for i, obj in enumerate(self._custom_objects):
+            load_custom_state(obj, input_dir, i)
+
+    def free_memory(self, *objects: Any) -> Any:
+        for engine in self.engines:
+            engine.close()
+        self.engines = []
+        return super().free_memory(*objects)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler)) or (
+        hasattr(obj, "step") and hasattr(obj, "get_last_lr") and not isinstance(obj, torch.optim.Optimizer)
+    )

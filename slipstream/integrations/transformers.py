@@ -1,0 +1,156 @@
+"""The Hugging Face ``Trainer`` on Slipstream: ``SlipstreamTrainer`` + ``SlipstreamTrainingArguments``.
+
+The switch is one line each: ``Trainer`` → ``SlipstreamTrainer``, ``TrainingArguments`` →
+``SlipstreamTrainingArguments``; ``--deepspeed ds_config.json`` (or ``deepspeed=``) keeps naming the
+config, and its ``"auto"`` values are filled exactly as the DeepSpeed integration fills them.
+
+[Note: extension points only] The subclasses override the Trainer's documented hooks
+(``create_accelerator_and_postprocess``, ``create_optimizer``/``create_scheduler``, ``save_model``,
+checkpoint save/load) and hand it a :class:`SlipstreamAccelerator`, so the Trainer's own loop runs
+unchanged: it divides the loss by the accumulation steps, forces a boundary on an epoch's last
+batch, and the engine does the rest. Nothing is patched and no ``deepspeed`` module is faked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from slipstream.integrations._config import inference_config, read_config
+from slipstream.integrations._engine import build_inference_engine, inference_engine
+from slipstream.integrations._hf_auto import AutoFiller
+from slipstream.integrations._hf_load import from_pretrained
+from slipstream.integrations._plugin import DummyOptim, SlipstreamPlugin
+from slipstream.integrations._wrappers import SlipstreamScheduler
+from slipstream.integrations.accelerate import SlipstreamAccelerator
+
+__all__ = ["SlipstreamTrainer", "SlipstreamTrainingArguments", "from_pretrained"]
+
+
+@dataclasses.dataclass
+class SlipstreamTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` whose ``deepspeed`` config runs on Slipstream (no ``deepspeed`` package needed)."""
+
+    def __post_init__(self) -> None:
+        source, self.deepspeed = self.deepspeed, None  # keep transformers' DeepSpeed set-up out of the way
+        super().__post_init__()
+        _ = self.device  # settle the device set-up before `deepspeed` holds a value again
+        self.deepspeed = source
+        self.slipstream_filler: AutoFiller | None = None
+        if source:
+            self.slipstream_filler = AutoFiller(read_config(source))
+            self.slipstream_filler.from_arguments(self)
+
+    @property
+    def slipstream_config(self) -> dict[str, Any] | None:
+        """The config with the ``"auto"`` values filled so far."""
+        return None if self.slipstream_filler is None else self.slipstream_filler.config
+
+
+class SlipstreamTrainer(Trainer):
+    """``Trainer`` with the model trained by a Slipstream engine built from ``args.deepspeed``."""
+
+    def __init__(self, model: Any = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any) -> None:
+        if args is None or not isinstance(args, SlipstreamTrainingArguments) or not args.deepspeed:
+            raise ValueError(
+                "SlipstreamTrainer: pass args=SlipstreamTrainingArguments(..., deepspeed=\"ds_config.json\") "
+                "(or --deepspeed ds_config.json through HfArgumentParser)"
+            )
+        super().__init__(model, args, *rest, **kwargs)
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        return None  # slipstream.initialize places (and at ZeRO-3 partitions) the model, as DeepSpeed does
+
+    # ------------------------------------------------------------------ the accelerator
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        built = super()._build_accelerator_args(**kwargs)
+        built["deepspeed_plugin"] = None
+        built["mixed_precision"] = "no"  # the engine casts (fp16/bf16 from the config); no autocast on top
+        self._slipstream_accelerator_args = built
+        return built
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        plugin = SlipstreamPlugin(hf_ds_config=self.args.slipstream_config)
+        self.accelerator = SlipstreamAccelerator(slipstream_plugin=plugin, **self._slipstream_accelerator_args)
+        self.accelerator.caller_scales_loss = True  # training_step divides by the accumulation steps
+        self.gather_function = self.accelerator.gather_for_metrics
+
+    def _engine(self) -> Any:
+        accelerator = getattr(self, "accelerator", None)
+        if accelerator is not None and accelerator.engines:
+            return accelerator.engines[-1]
+        return inference_engine(self.model)
+
+    # ------------------------------------------------------------------ optimizer and schedule
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+        filler = self.args.slipstream_filler
+        assert filler is not None
+        filler.at_training_start(self.args, self.model, max_steps)
+        self.accelerator.slipstream_plugin.config = filler.config
+        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        if self.optimizer is None and "optimizer" in self.args.slipstream_config:
+            # The config's optimizer is built by the engine, as DeepSpeed builds it.
+            params = [p for p in (model or self.model).parameters() if p.requires_grad]
+            self.optimizer = DummyOptim(params=params)
+            return self.optimizer
+        return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        engine = self._engine()
+        if self.lr_scheduler is None and engine is not None and "scheduler" in self.args.slipstream_config:
+            self.lr_scheduler = SlipstreamScheduler(engine)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if engine is not None and scheduler is not None and hasattr(scheduler, "state_dict"):
+            engine.register_checkpoint_state("hf_lr_scheduler", scheduler)  # resumes with the engine
+        return scheduler
+
+    # ------------------------------------------------------------------ saving and resuming
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Full weights at every stage (gathered from the shards on every rank, written by the main process)."""
+        engine = self._engine()
+        if engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state = engine.gathered_model_state_dict()
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
+        self.accelerator.wait_for_everyone()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        engine = self._engine()
+        if engine is None or not engine.has_optimizer():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        engine.save_checkpoint(output_dir)  # weights (fp32 masters), optimizer, schedule, RNG: resumes bit for bit
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if os.path.isfile(os.path.join(resume_from_checkpoint, "latest")):
+            return None  # a Slipstream checkpoint: the engine loads the weights with the optimizer state
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        engine = self._engine()
+        if checkpoint is None or engine is None or not os.path.isfile(os.path.join(checkpoint, "latest")):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        path, _ = engine.load_checkpoint(checkpoint)
+        if path is None:
+            raise FileNotFoundError(f"SlipstreamTrainer: no loadable checkpoint in {checkpoint}")
+
+    # ------------------------------------------------------------------ evaluation before training
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """At ZeRO-3, a model whose parameters are sharded (``from_pretrained``) evaluates through an inference engine."""
+        if self._engine() is None and _is_partitioned(self.model):
+            build_inference_engine(self.model, inference_config(self.args.slipstream_config, self.model))
+        return super().evaluation_loop(*args, **kwargs)
+
+
+def _is_partitioned(model: torch.nn.Module) -> bool:
+    return any(p.numel() > 0 and p.untyped_storage().nbytes() == 0 for p in model.parameters())
