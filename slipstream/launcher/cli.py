@@ -150,11 +150,19 @@ def _check_script(script: str) -> None:
         )
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(minimum: int, text: str) -> int:
     value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {'at least 1' if minimum == 1 else f'{minimum} or more'}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(1, text)
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(0, text)
 
 
 def _nproc(text: str) -> int:
@@ -163,13 +171,6 @@ def _nproc(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{value} processes on one node is more than {MAX_SLOTS}; give one per device (GPU) of the node"
         )
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 

@@ -120,6 +120,14 @@ def torch_adam_step(
         torch._foreach_copy_(list(out_lowp), params32)
 
 
+def evaluate_closure(closure: Any) -> Any:
+    """``optimizer.step(closure)``'s contract: re-evaluate the loss with gradients enabled, if given."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class _Adam(torch.optim.Optimizer):
     """Shared body of CPUAdam and FusedAdam: state layout as torch's Adam, float32 state always."""
 
@@ -139,10 +147,7 @@ class _Adam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         for group in self.param_groups:
             self._step_group(group)
         return loss

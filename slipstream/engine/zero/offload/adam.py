@@ -22,7 +22,7 @@ import torch
 
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.offload.state_store import STATE_NAMES, StateStore
-from slipstream.ops.adam import cpu_adam_step
+from slipstream.ops.adam import cpu_adam_step, evaluate_closure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +111,7 @@ class OffloadAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         if self.grads is None or self.used is None:
             raise RuntimeError("OffloadAdam.step: no gradients prepared; step through the engine (engine.step())")
         if self.before_step is not None:
