@@ -29,6 +29,10 @@ trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
 "$PY" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[dev]" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
+# Compile the ops now (CPU Adam, async I/O; cached per torch/compiler/flags), so no first run of a
+# user waits for a compiler: an offload config's first loss would otherwise include the build.
+"$PY" -m slipstream.ops.build >/dev/null 2>&1 \
+  || echo "setup: some ops did not build; they fall back to PyTorch ('slipstream report' says why)" >&2
 # The ssh runner's tests start a private sshd on 127.0.0.1; install the server where we can (root
 # with apt-get). Elsewhere the tests install nothing and skip with the reason.
 if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then

@@ -56,7 +56,8 @@ def known_keys(model: type[BaseModel]) -> list[str]:
 
 
 def did_you_mean(key: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+    same_but_case = [c for c in choices if c.lower() == key.lower()]
+    close = same_but_case or difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(choices))}"
 
 
@@ -112,10 +113,16 @@ def format_validation_error(
         else:
             line = f"{path}: {_describe_expected(e)}, got {_show(e.get('input'))}"
         found.setdefault(path, (line, len(loc) < len(e["loc"])))
+    # A misspelt required key is one mistake, not two: "optimizer.tpe: unknown key; did you mean
+    # 'type'?" already says what "optimizer.type: is required" would.
+    suggested = {path.rsplit(".", 1)[0] + "." + m[1] if "." in path else m[1]
+                 for path, (line, _) in found.items() for m in [re.search(r"did you mean '([^']+)'\?$", line)] if m}
     # A value one union branch refuses as a whole ("must be a number, got [Infinity]") and another
     # refuses inside (the list's element 0): the inner line names the real problem.
     return "\n".join(
-        line for path, (line, branch) in found.items() if not (branch and any(p.startswith(path + ".") for p in found))
+        line for path, (line, branch) in found.items()
+        if not (branch and any(p.startswith(path + ".") for p in found))
+        and not (path in suggested and line.endswith(": is required"))
     )
 
 
