@@ -1,11 +1,12 @@
 """Start-up cost: ``import slipstream`` vs ``import torch``, and launch-to-first-loss vs plain DDP.
 
-    python benchmarks/bench_startup.py [--repeats 3]
+    python benchmarks/bench_startup.py [--repeats 3] [--config examples/configs/zero2_offload_cpu.json ...]
 
 Time to first loss is the wall time from starting the launcher to rank 0 printing the loss of its
 first optimizer step: `slipstream run ... examples/train_gpt2.py` against
 `torchrun ... benchmarks/ddp_gpt2.py` (same model, data and optimizer), run alternately.
-Targets: `import slipstream` overhead <= 0.3 s; first-loss ratio <= 1.3x.
+Each ``--config`` is timed on its own against the same DDP runs (default: the example's own
+config). Targets: `import slipstream` overhead <= 0.3 s; first-loss ratio <= 1.3x for every config.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def time_to_first_loss(cmd: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--config", action="append", default=[], help="a slipstream config to time (repeatable)")
     args = parser.parse_args()
     py = sys.executable
     programs = {
@@ -61,14 +63,19 @@ def main() -> None:
 
     ours = [str(BIN / "slipstream"), "run", "--nproc_per_node", "2", "examples/train_gpt2.py", "--steps", "1", "--print-every", "1"]
     ddp = [str(BIN / "torchrun"), "--nproc_per_node", "2", "benchmarks/ddp_gpt2.py", "--steps", "1", "--print-every", "1"]
-    first = {"slipstream": [], "ddp": []}
-    for _ in range(args.repeats):
+    configs = args.config or [None]
+    first: dict[str, list[float]] = {"ddp": [], **{str(c or "default"): [] for c in configs}}
+    for _ in range(args.repeats):  # alternating: DDP, then each config
         first["ddp"].append(time_to_first_loss(ddp))
-        first["slipstream"].append(time_to_first_loss(ours))
-    a, b = statistics.median(first["slipstream"]), statistics.median(first["ddp"])
-    print(f"time to first loss, 2 ranks gpt2-small (median of {args.repeats}): slipstream run {a:.2f} s | torchrun DDP {b:.2f} s | ratio {a / b:.2f}x (target <= 1.3x)")
+        for config in configs:
+            first[str(config or "default")].append(time_to_first_loss(ours + (["--config", config] if config else [])))
+    b = statistics.median(first["ddp"])
+    print(f"time to first loss, 2 ranks gpt2-small (median of {args.repeats}); torchrun DDP {b:.2f} s")
+    for name in first:
+        if name != "ddp":
+            a = statistics.median(first[name])
+            print(f"  slipstream run ({name}): {a:.2f} s | ratio {a / b:.2f}x (target <= 1.3x)")
     print("  runs:", {k: [round(v, 2) for v in vs] for k, vs in first.items()})
-
 
 if __name__ == "__main__":
     main()
