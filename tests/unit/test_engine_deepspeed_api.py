@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import slipstream
+from slipstream.engine.checkpoint.reader import CheckpointError
 
 
 class _Model(torch.nn.Module):
@@ -121,7 +122,24 @@ def test_exclude_frozen_parameters_omits_frozen_tensors(tmp_path) -> None:  # no
     assert set(manifest["parameters"]) == {"b.weight", "b.bias"}, path
     saved_bytes = b"".join(p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file())
     assert b"a.weight" not in saved_bytes and b"b.weight" in saved_bytes
+    trained = _weights(engine)
     engine.close()
+    # Loading it back: strict names the missing frozen tensors and the fix; non-strict keeps the model's own.
+    fresh = _Model()
+    fresh.a.requires_grad_(False)
+    with torch.no_grad():
+        fresh.a.weight.fill_(0.5)
+    other = slipstream.initialize(fresh, _config(bf16={"enabled": True}))
+    before = _weights(other)
+    with pytest.raises(CheckpointError, match="missing from the checkpoint: a.weight.*load_module_strict=False"):
+        other.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(before[k], v) for k, v in _weights(other).items())  # a refused load changes nothing
+    other.load_checkpoint(tmp_path / "ckpt", load_module_strict=False)
+    loaded = _weights(other)
+    torch.testing.assert_close(loaded["b.weight"], trained["b.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(loaded["a.weight"], before["a.weight"], rtol=0, atol=0)
+    assert other.global_steps == 1
+    other.close()
 
 
 @pytest.mark.parametrize("filename", ["pytorch_model.bin", "model.safetensors"])

@@ -375,10 +375,16 @@ class CheckpointReader:
                 )
         missing = [n for n in ours if n not in saved]
         unexpected = [n for n in saved if n not in ours]
+        # Saved with exclude_frozen_parameters=True: a non-strict load keeps the model's own frozen values.
+        frozen_only = bool(missing) and all(not ours[n].requires_grad for n in missing)
+        if not strict:
+            missing = [n for n in missing if ours[n].requires_grad]
         if missing or (strict and unexpected):
             parts = []
             if missing:
-                parts.append(f"missing from the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+                hint = " (frozen parameters left out by exclude_frozen_parameters=True: load with load_module_strict=False)"
+                parts.append(f"missing from the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+                             + (hint if frozen_only else ""))
             if strict and unexpected:
                 parts.append(f"not in the model: {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
             raise CheckpointError(

@@ -74,7 +74,8 @@ def _read(
     scheduler: bool, module_only: bool,
 ) -> _Decoded:  # fmt: skip
     reader.check_model(target.module, strict=strict)
-    values = {o.slice: reader.read_param(o.slice) for o in owned}
+    saved = reader.manifest["parameters"]  # a frozen parameter left out (non-strict load) keeps its value
+    values = {o.slice: reader.read_param(o.slice) if o.slice.name in saved else o.value.detach().clone() for o in owned}
     common = reader.common()
     buffers = {}
     ours = persistent_buffers(target.module)
