@@ -223,7 +223,6 @@ class Engine(torch.nn.Module):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
-
     # ------------------------------------------------------------------ checkpoints (engine/checkpoint)
     def save_checkpoint(
         self, save_dir: str | os.PathLike[str], tag: str | None = None, client_state: dict[str, Any] | None = None,

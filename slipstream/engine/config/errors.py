@@ -55,10 +55,16 @@ def known_keys(model: type[BaseModel]) -> list[str]:
     return keys
 
 
-def did_you_mean(key: str, choices: list[str]) -> str:
+def closest_key(key: str, choices: list[str]) -> str | None:
+    """The known key ``key`` most likely misspells (case first), or None."""
     same_but_case = [c for c in choices if c.lower() == key.lower()]
     close = same_but_case or difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(sorted(choices))}"
+    return close[0] if close else None
+
+
+def did_you_mean(key: str, choices: list[str]) -> str:
+    close = closest_key(key, choices)
+    return f"; did you mean {close!r}?" if close else f"; known keys: {', '.join(sorted(choices))}"
 
 
 def _describe_expected(err: dict[str, Any]) -> str:
@@ -90,22 +96,29 @@ def format_validation_error(
     near miss is compared with); a section name written inside another section is named as such.
     """
     found: dict[str, tuple[str, bool]] = {}  # path -> (line, whether it is one branch of a union)
+    required: set[str] = set()  # paths reported as missing
+    suggested: set[str] = set()  # paths an unknown key's did-you-mean points to
     for e in err.errors():
         loc = key_path(tuple(e["loc"]))
         path = ".".join(str(p) for p in (prefix.split(".") if prefix else []) + list(loc)) or "config"
         if e["type"] == "extra_forbidden":
             parent = _section_model(model, loc[:-1])
-            hint = did_you_mean(str(loc[-1]), known_keys(parent)) if parent else ""
-            if prefix == "" and len(loc) == 1:
-                hint = did_you_mean(str(loc[-1]), known_keys(model) + list(top_level))
-                line = f"{path}: unknown key{hint}"
-            elif prefix == "" and str(loc[-1]) in model.model_fields:
+            if prefix == "" and len(loc) == 1:  # a top-level key: compared with every section's name
+                choices = known_keys(model) + list(top_level)
+            else:
+                choices = known_keys(parent) if parent else []
+            close = closest_key(str(loc[-1]), choices) if choices else None
+            if close is not None:
+                suggested.add(path.rsplit(".", 1)[0] + "." + close if "." in path else close)
+            hint = did_you_mean(str(loc[-1]), choices) if choices else ""
+            if prefix == "" and len(loc) > 1 and str(loc[-1]) in model.model_fields:
                 where = ".".join(map(str, loc[:-1]))
                 line = f"{path}: {loc[-1]} is a top-level section, not a key of {where}; move it out of {where}"
             else:
                 line = f"{path}: unknown key{hint}"
         elif e["type"] == "missing":
             line = f"{path}: is required"
+            required.add(path)
         elif e["type"] == "value_error" and (not loc or isinstance(e.get("input"), dict)):
             line = f"{path}: {_describe_expected(e)}"  # a check across keys: the section is the value
         elif e.get("input") == AUTO:
@@ -115,14 +128,12 @@ def format_validation_error(
         found.setdefault(path, (line, len(loc) < len(e["loc"])))
     # A misspelt required key is one mistake, not two: "optimizer.tpe: unknown key; did you mean
     # 'type'?" already says what "optimizer.type: is required" would.
-    suggested = {path.rsplit(".", 1)[0] + "." + m[1] if "." in path else m[1]
-                 for path, (line, _) in found.items() for m in [re.search(r"did you mean '([^']+)'\?$", line)] if m}
     # A value one union branch refuses as a whole ("must be a number, got [Infinity]") and another
     # refuses inside (the list's element 0): the inner line names the real problem.
     return "\n".join(
         line for path, (line, branch) in found.items()
         if not (branch and any(p.startswith(path + ".") for p in found))
-        and not (path in suggested and line.endswith(": is required"))
+        and not (path in suggested and path in required)
     )
 
 
