@@ -30,7 +30,6 @@ class Init(_init.Init):
         if config is not None and config_dict_or_path is not None:
             raise ValueError("zero.Init: pass the config once (config= or config_dict_or_path=)")
         config = config if config is not None else config_dict_or_path
-        self.remote_device, self.dtype, self.ignored_arguments = remote_device, dtype, sorted(deepspeed_only)
         if config is None:
             super().__init__(enabled=enabled)
             return
