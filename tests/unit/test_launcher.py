@@ -138,7 +138,9 @@ def test_rank_failing_after_its_script_returned_is_named_with_its_exit_code(tmp_
         deadline = time.time() + 30
         if os.environ["RANK"] == "1":
             atexit.register(failed_save)
-        print("training finished", os.environ["RANK"])
+        # One write per line: the two ranks share the pipe, and print() of two arguments writes them apart.
+        sys.stdout.write(f"training finished {os.environ['RANK']}\\n")
+        sys.stdout.flush()
         open(__FINISHED__ + os.environ["RANK"], "w").close()
     """.replace("__FINISHED__", repr(str(tmp_path / "finished")))
     done = _slipstream("run", "--nproc_per_node", "2", _write(tmp_path / "finish.py", textwrap.dedent(source)))
