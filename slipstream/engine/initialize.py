@@ -17,6 +17,7 @@ from slipstream.engine.data import DistributedDataLoader
 from slipstream.engine.engine import Engine
 from slipstream.engine.optimizers import build_optimizer, validate_optimizer_config
 from slipstream.engine.parallel.mesh import DENSE, Mesh
+from slipstream.engine.parallel.tensor import parallelize_tensor
 from slipstream.engine.precision import DTYPES, build_loss_scaler
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
 from slipstream.engine.zero.offload.options import offload_options
@@ -71,6 +72,7 @@ def initialize(
     _prepare_model(model, cfg, accelerator)  # 2. device, dtype, activation checkpointing
     mesh = Mesh.build(sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
     # 4. parallelize (pipeline cut, experts, tensor/sequence/context parallel): later issues
+    parallelize_tensor(model, cfg, mesh)  # 4c. tensor (+ sequence) parallel over mesh.group("tp")
     strategy = _shard(model, cfg, mesh, model_parameters, optimizer, accelerator)  # 5. ZeRO over dp·cp·sp
     scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)  # 6. the engine and what it holds
     loader = None
@@ -134,12 +136,13 @@ def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any)
 
 
 def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr_scheduler: Any) -> None:
-    for axis in ("pp", "cp", "sp", "tp", "ep"):
+    for axis in ("pp", "cp", "sp", "ep"):
         if sizes.size(axis) > 1:
             raise ConfigError(
                 f"{AXIS_KEYS[axis]}: {sizes.size(axis)} asks for {PARALLELISM_NAMES[axis]}, which is not supported "
                 "yet in this version of slipstream; set it to 1 or remove it"
             )
+    _check_tensor_parallel(cfg, sizes)
     zero = cfg.zero_optimization
     if zero.stage not in AVAILABLE_STAGES:
         raise ConfigError(
@@ -167,12 +170,24 @@ def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr
             )
 
 
+def _check_tensor_parallel(cfg: SlipstreamConfig, sizes: MeshSizes) -> None:
+    """The ``tensor_parallel`` section beyond its types (the plan itself is checked when the model is cut)."""
+    from slipstream.engine.parallel.tensor import validate_partition_config
+
+    section = cfg.tensor_parallel
+    validate_partition_config(section.partition_config)
+    if section.sequence_parallel and sizes.tp < 2:
+        raise ConfigError("tensor_parallel.sequence_parallel: needs tensor_parallel.autotp_size of 2 or more; set one or remove it")
+
+
 def _check_model(model: torch.nn.Module, cfg: SlipstreamConfig, optimizer: Any) -> None:
     """What the model and a ready-made optimizer must satisfy before anything is built."""
     from slipstream.engine.zero.init import is_presharded
 
     if is_presharded(model) and cfg.zero_optimization.stage != 3:
         raise ConfigError("zero_optimization.stage: the model was built under slipstream.zero.Init, which needs stage 3")
+    if is_presharded(model) and cfg.tensor_parallel.autotp_size > 1:
+        raise ConfigError("tensor_parallel.autotp_size: a model built under slipstream.zero.Init cannot be cut for tensor parallelism; build it normally")
     if isinstance(optimizer, torch.optim.Optimizer):
         # An optimizer over other tensors would step them and never the model: a silent no-op.
         own = {id(p) for p in model.parameters()}

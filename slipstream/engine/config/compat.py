@@ -78,7 +78,7 @@ NO_EFFECT: dict[str, str] = {
     "checkpoint.parallel_write.pipeline_stage": "no pipeline-parallel checkpoint writing yet",
     "checkpoint.writer": "slipstream's writer streams already",
     **{f"tensor_parallel.{key}": _MESH for key in (
-        "partition_config", "sequence_parallel", "tp_overlap_comm", "preset_model", "keep_module_on_host",
+        "tp_overlap_comm", "preset_model", "keep_module_on_host",
         "replace_with_kernel_inject", "dtype", "tp", "injection_policy_tuple",
     )},
     **{f"pipeline.{key}": _MESH for key in (

@@ -1,0 +1,12 @@
+"""Tensor parallelism (Megatron-style, with sequence parallelism) for unchanged models.
+
+``parallelize_tensor(model, cfg, mesh)`` is the one entry ``initialize`` calls (step 4); the
+pieces: ``ops`` (the f/g autograd pairs), ``layers`` (sharded leaves, vocabulary layers),
+``plan`` (config → Hugging Face ``tp_plan`` → inferred), ``selfcheck``, ``sequence``.
+"""
+
+from slipstream.engine.parallel.tensor.layers import PackedPiece, packed_piece
+from slipstream.engine.parallel.tensor.parallelize import TensorParallel, parallelize_tensor
+from slipstream.engine.parallel.tensor.plan import PlanEntry, validate_partition_config
+
+__all__ = ["PackedPiece", "PlanEntry", "packed_piece", "TensorParallel", "parallelize_tensor", "validate_partition_config"]

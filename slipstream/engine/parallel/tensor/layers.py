@@ -1,0 +1,217 @@
+"""Sharded replacements for linear-like leaves and the vocabulary layers; parameter names unchanged.
+
+[Note: same names, same orientation] A replacement keeps the leaf's parameter names (``weight``,
+``bias``) and its weight orientation (``nn.Linear`` is ``[out, in]``, transformers' ``Conv1D`` is
+``[in, out]``), so the model's ``named_parameters()`` and the checkpoint's global shapes are those
+of the unsharded model, and a tp 2 checkpoint loads at tp 1.
+
+[Note: one copy per sub-block] The column layers of a sub-block (q, k, v; gate, up) read the same
+input. Each wrapping it in its own ``copy`` would all-reduce its input gradient separately (three
+all-reduces for attention instead of one). They share a :class:`SharedInput`: the first one wraps
+the tensor, the others reuse the wrapped tensor (same object in, same object out), so autograd sums
+their gradients before the one backward all-reduce. The row layer that closes the sub-block
+forgets the cached tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from slipstream.engine.parallel.tensor import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedPiece:
+    """A packed projection's local piece: along ``dim``, ``parts`` equal parts each contribute ``[offset, offset + n)``.
+
+    One placement box cannot describe it (see ``parallelize.py``); whoever assembles full weights
+    (``engine/model_save.py``) reads this instead.
+    """
+
+    global_shape: tuple[int, ...]
+    dim: int
+    parts: int
+    offset: int
+
+    def boxes(self, local_shape: tuple[int, ...]) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+        """(global index, local index) pairs, one per part."""
+        n = local_shape[self.dim] // self.parts
+        part = self.global_shape[self.dim] // self.parts
+        pairs = []
+        for k in range(self.parts):
+            g = [slice(None)] * len(local_shape)
+            loc = [slice(None)] * len(local_shape)
+            g[self.dim] = slice(k * part + self.offset, k * part + self.offset + n)
+            loc[self.dim] = slice(k * n, (k + 1) * n)
+            pairs.append((tuple(g), tuple(loc)))
+        return pairs
+
+
+_PACKED = "_slipstream_packed_piece"
+
+
+def packed_piece(param: torch.Tensor) -> PackedPiece | None:
+    """The packed description of ``param`` when it is a packed projection's piece; else None."""
+    return getattr(param, _PACKED, None)
+
+
+@dataclasses.dataclass
+class TPContext:
+    """The tensor-parallel group and the switches every sharded layer reads at run time."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    sequence_parallel: bool = False
+    seq_dim: int = 1  # batch-first activations [batch, sequence, hidden]
+    enabled_sequence: bool = True  # off while the self-check runs blocks on whole sequences
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.enabled_sequence
+
+
+class SharedInput:
+    """The wrapped input of one sub-block's column layers (see [Note: one copy per sub-block])."""
+
+    def __init__(self, ctx: TPContext) -> None:
+        self.ctx = ctx
+        self._source: torch.Tensor | None = None
+        self._wrapped: torch.Tensor | None = None
+        self.gathered_by_parent = False  # sequence parallel: the sub-block's entry hook gathers (sequence.py)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        if self._source is x and self._wrapped is not None:
+            return self._wrapped
+        if self.ctx.sp and self.gathered_by_parent:
+            return x
+        if self.ctx.sp:
+            wrapped = ops.gather_sequence(x, self.ctx.seq_dim, self.ctx.group)
+        else:
+            wrapped = ops.copy_to_tp(x, self.ctx.group)
+        self._source, self._wrapped = x, wrapped
+        return wrapped
+
+    def reset(self) -> None:
+        self._source = self._wrapped = None
+
+
+def shard_rows(full: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> tuple[torch.Tensor, int]:
+    """This rank's slice of each of ``parts`` packed parts along ``dim``; and the offset of the first."""
+    part = full.shape[dim] // parts
+    local = part // size
+    pieces = [full.narrow(dim, k * part + rank * local, local) for k in range(parts)]
+    return torch.cat(pieces, dim).contiguous(), rank * local
+
+
+class ShardedLinear(torch.nn.Module):
+    """A column- or row-parallel ``nn.Linear`` / ``Conv1D`` (``transposed``: weight ``[in, out]``)."""
+
+    def __init__(
+        self, source: torch.nn.Module, style: str, ctx: TPContext, share: SharedInput, parts: int = 1,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        if style not in ("column", "row"):
+            raise ValueError(f"tensor parallel: unknown style {style!r}")
+        self.style, self.ctx, self.share, self.parts = style, ctx, share, parts
+        self.transposed = not isinstance(source, torch.nn.Linear)
+        weight = source.weight.detach()
+        bias = source.bias.detach() if getattr(source, "bias", None) is not None else None
+        out_dim = 1 if self.transposed else 0
+        self.global_weight_shape = tuple(weight.shape)
+        self.global_bias_shape = tuple(bias.shape) if bias is not None else None
+        if style == "column":
+            self.shard_dim = out_dim
+            w, self.offset = shard_rows(weight, out_dim, parts, ctx.rank, ctx.size)
+            b = shard_rows(bias, 0, parts, ctx.rank, ctx.size)[0] if bias is not None else None
+        else:
+            self.shard_dim = 1 - out_dim
+            w, self.offset = shard_rows(weight, 1 - out_dim, 1, ctx.rank, ctx.size)
+            b = bias.clone() if bias is not None else None
+        self.weight = torch.nn.Parameter(w, requires_grad=source.weight.requires_grad)
+        if b is not None:
+            self.bias = torch.nn.Parameter(b, requires_grad=source.bias.requires_grad)
+        else:
+            self.register_parameter("bias", None)
+        if style == "column" and parts > 1:
+            setattr(self.weight, _PACKED, PackedPiece(self.global_weight_shape, self.shard_dim, parts, self.offset))
+            if self.bias is not None:
+                setattr(self.bias, _PACKED, PackedPiece(self.global_bias_shape, 0, parts, self.offset))
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.transposed:
+            y = x @ self.weight
+            return y + bias if bias is not None else y
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
+        if self.style == "column":
+            return self._matmul(self.share.enter(x), self.bias)
+        self.share.reset()
+        partial = self._matmul(x, None)
+        if ctx.sp:
+            y = ops.reduce_scatter_sequence(partial, ctx.seq_dim, ctx.group)
+        else:
+            y = ops.reduce_from_tp(partial, ctx.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        parts = f", packed {self.parts}" if self.parts > 1 else ""
+        return f"{self.style}-parallel, weight {tuple(self.weight.shape)} of {self.global_weight_shape}{parts}"
+
+
+class VocabEmbedding(torch.nn.Module):
+    """``nn.Embedding`` sharded on the vocabulary: look up the local rows, zero the rest, all-reduce."""
+
+    def __init__(self, source: torch.nn.Embedding, ctx: TPContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.num_embeddings, self.embedding_dim = source.weight.shape
+        self.padding_idx = source.padding_idx
+        self.global_weight_shape = tuple(source.weight.shape)
+        local = self.num_embeddings // ctx.size
+        self.start, self.end = ctx.rank * local, (ctx.rank + 1) * local
+        self.weight = torch.nn.Parameter(source.weight.detach()[self.start : self.end].clone(), requires_grad=source.weight.requires_grad)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return ops.reduce_from_tp(out, self.ctx.group)
+
+    def extra_repr(self) -> str:
+        return f"vocab-parallel, rows [{self.start}, {self.end}) of {self.global_weight_shape}"
+
+
+class VocabHead(torch.nn.Module):
+    """The LM head sharded on the vocabulary; the logits are gathered so the model's own loss is unchanged.
+
+    [Note: gathered logits] Gathering ``[b, s, V]`` costs one all-gather of the logits and keeps a
+    full copy per rank (the memory of the unsharded head's output); a vocabulary-parallel
+    cross-entropy would avoid it but needs the loss, which belongs to the model.
+    """
+
+    def __init__(self, source: torch.nn.Linear, ctx: TPContext, weight: torch.nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.global_weight_shape = tuple(source.weight.shape)
+        local = self.global_weight_shape[0] // ctx.size
+        self.start = ctx.rank * local
+        if weight is None:  # untied: a slice of the head's own weight
+            weight = torch.nn.Parameter(source.weight.detach()[self.start : self.start + local].clone(), requires_grad=source.weight.requires_grad)
+        self.weight = weight  # tied: the embedding's (already sharded) parameter itself
+        if source.bias is not None:
+            raise ValueError("tensor parallel: an LM head with a bias is not sharded on the vocabulary")
+        self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(ops.copy_to_tp(x, self.ctx.group), self.weight)
+        return ops.gather_keep(logits, logits.dim() - 1, self.ctx.group, "tp logits gather")
+
+    def extra_repr(self) -> str:
+        return f"vocab-parallel, weight {tuple(self.weight.shape)} of {self.global_weight_shape}, logits gathered"

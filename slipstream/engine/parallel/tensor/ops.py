@@ -1,0 +1,150 @@
+"""The Megatron f/g pairs as autograd functions over the tensor-parallel group.
+
+[Note: the four pairs] A column-parallel layer needs its input whole on every rank and a
+row-parallel layer leaves a partial sum, so each sub-block (attention, MLP) is bracketed by a pair:
+
+* tensor parallel: ``copy`` (forward identity, backward all-reduce) before the column layers and
+  ``reduce`` (forward all-reduce, backward identity) after the row layer;
+* sequence parallel: ``gather`` (forward all-gather on the sequence, backward reduce-scatter) and
+  ``reduce_scatter`` (forward reduce-scatter on the sequence, backward all-gather): the same bytes,
+  but the norm and dropout regions between the pairs hold only ``s / t`` of the sequence;
+* ``split``/``gather_keep`` at the edges of the sequence-parallel region (first block in, last
+  block out) and ``gather_last`` for vocabulary-sharded logits (backward: keep this rank's chunk).
+
+Every collective goes through ``slipstream.comm`` so the comms log counts it (tests pin the
+bytes per block). On CUDA these run on the backend's stream and the next matmul waits only on the
+collective it consumes; nothing here synchronizes the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream.comm import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    all_reduce(out, group=group, tag=tag).wait()
+    return out
+
+
+def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+    """Concatenate the ranks' pieces along ``dim`` (rank order)."""
+    size = dist.get_world_size(group)
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((size * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into_tensor(out.view(-1), front.view(-1), group=group, tag=tag).wait()
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+    """Sum over ranks and keep this rank's chunk along ``dim``."""
+    size = dist.get_world_size(group)
+    front = x.movedim(dim, 0).contiguous().clone()  # scratch: the collective may overwrite it
+    if front.shape[0] % size:
+        raise ValueError(f"tensor parallel: dimension {dim} of size {front.shape[0]} does not divide by the tp size {size}")
+    out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_tensor(out.view(-1), front.view(-1), group=group, tag=tag).wait()
+    return out.movedim(0, dim)
+
+
+def _chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"tensor parallel: dimension {dim} of size {x.shape[dim]} does not divide by the tp size {size}")
+    return x.chunk(size, dim)[rank].contiguous()
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group, "tp copy (backward)"), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return _all_reduce(x, group, "tp reduce")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group, "sp gather")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.dim, ctx.group, "sp gather (backward)"), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group, "sp reduce-scatter")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.dim, ctx.group, "sp reduce-scatter (backward)"), None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _chunk(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _gather(grad, ctx.dim, ctx.group, "sp split (backward)"), None, None
+
+
+class _GatherKeep(torch.autograd.Function):
+    """Forward all-gather; backward keeps this rank's chunk (the gradient is already whole on every rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group, tag)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _chunk(grad, ctx.dim, ctx.group), None, None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _Copy.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _Reduce.apply(x, group)
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    return _GatherSeq.apply(x, dim, group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    return _ReduceScatterSeq.apply(x, dim, group)
+
+
+def split_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    return _Split.apply(x, dim, group)
+
+
+def gather_keep(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+    return _GatherKeep.apply(x, dim, group, tag)

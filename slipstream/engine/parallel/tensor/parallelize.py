@@ -1,0 +1,184 @@
+"""``parallelize_tensor``: cut an unchanged model for tensor (and sequence) parallelism, in one fixed order.
+
+1. make the weights identical on the tp group (rank 0 of the group wins, as ZeRO's sync does for dp);
+2. record the self-check probe on the whole model and the leaves' execution order;
+3. build the plan (config → ``base_model_tp_plan`` → inferred) and check it divides (heads, sizes);
+4. replace the planned leaves by sharded ones, rewrite sharded size attributes on their parents,
+   shard the embedding and the LM head on the vocabulary;
+5. record every parameter's placement (``utils.placement``) so checkpoints and the norm see the
+   global model;
+6. the self-check (fails ``initialize`` naming the block);
+7. sequence parallel: the region edges and the gradient reduction of replicated block parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream.engine.config import ConfigError
+from slipstream.engine.parallel.anatomy import find_blocks
+from slipstream.engine.parallel.mesh import Mesh
+from slipstream.engine.parallel.tensor import selfcheck, sequence
+from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext, VocabEmbedding, VocabHead
+from slipstream.engine.parallel.tensor.plan import PlanEntry, build_plan, in_features, is_linear_like, out_features
+from slipstream.utils.logging import get_logger, log_rank0
+from slipstream.utils.placement import place, placement_of
+
+logger = get_logger(__name__)
+
+# Integer attributes of a sharded leaf's parent that hold a sharded size (rewritten on that module only).
+SIZE_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "inner_dim", "hidden_size_per_partition")
+HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads")
+
+
+@dataclasses.dataclass
+class TensorParallel:
+    """What ``parallelize_tensor`` did: the plan, the context, the vocabulary layers it sharded."""
+
+    ctx: TPContext
+    plan: list[PlanEntry]
+    vocab_sharded: list[str]
+    hooks: list[Any]
+
+
+def _named(model: torch.nn.Module, module: torch.nn.Module) -> str | None:
+    return next((n for n, m in model.named_modules() if m is module), None)
+
+
+def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+
+
+def _sync_from_group_root(model: torch.nn.Module, mesh: Mesh) -> None:
+    group, root = mesh.group("tp"), mesh.ranks("tp")[0]
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=root, group=group)
+
+
+def _check_divides(plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], model: torch.nn.Module, t: int) -> None:
+    for entry in plan:
+        leaf = leaves[entry.name]
+        size = out_features(leaf) // entry.parts if entry.style == "column" else in_features(leaf)
+        if (out_features(leaf) % entry.parts) or size % t:
+            raise ConfigError(f"tensor_parallel.autotp_size: {entry.name} ({entry.style}) has size {size}, which does not divide by {t}")
+        parent = model.get_submodule(entry.name.rpartition(".")[0])
+        head_dim = getattr(parent, "head_dim", None)
+        if entry.style == "column" and isinstance(head_dim, int) and head_dim > 0 and size % head_dim == 0 and (size // head_dim) % t:
+            raise ConfigError(
+                f"tensor_parallel.autotp_size: {entry.name} holds {size // head_dim} heads, which do not divide by {t}; "
+                f"choose a tp size that divides the number of (key/value) heads"
+            )
+
+
+def _rewrite_attributes(parent: torch.nn.Module, part_sizes: set[int], t: int) -> list[str]:
+    changed = []
+    for attr in SIZE_ATTRIBUTES + HEAD_ATTRIBUTES:
+        value = parent.__dict__.get(attr)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if (attr in SIZE_ATTRIBUTES and value in part_sizes) or (attr in HEAD_ATTRIBUTES and value % t == 0):
+            setattr(parent, attr, value // t)
+            changed.append(f"{attr} {value}→{value // t}")
+    return changed
+
+
+def _shard_vocab(model: torch.nn.Module, ctx: TPContext) -> list[str]:
+    """Embedding and LM head on the vocabulary when it divides by t (else they stay replicated)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    embedding = get_in() if callable(get_in) else None
+    head = get_out() if callable(get_out) else None
+    done: list[str] = []
+    if not isinstance(embedding, torch.nn.Embedding) or embedding.weight.shape[0] % ctx.size:
+        if embedding is not None:
+            log_rank0(logger, "tensor parallel: the vocabulary does not divide by %d; embedding and head stay replicated", ctx.size)
+        return done
+    tied = head is not None and head.weight is embedding.weight
+    emb_name, head_name = _named(model, embedding), _named(model, head) if head is not None else None
+    new_embedding = VocabEmbedding(embedding, ctx)
+    _replace(model, emb_name, new_embedding)
+    done.append(emb_name)
+    if isinstance(head, torch.nn.Linear) and head.bias is None and head.weight.shape[0] == embedding.weight.shape[0]:
+        _replace(model, head_name, VocabHead(head, ctx, weight=new_embedding.weight if tied else None))
+        done.append(head_name)
+    elif tied:
+        raise ConfigError(f"tensor_parallel: the LM head {head_name} is tied to the embedding but is not a plain nn.Linear; cannot shard it")
+    return done
+
+
+def _place_all(model: torch.nn.Module, ctx: TPContext) -> None:
+    for module in model.modules():
+        if isinstance(module, ShardedLinear):
+            offsets = [0, 0]
+            offsets[module.shard_dim] = module.offset
+            if module.parts == 1:  # a packed projection's piece is `parts` boxes: see parallelize_tensor's note
+                place(module.weight, module.global_weight_shape, tuple(offsets))
+            if module.bias is not None and module.style == "column" and module.parts == 1:
+                place(module.bias, module.global_bias_shape, (module.offset,))
+        elif isinstance(module, VocabEmbedding):
+            place(module.weight, module.global_weight_shape, (module.start, 0))
+        elif isinstance(module, VocabHead) and placement_of(module.weight) is None:
+            place(module.weight, module.global_weight_shape, (module.start, 0))
+    cut = {id(m.weight) for m in model.modules() if isinstance(m, ShardedLinear) and m.parts > 1}
+    cut |= {id(m.bias) for m in model.modules() if isinstance(m, ShardedLinear) and m.parts > 1 and m.bias is not None}
+    for param in model.parameters():
+        if placement_of(param) is None and id(param) not in cut:
+            place(param, tuple(param.shape), duplicate=ctx.rank != 0)
+
+
+def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorParallel | None:
+    """Tensor (+ sequence) parallelism over ``mesh.group("tp")``; None when tp is 1. Collective over the world.
+
+    [Note: packed placement] A packed projection's local piece (this rank's Q, K and V columns) is
+    three boxes of the global tensor, which one placement cannot express; those pieces are left
+    unplaced (each rank counts its own piece in the norm, which is right) and a checkpoint of them
+    reloads only at the same tp degree.
+    """
+    t = mesh.size("tp")
+    if t == 1:
+        return None
+    section = cfg.tensor_parallel
+    # Sequence parallel switches on after the self-check, which runs blocks on whole sequences.
+    ctx = TPContext(mesh.group("tp"), t, mesh.rank_of("tp"), section.sequence_parallel, enabled_sequence=False)
+    _sync_from_group_root(model, mesh)
+    blocks = find_blocks(model)
+    if blocks is None:
+        raise ConfigError("tensor_parallel.autotp_size: the model has no repeated blocks (a ModuleList/Sequential of identical layers) to shard")
+    leaves = {
+        f"{block_name}.{n}": m for block_name, block in zip(blocks.names, blocks.modules)
+        for n, m in block.named_modules() if n and is_linear_like(m)
+    }  # fmt: skip
+    if not leaves:
+        raise ConfigError("tensor_parallel.autotp_size: the model's blocks hold no nn.Linear or Conv1D to shard")
+    probe = selfcheck.capture(model, blocks.modules, leaves)
+    order = probe.order + [n for n in leaves if n not in probe.order]
+    plan = build_plan(model, leaves, order, section.partition_config)
+    _check_divides(plan, leaves, model, t)
+    shared: dict[str, SharedInput] = {}
+    part_sizes: dict[str, set[int]] = {}
+    for entry in plan:
+        parent = entry.name.rpartition(".")[0]
+        share = shared.setdefault(parent, SharedInput(ctx))
+        leaf = leaves[entry.name]
+        if entry.style == "column":
+            part_sizes.setdefault(parent, set()).add(out_features(leaf) // entry.parts)
+        _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts))
+    rewritten = {p: _rewrite_attributes(model.get_submodule(p), sizes, t) for p, sizes in part_sizes.items()}
+    vocab = _shard_vocab(model, ctx)
+    _place_all(model, ctx)
+    tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 3e-2
+    selfcheck.verify(probe, blocks.modules, blocks.names, plan, ctx.group, tolerance)
+    hooks = sequence.enable(model, blocks.modules, ctx, shared) if ctx.sequence_parallel else []
+    columns = sum(e.style == "column" for e in plan)
+    log_rank0(
+        logger, "tensor parallel %d%s: %d column + %d row leaves in %d blocks (%s)%s%s", t,
+        " + sequence parallel" if ctx.sequence_parallel else "", columns, len(plan) - columns, len(blocks),
+        plan[0].source if plan else "empty plan", f"; vocabulary sharded: {', '.join(vocab)}" if vocab else "",
+        "; attributes: " + "; ".join(f"{p}: {', '.join(c)}" for p, c in rewritten.items() if c) if any(rewritten.values()) else "",
+    )  # fmt: skip
+    return TensorParallel(ctx, plan, vocab, hooks)

@@ -1,0 +1,169 @@
+"""Which leaves to shard and how: from the config, from the Hugging Face model, or inferred.
+
+[Note: where the plan comes from] In order: the config's ``partition_config`` (DeepSpeed's
+``layer_specs``: regexes over parameter names, ``partition_type`` row / column / skip, an optional
+``shape`` ``[k, -1]`` for a projection packing ``k`` parts); then the model's own
+``base_model_tp_plan`` (transformers: ``layers.*.self_attn.q_proj`` → ``colwise``); then
+inference. With ``use_default_specs`` (the default) the later sources fill in what the earlier
+ones leave unmatched.
+
+[Note: inference] Within each repeated block, the linear-like leaves (``nn.Linear``,
+transformers' ``Conv1D``) are grouped by their parent module (the attention, the MLP) and taken
+in execution order: the last of a group is row-parallel, the ones before it column-parallel, so
+the activation between them stays sharded and the group costs one all-reduce each way. A group
+with one column leaf whose output is ``k`` times the row leaf's input (GPT-2's ``c_attn`` = Q|K|V,
+``k`` = 3; a fused gate|up, ``k`` = 2) is a packed projection, sharded per part so each rank keeps
+whole heads of Q, K and V. A parent with a single leaf stays replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from slipstream.engine.config import ConfigError
+
+LAYER_SPEC_KEYS = {"patterns", "partition_type", "shape", "partition_dim"}
+PARTITION_TYPES = {"row": "row", "column": "column", "skip": "skip", "rowwise": "row", "colwise": "column"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+    """One leaf to shard: its qualified name, ``column``/``row``, packed parts, and where the rule came from."""
+
+    name: str
+    style: str
+    parts: int = 1
+    source: str = "inferred"
+
+    def describe(self) -> str:
+        packed = f" (packed {self.parts})" if self.parts > 1 else ""
+        return f"{self.name}: {self.style}{packed} [{self.source}]"
+
+
+def is_linear_like(module: torch.nn.Module) -> bool:
+    """``nn.Linear`` or a transformers-style ``Conv1D`` (2-D weight ``[in, out]`` with ``nf``/``nx``)."""
+    if isinstance(module, torch.nn.Linear):
+        return True
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
+def out_features(module: torch.nn.Module) -> int:
+    return module.weight.shape[0] if isinstance(module, torch.nn.Linear) else module.weight.shape[1]
+
+
+def in_features(module: torch.nn.Module) -> int:
+    return module.weight.shape[1] if isinstance(module, torch.nn.Linear) else module.weight.shape[0]
+
+
+def validate_partition_config(section: dict[str, Any] | None) -> None:
+    """Every mistake in ``tensor_parallel.partition_config`` as one ConfigError naming the key."""
+    if section is None:
+        return
+    key = "tensor_parallel.partition_config"
+    unknown = set(section) - {"use_default_specs", "layer_specs"}
+    if unknown:
+        raise ConfigError(f"{key}: unknown key {sorted(unknown)[0]!r}; the keys are use_default_specs, layer_specs")
+    specs = section.get("layer_specs", [])
+    if not isinstance(specs, list):
+        raise ConfigError(f"{key}.layer_specs: must be a list of {{patterns, partition_type}}, got {type(specs).__name__}")
+    for i, spec in enumerate(specs):
+        where = f"{key}.layer_specs[{i}]"
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{where}: must be an object with patterns and partition_type")
+        if set(spec) - LAYER_SPEC_KEYS:
+            raise ConfigError(f"{where}: unknown key {sorted(set(spec) - LAYER_SPEC_KEYS)[0]!r}; the keys are {', '.join(sorted(LAYER_SPEC_KEYS))}")
+        patterns = spec.get("patterns")
+        if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns):
+            raise ConfigError(f"{where}.patterns: must be a non-empty list of regular expressions")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ConfigError(f"{where}.patterns: {pattern!r} is not a regular expression ({err})") from None
+        if spec.get("partition_type") not in PARTITION_TYPES:
+            raise ConfigError(f"{where}.partition_type: must be row, column or skip, got {spec.get('partition_type')!r}")
+        shape = spec.get("shape")
+        if shape is not None and (not isinstance(shape, list) or len(shape) != 2 or not isinstance(shape[0], int) or shape[0] < 1):
+            raise ConfigError(f"{where}.shape: must be [parts, -1] (a packed projection of `parts` parts), got {shape!r}")
+
+
+def _from_partition_config(section: dict[str, Any], leaves: dict[str, torch.nn.Module]) -> dict[str, PlanEntry | None]:
+    """Leaf name → entry (None: ``skip``, keep replicated) for every leaf a layer spec matches."""
+    found: dict[str, PlanEntry | None] = {}
+    for i, spec in enumerate(section.get("layer_specs", [])):
+        style = PARTITION_TYPES[spec["partition_type"]]
+        parts = spec["shape"][0] if spec.get("shape") else 1
+        for name in leaves:
+            if name in found:
+                continue
+            if any(re.match(p, f"{name}.weight") or re.fullmatch(p, name) for p in spec["patterns"]):
+                source = f"partition_config.layer_specs[{i}]"
+                found[name] = None if style == "skip" else PlanEntry(name, style, parts, source)
+    return found
+
+
+def hf_tp_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The model's ``base_model_tp_plan`` with names from the model's root (transformers)."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and not hasattr(model, prefix):
+        prefix = ""
+    return {(f"{prefix}.{k}" if prefix else k): v for k, v in plan.items()}
+
+
+def _from_hf(plan: dict[str, str], leaves: dict[str, torch.nn.Module]) -> dict[str, PlanEntry]:
+    found: dict[str, PlanEntry] = {}
+    for pattern, kind in plan.items():
+        style = "column" if "colwise" in kind else "row" if "rowwise" in kind else None
+        if style is None:
+            continue
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
+        for name in leaves:
+            if regex.fullmatch(name) and name not in found:
+                found[name] = PlanEntry(name, style, 1, f"base_model_tp_plan[{pattern!r}]")
+    return found
+
+
+def _inferred(order: Sequence[str], leaves: dict[str, torch.nn.Module]) -> dict[str, PlanEntry]:
+    """See [Note: inference]."""
+    groups: dict[str, list[str]] = {}
+    for name in order:
+        groups.setdefault(name.rpartition(".")[0], []).append(name)
+    found: dict[str, PlanEntry] = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        *columns, row = members
+        parts = 1
+        if len(columns) == 1:
+            ratio, rest = divmod(out_features(leaves[columns[0]]), in_features(leaves[row]))
+            parts = ratio if ratio > 1 and rest == 0 else 1
+        for name in columns:
+            found[name] = PlanEntry(name, "column", parts)
+        found[row] = PlanEntry(row, "row")
+    return found
+
+
+def build_plan(
+    model: torch.nn.Module, block_leaves: dict[str, torch.nn.Module], order: Sequence[str],
+    partition_config: dict[str, Any] | None,
+) -> list[PlanEntry]:  # fmt: skip
+    """The entries for the leaves of the blocks (``order``: execution order), first source that matches wins."""
+    chosen: dict[str, PlanEntry | None] = {}
+    use_defaults = True
+    if partition_config is not None:
+        chosen.update(_from_partition_config(partition_config, block_leaves))
+        use_defaults = bool(partition_config.get("use_default_specs", True))
+    if use_defaults:
+        hf = _from_hf(hf_tp_plan(model), block_leaves)
+        inferred = {} if hf else _inferred(order, block_leaves)
+        for source in (hf, inferred):
+            for name, entry in source.items():
+                chosen.setdefault(name, entry)
+    return [chosen[name] for name in order if chosen.get(name) is not None]  # type: ignore[misc]

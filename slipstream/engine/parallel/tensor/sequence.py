@@ -1,0 +1,107 @@
+"""Megatron-style sequence parallelism on top of tensor parallelism.
+
+[Note: the region] Between a row layer and the next column layer the activations are identical on
+every tp rank: norms, dropout and residual adds compute the same thing t times and store t
+copies. With sequence parallelism that region holds ``s / t`` of the sequence: the row layer's
+all-reduce becomes a reduce-scatter on the sequence and the column layer's input an all-gather
+(the same bytes as the all-reduce, which *is* a reduce-scatter plus an all-gather). The region
+starts at the first block's input (split, backward all-gather) and ends at the last block's output
+(all-gather, backward keep the chunk), so embeddings, the final norm and the head see whole
+sequences and the model's loss is untouched.
+
+[Note: replicated gradients] A replicated parameter inside the blocks (norm weights, a row
+layer's bias) now sees only this rank's part of the sequence, so its gradient is a partial sum:
+a hook on the gradient (before accumulation, so gradient accumulation and the ZeRO hooks that
+run after it see the full sum) all-reduces it over tp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from slipstream.comm import all_reduce
+from slipstream.engine.parallel.tensor import ops
+from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any]:
+    if args and isinstance(args[0], torch.Tensor):
+        return "arg", 0
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "kwarg", "hidden_states"
+    raise ValueError("sequence parallel: the first block received no hidden-state tensor (first argument or hidden_states=)")
+
+
+def _gather_at_entry(parent: torch.nn.Module, share: SharedInput, ctx: TPContext) -> Any:
+    """The sub-block sees the whole sequence from its entry (it may read the length off its input, as Llama's attention does)."""
+    share.gathered_by_parent = True
+
+    def gather(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not ctx.sp:
+            return None
+        kind, key = _first_tensor(args, kwargs)
+        if kind == "arg":
+            return (ops.gather_sequence(args[0], ctx.seq_dim, ctx.group), *args[1:]), kwargs
+        return args, {**kwargs, key: ops.gather_sequence(kwargs[key], ctx.seq_dim, ctx.group)}
+
+    return parent.register_forward_pre_hook(gather, with_kwargs=True)
+
+
+def enable(
+    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], ctx: TPContext, shared: dict[str, SharedInput],
+) -> list[Any]:  # fmt: skip
+    """Install the region edges, the sub-block entries and the gradient reductions; return the handles.
+
+    [Note: where to gather] A sub-block below the block (an attention or MLP module) is gathered at
+    its entry: its code may take the sequence length from its input. When the column leaves sit
+    directly in the block (the block is the sub-block), the gather stays at the leaves, since the
+    block's residual add must see the sharded sequence.
+    """
+    block_ids = {id(b) for b in blocks}
+    handles = [
+        _gather_at_entry(model.get_submodule(name), share, ctx)
+        for name, share in shared.items()
+        if id(model.get_submodule(name)) not in block_ids
+    ]
+
+    def enter(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not ctx.sp:
+            return None
+        kind, key = _first_tensor(args, kwargs)
+        if kind == "arg":
+            return (ops.split_sequence(args[0], ctx.seq_dim, ctx.group), *args[1:]), kwargs
+        return args, {**kwargs, key: ops.split_sequence(kwargs[key], ctx.seq_dim, ctx.group)}
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if not ctx.sp:
+            return None
+        if isinstance(output, torch.Tensor):
+            return ops.gather_keep(output, ctx.seq_dim, ctx.group, "sp gather (region end)")
+        first = ops.gather_keep(output[0], ctx.seq_dim, ctx.group, "sp gather (region end)")
+        return (first, *output[1:])
+
+    ctx.enabled_sequence = True
+    handles += [
+        blocks[0].register_forward_pre_hook(enter, with_kwargs=True),
+        blocks[-1].register_forward_hook(leave),
+    ]
+    sharded = {id(p) for m in model.modules() if isinstance(m, ShardedLinear) for p in m.parameters()}
+    sharded -= {id(m.bias) for m in model.modules() if isinstance(m, ShardedLinear) and m.style == "row" and m.bias is not None}
+
+    def reduce(grad: torch.Tensor) -> torch.Tensor:
+        if not ctx.sp:
+            return grad
+        out = grad.contiguous().clone()
+        all_reduce(out, group=ctx.group, tag="sp replicated gradient").wait()
+        return out
+
+    seen: set[int] = set()
+    for block in blocks:
+        for param in block.parameters():
+            if id(param) not in sharded and id(param) not in seen and param.requires_grad:
+                seen.add(id(param))
+                handles.append(param.register_hook(reduce))
+    return handles

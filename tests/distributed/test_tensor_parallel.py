@@ -1,0 +1,176 @@
+"""Tensor parallel (and Megatron sequence parallel) trains unchanged models like one process.
+
+Every case trains against ``train_reference`` on the same global batches: losses per step within
+1e-5 relative, final weights within 1e-5 (bf16: the tolerance of test_data_parallel). Plan
+coverage, exact local parameter counts, collective counts and bytes, and the saved activation
+bytes of the norms are pinned in the same runs (one pool per world size, to keep CPU time low).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import slipstream
+from slipstream.comm import comms_log
+from slipstream.engine.parallel.tensor.layers import ShardedLinear, VocabEmbedding, VocabHead
+from tests.distributed.tp_cases import BUILDERS, MLP_PARTITION, config, train
+from tests.harness import run_distributed
+from tests.reference import SEQ, assert_close_trajectory, global_batches, train_reference
+
+STEPS = 10
+MICRO = 4
+HIDDEN = 64
+
+
+def _plan_of(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
+    return {n: (m.style, m.parts) for n, m in model.named_modules() if isinstance(m, ShardedLinear)}
+
+
+def _local_count_matches(model: torch.nn.Module, sharded_names: set[str], t: int, build: Any) -> tuple[int, int]:
+    """Σ local numel vs Σ sharded/t + replicated, both from the unsharded model's shapes."""
+    full = dict(build(0).named_parameters())
+    expected = sum(p.numel() // t if n in sharded_names else p.numel() for n, p in full.items())
+    return sum(p.numel() for p in model.parameters()), expected
+
+
+def _tp_traffic(records: list[Any]) -> dict[str, Any]:
+    mine = [r for r in records if r.tag.startswith(("tp ", "sp "))]
+    return {
+        "ops": sorted((r.op, r.nbytes, r.tag) for r in mine),
+        "moved": sum(r.moved for r in mine),
+        "block_moved": sum(r.moved for r in mine if "region end" not in r.tag and "split" not in r.tag and "logits" not in r.tag and "replicated" not in r.tag),
+    }
+
+
+class _NormSaved:
+    """Bytes autograd saves while the blocks' norm modules run (saved-tensor hooks)."""
+
+    def __init__(self, norms: list[torch.nn.Module]) -> None:
+        self.inside = 0
+        self.bytes = 0
+        for norm in norms:
+            norm.register_forward_pre_hook(lambda m, a: setattr(self, "inside", self.inside + 1))
+            norm.register_forward_hook(lambda m, a, o: setattr(self, "inside", self.inside - 1))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.inside:
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+
+def _case(name: str, model_name: str, stage: int = 0, **extra: Any) -> dict[str, Any]:
+    dp = dist.get_world_size() // 2
+    model = BUILDERS[model_name](seed=dist.get_rank())  # rank 0's weights win
+    if model_name == "mlp":
+        extra.setdefault("tensor", {})["partition_config"] = MLP_PARTITION
+    engine = slipstream.initialize(model, config(MICRO, dp, stage=stage, **extra))
+    batches = global_batches(STEPS, MICRO * dp)
+    traffic: dict[str, Any] = {}
+    saved = _NormSaved([m for n, m in engine.module.named_modules() if n.endswith("input_layernorm")])
+
+    def record(step: int) -> None:
+        if step == 0:
+            traffic.update(_tp_traffic(comms_log.records))
+
+    comms_log.records.clear()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        ours = train(engine, batches[:1], record)
+    saved_bytes = saved.bytes
+    rest = train(engine, batches[1:])
+    ours.losses += rest.losses
+    ours.params = rest.params
+    result = {
+        "name": name, "losses": ours.losses, "state": ours.params if dist.get_rank() == 0 else None,
+        "plan": _plan_of(engine.module), "traffic": traffic, "norm_saved": saved_bytes,
+        "vocab": [n for n, m in engine.module.named_modules() if isinstance(m, (VocabEmbedding, VocabHead))],
+        "local_numel": sum(p.numel() for p in engine.module.parameters()),
+    }
+    engine.close()
+    return result
+
+
+def _world2_body() -> list[dict[str, Any]]:
+    return [
+        _case("llama", "llama"),
+        _case("llama-sp", "llama", tensor={"sequence_parallel": True}),
+        _case("gpt2", "gpt2"),
+        _case("mlp", "mlp"),
+        _case("llama-bf16", "llama", bf16={"enabled": True}),
+    ]
+
+
+def _reference(model_name: str, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> Any:
+    return train_reference(BUILDERS[model_name](seed=0), batches, lr=1e-3, weight_decay=0.0, dtype=dtype)
+
+
+def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
+    results = {r["name"]: r for r in run_distributed(2, _world2_body)[0]}
+    batches = global_batches(STEPS, MICRO)
+    refs = {name: _reference(name, batches) for name in ("llama", "gpt2", "mlp")}
+    for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp")):
+        assert_close_trajectory(_as_trajectory(results[name]), refs[model_name], loss_rtol=1e-5, param_atol=1e-5, param_rtol=1e-5)
+        assert results[name]["losses"][-1] < results[name]["losses"][0] - 0.1
+    bf16 = _reference("llama", batches, torch.bfloat16)
+    assert_close_trajectory(_as_trajectory(results["llama-bf16"]), bf16, loss_rtol=1e-3, param_rel_norm=2e-2)
+
+    # 2. plan coverage: Llama 5 column + 2 row per block; GPT-2 packed c_attn, column c_fc, two rows.
+    llama_plan = results["llama"]["plan"]
+    for i in range(4):
+        block = {n.split(".", 3)[3]: v for n, v in llama_plan.items() if n.startswith(f"model.layers.{i}.")}
+        assert block == {
+            "self_attn.q_proj": ("column", 1), "self_attn.k_proj": ("column", 1), "self_attn.v_proj": ("column", 1),
+            "self_attn.o_proj": ("row", 1), "mlp.gate_proj": ("column", 1), "mlp.up_proj": ("column", 1),
+            "mlp.down_proj": ("row", 1),
+        }  # fmt: skip
+    gpt2_plan = results["gpt2"]["plan"]
+    for i in range(4):
+        block = {n.split(".", 3)[3]: v for n, v in gpt2_plan.items() if n.startswith(f"transformer.h.{i}.")}
+        assert block == {"attn.c_attn": ("column", 3), "attn.c_proj": ("row", 1), "mlp.c_fc": ("column", 1), "mlp.c_proj": ("row", 1)}
+    assert set(results["mlp"]["plan"]) == {f"blocks.{i}.{leaf}" for i in range(3) for leaf in ("fc_in", "fc_out")}
+    assert results["llama"]["vocab"] == ["model.embed_tokens", "lm_head"]
+    assert results["gpt2"]["vocab"] == ["transformer.wte", "lm_head"]
+    # local parameter count = sharded / t + replicated, exactly (shapes of the unsharded model)
+    full = {name: dict(BUILDERS[name](seed=0).named_parameters()) for name in ("llama", "gpt2", "mlp")}
+    cut = {
+        "llama": lambda n: n.endswith("proj.weight") or n in ("model.embed_tokens.weight", "lm_head.weight"),
+        "gpt2": lambda n: n.endswith(("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight")) or n == "transformer.wte.weight",
+        "mlp": lambda n: n.endswith(("fc_in.weight", "fc_in.bias", "fc_out.weight")),
+    }  # fmt: skip
+    for name, params in full.items():
+        expected = sum(p.numel() // 2 if cut[name](n) else p.numel() for n, p in params.items())
+        assert results[name]["local_numel"] == expected, (name, results[name]["local_numel"], expected)
+
+    # 3. traffic per micro-batch forward + backward (Llama, b 4, s 16, h 64, 4 blocks, vocab 256)
+    bsh = MICRO * SEQ * HIDDEN * 4
+    ops = results["llama"]["traffic"]["ops"]
+    reduces = [o for o in ops if o[0] == "all_reduce"]
+    assert len(reduces) == 4 * 4 + 2 and all(nbytes == bsh for _, nbytes, _ in reduces)  # + embedding fwd, head bwd
+    assert [o[:2] for o in ops if o[0] == "all_gather"] == [("all_gather", MICRO * SEQ * 256 * 4)]  # gathered logits
+    tp_moved, sp_moved = results["llama"]["traffic"]["block_moved"], results["llama-sp"]["traffic"]["block_moved"]
+    assert tp_moved == 2 * (4 * 4 + 2) * bsh and sp_moved == tp_moved  # ratio 1.00
+    sp_ops = results["llama-sp"]["traffic"]["ops"]
+    assert sum(1 for o in sp_ops if o[2].startswith("sp gather")) == 2 * 4 and sum(1 for o in sp_ops if o[2].startswith("sp reduce-scatter")) == 2 * 4
+    # saved activation bytes of the norms' inputs fall by exactly t
+    assert results["llama"]["norm_saved"] > 0 and results["llama"]["norm_saved"] == 2 * results["llama-sp"]["norm_saved"]
+
+
+def _as_trajectory(result: dict[str, Any]) -> Any:
+    from tests.reference import Trajectory
+
+    return Trajectory(result["losses"], result["state"], [])
+
+
+def _world4_body() -> list[dict[str, Any]]:
+    return [_case("zero1", "llama", stage=1), _case("zero3", "llama", stage=3)]
+
+
+def test_tensor_parallel_with_zero_over_dp() -> None:
+    results = run_distributed(4, _world4_body)[0]
+    ref = _reference("llama", global_batches(STEPS, 2 * MICRO))
+    for result in results:
+        assert_close_trajectory(_as_trajectory(result), ref, loss_rtol=1e-5, param_atol=1e-5, param_rtol=1e-5)

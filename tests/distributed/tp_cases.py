@@ -1,0 +1,129 @@
+"""Models, configs and the training loop the tensor-parallel tests share (bodies run on every rank)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.reference import SEQ, VOCAB, Trajectory
+
+LR = 1e-3
+# [Note: eps] These tiny models start with near-uniform attention, so the q/k gradients of the first
+# steps are ~1e-8 per element, the size of Adam's default eps: there g / (|g| + eps) flips with
+# rounding noise and even the plain engine at tp 1 drifts 2e-4 from the reference after one step.
+# eps 1e-6 makes the update a smooth function of the gradient, so 1e-5 parity tests the math.
+EPS = 1e-6
+
+
+def llama(seed: int = 0, n_layer: int = 4, hidden: int = 64) -> torch.nn.Module:
+    """The acceptance Llama: h 64, 4 heads, 2 KV heads, 4 layers, untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ * 2, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def gpt2(seed: int = 0) -> torch.nn.Module:
+    """The acceptance GPT-2: n_embd 64, 4 heads, 4 layers, tied head, dropout 0."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=4, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ * 2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+class MLPBlock(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.fc_in = torch.nn.Linear(hidden, 4 * hidden)
+        self.fc_out = torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(self.norm(x))))
+
+
+class TinyMLPLM(torch.nn.Module):
+    """A custom model (no Hugging Face plan, names the inference would not guess): blocks of MLPs."""
+
+    def __init__(self, seed: int = 0, hidden: int = 32, n_layer: int = 3) -> None:
+        torch.manual_seed(seed)
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        self.blocks = torch.nn.ModuleList(MLPBlock(hidden) for _ in range(n_layer))
+        self.out = torch.nn.Linear(hidden, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.out(x)[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return types.SimpleNamespace(loss=loss)
+
+
+MLP_PARTITION = {
+    "use_default_specs": False,
+    "layer_specs": [
+        {"patterns": [r".*\.fc_in\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.fc_out\.weight$"], "partition_type": "row"},
+    ],
+}
+BUILDERS = {"llama": llama, "gpt2": gpt2, "mlp": TinyMLPLM}
+
+
+def config(micro: int, dp: int, tp: int = 2, stage: int = 0, **extra: Any) -> dict[str, Any]:
+    tensor = {"autotp_size": tp, **extra.pop("tensor", {})}
+    return {
+        "train_batch_size": micro * dp,
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "eps": EPS}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "tensor_parallel": tensor,
+        **extra,
+    }
+
+
+def train(engine: Any, batches: list[torch.Tensor], record: Any = None) -> Trajectory:
+    """This rank's dp share of every global batch; losses averaged over the world (tp ranks agree)."""
+    dp, dp_rank = engine.mesh.size("dp"), engine.mesh.rank_of("dp")
+    losses = []
+    for step, tokens in enumerate(batches):
+        mb = tokens.shape[0] // dp
+        part = tokens[dp_rank * mb : (dp_rank + 1) * mb]
+        loss = engine(input_ids=part, labels=part).loss
+        engine.backward(loss)
+        if record is not None:
+            record(step)
+        engine.step()
+        total = loss.detach().float().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / dist.get_world_size())
+    state = engine.consolidated_state_dict()
+    return Trajectory(losses, state or {}, [])
+
+
+def reference(model: torch.nn.Module, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> Trajectory:
+    """``train_reference`` with this file's optimizer (AdamW, eps :data:`EPS`)."""
+    import tests.reference as ref
+
+    original = torch.optim.AdamW
+
+    def adamw(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        return original(params, **{**kwargs, "eps": EPS})
+
+    ref.torch.optim.AdamW = adamw  # type: ignore[misc]
+    try:
+        return ref.train_reference(model, batches, lr=LR, weight_decay=0.0, dtype=dtype)
+    finally:
+        ref.torch.optim.AdamW = original  # type: ignore[misc]
