@@ -17,6 +17,7 @@ from slipstream.engine.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, enc
 from slipstream.engine.checkpoint.layout import piece_key
 from slipstream.engine.checkpoint.target import CheckpointTarget
 from slipstream.engine.zero.slices import OwnedSlice
+from slipstream.utils.placement import global_shape_and_box
 from slipstream.version import __version__
 
 LOADER_STATE = "training_dataloader"
@@ -41,7 +42,7 @@ def capture(
     slices = []
     frozen = {n for n, p in target.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
     for owned in target.shards.sharded_state():
-        if (owned.replicated and rank != 0) or owned.slice.name in frozen:
+        if owned.duplicate or owned.slice.name in frozen:  # another rank saves a duplicate
             continue
         slices.append(_capture_slice(owned, target.shards.slice_optimizer_state(owned), tensors))
     meta: dict[str, Any] = {"rank": rank, "world_size": target.world_size, "slices": slices}
@@ -133,7 +134,7 @@ def _manifest_body(target: CheckpointTarget, tag: str) -> dict[str, Any]:
         "micro_steps": counters.micro_steps,
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
         "parameters": {
-            n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": n in trainable}
+            n: {"shape": list(global_shape_and_box(p)[0]), "dtype": str(p.dtype).removeprefix("torch."), "trainable": n in trainable}
             for n, p in module.named_parameters()
         },
         "buffers": {

@@ -35,6 +35,7 @@ from slipstream.engine.checkpoint.layout import LayoutError, assemble, check_key
 from slipstream.engine.checkpoint.tags import TagError, check_load_tag, tag_problem
 from slipstream.engine.checkpoint.validate import CheckpointError, check_manifest, check_rank_meta
 from slipstream.engine.zero.slices import ParamSlice
+from slipstream.utils.placement import global_shape_and_box
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt")
 
@@ -368,10 +369,11 @@ class CheckpointReader:
         saved = self.manifest["parameters"]
         ours = dict(module.named_parameters())
         for name, p in ours.items():
-            if name in saved and tuple(saved[name]["shape"]) != tuple(p.shape):
+            shape = global_shape_and_box(p)[0]  # a tensor/expert-parallel piece is compared as its whole tensor
+            if name in saved and tuple(saved[name]["shape"]) != shape:
                 raise CheckpointError(
                     f"checkpoint {self.path}: parameter {name!r} has shape {tuple(saved[name]['shape'])} in the checkpoint "
-                    f"but {tuple(p.shape)} in the model (a different model or model config?)"
+                    f"but {shape} in the model (a different model or model config?)"
                 )
         missing = [n for n in ours if n not in saved]
         unexpected = [n for n in saved if n not in ours]
