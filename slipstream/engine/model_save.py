@@ -16,12 +16,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream.utils.placement import placement_of
+
 Engine = Any  # the Engine calls in here; typing it by name would make an import cycle
+
+
+SPREAD_AXES = ("tp", "pp", "ep")  # the axes that give ranks different parts of the model
+
+
+def is_spread(engine: Engine) -> bool:
+    """Whether ranks hold different parts of the model (tensor, pipeline or expert parallel)."""
+    mesh = getattr(engine, "mesh", None)
+    if mesh is not None and any(mesh.size(axis) > 1 for axis in SPREAD_AXES):
+        return True
+    return any(placement_of(p) is not None for p in engine.module.parameters())
 
 
 def consolidated(engine: Engine, dtype: torch.dtype | None, exclude_frozen: bool) -> dict[str, torch.Tensor] | None:
     """The strategy's fp32 gathered parameters, cast to ``dtype``, without frozen ones on request. Collective."""
-    state = engine.strategy.consolidated_state_dict()
+    if is_spread(engine):
+        state = gather_spread(engine, exclude_frozen)
+        exclude_frozen = False  # each rank left out its own frozen parameters
+    else:
+        state = engine.strategy.consolidated_state_dict()
     if state is None:
         return None
     if exclude_frozen:
@@ -32,14 +49,67 @@ def consolidated(engine: Engine, dtype: torch.dtype | None, exclude_frozen: bool
     return state
 
 
+def gather_spread(engine: Engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+    """Whole fp32 parameters on rank 0 from every rank's saved slices (pieces under tp, stages under pp, experts under ep).
+
+    [Note: assembling a spread model] Each rank sends what it would save in a checkpoint (each
+    element of the model once: duplicates stay home) as (name, global shape, box, flat range) plus
+    the values; rank 0 assembles every parameter as the checkpoint reader does. Names keep the
+    order of the ranks (pipeline stages in order), each rank's in its model order. Collective.
+    """
+    from slipstream.engine.checkpoint.layout import assemble
+
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
+    entries, values = [], []
+    for owned in engine.strategy.sharded_state():
+        if owned.duplicate or owned.slice.name in frozen:
+            continue
+        s = owned.slice
+        entries.append({"name": s.name, "shape": list(s.shape), "start": s.start, "numel": s.numel,
+                        "box": {"offsets": list(s.offsets), "sizes": list(s.sizes)}})  # fmt: skip
+        values.append(owned.value.detach().float().reshape(-1).cpu())
+    mine = (entries, torch.cat(values) if values else torch.zeros(0))
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    pieces: dict[str, list[Any]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank_entries, flat in gathered:
+        offset = 0
+        for entry in rank_entries:
+            part = flat[offset : offset + entry["numel"]]
+            offset += entry["numel"]
+            shapes.setdefault(entry["name"], tuple(entry["shape"]))
+            pieces.setdefault(entry["name"], []).append((entry, lambda lo, hi, part=part: part[lo:hi]))
+    return {name: assemble(shapes[name], pieces[name], torch.float32) for name in pieces}
+
+
+def _spread_buffers(engine: Engine) -> dict[str, torch.Tensor] | None:
+    """Persistent buffers by name from every rank (a pipeline stage holds only its own); rank 0's win. Collective."""
+    from slipstream.engine.checkpoint.capture import persistent_buffers
+
+    mine = {name: b.detach().cpu() for name, b in persistent_buffers(engine.module).items()}
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    buffers: dict[str, torch.Tensor] = {}
+    for found in gathered:
+        for name, value in found.items():
+            buffers.setdefault(name, value)
+    return buffers
+
+
 def full_model_state(engine: Engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
     """Parameters in the training dtype plus persistent buffers, on rank 0 (``None`` elsewhere). Collective."""
     from slipstream.engine.checkpoint.capture import persistent_buffers  # shared: what state_dict() holds
 
     state = consolidated(engine, engine.training_dtype, exclude_frozen)
-    if state is None:
+    buffers = _spread_buffers(engine) if is_spread(engine) else persistent_buffers(engine.module)
+    if state is None or buffers is None:
         return None
-    for name, buffer in persistent_buffers(engine.module).items():
+    for name, buffer in buffers.items():
         state[name] = buffer.detach().cpu().clone()
     return {name: value.detach().cpu().contiguous() for name, value in state.items()}
 

@@ -78,12 +78,13 @@ def _body(stage: int, save_dir: str) -> dict:
         engine.backward(engine(x))
         engine.step()
         norms.append(engine.get_global_grad_norm())
+    consolidated = engine.consolidated_state_dict()
     engine.save_checkpoint(save_dir, tag="end")
     dist.barrier()
     with slipstream.zero.GatheredParameters([engine.module.w, engine.module.s]) if stage == 3 else _nothing():
         values = engine.module.w.detach().clone(), engine.module.s.detach().clone()
     engine.close()
-    return {"norms": norms, "w": values[0], "s": values[1]}
+    return {"norms": norms, "w": values[0], "s": values[1], "consolidated": consolidated}
 
 
 class _nothing:
@@ -99,6 +100,10 @@ def test_placed_pieces_train_save_and_count_once(stage: int, tmp_path: Path) -> 
         assert r["norms"] == pytest.approx(norms, rel=1e-5)  # both pieces and s, each once
         torch.testing.assert_close(r["w"], w[ROWS * rank : ROWS * (rank + 1)], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["s"], s, rtol=1e-5, atol=1e-6)
+    assert results[1]["consolidated"] is None
+    assert list(results[0]["consolidated"]) == ["w", "s"]  # whole tensors under their own names, on rank 0
+    torch.testing.assert_close(results[0]["consolidated"]["w"], w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0]["consolidated"]["s"], s, rtol=1e-5, atol=1e-6)
     reader = CheckpointReader(tmp_path / "end")
     assert reader.manifest["parameters"]["w"]["shape"] == [4, 4]  # the global shape, not a piece's
     torch.testing.assert_close(reader.full_param("w"), w, rtol=1e-5, atol=1e-6)  # two boxes, assembled
