@@ -84,7 +84,14 @@ def _body(stage: int, save_dir: str) -> dict:
     with slipstream.zero.GatheredParameters([engine.module.w, engine.module.s]) if stage == 3 else _nothing():
         values = engine.module.w.detach().clone(), engine.module.s.detach().clone()
     engine.close()
-    return {"norms": norms, "w": values[0], "s": values[1], "consolidated": consolidated}
+    # Load into the other layout: each rank now holds the rows the other one saved (boxes re-cut on read).
+    swapped = _Pieces(torch.zeros(ROWS, 4), torch.zeros(3))
+    place(swapped.w, (4, 4), (ROWS * (1 - rank), 0))
+    again = slipstream.initialize(swapped, config, model_parameters=[{"params": [swapped.w], "process_group": own}, {"params": [swapped.s]}])
+    again.load_checkpoint(save_dir, tag="end")
+    reloaded = again.consolidated_state_dict()
+    again.close()
+    return {"norms": norms, "w": values[0], "s": values[1], "consolidated": consolidated, "reloaded": reloaded}
 
 
 class _nothing:
@@ -104,6 +111,8 @@ def test_placed_pieces_train_save_and_count_once(stage: int, tmp_path: Path) -> 
     assert list(results[0]["consolidated"]) == ["w", "s"]  # whole tensors under their own names, on rank 0
     torch.testing.assert_close(results[0]["consolidated"]["w"], w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(results[0]["consolidated"]["s"], s, rtol=1e-5, atol=1e-6)
+    for name in ("w", "s"):  # the swapped layout restored the same global tensors
+        torch.testing.assert_close(results[0]["reloaded"][name], results[0]["consolidated"][name], rtol=0, atol=0)
     reader = CheckpointReader(tmp_path / "end")
     assert reader.manifest["parameters"]["w"]["shape"] == [4, 4]  # the global shape, not a piece's
     torch.testing.assert_close(reader.full_param("w"), w, rtol=1e-5, atol=1e-6)  # two boxes, assembled

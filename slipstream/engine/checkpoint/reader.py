@@ -364,8 +364,12 @@ class CheckpointReader:
         return self.rank_meta(0)["common"]
 
     # ------------------------------------------------------------------ model
-    def check_model(self, module: torch.nn.Module, strict: bool = True) -> None:
-        """Every parameter of ``module`` is in the checkpoint with the same shape (and none extra when ``strict``)."""
+    def check_model(self, module: torch.nn.Module, strict: bool = True, model_names: set[str] | None = None) -> None:
+        """Every parameter of ``module`` is in the checkpoint with the same shape (and none extra when ``strict``).
+
+        ``model_names``: every parameter name of a model spread over ranks (pipeline stages), of which
+        ``module`` holds a part; a saved name is unexpected only when the whole model lacks it.
+        """
         saved = self.manifest["parameters"]
         ours = dict(module.named_parameters())
         for name, p in ours.items():
@@ -376,7 +380,7 @@ class CheckpointReader:
                     f"but {shape} in the model (a different model or model config?)"
                 )
         missing = [n for n in ours if n not in saved]
-        unexpected = [n for n in saved if n not in ours]
+        unexpected = [n for n in saved if n not in (model_names if model_names is not None else ours)]
         # Saved with exclude_frozen_parameters=True: a non-strict load keeps the model's own frozen values.
         frozen_only = bool(missing) and all(not ours[n].requires_grad for n in missing)
         if not strict:
