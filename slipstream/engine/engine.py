@@ -22,6 +22,7 @@ from slipstream.engine.checkpoint.rng import RngState
 from slipstream.engine.checkpoint.target import CheckpointTarget, Counters, TrainState
 from slipstream.engine.config import SlipstreamConfig
 from slipstream.engine.data import DistributedDataLoader
+from slipstream.engine.model_save import is_spread
 from slipstream.engine.monitor import StepRecord, TrainingMonitor
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.precision import DTYPES, LossScaler
@@ -262,6 +263,7 @@ class Engine(torch.nn.Module):
             rng=RngState(self.accelerator.rng_state, self.accelerator.set_rng_state), extra=extra,
             config=self.config.model_dump(mode="json", by_alias=False, exclude_unset=True),
             zero_stage=self.config.zero_optimization.stage, precision=self.config.precision, world_size=self.world_size,
+            spread=is_spread(self),
         )  # fmt: skip
 
     def _train_state(self) -> TrainState:

@@ -17,13 +17,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream.engine.parallel.tensor import packed_piece
+from slipstream.utils.placement import placement_of
+
 Engine = Any  # the Engine calls in here; typing it by name would make an import cycle
+
+
+SPREAD_AXES = ("tp", "pp", "ep")  # the axes that give ranks different parts of the model
+
+
+def is_spread(engine: Engine) -> bool:
+    """Whether ranks hold different parts of the model (tensor, pipeline or expert parallel)."""
+    mesh = getattr(engine, "mesh", None)
+    if mesh is not None and any(mesh.size(axis) > 1 for axis in SPREAD_AXES):
+        return True
+    return any(placement_of(p) is not None for p in engine.module.parameters())
 
 
 def consolidated(engine: Engine, dtype: torch.dtype | None, exclude_frozen: bool) -> dict[str, torch.Tensor] | None:
     """The strategy's fp32 gathered parameters, cast to ``dtype``, without frozen ones on request. Collective."""
-    if _has_pieces(engine):
-        state = assembled_state_dict(engine)
+    if is_spread(engine):
+        state = gather_spread(engine, exclude_frozen)
+        exclude_frozen = False  # each rank left out its own frozen parameters
     else:
         state = engine.strategy.consolidated_state_dict()
     if state is None:
@@ -36,56 +51,85 @@ def consolidated(engine: Engine, dtype: torch.dtype | None, exclude_frozen: bool
     return state
 
 
-def _has_pieces(engine: Engine) -> bool:
-    """True when some rank holds only a piece of a parameter beyond ZeRO (tensor parallel cuts)."""
-    mesh = getattr(engine, "mesh", None)
-    return mesh is not None and mesh.size("tp") > 1
+def gather_spread(engine: Engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+    """Whole fp32 parameters on rank 0 from every rank's saved slices (pieces under tp, stages under pp, experts under ep).
 
-
-def assembled_state_dict(engine: Engine) -> dict[str, torch.Tensor] | None:
-    """Full fp32 weights on rank 0 from every rank's checkpoint slices, each piece put where its placement says. Collective.
-
-    [Note: two phases] ZeRO cuts a rank's tensor-parallel piece into flat ranges over dp, so the
-    ranges are first joined into their piece (keyed by the piece's position), then the piece is
-    written into the global tensor: one box (``utils.placement``) or, for a packed projection, one
-    box per packed part (``parallel.tensor.packed_piece``). Duplicates (``duplicate=True``) and
-    ZeRO-replicated copies on dense ranks other than 0 are not sent.
+    [Note: assembling a spread model] Each rank sends what it would save in a checkpoint (each
+    element of the model once: duplicates stay home) as (name, global shape, box, flat range) plus
+    the values; rank 0 assembles every parameter as the checkpoint reader does. Names keep the
+    order of the ranks (pipeline stages in order), each rank's in its model order. Collective.
     """
-    from slipstream.engine.parallel.tensor import packed_piece
-    from slipstream.utils.placement import global_shape_and_box, is_duplicate
+    from slipstream.engine.checkpoint.layout import assemble
 
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
+    entries, values = [], []
+    packed: list[Any] = []  # pieces of packed projections (tensor parallel): see _assemble_packed
     params = dict(engine.module.named_parameters())
-    dense_rank = dist.get_rank(engine.mesh.dense_group)
-    pieces = []
     for owned in engine.strategy.sharded_state():
-        param = params[owned.slice.name]
-        if is_duplicate(param) or (owned.replicated and dense_rank != 0):
+        if owned.duplicate or owned.slice.name in frozen:
             continue
-        packed = packed_piece(param)
-        shape, box = (packed.global_shape, None) if packed is not None else global_shape_and_box(param)
-        key = (owned.slice.name, box[0] if box is not None else None, packed.offset if packed is not None else None)
-        value = owned.value.detach().float().cpu().clone()
-        pieces.append((key, shape, tuple(param.shape), box, packed, owned.slice.start, value))
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(pieces, gathered, dst=0)
-    if gathered is None:
+        piece = packed_piece(params[owned.slice.name]) if owned.slice.name in params else None
+        if piece is not None:
+            value = owned.value.detach().float().reshape(-1).cpu()
+            packed.append((owned.slice.name, piece, tuple(params[owned.slice.name].shape), owned.slice.start, value))
+            continue
+        s = owned.slice
+        entries.append({"name": s.name, "shape": list(s.shape), "start": s.start, "numel": s.numel,
+                        "box": {"offsets": list(s.offsets), "sizes": list(s.sizes)}})  # fmt: skip
+        values.append(owned.value.detach().float().reshape(-1).cpu())
+    mine = (entries, torch.cat(values) if values else torch.zeros(0), packed)
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
         return None
-    locals_: dict[Any, tuple[tuple[int, ...], tuple[int, ...], Any, Any, torch.Tensor]] = {}
-    for key, shape, local_shape, box, packed, start, value in (p for rank_pieces in gathered for p in rank_pieces):
-        entry = locals_.setdefault(key, (shape, local_shape, box, packed, torch.zeros(math.prod(local_shape))))
-        entry[4][start : start + value.numel()] = value
+    pieces: dict[str, list[Any]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank_entries, flat, _ in gathered:
+        offset = 0
+        for entry in rank_entries:
+            part = flat[offset : offset + entry["numel"]]
+            offset += entry["numel"]
+            shapes.setdefault(entry["name"], tuple(entry["shape"]))
+            pieces.setdefault(entry["name"], []).append((entry, lambda lo, hi, part=part: part[lo:hi]))
+    state = {name: assemble(shapes[name], pieces[name], torch.float32) for name in pieces}
+    state.update(_assemble_packed([p for _, _, rank_packed in gathered for p in rank_packed]))
+    return {name: state[name] for name in params if name in state} if params else state
+
+
+def _assemble_packed(found: list[Any]) -> dict[str, torch.Tensor]:
+    """Packed projections (GPT-2's ``c_attn`` = Q|K|V under tensor parallel): a rank's piece is one box per part.
+
+    [Note: packed pieces] ``utils.placement`` describes a piece as one box, and this rank's
+    columns of Q, K and V are three; such parameters are left unplaced and carry a
+    ``parallel.tensor.PackedPiece`` instead. ZeRO's flat ranges are joined into the rank's piece
+    (keyed by its offset within a part), then each part goes to its box.
+    """
+    local: dict[tuple[str, int], tuple[Any, tuple[int, ...], torch.Tensor]] = {}
+    for name, piece, local_shape, start, value in found:
+        entry = local.setdefault((name, piece.offset), (piece, local_shape, torch.zeros(math.prod(local_shape))))
+        entry[2][start : start + value.numel()] = value
     state: dict[str, torch.Tensor] = {}
-    for (name, _, _), (shape, local_shape, box, packed, flat) in locals_.items():
-        full = state.setdefault(name, torch.zeros(shape))
-        local = flat.view(local_shape)
-        if packed is not None:
-            for global_index, local_index in packed.boxes(local_shape):
-                full[global_index] = local[local_index]
-        elif box is None:
-            full.copy_(local)
-        else:
-            full[tuple(slice(o, o + n) for o, n in zip(box[0], box[1]))] = local
-    return {name: state[name] for name in params if name in state}
+    for (name, _), (piece, local_shape, flat) in local.items():
+        full = state.setdefault(name, torch.zeros(piece.global_shape))
+        for global_index, local_index in piece.boxes(local_shape):
+            full[global_index] = flat.view(local_shape)[local_index]
+    return state
+
+
+def _spread_buffers(engine: Engine) -> dict[str, torch.Tensor] | None:
+    """Persistent buffers by name from every rank (a pipeline stage holds only its own); rank 0's win. Collective."""
+    from slipstream.engine.checkpoint.capture import persistent_buffers
+
+    mine = {name: b.detach().cpu() for name, b in persistent_buffers(engine.module).items()}
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    buffers: dict[str, torch.Tensor] = {}
+    for found in gathered:
+        for name, value in found.items():
+            buffers.setdefault(name, value)
+    return buffers
 
 
 def full_model_state(engine: Engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
@@ -93,9 +137,10 @@ def full_model_state(engine: Engine, exclude_frozen: bool = False) -> dict[str, 
     from slipstream.engine.checkpoint.capture import persistent_buffers  # shared: what state_dict() holds
 
     state = consolidated(engine, engine.training_dtype, exclude_frozen)
-    if state is None:
+    buffers = _spread_buffers(engine) if is_spread(engine) else persistent_buffers(engine.module)
+    if state is None or buffers is None:
         return None
-    for name, buffer in persistent_buffers(engine.module).items():
+    for name, buffer in buffers.items():
         state[name] = buffer.detach().cpu().clone()
     return {name: value.detach().cpu().contiguous() for name, value in state.items()}
 

@@ -17,6 +17,7 @@ from slipstream.engine.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, enc
 from slipstream.engine.checkpoint.layout import piece_key
 from slipstream.engine.checkpoint.target import CheckpointTarget
 from slipstream.engine.zero.slices import OwnedSlice
+from slipstream.utils.placement import global_shape_and_box
 from slipstream.version import __version__
 
 LOADER_STATE = "training_dataloader"
@@ -41,7 +42,7 @@ def capture(
     slices = []
     frozen = {n for n, p in target.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
     for owned in target.shards.sharded_state():
-        if (owned.replicated and rank != 0) or owned.slice.name in frozen:
+        if owned.duplicate or owned.slice.name in frozen:  # another rank saves a duplicate
             continue
         slices.append(_capture_slice(owned, target.shards.slice_optimizer_state(owned), tensors))
     meta: dict[str, Any] = {"rank": rank, "world_size": target.world_size, "slices": slices}
@@ -117,7 +118,6 @@ def _capture_common(target: CheckpointTarget, client_state: dict[str, Any] | Non
 def _manifest_body(target: CheckpointTarget, tag: str) -> dict[str, Any]:
     module = target.module
     names = {id(p): n for n, p in module.named_parameters()}
-    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     counters = target.counters.record()
     return {
         "format": FORMAT_NAME,
@@ -132,8 +132,47 @@ def _manifest_body(target: CheckpointTarget, tag: str) -> dict[str, Any]:
         "global_steps": counters.global_steps,
         "micro_steps": counters.micro_steps,
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
+        **_module_entries(module, names),
+    }
+
+
+def merge_spread_manifest(payload: Payload, target: CheckpointTarget, exclude_frozen: bool = False) -> None:
+    """Rank 0's manifest lists every rank's parameters and their state-dict keys. Collective.
+
+    [Note: the manifest of a spread model] Under pipeline parallelism rank 0 holds only the first
+    stage, so its own module cannot describe the checkpoint: each rank sends the manifest entries of
+    its module (global shapes: a tensor-parallel piece is described as its whole tensor) and rank 0
+    takes the union, its own entries first. Entries of one name agree (they describe one tensor).
+    Persistent buffers are rank 0's only (it alone saves buffer values); the models this serves
+    (transformers' GPT-2, Llama, Mixtral) keep no persistent buffers outside the first stage.
+    """
+    import torch.distributed as dist
+
+    module = target.module
+    names = {id(p): n for n, p in module.named_parameters()}
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
+    body = _module_entries(module, names)
+    mine = {  # buffers are rank 0's alone: it saves their values (see _capture_common)
+        "parameters": {n: v for n, v in body["parameters"].items() if n not in frozen},
+        "state_dict_keys": {k: v for k, v in body["state_dict_keys"].items() if "param" in v and v["param"] not in frozen},
+    }
+    gathered: list[Any] = [None] * dist.get_world_size() if payload.rank == 0 else []
+    dist.gather_object(mine, gathered if payload.rank == 0 else None, dst=0)
+    if payload.manifest is None:
+        return
+    for part in gathered:
+        for field in ("parameters", "state_dict_keys"):
+            merged = payload.manifest[field]
+            for key, value in part[field].items():
+                merged.setdefault(key, value)
+
+
+def _module_entries(module: torch.nn.Module, names: dict[int, str]) -> dict[str, Any]:
+    """The manifest's description of ``module``: parameters (global shapes), persistent buffers, state-dict keys."""
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    return {
         "parameters": {
-            n: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "trainable": n in trainable}
+            n: {"shape": list(global_shape_and_box(p)[0]), "dtype": str(p.dtype).removeprefix("torch."), "trainable": n in trainable}
             for n, p in module.named_parameters()
         },
         "buffers": {

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from slipstream.engine.checkpoint import writer
-from slipstream.engine.checkpoint.capture import Payload, capture
+from slipstream.engine.checkpoint.capture import Payload, capture, merge_spread_manifest
 from slipstream.engine.checkpoint.reader import CheckpointReader, complete_checkpoints, latest_tag, resolve
 from slipstream.engine.checkpoint.restore import restore
 from slipstream.engine.checkpoint.snapshot import GuardedTensors
@@ -105,6 +105,8 @@ class CheckpointManager:
             )  # fmt: skip
         # e.g. a client_state value that needs pickle: rank 0 alone captures it, every rank must raise
         payload = _agree(lambda: capture(target, rank, tag, client_state, exclude_frozen), "capturing the state to save")
+        if target.spread:
+            merge_spread_manifest(payload, target, exclude_frozen)
         self._lock = _agree(lambda: writer.prepare(save_dir, tag) if rank == 0 else None, "preparing the checkpoint directory")
         tmp = writer.temp_dir(save_dir, tag)
         final = save_dir / tag

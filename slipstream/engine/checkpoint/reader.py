@@ -35,6 +35,7 @@ from slipstream.engine.checkpoint.layout import LayoutError, assemble, check_key
 from slipstream.engine.checkpoint.tags import TagError, check_load_tag, tag_problem
 from slipstream.engine.checkpoint.validate import CheckpointError, check_manifest, check_rank_meta
 from slipstream.engine.zero.slices import ParamSlice
+from slipstream.utils.placement import global_shape_and_box
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt")
 
@@ -363,18 +364,23 @@ class CheckpointReader:
         return self.rank_meta(0)["common"]
 
     # ------------------------------------------------------------------ model
-    def check_model(self, module: torch.nn.Module, strict: bool = True) -> None:
-        """Every parameter of ``module`` is in the checkpoint with the same shape (and none extra when ``strict``)."""
+    def check_model(self, module: torch.nn.Module, strict: bool = True, model_names: set[str] | None = None) -> None:
+        """Every parameter of ``module`` is in the checkpoint with the same shape (and none extra when ``strict``).
+
+        ``model_names``: every parameter name of a model spread over ranks (pipeline stages), of which
+        ``module`` holds a part; a saved name is unexpected only when the whole model lacks it.
+        """
         saved = self.manifest["parameters"]
         ours = dict(module.named_parameters())
         for name, p in ours.items():
-            if name in saved and tuple(saved[name]["shape"]) != tuple(p.shape):
+            shape = global_shape_and_box(p)[0]  # a tensor/expert-parallel piece is compared as its whole tensor
+            if name in saved and tuple(saved[name]["shape"]) != shape:
                 raise CheckpointError(
                     f"checkpoint {self.path}: parameter {name!r} has shape {tuple(saved[name]['shape'])} in the checkpoint "
-                    f"but {tuple(p.shape)} in the model (a different model or model config?)"
+                    f"but {shape} in the model (a different model or model config?)"
                 )
         missing = [n for n in ours if n not in saved]
-        unexpected = [n for n in saved if n not in ours]
+        unexpected = [n for n in saved if n not in (model_names if model_names is not None else ours)]
         # Saved with exclude_frozen_parameters=True: a non-strict load keeps the model's own frozen values.
         frozen_only = bool(missing) and all(not ours[n].requires_grad for n in missing)
         if not strict:

@@ -47,10 +47,11 @@ def restore(
     fails, e.g. on a corrupt file only it reads), then applied: no rank is left in a collective.
     """
     owned = target.shards.sharded_state()
+    model_names = _model_names(target) if target.spread else None
 
     def read_all() -> _Decoded:
         return _read(target, reader, rank, owned, strict=strict, optimizer=optimizer and not module_only,
-                     scheduler=scheduler, module_only=module_only)  # fmt: skip
+                     scheduler=scheduler, module_only=module_only, model_names=model_names)  # fmt: skip
 
     decoded = agree(read_all, "reading the checkpoint") if agree is not None else read_all()
     _apply_stateful(decoded.stateful, reader)
@@ -69,11 +70,21 @@ def restore(
 # --------------------------------------------------------------------------- read and check
 
 
+def _model_names(target: CheckpointTarget) -> set[str]:
+    """The parameter names of the whole spread model (a pipeline stage holds only its own). Collective."""
+    import torch.distributed as dist
+
+    mine = [n for n, _ in target.module.named_parameters()]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {n for names in every for n in names}
+
+
 def _read(
     target: CheckpointTarget, reader: CheckpointReader, rank: int, owned: list[OwnedSlice], *, strict: bool, optimizer: bool,
-    scheduler: bool, module_only: bool,
+    scheduler: bool, module_only: bool, model_names: set[str] | None = None,
 ) -> _Decoded:  # fmt: skip
-    reader.check_model(target.module, strict=strict)
+    reader.check_model(target.module, strict=strict, model_names=model_names)
     saved = reader.manifest["parameters"]  # a frozen parameter left out (non-strict load) keeps its value
     values = {o.slice: reader.read_param(o.slice) if o.slice.name in saved else o.value.detach().clone() for o in owned}
     common = reader.common()

@@ -82,3 +82,4 @@ class CheckpointTarget:
     zero_stage: int
     precision: str
     world_size: int
+    spread: bool = False  # ranks hold different parts of the model (tp/pp/ep): the manifest is the union of every rank's

@@ -24,10 +24,12 @@ from slipstream.engine.zero.params import (
     optimizer_state_bytes,
     slice_state,
 )
-from slipstream.engine.zero.sharding_groups import reduce_flags
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream import comm
+from slipstream.engine.zero.sharding_groups import first_of, model_spread, reduce_flags
+from slipstream.engine.zero.slices import OwnedSlice, ParamSlice, slice_of
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.utils.logging import get_logger
+from slipstream.utils.placement import is_duplicate, placement_of
 
 logger = get_logger(__name__)
 
@@ -46,7 +48,7 @@ class DataParallelStrategy(ShardingStrategy):
         params = TrainableParams(module, groups, self.group)
         self.names, self.trainable, self.index = params.names, params.trainable, params.index
         self.low_precision = any(p.dtype != torch.float32 for p in self.trainable)
-        group_of = {id(p): g.sharding_group(self.group) for g in groups for p in g.params}
+        self.group_of = group_of = {id(p): g.sharding_group(self.group) for g in groups for p in g.params}
         self.reducer = BucketedAllReduce(
             self.trainable,
             torch.float32,
@@ -65,6 +67,7 @@ class DataParallelStrategy(ShardingStrategy):
             self.masters = self.trainable
         self.optimizer = bind_optimizer(optimizer, groups, self.index, lambda i: [self.masters[i]])
         self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=self.reducer.buffer.device)
+        self.spread = model_spread(list(module.parameters()), self.group)
         self.sync = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
         self.zero_grad()
@@ -100,7 +103,16 @@ class DataParallelStrategy(ShardingStrategy):
     def global_grad_norm(self) -> torch.Tensor:
         # Gradients are replicated after the all-reduce, so the norm needs no collective. Unused
         # parameters' slots are zero and add nothing.
-        return torch.linalg.vector_norm(self.reducer.buffer)
+        if not self.spread:
+            return torch.linalg.vector_norm(self.reducer.buffer)
+        # [Note: the norm of a spread model] (sharding_groups.py): each rank adds what it saves, and
+        # one sum over the world counts every element once.
+        total = torch.zeros(1, dtype=torch.float32, device=self.reducer.buffer.device)
+        for p, view in zip(self.trainable, self.reducer.views):
+            if self._saves(p):
+                total += torch.linalg.vector_norm(view, dtype=torch.float32) ** 2
+        comm.all_reduce(total, tag="gradient norm").wait()
+        return total.sqrt()[0]
 
     def scale_gradients(self, factor: float) -> None:
         if factor != 1.0:
@@ -129,14 +141,26 @@ class DataParallelStrategy(ShardingStrategy):
         }
 
     def sharded_state(self) -> list[OwnedSlice]:
-        # Every rank holds everything: all slices are whole parameters, replicated.
+        # Every rank of the group holds everything: all slices are whole parameters (whole pieces,
+        # under tensor/pipeline/expert parallel), replicated; the group's first rank saves them.
         master_of = {id(p): m for p, m in zip(self.trainable, self.masters)}
         owned = []
         for name, p in self.module.named_parameters():
             master = master_of.get(id(p))
             value = (master if master is not None else p).detach().view(-1)
-            owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), value, master, replicated=True))
+            owned.append(OwnedSlice(slice_of(name, p), value, master, replicated=True, duplicate=not self._saves(p)))
         return owned
+
+    def _saves(self, param: torch.Tensor) -> bool:
+        """Whether this rank saves ``param`` (and counts it in a spread model's norm).
+
+        Every rank of a parameter's group holds it whole. An unplaced parameter is saved by the
+        default group's first rank, as before any parallelism (its subgroups' replicas are equal); a
+        placed piece by the first rank of its own group, unless it is a duplicate.
+        """
+        if placement_of(param) is None:
+            return first_of(self.group)
+        return not is_duplicate(param) and first_of(self.group_of.get(id(param), self.group))
 
     def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:
         return slice_state(self.optimizer, owned.optimizer_param)

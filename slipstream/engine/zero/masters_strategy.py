@@ -16,10 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream import comm
 from slipstream.engine.zero.masters import MasterWeights
-from slipstream.engine.zero.sharding_groups import is_replica, sum_over_groups
+from slipstream.engine.zero.sharding_groups import is_replica, model_spread, sum_over_groups
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.strategy import ShardingOptions, ShardingStrategy
+from slipstream.utils.placement import is_duplicate, placement_of
+
+Piece = tuple[torch.Tensor, ParamSlice, int, "dist.ProcessGroup | None"]  # (parameter, slice, partition offset, sharding group)
 
 
 class MastersStrategy(ShardingStrategy):
@@ -34,19 +38,54 @@ class MastersStrategy(ShardingStrategy):
     def _show_masters(self) -> None:
         """This rank's parameter chunks were just written from the masters: make every rank's parameters whole."""
 
+    @abc.abstractmethod
+    def _pieces(self) -> list[Piece]:
+        """Every piece of this rank's partition (frozen parameters' too), in partition order."""
+
     def global_grad_norm(self) -> torch.Tensor:
-        partials = [(group, self.masters.grad_norm_squared(lo, hi)) for group, lo, hi in self._ranges()]
-        return sum_over_groups(partials).sqrt()[0]
+        counted = self._counted_ranges()
+        if counted is None:  # one sum per sharding group counts each element once
+            partials = [(group, self.masters.grad_norm_squared(lo, hi)) for group, lo, hi in self._ranges()]
+            return sum_over_groups(partials).sqrt()[0]
+        total = torch.zeros(1, dtype=torch.float32, device=self.used.device)
+        for lo, hi in counted:
+            total += self.masters.grad_norm_squared(lo, hi)
+        comm.all_reduce(total, tag="gradient norm").wait()  # [Note: the norm of a spread model]
+        return total.sqrt()[0]
+
+    def _counted_ranges(self) -> list[tuple[int, int]] | None:
+        """For a spread model, the partition ranges this rank counts in the norm (merged); else None."""
+        if not hasattr(self, "_counted"):
+            pieces = self._pieces()
+            self._counted: list[tuple[int, int]] | None = None
+            if model_spread([p for p, *_ in pieces], self.options.group):
+                ranges: list[tuple[int, int]] = []
+                for param, where, offset, group in pieces:
+                    if self._duplicate(param, group):
+                        continue
+                    if ranges and ranges[-1][1] == offset:
+                        ranges[-1] = (ranges[-1][0], offset + where.numel)
+                    else:
+                        ranges.append((offset, offset + where.numel))
+                self._counted = ranges
+        return self._counted
+
+    def _duplicate(self, param: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+        """Saved elsewhere: a piece its placement marks duplicate, or (unplaced) another subgroup's replica."""
+        if placement_of(param) is not None:
+            return is_duplicate(param)
+        return is_replica(group, self.options.group)
 
     def scale_gradients(self, factor: float) -> None:
         self.masters.scale_gradients(factor)
 
-    def _owned_slices(self, pieces: list[tuple[ParamSlice, int, dist.ProcessGroup | None]]) -> list[OwnedSlice]:
-        """One slice per ``(slice, partition offset, sharding group)``; replicas of another subgroup's are marked."""
-        owned = self.masters.owned_slices([(piece, offset) for piece, offset, _ in pieces])
+    def _owned_slices(self) -> list[OwnedSlice]:
+        """One slice per piece; what another rank saves (see ``_duplicate``) is marked."""
+        pieces = self._pieces()
+        owned = self.masters.owned_slices([(where, offset) for _, where, offset, _ in pieces])
         return [
-            dataclasses.replace(o, replicated=True) if is_replica(group, self.options.group) else o
-            for o, (_, _, group) in zip(owned, pieces)
+            dataclasses.replace(o, duplicate=True) if self._duplicate(param, group) else o
+            for o, (param, _, _, group) in zip(owned, pieces)
         ]
 
     def slice_optimizer_state(self, owned: OwnedSlice) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec
 from slipstream.utils.logging import get_logger
+from slipstream.utils.placement import placement_of
 
 logger = get_logger(__name__)
 
@@ -22,7 +23,7 @@ class TrainableParams:
     """
 
     def __init__(self, module: torch.nn.Module, groups: list[ParamGroupSpec], group: dist.ProcessGroup | None) -> None:
-        broadcast_module_state(module, group)
+        broadcast_module_state(module, group, placed_groups(groups, group))
         named = list(module.named_parameters())
         self.names = {id(p): n for n, p in named}
         self.trainable = [p for _, p in named if p.requires_grad]
@@ -30,11 +31,37 @@ class TrainableParams:
         check_groups(groups, self.index, self.names)
 
 
-def broadcast_module_state(module: torch.nn.Module, group: dist.ProcessGroup | None, parameters: bool = True) -> None:
-    """Make every rank start from rank 0's parameters and buffers (one broadcast per dtype)."""
-    if dist.get_world_size(group) == 1:
+def placed_groups(groups: list[ParamGroupSpec], default: dist.ProcessGroup | None) -> dict[int, dist.ProcessGroup | None]:
+    """The sharding group of each placed parameter (utils/placement.py), by ``id``."""
+    return {id(p): g.sharding_group(default) for g in groups for p in g.params if placement_of(p) is not None}
+
+
+def broadcast_module_state(
+    module: torch.nn.Module, group: dist.ProcessGroup | None, placed: dict[int, dist.ProcessGroup | None] | None = None,
+    parameters: bool = True,
+) -> None:  # fmt: skip
+    """Make every rank start from its group's first rank's parameters and buffers (one broadcast per dtype).
+
+    ``placed``: parameters that are pieces (tensor/expert parallel) and the group that holds the
+    same piece; they are broadcast over that group only, since other ranks of ``group`` hold other
+    pieces (rank 0's expert 0 must not overwrite rank 1's expert 2). A placed parameter in no
+    optimizer group keeps the value its rank built.
+    """
+    placed = placed or {}
+    tensors = [t for t in (*(module.parameters() if parameters else ()), *module.buffers()) if placement_of(t) is None]
+    _broadcast(tensors, group)
+    if parameters and placed:
+        by_group: dict[int, tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
+        for p in module.parameters():
+            if id(p) in placed:
+                by_group.setdefault(id(placed[id(p)]), (placed[id(p)], []))[1].append(p)
+        for own, params in by_group.values():
+            _broadcast(params, own)
+
+
+def _broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    if dist.get_world_size(group) == 1 or not tensors:
         return
-    tensors = [t for t in (*(module.parameters() if parameters else ()), *module.buffers())]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

@@ -28,9 +28,10 @@ from slipstream.engine.zero.offload.chunks import join
 from slipstream.engine.zero.offload.swap_dir import shared_job_id
 from slipstream.engine.zero.params import TrainableParams, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
-from slipstream.engine.zero.masters_strategy import MastersStrategy
-from slipstream.engine.zero.sharding_groups import reduce_flags, split_by_group
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.zero.masters_strategy import MastersStrategy, Piece
+from slipstream.engine.zero.sharding_groups import first_of, reduce_flags, split_by_group
+from slipstream.utils.placement import is_duplicate
+from slipstream.engine.zero.slices import OwnedSlice, slice_of
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions
 from slipstream.utils.logging import get_logger
 
@@ -154,17 +155,22 @@ class PartitionedStrategy(MastersStrategy):
             state[name] = value.detach().float().clone()
         return state
 
-    def sharded_state(self) -> list[OwnedSlice]:
-        pieces = []
+    def _pieces(self) -> list[Piece]:
+        pieces: list[Piece] = []
         for part in self.parts:
             for piece in part.layout.pieces:
                 p = self.trainable[piece.index]
-                where = ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel)
-                pieces.append((where, part.base + piece.shard_offset, part.group))
-        owned = self._owned_slices(pieces)
+                where = slice_of(self.names[id(p)], p, piece.param_offset, piece.numel)
+                pieces.append((p, where, part.base + piece.shard_offset, part.group))
+        return pieces
+
+    def sharded_state(self) -> list[OwnedSlice]:
+        owned = self._owned_slices()
+        saver = first_of(self.options.group)
         for name, p in self.module.named_parameters():  # frozen or outside every optimizer group: replicated
             if self.index.get(id(p)) not in self.part_of:
-                owned.append(OwnedSlice(ParamSlice(name, tuple(p.shape), 0, p.numel()), p.detach().view(-1), None, replicated=True))
+                duplicate = not saver or is_duplicate(p)
+                owned.append(OwnedSlice(slice_of(name, p), p.detach().view(-1), None, replicated=True, duplicate=duplicate))
         return owned
 
     def memory_breakdown(self) -> dict[str, int]:

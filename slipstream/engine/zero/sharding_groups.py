@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.zero.strategy import ParamGroupSpec
+from slipstream.utils.placement import placement_of
 
 
 @dataclasses.dataclass
@@ -64,15 +65,36 @@ def sum_over_groups(partials: list[tuple[dist.ProcessGroup | None, torch.Tensor]
     return total
 
 
+def first_of(group: dist.ProcessGroup | None) -> bool:
+    """Whether this rank is the first of ``group`` (None: the world): the one that saves what the group replicates."""
+    return dist.get_rank() == (0 if group is None else dist.get_process_group_ranks(group)[0])
+
+
+def model_spread(params: list[torch.Tensor], default: dist.ProcessGroup | None) -> bool:
+    """Whether ranks outside the default group hold other parts of the model (tp/pp/ep pieces).
+
+    [Note: the norm of a spread model] Without tensor, pipeline or expert parallelism every rank
+    of the default group holds (a shard of) the same parameters, and one sum per sharding group
+    counts each element once. When the model is spread (the default group does not span the world,
+    or some parameter is a placed piece), each rank adds the elements it would *save* (never a
+    duplicate, never another subgroup's replica) and one sum over the world counts each element of
+    the whole model exactly once, whatever the mesh. The answer is the same on every rank of the
+    world, so it is decided from facts every rank shares (the mesh and the kind of model).
+    """
+    if default is not None and dist.get_world_size(default) != dist.get_world_size():
+        return True
+    return any(placement_of(p) is not None for p in params)
+
+
 def is_replica(group: dist.ProcessGroup | None, default: dist.ProcessGroup | None) -> bool:
     """Whether this rank's partition over ``group`` is a replica that another subgroup's ranks save.
 
     [Note: replicas across subgroups] Every rank of the default group holds the same parameters, so
     a parameter group sharded over subgroups of it ({0,1} and {2,3} of four ranks) exists once per
     subgroup. A checkpoint must hold each element once: the subgroup with the default group's first
-    rank saves, the others mark their slices ``replicated`` (saved by global rank 0 only, which is
-    never one of them; loaded by every rank). Expert parallelism will need its own rule: experts in
-    different subgroups are different parameters, not replicas.
+    rank saves, the others mark their slices ``duplicate`` (never saved by them; loaded by every
+    rank). Placed pieces (utils/placement.py) skip this rule: experts in different subgroups are
+    different parameters, not replicas, and their placement says which copy is a duplicate.
     """
     if group is default:
         return False

@@ -18,6 +18,8 @@ import dataclasses
 
 import torch
 
+from slipstream.utils.placement import global_shape_and_box
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamSlice:
@@ -54,10 +56,20 @@ class OwnedSlice:
     (frozen ones, or strategies without masters); writing into it and calling the strategy's
     ``refresh_from_masters`` makes the model see the new weights. ``optimizer_param`` is the tensor
     the optimizer steps for this slice (the key of ``optimizer.state``), ``None`` for frozen ones.
-    ``replicated`` slices exist identically on every rank: only rank 0 saves them, every rank loads.
+    ``replicated`` slices exist whole on every rank of the strategy's group (every rank loads them).
+    ``duplicate`` slices are saved by another rank (a replica of a replicated slice, another
+    subgroup's copy, a piece ``utils/placement.py`` marks duplicate): this rank neither saves them
+    nor counts them in the gradient norm, so a checkpoint and the norm hold each element once.
     """
 
     slice: ParamSlice
     value: torch.Tensor
     optimizer_param: torch.Tensor | None
     replicated: bool = False
+    duplicate: bool = False
+
+
+def slice_of(name: str, param: torch.Tensor, start: int = 0, numel: int | None = None) -> ParamSlice:
+    """Elements ``[start, start + numel)`` of ``param`` as a slice of its global tensor (its placement's box)."""
+    shape, box = global_shape_and_box(param)
+    return ParamSlice(name, shape, start, param.numel() if numel is None else numel, box)

@@ -20,11 +20,11 @@ from slipstream.engine.zero.layout import FlatLayout
 from slipstream.engine.zero.masters import build_masters
 from slipstream.engine.zero.offload.param_store import open_param_store
 from slipstream.engine.zero.offload.swap_dir import shared_job_id
-from slipstream.engine.zero.params import broadcast_module_state, check_groups, single_dtype
+from slipstream.engine.zero.params import broadcast_module_state, check_groups, placed_groups, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
-from slipstream.engine.zero.masters_strategy import MastersStrategy
+from slipstream.engine.zero.masters_strategy import MastersStrategy, Piece
 from slipstream.engine.zero.sharding_groups import reduce_flags
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.zero.slices import OwnedSlice, slice_of
 from slipstream.engine.zero.stage3.gathered import PartitionedUnits
 from slipstream.engine.zero.stage3.hooks import UnitHooks
 from slipstream.engine.zero.stage3.reducer import UnitReducer
@@ -62,7 +62,8 @@ class Stage3Strategy(MastersStrategy):
         check_groups(groups, self.index, self.names)
         self.dtype = single_dtype(managed, 3)
         device = managed[0].device if managed else torch.device("cpu")
-        broadcast_module_state(module, options.group, parameters=preshard is None)  # rank 0's weights win
+        # rank 0's weights win (a placed piece's: its group's first rank)
+        broadcast_module_state(module, options.group, placed_groups(groups, options.group), parameters=preshard is None)
         group_of = {id(p): g.sharding_group(options.group) for g in groups for p in g.params}
         sharded = shard_units(split_units(specs, lambda p: group_of.get(id(p), options.group)), self.dtype, device, preshard)
         self.units, self.groups, self.managed = sharded.units, sharded.groups, sharded.managed
@@ -168,14 +169,17 @@ class Stage3Strategy(MastersStrategy):
             return None
         return {name: state[name] for name, _ in self.module.named_parameters()}  # the model's order
 
-    def sharded_state(self) -> list[OwnedSlice]:
-        pieces = []
+    def _pieces(self) -> list[Piece]:
+        pieces: list[Piece] = []
         for g in self.groups:  # frozen parameters too: they are partitioned like the rest
             for piece in g.layout.pieces:
                 p = self.managed[piece.index]
-                where = ParamSlice(self.names[id(p)], tuple(p.shape), piece.param_offset, piece.numel)
-                pieces.append((where, g.base + piece.shard_offset, g.lanes.group))
-        return self._owned_slices(pieces)
+                where = slice_of(self.names[id(p)], p, piece.param_offset, piece.numel)
+                pieces.append((p, where, g.base + piece.shard_offset, g.lanes.group))
+        return pieces
+
+    def sharded_state(self) -> list[OwnedSlice]:
+        return self._owned_slices()
 
     def memory_breakdown(self) -> dict[str, int]:
         persistent = sum(u.nbytes for u in self.persistent)
