@@ -93,7 +93,7 @@ def gather_spread(engine: Engine, exclude_frozen: bool = False) -> dict[str, tor
             pieces.setdefault(entry["name"], []).append((entry, lambda lo, hi, part=part: part[lo:hi]))
     state = {name: assemble(shapes[name], pieces[name], torch.float32) for name in pieces}
     state.update(_assemble_packed([p for _, _, rank_packed in gathered for p in rank_packed]))
-    return {name: state[name] for name in params if name in state} if params else state
+    return state
 
 
 def _assemble_packed(found: list[Any]) -> dict[str, torch.Tensor]:

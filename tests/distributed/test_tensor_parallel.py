@@ -1,13 +1,17 @@
 """Tensor parallel (and Megatron sequence parallel) trains unchanged models like one process.
 
 Every case trains against ``train_reference`` on the same global batches: losses per step within
-1e-5 relative, final weights within 1e-5 (bf16: the tolerance of test_data_parallel). Plan
+1e-5 relative, final weights within 5e-5 absolute / 1e-4 relative (test_zero_groups' limits: Adam
+turns the rounding of a gradient near zero into an update of up to lr·g/(|g|+eps), so one element
+in ~16k drifts ~2e-5 in 10 steps even where the gradients agree to 1e-7; bf16: the tolerance of
+test_data_parallel). Plan
 coverage, exact local parameter counts, collective counts and bytes, and the saved activation
 bytes of the norms are pinned in the same runs (one pool per world size, to keep CPU time low).
 """
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +22,14 @@ import torch.distributed as dist
 import slipstream
 from slipstream.comm import comms_log
 from slipstream.engine.parallel.tensor.layers import ShardedLinear, VocabEmbedding, VocabHead
-from tests.distributed.tp_cases import BUILDERS, MLP_PARTITION, config, train
+from tests.distributed.tp_cases import BUILDERS, MLP_PARTITION, config, reference, train
 from tests.harness import run_distributed
-from tests.reference import SEQ, assert_close_trajectory, global_batches, train_reference
+from tests.reference import SEQ, assert_close_trajectory, global_batches
 
 STEPS = 10
 MICRO = 4
 HIDDEN = 64
+PARAM_ATOL, PARAM_RTOL = 5e-5, 1e-4
 
 
 def _plan_of(model: torch.nn.Module) -> dict[str, tuple[str, int]]:
@@ -53,12 +58,13 @@ class _NormSaved:
     def __init__(self, norms: list[torch.nn.Module]) -> None:
         self.inside = 0
         self.bytes = 0
+        self.weights = {id(p) for norm in norms for p in norm.parameters()}  # saved too, but not activations
         for norm in norms:
             norm.register_forward_pre_hook(lambda m, a: setattr(self, "inside", self.inside + 1))
             norm.register_forward_hook(lambda m, a, o: setattr(self, "inside", self.inside - 1))
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self.inside:
+        if self.inside and id(t) not in self.weights:
             self.bytes += t.numel() * t.element_size()
         return t
 
@@ -104,8 +110,8 @@ def _world2_body() -> list[dict[str, Any]]:
     ]
 
 
-def _reference(model_name: str, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> Any:
-    return train_reference(BUILDERS[model_name](seed=0), batches, lr=1e-3, weight_decay=0.0, dtype=dtype)
+def _reference(model_name: str, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32, clip: float = 0.0) -> Any:
+    return reference(BUILDERS[model_name](seed=0), batches, dtype, clip)
 
 
 def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
@@ -113,7 +119,7 @@ def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     batches = global_batches(STEPS, MICRO)
     refs = {name: _reference(name, batches) for name in ("llama", "gpt2", "mlp")}
     for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp")):
-        assert_close_trajectory(_as_trajectory(results[name]), refs[model_name], loss_rtol=1e-5, param_atol=1e-5, param_rtol=1e-5)
+        assert_close_trajectory(_as_trajectory(results[name]), refs[model_name], loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
         assert results[name]["losses"][-1] < results[name]["losses"][0] - 0.1
     bf16 = _reference("llama", batches, torch.bfloat16)
     assert_close_trajectory(_as_trajectory(results["llama-bf16"]), bf16, loss_rtol=1e-3, param_rel_norm=2e-2)
@@ -154,7 +160,13 @@ def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     tp_moved, sp_moved = results["llama"]["traffic"]["block_moved"], results["llama-sp"]["traffic"]["block_moved"]
     assert tp_moved == 2 * (4 * 4 + 2) * bsh and sp_moved == tp_moved  # ratio 1.00
     sp_ops = results["llama-sp"]["traffic"]["ops"]
-    assert sum(1 for o in sp_ops if o[2].startswith("sp gather")) == 2 * 4 and sum(1 for o in sp_ops if o[2].startswith("sp reduce-scatter")) == 2 * 4
+    counted = collections.Counter((op, tag) for op, nbytes, tag in sp_ops if nbytes == bsh)
+    assert counted == {  # per block 2 gathers + 2 reduce-scatters each way; + the region edges and embedding/head terms
+        ("all_gather", "sp gather"): 8, ("reduce_scatter", "sp gather (backward)"): 8,
+        ("reduce_scatter", "sp reduce-scatter"): 8, ("all_gather", "sp reduce-scatter (backward)"): 8,
+        ("all_gather", "sp split (backward)"): 1, ("all_gather", "sp gather (region end)"): 1,
+        ("all_reduce", "tp reduce"): 1, ("all_reduce", "tp copy (backward)"): 1,
+    }, counted  # fmt: skip
     # saved activation bytes of the norms' inputs fall by exactly t
     assert results["llama"]["norm_saved"] > 0 and results["llama"]["norm_saved"] == 2 * results["llama-sp"]["norm_saved"]
 
@@ -173,4 +185,4 @@ def test_tensor_parallel_with_zero_over_dp() -> None:
     results = run_distributed(4, _world4_body)[0]
     ref = _reference("llama", global_batches(STEPS, 2 * MICRO))
     for result in results:
-        assert_close_trajectory(_as_trajectory(result), ref, loss_rtol=1e-5, param_atol=1e-5, param_rtol=1e-5)
+        assert_close_trajectory(_as_trajectory(result), ref, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
