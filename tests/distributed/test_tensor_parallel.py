@@ -89,9 +89,10 @@ def _case(name: str, model_name: str, stage: int = 0, **extra: Any) -> dict[str,
     saved_bytes = saved.bytes
     rest = train(engine, batches[1:])
     ours.losses += rest.losses
+    ours.grad_norms += rest.grad_norms
     ours.params = rest.params
     result = {
-        "name": name, "losses": ours.losses, "state": ours.params if dist.get_rank() == 0 else None,
+        "name": name, "losses": ours.losses, "norms": ours.grad_norms, "state": ours.params if dist.get_rank() == 0 else None,
         "plan": _plan_of(engine.module), "traffic": traffic, "norm_saved": saved_bytes,
         "vocab": [n for n, m in engine.module.named_modules() if isinstance(m, (VocabEmbedding, VocabHead))],
         "local_numel": sum(p.numel() for p in engine.module.parameters()),
@@ -178,11 +179,17 @@ def _as_trajectory(result: dict[str, Any]) -> Any:
 
 
 def _world4_body() -> list[dict[str, Any]]:
-    return [_case("zero1", "llama", stage=1), _case("zero3", "llama", stage=3)]
+    return [_case("zero1", "llama", stage=1), _case("zero3-clip", "llama", stage=3, clip=0.5)]
 
 
 def test_tensor_parallel_with_zero_over_dp() -> None:
-    results = run_distributed(4, _world4_body)[0]
-    ref = _reference("llama", global_batches(STEPS, 2 * MICRO))
-    for result in results:
-        assert_close_trajectory(_as_trajectory(result), ref, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
+    """tp 2 × dp 2 at ZeRO 1 and 3 (3 with clipping: the global norm counts every element once, over the world)."""
+    zero1, zero3 = run_distributed(4, _world4_body)[0]
+    batches = global_batches(STEPS, 2 * MICRO)
+    ref = _reference("llama", batches)
+    assert_close_trajectory(_as_trajectory(zero1), ref, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
+    clipped = _reference("llama", batches, clip=0.5)
+    assert_close_trajectory(_as_trajectory(zero3), clipped, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
+    for ours, theirs in zip(zero3["norms"] + zero1["norms"], clipped.grad_norms + ref.grad_norms):
+        assert abs(ours - theirs) <= 1e-5 * theirs, (ours, theirs)
+    assert max(clipped.grad_norms) > 0.5  # the clipping did bite

@@ -93,7 +93,7 @@ def config(micro: int, dp: int, tp: int = 2, stage: int = 0, **extra: Any) -> di
 def train(engine: Any, batches: list[torch.Tensor], record: Any = None) -> Trajectory:
     """This rank's dp share of every global batch; losses averaged over the world (tp ranks agree)."""
     dp, dp_rank = engine.mesh.size("dp"), engine.mesh.rank_of("dp")
-    losses = []
+    losses, norms = [], []
     for step, tokens in enumerate(batches):
         mb = tokens.shape[0] // dp
         part = tokens[dp_rank * mb : (dp_rank + 1) * mb]
@@ -105,8 +105,9 @@ def train(engine: Any, batches: list[torch.Tensor], record: Any = None) -> Traje
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(float(total) / dist.get_world_size())
+        norms.append(float(engine.get_global_grad_norm()))
     state = engine.consolidated_state_dict()
-    return Trajectory(losses, state or {}, [])
+    return Trajectory(losses, state or {}, norms)
 
 
 
