@@ -193,3 +193,54 @@ def test_tensor_parallel_with_zero_over_dp() -> None:
     for ours, theirs in zip(zero3["norms"] + zero1["norms"], clipped.grad_norms + ref.grad_norms):
         assert abs(ours - theirs) <= 1e-5 * theirs, (ours, theirs)
     assert max(clipped.grad_norms) > 0.5  # the clipping did bite
+
+
+# --------------------------------------------------------------------------- checkpoints across tp degrees
+
+CKPT_STEPS = 9  # A: 3 steps, save, 6 more; B (tp 1) resumes at 3, saves at 6; C (tp 2) resumes at 6
+
+
+def _ckpt_engine(tp: int, stage: int) -> Any:
+    dp = dist.get_world_size() // tp
+    micro = 2 * MICRO // dp  # the same global batch of 8 at every layout
+    return slipstream.initialize(BUILDERS["llama"](seed=7 + dist.get_rank()), config(micro, dp, tp=tp, stage=stage))
+
+
+def _ckpt_a(save_dir: str) -> list[float]:
+    engine = _ckpt_engine(2, 3)
+    batches = global_batches(CKPT_STEPS, 2 * MICRO)
+    losses = train(engine, batches[:3]).losses
+    engine.save_checkpoint(save_dir, tag="tp2")
+    losses += train(engine, batches[3:]).losses
+    engine.close()
+    return losses
+
+
+def _ckpt_b(load_dir: str, save_dir: str) -> list[float]:
+    engine = _ckpt_engine(1, 0)
+    engine.load_checkpoint(load_dir, tag="tp2")
+    batches = global_batches(CKPT_STEPS, 2 * MICRO)
+    losses = train(engine, batches[3:6]).losses
+    engine.save_checkpoint(save_dir, tag="tp1")
+    losses += train(engine, batches[6:]).losses
+    engine.close()
+    return losses
+
+
+def _ckpt_c(load_dir: str) -> list[float]:
+    engine = _ckpt_engine(2, 3)
+    engine.load_checkpoint(load_dir, tag="tp1")
+    losses = train(engine, global_batches(CKPT_STEPS, 2 * MICRO)[6:]).losses
+    engine.close()
+    return losses
+
+
+def test_checkpoint_tp2_dp2_stage3_to_tp1_stage0_and_back(tmp_path: Path) -> None:
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    uninterrupted = run_distributed(4, _ckpt_a, first)[0]
+    resumed_tp1 = run_distributed(1, _ckpt_b, first, second)[0]
+    resumed_tp2 = run_distributed(4, _ckpt_c, second)[0]
+    ref = reference(BUILDERS["llama"](seed=7), global_batches(CKPT_STEPS, 2 * MICRO)).losses
+    for ours, theirs in ((uninterrupted, ref), (resumed_tp1, uninterrupted[3:]), (resumed_tp2, uninterrupted[6:])):
+        for a, b in zip(ours, theirs, strict=True):
+            assert abs(a - b) <= 1e-5 * b, (ours, theirs)
