@@ -244,3 +244,51 @@ def test_checkpoint_tp2_dp2_stage3_to_tp1_stage0_and_back(tmp_path: Path) -> Non
     for ours, theirs in ((uninterrupted, ref), (resumed_tp1, uninterrupted[3:]), (resumed_tp2, uninterrupted[6:])):
         for a, b in zip(ours, theirs, strict=True):
             assert abs(a - b) <= 1e-5 * b, (ours, theirs)
+
+
+# --------------------------------------------------------------------------- mistakes fail initialize, naming the key or block
+
+WRONG_GPT2_PLAN = {  # c_attn without "shape": [3, -1] is cut across Q|K|V instead of per part: runs, computes garbage
+    "use_default_specs": False,
+    "layer_specs": [
+        {"patterns": [r".*\.c_attn\.weight$", r".*\.c_fc\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.c_proj\.weight$"], "partition_type": "row"},
+    ],
+}
+
+
+def _error_of(model: torch.nn.Module, cfg: dict[str, Any]) -> str:
+    try:
+        slipstream.initialize(model, cfg).close()
+    except slipstream.ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+def _errors_body() -> dict[str, str]:
+    from tests.distributed.tp_cases import llama
+
+    right = {**WRONG_GPT2_PLAN, "layer_specs": [*WRONG_GPT2_PLAN["layer_specs"][1:], {"patterns": [r".*\.c_attn\.weight$"], "partition_type": "column", "shape": [3, -1]}, {"patterns": [r".*\.c_fc\.weight$"], "partition_type": "column"}]}  # fmt: skip
+    return {
+        "wrong plan": _error_of(BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": WRONG_GPT2_PLAN})),
+        "right plan": _error_of(BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": right})),
+        "kv heads": _error_of(_one_kv_head_llama(), config(MICRO, 1)),
+        "sp without tp": _error_of(llama(), config(MICRO, 2, tp=1, tensor={"sequence_parallel": True})),
+        "partition type": _error_of(llama(), config(MICRO, 1, tensor={"partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}})),
+    }
+
+
+def _one_kv_head_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, vocab_size=256))
+
+
+def test_config_mistakes_fail_initialize_naming_the_key_or_block() -> None:
+    errors = run_distributed(2, _errors_body)[0]
+    assert errors["wrong plan"].startswith("tensor_parallel: the sharded block transformer.h.0 does not reproduce"), errors["wrong plan"]
+    assert "transformer.h.0.attn.c_attn: column [partition_config.layer_specs[0]]" in errors["wrong plan"]
+    assert errors["right plan"] == "no error"  # the same plan with shape [3, -1] passes the self-check
+    assert errors["kv heads"].startswith("tensor_parallel.autotp_size: model.layers.0.self_attn.k_proj holds 1 heads"), errors["kv heads"]
+    assert errors["sp without tp"].startswith("tensor_parallel.sequence_parallel: needs tensor_parallel.autotp_size"), errors["sp without tp"]
+    assert errors["partition type"].startswith("tensor_parallel.partition_config.layer_specs[0].partition_type: must be row, column or skip"), errors["partition type"]
