@@ -108,6 +108,7 @@ def _world2_body() -> list[dict[str, Any]]:
         _case("gpt2", "gpt2"),
         _case("mlp", "mlp"),
         _case("llama-bf16", "llama", bf16={"enabled": True}),
+        _case("llama-sp-ac", "llama", tensor={"sequence_parallel": True}, activation_checkpointing={"module_classes": ["LlamaDecoderLayer"]}),
     ]
 
 
@@ -119,7 +120,7 @@ def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     results = {r["name"]: r for r in run_distributed(2, _world2_body)[0]}
     batches = global_batches(STEPS, MICRO)
     refs = {name: _reference(name, batches) for name in ("llama", "gpt2", "mlp")}
-    for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp")):
+    for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp"), ("llama-sp-ac", "llama")):
         assert_close_trajectory(_as_trajectory(results[name]), refs[model_name], loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
         assert results[name]["losses"][-1] < results[name]["losses"][0] - 0.1
     bf16 = _reference("llama", batches, torch.bfloat16)
