@@ -108,6 +108,7 @@ def _world2_body() -> list[dict[str, Any]]:
         _case("gpt2", "gpt2"),
         _case("mlp", "mlp"),
         _case("llama-bf16", "llama", bf16={"enabled": True}),
+        _case("llama-v257", "llama-v257"),
         _case("llama-sp-ac", "llama", tensor={"sequence_parallel": True}, activation_checkpointing={"module_classes": ["LlamaDecoderLayer"]}),
     ]
 
@@ -119,8 +120,8 @@ def _reference(model_name: str, batches: list[torch.Tensor], dtype: torch.dtype 
 def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     results = {r["name"]: r for r in run_distributed(2, _world2_body)[0]}
     batches = global_batches(STEPS, MICRO)
-    refs = {name: _reference(name, batches) for name in ("llama", "gpt2", "mlp")}
-    for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp"), ("llama-sp-ac", "llama")):
+    refs = {name: _reference(name, batches) for name in ("llama", "gpt2", "mlp", "llama-v257")}
+    for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp"), ("llama-sp-ac", "llama"), ("llama-v257", "llama-v257")):
         assert_close_trajectory(_as_trajectory(results[name]), refs[model_name], loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
         assert results[name]["losses"][-1] < results[name]["losses"][0] - 0.1
     bf16 = _reference("llama", batches, torch.bfloat16)
@@ -142,8 +143,14 @@ def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     assert set(results["mlp"]["plan"]) == {f"blocks.{i}.{leaf}" for i in range(3) for leaf in ("fc_in", "fc_out")}
     assert results["llama"]["vocab"] == ["model.embed_tokens", "lm_head"]
     assert results["gpt2"]["vocab"] == ["transformer.wte", "lm_head"]
+    assert results["llama-v257"]["vocab"] == ["model.embed_tokens", "lm_head"]  # 257 rows: 129 + 128
     # local parameter count = sharded / t + replicated, exactly (shapes of the unsharded model)
     full = {name: dict(BUILDERS[name](seed=0).named_parameters()) for name in ("llama", "gpt2", "mlp")}
+    odd = dict(BUILDERS["llama-v257"](seed=0).named_parameters())  # rank 0 holds 129 of the 257 vocabulary rows
+    assert results["llama-v257"]["local_numel"] == sum(
+        129 * p.shape[1] if n in ("model.embed_tokens.weight", "lm_head.weight") else p.numel() // 2 if n.endswith("proj.weight") else p.numel()
+        for n, p in odd.items()
+    )  # fmt: skip
     cut = {
         "llama": lambda n: n.endswith("proj.weight") or n in ("model.embed_tokens.weight", "lm_head.weight"),
         "gpt2": lambda n: n.endswith(("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight")) or n == "transformer.wte.weight",

@@ -165,6 +165,19 @@ class ShardedLinear(torch.nn.Module):
         return f"{self.style}-parallel, weight {tuple(self.weight.shape)} of {self.global_weight_shape}{parts}"
 
 
+def vocab_rows(vocab: int, ctx: TPContext) -> tuple[int, int, int]:
+    """This rank's rows ``[start, end)`` of a vocabulary cut in ``ceil(V / t)`` rows per rank, and that chunk size.
+
+    [Note: vocabulary padding] A vocabulary that does not divide by ``t`` is cut unevenly (the last
+    rank holds fewer rows) rather than padded in the weight, so the parameters, the checkpoint and
+    the optimizer never see padding rows. Only the head's logits are padded to the chunk size for
+    the all-gather, and the padding columns are cut off before the model's loss sees them.
+    """
+    chunk = -(-vocab // ctx.size)
+    start = min(ctx.rank * chunk, vocab)
+    return start, min(start + chunk, vocab), chunk
+
+
 class VocabEmbedding(torch.nn.Module):
     """``nn.Embedding`` sharded on the vocabulary: look up the local rows, zero the rest, all-reduce."""
 
@@ -174,8 +187,7 @@ class VocabEmbedding(torch.nn.Module):
         self.num_embeddings, self.embedding_dim = source.weight.shape
         self.padding_idx = source.padding_idx
         self.global_weight_shape = tuple(source.weight.shape)
-        local = self.num_embeddings // ctx.size
-        self.start, self.end = ctx.rank * local, (ctx.rank + 1) * local
+        self.start, self.end, _ = vocab_rows(self.num_embeddings, ctx)
         self.weight = torch.nn.Parameter(source.weight.detach()[self.start : self.end].clone(), requires_grad=source.weight.requires_grad)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -200,10 +212,10 @@ class VocabHead(torch.nn.Module):
         super().__init__()
         self.ctx = ctx
         self.global_weight_shape = tuple(source.weight.shape)
-        local = self.global_weight_shape[0] // ctx.size
-        self.start = ctx.rank * local
+        self.vocab = self.global_weight_shape[0]
+        self.start, end, self.chunk = vocab_rows(self.vocab, ctx)
         if weight is None:  # untied: a slice of the head's own weight
-            weight = torch.nn.Parameter(source.weight.detach()[self.start : self.start + local].clone(), requires_grad=source.weight.requires_grad)
+            weight = torch.nn.Parameter(source.weight.detach()[self.start : end].clone(), requires_grad=source.weight.requires_grad)
         self.weight = weight  # tied: the embedding's (already sharded) parameter itself
         if source.bias is not None:
             raise ValueError("tensor parallel: an LM head with a bias is not sharded on the vocabulary")
@@ -211,7 +223,10 @@ class VocabHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(ops.copy_to_tp(x, self.ctx.group), self.weight)
-        return ops.gather_keep(logits, logits.dim() - 1, self.ctx.group, "tp logits gather")
+        if logits.shape[-1] < self.chunk:  # see [Note: vocabulary padding]
+            logits = F.pad(logits, (0, self.chunk - logits.shape[-1]))
+        full = ops.gather_keep(logits, logits.dim() - 1, self.ctx.group, "tp logits gather")
+        return full[..., : self.vocab] if full.shape[-1] > self.vocab else full
 
     def extra_repr(self) -> str:
         return f"vocab-parallel, weight {tuple(self.weight.shape)} of {self.global_weight_shape}, logits gathered"

@@ -89,14 +89,12 @@ def _rewrite_attributes(parent: torch.nn.Module, part_sizes: set[int], t: int) -
 
 
 def _shard_vocab(model: torch.nn.Module, ctx: TPContext) -> list[str]:
-    """Embedding and LM head on the vocabulary when it divides by t (else they stay replicated)."""
+    """Embedding and LM head on the vocabulary (unevenly when it does not divide by t: see ``layers.vocab_rows``)."""
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
     embedding = get_in() if callable(get_in) else None
     head = get_out() if callable(get_out) else None
     done: list[str] = []
-    if not isinstance(embedding, torch.nn.Embedding) or embedding.weight.shape[0] % ctx.size:
-        if embedding is not None:
-            log_rank0(logger, "tensor parallel: the vocabulary does not divide by %d; embedding and head stay replicated", ctx.size)
+    if not isinstance(embedding, torch.nn.Embedding) or embedding.weight.shape[0] < 2 * ctx.size:
         return done
     tied = head is not None and head.weight is embedding.weight
     emb_name, head_name = _named(model, embedding), _named(model, head) if head is not None else None
