@@ -300,3 +300,45 @@ def test_config_mistakes_fail_initialize_naming_the_key_or_block() -> None:
     assert errors["kv heads"].startswith("tensor_parallel.autotp_size: model.layers.0.self_attn.k_proj holds 1 heads"), errors["kv heads"]
     assert errors["sp without tp"].startswith("tensor_parallel.sequence_parallel: needs tensor_parallel.autotp_size"), errors["sp without tp"]
     assert errors["partition type"].startswith("tensor_parallel.partition_config.layer_specs[0].partition_type: must be row, column or skip"), errors["partition type"]
+
+
+# --------------------------------------------------------------------------- dropout randomness
+
+
+def _rng_body() -> dict[str, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from slipstream.engine.parallel.rng import ShardedRegionRng
+
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)  # different default streams per rank: initialize must align them over tp
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    engine = slipstream.initialize(model, config(MICRO, 1))
+    tokens = global_batches(2, MICRO)
+    finals: list[torch.Tensor] = []  # the last norm's output: through replicated dropout (embeddings, residuals)
+    engine.module.transformer.ln_f.register_forward_hook(lambda m, a, out: finals.append(out.detach().clone()))
+    for batch in tokens:
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+    engine.close()
+    region = ShardedRegionRng(rank)
+    start = torch.get_rng_state()
+    region.enter()
+    inside = torch.rand(4)
+    region.leave()
+    after = torch.rand(4)
+    torch.set_rng_state(start)  # what recomputation under activation checkpointing does
+    region.enter()
+    again = torch.rand(4)
+    region.leave()
+    return {"finals": finals, "inside": inside, "after": after, "again": again}
+
+
+def test_dropout_rng_alike_in_replicated_regions_independent_in_sharded_ones() -> None:
+    r0, r1 = run_distributed(2, _rng_body)
+    for a, b in zip(r0["finals"], r1["finals"], strict=True):  # replicated regions drew the same masks (ranks were seeded apart)
+        assert torch.equal(a, b)
+    assert not torch.equal(r0["inside"], r1["inside"])  # a sharded region: independent per tp rank
+    assert torch.equal(r0["after"], r1["after"])  # back on the replicated stream, still alike
+    assert torch.equal(r0["again"], r0["inside"]) and torch.equal(r1["again"], r1["inside"])  # recompute-safe

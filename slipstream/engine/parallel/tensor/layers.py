@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from slipstream.engine.parallel.rng import ShardedRegionRng
 from slipstream.engine.parallel.tensor import ops
 
 
@@ -69,6 +70,7 @@ class TPContext:
     sequence_parallel: bool = False
     seq_dim: int = 1  # batch-first activations [batch, sequence, hidden]
     enabled_sequence: bool = True  # off while the self-check runs blocks on whole sequences
+    rng: ShardedRegionRng | None = None  # dropout between a sub-block's column and row layers (parallel/rng.py)
 
     @property
     def sp(self) -> bool:
@@ -83,10 +85,13 @@ class SharedInput:
         self._source: torch.Tensor | None = None
         self._wrapped: torch.Tensor | None = None
         self.gathered_by_parent = False  # sequence parallel: the sub-block's entry hook gathers (sequence.py)
+        self.closed_by_row = False  # a row layer ends the sharded region (only then is its RNG forked)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         if self._source is x and self._wrapped is not None:
             return self._wrapped
+        if self.closed_by_row and self.ctx.rng is not None:
+            self.ctx.rng.enter()
         if self.ctx.sp and self.gathered_by_parent:
             return x
         if self.ctx.sp:
@@ -153,6 +158,8 @@ class ShardedLinear(torch.nn.Module):
         if self.style == "column":
             return self._matmul(self.share.enter(x), self.bias)
         self.share.reset()
+        if ctx.rng is not None:
+            ctx.rng.leave()
         partial = self._matmul(x, None)
         if ctx.sp:
             y = ops.reduce_scatter_sequence(partial, ctx.seq_dim, ctx.group)

@@ -1,6 +1,7 @@
 """``parallelize_tensor``: cut an unchanged model for tensor (and sequence) parallelism, in one fixed order.
 
-1. make the weights identical on the tp group (rank 0 of the group wins, as ZeRO's sync does for dp);
+1. make the weights and the default random generator identical on the tp group (rank 0 of the
+   group wins, as ZeRO's sync does for dp; see ``parallel/rng.py``);
 2. record the self-check probe on the whole model and the leaves' execution order;
 3. build the plan (config → ``base_model_tp_plan`` → inferred) and check it divides (heads, sizes);
 4. replace the planned leaves by sharded ones, rewrite sharded size attributes on their parents,
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
+from slipstream.engine.parallel.rng import ShardedRegionRng, sync_default_rng
 from slipstream.engine.parallel.tensor import selfcheck, sequence
 from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext, VocabEmbedding, VocabHead
 from slipstream.engine.parallel.tensor.plan import PlanEntry, build_plan, in_features, is_linear_like, out_features
@@ -144,6 +146,7 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
     # Sequence parallel switches on after the self-check, which runs blocks on whole sequences.
     ctx = TPContext(mesh.group("tp"), t, mesh.rank_of("tp"), section.sequence_parallel, enabled_sequence=False)
     _sync_from_group_root(model, mesh)
+    sync_default_rng(ctx.group, mesh.ranks("tp")[0])  # replicated dropout alike on every tp rank
     blocks = find_blocks(model)
     if blocks is None:
         raise ConfigError("tensor_parallel.autotp_size: the model has no repeated blocks (a ModuleList/Sequential of identical layers) to shard")
@@ -165,10 +168,13 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
         leaf = leaves[entry.name]
         if entry.style == "column":
             part_sizes.setdefault(parent, set()).add(out_features(leaf) // entry.parts)
+        else:
+            share.closed_by_row = True
         _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts))
     rewritten = {p: _rewrite_attributes(model.get_submodule(p), sizes, t) for p, sizes in part_sizes.items()}
     vocab = _shard_vocab(model, ctx)
     _place_all(model, ctx)
+    ctx.rng = ShardedRegionRng(ctx.rank)  # after the plan: the self-check and training fork it per sub-block
     tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 3e-2
     selfcheck.verify(probe, blocks.modules, blocks.names, plan, ctx.group, tolerance)
     hooks = sequence.enable(model, blocks.modules, ctx, shared) if ctx.sequence_parallel else []

@@ -1,0 +1,65 @@
+"""Dropout randomness under tensor parallelism: replicated regions alike on every tp rank, sharded ones not.
+
+[Note: two streams] Between a row layer and the next column layer every tp rank computes the same
+activations, so their dropout masks must be the same: the default generator is made identical over
+the tp group at ``initialize`` (tp rank 0's state). Between a sub-block's column layers and its row
+layer each rank holds different heads or MLP columns, and their masks must be independent (else
+head 0's mask on rank 0 equals head 2's on rank 1). On entering such a region a seed is drawn from
+the (replicated) default stream, the generator is re-seeded with that seed and the tp rank, and on
+leaving the default state after the draw is restored.
+
+Activation checkpointing needs no extra state: recomputation restores the default generator to
+where the forward began, so it draws the same seeds and re-creates the same masks (Megatron keeps a
+tracker of named states and saves it with each checkpoint for the same reason).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from slipstream.accelerator import get_accelerator
+
+_PRIME = 1_000_003
+
+
+def sync_default_rng(group: dist.ProcessGroup, root: int) -> None:
+    """Give every rank of ``group`` the default (CPU and device) generator state of global rank ``root``. Collective."""
+    accelerator = get_accelerator()
+    state = torch.get_rng_state()
+    dist.broadcast(state, src=root, group=group)
+    torch.set_rng_state(state)
+    device_state = accelerator.rng_state()
+    if device_state is not None:
+        moved = device_state.to(accelerator.device()) if dist.get_backend(group) == "nccl" else device_state
+        dist.broadcast(moved, src=root, group=group)
+        accelerator.set_rng_state(moved.cpu())
+
+
+class ShardedRegionRng:
+    """Enter/leave a sharded region (see [Note: two streams]); re-entering while inside is a no-op."""
+
+    def __init__(self, tp_rank: int) -> None:
+        self.tp_rank = tp_rank
+        self._saved: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @property
+    def inside(self) -> bool:
+        return self._saved is not None
+
+    def enter(self) -> None:
+        if self._saved is not None:
+            return
+        accelerator = get_accelerator()
+        seed = int(torch.randint(0, 2**31 - 1, (1,)))  # the same on every tp rank: the stream is replicated
+        self._saved = (torch.get_rng_state(), accelerator.rng_state())
+        accelerator.manual_seed((seed * _PRIME + 2718 + self.tp_rank) % 2**63)
+
+    def leave(self) -> None:
+        if self._saved is None:
+            return
+        cpu, device = self._saved
+        self._saved = None
+        torch.set_rng_state(cpu)
+        if device is not None:
+            get_accelerator().set_rng_state(device)
