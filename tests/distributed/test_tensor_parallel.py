@@ -109,6 +109,7 @@ def _world2_body() -> list[dict[str, Any]]:
         _case("mlp", "mlp"),
         _case("llama-bf16", "llama", bf16={"enabled": True}),
         _case("llama-v257", "llama-v257"),
+        _case("llama-kv1", "llama-kv1"),
         _case("llama-sp-ac", "llama", tensor={"sequence_parallel": True}, activation_checkpointing={"module_classes": ["LlamaDecoderLayer"]}),
     ]
 
@@ -120,8 +121,8 @@ def _reference(model_name: str, batches: list[torch.Tensor], dtype: torch.dtype 
 def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     results = {r["name"]: r for r in run_distributed(2, _world2_body)[0]}
     batches = global_batches(STEPS, MICRO)
-    refs = {name: _reference(name, batches) for name in ("llama", "gpt2", "mlp", "llama-v257")}
-    for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp"), ("llama-sp-ac", "llama"), ("llama-v257", "llama-v257")):
+    refs = {name: _reference(name, batches) for name in ("llama", "gpt2", "mlp", "llama-v257", "llama-kv1")}
+    for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp"), ("llama-sp-ac", "llama"), ("llama-v257", "llama-v257"), ("llama-kv1", "llama-kv1")):
         assert_close_trajectory(_as_trajectory(results[name]), refs[model_name], loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
         assert results[name]["losses"][-1] < results[name]["losses"][0] - 0.1
     bf16 = _reference("llama", batches, torch.bfloat16)
@@ -143,6 +144,8 @@ def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     assert set(results["mlp"]["plan"]) == {f"blocks.{i}.{leaf}" for i in range(3) for leaf in ("fc_in", "fc_out")}
     assert results["llama"]["vocab"] == ["model.embed_tokens", "lm_head"]
     assert results["gpt2"]["vocab"] == ["transformer.wte", "lm_head"]
+    kv1 = {n.split(".", 3)[3]: v for n, v in results["llama-kv1"]["plan"].items() if n.startswith("model.layers.0.")}
+    assert kv1["self_attn.k_proj"] == kv1["self_attn.v_proj"] == ("kv", 1) and kv1["self_attn.q_proj"] == ("column", 1)
     assert results["llama-v257"]["vocab"] == ["model.embed_tokens", "lm_head"]  # 257 rows: 129 + 128
     # local parameter count = sharded / t + replicated, exactly (shapes of the unsharded model)
     full = {name: dict(BUILDERS[name](seed=0).named_parameters()) for name in ("llama", "gpt2", "mlp")}
@@ -280,16 +283,16 @@ def _errors_body() -> dict[str, str]:
     return {
         "wrong plan": _error_of(BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": WRONG_GPT2_PLAN})),
         "right plan": _error_of(BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": right})),
-        "kv heads": _error_of(_one_kv_head_llama(), config(MICRO, 1)),
+        "kv heads": _error_of(_three_kv_heads_llama(), config(MICRO, 1)),
         "sp without tp": _error_of(llama(), config(MICRO, 2, tp=1, tensor={"sequence_parallel": True})),
         "partition type": _error_of(llama(), config(MICRO, 1, tensor={"partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}})),
     }
 
 
-def _one_kv_head_llama() -> torch.nn.Module:
+def _three_kv_heads_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, vocab_size=256))
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=96, intermediate_size=128, num_attention_heads=6, num_key_value_heads=3, vocab_size=256))
 
 
 def test_config_mistakes_fail_initialize_naming_the_key_or_block() -> None:
@@ -297,7 +300,7 @@ def test_config_mistakes_fail_initialize_naming_the_key_or_block() -> None:
     assert errors["wrong plan"].startswith("tensor_parallel: the sharded block transformer.h.0 does not reproduce"), errors["wrong plan"]
     assert "transformer.h.0.attn.c_attn: column [partition_config.layer_specs[0]]" in errors["wrong plan"]
     assert errors["right plan"] == "no error"  # the same plan with shape [3, -1] passes the self-check
-    assert errors["kv heads"].startswith("tensor_parallel.autotp_size: model.layers.0.self_attn.k_proj holds 1 heads"), errors["kv heads"]
+    assert errors["kv heads"].startswith("tensor_parallel.autotp_size: model.layers.0.self_attn.k_proj holds 3 heads, which neither divide by 2 nor divide 2"), errors["kv heads"]
     assert errors["sp without tp"].startswith("tensor_parallel.sequence_parallel: needs tensor_parallel.autotp_size"), errors["sp without tp"]
     assert errors["partition type"].startswith("tensor_parallel.partition_config.layer_specs[0].partition_type: must be row, column or skip"), errors["partition type"]
 

@@ -13,14 +13,14 @@ from tests.reference import SEQ, VOCAB, Trajectory
 LR = 1e-3
 
 
-def llama(seed: int = 0, n_layer: int = 4, hidden: int = 64, vocab: int = VOCAB) -> torch.nn.Module:
+def llama(seed: int = 0, n_layer: int = 4, hidden: int = 64, vocab: int = VOCAB, kv_heads: int = 2) -> torch.nn.Module:
     """The acceptance Llama: h 64, 4 heads, 2 KV heads, 4 layers, untied head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=SEQ * 2, bos_token_id=0, eos_token_id=0,
+        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=SEQ * 2, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return LlamaForCausalLM(config)
 
@@ -79,7 +79,12 @@ def llama_odd_vocab(seed: int = 0) -> torch.nn.Module:
     return llama(seed, n_layer=2, vocab=VOCAB + 1)
 
 
-BUILDERS = {"llama": llama, "gpt2": gpt2, "mlp": TinyMLPLM, "llama-v257": llama_odd_vocab}
+def llama_one_kv_head(seed: int = 0) -> torch.nn.Module:
+    """4 query heads, 1 KV head: at tp 2 each rank keeps the KV head whole (its gradient summed over tp)."""
+    return llama(seed, n_layer=2, kv_heads=1)
+
+
+BUILDERS = {"llama": llama, "gpt2": gpt2, "mlp": TinyMLPLM, "llama-v257": llama_odd_vocab, "llama-kv1": llama_one_kv_head}
 
 
 def config(micro: int, dp: int, tp: int = 2, stage: int = 0, **extra: Any) -> dict[str, Any]:

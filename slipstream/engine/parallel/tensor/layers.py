@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from slipstream.comm import all_reduce
 from slipstream.engine.parallel.rng import ShardedRegionRng
 from slipstream.engine.parallel.tensor import ops
 
@@ -117,19 +118,29 @@ class ShardedLinear(torch.nn.Module):
     """A column- or row-parallel ``nn.Linear`` / ``Conv1D`` (``transposed``: weight ``[in, out]``)."""
 
     def __init__(
-        self, source: torch.nn.Module, style: str, ctx: TPContext, share: SharedInput, parts: int = 1,
+        self, source: torch.nn.Module, style: str, ctx: TPContext, share: SharedInput, parts: int = 1, kv_heads: int = 0,
     ) -> None:  # fmt: skip
         super().__init__()
-        if style not in ("column", "row"):
+        if style not in ("column", "row", "kv"):
             raise ValueError(f"tensor parallel: unknown style {style!r}")
         self.style, self.ctx, self.share, self.parts = style, ctx, share, parts
+        self.duplicate = False
         self.transposed = not isinstance(source, torch.nn.Linear)
         weight = source.weight.detach()
         bias = source.bias.detach() if getattr(source, "bias", None) is not None else None
         out_dim = 1 if self.transposed else 0
         self.global_weight_shape = tuple(weight.shape)
         self.global_bias_shape = tuple(bias.shape) if bias is not None else None
-        if style == "column":
+        if style == "kv":  # see [Note: replicated KV heads]
+            self.shard_dim = out_dim
+            ranks_per_head = ctx.size // kv_heads
+            self.kv_heads, self.kv_slot = kv_heads, ctx.rank // ranks_per_head
+            self.duplicate = ctx.rank % ranks_per_head != 0
+            head = weight.shape[out_dim] // kv_heads
+            self.offset = self.kv_slot * head
+            w = weight.narrow(out_dim, self.offset, head).contiguous()
+            b = bias.narrow(0, self.offset, head).clone() if bias is not None else None
+        elif style == "column":
             self.shard_dim = out_dim
             w, self.offset = shard_rows(weight, out_dim, parts, ctx.rank, ctx.size)
             b = shard_rows(bias, 0, parts, ctx.rank, ctx.size)[0] if bias is not None else None
@@ -142,10 +153,24 @@ class ShardedLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(b, requires_grad=source.bias.requires_grad)
         else:
             self.register_parameter("bias", None)
+        if style == "kv":
+            for param in self.parameters():
+                param.register_hook(self._sum_over_head_sharers)
         if style == "column" and parts > 1:
             setattr(self.weight, _PACKED, PackedPiece(self.global_weight_shape, self.shard_dim, parts, self.offset))
             if self.bias is not None:
                 setattr(self.bias, _PACKED, PackedPiece(self.global_bias_shape, 0, parts, self.offset))
+
+    def _sum_over_head_sharers(self, grad: torch.Tensor) -> torch.Tensor:
+        """[Note: replicated KV heads] With fewer KV heads than t, each rank keeps the one KV head its
+        query heads use (ranks ``k·t/kv … (k+1)·t/kv − 1`` share head ``k``), so no rank idles and
+        no rank computes heads it does not need. Each rank's gradient is then the contribution of
+        its own query heads: the sharers' gradients are summed by one all-reduce over tp of a
+        ``[kv_heads, ...]`` buffer, each rank writing its head's slot (no extra process groups)."""
+        slots = grad.new_zeros((self.kv_heads, *grad.shape))
+        slots[self.kv_slot] = grad
+        all_reduce(slots, group=self.ctx.group, tag="tp kv-head gradient").wait()
+        return slots[self.kv_slot]
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.transposed:
@@ -155,7 +180,7 @@ class ShardedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
-        if self.style == "column":
+        if self.style in ("column", "kv"):
             return self._matmul(self.share.enter(x), self.bias)
         self.share.reset()
         if ctx.rng is not None:

@@ -63,19 +63,27 @@ def _sync_from_group_root(model: torch.nn.Module, mesh: Mesh) -> None:
             dist.broadcast(tensor.data, src=root, group=group)
 
 
-def _check_divides(plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], model: torch.nn.Module, t: int) -> None:
+def _check_divides(plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], model: torch.nn.Module, t: int) -> list[PlanEntry]:
+    """Sizes and heads that divide by t; a column projection with fewer heads than t (and t a multiple) becomes ``kv``."""
+    checked = []
     for entry in plan:
         leaf = leaves[entry.name]
         size = out_features(leaf) // entry.parts if entry.style == "column" else in_features(leaf)
-        if (out_features(leaf) % entry.parts) or size % t:
-            raise ConfigError(f"tensor_parallel.autotp_size: {entry.name} ({entry.style}) has size {size}, which does not divide by {t}")
         parent = model.get_submodule(entry.name.rpartition(".")[0])
         head_dim = getattr(parent, "head_dim", None)
-        if entry.style == "column" and isinstance(head_dim, int) and head_dim > 0 and size % head_dim == 0 and (size // head_dim) % t:
+        heads = size // head_dim if isinstance(head_dim, int) and head_dim > 0 and size % head_dim == 0 else 0
+        if entry.style == "column" and entry.parts == 1 and 0 < heads < t and t % heads == 0:
+            checked.append(dataclasses.replace(entry, style="kv", kv_heads=heads))
+            continue
+        if (out_features(leaf) % entry.parts) or size % t:
+            raise ConfigError(f"tensor_parallel.autotp_size: {entry.name} ({entry.style}) has size {size}, which does not divide by {t}")
+        if entry.style == "column" and heads and heads % t:
             raise ConfigError(
-                f"tensor_parallel.autotp_size: {entry.name} holds {size // head_dim} heads, which do not divide by {t}; "
-                f"choose a tp size that divides the number of (key/value) heads"
+                f"tensor_parallel.autotp_size: {entry.name} holds {heads} heads, which neither divide by {t} nor divide {t}; "
+                f"choose a tp size that divides the number of heads (or a multiple of the key/value heads)"
             )
+        checked.append(entry)
+    return checked
 
 
 def _rewrite_attributes(parent: torch.nn.Module, part_sizes: set[int], t: int) -> list[str]:
@@ -117,9 +125,9 @@ def _place_all(model: torch.nn.Module, ctx: TPContext) -> None:
             offsets = [0, 0]
             offsets[module.shard_dim] = module.offset
             if module.parts == 1:  # a packed projection's piece is `parts` boxes: see parallelize_tensor's note
-                place(module.weight, module.global_weight_shape, tuple(offsets))
-            if module.bias is not None and module.style == "column" and module.parts == 1:
-                place(module.bias, module.global_bias_shape, (module.offset,))
+                place(module.weight, module.global_weight_shape, tuple(offsets), duplicate=module.duplicate)
+            if module.bias is not None and module.style in ("column", "kv") and module.parts == 1:
+                place(module.bias, module.global_bias_shape, (module.offset,), duplicate=module.duplicate)
         elif isinstance(module, VocabEmbedding):
             place(module.weight, module.global_weight_shape, (module.start, 0))
         elif isinstance(module, VocabHead) and placement_of(module.weight) is None:
@@ -159,7 +167,7 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
     probe = selfcheck.capture(model, blocks.modules, leaves)
     order = probe.order + [n for n in leaves if n not in probe.order]
     plan = build_plan(model, leaves, order, section.partition_config)
-    _check_divides(plan, leaves, model, t)
+    plan = _check_divides(plan, leaves, model, t)
     shared: dict[str, SharedInput] = {}
     part_sizes: dict[str, set[int]] = {}
     for entry in plan:
@@ -168,17 +176,25 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
         leaf = leaves[entry.name]
         if entry.style == "column":
             part_sizes.setdefault(parent, set()).add(out_features(leaf) // entry.parts)
-        else:
+        elif entry.style == "row":
             share.closed_by_row = True
-        _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts))
+        _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts, kv_heads=entry.kv_heads))
     rewritten = {p: _rewrite_attributes(model.get_submodule(p), sizes, t) for p, sizes in part_sizes.items()}
+    for entry in plan:  # replicated KV heads: one per rank, shared by the rank's query heads
+        parent_name = entry.name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name)
+        if entry.style == "kv" and isinstance(parent.__dict__.get("num_key_value_groups"), int):
+            local_q = max(size // parent.head_dim for size in part_sizes.get(parent_name, {parent.head_dim}))
+            if parent.num_key_value_groups != local_q:
+                rewritten.setdefault(parent_name, []).append(f"num_key_value_groups {parent.num_key_value_groups}→{local_q}")
+                parent.num_key_value_groups = local_q
     vocab = _shard_vocab(model, ctx)
     _place_all(model, ctx)
     ctx.rng = ShardedRegionRng(ctx.rank)  # after the plan: the self-check and training fork it per sub-block
     tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 3e-2
     selfcheck.verify(probe, blocks.modules, blocks.names, plan, ctx.group, tolerance)
     hooks = sequence.enable(model, blocks.modules, ctx, shared) if ctx.sequence_parallel else []
-    columns = sum(e.style == "column" for e in plan)
+    columns = sum(e.style != "row" for e in plan)
     log_rank0(
         logger, "tensor parallel %d%s: %d column + %d row leaves in %d blocks (%s)%s%s", t,
         " + sequence parallel" if ctx.sequence_parallel else "", columns, len(plan) - columns, len(blocks),

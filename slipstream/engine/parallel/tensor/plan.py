@@ -36,13 +36,15 @@ class PlanEntry:
     """One leaf to shard: its qualified name, ``column``/``row``, packed parts, and where the rule came from."""
 
     name: str
-    style: str
+    style: str  # column | row | kv (a key/value projection with fewer heads than t: see layers.ShardedLinear)
     parts: int = 1
     source: str = "inferred"
+    kv_heads: int = 0  # style kv: the projection's heads, each kept whole by t / kv_heads ranks
 
     def describe(self) -> str:
         packed = f" (packed {self.parts})" if self.parts > 1 else ""
-        return f"{self.name}: {self.style}{packed} [{self.source}]"
+        kv = f" ({self.kv_heads} KV head(s), each replicated on t/{self.kv_heads} ranks)" if self.kv_heads else ""
+        return f"{self.name}: {self.style}{packed}{kv} [{self.source}]"
 
 
 def is_linear_like(module: torch.nn.Module) -> bool:
