@@ -93,7 +93,7 @@ def config(micro: int, dp: int, tp: int = 2, stage: int = 0, **extra: Any) -> di
         "train_batch_size": micro * dp,
         "train_micro_batch_size_per_gpu": micro,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **extra.pop("zero", {})},
         "gradient_clipping": extra.pop("clip", 0.0),
         "tensor_parallel": tensor,
         **extra,

@@ -82,24 +82,24 @@ class _Reduce(torch.autograd.Function):
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group, "sp gather")
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.tag = dim, group, tag
+        return _gather(x, dim, group, tag)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter(grad, ctx.dim, ctx.group, "sp gather (backward)"), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _reduce_scatter(grad, ctx.dim, ctx.group, f"{ctx.tag} (backward)"), None, None, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group, "sp reduce-scatter")
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.tag = dim, group, tag
+        return _reduce_scatter(x, dim, group, tag)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(grad, ctx.dim, ctx.group, "sp reduce-scatter (backward)"), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _gather(grad, ctx.dim, ctx.group, f"{ctx.tag} (backward)"), None, None, None
 
 
 class _Split(torch.autograd.Function):
@@ -134,12 +134,12 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _Reduce.apply(x, group)
 
 
-def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    return _GatherSeq.apply(x, dim, group)
+def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp gather") -> torch.Tensor:
+    return _GatherSeq.apply(x, dim, group, tag)
 
 
-def reduce_scatter_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ReduceScatterSeq.apply(x, dim, group)
+def reduce_scatter_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp reduce-scatter") -> torch.Tensor:
+    return _ReduceScatterSeq.apply(x, dim, group, tag)
 
 
 def split_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
