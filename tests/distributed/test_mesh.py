@@ -90,7 +90,6 @@ def _unsupported_body(extra: dict) -> str:
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size: 2"),
         ({"pipeline": {"stages": 2}}, "pipeline.stages: 2"),
         ({"sequence_parallel_size": 2}, "sequence_parallel_size: 2"),
         ({"context_parallel": {"size": 4}}, "context_parallel.size: 4"),

@@ -69,7 +69,7 @@ class ActivationCheckpointingConfig(Section):
     module_classes: list[str] | None = None
     use_reentrant: bool = False
 
-    _no_partitioning = refuse("partition_activations", allowed=False, what="partitioning activations across tensor-parallel ranks (slipstream has no tensor parallelism yet)")
+    _no_partitioning = refuse("partition_activations", allowed=False, what="partitioning activations across tensor-parallel ranks (not implemented for slipstream's tensor parallelism; tensor_parallel.sequence_parallel shards the norm/dropout activations instead)")
 
     _no_contiguous = refuse("contiguous_memory_optimization", allowed=False, what="contiguous_memory_optimization (it packs partitioned activations; see partition_activations)")
 
