@@ -108,6 +108,7 @@ def _world2_body() -> list[dict[str, Any]]:
         _case("gpt2", "gpt2"),
         _case("mlp", "mlp"),
         _case("llama-bf16", "llama", bf16={"enabled": True}),
+        _case("llama-fp16", "llama", fp16={"enabled": True}),
         _case("llama-v257", "llama-v257"),
         _case("llama-kv1", "llama-kv1"),
         _case("llama-sp-ac", "llama", tensor={"sequence_parallel": True}, activation_checkpointing={"module_classes": ["LlamaDecoderLayer"]}),
@@ -125,8 +126,9 @@ def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp"), ("llama-sp-ac", "llama"), ("llama-v257", "llama-v257"), ("llama-kv1", "llama-kv1")):
         assert_close_trajectory(_as_trajectory(results[name]), refs[model_name], loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
         assert results[name]["losses"][-1] < results[name]["losses"][0] - 0.1
-    bf16 = _reference("llama", batches, torch.bfloat16)
-    assert_close_trajectory(_as_trajectory(results["llama-bf16"]), bf16, loss_rtol=1e-3, param_rel_norm=2e-2)
+    for name, dtype in (("llama-bf16", torch.bfloat16), ("llama-fp16", torch.float16)):
+        low = _reference("llama", batches, dtype)
+        assert_close_trajectory(_as_trajectory(results[name]), low, loss_rtol=1e-3, param_rel_norm=2e-2)
 
     # 2. plan coverage: Llama 5 column + 2 row per block; GPT-2 packed c_attn, column c_fc, two rows.
     llama_plan = results["llama"]["plan"]
