@@ -72,7 +72,7 @@ class _NormSaved:
 def _case(name: str, model_name: str, stage: int = 0, **extra: Any) -> dict[str, Any]:
     dp = dist.get_world_size() // 2
     model = BUILDERS[model_name](seed=dist.get_rank())  # rank 0's weights win
-    if model_name == "mlp":
+    if model_name.startswith("mlp"):
         extra.setdefault("tensor", {})["partition_config"] = MLP_PARTITION
     engine = slipstream.initialize(model, config(MICRO, dp, stage=stage, **extra))
     batches = global_batches(STEPS, MICRO * dp)
@@ -107,6 +107,7 @@ def _world2_body() -> list[dict[str, Any]]:
         _case("llama-sp", "llama", tensor={"sequence_parallel": True}),
         _case("gpt2", "gpt2"),
         _case("mlp", "mlp"),
+        _case("mlp-headnorm", "mlp-headnorm"),
         _case("llama-bf16", "llama", bf16={"enabled": True}),
         _case("llama-fp16", "llama", fp16={"enabled": True}),
         _case("llama-v257", "llama-v257"),
@@ -122,8 +123,8 @@ def _reference(model_name: str, batches: list[torch.Tensor], dtype: torch.dtype 
 def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     results = {r["name"]: r for r in run_distributed(2, _world2_body)[0]}
     batches = global_batches(STEPS, MICRO)
-    refs = {name: _reference(name, batches) for name in ("llama", "gpt2", "mlp", "llama-v257", "llama-kv1")}
-    for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp"), ("llama-sp-ac", "llama"), ("llama-v257", "llama-v257"), ("llama-kv1", "llama-kv1")):
+    refs = {name: _reference(name, batches) for name in ("llama", "gpt2", "mlp", "llama-v257", "llama-kv1", "mlp-headnorm")}
+    for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp"), ("llama-sp-ac", "llama"), ("llama-v257", "llama-v257"), ("llama-kv1", "llama-kv1"), ("mlp-headnorm", "mlp-headnorm")):
         assert_close_trajectory(_as_trajectory(results[name]), refs[model_name], loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
         assert results[name]["losses"][-1] < results[name]["losses"][0] - 0.1
     for name, dtype in (("llama-bf16", torch.bfloat16), ("llama-fp16", torch.float16)):

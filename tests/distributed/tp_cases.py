@@ -48,14 +48,28 @@ class MLPBlock(torch.nn.Module):
         return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(self.norm(x))))
 
 
+class HeadNormBlock(MLPBlock):
+    """A replicated parameter inside the sharded region: a LayerNorm over each 16-wide group of fc_in's output
+    (as Qwen3's per-head q_norm): at tp 2 each rank normalizes only its groups, so its gradient is partial."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__(hidden)
+        self.head_norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc_in(self.norm(x))
+        h = self.head_norm(h.view(*h.shape[:-1], -1, 16)).flatten(-2)
+        return x + self.fc_out(torch.nn.functional.gelu(h))
+
+
 class TinyMLPLM(torch.nn.Module):
     """A custom model (no Hugging Face plan, names the inference would not guess): blocks of MLPs."""
 
-    def __init__(self, seed: int = 0, hidden: int = 32, n_layer: int = 3) -> None:
+    def __init__(self, seed: int = 0, hidden: int = 32, n_layer: int = 3, block: type = MLPBlock) -> None:
         torch.manual_seed(seed)
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, hidden)
-        self.blocks = torch.nn.ModuleList(MLPBlock(hidden) for _ in range(n_layer))
+        self.blocks = torch.nn.ModuleList(block(hidden) for _ in range(n_layer))
         self.out = torch.nn.Linear(hidden, VOCAB)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
@@ -84,7 +98,11 @@ def llama_one_kv_head(seed: int = 0) -> torch.nn.Module:
     return llama(seed, n_layer=2, kv_heads=1)
 
 
-BUILDERS = {"llama": llama, "gpt2": gpt2, "mlp": TinyMLPLM, "llama-v257": llama_odd_vocab, "llama-kv1": llama_one_kv_head}
+def mlp_head_norm(seed: int = 0) -> torch.nn.Module:
+    return TinyMLPLM(seed, block=HeadNormBlock)
+
+
+BUILDERS = {"llama": llama, "gpt2": gpt2, "mlp": TinyMLPLM, "mlp-headnorm": mlp_head_norm, "llama-v257": llama_odd_vocab, "llama-kv1": llama_one_kv_head}
 
 
 def config(micro: int, dp: int, tp: int = 2, stage: int = 0, **extra: Any) -> dict[str, Any]:

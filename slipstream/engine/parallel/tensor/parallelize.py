@@ -9,7 +9,8 @@
 5. record every parameter's placement (``utils.placement``) so checkpoints and the norm see the
    global model;
 6. the self-check (fails ``initialize`` naming the block);
-7. sequence parallel: the region edges and the gradient reduction of replicated block parameters.
+7. gradients of replicated parameters that see sharded activations summed over tp (``partial_grads``);
+   sequence parallel: the region edges.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.rng import ShardedRegionRng, sync_default_rng
 from slipstream.engine.parallel.tensor import selfcheck, sequence
 from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext, VocabEmbedding, VocabHead
+from slipstream.engine.parallel.tensor.partial_grads import params_in_sharded_regions, sum_gradients_over_tp
 from slipstream.engine.parallel.tensor.plan import PlanEntry, build_plan, in_features, is_linear_like, out_features
 from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.placement import place, placement_of
@@ -193,7 +195,10 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
     ctx.rng = ShardedRegionRng(ctx.rank)  # after the plan: the self-check and training fork it per sub-block
     tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 3e-2
     selfcheck.verify(probe, blocks.modules, blocks.names, plan, ctx.group, tolerance)
-    hooks = sequence.enable(model, blocks.modules, ctx, shared) if ctx.sequence_parallel else []
+    if ctx.sequence_parallel:  # every replicated block parameter: a superset of the sharded regions' ones
+        hooks = sequence.enable(model, blocks.modules, ctx, shared)
+    else:
+        hooks = sum_gradients_over_tp(params_in_sharded_regions(blocks.modules, probe.calls[0], ctx), ctx, "tp replicated gradient")
     columns = sum(e.style != "row" for e in plan)
     log_rank0(
         logger, "tensor parallel %d%s: %d column + %d row leaves in %d blocks (%s)%s%s", t,

@@ -10,9 +10,8 @@ starts at the first block's input (split, backward all-gather) and ends at the l
 sequences and the model's loss is untouched.
 
 [Note: replicated gradients] A replicated parameter inside the blocks (norm weights, a row
-layer's bias) now sees only this rank's part of the sequence, so its gradient is a partial sum:
-a hook on the gradient (before accumulation, so gradient accumulation and the ZeRO hooks that
-run after it see the full sum) all-reduces it over tp.
+layer's bias) now sees only this rank's part of the sequence, so its gradient is a partial sum,
+summed over tp by ``partial_grads.sum_gradients_over_tp``.
 """
 
 from __future__ import annotations
@@ -22,9 +21,9 @@ from typing import Any
 
 import torch
 
-from slipstream.comm import all_reduce
 from slipstream.engine.parallel.tensor import ops
 from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext
+from slipstream.engine.parallel.tensor.partial_grads import sum_gradients_over_tp
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, Any]:
@@ -91,17 +90,11 @@ def enable(
     sharded = {id(p) for m in model.modules() if isinstance(m, ShardedLinear) for p in m.parameters()}
     sharded -= {id(m.bias) for m in model.modules() if isinstance(m, ShardedLinear) and m.style == "row" and m.bias is not None}
 
-    def reduce(grad: torch.Tensor) -> torch.Tensor:
-        if not ctx.sp:
-            return grad
-        out = grad.contiguous().clone()
-        all_reduce(out, group=ctx.group, tag="sp replicated gradient").wait()
-        return out
-
     seen: set[int] = set()
+    replicated = []
     for block in blocks:
         for param in block.parameters():
             if id(param) not in sharded and id(param) not in seen and param.requires_grad:
                 seen.add(id(param))
-                handles.append(param.register_hook(reduce))
-    return handles
+                replicated.append(param)
+    return handles + sum_gradients_over_tp(replicated, ctx, "sp replicated gradient", only_under_sp=True)
