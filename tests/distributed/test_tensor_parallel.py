@@ -69,12 +69,12 @@ class _NormSaved:
         return t
 
 
-def _case(name: str, model_name: str, stage: int = 0, **extra: Any) -> dict[str, Any]:
+def _case(name: str, model_name: str, stage: int = 0, micro: int = MICRO, **extra: Any) -> dict[str, Any]:
     dp = dist.get_world_size() // 2
     model = BUILDERS[model_name](seed=dist.get_rank())  # rank 0's weights win
     if model_name.startswith("mlp"):
         extra.setdefault("tensor", {})["partition_config"] = MLP_PARTITION
-    engine = slipstream.initialize(model, config(MICRO, dp, stage=stage, **extra))
+    engine = slipstream.initialize(model, config(micro, dp, stage=stage, **extra))
     batches = global_batches(STEPS, MICRO * dp)
     traffic: dict[str, Any] = {}
     saved = _NormSaved([m for n, m in engine.module.named_modules() if n.endswith("input_layernorm")])
@@ -197,12 +197,12 @@ def _as_trajectory(result: dict[str, Any]) -> Any:
 def _world4_body() -> list[dict[str, Any]]:
     return [
         _case("zero1", "llama", stage=1), _case("zero3-clip", "llama", stage=3, clip=0.5),
-        _case("zero2-offload", "llama", stage=2, zero={"offload_optimizer": {"device": "cpu"}}),
+        _case("zero2-offload-gas2", "llama", stage=2, zero={"offload_optimizer": {"device": "cpu"}}, micro=MICRO // 2, gas=2),
     ]
 
 
 def test_tensor_parallel_with_zero_over_dp() -> None:
-    """tp 2 × dp 2 at ZeRO 1, 2 with CPU optimizer offload, and 3 (3 with clipping: the global norm counts every element once, over the world)."""
+    """tp 2 × dp 2 at ZeRO 1, 2 with CPU optimizer offload and 2 accumulation steps, and 3 (3 with clipping: the global norm counts every element once, over the world)."""
     zero1, zero3, zero2_offload = run_distributed(4, _world4_body)[0]
     batches = global_batches(STEPS, 2 * MICRO)
     ref = _reference("llama", batches)

@@ -105,10 +105,10 @@ def mlp_head_norm(seed: int = 0) -> torch.nn.Module:
 BUILDERS = {"llama": llama, "gpt2": gpt2, "mlp": TinyMLPLM, "mlp-headnorm": mlp_head_norm, "llama-v257": llama_odd_vocab, "llama-kv1": llama_one_kv_head}
 
 
-def config(micro: int, dp: int, tp: int = 2, stage: int = 0, **extra: Any) -> dict[str, Any]:
+def config(micro: int, dp: int, tp: int = 2, stage: int = 0, gas: int = 1, **extra: Any) -> dict[str, Any]:
     tensor = {"autotp_size": tp, **extra.pop("tensor", {})}
     return {
-        "train_batch_size": micro * dp,
+        "train_batch_size": micro * dp * gas,
         "train_micro_batch_size_per_gpu": micro,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **extra.pop("zero", {})},
@@ -120,19 +120,22 @@ def config(micro: int, dp: int, tp: int = 2, stage: int = 0, **extra: Any) -> di
 
 def train(engine: Any, batches: list[torch.Tensor], record: Any = None) -> Trajectory:
     """This rank's dp share of every global batch; losses averaged over the world (tp ranks agree)."""
-    dp, dp_rank = engine.mesh.size("dp"), engine.mesh.rank_of("dp")
+    dp, dp_rank, gas = engine.mesh.size("dp"), engine.mesh.rank_of("dp"), engine.gradient_accumulation_steps()
     losses, norms = [], []
     for step, tokens in enumerate(batches):
-        mb = tokens.shape[0] // dp
-        part = tokens[dp_rank * mb : (dp_rank + 1) * mb]
-        loss = engine(input_ids=part, labels=part).loss
-        engine.backward(loss)
-        if record is not None:
-            record(step)
-        engine.step()
-        total = loss.detach().float().clone()
+        mb = tokens.shape[0] // (dp * gas)
+        total = torch.zeros(())
+        for micro in range(gas):  # micro-batch `micro` of every dp rank, then the next: the reference's order
+            start = (micro * dp + dp_rank) * mb
+            part = tokens[start : start + mb]
+            loss = engine(input_ids=part, labels=part).loss
+            engine.backward(loss)
+            if record is not None and micro == 0:
+                record(step)
+            engine.step()
+            total += loss.detach().float()
         dist.all_reduce(total)
-        losses.append(float(total) / dist.get_world_size())
+        losses.append(float(total) / (dist.get_world_size() * gas))
         norms.append(float(engine.get_global_grad_norm()))
     state = engine.consolidated_state_dict()
     return Trajectory(losses, state or {}, norms)
