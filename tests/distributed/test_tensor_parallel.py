@@ -198,16 +198,19 @@ def _world4_body() -> list[dict[str, Any]]:
     return [
         _case("zero1", "llama", stage=1), _case("zero3-clip", "llama", stage=3, clip=0.5),
         _case("zero2-offload-gas2", "llama", stage=2, zero={"offload_optimizer": {"device": "cpu"}}, micro=MICRO // 2, gas=2),
+        _case("zero3-sp-kv1", "llama-kv1", stage=3, tensor={"sequence_parallel": True}),
     ]
 
 
 def test_tensor_parallel_with_zero_over_dp() -> None:
     """tp 2 × dp 2 at ZeRO 1, 2 with CPU optimizer offload and 2 accumulation steps, and 3 (3 with clipping: the global norm counts every element once, over the world)."""
-    zero1, zero3, zero2_offload = run_distributed(4, _world4_body)[0]
+    zero1, zero3, zero2_offload, zero3_sp_kv1 = run_distributed(4, _world4_body)[0]
     batches = global_batches(STEPS, 2 * MICRO)
     ref = _reference("llama", batches)
     for result in (zero1, zero2_offload):
         assert_close_trajectory(_as_trajectory(result), ref, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
+    kv1 = _reference("llama-kv1", batches)  # ZeRO-3 over dp with sequence parallel and replicated KV heads
+    assert_close_trajectory(_as_trajectory(zero3_sp_kv1), kv1, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
     clipped = _reference("llama", batches, clip=0.5)
     assert_close_trajectory(_as_trajectory(zero3), clipped, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
     for ours, theirs in zip(zero3["norms"] + zero1["norms"], clipped.grad_norms + ref.grad_norms):
