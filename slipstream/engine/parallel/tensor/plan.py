@@ -27,7 +27,12 @@ import torch
 
 from slipstream.engine.config import ConfigError
 
-LAYER_SPEC_KEYS = {"patterns", "partition_type", "shape", "partition_dim"}
+# DeepSpeed's keys (deepspeed/module_inject/autotp_config.py). Without effect here: tp_size (autotp_size
+# rules), embedding_partition_dim and lm_head_patterns (the vocabulary layers are found through the model's
+# get_input/output_embeddings), gather_output, grad_allreduce (partial gradients are found by the self-check
+# replay: partial_grads.py) and partition_dim (the partition follows the layer's orientation).
+TOP_KEYS = {"use_default_specs", "layer_specs", "strict_mode", "tp_size", "embedding_partition_dim", "lm_head_patterns"}
+LAYER_SPEC_KEYS = {"patterns", "partition_type", "shape", "partition_dim", "model_types", "gather_output", "grad_allreduce"}
 PARTITION_TYPES = {"row": "row", "column": "column", "skip": "skip", "rowwise": "row", "colwise": "column"}
 
 
@@ -67,9 +72,9 @@ def validate_partition_config(section: dict[str, Any] | None) -> None:
     if section is None:
         return
     key = "tensor_parallel.partition_config"
-    unknown = set(section) - {"use_default_specs", "layer_specs"}
+    unknown = set(section) - TOP_KEYS
     if unknown:
-        raise ConfigError(f"{key}: unknown key {sorted(unknown)[0]!r}; the keys are use_default_specs, layer_specs")
+        raise ConfigError(f"{key}: unknown key {sorted(unknown)[0]!r}; the keys are {', '.join(sorted(TOP_KEYS))}")
     specs = section.get("layer_specs", [])
     if not isinstance(specs, list):
         raise ConfigError(f"{key}.layer_specs: must be a list of {{patterns, partition_type}}, got {type(specs).__name__}")
@@ -87,18 +92,26 @@ def validate_partition_config(section: dict[str, Any] | None) -> None:
                 re.compile(pattern)
             except re.error as err:
                 raise ConfigError(f"{where}.patterns: {pattern!r} is not a regular expression ({err})") from None
-        if spec.get("partition_type") not in PARTITION_TYPES:
+        if str(spec.get("partition_type", "column")).lower() not in PARTITION_TYPES:
             raise ConfigError(f"{where}.partition_type: must be row, column or skip, got {spec.get('partition_type')!r}")
         shape = spec.get("shape")
         if shape is not None and (not isinstance(shape, list) or len(shape) != 2 or not isinstance(shape[0], int) or shape[0] < 1):
-            raise ConfigError(f"{where}.shape: must be [parts, -1] (a packed projection of `parts` parts), got {shape!r}")
+            unequal = isinstance(shape, list) and shape and isinstance(shape[0], list)
+            raise ConfigError(
+                f"{where}.shape: must be [parts, -1] (a packed projection of equal parts), got {shape!r}"
+                + ("; packed parts of unequal sizes are not supported yet: list the projections separately" if unequal else "")
+            )
+        if "model_types" in spec and not (isinstance(spec["model_types"], list) and all(isinstance(m, str) for m in spec["model_types"])):
+            raise ConfigError(f"{where}.model_types: must be a list of model type names, got {spec['model_types']!r}")
 
 
-def _from_partition_config(section: dict[str, Any], leaves: dict[str, torch.nn.Module]) -> dict[str, PlanEntry | None]:
+def _from_partition_config(section: dict[str, Any], leaves: dict[str, torch.nn.Module], model_type: str | None) -> dict[str, PlanEntry | None]:
     """Leaf name → entry (None: ``skip``, keep replicated) for every leaf a layer spec matches."""
     found: dict[str, PlanEntry | None] = {}
     for i, spec in enumerate(section.get("layer_specs", [])):
-        style = PARTITION_TYPES[spec["partition_type"]]
+        if spec.get("model_types") and str(model_type).lower() not in [m.lower() for m in spec["model_types"]]:
+            continue  # DeepSpeed's model_types: the spec applies to those models only
+        style = PARTITION_TYPES[str(spec.get("partition_type", "column")).lower()]
         parts = spec["shape"][0] if spec.get("shape") else 1
         for name in leaves:
             if name in found:
@@ -160,8 +173,15 @@ def build_plan(
     chosen: dict[str, PlanEntry | None] = {}
     use_defaults = True
     if partition_config is not None:
-        chosen.update(_from_partition_config(partition_config, block_leaves))
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        chosen.update(_from_partition_config(partition_config, block_leaves, model_type))
         use_defaults = bool(partition_config.get("use_default_specs", True))
+        unmatched = [name for name in order if name not in chosen]
+        if partition_config.get("strict_mode") and unmatched:
+            raise ConfigError(
+                f"tensor_parallel.partition_config.strict_mode: {len(unmatched)} linear layer(s) match no layer spec "
+                f"(first: {unmatched[0]}); add a spec (partition_type skip keeps one replicated) or turn strict_mode off"
+            )
     if use_defaults:
         hf = _from_hf(hf_tp_plan(model), block_leaves)
         inferred = {} if hf else _inferred(order, block_leaves)
