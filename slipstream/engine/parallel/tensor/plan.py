@@ -26,6 +26,9 @@ from typing import Any
 import torch
 
 from slipstream.engine.config import ConfigError
+from slipstream.utils.logging import get_logger, log_rank0
+
+logger = get_logger(__name__)
 
 # DeepSpeed's keys (deepspeed/module_inject/autotp_config.py). Without effect here: tp_size (autotp_size
 # rules), embedding_partition_dim and lm_head_patterns (the vocabulary layers are found through the model's
@@ -33,6 +36,7 @@ from slipstream.engine.config import ConfigError
 # replay: partial_grads.py) and partition_dim (the partition follows the layer's orientation).
 TOP_KEYS = {"use_default_specs", "layer_specs", "strict_mode", "tp_size", "embedding_partition_dim", "lm_head_patterns"}
 LAYER_SPEC_KEYS = {"patterns", "partition_type", "shape", "partition_dim", "model_types", "gather_output", "grad_allreduce"}
+NO_EFFECT = {"tp_size", "embedding_partition_dim", "lm_head_patterns", "gather_output", "grad_allreduce", "partition_dim"}
 PARTITION_TYPES = {"row": "row", "column": "column", "skip": "skip", "rowwise": "row", "colwise": "column"}
 
 
@@ -78,6 +82,9 @@ def validate_partition_config(section: dict[str, Any] | None) -> None:
     specs = section.get("layer_specs", [])
     if not isinstance(specs, list):
         raise ConfigError(f"{key}.layer_specs: must be a list of {{patterns, partition_type}}, got {type(specs).__name__}")
+    no_effect = sorted(set(section) & NO_EFFECT) + sorted({k for spec in specs if isinstance(spec, dict) for k in spec} & NO_EFFECT)
+    if no_effect:
+        log_rank0(logger, "config: %s.%s accepted for DeepSpeed compatibility, no effect in slipstream (see plan.py)", key, ", ".join(dict.fromkeys(no_effect)))
     for i, spec in enumerate(specs):
         where = f"{key}.layer_specs[{i}]"
         if not isinstance(spec, dict):
