@@ -280,6 +280,16 @@ WRONG_GPT2_PLAN = {  # c_attn without "shape": [3, -1] is cut across Q|K|V inste
 }
 
 
+SILENTLY_WRONG_GPT2_PLAN = {  # c_fc cut as if it packed two parts: shapes all fit, the numbers do not
+    "use_default_specs": False,
+    "layer_specs": [
+        {"patterns": [r".*\.c_attn\.weight$"], "partition_type": "column", "shape": [3, -1]},
+        {"patterns": [r".*\.c_fc\.weight$"], "partition_type": "column", "shape": [2, -1]},
+        {"patterns": [r".*\.c_proj\.weight$"], "partition_type": "row"},
+    ],
+}
+
+
 def _error_of(model: torch.nn.Module, cfg: dict[str, Any]) -> str:
     try:
         slipstream.initialize(model, cfg).close()
@@ -294,6 +304,7 @@ def _errors_body() -> dict[str, str]:
     right = {**WRONG_GPT2_PLAN, "layer_specs": [*WRONG_GPT2_PLAN["layer_specs"][1:], {"patterns": [r".*\.c_attn\.weight$"], "partition_type": "column", "shape": [3, -1]}, {"patterns": [r".*\.c_fc\.weight$"], "partition_type": "column"}]}  # fmt: skip
     return {
         "wrong plan": _error_of(BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": WRONG_GPT2_PLAN})),
+        "silently wrong plan": _error_of(BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": SILENTLY_WRONG_GPT2_PLAN})),
         "right plan": _error_of(BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": right})),
         "kv heads": _error_of(_three_kv_heads_llama(), config(MICRO, 1)),
         "sp without tp": _error_of(llama(), config(MICRO, 2, tp=1, tensor={"sequence_parallel": True})),
@@ -311,6 +322,9 @@ def test_config_mistakes_fail_initialize_naming_the_key_or_block() -> None:
     errors = run_distributed(2, _errors_body)[0]
     assert errors["wrong plan"].startswith("tensor_parallel: the sharded block transformer.h.0 does not reproduce"), errors["wrong plan"]
     assert "transformer.h.0.attn.c_attn: column [partition_config.layer_specs[0]]" in errors["wrong plan"]
+    silent = errors["silently wrong plan"]
+    assert silent.startswith("tensor_parallel: the sharded block transformer.h.0 does not reproduce the unsharded one") and "outputs differ by" in silent, silent
+    assert "transformer.h.0.mlp.c_fc: column (packed 2) [partition_config.layer_specs[1]]" in silent
     assert errors["right plan"] == "no error"  # the same plan with shape [3, -1] passes the self-check
     assert errors["kv heads"].startswith("tensor_parallel.autotp_size: model.layers.0.self_attn.k_proj holds 3 heads, which neither divide by 2 nor divide 2"), errors["kv heads"]
     assert errors["sp without tp"].startswith("tensor_parallel.sequence_parallel: needs tensor_parallel.autotp_size"), errors["sp without tp"]
