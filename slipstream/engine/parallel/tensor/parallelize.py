@@ -100,6 +100,18 @@ def _rewrite_attributes(parent: torch.nn.Module, part_sizes: set[int], t: int) -
     return changed
 
 
+def _rewrite_kv_groups(model: torch.nn.Module, plan: list[PlanEntry], part_sizes: dict[str, set[int]], rewritten: dict[str, list[str]]) -> None:
+    """Replicated KV heads: one KV head per rank serves all of the rank's query heads (``num_key_value_groups``)."""
+    for entry in plan:
+        parent_name = entry.name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name)
+        if entry.style == "kv" and isinstance(parent.__dict__.get("num_key_value_groups"), int):
+            local_q = max(size // parent.head_dim for size in part_sizes.get(parent_name, {parent.head_dim}))
+            if parent.num_key_value_groups != local_q:
+                rewritten.setdefault(parent_name, []).append(f"num_key_value_groups {parent.num_key_value_groups}→{local_q}")
+                parent.num_key_value_groups = local_q
+
+
 def _shard_vocab(model: torch.nn.Module, ctx: TPContext) -> list[str]:
     """Embedding and LM head on the vocabulary (unevenly when it does not divide by t: see ``layers.vocab_rows``)."""
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
@@ -146,8 +158,9 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
 
     [Note: packed placement] A packed projection's local piece (this rank's Q, K and V columns) is
     three boxes of the global tensor, which one placement cannot express; those pieces are left
-    unplaced (each rank counts its own piece in the norm, which is right) and a checkpoint of them
-    reloads only at the same tp degree.
+    unplaced (each rank counts its own piece in the norm, which is right) and carry a
+    ``layers.PackedPiece`` instead, which ``consolidated_state_dict`` reads; a checkpoint of them
+    fails at save until placements hold several boxes.
     """
     t = mesh.size("tp")
     if t == 1:
@@ -182,14 +195,7 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
             share.closed_by_row = True
         _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts, kv_heads=entry.kv_heads))
     rewritten = {p: _rewrite_attributes(model.get_submodule(p), sizes, t) for p, sizes in part_sizes.items()}
-    for entry in plan:  # replicated KV heads: one per rank, shared by the rank's query heads
-        parent_name = entry.name.rpartition(".")[0]
-        parent = model.get_submodule(parent_name)
-        if entry.style == "kv" and isinstance(parent.__dict__.get("num_key_value_groups"), int):
-            local_q = max(size // parent.head_dim for size in part_sizes.get(parent_name, {parent.head_dim}))
-            if parent.num_key_value_groups != local_q:
-                rewritten.setdefault(parent_name, []).append(f"num_key_value_groups {parent.num_key_value_groups}→{local_q}")
-                parent.num_key_value_groups = local_q
+    _rewrite_kv_groups(model, plan, part_sizes, rewritten)
     vocab = _shard_vocab(model, ctx)
     _place_all(model, ctx)
     ctx.rng = ShardedRegionRng(ctx.rank)  # after the plan: the self-check and training fork it per sub-block
