@@ -9,7 +9,6 @@ as ``save_pretrained`` writes them; ``from_pretrained`` re-ties them. The file i
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.engine.parallel.tensor import packed_piece
 from slipstream.utils.placement import placement_of
 
 Engine = Any  # the Engine calls in here; typing it by name would make an import cycle
@@ -63,57 +61,29 @@ def gather_spread(engine: Engine, exclude_frozen: bool = False) -> dict[str, tor
 
     frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
     entries, values = [], []
-    packed: list[Any] = []  # pieces of packed projections (tensor parallel): see _assemble_packed
-    params = dict(engine.module.named_parameters())
     for owned in engine.strategy.sharded_state():
         if owned.duplicate or owned.slice.name in frozen:
             continue
-        piece = packed_piece(params[owned.slice.name]) if owned.slice.name in params else None
-        if piece is not None:
-            value = owned.value.detach().float().reshape(-1).cpu()
-            packed.append((owned.slice.name, piece, tuple(params[owned.slice.name].shape), owned.slice.start, value))
-            continue
-        s = owned.slice
-        entries.append({"name": s.name, "shape": list(s.shape), "start": s.start, "numel": s.numel,
-                        "box": {"offsets": list(s.offsets), "sizes": list(s.sizes)}})  # fmt: skip
-        values.append(owned.value.detach().float().reshape(-1).cpu())
-    mine = (entries, torch.cat(values) if values else torch.zeros(0), packed)
+        value = owned.value.detach().float().reshape(-1).cpu()
+        for lo, hi, s in owned.slice.split():  # a packed piece (tensor parallel) is one box per part
+            entries.append({"name": s.name, "shape": list(s.shape), "start": s.start, "numel": s.numel,
+                            "box": {"offsets": list(s.offsets), "sizes": list(s.sizes)}})  # fmt: skip
+            values.append(value[lo:hi])
+    mine = (entries, torch.cat(values) if values else torch.zeros(0))
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
     dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
         return None
     pieces: dict[str, list[Any]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for rank_entries, flat, _ in gathered:
+    for rank_entries, flat in gathered:
         offset = 0
         for entry in rank_entries:
             part = flat[offset : offset + entry["numel"]]
             offset += entry["numel"]
             shapes.setdefault(entry["name"], tuple(entry["shape"]))
             pieces.setdefault(entry["name"], []).append((entry, lambda lo, hi, part=part: part[lo:hi]))
-    state = {name: assemble(shapes[name], pieces[name], torch.float32) for name in pieces}
-    state.update(_assemble_packed([p for _, _, rank_packed in gathered for p in rank_packed]))
-    return state
-
-
-def _assemble_packed(found: list[Any]) -> dict[str, torch.Tensor]:
-    """Packed projections (GPT-2's ``c_attn`` = Q|K|V under tensor parallel): a rank's piece is one box per part.
-
-    [Note: packed pieces] ``utils.placement`` describes a piece as one box, and this rank's
-    columns of Q, K and V are three; such parameters are left unplaced and carry a
-    ``parallel.tensor.PackedPiece`` instead. ZeRO's flat ranges are joined into the rank's piece
-    (keyed by its offset within a part), then each part goes to its box.
-    """
-    local: dict[tuple[str, int], tuple[Any, tuple[int, ...], torch.Tensor]] = {}
-    for name, piece, local_shape, start, value in found:
-        entry = local.setdefault((name, piece.offset), (piece, local_shape, torch.zeros(math.prod(local_shape))))
-        entry[2][start : start + value.numel()] = value
-    state: dict[str, torch.Tensor] = {}
-    for (name, _), (piece, local_shape, flat) in local.items():
-        full = state.setdefault(name, torch.zeros(piece.global_shape))
-        for global_index, local_index in piece.boxes(local_shape):
-            full[global_index] = flat.view(local_shape)[local_index]
-    return state
+    return {name: assemble(shapes[name], pieces[name], torch.float32) for name in pieces}
 
 
 def _spread_buffers(engine: Engine) -> dict[str, torch.Tensor] | None:

@@ -17,20 +17,33 @@ on all but one of them: that copy is neither saved in a checkpoint nor counted i
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) within the global tensor
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """The local piece = ``global[offsets[d] : offsets[d] + local_shape[d]]`` along every dimension ``d``."""
+    """The local piece = ``global[offsets[d] : offsets[d] + local_shape[d]]`` along every dimension ``d``.
+
+    [Note: packed pieces] A packed projection (GPT-2's ``c_attn`` = Q|K|V) cut per part leaves a
+    rank one box per part. Such a piece is stored part-major, so its flattened elements are the
+    boxes' flattened elements one box after another, and ``boxes`` lists them in that order (then
+    ``offsets`` is unused). A flat range of the piece is then a flat range inside one or more boxes.
+    """
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     duplicate: bool = False  # another rank holds the same piece and is the one that saves and counts it
+    boxes: tuple[Box, ...] | None = None
 
     def box(self, local_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        """``(offsets, sizes)`` within the global tensor; None when the piece is the whole tensor."""
+        """``(offsets, sizes)`` within the global tensor; None when the piece is the whole tensor (or packed: see ``boxes``)."""
+        if self.boxes is not None:
+            return None
         if tuple(local_shape) == self.global_shape and not any(self.offsets):
             return None
         return self.offsets, tuple(local_shape)
@@ -57,6 +70,39 @@ def place(
     placement = Placement(global_shape, offsets, duplicate)
     setattr(param, _ATTRIBUTE, placement)
     return placement
+
+
+def place_parts(
+    param: torch.Tensor, global_shape: tuple[int, ...] | torch.Size, boxes: list[Box], *, duplicate: bool = False
+) -> Placement:
+    """Record that ``param`` holds, flattened, the elements of ``boxes`` of a ``global_shape`` tensor one after another."""
+    global_shape = tuple(int(s) for s in global_shape)
+    boxes_t = tuple((tuple(int(o) for o in off), tuple(int(n) for n in sizes)) for off, sizes in boxes)
+    total = 0
+    for off, sizes in boxes_t:
+        if len(off) != len(global_shape) or len(sizes) != len(global_shape):
+            raise ValueError(f"place_parts: box {off}+{sizes} does not match the global shape {global_shape}")
+        for d, (o, n, g) in enumerate(zip(off, sizes, global_shape)):
+            if o < 0 or o + n > g:
+                raise ValueError(f"place_parts: dimension {d}: box [{o}, {o + n}) does not fit in global size {g}")
+        total += math.prod(sizes)
+    if total != param.numel():
+        raise ValueError(f"place_parts: the boxes hold {total} elements, the parameter {param.numel()}")
+    placement = Placement(global_shape, (0,) * len(global_shape), duplicate, boxes_t)
+    setattr(param, _ATTRIBUTE, placement)
+    return placement
+
+
+def parts_of(param: torch.Tensor) -> list[tuple[int, Box]] | None:
+    """A packed piece's boxes with the flat offset at which each starts in ``param``; None for a one-box piece."""
+    placement = getattr(param, _ATTRIBUTE, None)
+    if placement is None or placement.boxes is None:
+        return None
+    parts, start = [], 0
+    for box in placement.boxes:
+        parts.append((start, box))
+        start += math.prod(box[1])
+    return parts
 
 
 def placement_of(param: torch.Tensor) -> Placement | None:

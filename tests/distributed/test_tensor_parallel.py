@@ -223,14 +223,14 @@ def test_tensor_parallel_with_zero_over_dp() -> None:
 CKPT_STEPS = 9  # A: 3 steps, save, 6 more; B (tp 1) resumes at 3, saves at 6; C (tp 2) resumes at 6
 
 
-def _ckpt_engine(tp: int, stage: int) -> Any:
+def _ckpt_engine(model: str, tp: int, stage: int) -> Any:
     dp = dist.get_world_size() // tp
     micro = 2 * MICRO // dp  # the same global batch of 8 at every layout
-    return slipstream.initialize(BUILDERS["llama"](seed=7 + dist.get_rank()), config(micro, dp, tp=tp, stage=stage))
+    return slipstream.initialize(BUILDERS[model](seed=7 + dist.get_rank()), config(micro, dp, tp=tp, stage=stage))
 
 
-def _ckpt_a(save_dir: str) -> list[float]:
-    engine = _ckpt_engine(2, 3)
+def _ckpt_a(model: str, stage: int, save_dir: str) -> list[float]:
+    engine = _ckpt_engine(model, 2, stage)
     batches = global_batches(CKPT_STEPS, 2 * MICRO)
     losses = train(engine, batches[:3]).losses
     engine.save_checkpoint(save_dir, tag="tp2")
@@ -239,8 +239,8 @@ def _ckpt_a(save_dir: str) -> list[float]:
     return losses
 
 
-def _ckpt_b(load_dir: str, save_dir: str) -> list[float]:
-    engine = _ckpt_engine(1, 0)
+def _ckpt_b(model: str, load_dir: str, save_dir: str) -> list[float]:
+    engine = _ckpt_engine(model, 1, 0)
     engine.load_checkpoint(load_dir, tag="tp2")
     batches = global_batches(CKPT_STEPS, 2 * MICRO)
     losses = train(engine, batches[3:6]).losses
@@ -250,20 +250,22 @@ def _ckpt_b(load_dir: str, save_dir: str) -> list[float]:
     return losses
 
 
-def _ckpt_c(load_dir: str) -> list[float]:
-    engine = _ckpt_engine(2, 3)
+def _ckpt_c(model: str, stage: int, load_dir: str) -> list[float]:
+    engine = _ckpt_engine(model, 2, stage)
     engine.load_checkpoint(load_dir, tag="tp1")
     losses = train(engine, global_batches(CKPT_STEPS, 2 * MICRO)[6:]).losses
     engine.close()
     return losses
 
 
-def test_checkpoint_tp2_dp2_stage3_to_tp1_stage0_and_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("model", "stage"), [("llama", 3), ("gpt2", 1)])
+def test_checkpoint_tp2_dp2_to_tp1_stage0_and_back(model: str, stage: int, tmp_path: Path) -> None:
+    """Llama at ZeRO-3; GPT-2 at ZeRO-1, whose packed c_attn pieces are saved and loaded one box per part."""
     first, second = str(tmp_path / "a"), str(tmp_path / "b")
-    uninterrupted = run_distributed(4, _ckpt_a, first)[0]
-    resumed_tp1 = run_distributed(1, _ckpt_b, first, second)[0]
-    resumed_tp2 = run_distributed(4, _ckpt_c, second)[0]
-    ref = reference(BUILDERS["llama"](seed=7), global_batches(CKPT_STEPS, 2 * MICRO)).losses
+    uninterrupted = run_distributed(4, _ckpt_a, model, stage, first)[0]
+    resumed_tp1 = run_distributed(1, _ckpt_b, model, first, second)[0]
+    resumed_tp2 = run_distributed(4, _ckpt_c, model, stage, second)[0]
+    ref = reference(BUILDERS[model](seed=7), global_batches(CKPT_STEPS, 2 * MICRO)).losses
     for ours, theirs in ((uninterrupted, ref), (resumed_tp1, uninterrupted[3:]), (resumed_tp2, uninterrupted[6:])):
         for a, b in zip(ours, theirs, strict=True):
             assert abs(a - b) <= 1e-5 * b, (ours, theirs)

@@ -44,7 +44,14 @@ def capture(
     for owned in target.shards.sharded_state():
         if owned.duplicate or owned.slice.name in frozen:  # another rank saves a duplicate
             continue
-        slices.append(_capture_slice(owned, target.shards.slice_optimizer_state(owned), tensors))
+        state = target.shards.slice_optimizer_state(owned)
+        for lo, hi, part in owned.slice.split():  # a packed piece is stored as one slice per box
+            if part is not owned.slice:
+                state_part = None if state is None else {k: _cut(v, owned.slice.numel, lo, hi) for k, v in state.items()}
+                owned_part = dataclasses.replace(owned, slice=part, value=owned.value[lo:hi])
+                slices.append(_capture_slice(owned_part, state_part, tensors))
+            else:
+                slices.append(_capture_slice(owned, state, tensors))
     meta: dict[str, Any] = {"rank": rank, "world_size": target.world_size, "slices": slices}
     meta["rng"] = encode_tree(target.rng.state_dict(), "rng", tensors, "RNG state")
     meta["stateful"] = {
@@ -62,6 +69,13 @@ def capture(
             manifest["state_dict_keys"] = {k: v for k, v in keys.items() if v.get("param") not in frozen}
         payload.config = target.config
     return payload
+
+
+def _cut(value: Any, numel: int, lo: int, hi: int) -> Any:
+    """Elements ``[lo, hi)`` of a per-element optimizer tensor of a slice (scalars such as ``step`` stay whole)."""
+    if torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel:
+        return value.reshape(-1)[lo:hi]
+    return value
 
 
 def slice_key(prefix: str, owned: OwnedSlice) -> str:

@@ -458,6 +458,8 @@ class CheckpointReader:
 
     def read_param(self, s: ParamSlice) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the flattened fp32 parameter, from whichever slices hold them."""
+        if s.parts is not None:  # a packed piece: its boxes one after another
+            return torch.cat([self.read_param(part) for _, _, part in s.split()]) if s.numel else torch.zeros(0)
         return self._assemble(s, lambda entry: entry["key"], torch.float32)
 
     def full_param(self, name: str) -> torch.Tensor:
@@ -466,6 +468,16 @@ class CheckpointReader:
 
     def read_optimizer_state(self, s: ParamSlice) -> dict[str, tuple[str, Any]] | None:
         """The optimizer state of this slice: key -> ("slice", tensor) | ("tensor", (tensor, on_param_device)) | ("value", v)."""
+        if s.parts is not None:  # a packed piece: per-element state joined box after box, the rest from the first
+            found = [self.read_optimizer_state(part) for _, _, part in s.split()]
+            if not found or any(f is None for f in found):
+                if any(f is not None for f in found):
+                    raise CheckpointError(f"checkpoint {self.path}: parameter {s.name!r} has optimizer state for only some of its slices")
+                return None
+            first = found[0]
+            assert first is not None
+            return {k: ("slice", torch.cat([f[k][1] for f in found])) if kind == "slice" else (kind, v)  # type: ignore[index]
+                    for k, (kind, v) in first.items()}  # fmt: skip
         overlaps = self._overlaps(s)
         with_state = [e for e in overlaps if "optimizer" in e[3]]
         if not with_state:

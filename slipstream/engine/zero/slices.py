@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from slipstream.utils.placement import global_shape_and_box
+from slipstream.utils.placement import global_shape_and_box, parts_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,9 @@ class ParamSlice:
     """Elements ``[start, start + numel)`` of the flattened ``box`` of the parameter ``name`` of global shape ``shape``.
 
     ``box`` is ``(offsets, sizes)`` within the global tensor; ``None`` means the whole tensor.
+    ``parts``: a packed piece (utils/placement.py, [Note: packed pieces]) is several boxes laid end
+    to end, given as ``(flat start in the piece, box)``; then ``start`` counts in the piece and
+    :meth:`split` gives the one-box slices a checkpoint stores.
     """
 
     name: str
@@ -33,6 +36,22 @@ class ParamSlice:
     start: int
     numel: int
     box: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    parts: tuple[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]], ...] | None = None
+
+    def split(self) -> list[tuple[int, int, ParamSlice]]:
+        """``(lo, hi, one-box slice)``: elements ``[lo, hi)`` of this slice are that slice (itself when one box)."""
+        if self.parts is None:
+            return [(0, self.numel, self)]
+        found = []
+        end = self.start + self.numel
+        for begin, box in self.parts:
+            size = 1
+            for n in box[1]:
+                size *= n
+            lo, hi = max(self.start, begin), min(end, begin + size)
+            if lo < hi:
+                found.append((lo - self.start, hi - self.start, ParamSlice(self.name, self.shape, lo - begin, hi - lo, box)))
+        return found
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -45,6 +64,8 @@ class ParamSlice:
     @property
     def whole(self) -> bool:
         """True when the box is the whole tensor (every ZeRO-only slice)."""
+        if self.parts is not None:
+            return False
         return self.box is None or (all(o == 0 for o in self.box[0]) and tuple(self.box[1]) == tuple(self.shape))
 
 
@@ -72,4 +93,8 @@ class OwnedSlice:
 def slice_of(name: str, param: torch.Tensor, start: int = 0, numel: int | None = None) -> ParamSlice:
     """Elements ``[start, start + numel)`` of ``param`` as a slice of its global tensor (its placement's box)."""
     shape, box = global_shape_and_box(param)
-    return ParamSlice(name, shape, start, param.numel() if numel is None else numel, box)
+    parts = parts_of(param)
+    numel = param.numel() if numel is None else numel
+    if parts is not None:
+        return ParamSlice(name, shape, start, numel, None, tuple(parts))
+    return ParamSlice(name, shape, start, numel, box)

@@ -5,8 +5,7 @@ pieces: ``ops`` (the f/g autograd pairs), ``layers`` (sharded leaves, vocabulary
 ``plan`` (config → Hugging Face ``tp_plan`` → inferred), ``selfcheck``, ``sequence``.
 """
 
-from slipstream.engine.parallel.tensor.layers import PackedPiece, packed_piece
 from slipstream.engine.parallel.tensor.parallelize import TensorParallel, parallelize_tensor
 from slipstream.engine.parallel.tensor.plan import PlanEntry, validate_partition_config
 
-__all__ = ["PackedPiece", "PlanEntry", "packed_piece", "TensorParallel", "parallelize_tensor", "validate_partition_config"]
+__all__ = ["PlanEntry", "TensorParallel", "parallelize_tensor", "validate_partition_config"]

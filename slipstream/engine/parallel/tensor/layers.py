@@ -26,41 +26,6 @@ from slipstream.engine.parallel.rng import ShardedRegionRng
 from slipstream.engine.parallel.tensor import ops
 
 
-@dataclasses.dataclass(frozen=True)
-class PackedPiece:
-    """A packed projection's local piece: along ``dim``, ``parts`` equal parts each contribute ``[offset, offset + n)``.
-
-    One placement box cannot describe it (see ``parallelize.py``); whoever assembles full weights
-    (``engine/model_save.py``) reads this instead.
-    """
-
-    global_shape: tuple[int, ...]
-    dim: int
-    parts: int
-    offset: int
-
-    def boxes(self, local_shape: tuple[int, ...]) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
-        """(global index, local index) pairs, one per part."""
-        n = local_shape[self.dim] // self.parts
-        part = self.global_shape[self.dim] // self.parts
-        pairs = []
-        for k in range(self.parts):
-            g = [slice(None)] * len(local_shape)
-            loc = [slice(None)] * len(local_shape)
-            g[self.dim] = slice(k * part + self.offset, k * part + self.offset + n)
-            loc[self.dim] = slice(k * n, (k + 1) * n)
-            pairs.append((tuple(g), tuple(loc)))
-        return pairs
-
-
-_PACKED = "_slipstream_packed_piece"
-
-
-def packed_piece(param: torch.Tensor) -> PackedPiece | None:
-    """The packed description of ``param`` when it is a packed projection's piece; else None."""
-    return getattr(param, _PACKED, None)
-
-
 @dataclasses.dataclass
 class TPContext:
     """The tensor-parallel group and the switches every sharded layer reads at run time."""
@@ -156,10 +121,24 @@ class ShardedLinear(torch.nn.Module):
         if style == "kv":
             for param in self.parameters():
                 param.register_hook(self._sum_over_head_sharers)
-        if style == "column" and parts > 1:
-            setattr(self.weight, _PACKED, PackedPiece(self.global_weight_shape, self.shard_dim, parts, self.offset))
-            if self.bias is not None:
-                setattr(self.bias, _PACKED, PackedPiece(self.global_bias_shape, 0, parts, self.offset))
+        # [Note: packed pieces] (utils/placement.py): a packed piece is stored part-major so each
+        # part's box is one flat range. Linear's [parts·n, in] already is; Conv1D's [in, parts·n]
+        # is kept as [parts, in, n] and put back together in forward.
+        self.part_major = self.transposed and style == "column" and parts > 1
+        if self.part_major:
+            n = w.shape[1] // parts
+            self.weight = torch.nn.Parameter(w.view(w.shape[0], parts, n).permute(1, 0, 2).contiguous(), requires_grad=source.weight.requires_grad)
+
+    def packed_boxes(self, global_shape: tuple[int, ...], dim: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The boxes of a packed piece along ``dim`` of ``global_shape``, in storage order (one per part)."""
+        part = global_shape[dim] // self.parts
+        local = part // self.ctx.size
+        boxes = []
+        for k in range(self.parts):
+            offsets, sizes = [0] * len(global_shape), list(global_shape)
+            offsets[dim], sizes[dim] = k * part + self.offset, local
+            boxes.append((tuple(offsets), tuple(sizes)))
+        return boxes
 
     def _sum_over_head_sharers(self, grad: torch.Tensor) -> torch.Tensor:
         """[Note: replicated KV heads] With fewer KV heads than t, each rank keeps the one KV head its
@@ -173,6 +152,9 @@ class ShardedLinear(torch.nn.Module):
         return slots[self.kv_slot]
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.part_major:  # [parts, in, n] -> [in, parts·n], as the unsharded Conv1D's columns
+            y = x @ self.weight.permute(1, 0, 2).reshape(self.weight.shape[1], -1)
+            return y + bias if bias is not None else y
         if self.transposed:
             y = x @ self.weight
             return y + bias if bias is not None else y

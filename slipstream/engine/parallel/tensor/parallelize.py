@@ -30,7 +30,7 @@ from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear,
 from slipstream.engine.parallel.tensor.partial_grads import params_in_sharded_regions, sum_gradients_over_tp
 from slipstream.engine.parallel.tensor.plan import PlanEntry, build_plan, in_features, is_linear_like, out_features
 from slipstream.utils.logging import get_logger, log_rank0
-from slipstream.utils.placement import place, placement_of
+from slipstream.utils.placement import place, place_parts, placement_of
 
 logger = get_logger(__name__)
 
@@ -138,18 +138,20 @@ def _place_all(model: torch.nn.Module, ctx: TPContext) -> None:
         if isinstance(module, ShardedLinear):
             offsets = [0, 0]
             offsets[module.shard_dim] = module.offset
-            if module.parts == 1:  # a packed projection's piece is `parts` boxes: see parallelize_tensor's note
-                place(module.weight, module.global_weight_shape, tuple(offsets), duplicate=module.duplicate)
-            if module.bias is not None and module.style in ("column", "kv") and module.parts == 1:
+            if module.parts > 1:  # a packed projection's piece is one box per part (utils/placement.py)
+                place_parts(module.weight, module.global_weight_shape, module.packed_boxes(module.global_weight_shape, module.shard_dim))
+                if module.bias is not None:
+                    place_parts(module.bias, module.global_bias_shape, module.packed_boxes(module.global_bias_shape, 0))
+                continue
+            place(module.weight, module.global_weight_shape, tuple(offsets), duplicate=module.duplicate)
+            if module.bias is not None and module.style in ("column", "kv"):
                 place(module.bias, module.global_bias_shape, (module.offset,), duplicate=module.duplicate)
         elif isinstance(module, VocabEmbedding):
             place(module.weight, module.global_weight_shape, (module.start, 0))
         elif isinstance(module, VocabHead) and placement_of(module.weight) is None:
             place(module.weight, module.global_weight_shape, (module.start, 0))
-    cut = {id(m.weight) for m in model.modules() if isinstance(m, ShardedLinear) and m.parts > 1}
-    cut |= {id(m.bias) for m in model.modules() if isinstance(m, ShardedLinear) and m.parts > 1 and m.bias is not None}
     for param in model.parameters():
-        if placement_of(param) is None and id(param) not in cut:
+        if placement_of(param) is None:
             place(param, tuple(param.shape), duplicate=ctx.rank != 0)
 
 
@@ -157,10 +159,8 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
     """Tensor (+ sequence) parallelism over ``mesh.group("tp")``; None when tp is 1. Collective over the world.
 
     [Note: packed placement] A packed projection's local piece (this rank's Q, K and V columns) is
-    three boxes of the global tensor, which one placement cannot express; those pieces are left
-    unplaced (each rank counts its own piece in the norm, which is right) and carry a
-    ``layers.PackedPiece`` instead, which ``consolidated_state_dict`` reads; a checkpoint of them
-    fails at save until placements hold several boxes.
+    three boxes of the global tensor: it is stored part-major and placed with ``place_parts``, so
+    checkpoints and ``consolidated_state_dict`` store and assemble it box by box.
     """
     t = mesh.size("tp")
     if t == 1:
@@ -205,12 +205,6 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
         hooks = sequence.enable(model, blocks.modules, ctx, shared)
     else:
         hooks = sum_gradients_over_tp(params_in_sharded_regions(blocks.modules, probe.calls[0], ctx), ctx, "tp replicated gradient")
-    packed = [e.name for e in plan if e.parts > 1]
-    if packed and ctx.rank == 0 and mesh.rank == 0:
-        logger.warning(
-            "tensor parallel: %d packed projection(s) (%s, ...) train and consolidate, but a checkpoint of them fails at "
-            "save until placements hold one box per packed part (docs/tensor_parallel.md)", len(packed), packed[0],
-        )  # fmt: skip
     columns = sum(e.style != "row" for e in plan)
     log_rank0(
         logger, "tensor parallel %d%s: %d column + %d row leaves in %d blocks (%s)%s%s", t,
