@@ -6,6 +6,7 @@ from slipstream.comm.collectives import (
     Work,
     all_gather_into_tensor,
     all_reduce,
+    all_to_all_single,
     barrier,
     broadcast,
     reduce_scatter_tensor,
@@ -16,7 +17,7 @@ from slipstream.comm.lanes import lane_group
 from slipstream.comm.ring import ring_context
 
 __all__ = [
-    "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_reduce",
+    "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_reduce", "all_to_all_single",
     "barrier", "broadcast", "comms_log", "reduce_scatter_tensor", "ring_context", "get_rank", "get_world_size", "init_distributed",
     "lane_group",
 ]  # fmt: skip

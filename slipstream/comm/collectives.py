@@ -100,6 +100,11 @@ def all_reduce(
     return _launch("all_reduce", tensor, tag, group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
+    """Even all-to-all: chunk ``i`` of ``input`` (split on dim 0) goes to rank ``i``; logged as the bytes this rank sends."""
+    return _launch("all_to_all", input, tag, group, lambda: dist.all_to_all_single(output, input, group=group, async_op=True))
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
     return _launch("broadcast", tensor, tag, group, lambda: dist.broadcast(tensor, src=src, group=group, async_op=True))
 

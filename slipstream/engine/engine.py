@@ -20,7 +20,7 @@ from slipstream.comm import comms_log, get_rank
 from slipstream.engine.checkpoint.manager import CheckpointManager
 from slipstream.engine.checkpoint.rng import RngState
 from slipstream.engine.checkpoint.target import CheckpointTarget, Counters, TrainState
-from slipstream.engine.config import SlipstreamConfig
+from slipstream.engine.config import ConfigError, SlipstreamConfig
 from slipstream.engine.data import DistributedDataLoader
 from slipstream.engine.model_save import is_spread
 from slipstream.engine.monitor import StepRecord, TrainingMonitor
@@ -34,6 +34,8 @@ logger = get_logger(__name__)
 
 class Engine(torch.nn.Module):
     """Wraps ``module``; use ``loss = engine(batch); engine.backward(loss); engine.step()``."""
+
+    sequence_sharder: Any = None  # Ulysses: shards each batch on the sequence (set by initialize)
 
     def __init__(
         self,
@@ -91,7 +93,19 @@ class Engine(torch.nn.Module):
         if self._auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self._dtype)
         with self.monitor.forward(args, kwargs, self.global_steps):
-            return self.module(*args, **kwargs)
+            if self.sequence_sharder is None:
+                return self.module(*args, **kwargs)
+            return self._forward_sequence_parallel(args, kwargs)
+
+    def _forward_sequence_parallel(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Ulysses: this rank's share of the sequence through the model, the whole sequence's loss out (parallel/sequence/inputs.py)."""
+        if args:
+            raise TypeError("engine(...): with sequence_parallel_size > 1 pass the batch as keyword arguments (input_ids=..., labels=...)")
+        try:
+            local, count = self.sequence_sharder.shard(kwargs)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        return self.sequence_sharder.combine(self.module(**local), count)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Scale ``loss`` for accumulation and fp16, backpropagate, start gradient communication.

@@ -73,6 +73,7 @@ def initialize(
     mesh = Mesh.build(sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
     # 4. parallelize (pipeline cut, experts, tensor/sequence/context parallel): later issues
     parallelize_tensor(model, cfg, mesh)  # 4c. tensor (+ sequence) parallel over mesh.group("tp")
+    sequence = _parallelize_sequence(model, mesh)  # 4d. Ulysses attention and the engine's input sharding
     strategy = _shard(model, cfg, mesh, model_parameters, optimizer, accelerator)  # 5. ZeRO over dp·cp·sp
     scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)  # 6. the engine and what it holds
     loader = None
@@ -91,6 +92,7 @@ def initialize(
         model, cfg, strategy, build_loss_scaler(cfg.precision, cfg.fp16), accelerator, sizes.world,
         lr_scheduler=scheduler, training_dataloader=loader, mesh=mesh,
     )  # fmt: skip
+    engine.sequence_sharder = sequence
     if cfg.checkpoint.auto_resume:  # the fault-tolerant launcher restarts jobs with this on
         engine.resumed_from, engine.resumed_client_state = engine.checkpoints.resume(engine)
     return engine
@@ -117,6 +119,7 @@ def _options(
         cfg, optimizer = _without_optimizer(cfg, optimizer, lr_scheduler)
     _check_supported(cfg, sizes, optimizer, lr_scheduler)
     _check_model(model, cfg, optimizer)
+    _check_sequence_parallel(model, sizes)
     return cfg, sizes, optimizer
 
 
@@ -136,7 +139,7 @@ def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any)
 
 
 def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr_scheduler: Any) -> None:
-    for axis in ("pp", "cp", "sp", "ep"):
+    for axis in ("pp", "cp", "ep"):
         if sizes.size(axis) > 1:
             raise ConfigError(
                 f"{AXIS_KEYS[axis]}: {sizes.size(axis)} asks for {PARALLELISM_NAMES[axis]}, which is not supported "
@@ -168,6 +171,42 @@ def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr
             raise ConfigError(
                 f"scheduler.type: {cfg.scheduler.type!r} is not available; use one of {', '.join(SCHEDULER_PARAMS)}"
             )
+
+
+def _check_sequence_parallel(model: torch.nn.Module, sizes: MeshSizes) -> None:
+    """Ulysses splits attention heads over ``u`` ranks: the model's heads must allow it (checked before anything is built)."""
+    u = sizes.size("sp")
+    if u == 1:
+        return
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if config is None or not hasattr(config, "_attn_implementation") or heads is None:
+        raise ConfigError(
+            f"sequence_parallel_size: {u} needs a Hugging Face model that dispatches attention through transformers' "
+            f"attention interface (Llama, GPT-2, Mistral, Qwen...); {type(model).__name__} does not"
+        )
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    tp = sizes.size("tp")
+    if heads % (u * tp):
+        raise ConfigError(f"sequence_parallel_size: the model's {heads} attention heads do not divide by {u}{f' × tensor parallel {tp}' if tp > 1 else ''}")
+    local_kv = max(kv // tp, 1)
+    if local_kv % u and u % local_kv:
+        raise ConfigError(
+            f"sequence_parallel_size: {local_kv} key/value heads per rank neither divide by {u} nor divide it (they are "
+            "split across the group, or repeated when fewer than it)"
+        )
+
+
+def _parallelize_sequence(model: torch.nn.Module, mesh: Mesh) -> Any:
+    """Ulysses over ``mesh.group("sp")``: the model's attention dispatch switched, and the engine's input sharder."""
+    if mesh.size("sp") == 1:
+        return None
+    from slipstream.engine.parallel.sequence import SequenceSharder, parallelize_sequence
+
+    group = mesh.group("sp")
+    previous = parallelize_sequence(model, group)
+    log_rank0(logger, "sequence parallel (Ulysses) %d: attention %r replaced; batches sharded on the sequence", mesh.size("sp"), previous)
+    return SequenceSharder(group)
 
 
 def _check_tensor_parallel(cfg: SlipstreamConfig, sizes: MeshSizes) -> None:

@@ -1,0 +1,88 @@
+"""The engine's side of sequence parallelism: shard each micro-batch on the sequence, report the
+whole sequence's loss.
+
+[Note: shift, then shard] A causal LM's loss pairs token ``i``'s logits with label ``i+1``. The
+model shifts labels itself, which, done on a shard, would lose the pair that crosses the shard
+boundary and pair each shard's last token with nothing. So the engine shifts first (labels padded
+with -100 at the end, passed as ``shift_labels``, which transformers' loss uses unshifted), then
+cuts ``input_ids``, ``shift_labels`` and ``position_ids`` (the *global* positions of the local
+tokens, so rotary and learned positions are right) into ``u`` contiguous chunks; rank ``r`` of the
+sequence group keeps chunk ``r``. Every rank of the group received the same micro-batch.
+
+[Note: the loss and its gradient] Rank ``r``'s model returns ``l_r``, the mean over its ``n_r``
+labelled tokens. The whole sequence's loss is ``L = Σ n_r·l_r / N`` with ``N = Σ n_r`` (one
+all-reduce of the counts). The engine reports ``L`` (the value every rank of the group sees) and
+backpropagates ``u·n_r·l_r / N`` on rank ``r``: ZeRO averages gradients over dp·sp, and the mean
+over the ``u`` ranks of a group of ``∇(u·n_r·l_r/N)`` is ``∇L``, so the result is the dp-mean of
+whole-sequence gradients: exactly the unsharded run's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+
+IGNORE_INDEX = -100
+SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "inputs_embeds", "token_type_ids")
+
+
+class SequenceSharder:
+    """Cuts keyword-argument batches on the sequence for one rank of a sequence group of size ``u``."""
+
+    def __init__(self, group: dist.ProcessGroup, key: str = "sequence_parallel_size") -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.key = key
+
+    def shard(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """The local keyword arguments, and this rank's count of labelled tokens (None without labels)."""
+        source = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if source is None:
+            raise ValueError(f"{self.key}: sequence parallel needs the batch as keyword arguments with input_ids (or inputs_embeds)")
+        batch, length = source.shape[0], source.shape[1]
+        if length % self.size:
+            raise ValueError(
+                f"{self.key}: the sequence length {length} does not divide by {self.key} = {self.size}; pad or cut "
+                f"sequences to a multiple of {self.size}"
+            )
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(torch.all(mask != 0)):
+            raise ValueError(
+                f"{self.key}: padded batches (attention_mask with zeros) are not supported with sequence parallelism yet; "
+                "pack sequences without padding or mark padding with labels = -100 and an all-ones mask"
+            )
+        out = {k: v for k, v in kwargs.items() if k != "attention_mask"}
+        labels = out.pop("labels", None)
+        if labels is not None and "shift_labels" not in out:
+            out["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        if "position_ids" not in out:
+            out["position_ids"] = torch.arange(length, device=source.device).unsqueeze(0).expand(batch, length)
+        chunk = length // self.size
+        lo, hi = self.rank * chunk, (self.rank + 1) * chunk
+        for key in SEQUENCE_KEYS:
+            if key in out and out[key] is not None:
+                out[key] = out[key][:, lo:hi].contiguous()
+        count = None
+        if "shift_labels" in out:
+            # transformers' loss only runs when labels are given: hand it the local labels, unused once shifted
+            out["labels"] = out["shift_labels"]
+            count = (out["shift_labels"] != IGNORE_INDEX).sum().to(torch.float32)
+        return out, count
+
+    def combine(self, output: Any, count: torch.Tensor | None) -> Any:
+        """Replace the output's local loss by the whole sequence's (value) with the gradient of the note."""
+        loss = getattr(output, "loss", None)
+        if loss is None or count is None:
+            return output
+        total = count.detach().clone()
+        comm.all_reduce(total, group=self.group, tag="sequence-parallel token count").wait()
+        local = loss * count / total.clamp(min=1.0)  # n_r·l_r / N
+        reported = local.detach().clone()
+        comm.all_reduce(reported, group=self.group, tag="sequence-parallel loss").wait()
+        output.loss = self.size * local + (reported - self.size * local).detach()
+        return output

@@ -1,0 +1,110 @@
+"""Ulysses attention: all-to-all from a sequence shard to a head shard, attention on the whole
+sequence, all-to-all back.
+
+[Note: Ulysses] Each of the ``u`` ranks of the sequence group holds ``s/u`` tokens of every head
+after the model's own projections (and its rotary embedding, computed from the global positions
+the engine passes). One all-to-all of the packed Q|K|V turns that into all ``s`` tokens of ``H/u``
+heads; attention runs locally on whole sequences, so causality and softmax are exact; one
+all-to-all of the output turns it back. Backward runs the two inverse all-to-alls. Per layer and
+micro-batch: 2 all-to-alls forward and 2 backward, each rank sending ``(u-1)/u`` of its
+``b·(H+2·Hkv')·(s/u)·d`` (Q|K|V) and ``b·H·(s/u)·d`` (output) elements.
+
+With fewer KV heads than ``u`` each KV head is repeated ``u/Hkv`` times before the exchange
+(``Hkv' = u``: every rank receives the one KV head its query heads use); autograd sums the
+repeats' gradients. The model reaches this code through transformers' attention interface (the
+model's own seam): ``config._attn_implementation`` is switched to ``"slipstream_ulysses"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from slipstream import comm
+
+ATTENTION_NAME = "slipstream_ulysses"
+
+
+class _AllToAll(torch.autograd.Function):
+    """Scatter ``scatter_dim`` in ``u`` chunks to the ranks, gather theirs along ``gather_dim``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.dims, ctx.group, ctx.tag = (scatter_dim, gather_dim), group, tag
+        return _exchange(x, scatter_dim, gather_dim, group, tag)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        scatter_dim, gather_dim = ctx.dims
+        return _exchange(grad.contiguous(), gather_dim, scatter_dim, ctx.group, ctx.tag + " (backward)"), None, None, None, None
+
+
+def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+    u = dist.get_world_size(group)
+    send = torch.stack(x.chunk(u, dim=scatter_dim)).contiguous()  # [u, ...]: chunk i goes to rank i
+    received = torch.empty_like(send)
+    comm.all_to_all_single(received, send, group=group, tag=tag).wait()
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str = "ulysses all-to-all") -> torch.Tensor:
+    """Differentiable all-to-all (the inverse exchange in backward)."""
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group, tag)
+
+
+class UlyssesAttention:
+    """The attention function registered with transformers: ``(module, q, k, v, mask, ...) -> (out [b, s, H, d], None)``."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def __call__(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+        dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        # attention_mask: the model built it for the local tokens only; the engine refused padded batches,
+        # so the whole-sequence mask is the causal one, applied below (is_causal on the whole sequence).
+        u = self.size
+        b, heads, s_local, d = query.shape
+        kv_heads = key.shape[1]
+        if kv_heads < u:  # see the module note: one KV head per rank
+            key, value = key.repeat_interleave(u // kv_heads, dim=1), value.repeat_interleave(u // kv_heads, dim=1)
+            kv_heads = u
+        hq, hk = heads // u, kv_heads // u
+        packed = torch.cat(
+            [query.view(b, u, hq, s_local, d), key.view(b, u, hk, s_local, d), value.view(b, u, hk, s_local, d)], dim=2
+        )  # [b, u, hq + 2hk, s/u, d]: part i holds rank i's heads
+        whole = all_to_all(packed, 1, 3, self.group, "ulysses q|k|v all-to-all")  # [b, 1, hq + 2hk, s, d]
+        whole = whole.squeeze(1)
+        q, k, v = whole.split([hq, hk, hk], dim=1)
+        if hk != hq:
+            k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
+        causal = getattr(module, "is_causal", True)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scaling)  # [b, hq, s, d]
+        back = all_to_all(out.unsqueeze(1), 3, 1, self.group, "ulysses output all-to-all")  # [b, u, hq, s/u, d]
+        return back.reshape(b, heads, s_local, d).transpose(1, 2).contiguous(), None
+
+
+def parallelize_sequence(model: torch.nn.Module, group: dist.ProcessGroup) -> str:
+    """Route the model's attention through Ulysses; returns the implementation it replaced."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        raise ValueError(
+            "sequence_parallel_size: the model does not dispatch attention through transformers' attention interface "
+            "(no config._attn_implementation); Ulysses needs a Hugging Face model such as Llama, GPT-2, Mistral or Qwen"
+        )
+    AttentionInterface.register(ATTENTION_NAME, UlyssesAttention(group))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    previous = config._attn_implementation
+    for module in model.modules():  # every sub-config the model's modules read (one object in most models)
+        sub = getattr(module, "config", None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            sub._attn_implementation = ATTENTION_NAME
+    return previous
