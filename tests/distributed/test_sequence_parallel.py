@@ -147,6 +147,10 @@ def _errors_body() -> dict[str, str]:
         slipstream.initialize(three_heads, _config(2, 1, 0))
     except slipstream.ConfigError as err:
         found["heads"] = str(err)
+    try:
+        slipstream.initialize(torch.nn.Linear(4, 4), _config(2, 1, 0))
+    except slipstream.ConfigError as err:
+        found["plain"] = str(err)
     return found
 
 
@@ -155,3 +159,4 @@ def test_ulysses_mistakes_are_one_line_errors_naming_the_key() -> None:
     assert "sequence_parallel_size" in found["length"] and "61" in found["length"]
     assert "sequence_parallel_size" in found["padding"] and "padded" in found["padding"]
     assert "sequence_parallel_size" in found["heads"] and "3 attention heads" in found["heads"]
+    assert found["plain"].startswith("sequence_parallel_size: 2 needs a Hugging Face model"), found["plain"]
