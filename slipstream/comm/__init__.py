@@ -10,6 +10,7 @@ from slipstream.comm.collectives import (
     barrier,
     broadcast,
     reduce_scatter_tensor,
+    shift_ring,
 )
 from slipstream.comm.comms_log import CommRecord, CommsLog, comms_log
 from slipstream.comm.distributed import get_rank, get_world_size, init_distributed
@@ -18,6 +19,6 @@ from slipstream.comm.ring import ring_context
 
 __all__ = [
     "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_reduce", "all_to_all_single",
-    "barrier", "broadcast", "comms_log", "reduce_scatter_tensor", "ring_context", "get_rank", "get_world_size", "init_distributed",
+    "barrier", "broadcast", "comms_log", "reduce_scatter_tensor", "ring_context", "shift_ring", "get_rank", "get_world_size", "init_distributed",
     "lane_group",
 ]  # fmt: skip

@@ -105,6 +105,29 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.Pro
     return _launch("all_to_all", input, tag, group, lambda: dist.all_to_all_single(output, input, group=group, async_op=True))
 
 
+def shift_ring(send: torch.Tensor, recv: torch.Tensor, to: int, source: int, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
+    """Send ``send`` to global rank ``to`` while receiving ``recv`` from global rank ``source`` (one ring step); logged as the bytes sent."""
+
+    def call() -> dist.Work:
+        ops = [dist.P2POp(dist.isend, send, to, group), dist.P2POp(dist.irecv, recv, source, group)]
+        works = dist.batch_isend_irecv(ops)
+        return _AllWorks(works)  # type: ignore[return-value]
+
+    return _launch("p2p", send, tag, group, call)
+
+
+class _AllWorks:
+    """Several backend handles waited on as one."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
     return _launch("broadcast", tensor, tag, group, lambda: dist.broadcast(tensor, src=src, group=group, async_op=True))
 

@@ -73,7 +73,7 @@ def initialize(
     mesh = Mesh.build(sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
     # 4. parallelize (pipeline cut, experts, tensor/sequence/context parallel): later issues
     parallelize_tensor(model, cfg, mesh)  # 4c. tensor (+ sequence) parallel over mesh.group("tp")
-    sequence = _parallelize_sequence(model, mesh)  # 4d. Ulysses attention and the engine's input sharding
+    sequence = _parallelize_sequence(model, cfg, mesh)  # 4d. Ulysses/ring attention and the engine's input sharding
     strategy = _shard(model, cfg, mesh, model_parameters, optimizer, accelerator)  # 5. ZeRO over dp·cp·sp
     scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)  # 6. the engine and what it holds
     loader = None
@@ -139,7 +139,7 @@ def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any)
 
 
 def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr_scheduler: Any) -> None:
-    for axis in ("pp", "cp", "ep"):
+    for axis in ("pp", "ep"):
         if sizes.size(axis) > 1:
             raise ConfigError(
                 f"{AXIS_KEYS[axis]}: {sizes.size(axis)} asks for {PARALLELISM_NAMES[axis]}, which is not supported "
@@ -174,8 +174,19 @@ def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr
 
 
 def _check_sequence_parallel(model: torch.nn.Module, sizes: MeshSizes) -> None:
-    """Ulysses splits attention heads over ``u`` ranks: the model's heads must allow it (checked before anything is built)."""
-    u = sizes.size("sp")
+    """Ulysses splits attention heads over ``u`` ranks: the model's heads must allow it; ring attention needs
+    the model's attention seam too (checked before anything is built)."""
+    u, c = sizes.size("sp"), sizes.size("cp")
+    if u > 1 and c > 1:
+        raise ConfigError(
+            f"context_parallel.size: {c} with sequence_parallel_size {u}: Ulysses and ring attention together are not "
+            "supported yet in this version of slipstream; use one of them"
+        )
+    if c > 1 and not hasattr(getattr(model, "config", None), "_attn_implementation"):
+        raise ConfigError(
+            f"context_parallel.size: {c} needs a Hugging Face model that dispatches attention through transformers' "
+            f"attention interface (Llama, GPT-2, Mistral, Qwen...); {type(model).__name__} does not"
+        )
     if u == 1:
         return
     config = getattr(model, "config", None)
@@ -197,16 +208,28 @@ def _check_sequence_parallel(model: torch.nn.Module, sizes: MeshSizes) -> None:
         )
 
 
-def _parallelize_sequence(model: torch.nn.Module, mesh: Mesh) -> Any:
-    """Ulysses over ``mesh.group("sp")``: the model's attention dispatch switched, and the engine's input sharder."""
-    if mesh.size("sp") == 1:
-        return None
-    from slipstream.engine.parallel.sequence import SequenceSharder, parallelize_sequence
+def _parallelize_sequence(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: Mesh) -> Any:
+    """Ulysses over ``mesh.group("sp")`` or ring attention over ``mesh.group("cp")``: the model's attention
+    dispatch switched, and the engine's input sharder (None when neither is on)."""
+    from slipstream.engine.parallel.attention import route_attention
+    from slipstream.engine.parallel.sequence import SequenceSharder
 
-    group = mesh.group("sp")
-    previous = parallelize_sequence(model, group)
-    log_rank0(logger, "sequence parallel (Ulysses) %d: attention %r replaced; batches sharded on the sequence", mesh.size("sp"), previous)
-    return SequenceSharder(group)
+    if mesh.size("sp") > 1:
+        from slipstream.engine.parallel.sequence import ATTENTION_NAME, UlyssesAttention
+
+        group = mesh.group("sp")
+        previous = route_attention(model, ATTENTION_NAME, UlyssesAttention(group), "sequence_parallel_size")
+        log_rank0(logger, "sequence parallel (Ulysses) %d: attention %r replaced; batches sharded on the sequence", mesh.size("sp"), previous)
+        return SequenceSharder(group)
+    if mesh.size("cp") > 1:
+        from slipstream.engine.parallel.context import ATTENTION_NAME as RING, Layout, RingAttention
+
+        group = mesh.group("cp")
+        layout = Layout(mesh.size("cp"), zigzag=cfg.context_parallel.method != "ring")
+        previous = route_attention(model, RING, RingAttention(group, layout), "context_parallel.size")
+        log_rank0(logger, "context parallel (%s) %d: attention %r replaced; batches sharded on the sequence", cfg.context_parallel.method, layout.size, previous)
+        return SequenceSharder(group, "context_parallel.size", layout)
+    return None
 
 
 def _check_tensor_parallel(cfg: SlipstreamConfig, sizes: MeshSizes) -> None:

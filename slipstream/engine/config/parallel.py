@@ -66,7 +66,7 @@ class ContextParallelConfig(Section):
     """``context_parallel`` (slipstream's): the sequence split across ranks inside attention."""
 
     size: int = Field(1, ge=1)
-    method: Literal["ring", "zigzag"] = "ring"
+    method: Literal["ring", "zigzag", "zigzag_ring"] = "ring"  # zigzag = zigzag_ring: head-tail chunks balance causal work
 
 
 class ExpertParallelConfig(Section):

@@ -2,6 +2,6 @@
 sequence, attention is computed on whole sequences for a share of the heads."""
 
 from slipstream.engine.parallel.sequence.inputs import SequenceSharder
-from slipstream.engine.parallel.sequence.ulysses import UlyssesAttention, all_to_all, parallelize_sequence
+from slipstream.engine.parallel.sequence.ulysses import ATTENTION_NAME, UlyssesAttention, all_to_all
 
-__all__ = ["SequenceSharder", "UlyssesAttention", "all_to_all", "parallelize_sequence"]
+__all__ = ["ATTENTION_NAME", "SequenceSharder", "UlyssesAttention", "all_to_all"]

@@ -33,11 +33,13 @@ SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "inputs_
 class SequenceSharder:
     """Cuts keyword-argument batches on the sequence for one rank of a sequence group of size ``u``."""
 
-    def __init__(self, group: dist.ProcessGroup, key: str = "sequence_parallel_size") -> None:
+    def __init__(self, group: dist.ProcessGroup, key: str = "sequence_parallel_size", layout: Any = None) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.key = key
+        self.layout = layout  # context parallel's chunk layout (context/layout.py); None: contiguous shards
+        self.divisor = layout.divisor if layout is not None else self.size
 
     def shard(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
         """The local keyword arguments, and this rank's count of labelled tokens (None without labels)."""
@@ -45,10 +47,11 @@ class SequenceSharder:
         if source is None:
             raise ValueError(f"{self.key}: sequence parallel needs the batch as keyword arguments with input_ids (or inputs_embeds)")
         batch, length = source.shape[0], source.shape[1]
-        if length % self.size:
+        if length % self.divisor:
+            how = f"{self.key} = {self.size}" + (" × 2 (zig-zag chunks)" if self.divisor != self.size else "")
             raise ValueError(
-                f"{self.key}: the sequence length {length} does not divide by {self.key} = {self.size}; pad or cut "
-                f"sequences to a multiple of {self.size}"
+                f"{self.key}: the sequence length {length} does not divide by {how}; pad or cut sequences to a "
+                f"multiple of {self.divisor}"
             )
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(torch.all(mask != 0)):
@@ -62,11 +65,14 @@ class SequenceSharder:
             out["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
         if "position_ids" not in out:
             out["position_ids"] = torch.arange(length, device=source.device).unsqueeze(0).expand(batch, length)
-        chunk = length // self.size
-        lo, hi = self.rank * chunk, (self.rank + 1) * chunk
+        if self.layout is not None:
+            index = self.layout.positions(self.rank, length).to(source.device)
+        else:
+            chunk = length // self.size
+            index = torch.arange(self.rank * chunk, (self.rank + 1) * chunk, device=source.device)
         for key in SEQUENCE_KEYS:
             if key in out and out[key] is not None:
-                out[key] = out[key][:, lo:hi].contiguous()
+                out[key] = out[key].index_select(1, index)
         count = None
         if "shift_labels" in out:
             # transformers' loss only runs when labels are given: hand it the local labels, unused once shifted

@@ -87,24 +87,3 @@ class UlyssesAttention:
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scaling)  # [b, hq, s, d]
         back = all_to_all(out.unsqueeze(1), 3, 1, self.group, "ulysses output all-to-all")  # [b, u, hq, s/u, d]
         return back.reshape(b, heads, s_local, d).transpose(1, 2).contiguous(), None
-
-
-def parallelize_sequence(model: torch.nn.Module, group: dist.ProcessGroup) -> str:
-    """Route the model's attention through Ulysses; returns the implementation it replaced."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation"):
-        raise ValueError(
-            "sequence_parallel_size: the model does not dispatch attention through transformers' attention interface "
-            "(no config._attn_implementation); Ulysses needs a Hugging Face model such as Llama, GPT-2, Mistral or Qwen"
-        )
-    AttentionInterface.register(ATTENTION_NAME, UlyssesAttention(group))
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
-    previous = config._attn_implementation
-    for module in model.modules():  # every sub-config the model's modules read (one object in most models)
-        sub = getattr(module, "config", None)
-        if sub is not None and hasattr(sub, "_attn_implementation"):
-            sub._attn_implementation = ATTENTION_NAME
-    return previous

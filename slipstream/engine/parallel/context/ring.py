@@ -1,0 +1,116 @@
+"""Ring attention: K/V travel around the context-parallel group; each rank merges the blocks its
+queries may see by log-sum-exp.
+
+[Note: the ring] Rank ``r`` holds the Q, K and V of its tokens (see layout.py). In ``c`` steps it
+computes its queries against the K/V it holds, then passes K|V (one packed tensor, ``Hkv`` heads)
+to rank ``r+1`` and receives rank ``r-1``'s, on the group's own process-group lane. Blocks are
+(query chunk, key chunk) pairs: full (all keys precede the queries), diagonal (causal mask inside)
+or skipped (all keys follow). Each block yields its output and log-sum-exp; outputs merge as
+``o = Σ exp(lse_i − lse) o_i`` with ``lse = logsumexp_i lse_i``, which is exact softmax over the
+whole sequence. The exchange is differentiable (backward passes dK|dV the other way round the
+ring), so per layer and micro-batch: ``c−1`` sends forward and ``c−1`` backward, each of
+``b·2·Hkv·(s/c)·d`` elements. Autograd keeps each block's probabilities for backward (memory
+``O(s²/c)`` per rank, not a flash-style recomputation: noted in docs/sequence_parallel.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.engine.parallel.context.layout import Layout
+
+ATTENTION_NAME = "slipstream_ring"
+
+
+class _RingShift(torch.autograd.Function):
+    """Forward: send to the next rank, receive from the previous; backward: the reverse."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, nxt: int, prev: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.nxt, ctx.prev = group, nxt, prev
+        out = torch.empty_like(x)
+        comm.shift_ring(x.contiguous(), out, nxt, prev, group=group, tag="ring k|v").wait()
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        out = torch.empty_like(grad)
+        comm.shift_ring(grad.contiguous(), out, ctx.prev, ctx.nxt, group=ctx.group, tag="ring dk|dv (backward)").wait()
+        return out, None, None, None
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one (query chunk, key chunk) pair: output and log-sum-exp per query."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if diagonal:
+        n = q.shape[-2]
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ v, lse
+
+
+class RingAttention:
+    """The attention function registered with transformers for context parallelism."""
+
+    def __init__(self, group: dist.ProcessGroup, layout: Layout) -> None:
+        self.group, self.layout = group, layout
+        self.rank = dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        self.nxt, self.prev = ranks[(self.rank + 1) % layout.size], ranks[(self.rank - 1) % layout.size]
+        self.pairs = 0.0  # causal work done by this rank (layout.py's units), for tests and the monitor
+
+    def __call__(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+        dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        # The engine refused padded batches; the causal pattern comes from the global positions below.
+        if dropout:
+            raise ValueError("context_parallel: attention dropout is not supported by ring attention; set the model's attention dropout to 0")
+        b, heads, n, d = query.shape
+        groups = heads // key.shape[1]
+        scale = scaling if scaling is not None else d**-0.5
+        causal = getattr(module, "is_causal", True)
+        per = self.layout.chunks_per_rank
+        mine = self.layout.chunks(self.rank)
+        q_chunks = query.chunk(per, dim=2)
+        outs: list[Any] = [None] * per
+        lses: list[Any] = [None] * per
+        kv = torch.cat([key, value], dim=1)
+        source = self.rank
+        anchor = None
+        for step in range(self.layout.size):
+            if step:
+                kv = _RingShift.apply(kv, self.group, self.nxt, self.prev)
+                source = (source - 1) % self.layout.size
+                # [Note: every rank runs every backward shift] A rank may skip a whole block (causal),
+                # which would leave its shift out of the graph and its peer waiting in backward. A
+                # zero-weighted use keeps every shift in every rank's graph, so all ranks pass dK|dV
+                # around the ring in the same order.
+                touch = kv.flatten()[:1].sum() * 0.0
+                anchor = touch if anchor is None else anchor + touch
+            k_all, v_all = kv.chunk(2, dim=1)
+            k_chunks, v_chunks = k_all.chunk(per, dim=2), v_all.chunk(per, dim=2)
+            for i, qc in enumerate(mine):
+                for j, kc in enumerate(self.layout.chunks(source)):
+                    if causal and kc > qc:
+                        continue  # every key follows every query
+                    diagonal = causal and kc == qc
+                    self.pairs += 0.5 if diagonal else 1.0
+                    k = k_chunks[j].repeat_interleave(groups, dim=1) if groups > 1 else k_chunks[j]
+                    v = v_chunks[j].repeat_interleave(groups, dim=1) if groups > 1 else v_chunks[j]
+                    o, lse = _block(q_chunks[i], k, v, scale, diagonal)
+                    if outs[i] is None:
+                        outs[i], lses[i] = o, lse
+                    else:
+                        merged = torch.logaddexp(lses[i], lse)
+                        outs[i] = outs[i] * torch.exp(lses[i] - merged) + o * torch.exp(lse - merged)
+                        lses[i] = merged
+        out = torch.cat(outs, dim=2)  # [b, H, n, d]
+        if anchor is not None:
+            out = out + anchor
+        return out.transpose(1, 2).contiguous(), None
