@@ -9,8 +9,15 @@ or skipped (all keys follow). Each block yields its output and log-sum-exp; outp
 ``o = Σ exp(lse_i − lse) o_i`` with ``lse = logsumexp_i lse_i``, which is exact softmax over the
 whole sequence. The exchange is differentiable (backward passes dK|dV the other way round the
 ring), so per layer and micro-batch: ``c−1`` sends forward and ``c−1`` backward, each of
-``b·2·Hkv·(s/c)·d`` elements. Autograd keeps each block's probabilities for backward (memory
-``O(s²/c)`` per rank, not a flash-style recomputation: noted in docs/sequence_parallel.md).
+``b·2·Hkv·(s/c)·d`` elements.
+
+[Note: flash blocks] On CPU each block is the fused flash-attention op, which returns the block's
+log-sum-exp, and backward recomputes every block from the saved Q, K, V, the merged output and
+the merged log-sum-exp (the flash identity: a block's gradients need only the final softmax
+statistics), so a rank keeps ``O(s/c)`` activations per layer, never a block's probabilities.
+Backward passes K|V with the travelling dK|dV around the ring again (``c−1`` sends of
+``b·4·Hkv·(s/c)·d``) and one last send of dK|dV (``b·2·Hkv·(s/c)·d``) brings each rank's key
+gradients home. Other devices use the same ring with autograd through plain block attention.
 """
 
 from __future__ import annotations
@@ -54,6 +61,71 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diag
     return torch.exp(scores - lse) @ v, lse
 
 
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, scale=scale)
+    return out, lse.unsqueeze(-1)
+
+
+class _FlashRing(torch.autograd.Function):
+    """The whole ring for one layer as one autograd node: see [Note: flash blocks]."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention, scale: float, causal: bool) -> torch.Tensor:  # type: ignore[override]
+        groups = q.shape[1] // k.shape[1]
+        outs: list[Any] = []
+        lses: list[Any] = []
+        q_chunks = [c.contiguous() for c in q.chunk(ring.layout.chunks_per_rank, dim=2)]
+        for source, k_chunks, v_chunks in ring.travel(torch.cat([k, v], dim=1)):
+            for i, j, diagonal in ring.blocks(source, causal):
+                o, lse = _flash(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal)
+                if len(outs) <= i:
+                    outs.append(o), lses.append(lse)
+                else:
+                    merged = torch.logaddexp(lses[i], lse)
+                    outs[i] = outs[i] * torch.exp(lses[i] - merged) + o * torch.exp(lse - merged)
+                    lses[i] = merged
+        out = torch.cat(outs, dim=2).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=2))
+        ctx.ring, ctx.scale, ctx.causal = ring, scale, causal
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, per = ctx.ring, ctx.ring.layout.chunks_per_rank
+        kv_heads, groups = k.shape[1], q.shape[1] // k.shape[1]
+        split = lambda t: [c.contiguous() for c in t.chunk(per, dim=2)]  # noqa: E731
+        q_c, g_c, o_c, l_c = split(q), split(grad.contiguous()), split(out), split(lse.squeeze(-1))
+        dq = [torch.zeros_like(c) for c in q_c]
+        carried = torch.cat([k, v, torch.zeros_like(k), torch.zeros_like(v)], dim=1)  # K|V|dK|dV travel together
+        for source, carried_now in ring.travel(carried, whole=True):
+            carried = carried_now
+            kk, vv, dk, dv = (c.chunk(per, dim=2) for c in carried.split(kv_heads, dim=1))
+            for i, j, diagonal in ring.blocks(source, ctx.causal, count=False):
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    g_c[i], q_c[i], _heads(kk[j].contiguous(), groups), _heads(vv[j].contiguous(), groups), o_c[i], l_c[i],
+                    0.0, diagonal, scale=ctx.scale,
+                )  # fmt: skip
+                dq[i] += gq
+                dk[j].add_(_fold(gk, groups))  # views into `carried`
+                dv[j].add_(_fold(gv, groups))
+        home = ring.shift(carried[:, 2 * kv_heads :].contiguous(), "ring dk|dv home (backward)")  # see the note
+        dk, dv = home.split(kv_heads, dim=1)
+        return torch.cat(dq, dim=2), dk, dv, None, None, None
+
+
+def _heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Sum the gradients of repeated KV heads back onto their head."""
+    if groups == 1:
+        return t
+    b, h, n, d = t.shape
+    return t.view(b, h // groups, groups, n, d).sum(2)
+
+
 class RingAttention:
     """The attention function registered with transformers for context parallelism."""
 
@@ -63,6 +135,39 @@ class RingAttention:
         ranks = dist.get_process_group_ranks(group)
         self.nxt, self.prev = ranks[(self.rank + 1) % layout.size], ranks[(self.rank - 1) % layout.size]
         self.pairs = 0.0  # causal work done by this rank (layout.py's units), for tests and the monitor
+
+    def shift(self, x: torch.Tensor, tag: str) -> torch.Tensor:
+        """One ring step outside autograd: send ``x`` to the next rank, return the previous rank's."""
+        out = torch.empty_like(x)
+        comm.shift_ring(x, out, self.nxt, self.prev, group=self.group, tag=tag).wait()
+        return out
+
+    def travel(self, kv: torch.Tensor, whole: bool = False) -> Any:
+        """Yield ``(source rank, K chunks, V chunks)`` (``whole``: the travelling tensor itself) for ``c`` steps, shifting in between."""
+        per = self.layout.chunks_per_rank
+        source = self.rank
+        for step in range(self.layout.size):
+            if step:
+                kv = self.shift(kv.contiguous(), "ring k|v" + (" with dk|dv (backward)" if whole else ""))
+                source = (source - 1) % self.layout.size
+            if whole:
+                yield source, kv
+            else:
+                k, v = kv.chunk(2, dim=1)
+                yield source, k.chunk(per, dim=2), v.chunk(per, dim=2)
+
+    def blocks(self, source: int, causal: bool, count: bool = True) -> list[tuple[int, int, bool]]:
+        """``(query chunk, key chunk, diagonal)`` of this rank against ``source``'s keys; skipped blocks left out.
+        ``count``: add their work to ``pairs`` (forward only)."""
+        found = []
+        for i, qc in enumerate(self.layout.chunks(self.rank)):
+            for j, kc in enumerate(self.layout.chunks(source)):
+                if causal and kc > qc:
+                    continue
+                diagonal = causal and kc == qc
+                self.pairs += (0.5 if diagonal else 1.0) if count else 0.0
+                found.append((i, j, diagonal))
+        return found
 
     def __call__(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -75,6 +180,9 @@ class RingAttention:
         groups = heads // key.shape[1]
         scale = scaling if scaling is not None else d**-0.5
         causal = getattr(module, "is_causal", True)
+        if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            out = _FlashRing.apply(query, key, value, self, scale, causal)
+            return out.transpose(1, 2).contiguous(), None
         per = self.layout.chunks_per_rank
         mine = self.layout.chunks(self.rank)
         q_chunks = query.chunk(per, dim=2)
