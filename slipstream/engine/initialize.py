@@ -222,11 +222,13 @@ def _parallelize_sequence(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: M
         log_rank0(logger, "sequence parallel (Ulysses) %d: attention %r replaced; batches sharded on the sequence", mesh.size("sp"), previous)
         return SequenceSharder(group)
     if mesh.size("cp") > 1:
-        from slipstream.engine.parallel.context import ATTENTION_NAME as RING, Layout, RingAttention
+        from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
 
         group = mesh.group("cp")
-        layout = Layout(mesh.size("cp"), zigzag=cfg.context_parallel.method != "ring")
-        previous = route_attention(model, RING, RingAttention(group, layout), "context_parallel.size")
+        method = cfg.context_parallel.method
+        layout = Layout(mesh.size("cp"), zigzag=method in ("zigzag", "zigzag_ring"))
+        kernel = AllGatherKVAttention(group, layout) if method == "allgather_kv" else RingAttention(group, layout)
+        previous = route_attention(model, f"slipstream_{method}", kernel, "context_parallel.size")
         log_rank0(logger, "context parallel (%s) %d: attention %r replaced; batches sharded on the sequence", cfg.context_parallel.method, layout.size, previous)
         return SequenceSharder(group, "context_parallel.size", layout)
     return None

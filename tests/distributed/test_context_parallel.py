@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import slipstream
 from slipstream.comm import comms_log
-from slipstream.engine.parallel.context import Layout, RingAttention, pair_work
+from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention, pair_work
 from tests.distributed.test_sequence_parallel import BATCH, BUILDERS, SEQ, _assert_matches, _batches
 from tests.harness import run_distributed
 
@@ -31,22 +31,21 @@ def _kernel_body() -> dict[str, Any]:
     q, k, v = torch.randn(B, H, S, D, generator=g), torch.randn(B, KV, S, D, generator=g), torch.randn(B, KV, S, D, generator=g)
     upstream = torch.randn(B, S, H, D, generator=g)
     errors = {}
-    for zigzag in (False, True):
-        for causal in (False, True):
-            ref_q, ref_k, ref_v = (t.clone().requires_grad_(True) for t in (q, k, v))
-            ref = F.scaled_dot_product_attention(ref_q, ref_k.repeat_interleave(H // KV, 1), ref_v.repeat_interleave(H // KV, 1), is_causal=causal)
-            ref = ref.transpose(1, 2)
-            (ref * upstream).sum().backward()
-            layout = Layout(c, zigzag)
-            index = layout.positions(rank, S)
-            lq, lk, lv = (t.index_select(2, index).clone().requires_grad_(True) for t in (q, k, v))
-            out, _ = RingAttention(dist.group.WORLD, layout)(_Stub(causal), lq, lk, lv, None)
-            (out * upstream.index_select(1, index)).sum().backward()
-            pairs = [
-                (out, ref.index_select(1, index)), (lq.grad, ref_q.grad.index_select(2, index)),
-                (lk.grad, ref_k.grad.index_select(2, index)), (lv.grad, ref_v.grad.index_select(2, index)),
-            ]  # fmt: skip
-            errors[(zigzag, causal)] = max(float((a - b).detach().abs().max() / b.abs().max()) for a, b in pairs)
+    for zigzag, causal, kernel in [(z, c, k) for z in (False, True) for c in (False, True) for k in (RingAttention, AllGatherKVAttention)]:
+        ref_q, ref_k, ref_v = (t.clone().requires_grad_(True) for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(ref_q, ref_k.repeat_interleave(H // KV, 1), ref_v.repeat_interleave(H // KV, 1), is_causal=causal)
+        ref = ref.transpose(1, 2)
+        (ref * upstream).sum().backward()
+        layout = Layout(c, zigzag)
+        index = layout.positions(rank, S)
+        lq, lk, lv = (t.index_select(2, index).clone().requires_grad_(True) for t in (q, k, v))
+        out, _ = kernel(dist.group.WORLD, layout)(_Stub(causal), lq, lk, lv, None)
+        (out * upstream.index_select(1, index)).sum().backward()
+        pairs = [
+            (out, ref.index_select(1, index)), (lq.grad, ref_q.grad.index_select(2, index)),
+            (lk.grad, ref_k.grad.index_select(2, index)), (lv.grad, ref_v.grad.index_select(2, index)),
+        ]  # fmt: skip
+        errors[(zigzag, causal, kernel.__name__)] = max(float((a - b).detach().abs().max() / b.abs().max()) for a, b in pairs)
     return errors
 
 
@@ -92,10 +91,10 @@ def _train(name: str, c: int, dp: int, stage: int, method: str) -> dict[str, Any
     comms_log.history.clear()
     from transformers import AttentionInterface
 
-    kernel = AttentionInterface()["slipstream_ring"]
+    kernel = AttentionInterface()[f"slipstream_{method}"]
     state = engine.consolidated_state_dict()
     engine.close()
-    return {"losses": losses, "state": state, "p2p": p2p, "pairs": kernel.pairs}
+    return {"losses": losses, "state": state, "p2p": p2p, "pairs": getattr(kernel, "pairs", None)}
 
 
 def _world2_body() -> dict[str, Any]:
@@ -103,12 +102,13 @@ def _world2_body() -> dict[str, Any]:
         "ring-llama": _train("llama", 2, 1, 0, "ring"),
         "zigzag-llama": _train("llama", 2, 1, 0, "zigzag"),
         "zigzag-gpt2": _train("gpt2", 2, 1, 0, "zigzag_ring"),
+        "allgather-llama": _train("llama", 2, 1, 0, "allgather_kv"),
     }
 
 
 def test_ring_and_zigzag_match_one_process_and_count_their_traffic() -> None:
     results = run_distributed(2, _world2_body)
-    for key, name in (("ring-llama", "llama"), ("zigzag-llama", "llama"), ("zigzag-gpt2", "gpt2")):
+    for key, name in (("ring-llama", "llama"), ("zigzag-llama", "llama"), ("zigzag-gpt2", "gpt2"), ("allgather-llama", "llama")):
         _assert_matches(results[0][key], name, BATCH)
     # Per layer and micro-batch (ring.py, [Note: flash blocks]): c − 1 = 1 send of K|V forward; backward
     # c − 1 sends of K|V|dK|dV and one of dK|dV home. K|V = b·2·Hkv·(s/c)·d fp32 elements.

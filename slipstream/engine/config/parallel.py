@@ -66,7 +66,8 @@ class ContextParallelConfig(Section):
     """``context_parallel`` (slipstream's): the sequence split across ranks inside attention."""
 
     size: int = Field(1, ge=1)
-    method: Literal["ring", "zigzag", "zigzag_ring"] = "ring"  # zigzag = zigzag_ring: head-tail chunks balance causal work
+    # zigzag = zigzag_ring: head-tail chunks balance causal work; allgather_kv: K/V all-gathered, no ring
+    method: Literal["ring", "zigzag", "zigzag_ring", "allgather_kv"] = "ring"
 
 
 class ExpertParallelConfig(Section):

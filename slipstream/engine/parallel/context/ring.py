@@ -30,9 +30,6 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.parallel.context.layout import Layout
 
-ATTENTION_NAME = "slipstream_ring"
-
-
 class _RingShift(torch.autograd.Function):
     """Forward: send to the next rank, receive from the previous; backward: the reverse."""
 

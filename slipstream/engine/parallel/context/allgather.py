@@ -1,0 +1,62 @@
+"""Context parallelism by all-gathered K/V: the simpler variant of ring attention.
+
+[Note: all-gather K/V] Each rank all-gathers every rank's K|V (one packed all-gather per layer
+forward; its backward is one reduce-scatter of dK|dV) and attends its own queries to the whole
+sequence with a mask built from the global positions (layout.py), so contiguous and zig-zag shards
+both work. Simpler and with fewer, larger messages than the ring, at the cost of holding the whole
+sequence's K/V on every rank during the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from slipstream import comm
+from slipstream.engine.parallel.context.layout import Layout
+
+class _GatherKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, kv: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        size = dist.get_world_size(group)
+        flat = torch.empty(size * kv.numel(), dtype=kv.dtype, device=kv.device)  # written by the backend: not a view
+        comm.all_gather_into_tensor(flat, kv.reshape(-1).clone(), group=group, tag="context k|v all-gather").wait()
+        return flat.view(size, *kv.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        mine = torch.empty(grad[0].numel(), dtype=grad.dtype, device=grad.device)
+        comm.reduce_scatter_tensor(mine, grad.reshape(-1).clone(), group=ctx.group, tag="context dk|dv reduce-scatter (backward)").wait()
+        return mine.view(grad.shape[1:]), None
+
+
+class AllGatherKVAttention:
+    """The attention function registered with transformers for ``context_parallel.method = "allgather_kv"``."""
+
+    def __init__(self, group: dist.ProcessGroup, layout: Layout) -> None:
+        self.group, self.layout = group, layout
+        self.rank = dist.get_rank(group)
+
+    def __call__(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+        dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        b, heads, n, d = query.shape
+        kv_heads = key.shape[1]
+        gathered = _GatherKV.apply(torch.cat([key, value], dim=1), self.group)  # [c, b, 2·Hkv, n, d]
+        k = gathered[:, :, :kv_heads].permute(1, 2, 0, 3, 4).reshape(b, kv_heads, -1, d)
+        v = gathered[:, :, kv_heads:].permute(1, 2, 0, 3, 4).reshape(b, kv_heads, -1, d)
+        if heads != kv_heads:
+            k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
+        mask = None
+        if getattr(module, "is_causal", True):
+            length = n * self.layout.size
+            q_pos = self.layout.positions(self.rank, length).to(query.device)
+            k_pos = torch.cat([self.layout.positions(r, length) for r in range(self.layout.size)]).to(query.device)
+            mask = q_pos[:, None] >= k_pos[None, :]
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
