@@ -13,10 +13,15 @@ import torch.nn.functional as F
 import slipstream
 from slipstream.comm import comms_log
 from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention, pair_work
+from slipstream.engine.parallel.sequence import UlyssesAttention
 from tests.distributed.test_sequence_parallel import BATCH, BUILDERS, SEQ, _assert_matches, _batches
 from tests.harness import run_distributed
 
 B, H, KV, S, D = 2, 4, 2, 32, 8
+
+
+def _ulysses(group: dist.ProcessGroup, layout: Layout) -> UlyssesAttention:
+    return UlyssesAttention(group)
 
 
 class _Stub(torch.nn.Module):
@@ -31,7 +36,9 @@ def _kernel_body() -> dict[str, Any]:
     q, k, v = torch.randn(B, H, S, D, generator=g), torch.randn(B, KV, S, D, generator=g), torch.randn(B, KV, S, D, generator=g)
     upstream = torch.randn(B, S, H, D, generator=g)
     errors = {}
-    for zigzag, causal, kernel in [(z, c, k) for z in (False, True) for c in (False, True) for k in (RingAttention, AllGatherKVAttention)]:
+    cases = [(z, causal, k) for z in (False, True) for causal in (False, True) for k in (RingAttention, AllGatherKVAttention)]
+    cases += [(False, causal, _ulysses) for causal in (False, True)]  # Ulysses: contiguous shards only
+    for zigzag, causal, kernel in cases:
         ref_q, ref_k, ref_v = (t.clone().requires_grad_(True) for t in (q, k, v))
         ref = F.scaled_dot_product_attention(ref_q, ref_k.repeat_interleave(H // KV, 1), ref_v.repeat_interleave(H // KV, 1), is_causal=causal)
         ref = ref.transpose(1, 2)
@@ -51,7 +58,8 @@ def _kernel_body() -> dict[str, Any]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_kernel_matches_whole_sequence_sdpa_forward_and_backward(world: int) -> None:
-    """Output and dQ, dK, dV of each rank's tokens equal full-sequence SDPA's, causal and not, contiguous and zig-zag."""
+    """Output and dQ, dK, dV of each rank's tokens equal full-sequence SDPA's, causal and not, contiguous and zig-zag,
+    for ring, all-gathered K/V and Ulysses (at 4 ranks Ulysses repeats the 2 KV heads)."""
     for errors in run_distributed(world, _kernel_body):
         assert max(errors.values()) < 1e-5, errors
 
