@@ -14,7 +14,7 @@ import slipstream
 from slipstream.comm import comms_log
 from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention, pair_work
 from slipstream.engine.parallel.sequence import UlyssesAttention
-from tests.distributed.test_sequence_parallel import BATCH, BUILDERS, SEQ, _assert_matches, _batches
+from tests.distributed.test_sequence_parallel import BATCH, BUILDERS, SEQ, STEPS, _assert_matches, _batches
 from tests.harness import run_distributed
 
 B, H, KV, S, D = 2, 4, 2, 32, 8
@@ -172,3 +172,29 @@ def _memory_body() -> dict[str, int]:
 def test_ring_saves_at_most_055_of_the_unsharded_activations() -> None:
     for found in run_distributed(2, _memory_body):
         assert found["sharded"] <= 0.55 * found["unsharded"], found
+
+
+def _ckpt_run(c: int, load: str | None, save: str, tag_in: str, tag_out: str, first: int, last: int) -> list[float]:
+    engine = slipstream.initialize(BUILDERS["llama"](), _cp_config(c, 1, 1 if c > 1 else 0, "zigzag"))
+    if load is not None:
+        engine.load_checkpoint(load, tag=tag_in)
+    losses = []
+    for step, tokens in enumerate(_batches(BATCH)[first:last], start=first):
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        if step == first + 1:
+            engine.save_checkpoint(save, tag=tag_out)
+    engine.close()
+    return losses
+
+
+def test_checkpoint_cp2_to_cp1_and_back(tmp_path: Any) -> None:
+    """A zig-zag c 2 ZeRO-1 checkpoint resumes in one process (c 1), whose checkpoint resumes at c 2: losses continue."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    uninterrupted = run_distributed(2, _ckpt_run, 2, None, a, "", "cp2", 0, STEPS)[0]  # saves after step 1
+    at_cp1 = run_distributed(1, _ckpt_run, 1, a, b, "cp2", "cp1", 2, STEPS)[0]  # saves after step 3
+    back_at_cp2 = run_distributed(2, _ckpt_run, 2, b, str(tmp_path / "c"), "cp1", "unused", 4, STEPS)[0]
+    assert at_cp1 == pytest.approx(uninterrupted[2:], rel=1e-5)
+    assert back_at_cp2 == pytest.approx(uninterrupted[4:], rel=1e-5)
