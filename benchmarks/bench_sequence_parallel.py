@@ -67,19 +67,9 @@ def _worker(rank: int, kind: str, seq: int, steps: int, port: int, out: str) -> 
         engine.step()
         if step:  # the first step warms up
             times.append(time.perf_counter() - started)
-    params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    saved, seen = 0, set()
+    from slipstream.engine.monitor.activations import saved_activation_bytes
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        key = t.untyped_storage().data_ptr()
-        if key not in params and key not in seen:
-            seen.add(key)
-            saved += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        engine(input_ids=tokens, labels=tokens).loss
+    saved = saved_activation_bytes(lambda: engine(input_ids=tokens, labels=tokens).loss, engine.module.parameters())
     engine.close()
     if rank == 0:
         tokens_per_step = seq * (1 if shared else 2)

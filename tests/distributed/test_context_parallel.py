@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import slipstream
 from slipstream.comm import comms_log
+from slipstream.engine.monitor.activations import saved_activation_bytes
 from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention, pair_work
 from slipstream.engine.parallel.sequence import UlyssesAttention
 from tests.distributed.test_sequence_parallel import BATCH, BUILDERS, SEQ, STEPS, _assert_matches, _batches
@@ -139,32 +140,12 @@ def test_zigzag_with_zero3_over_dp() -> None:
     _assert_matches(run_distributed(4, _zero3_body)[0], "llama", 2 * BATCH)
 
 
-def _saved_bytes(run: Any, params: set[int]) -> int:
-    """Bytes of the tensors autograd saves for backward during ``run()``, weights excluded, each storage once."""
-    seen: set[int] = set()
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        key = t.untyped_storage().data_ptr()
-        if key not in params and key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return total
-
-
 def _memory_body() -> dict[str, int]:
     tokens = _batches(BATCH)[0]
     whole = BUILDERS["llama"]()
-    params = {p.untyped_storage().data_ptr() for p in whole.parameters()}
-    unsharded = _saved_bytes(lambda: whole(input_ids=tokens, labels=tokens).loss, params)
+    unsharded = saved_activation_bytes(lambda: whole(input_ids=tokens, labels=tokens).loss, whole.parameters())
     engine = slipstream.initialize(BUILDERS["llama"](), _cp_config(2, 1, 0, "zigzag"))
-    params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-    sharded = _saved_bytes(lambda: engine(input_ids=tokens, labels=tokens).loss, params)
+    sharded = saved_activation_bytes(lambda: engine(input_ids=tokens, labels=tokens).loss, engine.module.parameters())
     engine.close()
     return {"unsharded": unsharded, "sharded": sharded}
 

@@ -91,7 +91,6 @@ def _unsupported_body(extra: dict) -> str:
     ("extra", "key"),
     [
         ({"pipeline": {"stages": 2}}, "pipeline.stages: 2"),
-        ({"context_parallel": {"size": 4}}, "context_parallel.size: 4"),
         ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "expert_parallel.autoep_size: 2"),
     ],
 )
