@@ -63,8 +63,8 @@ def _reference(name: str, batch: int) -> tuple[list[float], dict[str, torch.Tens
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _config(u: int, dp: int, stage: int) -> dict[str, Any]:
-    return {
+def _config(u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any]:
+    return {"tensor_parallel": {"autotp_size": tp},
         "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "gradient_clipping": 0.0, "sequence_parallel_size": u, "data_parallel_size": dp,
@@ -72,8 +72,8 @@ def _config(u: int, dp: int, stage: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _train(name: str, u: int, dp: int, stage: int) -> dict[str, Any]:
-    engine = slipstream.initialize(BUILDERS[name](), _config(u, dp, stage))
+def _train(name: str, u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any]:
+    engine = slipstream.initialize(BUILDERS[name](), _config(u, dp, stage, tp))
     dp_rank = engine.mesh.rank_of("dp")
     comms_log.keep_history = 2
     losses = []
@@ -118,13 +118,15 @@ def test_ulysses_matches_one_process_and_counts_its_all_to_alls() -> None:
         assert sorted(n for n, _ in a2a) == sorted([qkv, out, out, qkv] * layers), a2a
 
 
-def _zero3_body() -> dict[str, Any]:
-    return _train("llama", 2, 2, 3)
+def _world4_body() -> dict[str, Any]:
+    return {"zero3": _train("llama", 2, 2, 3), "tp2": _train("llama", 2, 1, 1, tp=2)}
 
 
-def test_ulysses_with_zero3_over_dp() -> None:
-    results = run_distributed(4, _zero3_body)
-    _assert_matches(results[0], "llama", 2 * BATCH)
+def test_ulysses_with_zero3_over_dp_and_with_tensor_parallel() -> None:
+    """u 2 × dp 2 at ZeRO-3; u 2 × tp 2 at ZeRO-1 (tp's 2 local heads split over u, its 1 local KV head repeated)."""
+    results = run_distributed(4, _world4_body)[0]
+    _assert_matches(results["zero3"], "llama", 2 * BATCH)
+    _assert_matches(results["tp2"], "llama", BATCH)
 
 
 def _errors_body() -> dict[str, str]:
