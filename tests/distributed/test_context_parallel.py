@@ -81,9 +81,9 @@ def _cp_config(c: int, dp: int, stage: int, method: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _train(name: str, c: int, dp: int, stage: int, method: str) -> dict[str, Any]:
+def _train(name: str, c: int, dp: int, stage: int, method: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     model = BUILDERS[name]()
-    engine = slipstream.initialize(model, _cp_config(c, dp, stage, method))
+    engine = slipstream.initialize(model, {**_cp_config(c, dp, stage, method), **(extra or {})})
     dp_rank = engine.mesh.rank_of("dp")
     comms_log.keep_history = 2
     losses = []
@@ -112,12 +112,14 @@ def _world2_body() -> dict[str, Any]:
         "zigzag-llama": _train("llama", 2, 1, 0, "zigzag"),
         "zigzag-gpt2": _train("gpt2", 2, 1, 0, "zigzag_ring"),
         "allgather-llama": _train("llama", 2, 1, 0, "allgather_kv"),
+        # activation checkpointing: the recomputed forward runs the ring again, in the same order on every rank
+        "zigzag-llama-ac": _train("llama", 2, 1, 0, "zigzag", {"activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]}}),
     }
 
 
 def test_ring_and_zigzag_match_one_process_and_count_their_traffic() -> None:
     results = run_distributed(2, _world2_body)
-    for key, name in (("ring-llama", "llama"), ("zigzag-llama", "llama"), ("zigzag-gpt2", "gpt2"), ("allgather-llama", "llama")):
+    for key, name in (("ring-llama", "llama"), ("zigzag-llama", "llama"), ("zigzag-gpt2", "gpt2"), ("allgather-llama", "llama"), ("zigzag-llama-ac", "llama")):
         _assert_matches(results[0][key], name, BATCH)
     # Per layer and micro-batch (ring.py, [Note: flash blocks]): c − 1 = 1 send of K|V forward; backward
     # c − 1 sends of K|V|dK|dV and one of dK|dV home. K|V = b·2·Hkv·(s/c)·d fp32 elements.
