@@ -127,9 +127,11 @@ class RingAttention:
     """The attention function registered with transformers for context parallelism."""
 
     def __init__(self, group: dist.ProcessGroup, layout: Layout) -> None:
-        self.group, self.layout = group, layout
-        self.rank = dist.get_rank(group)
-        ranks = dist.get_process_group_ranks(group)
+        # K/V travel on the group's own lane (comm/lanes.py): sends never queue behind the
+        # group's other collectives (the token count and loss all-reduces of the sharder).
+        self.group, self.layout = comm.lane_group(group, "ring k|v") or group, layout
+        self.rank = dist.get_rank(self.group)
+        ranks = dist.get_process_group_ranks(self.group)
         self.nxt, self.prev = ranks[(self.rank + 1) % layout.size], ranks[(self.rank - 1) % layout.size]
         self.pairs = 0.0  # causal work done by this rank (layout.py's units), for tests and the monitor
 
