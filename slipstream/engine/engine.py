@@ -298,6 +298,8 @@ class Engine(torch.nn.Module):
         self.checkpoints.wait()
         self.strategy.close()
         self.monitor.close()
+        if self.sequence_sharder is not None:  # the model's own attention back (see parallel/attention.py)
+            self.sequence_sharder.close()
 
     # ------------------------------------------------------------------ integrations API (issue 15)
     # [Note: DeepSpeed's names] The Hugging Face Trainer, Accelerate and Lightning drive a DeepSpeed

@@ -220,7 +220,7 @@ def _parallelize_sequence(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: M
         group = mesh.group("sp")
         previous = route_attention(model, ATTENTION_NAME, UlyssesAttention(group), "sequence_parallel_size")
         log_rank0(logger, "sequence parallel (Ulysses) %d: attention %r replaced; batches sharded on the sequence", mesh.size("sp"), previous)
-        return SequenceSharder(group)
+        return SequenceSharder(group, restore=(model, previous))
     if mesh.size("cp") > 1:
         from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
 
@@ -230,7 +230,7 @@ def _parallelize_sequence(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: M
         kernel = AllGatherKVAttention(group, layout) if method == "allgather_kv" else RingAttention(group, layout)
         previous = route_attention(model, f"slipstream_{method}", kernel, "context_parallel.size")
         log_rank0(logger, "context parallel (%s) %d: attention %r replaced; batches sharded on the sequence", cfg.context_parallel.method, layout.size, previous)
-        return SequenceSharder(group, "context_parallel.size", layout)
+        return SequenceSharder(group, "context_parallel.size", layout, restore=(model, previous))
     return None
 
 

@@ -73,7 +73,9 @@ def _config(u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any]:
 
 
 def _train(name: str, u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any]:
-    engine = slipstream.initialize(BUILDERS[name](), _config(u, dp, stage, tp))
+    model = BUILDERS[name]()
+    engine = slipstream.initialize(model, _config(u, dp, stage, tp))
+    assert model.config._attn_implementation == "slipstream_ulysses"
     dp_rank = engine.mesh.rank_of("dp")
     comms_log.keep_history = 2
     losses = []
@@ -90,6 +92,7 @@ def _train(name: str, u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any
     comms_log.history.clear()
     state = engine.consolidated_state_dict()
     engine.close()
+    assert model.config._attn_implementation == "sdpa"  # the model's own attention back
     return {"losses": losses, "state": state, "a2a": a2a}
 
 

@@ -30,8 +30,13 @@ def route_attention(model: torch.nn.Module, name: str, kernel: Callable[..., obj
     AttentionInterface.register(name, kernel)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)  # the local mask is ignored: the kernel knows the positions
     previous = config._attn_implementation
-    for module in model.modules():  # every sub-config the model's modules read (one object in most models)
+    set_attention(model, name)
+    return previous
+
+
+def set_attention(model: torch.nn.Module, name: str) -> None:
+    """Point every config the model's modules read (one object in most models) at attention ``name``."""
+    for module in model.modules():
         sub = getattr(module, "config", None)
         if sub is not None and hasattr(sub, "_attn_implementation"):
             sub._attn_implementation = name
-    return previous

@@ -33,13 +33,25 @@ SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "inputs_
 class SequenceSharder:
     """Cuts keyword-argument batches on the sequence for one rank of a sequence group of size ``u``."""
 
-    def __init__(self, group: dist.ProcessGroup, key: str = "sequence_parallel_size", layout: Any = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, key: str = "sequence_parallel_size", layout: Any = None,
+        restore: tuple[torch.nn.Module, str] | None = None,
+    ) -> None:  # fmt: skip
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.key = key
         self.layout = layout  # context parallel's chunk layout (context/layout.py); None: contiguous shards
         self.divisor = layout.divisor if layout is not None else self.size
+        self.restore = restore  # (model, the attention implementation it had): put back by close()
+
+    def close(self) -> None:
+        """Give the model its own attention back (the engine is discarded; the model may be trained again)."""
+        if self.restore is not None:
+            from slipstream.engine.parallel.attention import set_attention
+
+            set_attention(*self.restore)
+            self.restore = None
 
     def shard(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
         """The local keyword arguments, and this rank's count of labelled tokens (None without labels)."""
