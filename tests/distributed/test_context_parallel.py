@@ -15,7 +15,7 @@ from slipstream.comm import comms_log
 from slipstream.engine.monitor.activations import saved_activation_bytes
 from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention, pair_work
 from slipstream.engine.parallel.sequence import UlyssesAttention
-from tests.distributed.test_sequence_parallel import BATCH, BUILDERS, SEQ, STEPS, _assert_matches, _batches
+from tests.distributed.test_sequence_parallel import BATCH, BUILDERS, SEQ, STEPS, _assert_matches, _batches, _reference
 from tests.harness import run_distributed
 
 B, H, KV, S, D = 2, 4, 2, 32, 8
@@ -106,6 +106,10 @@ def _train(name: str, c: int, dp: int, stage: int, method: str, extra: dict[str,
     return {"losses": losses, "state": state, "p2p": p2p, "pairs": getattr(kernel, "pairs", None)}
 
 
+def _reference_losses() -> list[float]:
+    return _reference("llama", BATCH)[0]
+
+
 def _world2_body() -> dict[str, Any]:
     return {
         "ring-llama": _train("llama", 2, 1, 0, "ring"),
@@ -113,6 +117,7 @@ def _world2_body() -> dict[str, Any]:
         "zigzag-gpt2": _train("gpt2", 2, 1, 0, "zigzag_ring"),
         "allgather-llama": _train("llama", 2, 1, 0, "allgather_kv"),
         # activation checkpointing: the recomputed forward runs the ring again, in the same order on every rank
+        "zigzag-llama-bf16": _train("llama", 2, 1, 0, "zigzag", {"bf16": {"enabled": True}}),
         "zigzag-llama-ac": _train("llama", 2, 1, 0, "zigzag", {"activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]}}),
     }
 
@@ -121,6 +126,8 @@ def test_ring_and_zigzag_match_one_process_and_count_their_traffic() -> None:
     results = run_distributed(2, _world2_body)
     for key, name in (("ring-llama", "llama"), ("zigzag-llama", "llama"), ("zigzag-gpt2", "gpt2"), ("allgather-llama", "llama"), ("zigzag-llama-ac", "llama")):
         _assert_matches(results[0][key], name, BATCH)
+    # bf16 (the flash blocks in bf16, merged in fp32): the fp32 reference within the bf16 tolerance used elsewhere
+    assert results[0]["zigzag-llama-bf16"]["losses"] == pytest.approx(_reference_losses(), rel=1e-3)
     # Per layer and micro-batch (ring.py, [Note: flash blocks]): c − 1 = 1 send of K|V forward; backward
     # c − 1 sends of K|V|dK|dV and one of dK|dV home. K|V = b·2·Hkv·(s/c)·d fp32 elements.
     layers, d = 2, 16
