@@ -105,6 +105,21 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.Pro
     return _launch("all_to_all", input, tag, group, lambda: dist.all_to_all_single(output, input, group=group, async_op=True))
 
 
+def all_to_all_v(
+    output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+    group: dist.ProcessGroup | None = None, tag: str = "",
+) -> Work:  # fmt: skip
+    """Uneven all-to-all on dim 0 (``input_splits[i]`` rows go to rank ``i``); logged as the bytes that leave for other ranks."""
+    me = dist.get_rank(group)
+    row = input[0].numel() * input.element_size() if input.dim() and input.shape[0] else 0
+    record = comms_log.add("all_to_all", row * sum(n for i, n in enumerate(input_splits) if i != me), tag)
+    try:
+        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True)
+    except Exception as err:
+        raise CollectiveError(Work(None, record, group)._describe(err)) from err
+    return Work(work, record, group)
+
+
 def shift_ring(send: torch.Tensor, recv: torch.Tensor, to: int, source: int, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
     """Send ``send`` to global rank ``to`` while receiving ``recv`` from global rank ``source`` (one ring step); logged as the bytes sent."""
 

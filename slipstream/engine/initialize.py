@@ -72,8 +72,11 @@ def initialize(
     _prepare_model(model, cfg, accelerator)  # 2. device, dtype, activation checkpointing
     mesh = Mesh.build(sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
     # 4. parallelize (pipeline cut, experts, tensor/sequence/context parallel): later issues
+    experts = _parallelize_experts(model, mesh)  # 4b. expert parallel: this rank's experts, dispatch by all-to-all
     parallelize_tensor(model, cfg, mesh)  # 4c. tensor (+ sequence) parallel over mesh.group("tp")
     sequence = _parallelize_sequence(model, cfg, mesh)  # 4d. Ulysses/ring attention and the engine's input sharding
+    if experts is not None:  # expert parameters sharded over their own group (parallel/expert/parallelize.py)
+        model_parameters = experts.split(_as_group_dicts(model_parameters if model_parameters is not None else model.parameters()))
     strategy = _shard(model, cfg, mesh, model_parameters, optimizer, accelerator)  # 5. ZeRO over dp·cp·sp
     scheduler = _build_scheduler(cfg, lr_scheduler, strategy.optimizer)  # 6. the engine and what it holds
     loader = None
@@ -120,6 +123,7 @@ def _options(
     _check_supported(cfg, sizes, optimizer, lr_scheduler)
     _check_model(model, cfg, optimizer)
     _check_sequence_parallel(model, sizes)
+    _check_expert_parallel(sizes, optimizer)
     return cfg, sizes, optimizer
 
 
@@ -139,7 +143,7 @@ def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any)
 
 
 def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr_scheduler: Any) -> None:
-    for axis in ("pp", "ep"):
+    for axis in ("pp",):
         if sizes.size(axis) > 1:
             raise ConfigError(
                 f"{AXIS_KEYS[axis]}: {sizes.size(axis)} asks for {PARALLELISM_NAMES[axis]}, which is not supported "
@@ -171,6 +175,20 @@ def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr
             raise ConfigError(
                 f"scheduler.type: {cfg.scheduler.type!r} is not available; use one of {', '.join(SCHEDULER_PARAMS)}"
             )
+
+
+def _check_expert_parallel(sizes: MeshSizes, optimizer: Any) -> None:
+    ep = sizes.size("ep")
+    if ep == 1:
+        return
+    others = [AXIS_KEYS[a] for a in ("tp", "sp", "cp") if sizes.size(a) > 1]
+    if others:
+        raise ConfigError(f"expert_parallel.autoep_size: {ep} together with {', '.join(others)} is not supported yet in this version of slipstream")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            "expert_parallel.autoep_size: an optimizer built before initialize() holds the unsharded experts; pass the "
+            "optimizer in the config or as a callable, optimizer=lambda params: torch.optim.AdamW(params, ...)"
+        )
 
 
 def _check_sequence_parallel(model: torch.nn.Module, sizes: MeshSizes) -> None:
@@ -206,6 +224,24 @@ def _check_sequence_parallel(model: torch.nn.Module, sizes: MeshSizes) -> None:
             f"sequence_parallel_size: {local_kv} key/value heads per rank neither divide by {u} nor divide it (they are "
             "split across the group, or repeated when fewer than it)"
         )
+
+
+def _parallelize_experts(model: torch.nn.Module, mesh: Mesh) -> Any:
+    if mesh.size("ep") == 1:
+        return None
+    from slipstream.engine.parallel.expert import parallelize_experts
+
+    try:
+        plan = parallelize_experts(model, mesh)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    log_rank0(logger, "expert parallel %d: %d experts modules, %d expert parameters per rank", mesh.size("ep"), len(plan.modules), len(plan.params))
+    return plan
+
+
+def _as_group_dicts(params: Iterable[Any]) -> list[dict[str, Any]]:
+    items = list(params)
+    return items if items and isinstance(items[0], dict) else [{"params": items}]
 
 
 def _parallelize_sequence(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: Mesh) -> Any:

@@ -1,0 +1,86 @@
+"""Dropless expert-parallel experts: tokens go to the rank that owns their expert and come back.
+
+[Note: dispatch and combine] The router runs unchanged on every rank and picks ``k`` experts per
+token. Each (token, choice) pair is sent to the rank owning that expert (experts are cut into
+``ep`` contiguous ranges, ``E/ep`` per rank): the pairs are sorted by owner, the counts exchanged
+with one even all-to-all, the hidden states sent with one uneven ``all_to_all_single`` (each
+rank's input sent once per choice that leaves it), computed by the local experts, sent back the
+same way and combined with the router weights where they came from. No capacity, no dropped
+token: the result is the unsharded layer's. Both exchanges are differentiable (backward runs the
+reverse exchange). Per layer and micro-batch a rank sends ``Σ(choices routed to other ranks)·h``
+elements to dispatch and receives as many back to combine (plus the counts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+
+
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    comm.all_to_all_v(out, x.contiguous(), recv, send, group=group, tag=tag).wait()
+    return out
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, tag: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.send, ctx.recv, ctx.group, ctx.tag = send, recv, group, tag
+        return _exchange(x, send, recv, group, tag)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group, ctx.tag + " (backward)"), None, None, None, None
+
+
+class ExpertParallelExperts(torch.nn.Module):
+    """A fused-3-D experts module (transformers' ``MixtralExperts`` and kin) holding this rank's experts only.
+
+    Parameters keep their names and hold experts ``[first, first + E/ep)`` of the global tensors.
+    """
+
+    def __init__(self, source: torch.nn.Module, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group, self.ep, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.num_experts = source.num_experts
+        self.local = self.num_experts // self.ep
+        self.first = self.rank * self.local
+        self.act_fn = source.act_fn
+        self.global_shapes: dict[str, tuple[int, ...]] = {}
+        for name, p in source.named_parameters(recurse=False):
+            self.global_shapes[name] = tuple(p.shape)
+            piece = p.detach()[self.first : self.first + self.local].clone()
+            self.register_parameter(name, torch.nn.Parameter(piece, requires_grad=p.requires_grad))
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long)  # this rank's choices, last forward
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        experts = top_k_index.reshape(-1)
+        owner = experts // self.local
+        order = torch.argsort(owner, stable=True)
+        token_of = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)[order]
+        send = torch.bincount(owner, minlength=self.ep)
+        self.tokens_per_expert = torch.bincount(experts, minlength=self.num_experts).cpu()
+        recv = torch.empty_like(send)
+        comm.all_to_all_single(recv, send, group=self.group, tag="expert token counts").wait()
+        send_l, recv_l = send.tolist(), recv.tolist()
+        sent_experts = _exchange(experts[order], send_l, recv_l, self.group, "expert ids")  # no gradient
+        arrived = _AllToAllV.apply(hidden_states[token_of], send_l, recv_l, self.group, "expert dispatch")
+        local = sent_experts - self.first
+        out = torch.zeros_like(arrived)
+        for e in range(self.local):
+            rows = (local == e).nonzero().squeeze(-1)
+            if rows.numel():
+                out = out.index_add(0, rows, self._expert(e, arrived[rows]))
+        back = _AllToAllV.apply(out, recv_l, send_l, self.group, "expert combine")
+        weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, token_of, (back * weights).to(hidden_states.dtype))

@@ -1,0 +1,94 @@
+"""Expert parallelism for unchanged Mixture-of-Experts models: find the experts, keep this rank's.
+
+[Note: which modules] transformers' MoE models (Mixtral, Qwen-MoE and kin) hold their experts in
+one module with fused 3-D weights (``[num_experts, ...]``) called as ``experts(hidden_states,
+top_k_index, top_k_weights)``; the router before it and the auxiliary loss stay unchanged. Each
+such module is replaced by :class:`ExpertParallelExperts` over ``mesh.group("ep")``.
+
+[Note: expert gradients] Expert ``e`` lives on one rank of each ep group and receives the tokens
+of every rank of that group, so its gradient is the *sum* over the ``ep`` ranks' losses. ZeRO
+averages dense gradients over dp (the mean of the ranks' losses) and expert gradients over the
+expert-data-parallel group (the ranks holding the same experts, ``dp/ep`` of them); dividing
+expert gradients by ``ep`` first makes both the gradient of the dp-mean loss, as in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from slipstream.engine.parallel.expert.dispatch import ExpertParallelExperts
+from slipstream.engine.parallel.mesh import Mesh
+from slipstream.utils.placement import place
+
+
+@dataclasses.dataclass
+class ExpertPlan:
+    """What the rest of initialize needs: the expert parameters and the group ZeRO shards them over."""
+
+    params: list[torch.nn.Parameter]
+    group: dist.ProcessGroup  # the expert-data-parallel group: ranks holding the same experts
+    modules: list[ExpertParallelExperts]
+
+    def split(self, groups: list[dict]) -> list[dict]:
+        """Each optimizer parameter group cut into its dense part and its expert part (sharded over ``group``)."""
+        experts = {id(p) for p in self.params}
+        out = []
+        for g in groups:
+            params = list(g["params"])
+            dense = [p for p in params if id(p) not in experts]
+            mine = [p for p in params if id(p) in experts]
+            if dense:
+                out.append({**g, "params": dense})
+            if mine:
+                out.append({**g, "params": mine, "process_group": self.group})
+        return out
+
+
+def is_fused_experts(module: torch.nn.Module) -> bool:
+    n = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    fused = bool(params) and all(p.dim() == 3 and p.shape[0] == n for p in params)
+    return isinstance(n, int) and n > 1 and fused and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")
+
+
+def parallelize_experts(model: torch.nn.Module, mesh: Mesh) -> ExpertPlan | None:
+    """Replace every fused experts module by this rank's experts over ``mesh.group("ep")``; None when ep is 1. Collective."""
+    ep = mesh.size("ep")
+    if ep == 1:
+        return None
+    found = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
+    if not found:
+        raise ValueError(
+            "expert_parallel.autoep_size: no experts module found (transformers' fused MoE experts such as Mixtral's "
+            "or Qwen-MoE's); this model cannot be expert-parallel"
+        )
+    for name, m in found:
+        if m.num_experts % ep:
+            raise ValueError(f"expert_parallel.autoep_size: {name} has {m.num_experts} experts, which do not divide by {ep}")
+    group = mesh.group("ep")
+    modules = []
+    for name, m in found:
+        sharded = ExpertParallelExperts(m, group)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, sharded)
+        for pname, p in sharded.named_parameters(recurse=False):
+            place(p, sharded.global_shapes[pname], (sharded.first, 0, 0))
+            p.register_hook(lambda g, ep=ep: g / ep)  # see [Note: expert gradients]
+        modules.append(sharded)
+    return ExpertPlan([p for m in modules for p in m.parameters(recurse=False)], _expert_data_group(mesh), modules)
+
+
+def _expert_data_group(mesh: Mesh) -> dist.ProcessGroup:
+    """Ranks that hold the same experts: one per ep block, same position in it. Collective (every rank makes every group)."""
+    ep, world = mesh.size("ep"), dist.get_world_size()
+    mine = None
+    for position in range(ep):
+        ranks = list(range(position, world, ep))
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    assert mine is not None
+    return mine
