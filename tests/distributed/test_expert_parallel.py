@@ -45,14 +45,18 @@ def _reference(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(stage: int) -> dict[str, Any]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    config = {
+def _config(stage: int, ep: int = 2) -> dict[str, Any]:
+    return {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "expert_parallel": {"enabled": True, "autoep_size": 2}, "zero_optimization": {"stage": stage},
+        "expert_parallel": {"enabled": ep > 1, "autoep_size": ep},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }  # fmt: skip
-    engine = slipstream.initialize(_mixtral(), config)
+
+
+def _train(stage: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = slipstream.initialize(_mixtral(), _config(stage))
     experts = engine.module.model.layers[0].mlp.experts
     local = {n: p.numel() for n, p in experts.named_parameters()}
     comms_log.keep_history = 2
@@ -99,3 +103,46 @@ def test_expert_parallel_matches_one_process() -> None:
         assert a["remote"] > 0 and b["remote"] > 0
         assert a["dispatch"] == a["remote"] * 64 * 4 and b["dispatch"] == b["remote"] * 64 * 4
         assert a["combine"] == b["dispatch"] and b["combine"] == a["dispatch"]
+
+
+def _world4_body() -> dict[str, Any]:
+    return _train(3)
+
+
+def test_expert_parallel_ep2_dp4_zero3() -> None:
+    """4 ranks, ep 2: each expert on two ranks (its expert-data-parallel group), ZeRO-3 over that group."""
+    ours = run_distributed(4, _world4_body)[0]
+    losses, params = _reference(4)
+    assert ours["losses"] == pytest.approx(losses, rel=1e-5)
+    for name, value in params.items():
+        torch.testing.assert_close(ours["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _ckpt_run(ep: int, load: str | None, save: str, first: int) -> list[float]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = MICRO * 2 // world  # the same global batch at 1 and 2 ranks
+    engine = slipstream.initialize(_mixtral(), {**_config(2 if ep > 1 else 0, ep), "train_micro_batch_size_per_gpu": micro})
+    if load is not None:
+        engine.load_checkpoint(load, tag="t")
+    losses = []
+    for step, tokens in enumerate(_batches(2)[first : first + 2], start=first):
+        mine = tokens[rank * micro : (rank + 1) * micro]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    engine.save_checkpoint(save, tag="t")
+    engine.close()
+    return losses
+
+
+def test_checkpoint_ep2_to_ep1_and_back(tmp_path: Any) -> None:
+    """Experts are saved under their global indices: an ep 2 checkpoint resumes in one process and back."""
+    a, b, c = (str(tmp_path / x) for x in "abc")
+    losses, _ = _reference(2)
+    first = run_distributed(2, _ckpt_run, 2, None, a, 0)[0]
+    middle = run_distributed(1, _ckpt_run, 1, a, b, 2)[0]
+    last = run_distributed(2, _ckpt_run, 2, b, c, 4)[0]
+    assert first + middle + last == pytest.approx(losses, rel=1e-5)

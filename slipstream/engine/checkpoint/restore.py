@@ -103,8 +103,7 @@ def _read(
     states, groups = None, None
     if optimizer:
         states = {o.slice: _check_state(reader, o, reader.read_optimizer_state(o.slice)) for o in owned if o.optimizer_param is not None}
-        groups = reader.decode(0, common["optimizer_groups"])
-        _check_groups(reader, target.optimizer, groups)
+        groups = _check_groups(reader, target.optimizer, reader.decode(0, common["optimizer_groups"]))
     stateful: list[tuple[str, Any, Any]] = []
     if scheduler and target.scheduler is not None and common["lr_scheduler"] is not None:
         stateful.append(("lr_scheduler", target.scheduler, reader.decode(0, common["lr_scheduler"])))
@@ -135,9 +134,19 @@ def _counters(reader: CheckpointReader, saved: Any, target: CheckpointTarget) ->
     )  # fmt: skip
 
 
-def _check_groups(reader: CheckpointReader, opt: torch.optim.Optimizer, groups: Any) -> None:
+def _check_groups(reader: CheckpointReader, opt: torch.optim.Optimizer, groups: Any) -> list[dict[str, Any]]:
+    """The saved groups' hyperparameters, checked, one per group of ``opt``.
+
+    [Note: groups that differ only in sharding] Expert parallelism splits each parameter group into
+    its dense and its expert part (sharded over different groups), so the same optimizer has one
+    group at ep 1 and two at ep 2. When every saved group and every current group carry the same
+    hyperparameters, the counts may differ: each current group gets them.
+    """
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise CheckpointError(f"checkpoint {reader.path}: common.optimizer_groups is not a list of dicts (the file is damaged)")
+    current = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    if len(groups) != len(current) and groups and all(_same(g, groups[0]) for g in groups) and all(_same(c, current[0]) for c in current):
+        groups = [groups[0]] * len(current)
     if len(groups) != len(opt.param_groups):
         raise CheckpointError(
             f"checkpoint {reader.path}: the optimizer had {len(groups)} parameter group(s), this one has "
@@ -162,6 +171,14 @@ def _check_groups(reader: CheckpointReader, opt: torch.optim.Optimizer, groups: 
                         f"checkpoint {reader.path}: optimizer group {i} {key!r} is {value!r}, expected a finite number "
                         "(the file is damaged: load another checkpoint, or load with load_optimizer_states=False)"
                     )
+    return groups
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError):  # tensor-valued hyperparameters: not comparable this way
+        return False
 
 
 def _finite(value: Any) -> bool:
