@@ -36,6 +36,7 @@ class Engine(torch.nn.Module):
     """Wraps ``module``; use ``loss = engine(batch); engine.backward(loss); engine.step()``."""
 
     sequence_sharder: Any = None  # Ulysses: shards each batch on the sequence (set by initialize)
+    expert_modules: tuple[Any, ...] = ()  # expert parallel: the experts modules, for per-expert token counts
 
     def __init__(
         self,
@@ -211,6 +212,7 @@ class Engine(torch.nn.Module):
             global_steps=self.global_steps, global_samples=self.global_samples, train_batch_size=self.train_batch_size(),
             lr=lrs[0] if lrs else None, grad_norm=self._global_grad_norm, loss_scale=self.loss_scale(),
             dynamic_loss_scale=self.loss_scaler.dynamic,
+            expert_tokens=tuple(tuple(m.take_counts()) for m in self.expert_modules),
         ))  # fmt: skip
 
     # ------------------------------------------------------------------ accessors

@@ -96,6 +96,8 @@ def initialize(
         lr_scheduler=scheduler, training_dataloader=loader, mesh=mesh,
     )  # fmt: skip
     engine.sequence_sharder = sequence
+    if experts is not None:
+        engine.expert_modules = tuple(experts.modules)
     if cfg.checkpoint.auto_resume:  # the fault-tolerant launcher restarts jobs with this on
         engine.resumed_from, engine.resumed_client_state = engine.checkpoints.resume(engine)
     return engine

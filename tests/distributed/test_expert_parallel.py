@@ -27,13 +27,28 @@ def _mixtral() -> torch.nn.Module:
     return MixtralForCausalLM(config)
 
 
+def _qwen_moe() -> torch.nn.Module:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, vocab_size=VOCAB,
+        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa", decoder_sparse_step=1,
+    )  # fmt: skip
+    return Qwen2MoeForCausalLM(config)
+
+
+BUILDERS = {"mixtral": _mixtral, "qwen2-moe": _qwen_moe}
+
+
 def _batches(world: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(9)
     return [torch.randint(0, VOCAB, (MICRO * world, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _reference(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _mixtral()
+def _reference(world: int, name: str = "mixtral") -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = BUILDERS[name]()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses = []
     for tokens in _batches(world):
@@ -50,13 +65,13 @@ def _config(stage: int, ep: int = 2) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "expert_parallel": {"enabled": ep > 1, "autoep_size": ep},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, "steps_per_print": 1,
     }  # fmt: skip
 
 
-def _train(stage: int) -> dict[str, Any]:
+def _train(stage: int, name: str = "mixtral") -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = slipstream.initialize(_mixtral(), _config(stage))
+    engine = slipstream.initialize(BUILDERS[name](), _config(stage))
     experts = engine.module.model.layers[0].mlp.experts
     local = {n: p.numel() for n, p in experts.named_parameters()}
     comms_log.keep_history = 2
@@ -77,13 +92,16 @@ def _train(stage: int) -> dict[str, Any]:
                  for layer in engine.module.model.layers)  # fmt: skip
     comms_log.keep_history = 0
     comms_log.history.clear()
+    monitored = dict(engine.monitor.last or {})  # rank 0: the last step's metrics
+    moments = sum(engine.optimizer.state[p]["exp_avg"].numel() for p in experts.parameters()) if stage == 0 else None
     state = engine.consolidated_state_dict()
     engine.close()
-    return {"losses": losses, "state": state, "local": local, "dispatch": dispatch, "combine": combine, "remote": remote}
+    return {"losses": losses, "state": state, "local": local, "dispatch": dispatch, "combine": combine, "remote": remote,
+            "monitored": monitored, "moments": moments}  # fmt: skip
 
 
 def _body() -> dict[str, Any]:
-    return {stage: _train(stage) for stage in (0, 2)}
+    return {0: _train(0), 2: _train(2), "qwen2-moe": _train(0, "qwen2-moe")}
 
 
 def test_expert_parallel_matches_one_process() -> None:
@@ -94,8 +112,19 @@ def test_expert_parallel_matches_one_process() -> None:
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), stage
         for name, value in params.items():
             torch.testing.assert_close(ours["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"stage {stage} {name}: {m}")
-        # each rank holds half of every expert tensor (experts 0-1 or 2-3)
+        # each rank holds half of every expert tensor (experts 0-1 or 2-3), and so half of their optimizer state
         assert ours["local"] == {"gate_up_proj": 4 * 2 * 96 * 64 // 2, "down_proj": 4 * 64 * 96 // 2}
+        if stage == 0:
+            assert ours["moments"] == sum(ours["local"].values())
+        # the monitor reports each layer's per-expert choices for the step: micro-batch × seq × top-2 of them
+        for layer in (0, 1):
+            counts = [ours["monitored"][f"expert_tokens/layer{layer}/expert{e}"] for e in range(4)]
+            assert sum(counts) == MICRO * SEQ * 2, counts
+            assert ours["monitored"][f"expert_balance/layer{layer}"] == max(counts) / (sum(counts) / 4)
+    qwen_losses, qwen_params = _reference(2, "qwen2-moe")  # shared expert and its gate stay dense
+    assert results[0]["qwen2-moe"]["losses"] == pytest.approx(qwen_losses, rel=1e-5)
+    for name, value in qwen_params.items():
+        torch.testing.assert_close(results[0]["qwen2-moe"]["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"qwen {name}: {m}")
     # Traffic of the last step: dispatch = Σ(choices routed to the other rank's experts) × h × 4 bytes exactly;
     # combine sends back what arrived, i.e. the other rank's dispatch.
     for stage in (0, 2):
@@ -146,3 +175,22 @@ def test_checkpoint_ep2_to_ep1_and_back(tmp_path: Any) -> None:
     middle = run_distributed(1, _ckpt_run, 1, a, b, 2)[0]
     last = run_distributed(2, _ckpt_run, 2, b, c, 4)[0]
     assert first + middle + last == pytest.approx(losses, rel=1e-5)
+
+
+def _errors_body() -> dict[str, str]:
+    found = {}
+    for key, model, extra in (
+        ("plain", torch.nn.Linear(4, 4), {}),
+        ("with-tp", _mixtral(), {"tensor_parallel": {"autotp_size": 2}}),
+    ):
+        try:
+            slipstream.initialize(model, {**_config(0), **extra})
+        except slipstream.ConfigError as err:
+            found[key] = str(err)
+    return found
+
+
+def test_expert_parallel_mistakes_are_one_line_errors_naming_the_key() -> None:
+    found = run_distributed(2, _errors_body)[0]
+    assert found["plain"].startswith("expert_parallel.autoep_size: no experts module found"), found
+    assert "expert_parallel.autoep_size" in found["with-tp"] and "not supported yet" in found["with-tp"], found

@@ -91,7 +91,6 @@ def _unsupported_body(extra: dict) -> str:
     ("extra", "key"),
     [
         ({"pipeline": {"stages": 2}}, "pipeline.stages: 2"),
-        ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "expert_parallel.autoep_size: 2"),
     ],
 )
 def test_axes_without_an_implementation_are_refused(extra: dict, key: str) -> None:

@@ -153,6 +153,11 @@ class TrainingMonitor:
         if tokens:
             metrics["tokens_per_second"] = tokens / step_time
         metrics["step_time_ms"] = step_time * 1e3
+        for layer, counts in enumerate(step.expert_tokens):  # load balance of each MoE layer
+            for expert, n in enumerate(counts):
+                metrics[f"expert_tokens/layer{layer}/expert{expert}"] = float(n)
+            mean = sum(counts) / len(counts) if counts else 0.0
+            metrics[f"expert_balance/layer{layer}"] = max(counts) / mean if mean else math.nan
         flops = self.flops_per_token()
         if flops and tokens:
             metrics["tflops_per_device"] = flops * tokens / self.world_size / step_time / 1e12

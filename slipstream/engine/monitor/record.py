@@ -16,3 +16,5 @@ class StepRecord:
     grad_norm: float | None
     loss_scale: float
     dynamic_loss_scale: bool
+    # per MoE layer, the choices this rank's tokens made of each expert over the step (expert parallel)
+    expert_tokens: tuple[tuple[int, ...], ...] = ()

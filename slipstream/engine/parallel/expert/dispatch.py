@@ -57,6 +57,12 @@ class ExpertParallelExperts(torch.nn.Module):
             piece = p.detach()[self.first : self.first + self.local].clone()
             self.register_parameter(name, torch.nn.Parameter(piece, requires_grad=p.requires_grad))
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long)  # this rank's choices, last forward
+        self._window = torch.zeros(self.num_experts, dtype=torch.long)  # summed since the last take_counts()
+
+    def take_counts(self) -> list[int]:
+        """This rank's choices of each expert since the last call (the engine reports them per step)."""
+        counts, self._window = self._window.tolist(), torch.zeros_like(self._window)
+        return counts
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -70,6 +76,8 @@ class ExpertParallelExperts(torch.nn.Module):
         token_of = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)[order]
         send = torch.bincount(owner, minlength=self.ep)
         self.tokens_per_expert = torch.bincount(experts, minlength=self.num_experts).cpu()
+        if torch.is_grad_enabled():  # a training forward (not activation checkpointing's recompute)
+            self._window += self.tokens_per_expert
         recv = torch.empty_like(send)
         comm.all_to_all_single(recv, send, group=self.group, tag="expert token counts").wait()
         send_l, recv_l = send.tolist(), recv.tolist()
