@@ -194,3 +194,69 @@ def test_expert_parallel_mistakes_are_one_line_errors_naming_the_key() -> None:
     found = run_distributed(2, _errors_body)[0]
     assert found["plain"].startswith("expert_parallel.autoep_size: no experts module found"), found
     assert "expert_parallel.autoep_size" in found["with-tp"] and "not supported yet" in found["with-tp"], found
+
+
+class _Custom(torch.nn.Module):
+    """A custom model around slipstream.moe.MoE (DeepSpeed's classic layer's interface).
+
+    The aux loss is computed (and checked) but weighted 0: it is a product of per-batch means, so
+    the mean of two half-batches' values is not the whole batch's, unlike the cross-entropy.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from slipstream.moe import MoE
+
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        self.moe = MoE(hidden_size=32, expert=mlp, num_experts=4, ep_size=2, k=2)
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out, aux, counts = self.moe(self.embed(input_ids))
+        assert counts.shape == (4,) and int(counts.sum()) == input_ids.numel() * 2
+        logits = self.head(out)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1)) + 0.0 * aux
+
+
+def _custom_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _Custom()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for tokens in _batches(2):
+        loss = model(tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _custom_body() -> dict[str, Any]:
+    rank = dist.get_rank()
+    engine = slipstream.initialize(_Custom(), _config(1))
+    names = [n for n, _ in engine.module.named_parameters() if ".experts." in n]
+    losses = []
+    for tokens in _batches(2):
+        mine = tokens[rank * MICRO : (rank + 1) * MICRO]
+        loss = engine(mine)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / 2)
+    state = engine.consolidated_state_dict()
+    engine.close()
+    return {"names": names, "losses": losses, "state": state}
+
+
+def test_moe_layer_for_custom_models_keeps_global_expert_names() -> None:
+    results = run_distributed(2, _custom_body)
+    assert all(n.startswith("moe.experts.0.") or n.startswith("moe.experts.1.") for n in results[0]["names"])
+    assert all(n.startswith("moe.experts.2.") or n.startswith("moe.experts.3.") for n in results[1]["names"])
+    losses, params = _custom_reference()
+    assert set(results[0]["state"]) == set(params)  # every expert under its global name, on rank 0
+    assert results[0]["losses"] == pytest.approx(losses, rel=1e-5)
+    for name, value in params.items():
+        torch.testing.assert_close(results[0]["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

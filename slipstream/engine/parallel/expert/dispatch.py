@@ -38,6 +38,37 @@ class _AllToAllV(torch.autograd.Function):
         return _exchange(grad, ctx.recv, ctx.send, ctx.group, ctx.tag + " (backward)"), None, None, None, None
 
 
+def dispatch_combine(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, group: dist.ProcessGroup,
+    local: int, compute: Any,
+) -> torch.Tensor:  # fmt: skip
+    """Send each (token, choice) to the owner of its expert, ``compute(local expert, rows)`` there, combine here.
+
+    Experts are owned in contiguous ranges of ``local`` per rank of ``group``.
+    """
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    tokens, k = top_k_index.shape
+    experts = top_k_index.reshape(-1)
+    owner = experts // local
+    order = torch.argsort(owner, stable=True)
+    token_of = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)[order]
+    send = torch.bincount(owner, minlength=ep)
+    recv = torch.empty_like(send)
+    comm.all_to_all_single(recv, send, group=group, tag="expert token counts").wait()
+    send_l, recv_l = send.tolist(), recv.tolist()
+    sent_experts = _exchange(experts[order], send_l, recv_l, group, "expert ids")  # no gradient
+    arrived = _AllToAllV.apply(hidden_states[token_of], send_l, recv_l, group, "expert dispatch")
+    mine = sent_experts - rank * local
+    out = torch.zeros_like(arrived)
+    for e in range(local):
+        rows = (mine == e).nonzero().squeeze(-1)
+        if rows.numel():
+            out = out.index_add(0, rows, compute(e, arrived[rows]).to(out.dtype))
+    back = _AllToAllV.apply(out, recv_l, send_l, group, "expert combine")
+    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, token_of, (back * weights).to(hidden_states.dtype))
+
+
 class ExpertParallelExperts(torch.nn.Module):
     """A fused-3-D experts module (transformers' ``MixtralExperts`` and kin) holding this rank's experts only.
 
@@ -69,26 +100,7 @@ class ExpertParallelExperts(torch.nn.Module):
         return torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        tokens, k = top_k_index.shape
-        experts = top_k_index.reshape(-1)
-        owner = experts // self.local
-        order = torch.argsort(owner, stable=True)
-        token_of = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)[order]
-        send = torch.bincount(owner, minlength=self.ep)
-        self.tokens_per_expert = torch.bincount(experts, minlength=self.num_experts).cpu()
-        if torch.is_grad_enabled():  # a training forward (not activation checkpointing's recompute)
+        self.tokens_per_expert = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cpu()
+        if torch.is_grad_enabled():  # a training forward (activation checkpointing's recompute counts again)
             self._window += self.tokens_per_expert
-        recv = torch.empty_like(send)
-        comm.all_to_all_single(recv, send, group=self.group, tag="expert token counts").wait()
-        send_l, recv_l = send.tolist(), recv.tolist()
-        sent_experts = _exchange(experts[order], send_l, recv_l, self.group, "expert ids")  # no gradient
-        arrived = _AllToAllV.apply(hidden_states[token_of], send_l, recv_l, self.group, "expert dispatch")
-        local = sent_experts - self.first
-        out = torch.zeros_like(arrived)
-        for e in range(self.local):
-            rows = (local == e).nonzero().squeeze(-1)
-            if rows.numel():
-                out = out.index_add(0, rows, self._expert(e, arrived[rows]))
-        back = _AllToAllV.apply(out, recv_l, send_l, self.group, "expert combine")
-        weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
-        return torch.zeros_like(hidden_states).index_add(0, token_of, (back * weights).to(hidden_states.dtype))
+        return dispatch_combine(hidden_states, top_k_index, top_k_weights, self.group, self.local, self._expert)

@@ -19,8 +19,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from slipstream.engine.parallel.expert.dispatch import ExpertParallelExperts
+from slipstream.engine.parallel.expert.dispatch import ExpertParallelExperts, dispatch_combine
 from slipstream.engine.parallel.mesh import Mesh
+from slipstream.moe import MoE
 from slipstream.utils.placement import place
 
 
@@ -60,12 +61,13 @@ def parallelize_experts(model: torch.nn.Module, mesh: Mesh) -> ExpertPlan | None
     if ep == 1:
         return None
     found = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
-    if not found:
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    if not found and not layers:
         raise ValueError(
             "expert_parallel.autoep_size: no experts module found (transformers' fused MoE experts such as Mixtral's "
             "or Qwen-MoE's); this model cannot be expert-parallel"
         )
-    for name, m in found:
+    for name, m in found + layers:
         if m.num_experts % ep:
             raise ValueError(f"expert_parallel.autoep_size: {name} has {m.num_experts} experts, which do not divide by {ep}")
     group = mesh.group("ep")
@@ -78,7 +80,31 @@ def parallelize_experts(model: torch.nn.Module, mesh: Mesh) -> ExpertPlan | None
             place(p, sharded.global_shapes[pname], (sharded.first, 0, 0))
             p.register_hook(lambda g, ep=ep: g / ep)  # see [Note: expert gradients]
         modules.append(sharded)
-    return ExpertPlan([p for m in modules for p in m.parameters(recurse=False)], _expert_data_group(mesh), modules)
+    params = [p for m in modules for p in m.parameters(recurse=False)]
+    for name, layer in layers:
+        params += _keep_local_experts(name, layer, group, ep)
+    return ExpertPlan(params, _expert_data_group(mesh), modules)
+
+
+def _keep_local_experts(name: str, layer: MoE, group: dist.ProcessGroup, ep: int) -> list[torch.nn.Parameter]:
+    """A ``slipstream.moe.MoE`` keeps its own experts (their global indices as names) and dispatches by all-to-all."""
+    if layer.ep_size not in (1, ep):
+        raise ValueError(f"expert_parallel.autoep_size: {ep}, but the MoE layer {name} was built with ep_size={layer.ep_size}")
+    local = layer.num_experts // ep
+    first = dist.get_rank(group) * local
+    for e in list(layer.experts.keys()):
+        if not first <= int(e) < first + local:
+            del layer.experts[e]
+
+    def compute(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return layer.experts[str(first + e)](rows)
+
+    layer.dispatch = lambda x, index, weights: dispatch_combine(x, index, weights, group, local, compute)
+    params = [p for p in layer.experts.parameters()]
+    for p in params:
+        place(p, tuple(p.shape))  # whole tensors under global names: other ranks' experts are other parameters
+        p.register_hook(lambda g, ep=ep: g / ep)  # see [Note: expert gradients]
+    return params
 
 
 def _expert_data_group(mesh: Mesh) -> dist.ProcessGroup:
