@@ -85,13 +85,15 @@ NO_EFFECT: dict[str, str] = {
         "schedule", "virtual_stages", "partition", "seed_layers", "activation_checkpoint_interval",
         "pipe_partitioned", "grad_partitioned",
     )},
-    "context_parallel.method": _MESH,
-    **{f"expert_parallel.{key}": _MESH for key in (
+    **{f"expert_parallel.{key}": "slipstream finds the experts itself (transformers' fused MoE experts, slipstream.moe.MoE); AutoEP's presets and patterns are not read" for key in (
         "preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern", "use_grouped_mm",
         "grouped_mm_backend", "route_norm", "route_scale", "score_apply", "score_func", "num_expert_groups",
         "num_limited_groups", "top_k", "load_balance_coeff", "routed_scaling_factor", "expert_w1", "expert_w2",
         "expert_w3", "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern",
     )},
+    # expert parallelism is dropless: a capacity (and dropping what exceeds it) is never applied
+    "expert_parallel.drop_tokens": "slipstream's expert parallelism is dropless, so no token is dropped",
+    "expert_parallel.capacity_factor": "slipstream's expert parallelism is dropless: experts take every token routed to them",
 }  # fmt: skip
 
 _warned: set[str] = set()  # NO_EFFECT keys already warned about in this process

@@ -97,6 +97,8 @@ class ExpertParallelConfig(Section):
     top_k_attr: str | None = None
     has_shared_experts: bool | None = None
     shared_experts_pattern: str | None = None
+    drop_tokens: bool = False  # accepted for compatibility: always dropless
+    capacity_factor: float | None = Field(None, gt=0)
 
 
 @dataclasses.dataclass(frozen=True)
