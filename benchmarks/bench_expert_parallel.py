@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.common import current_rss_mb, peak_rss_mb, setup_rank_env, spawn_ranks  # noqa: E402
 SEQ, MICRO, VOCAB = 256, 2, 4096
 
 
@@ -42,7 +39,7 @@ def _model(experts: int):
 
 
 def _worker(rank: int, kind: str, experts: int, steps: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    setup_rank_env(rank, 2, port)
     import torch
 
     torch.set_num_threads(1)
@@ -62,24 +59,14 @@ def _worker(rank: int, kind: str, experts: int, steps: int, port: int, out: str)
         engine.step()
         if step:
             times.append(time.perf_counter() - started)
-    import psutil
-
-    end = psutil.Process().memory_info().rss / 2**20  # after training: what the run holds
+    end = current_rss_mb()  # after training: what the run holds
     engine.close()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # includes building the whole model first
+    rss = peak_rss_mb()  # includes building the whole model first
     Path(f"{out}.{rank}").write_text(json.dumps({"ms": statistics.median(times) * 1e3, "rss_mb": rss, "end_mb": end}))
 
 
 def _run(kind: str, experts: int, steps: int) -> dict:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result")
-        mp.start_processes(_worker, args=(kind, experts, steps, port, out), nprocs=2, start_method="spawn")
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    ranks = spawn_ranks(_worker, kind, experts, steps)
     return {"ms": ranks[0]["ms"], "rss": [r["rss_mb"] for r in ranks], "end": [r["end_mb"] for r in ranks]}
 
 

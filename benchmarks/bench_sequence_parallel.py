@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.common import setup_rank_env, spawn_ranks  # noqa: E402
 KINDS = {
     "dp2": {},
     "sp2": {"sequence_parallel_size": 2},
@@ -48,7 +46,7 @@ def _model():
 
 
 def _worker(rank: int, kind: str, seq: int, steps: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    setup_rank_env(rank, 2, port)
     import torch
 
     torch.set_num_threads(1)
@@ -73,19 +71,11 @@ def _worker(rank: int, kind: str, seq: int, steps: int, port: int, out: str) -> 
     engine.close()
     if rank == 0:
         tokens_per_step = seq * (1 if shared else 2)
-        Path(out).write_text(json.dumps({"ms": statistics.median(times) * 1e3, "tokens_per_step": tokens_per_step, "saved": saved}))
+        Path(f"{out}.0").write_text(json.dumps({"ms": statistics.median(times) * 1e3, "tokens_per_step": tokens_per_step, "saved": saved}))
 
 
 def _run(kind: str, seq: int, steps: int) -> dict:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(kind, seq, steps, port, out), nprocs=2, start_method="spawn")
-        return json.loads(Path(out).read_text())
+    return spawn_ranks(_worker, kind, seq, steps)[0]
 
 
 def main() -> None:

@@ -85,3 +85,23 @@ def setup_rank_env(rank: int, world: int, port: int) -> None:
 def summarize(name: str, times: list[float]) -> str:
     ms = sorted(t * 1e3 for t in times)
     return f"{name:<34} median {statistics.median(ms):7.1f} ms  (min {ms[0]:.1f}, max {ms[-1]:.1f}, n={len(ms)})"
+
+
+def spawn_ranks(worker: Callable[..., None], *args: object, world: int = 2) -> list[dict]:
+    """Run ``worker(rank, *args, port, out)`` on ``world`` fresh processes; each rank may write JSON to
+    ``f"{out}.{rank}"``. Returns what the ranks wrote, in rank order (ranks that wrote nothing left out)."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        mp.start_processes(worker, args=(*args, free_port(), out), nprocs=world, start_method="spawn")
+        found = []
+        for rank in range(world):
+            path = f"{out}.{rank}"
+            if os.path.exists(path):
+                with open(path) as f:
+                    found.append(json.load(f))
+        return found

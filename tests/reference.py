@@ -140,3 +140,30 @@ def tiny_llama(seed: int = 0, n_layer: int = 2, hidden: int = 64) -> torch.nn.Mo
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ * 2, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return LlamaForCausalLM(config)
+
+
+def train_lm_reference(model: torch.nn.Module, batches: list[torch.Tensor], lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process: ``model(input_ids=t, labels=t).loss`` on each whole batch, AdamW without weight decay or clipping."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for tokens in batches:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_lm_engine(engine: Any, batches: list[torch.Tensor], micro: int, index: int) -> list[float]:
+    """Each rank trains on rows ``[index·micro, (index+1)·micro)`` of every batch; the world-mean loss per step."""
+    losses = []
+    for tokens in batches:
+        mine = tokens[index * micro : (index + 1) * micro]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / dist.get_world_size())
+    return losses

@@ -17,6 +17,7 @@ from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, Rin
 from slipstream.engine.parallel.sequence import UlyssesAttention
 from tests.distributed.test_sequence_parallel import BATCH, BUILDERS, SEQ, STEPS, _assert_matches, _batches, _reference
 from tests.harness import run_distributed
+from tests.reference import train_lm_engine
 
 B, H, KV, S, D = 2, 4, 2, 32, 8
 
@@ -84,17 +85,8 @@ def _cp_config(c: int, dp: int, stage: int, method: str) -> dict[str, Any]:
 def _train(name: str, c: int, dp: int, stage: int, method: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     model = BUILDERS[name]()
     engine = slipstream.initialize(model, {**_cp_config(c, dp, stage, method), **(extra or {})})
-    dp_rank = engine.mesh.rank_of("dp")
     comms_log.keep_history = 2
-    losses = []
-    for tokens in _batches(BATCH * dp):
-        mine = tokens[dp_rank * BATCH : (dp_rank + 1) * BATCH]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / dist.get_world_size())
+    losses = train_lm_engine(engine, _batches(BATCH * dp), BATCH, engine.mesh.rank_of("dp"))
     p2p = [(r.nbytes, r.tag) for r in comms_log.history[-1] if r.op == "p2p"]
     comms_log.keep_history = 0
     comms_log.history.clear()

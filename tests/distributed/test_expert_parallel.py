@@ -11,6 +11,7 @@ import torch.distributed as dist
 import slipstream
 from slipstream.comm import comms_log
 from tests.harness import run_distributed
+from tests.reference import train_lm_engine, train_lm_reference
 
 SEQ, MICRO, STEPS, VOCAB, LR = 16, 2, 6, 128, 1e-3
 
@@ -48,16 +49,7 @@ def _batches(world: int) -> list[torch.Tensor]:
 
 
 def _reference(world: int, name: str = "mixtral") -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = BUILDERS[name]()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
-    for tokens in _batches(world):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_lm_reference(BUILDERS[name](), _batches(world), LR)
 
 
 def _config(stage: int, ep: int = 2) -> dict[str, Any]:
@@ -75,15 +67,7 @@ def _train(stage: int, name: str = "mixtral") -> dict[str, Any]:
     experts = engine.module.model.layers[0].mlp.experts
     local = {n: p.numel() for n, p in experts.named_parameters()}
     comms_log.keep_history = 2
-    losses = []
-    for tokens in _batches(world):
-        mine = tokens[rank * MICRO : (rank + 1) * MICRO]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / world)
+    losses = train_lm_engine(engine, _batches(world), MICRO, rank)
     records = comms_log.history[-1]
     dispatch = sum(r.nbytes for r in records if r.tag == "expert dispatch")
     combine = sum(r.nbytes for r in records if r.tag == "expert combine")
@@ -153,15 +137,7 @@ def _ckpt_run(ep: int, load: str | None, save: str, first: int) -> list[float]:
     engine = slipstream.initialize(_mixtral(), {**_config(2 if ep > 1 else 0, ep), "train_micro_batch_size_per_gpu": micro})
     if load is not None:
         engine.load_checkpoint(load, tag="t")
-    losses = []
-    for step, tokens in enumerate(_batches(2)[first : first + 2], start=first):
-        mine = tokens[rank * micro : (rank + 1) * micro]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / world)
+    losses = train_lm_engine(engine, _batches(2)[first : first + 2], micro, rank)
     engine.save_checkpoint(save, tag="t")
     engine.close()
     return losses

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import slipstream
 from slipstream.comm import comms_log
 from tests.harness import run_distributed
+from tests.reference import train_lm_engine, train_lm_reference
 
 SEQ, BATCH, STEPS, VOCAB, LR = 64, 2, 6, 128, 1e-3
 
@@ -51,16 +51,7 @@ def _batches(batch: int) -> list[torch.Tensor]:
 
 
 def _reference(name: str, batch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = BUILDERS[name]()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
-    for tokens in _batches(batch):
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_lm_reference(BUILDERS[name](), _batches(batch), LR)
 
 
 def _config(u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any]:
@@ -78,15 +69,8 @@ def _train(name: str, u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any
     assert model.config._attn_implementation == "slipstream_ulysses"
     dp_rank = engine.mesh.rank_of("dp")
     comms_log.keep_history = 2
-    losses = []
-    for tokens in _batches(BATCH * dp):
-        mine = tokens[dp_rank * BATCH : (dp_rank + 1) * BATCH]  # ranks of one sequence group share a micro-batch
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(float(total) / dist.get_world_size())  # every rank reports its dp group's whole-sequence loss
+    # ranks of one sequence group share a micro-batch; each reports its group's whole-sequence loss
+    losses = train_lm_engine(engine, _batches(BATCH * dp), BATCH, dp_rank)
     a2a = [(r.nbytes, r.tag) for r in comms_log.history[-1] if r.op == "all_to_all"]
     comms_log.keep_history = 0
     comms_log.history.clear()
