@@ -17,6 +17,7 @@ import torch
 
 from slipstream.accelerator import Accelerator
 from slipstream.comm import comms_log, get_rank
+from slipstream.engine import batches
 from slipstream.engine.checkpoint.manager import CheckpointManager
 from slipstream.engine.checkpoint.rng import RngState
 from slipstream.engine.checkpoint.target import CheckpointTarget, Counters, TrainState
@@ -37,6 +38,7 @@ class Engine(torch.nn.Module):
 
     sequence_sharder: Any = None  # Ulysses: shards each batch on the sequence (set by initialize)
     expert_modules: tuple[Any, ...] = ()  # expert parallel: the experts modules, for per-expert token counts
+    pipeline: Any = None  # pipeline parallel: this rank's stages and their schedule (parallel/pipeline)
 
     def __init__(
         self,
@@ -83,6 +85,8 @@ class Engine(torch.nn.Module):
         self._forced_boundary: bool | None = None  # integrations API: set_gradient_accumulation_boundary
         self._step_applied = False
         self._window_micro_steps = 0  # micro-steps since the last boundary (forced boundaries included)
+        self.pipeline_window: list[Any] = []  # pipeline: the window's micro-batches and deferred losses (engine/batches.py)
+        self.data_iterator: Any = None  # train_batch()/eval_batch() without data_iter: over training_dataloader
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -93,6 +97,8 @@ class Engine(torch.nn.Module):
         comms_log.step = self.global_steps  # a timed-out collective names this step (also after a resume)
         if self._auto_cast:
             args, kwargs = _cast_floats((args, kwargs), self._dtype)
+        if self.pipeline is not None:  # the window's schedule runs at its last engine.backward (engine/batches.py)
+            return batches.collect(self, args, kwargs)
         with self.monitor.forward(args, kwargs, self.global_steps):
             if self.sequence_sharder is None:
                 return self.module(*args, **kwargs)
@@ -115,6 +121,8 @@ class Engine(torch.nn.Module):
         the Hugging Face Trainer does), so only the fp16 loss scale is applied.
         """
         self._require_optimizer("engine.backward")
+        if self.pipeline is not None:
+            return self._backward_pipeline(loss)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
                 f"engine.backward: expected the scalar loss tensor, got {type(loss).__name__}"
@@ -145,6 +153,23 @@ class Engine(torch.nn.Module):
         self._last_loss = loss.detach()
         self.monitor.on_loss(self._last_loss, self.global_steps)
         return loss
+
+    def _backward_pipeline(self, loss: Any) -> Any:
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._backward_since_step:
+            raise RuntimeError("engine.backward: called twice at an accumulation boundary without engine.step() in between")
+        with self.monitor.timers("backward"):
+            batches.backward(self, loss, boundary)
+        self._backward_since_step = True
+        return loss
+
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """DeepSpeed's call: ``gradient_accumulation_steps`` micro-batches from ``data_iter`` and one step; the global mean loss."""
+        return batches.train_batch(self, data_iter)
+
+    def eval_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """Forward only over ``gradient_accumulation_steps`` micro-batches; the global mean loss, on every rank."""
+        return batches.eval_batch(self, data_iter)
 
     def step(self) -> None:
         """Optimizer step at an accumulation boundary; between boundaries only counts the micro-step."""
@@ -302,6 +327,8 @@ class Engine(torch.nn.Module):
         self.monitor.close()
         if self.sequence_sharder is not None:  # the model's own attention back (see parallel/attention.py)
             self.sequence_sharder.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     # ------------------------------------------------------------------ integrations API (issue 15)
     # [Note: DeepSpeed's names] The Hugging Face Trainer, Accelerate and Lightning drive a DeepSpeed

@@ -17,6 +17,8 @@ from slipstream.engine.data import DistributedDataLoader
 from slipstream.engine.engine import Engine
 from slipstream.engine.optimizers import build_optimizer, validate_optimizer_config
 from slipstream.engine.parallel.mesh import DENSE, Mesh
+from slipstream.engine.parallel.pipeline import parallelize_pipeline
+from slipstream.engine.parallel.pipeline import schedules as pipeline_schedules
 from slipstream.engine.parallel.tensor import parallelize_tensor
 from slipstream.engine.precision import DTYPES, build_loss_scaler
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
@@ -32,11 +34,6 @@ logger = get_logger(__name__)
 # model in one bucket and leave nothing to overlap with backward (DDP uses 25 MB).
 DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4
 AVAILABLE_STAGES = (0, 1, 2, 3)
-PARALLELISM_NAMES = {
-    "pp": "pipeline parallelism", "cp": "context parallelism", "sp": "sequence parallelism (Ulysses)",
-    "tp": "tensor parallelism", "ep": "expert parallelism",
-}  # fmt: skip
-
 # The strategy currently attached to each model, so wrapping a model again detaches the old hooks.
 # Weak both ways: a strategy refers to its model, so a strong value would keep both alive forever.
 # While attached, a strategy is kept alive by its hooks on the model.
@@ -71,7 +68,7 @@ def initialize(
     accelerator = get_accelerator()
     _prepare_model(model, cfg, accelerator)  # 2. device, dtype, activation checkpointing
     mesh = Mesh.build(sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
-    # 4. parallelize (pipeline cut, experts, tensor/sequence/context parallel): later issues
+    pipeline = _parallelize_pipeline(model, cfg, mesh)  # 4a. pipeline: this rank's stages of the model, and their schedule
     experts = _parallelize_experts(model, mesh)  # 4b. expert parallel: this rank's experts, dispatch by all-to-all
     parallelize_tensor(model, cfg, mesh)  # 4c. tensor (+ sequence) parallel over mesh.group("tp")
     sequence = _parallelize_sequence(model, cfg, mesh)  # 4d. Ulysses/ring attention and the engine's input sharding
@@ -96,6 +93,7 @@ def initialize(
         lr_scheduler=scheduler, training_dataloader=loader, mesh=mesh,
     )  # fmt: skip
     engine.sequence_sharder = sequence
+    engine.pipeline = pipeline
     if experts is not None:
         engine.expert_modules = tuple(experts.modules)
     if cfg.checkpoint.auto_resume:  # the fault-tolerant launcher restarts jobs with this on
@@ -145,12 +143,7 @@ def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any)
 
 
 def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr_scheduler: Any) -> None:
-    for axis in ("pp",):
-        if sizes.size(axis) > 1:
-            raise ConfigError(
-                f"{AXIS_KEYS[axis]}: {sizes.size(axis)} asks for {PARALLELISM_NAMES[axis]}, which is not supported "
-                "yet in this version of slipstream; set it to 1 or remove it"
-            )
+    _check_pipeline(cfg, sizes)
     _check_tensor_parallel(cfg, sizes)
     zero = cfg.zero_optimization
     if zero.stage not in AVAILABLE_STAGES:
@@ -177,6 +170,33 @@ def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr
             raise ConfigError(
                 f"scheduler.type: {cfg.scheduler.type!r} is not available; use one of {', '.join(SCHEDULER_PARAMS)}"
             )
+
+
+def _check_pipeline(cfg: SlipstreamConfig, sizes: MeshSizes) -> None:
+    """The schedule must be able to run the window's micro-batches on the pipeline's ranks (key-naming errors)."""
+    p = sizes.size("pp")
+    if p == 1:
+        return
+    others = [AXIS_KEYS[a] for a in ("sp", "cp", "ep") if sizes.size(a) > 1]
+    if others:
+        raise ConfigError(f"pipeline.stages: {p} together with {', '.join(others)} is not supported yet in this version of slipstream")
+    pipe = cfg.pipeline
+    if pipe.partition == "profile":
+        raise ConfigError('pipeline.partition: "profile" is not available in this version of slipstream; use "parameters", "uniform" or "type:<regex>"')
+    try:
+        pipeline_schedules.check(pipe.schedule, p, cfg.gradient_accumulation_steps, pipe.virtual_stages)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _parallelize_pipeline(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: Mesh) -> Any:
+    pipe = cfg.pipeline
+    try:
+        return parallelize_pipeline(model, mesh, pipe.schedule, cfg.gradient_accumulation_steps, pipe.virtual_stages, pipe.partition)
+    except ValueError as err:
+        if str(err).startswith("pipeline."):
+            raise ConfigError(str(err)) from None
+        raise
 
 
 def _check_expert_parallel(sizes: MeshSizes, optimizer: Any) -> None:

@@ -81,10 +81,10 @@ NO_EFFECT: dict[str, str] = {
         "tp_overlap_comm", "preset_model", "keep_module_on_host",
         "replace_with_kernel_inject", "dtype", "tp", "injection_policy_tuple",
     )},
-    **{f"pipeline.{key}": _MESH for key in (
-        "schedule", "virtual_stages", "partition", "seed_layers", "activation_checkpoint_interval",
-        "pipe_partitioned", "grad_partitioned",
-    )},
+    "pipeline.seed_layers": "stages are cut from the model as built; layers are not re-initialised per stage",
+    "pipeline.activation_checkpoint_interval": "use the activation_checkpointing section; it applies to every stage",
+    "pipeline.pipe_partitioned": "activations cross stage boundaries whole (tensor-parallel ranks each send their copy)",
+    "pipeline.grad_partitioned": "gradients cross stage boundaries whole",
     **{f"expert_parallel.{key}": "slipstream finds the experts itself (transformers' fused MoE experts, slipstream.moe.MoE); AutoEP's presets and patterns are not read" for key in (
         "preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern", "use_grouped_mm",
         "grouped_mm_backend", "route_norm", "route_scale", "score_apply", "score_func", "num_expert_groups",

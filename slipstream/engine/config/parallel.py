@@ -48,9 +48,9 @@ class PipelineConfig(Section):
     """``pipeline``: DeepSpeed's keys (``stages``, ``partition``, ...) plus the schedule to run."""
 
     stages: int | None = Field(None, ge=1, description='None or "auto": 1 (no pipeline)')
-    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    schedule: Literal["afab", "gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev"] = "1f1b"
     virtual_stages: int = Field(1, ge=1)
-    partition: str = "best"
+    partition: str = "parameters"  # uniform | parameters | type:<regex> (DeepSpeed's partition_method)
     seed_layers: bool = False
     activation_checkpoint_interval: int = Field(0, ge=0)
     pipe_partitioned: bool = True

@@ -66,6 +66,7 @@ class TrainingMonitor:
         self._profiled = False
         self._profile_tokens = 0
         self.last: dict[str, float] = {}  # the latest step's metrics (tests and examples read them)
+        self._bubble: tuple[float | None, float | None] | None = None  # pipeline: (measured, predicted) this rank
 
     # ------------------------------------------------------------------ engine calls
     @contextlib.contextmanager
@@ -99,6 +100,11 @@ class TrainingMonitor:
             mode, self._profiling = self._profiling, None
             mode.__exit__(None, None, None)
             self._finish_profile(mode, engine_step)
+
+    def on_pipeline_step(self, measured: float | None, predicted: float | None, engine_step: int) -> None:
+        """A pipeline schedule ran: this rank's idle time over compute time, and what the schedule predicts for the same costs."""
+        self._bubble = (measured, predicted)
+        logger.debug("step %d: pipeline bubble %.3f measured, %.3f predicted (rank %d)", engine_step, measured or 0.0, predicted or 0.0, self.rank)
 
     def on_step(self, step: StepRecord) -> None:
         """At each optimizer step: metrics for the writers, the progress line every ``steps_per_print``."""
@@ -158,6 +164,12 @@ class TrainingMonitor:
                 metrics[f"expert_tokens/layer{layer}/expert{expert}"] = float(n)
             mean = sum(counts) / len(counts) if counts else 0.0
             metrics[f"expert_balance/layer{layer}"] = max(counts) / mean if mean else math.nan
+        if self._bubble is not None:
+            measured, predicted = self._bubble
+            if measured is not None:
+                metrics["pipeline_bubble"] = measured
+            if predicted is not None:
+                metrics["pipeline_bubble_predicted"] = predicted
         flops = self.flops_per_token()
         if flops and tokens:
             metrics["tflops_per_device"] = flops * tokens / self.world_size / step_time / 1e12

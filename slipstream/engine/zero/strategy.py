@@ -9,8 +9,9 @@ synchronize them.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -100,6 +101,29 @@ class ShardingStrategy(abc.ABC):
 
     def end_backward(self) -> None:
         """After every backward (ZeRO-3 completes its per-pass bookkeeping and reductions here)."""
+
+    @contextlib.contextmanager
+    def accumulation_window(self) -> Iterator[None]:
+        """Forwards and backwards in any interleaving (a pipeline schedule), reduced once at the end.
+
+        Inside, gradients accumulate locally over every micro-batch (and gradients added to
+        ``param.grad`` by hand count too: zero-bubble weight passes); on exit they are handed to
+        the reduction, so ``finish_gradients()`` after it completes the window. Stages 0-2 defer
+        as in ``no_sync``; stage 3 keeps its units gathered for the whole window (gathered once,
+        reduce-scattered once per step, not per micro-batch).
+        """
+        self.begin_backward(False)
+        try:
+            yield
+        finally:
+            self.end_backward()
+        self.adopt_gradients()
+
+    def adopt_gradients(self) -> None:
+        """Take in gradients that reached ``.grad`` without the strategy's hooks (stages 0-2)."""
+        for param in getattr(self, "trainable", ()):
+            if param.grad is not None:
+                self._on_grad(param)  # type: ignore[attr-defined]
 
     @abc.abstractmethod
     def finish_gradients(self) -> None:

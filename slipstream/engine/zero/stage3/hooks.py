@@ -31,6 +31,7 @@ class UnitHooks:
         self, roots: list[ParamUnit], blocks: list[ParamUnit], schedule: GatherSchedule, reducer: UnitReducer, owner: object
     ) -> None:  # fmt: skip
         self.roots, self.blocks, self.schedule, self.reducer, self.owner = roots, blocks, schedule, reducer, owner
+        self.held = False  # every unit gathered for a whole accumulation window (a pipeline step): hooks stand aside
 
     def register(self, module: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         hooks = [
@@ -44,6 +45,8 @@ class UnitHooks:
 
     # ------------------------------------------------------------------ forward
     def _begin_forward_pass(self, module: torch.nn.Module, args: Any) -> None:
+        if self.held:
+            return
         for root in self.roots:
             root.gathered()
             if torch.is_grad_enabled():
@@ -51,6 +54,8 @@ class UnitHooks:
         self.schedule.begin_forward()
 
     def _end_forward_pass(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if self.held:
+            return output
         self.schedule.end_forward()
         for root in self.roots:
             if torch.is_grad_enabled():  # backward needs it first thing: keep it (FSDP2 keeps its root too)
@@ -61,6 +66,8 @@ class UnitHooks:
 
     def _pre_forward(self, unit: ParamUnit) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self.held:
+                return None
             if is_recomputing():  # see [Note: recomputation and ZeRO-3] in slipstream.checkpointing
                 unit.gathered()  # no depth count: a recomputation stops early, skipping post-hooks
                 return None
@@ -74,7 +81,7 @@ class UnitHooks:
 
     def _post_forward(self, unit: ParamUnit) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
-            if is_recomputing():
+            if self.held or is_recomputing():
                 return output  # stays gathered for its backward, which comes next and releases it
             unit.post_forward()
             if torch.is_grad_enabled():

@@ -8,8 +8,9 @@ order (``schedule.py``). This class wires them together and answers the engine's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -94,7 +95,8 @@ class Stage3Strategy(MastersStrategy):
             lambda u: self.masters.gradient_buffer(f"grad_{u.index:05d}", u.chunk),
         )  # fmt: skip
         self.schedule = GatherSchedule(self.blocks, self.units, stage3.prefetch_numel, stage3.max_live_numel, self.reducer.unit_done)
-        self.hooks = UnitHooks(self.roots, self.blocks, self.schedule, self.reducer, self).register(module)
+        self.unit_hooks = UnitHooks(self.roots, self.blocks, self.schedule, self.reducer, self)
+        self.hooks = self.unit_hooks.register(module)
         self.gathered = PartitionedUnits(self.units, store, self.masters)
         self.gathered.register()
         logger.debug(
@@ -121,6 +123,24 @@ class Stage3Strategy(MastersStrategy):
             unit.pending_backward = 0
             unit.reshard()
         self.reducer.end_backward(units)
+
+    @contextlib.contextmanager
+    def accumulation_window(self) -> Iterator[None]:
+        """Every unit gathered once for the whole window, gradients accumulated into the send buffers, one reduce-scatter each on exit."""
+        for unit in self.units:
+            unit.gathered()
+            self.reducer.attach(unit)
+        self.unit_hooks.held = True
+        try:
+            yield
+        finally:
+            self.unit_hooks.held = False
+            for unit in self.units:
+                unit.pending_backward = 0
+                unit.depth = 0
+            self.reducer.end_backward(self.units)
+            for unit in self.units:
+                unit.reshard()
 
     def finish_gradients(self) -> None:
         self.reducer.finish(self.units)

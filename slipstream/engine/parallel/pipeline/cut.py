@@ -1,0 +1,200 @@
+"""Cut an unchanged model into pipeline stages: contiguous runs of its blocks, nothing model-specific.
+
+[Note: replaying the model's own forward] A stage does not rebuild the model as a list of
+layers (DeepSpeed's ``PipelineModule``). Every stage runs the model's own ``forward`` on the
+micro-batch; a :class:`StageGate` hooked on the blocks makes it this stage's forward:
+
+* blocks no local stage owns are swapped for parameter-free :class:`Passthrough` modules, and a
+  local stage's blocks outside the running stage's range pass their input through as well;
+* on the first block of the range, the hidden state is replaced by the activation received from
+  the previous stage (so positions, rotary tables and masks, which need no weights, are
+  recomputed by the model itself from the micro-batch);
+* on the first block after the range, the gate raises :class:`StageOutput` with that block's
+  input, ending the forward: non-last stages stop there. The last stage runs to the end and the
+  model computes its own loss.
+
+Prologue modules (embeddings) with weights live only on the rank that runs stage 0; elsewhere
+they become :class:`Absent` modules producing zeros of the right shape, which the first block's
+substitution discards. Epilogue modules (final norm, head) live only with the last stage. An
+embedding tied to the head (GPT-2) stays on both ends: its forward is switched off where it is
+not the first stage, and its gradients are summed between the two ends (``PipelineModel.tied``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from slipstream.engine.parallel.anatomy import Blocks
+
+
+class StageOutput(Exception):
+    """Raised inside the model's forward at the end of a non-last stage, carrying its output."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("pipeline stage output")
+        self.hidden = hidden
+
+
+class Passthrough(torch.nn.Module):
+    """A block this rank does not own: returns its hidden-state input unchanged."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _hidden_of(args, kwargs)
+
+
+class Absent(torch.nn.Module):
+    """A prologue module owned by stage 0's rank: zeros of its output's shape (discarded downstream)."""
+
+    def __init__(self, features: int, dtype: torch.dtype, from_ids: bool) -> None:
+        super().__init__()
+        self.features, self.dtype, self.from_ids = features, dtype, from_ids
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        shape = x.shape if self.from_ids else x.shape[:-1]
+        return torch.zeros(*shape, self.features, dtype=self.dtype, device=x.device)
+
+
+def _hidden_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+# ----------------------------------------------------------------------------- partition
+def partition(blocks: Blocks, stages: int, method: str, prologue_numel: int = 0, epilogue_numel: int = 0) -> list[range]:
+    """Contiguous block ranges, one per stage, by ``pipeline.partition``.
+
+    ``uniform``: equal block counts; ``parameters`` (DeepSpeed's default): balanced parameter
+    counts, the embeddings counted on the first stage and the head on the last;
+    ``type:<regex>``: balanced counts of blocks whose class name matches.
+    """
+    n = len(blocks)
+    if n < stages:
+        raise ValueError(f"pipeline.stages: {stages} stages need at least {stages} blocks; the model has {n} ({blocks.container or 'model'})")
+    if method == "uniform":
+        weights = [1.0] * n
+    elif method in ("parameters", "best"):
+        weights = [float(sum(p.numel() for p in b.parameters())) for b in blocks.modules]
+        weights[0] += prologue_numel
+        weights[-1] += epilogue_numel
+    elif method.startswith("type:"):
+        pattern = re.compile(method[5:], re.IGNORECASE)
+        weights = [1.0 if pattern.search(type(b).__name__) else 0.0 for b in blocks.modules]
+        if sum(weights) < stages:
+            raise ValueError(f"pipeline.partition: {method!r} matches {int(sum(weights))} blocks ({type(blocks.modules[0]).__name__}); need at least {stages}")
+    else:
+        raise ValueError(f"pipeline.partition: {method!r} is not a method; use uniform, parameters or type:<regex>")
+    return _balanced(weights, stages)
+
+
+def _balanced(weights: list[float], stages: int) -> list[range]:
+    """Contiguous split minimizing the heaviest stage (every stage gets at least one block)."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[k][i]: the lightest possible heaviest stage splitting the first i blocks into k stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i] - 1e-9:  # ties go to the earliest cut: later stages get more blocks
+                    best[k][i], cut[k][i] = cost, j
+    bounds, i = [], n
+    for k in range(stages, 0, -1):
+        bounds.append(range(cut[k][i], i))
+        i = cut[k][i]
+    return bounds[::-1]
+
+
+# ----------------------------------------------------------------------------- the gate
+@dataclasses.dataclass
+class StageGate:
+    """Turns the model's forward into one stage's forward (see the module note)."""
+
+    ranges: dict[int, range]  # local stage -> its block indices
+    num_stages: int
+    active: int | None = None
+    received: torch.Tensor | None = None
+
+    def hooks(self, blocks: list[torch.nn.Module]) -> list[torch.utils.hooks.RemovableHandle]:
+        handles = []
+        for index, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True, prepend=True))
+            if not isinstance(block, Passthrough):
+                original = block.forward
+                block.forward = self._gated(index, original)  # type: ignore[method-assign]
+        return handles
+
+    def _gated(self, index: int, original: Any) -> Any:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.active is None or index in self.ranges[self.active]:
+                return original(*args, **kwargs)
+            return _hidden_of(args, kwargs)
+
+        return forward
+
+    def _pre_hook(self, index: int) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self.active is None:
+                return None
+            span = self.ranges[self.active]
+            if index == span.stop and self.active < self.num_stages - 1:
+                raise StageOutput(_hidden_of(args, kwargs))
+            if index == span.start and self.active > 0:
+                assert self.received is not None, "pipeline: no activation received for this stage"
+                return _with_hidden(args, kwargs, self.received)
+            return None
+
+        return hook
+
+
+# ----------------------------------------------------------------------------- surgery
+def outer_modules(model: torch.nn.Module, blocks: Blocks) -> tuple[list[str], list[str]]:
+    """Modules with their own parameters outside the blocks: before them (prologue) and after (epilogue)."""
+    container = blocks.container
+    before, after, seen_blocks = [], [], False
+    for name, module in model.named_modules():
+        inside = container == "" or name == container or name.startswith(container + ".")
+        if inside and container != "" and name != container:
+            seen_blocks = True
+            continue
+        if container == "" and name != "":
+            continue  # the model is the container: everything is a block or parameter-free
+        if next(module.parameters(recurse=False), None) is None:
+            continue
+        (after if seen_blocks else before).append(name)
+    return before, after
+
+
+def set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def absent_for(module: torch.nn.Module, name: str) -> Absent:
+    if isinstance(module, torch.nn.Embedding):
+        return Absent(module.embedding_dim, module.weight.dtype, from_ids=True)
+    if isinstance(module, torch.nn.Linear):
+        return Absent(module.out_features, module.weight.dtype, from_ids=False)
+    raise ValueError(
+        f"pipeline: cannot cut the model: its prologue module {name} ({type(module).__name__}) has weights and runs "
+        "before the first block, and only embeddings and linear layers can be left out of later stages"
+    )
+
+
+def silence(module: torch.nn.Module, absent: Absent) -> None:
+    """Keep ``module`` (its weight is tied to a kept one) but let it compute zeros, like ``absent``."""
+    module.forward = absent.forward  # type: ignore[method-assign]

@@ -1,0 +1,232 @@
+"""Run one rank's action list: forwards, (split) backwards and the transfers between stages.
+
+The executor owns the step's buffers: activations received (``inputs``), stage outputs kept for
+their backward (``outputs``), gradients received (``grads``) and deferred weight passes. Each is
+dropped as soon as the action that needs it last has run, so what a rank holds at any time is
+what the schedule says (``simulate.peak_in_flight``). Sends are asynchronous and waited on at the
+end of the step; receives block, which cannot deadlock for a schedule ``simulate`` accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream.comm import p2p
+from slipstream.comm.collectives import Work
+from slipstream.engine.parallel.pipeline.actions import Action, Op, with_communication
+from slipstream.engine.parallel.pipeline.cut import StageGate, StageOutput
+from slipstream.engine.parallel.pipeline.schedules import Schedule
+from slipstream.engine.parallel.pipeline.simulate import Costs, simulate
+from slipstream.engine.parallel.pipeline.split_backward import WeightPass, backward_input
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """One rank's step: wall time of the schedule, time in compute, and per-pass mean costs."""
+
+    wall: float
+    compute: float
+    costs: Costs
+
+    @property
+    def bubble(self) -> float:
+        return (self.wall - self.compute) / self.compute if self.compute > 0 else 0.0
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar loss in what the model returned (``.loss``, the first of a tuple, or the tensor)."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    if loss is None and isinstance(output, torch.Tensor):
+        loss = output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            "pipeline: the last stage must compute the loss: the model's forward should return a scalar tensor, a tuple "
+            f"starting with it, or an output with .loss (pass labels); got {type(output).__name__}"
+        )
+    return loss
+
+
+def call_model(model: torch.nn.Module, batch: Any) -> Any:
+    """A micro-batch as the model's forward takes it: keyword arguments, positional ones, or one tensor."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+class Executor:
+    def __init__(
+        self, model: torch.nn.Module, gate: StageGate, schedule: Schedule, pp_rank: int, peers: tuple[int, ...],
+        group: dist.ProcessGroup | None, weights: Callable[[], list[torch.nn.Parameter]],
+    ) -> None:  # fmt: skip
+        """``peers``: global rank of each pipeline rank; ``weights``: this rank's trainable parameters."""
+        self.model, self.gate, self.schedule = model, gate, schedule
+        self.layout = schedule.layout
+        self.rank, self.peers, self.group, self.weights = pp_rank, peers, group, weights
+        self.actions = with_communication([list(a) for a in schedule.compute], self.layout)[pp_rank]
+        self.last = self.layout.num_stages - 1
+
+    # ------------------------------------------------------------------ training step
+    def train(self, batches: list[Any], scale: float) -> tuple[list[torch.Tensor], StepTiming]:
+        """Run the schedule over ``batches`` (one per micro-batch); backward seeds are ``loss · scale``.
+
+        Returns the last stage's unscaled losses (empty on other ranks) and the step's timing.
+        """
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        grads: dict[tuple[int, int], torch.Tensor] = {}
+        sent_back: dict[tuple[int, int], torch.Tensor] = {}
+        deferred: dict[tuple[int, int], WeightPass | tuple[torch.Tensor, torch.Tensor | None]] = {}
+        losses: dict[int, torch.Tensor] = {}
+        sends: list[Work] = []
+        spent: dict[Op, list[float]] = {op: [] for op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)}
+        start = time.perf_counter()
+        for a in self.actions:
+            key = (a.stage, a.micro)
+            if a.op is Op.RECV_F:
+                inputs[key] = self._receive_activation(a).requires_grad_()
+            elif a.op is Op.RECV_B:
+                buf = torch.empty_like(outputs[key])
+                p2p.recv(buf, self._peer(a.stage + 1), self.group, tag=f"pipeline gradient {a}").wait()
+                grads[key] = buf
+            elif a.op is Op.SEND_F:
+                sends += self._send_activation(a, outputs[key].detach().contiguous())
+            elif a.op is Op.SEND_B:
+                sends.append(p2p.send(sent_back.pop(key).contiguous(), self._peer(a.stage - 1), self.group, tag=f"pipeline gradient {a}"))
+            else:
+                began = time.perf_counter()
+                self._compute(a, batches, inputs, outputs, grads, sent_back, deferred, losses, scale)
+                spent[a.op].append(time.perf_counter() - began)
+        for work in sends:
+            work.wait()
+        wall = time.perf_counter() - start
+        compute = sum(sum(v) for v in spent.values())
+        return [losses[i] for i in sorted(losses)], StepTiming(wall, compute, _mean_costs(spent, self.layout.stages_per_rank))
+
+    def _compute(
+        self, a: Action, batches: list[Any], inputs: dict, outputs: dict, grads: dict, sent_back: dict, deferred: dict,
+        losses: dict, scale: float,
+    ) -> None:  # fmt: skip
+        key = (a.stage, a.micro)
+        if a.op is Op.FORWARD:
+            out = self.forward(a.stage, batches[a.micro], inputs.get(key))
+            if a.stage == self.last:
+                losses[a.micro] = out.detach()
+                out = out.float() * scale
+            elif self.layout.rank_of(a.stage + 1) == self.rank:  # the next stage is here: no transfer
+                inputs[(a.stage + 1, a.micro)] = out.detach().requires_grad_()
+            outputs[key] = out
+            return
+        if a.op is Op.BACKWARD_WEIGHT:
+            work = deferred.pop(key)
+            if isinstance(work, WeightPass):
+                work.run()
+            else:
+                torch.autograd.backward([work[0]], [work[1]] if work[1] is not None else None)
+            return
+        out, seed = outputs.pop(key), grads.pop(key, None)
+        received = inputs.pop(key, None)
+        if a.op is Op.BACKWARD:
+            torch.autograd.backward([out], [seed] if seed is not None else None)
+            input_grad = received.grad if received is not None else None
+        elif received is None:  # stage 0 has no input to differentiate: its whole backward is the weight pass
+            deferred[key] = (out, seed)
+            return
+        else:
+            found, deferred[key] = backward_input(out, seed, [received], self.weights())
+            input_grad = found[0]
+        if a.stage == 0:
+            return
+        if input_grad is None:
+            assert received is not None
+            input_grad = torch.zeros_like(received)
+        if self.layout.rank_of(a.stage - 1) == self.rank:
+            grads[(a.stage - 1, a.micro)] = input_grad
+        else:
+            sent_back[key] = input_grad
+
+    # ------------------------------------------------------------------ forward only
+    def evaluate(self, batches: list[Any]) -> list[torch.Tensor]:
+        """Every micro-batch forward through this rank's stages in order, without gradients."""
+        losses: list[torch.Tensor] = []
+        sends: list[Work] = []
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                handed: torch.Tensor | None = None
+                for stage in self.layout.stages_of(self.rank):
+                    received = handed
+                    if stage > 0 and self.layout.rank_of(stage - 1) != self.rank:
+                        received = self._receive_activation(Action(stage, Op.RECV_F, i))
+                    out = self.forward(stage, batch, received)
+                    if stage == self.last:
+                        losses.append(out.detach())
+                    elif self.layout.rank_of(stage + 1) != self.rank:
+                        sends += self._send_activation(Action(stage, Op.SEND_F, i), out.contiguous())
+                    else:
+                        handed = out
+        for work in sends:
+            work.wait()
+        return losses
+
+    # ------------------------------------------------------------------ pieces
+    def forward(self, stage: int, batch: Any, received: torch.Tensor | None) -> torch.Tensor:
+        """The model's forward made stage ``stage``'s: its output activation, or its loss on the last stage."""
+        self.gate.active, self.gate.received = stage, received
+        try:
+            output = call_model(self.model, batch)
+        except StageOutput as done:
+            return done.hidden
+        finally:
+            self.gate.active, self.gate.received = None, None
+        if stage != self.last:
+            raise RuntimeError(f"pipeline: stage {stage}'s forward ran to the end of the model without reaching its last block")
+        return loss_of(output)
+
+    def _peer(self, stage: int) -> int:
+        return self.peers[self.layout.rank_of(stage)]
+
+    def _receive_activation(self, a: Action) -> torch.Tensor:
+        source = self._peer(a.stage - 1)
+        head = torch.empty(p2p.HEADER, dtype=torch.int64)
+        p2p.recv(head, source, self.group, tag=f"pipeline shape {a}", op="p2p_meta").wait()
+        buf = p2p.empty_from(head, _device_of(self.model))
+        p2p.recv(buf, source, self.group, tag=f"pipeline activation {a}").wait()
+        return buf
+
+    def _send_activation(self, a: Action, tensor: torch.Tensor) -> list[Work]:
+        to = self._peer(a.stage + 1)
+        return [
+            p2p.send(p2p.header(tensor), to, self.group, tag=f"pipeline shape {a}", op="p2p_meta"),
+            p2p.send(tensor, to, self.group, tag=f"pipeline activation {a}"),
+        ]
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _mean_costs(spent: dict[Op, list[float]], stages_per_rank: int) -> Costs:
+    """Per-rank pass costs (a stage's mean × stages per rank), for simulating the step that ran."""
+
+    def mean(op: Op) -> float:
+        return sum(spent[op]) / len(spent[op]) * stages_per_rank if spent[op] else 0.0
+
+    forward = mean(Op.FORWARD)
+    if spent[Op.BACKWARD_INPUT]:
+        return Costs(forward, mean(Op.BACKWARD_INPUT), mean(Op.BACKWARD_WEIGHT))
+    return Costs(forward, mean(Op.BACKWARD) / 2, mean(Op.BACKWARD) / 2)
+
+
+def predicted_bubble(schedule: Schedule, costs: Costs) -> float:
+    """The bubble the schedule has with these costs and free transfers (the monitor's prediction)."""
+    return simulate(schedule, costs).bubble()

@@ -1,0 +1,167 @@
+"""Make a model this rank's pipeline stages, and run a training step through them.
+
+``parallelize_pipeline`` cuts the model (``cut.py``), builds and checks the schedule
+(``schedules.py``, ``simulate.py``) and returns a :class:`Pipeline`, which the engine calls once
+per accumulation window. The ZeRO strategy is reached only through the ``window`` it hands in
+(a context in which gradients accumulate locally over every micro-batch and are reduced once on
+exit), so ``parallel`` never imports ``zero``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.engine.parallel.anatomy import find_blocks
+from slipstream.engine.parallel.mesh import Mesh
+from slipstream.engine.parallel.pipeline import cut
+from slipstream.engine.parallel.pipeline.executor import Executor, StepTiming, predicted_bubble
+from slipstream.engine.parallel.pipeline.schedules import Schedule, build
+from slipstream.engine.parallel.pipeline.simulate import simulate
+from slipstream.utils.logging import get_logger, log_rank0
+from slipstream.utils.placement import place
+
+logger = get_logger(__name__)
+
+
+@dataclasses.dataclass
+class StepReport:
+    losses: list[float]  # every micro-batch's loss, on every rank
+    timing: StepTiming | None
+    predicted_bubble: float | None
+
+
+class Pipeline:
+    def __init__(
+        self, model: torch.nn.Module, mesh: Mesh, schedule: Schedule, gate: cut.StageGate, ranges: list[range],
+        tied: list[torch.nn.Parameter], tie_group: dist.ProcessGroup | None, handles: list[torch.utils.hooks.RemovableHandle],
+    ) -> None:  # fmt: skip
+        self.handles = handles
+        self.model, self.mesh, self.schedule, self.gate, self.ranges = model, mesh, schedule, gate, ranges
+        self.tied, self.tie_group = tied, tie_group
+        self.rank = mesh.rank_of("pp")
+        self.group = mesh.group("pp")
+        self.peers = mesh.ranks("pp")
+        self.last_rank = schedule.layout.rank_of(schedule.layout.num_stages - 1)
+        self.executor = Executor(
+            model, gate, schedule, self.rank, self.peers, self.group, lambda: [p for p in model.parameters() if p.requires_grad]
+        )
+        self.last_report: StepReport | None = None
+
+    @property
+    def micro_batches(self) -> int:
+        return self.schedule.micro_batches
+
+    def train_step(self, batches: list[Any], scale: float, window: Callable[[], contextlib.AbstractContextManager[None]]) -> StepReport:
+        """One accumulation window: the schedule over ``batches`` inside the strategy's ``window``.
+
+        Tied embeddings have their gradients summed between the first and last stage before the
+        window closes (so the ZeRO reduction sees the sum).
+        """
+        if len(batches) != self.micro_batches:
+            raise ValueError(f"pipeline: {len(batches)} micro-batches for a schedule of {self.micro_batches} (gradient_accumulation_steps)")
+        with window():
+            losses, timing = self.executor.train(batches, scale)
+            for param in self.tied:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                comm.all_reduce(param.grad, group=self.tie_group, tag="pipeline tied embedding gradient").wait()
+        report = StepReport(self._share_losses(losses, len(batches)), timing, predicted_bubble(self.schedule, timing.costs))
+        self.last_report = report
+        return report
+
+    def evaluate(self, batches: list[Any]) -> list[float]:
+        return self._share_losses(self.executor.evaluate(batches), len(batches))
+
+    def _share_losses(self, losses: list[torch.Tensor], count: int) -> list[float]:
+        """The last stage's per-micro-batch losses, on every pipeline rank (one small broadcast)."""
+        values = torch.zeros(count, dtype=torch.float64)
+        if self.rank == self.last_rank:
+            values.copy_(torch.stack([loss.double() for loss in losses]))
+        comm.broadcast(values, src=self.peers[self.last_rank], group=self.group, tag="pipeline losses").wait()
+        return values.tolist()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, schedule_name: str, micro_batches: int, virtual_stages: int, method: str) -> Pipeline | None:
+    p = mesh.size("pp")
+    if p == 1:
+        return None
+    blocks = find_blocks(model)
+    if blocks is None:
+        raise ValueError(
+            f"pipeline.stages: {type(model).__name__} has no run of repeated blocks (a ModuleList or Sequential of "
+            "identical layers) to cut into stages"
+        )
+    schedule = build(schedule_name, p, micro_batches, virtual_stages)
+    simulate(schedule)  # refuses a schedule that would deadlock, before any rank waits on it
+    layout = schedule.layout
+    prologue, epilogue = cut.outer_modules(model, blocks)
+    numel = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters(recurse=False))  # noqa: E731
+    ranges = cut.partition(blocks, layout.num_stages, method, numel(prologue), numel(epilogue))
+    rank = mesh.rank_of("pp")
+    local = layout.stages_of(rank)
+    owned = {i for s in local for i in ranges[s]}
+    first, last = 0 in local, layout.num_stages - 1 in local
+    ids = lambda names: {id(p) for n in names for p in model.get_submodule(n).parameters()}  # noqa: E731
+    shared = ids(prologue) & ids(epilogue)  # a head tied to the embedding
+    for i, name in enumerate(blocks.names):
+        if i not in owned:
+            cut.set_submodule(model, name, cut.Passthrough())
+    if not first:
+        for name in prologue:
+            module = model.get_submodule(name)
+            absent = cut.absent_for(module, name)
+            if last and ids([name]) & shared:
+                cut.silence(module, absent)
+            else:
+                cut.set_submodule(model, name, absent)
+    if not last:
+        for name in epilogue:
+            cut.set_submodule(model, name, torch.nn.Identity())
+    gate = cut.StageGate({s: ranges[s] for s in local}, layout.num_stages)
+    container = [model.get_submodule(n) for n in blocks.names]
+    handles = gate.hooks(container)
+    tied, tie_group = _tie_ends(model, mesh, layout.rank_of(0), layout.rank_of(layout.num_stages - 1), shared, first)
+    log_rank0(
+        logger, "pipeline: %d stages on %d ranks, schedule %s, %d micro-batches; blocks per stage %s", layout.num_stages, p,
+        schedule.name, micro_batches, [len(r) for r in ranges],
+    )  # fmt: skip
+    return Pipeline(model, mesh, schedule, gate, ranges, tied, tie_group, handles)
+
+
+def _tie_ends(
+    model: torch.nn.Module, mesh: Mesh, first_rank: int, last_rank: int, shared: set[int], first: bool
+) -> tuple[list[torch.nn.Parameter], dist.ProcessGroup | None]:  # fmt: skip
+    """Embedding weights held by both the first and the last stage's ranks: one group per pair, same start values.
+
+    The last stage's copy is a duplicate (saved once, counted once in the norm, ``utils/placement``).
+    """
+    if not shared or first_rank == last_rank:
+        return [], None
+    world, p = dist.get_world_size(), mesh.size("pp")
+    span = world // p
+    mine = None
+    for inner in range(span):  # every rank creates every pair's group, in the same order
+        pair = [first_rank * span + inner, last_rank * span + inner]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    tied = [p for p in model.parameters() if id(p) in shared]
+    if mesh.rank_of("pp") not in (first_rank, last_rank):
+        return [], None
+    for param in tied:
+        comm.broadcast(param.data, src=first_rank * span + dist.get_rank() % span, group=mine, tag="pipeline tied embedding").wait()
+        if not first:
+            place(param, tuple(param.shape), duplicate=True)
+    return tied, mine

@@ -1,0 +1,146 @@
+"""Zero-bubble backward: the input gradient now, the weight gradients later, with no model change.
+
+[Note: splitting autograd's backward] The next stage waits only for the gradient of this stage's
+input; the weight gradients can wait to fill a bubble. Autograd computes only what the requested
+inputs need, so ``autograd.grad(output, [input])`` skips every weight-gradient kernel. The weight
+pass must then start where the weights' branches leave the input's path: at each node on the
+input path that also leads to a weight (a matmul's backward node, say), the gradient flowing
+into it is captured during the input pass (a node pre-hook), and the weight pass runs
+``autograd.grad`` from those nodes (``GradientEdge``) to the weights alone. Where one captured
+node lies below another, its captured gradient replaces what flows into it from above, so no
+contribution is counted twice. torch.distributed.pipelining's ``stage_backward_input/weight``
+work the same way; the stage keeps the graph alive between the two passes.
+
+Weight gradients are added to ``param.grad`` here, by hand, which is how they reach the ZeRO
+strategy: under a pipeline it accumulates locally and reduces once after the schedule.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _node(t: torch.Tensor) -> Node | None:
+    """The node gradients for ``t`` flow into: its grad_fn, or a leaf's AccumulateGrad."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    view = t.view_as(t)
+    assert view.grad_fn is not None
+    return view.grad_fn.next_functions[0][0]
+
+
+@dataclasses.dataclass
+class WeightPass:
+    """What the weight pass needs: the captured nodes, the gradients into them, the weights."""
+
+    nodes: list[Node]
+    grads: list[tuple[torch.Tensor | None, ...] | None]
+    weights: list[torch.Tensor]
+    # weights whose branch never meets the input path (nothing to capture): from the output itself
+    apart: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    output: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def run(self) -> None:
+        """Add each weight's gradient to ``.grad`` and free the graph."""
+        edges, seeds = [], []
+        for node, grads in zip(self.nodes, self.grads):
+            for k, g in enumerate(grads or ()):
+                if g is not None:
+                    edges.append(GradientEdge(node, k))
+                    seeds.append(g)
+        if self.apart and self.output is not None:
+            out, seed = self.output
+            _accumulate(self.apart, torch.autograd.grad([out], self.apart, [seed] if seed is not None else None, retain_graph=bool(edges), allow_unused=True))
+        self.output = None
+        if not edges or not self.weights:
+            return
+        handles = [node.register_prehook(lambda _, saved=grads: saved) for node, grads in zip(self.nodes, self.grads) if grads is not None]
+        try:
+            found = torch.autograd.grad(edges, self.weights, grad_outputs=seeds, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        _accumulate(self.weights, found)
+        self.nodes, self.grads = [], []
+
+
+def _accumulate(weights: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
+    with torch.no_grad():
+        for w, g in zip(weights, grads):
+            if g is None:
+                continue
+            if w.grad is None:
+                w.grad = g
+            else:
+                w.grad.add_(g)
+
+
+def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightPass]:
+    """The input gradients of ``output`` (seeded with ``grad``; a scalar loss needs none) and the weight pass to run later."""
+    root = _node(output)
+    assert root is not None, "pipeline: a stage's output does not require grad"
+    parents: dict[Node, list[Node]] = collections.defaultdict(list)
+    seen, queue = {root}, collections.deque([root])
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is not None:
+                parents[child].append(node)
+                if child not in seen:
+                    seen.add(child)
+                    queue.append(child)
+    # Nodes on a path from the output to an input: the input pass runs exactly these.
+    on_input_path = _upward({n for n in map(_node, inputs) if n is not None}, parents)
+    weight_nodes = [n for n in map(_node, weights) if n is not None and n in seen]
+    used = [w for w in weights if _node(w) in seen]
+    # Where a weight's branch meets the input path: walk up from the weight until the path is reached.
+    meets: set[Node] = set()
+    covered: set[Node] = set()
+    for start in weight_nodes:
+        stack, visited = [start], {start}
+        while stack:
+            node = stack.pop()
+            for parent in parents.get(node, ()):
+                if parent in on_input_path:
+                    meets.add(parent)
+                    covered.add(start)
+                elif parent not in visited:
+                    visited.add(parent)
+                    stack.append(parent)
+    nodes = list(meets)
+    apart = [w for w in used if _node(w) not in covered]
+    used = [w for w in used if _node(w) in covered]
+    captured: list[tuple[torch.Tensor | None, ...] | None] = [None] * len(nodes)
+
+    def capture(k: int) -> Any:
+        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            captured[k] = tuple(grad_outputs)
+
+        return hook
+
+    handles = [node.register_prehook(capture(k)) for k, node in enumerate(nodes)]
+    try:
+        wanted = [t for t in inputs if t.requires_grad]
+        found = torch.autograd.grad([output], wanted, grad_outputs=[grad] if grad is not None else None, retain_graph=True, allow_unused=True) if wanted else ()
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_id = {id(t): g for t, g in zip(wanted, found)}
+    return [by_id.get(id(t)) for t in inputs], WeightPass(nodes, captured, used, apart, (output, grad) if apart else None)
+
+
+def _upward(starts: set[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    reached, queue = set(starts), collections.deque(starts)
+    while queue:
+        for parent in parents.get(queue.popleft(), ()):
+            if parent not in reached:
+                reached.add(parent)
+                queue.append(parent)
+    return reached
