@@ -16,14 +16,24 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 HEADER = 8  # dtype code, number of dimensions, up to six sizes
 
 
-def send(tensor: torch.Tensor, to: int, group: dist.ProcessGroup | None = None, tag: str = "", op: str = "p2p") -> Work:
-    """Asynchronous send to global rank ``to``; keep ``tensor`` unchanged until the work completes."""
-    return _launch(op, tensor, tag, group, lambda: dist.isend(tensor, to, group=group))
+def send(tensor: torch.Tensor, to: int, channel: int, group: dist.ProcessGroup | None = None, tag: str = "", op: str = "p2p") -> Work:
+    """Asynchronous send to global rank ``to``; keep ``tensor`` unchanged until the work completes.
+
+    [Note: channels] Messages between two ranks are matched by ``channel`` (the backend's tag),
+    not by order: a V-shaped schedule sends activations and gradients the same way between the
+    same two ranks, in an order the receiver does not share.
+    """
+    return _launch(op, tensor, tag, group, lambda: dist.isend(tensor, to, group=group, tag=channel))
 
 
-def recv(tensor: torch.Tensor, source: int, group: dist.ProcessGroup | None = None, tag: str = "", op: str = "p2p_recv") -> Work:
-    """Asynchronous receive into ``tensor`` from global rank ``source``."""
-    return _launch(op, tensor, tag, group, lambda: dist.irecv(tensor, source, group=group))
+def recv(tensor: torch.Tensor, source: int, channel: int, group: dist.ProcessGroup | None = None, tag: str = "", op: str = "p2p_recv") -> Work:
+    """Asynchronous receive into ``tensor`` from global rank ``source`` on ``channel``."""
+    return _launch(op, tensor, tag, group, lambda: dist.irecv(tensor, source, group=group, tag=channel))
+
+
+def channel(stage: int, kind: int, micro: int) -> int:
+    """A distinct channel per (receiving stage, kind of message, micro-batch); kinds: 0 shape, 1 activation, 2 gradient."""
+    return (stage * 3 + kind) * 100_000 + micro
 
 
 def header(tensor: torch.Tensor) -> torch.Tensor:

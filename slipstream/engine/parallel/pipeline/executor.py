@@ -96,12 +96,12 @@ class Executor:
                 inputs[key] = self._receive_activation(a).requires_grad_()
             elif a.op is Op.RECV_B:
                 buf = torch.empty_like(outputs[key])
-                p2p.recv(buf, self._peer(a.stage + 1), self.group, tag=f"pipeline gradient {a}").wait()
+                p2p.recv(buf, self._peer(a.stage + 1), p2p.channel(a.stage, 2, a.micro), self.group, tag=f"pipeline gradient {a}").wait()
                 grads[key] = buf
             elif a.op is Op.SEND_F:
                 sends += self._send_activation(a, outputs[key].detach().contiguous())
             elif a.op is Op.SEND_B:
-                sends.append(p2p.send(sent_back.pop(key).contiguous(), self._peer(a.stage - 1), self.group, tag=f"pipeline gradient {a}"))
+                sends.append(p2p.send(sent_back.pop(key).contiguous(), self._peer(a.stage - 1), p2p.channel(a.stage - 1, 2, a.micro), self.group, tag=f"pipeline gradient {a}"))
             else:
                 began = time.perf_counter()
                 self._compute(a, batches, inputs, outputs, grads, sent_back, deferred, losses, scale)
@@ -197,16 +197,16 @@ class Executor:
     def _receive_activation(self, a: Action) -> torch.Tensor:
         source = self._peer(a.stage - 1)
         head = torch.empty(p2p.HEADER, dtype=torch.int64)
-        p2p.recv(head, source, self.group, tag=f"pipeline shape {a}", op="p2p_meta").wait()
+        p2p.recv(head, source, p2p.channel(a.stage, 0, a.micro), self.group, tag=f"pipeline shape {a}", op="p2p_meta").wait()
         buf = p2p.empty_from(head, _device_of(self.model))
-        p2p.recv(buf, source, self.group, tag=f"pipeline activation {a}").wait()
+        p2p.recv(buf, source, p2p.channel(a.stage, 1, a.micro), self.group, tag=f"pipeline activation {a}").wait()
         return buf
 
     def _send_activation(self, a: Action, tensor: torch.Tensor) -> list[Work]:
         to = self._peer(a.stage + 1)
         return [
-            p2p.send(p2p.header(tensor), to, self.group, tag=f"pipeline shape {a}", op="p2p_meta"),
-            p2p.send(tensor, to, self.group, tag=f"pipeline activation {a}"),
+            p2p.send(p2p.header(tensor), to, p2p.channel(a.stage + 1, 0, a.micro), self.group, tag=f"pipeline shape {a}", op="p2p_meta"),
+            p2p.send(tensor, to, p2p.channel(a.stage + 1, 1, a.micro), self.group, tag=f"pipeline activation {a}"),
         ]
 
 
