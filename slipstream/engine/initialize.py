@@ -72,6 +72,8 @@ def initialize(
     experts = _parallelize_experts(model, mesh)  # 4b. expert parallel: this rank's experts, dispatch by all-to-all
     parallelize_tensor(model, cfg, mesh)  # 4c. tensor (+ sequence) parallel over mesh.group("tp")
     sequence = _parallelize_sequence(model, cfg, mesh)  # 4d. Ulysses/ring attention and the engine's input sharding
+    if pipeline is not None:
+        pipeline.settle()  # tied weights and stand-ins found again after tensor parallel swapped modules
     if experts is not None:  # expert parameters sharded over their own group (parallel/expert/parallelize.py)
         model_parameters = experts.split(_as_group_dicts(model_parameters if model_parameters is not None else model.parameters()))
     strategy = _shard(model, cfg, mesh, model_parameters, optimizer, accelerator)  # 5. ZeRO over dp·cp·sp

@@ -195,6 +195,11 @@ def absent_for(module: torch.nn.Module, name: str) -> Absent:
     )
 
 
-def silence(module: torch.nn.Module, absent: Absent) -> None:
-    """Keep ``module`` (its weight is tied to a kept one) but let it compute zeros, like ``absent``."""
-    module.forward = absent.forward  # type: ignore[method-assign]
+def silence(module: torch.nn.Module) -> None:
+    """Keep ``module`` (its weight is tied to a kept one) but let it compute zeros of its output's shape."""
+    weight = module.weight
+
+    def zeros(ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*ids.shape, weight.shape[-1], dtype=weight.dtype, device=ids.device)
+
+    module.forward = zeros  # type: ignore[method-assign]

@@ -25,7 +25,7 @@ from slipstream.engine.parallel.pipeline.executor import Executor, StepTiming, p
 from slipstream.engine.parallel.pipeline.schedules import Schedule, build
 from slipstream.engine.parallel.pipeline.simulate import simulate
 from slipstream.utils.logging import get_logger, log_rank0
-from slipstream.utils.placement import place
+from slipstream.utils.placement import place, placement_of
 
 logger = get_logger(__name__)
 
@@ -40,11 +40,12 @@ class StepReport:
 class Pipeline:
     def __init__(
         self, model: torch.nn.Module, mesh: Mesh, schedule: Schedule, gate: cut.StageGate, ranges: list[range],
-        tied: list[torch.nn.Parameter], tie_group: dist.ProcessGroup | None, handles: list[torch.utils.hooks.RemovableHandle],
+        ties: Ties, handles: list[torch.utils.hooks.RemovableHandle],
     ) -> None:  # fmt: skip
         self.handles = handles
         self.model, self.mesh, self.schedule, self.gate, self.ranges = model, mesh, schedule, gate, ranges
-        self.tied, self.tie_group = tied, tie_group
+        self.ties = ties
+        self.tied: list[torch.nn.Parameter] = []
         self.rank = mesh.rank_of("pp")
         self.group = mesh.group("pp")
         self.peers = mesh.ranks("pp")
@@ -71,7 +72,7 @@ class Pipeline:
             for param in self.tied:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                comm.all_reduce(param.grad, group=self.tie_group, tag="pipeline tied embedding gradient").wait()
+                comm.all_reduce(param.grad, group=self.ties.group, tag="pipeline tied embedding gradient").wait()
         report = StepReport(self._share_losses(losses, len(batches)), timing, predicted_bubble(self.schedule, timing.costs))
         self.last_report = report
         return report
@@ -86,6 +87,21 @@ class Pipeline:
             values.copy_(torch.stack([loss.double() for loss in losses]))
         comm.broadcast(values, src=self.peers[self.last_rank], group=self.group, tag="pipeline losses").wait()
         return values.tolist()
+
+    def settle(self) -> None:
+        """After the other parallelisms replaced modules: find the tied weights again, keep the stand-ins silent.
+
+        Tensor parallel swaps the embedding and head for sharded ones; the names stay, so the tied
+        weight is looked up by name, marked as the last stage's duplicate again (keeping its box)
+        and a silenced embedding is silenced again.
+        """
+        named = dict(self.model.named_parameters())
+        self.tied = [named[n] for n in self.ties.names if n in named]
+        for param in self.tied if self.ties.duplicate else ():
+            placed = placement_of(param)
+            place(param, placed.global_shape if placed else tuple(param.shape), placed.offsets if placed else None, duplicate=True)
+        for name in self.ties.silenced:
+            cut.silence(self.model.get_submodule(name))
 
     def close(self) -> None:
         for handle in self.handles:
@@ -118,50 +134,57 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, schedule_name: str,
     for i, name in enumerate(blocks.names):
         if i not in owned:
             cut.set_submodule(model, name, cut.Passthrough())
+    silenced = []
     if not first:
         for name in prologue:
             module = model.get_submodule(name)
-            absent = cut.absent_for(module, name)
             if last and ids([name]) & shared:
-                cut.silence(module, absent)
+                silenced.append(name)
             else:
-                cut.set_submodule(model, name, absent)
+                cut.set_submodule(model, name, cut.absent_for(module, name))
     if not last:
         for name in epilogue:
             cut.set_submodule(model, name, torch.nn.Identity())
     gate = cut.StageGate({s: ranges[s] for s in local}, layout.num_stages)
     container = [model.get_submodule(n) for n in blocks.names]
     handles = gate.hooks(container)
-    tied, tie_group = _tie_ends(model, mesh, layout.rank_of(0), layout.rank_of(layout.num_stages - 1), shared, first)
+    ties = _tie_ends(model, mesh, layout.rank_of(0), layout.rank_of(layout.num_stages - 1), shared, first)
+    ties.silenced = silenced
     log_rank0(
         logger, "pipeline: %d stages on %d ranks, schedule %s, %d micro-batches; blocks per stage %s", layout.num_stages, p,
         schedule.name, micro_batches, [len(r) for r in ranges],
     )  # fmt: skip
-    return Pipeline(model, mesh, schedule, gate, ranges, tied, tie_group, handles)
+    pipeline = Pipeline(model, mesh, schedule, gate, ranges, ties, handles)
+    pipeline.settle()
+    return pipeline
 
 
-def _tie_ends(
-    model: torch.nn.Module, mesh: Mesh, first_rank: int, last_rank: int, shared: set[int], first: bool
-) -> tuple[list[torch.nn.Parameter], dist.ProcessGroup | None]:  # fmt: skip
-    """Embedding weights held by both the first and the last stage's ranks: one group per pair, same start values.
+@dataclasses.dataclass
+class Ties:
+    """Weights both pipeline ends hold (an embedding tied to the head), by name, and their pair's group."""
 
-    The last stage's copy is a duplicate (saved once, counted once in the norm, ``utils/placement``).
-    """
+    names: list[str] = dataclasses.field(default_factory=list)
+    group: dist.ProcessGroup | None = None
+    duplicate: bool = False  # this rank holds the last stage's copy: saved and counted by the first stage's
+    silenced: list[str] = dataclasses.field(default_factory=list)  # tied embedding modules kept but switched off
+
+
+def _tie_ends(model: torch.nn.Module, mesh: Mesh, first_rank: int, last_rank: int, shared: set[int], first: bool) -> Ties:
+    """One group per (first, last) stage pair, made by every rank in the same order; both copies start from the first's values."""
     if not shared or first_rank == last_rank:
-        return [], None
+        return Ties()
     world, p = dist.get_world_size(), mesh.size("pp")
     span = world // p
     mine = None
-    for inner in range(span):  # every rank creates every pair's group, in the same order
+    for inner in range(span):
         pair = [first_rank * span + inner, last_rank * span + inner]
         group = dist.new_group(pair)
         if dist.get_rank() in pair:
             mine = group
-    tied = [p for p in model.parameters() if id(p) in shared]
     if mesh.rank_of("pp") not in (first_rank, last_rank):
-        return [], None
-    for param in tied:
+        return Ties()
+    names = [n for n, param in model.named_parameters() if id(param) in shared]
+    for name in names:
+        param = model.get_parameter(name)
         comm.broadcast(param.data, src=first_rank * span + dist.get_rank() % span, group=mine, tag="pipeline tied embedding").wait()
-        if not first:
-            place(param, tuple(param.shape), duplicate=True)
-    return tied, mine
+    return Ties(names, mine, duplicate=not first)

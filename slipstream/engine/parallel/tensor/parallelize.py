@@ -113,20 +113,31 @@ def _rewrite_kv_groups(model: torch.nn.Module, plan: list[PlanEntry], part_sizes
 
 
 def _shard_vocab(model: torch.nn.Module, ctx: TPContext) -> list[str]:
-    """Embedding and LM head on the vocabulary (unevenly when it does not divide by t: see ``layers.vocab_rows``)."""
+    """Embedding and LM head on the vocabulary (unevenly when it does not divide by t: see ``layers.vocab_rows``).
+
+    Under a pipeline a stage may hold only one of them (the other is a parameter-free stand-in,
+    ``parallel/pipeline/cut.py``): each is sharded where it is held.
+    """
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
     embedding = get_in() if callable(get_in) else None
     head = get_out() if callable(get_out) else None
+    if head is not None and not isinstance(getattr(head, "weight", None), torch.Tensor):
+        head = None  # a pipeline stage without the head
     done: list[str] = []
-    if not isinstance(embedding, torch.nn.Embedding) or embedding.weight.shape[0] < 2 * ctx.size:
-        return done
-    tied = head is not None and head.weight is embedding.weight
-    emb_name, head_name = _named(model, embedding), _named(model, head) if head is not None else None
-    new_embedding = VocabEmbedding(embedding, ctx)
-    _replace(model, emb_name, new_embedding)
-    done.append(emb_name)
-    if isinstance(head, torch.nn.Linear) and head.bias is None and head.weight.shape[0] == embedding.weight.shape[0]:
-        _replace(model, head_name, VocabHead(head, ctx, weight=new_embedding.weight if tied else None))
+    shard_embedding = isinstance(embedding, torch.nn.Embedding) and embedding.weight.shape[0] >= 2 * ctx.size
+    tied = shard_embedding and head is not None and head.weight is embedding.weight
+    new_embedding = None
+    if shard_embedding:
+        emb_name = _named(model, embedding)
+        new_embedding = VocabEmbedding(embedding, ctx)
+        _replace(model, emb_name, new_embedding)
+        done.append(emb_name)
+    elif embedding is not None and isinstance(getattr(embedding, "weight", None), torch.Tensor):
+        return done  # an embedding too small to shard: its head stays whole too
+    head_name = _named(model, head) if head is not None else None
+    rows = head.weight.shape[0] if isinstance(head, torch.nn.Linear) else 0
+    if isinstance(head, torch.nn.Linear) and head.bias is None and rows >= 2 * ctx.size and (new_embedding is None or rows == new_embedding.num_embeddings):
+        _replace(model, head_name, VocabHead(head, ctx, weight=new_embedding.weight if tied and new_embedding is not None else None))
         done.append(head_name)
     elif tied:
         raise ConfigError(f"tensor_parallel: the LM head {head_name} is tied to the embedding but is not a plain nn.Linear; cannot shard it")
