@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from slipstream.engine.parallel.pipeline.actions import COMPUTE, Action, Op
+from slipstream.engine.parallel.pipeline.actions import Action, Op
 from slipstream.engine.parallel.pipeline.schedules import Schedule
 
 
@@ -131,9 +131,13 @@ def peak_in_flight(schedule: Schedule) -> dict[int, int]:
 
 
 def predicted_bubble(schedule: Schedule, costs: Costs = Costs()) -> float:
-    """The schedule's bubble from its closed form (the papers' tables), for the monitor and the tests.
+    """The schedule's bubble from its closed form (the papers' tables), for the tests.
 
-    F, B (= I + W) and W are one stage's costs (a rank's costs over v).
+    F, B (= I + W) and W are one stage's costs (a rank's costs over v). 1F1B family: (p-1)/(v·m).
+    Zero bubble (ZB-H1 = zb1p, ZB-V): idle time (p-1)(F+B-2W), as in the DualPipe paper's table.
+    DualPipeV: the table's (PP/2-1)(F&B+B-3W) counts F&B as one overlapped pair, which needs two
+    streams on a GPU; executed in turn (F&B = F+B, as here) DualPipeV's action list idles exactly
+    as long as ZB-V's, (p-1)(F+B-2W), which is what this returns for it.
     """
     p, m, v = schedule.layout.ranks, schedule.micro_batches, schedule.layout.stages_per_rank
     f, w = costs.forward / v, costs.backward_weight / v
@@ -142,12 +146,4 @@ def predicted_bubble(schedule: Schedule, costs: Costs = Costs()) -> float:
     name = schedule.name
     if name in ("afab", "1f1b", "interleaved_1f1b"):
         return (p - 1) / (v * m)
-    if name == "zb1p":
-        return (p - 1) * (f + b - 2 * w) / busy
-    if name == "zbv":
-        return (p - 1) * (f + b - 2 * w) / busy
-    return (p - 1) * (f + b - 3 * w) / busy  # dualpipev: DualPipe's (PP/2 - 1)(F&B + B - 3W) with PP = 2p chunks, F&B = F + B
-
-
-def compute_ops() -> tuple[Op, ...]:
-    return COMPUTE
+    return (p - 1) * (f + b - 2 * w) / busy  # zbv, dualpipev (see above)
