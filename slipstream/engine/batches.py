@@ -114,8 +114,8 @@ def train_batch(engine: Engine, data_iter: Iterator[Any] | Iterable[Any] | None)
             loss = loss_of(loss)
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss.item()) if isinstance(loss, DeferredLoss) else float(loss.detach()))
-    return _mean_over_dp(engine, losses)
+        losses.append(loss)  # a pipeline's are known after the window's last backward
+    return _mean_over_dp(engine, [float(loss.item()) if isinstance(loss, DeferredLoss) else float(loss.detach()) for loss in losses])
 
 
 def eval_batch(engine: Engine, data_iter: Iterator[Any] | Iterable[Any] | None) -> torch.Tensor:

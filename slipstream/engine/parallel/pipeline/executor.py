@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream import comm
 from slipstream.comm import p2p
 from slipstream.comm.collectives import Work
 from slipstream.engine.parallel.pipeline.actions import Action, Op, with_communication
@@ -89,6 +90,9 @@ class Executor:
         losses: dict[int, torch.Tensor] = {}
         sends: list[Work] = []
         spent: dict[Op, list[float]] = {op: [] for op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)}
+        # One common start, so each rank's idle time includes its wait for the first activation (the
+        # warm-up bubble); otherwise a rank that arrives late would measure less than it has.
+        comm.barrier(self.group, tag="pipeline step start")
         start = time.perf_counter()
         for a in self.actions:
             key = (a.stage, a.micro)
@@ -108,9 +112,12 @@ class Executor:
                 spent[a.op].append(time.perf_counter() - began)
         for work in sends:
             work.wait()
-        wall = time.perf_counter() - start
+        # The step lasts until the last rank is done (the last stage of 1F1B finishes early and then
+        # idles until the step ends, as in the simulator's makespan).
+        wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        comm.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group, tag="pipeline step time").wait()
         compute = sum(sum(v) for v in spent.values())
-        return [losses[i] for i in sorted(losses)], StepTiming(wall, compute, _mean_costs(spent, self.layout.stages_per_rank))
+        return [losses[i] for i in sorted(losses)], StepTiming(float(wall), compute, _mean_costs(spent, self.layout.stages_per_rank))
 
     def _compute(
         self, a: Action, batches: list[Any], inputs: dict, outputs: dict, grads: dict, sent_back: dict, deferred: dict,

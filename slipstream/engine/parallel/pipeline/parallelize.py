@@ -121,6 +121,9 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, schedule_name: str,
         )
     schedule = build(schedule_name, p, micro_batches, virtual_stages)
     simulate(schedule)  # refuses a schedule that would deadlock, before any rank waits on it
+    with torch.no_grad():  # rank 0's weights win, as without a pipeline: every stage starts from its values
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=mesh.ranks("pp")[0], group=mesh.group("pp"))
     layout = schedule.layout
     prologue, epilogue = cut.outer_modules(model, blocks)
     numel = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters(recurse=False))  # noqa: E731
