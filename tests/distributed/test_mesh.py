@@ -90,10 +90,11 @@ def _unsupported_body(extra: dict) -> str:
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        ({"pipeline": {"stages": 2}}, "pipeline.stages: 2"),
+        ({"pipeline": {"stages": 2}, "sequence_parallel_size": 2}, "pipeline.stages: 2 together with sequence_parallel_size"),
+        ({"pipeline": {"stages": 2}, "context_parallel": {"size": 2}}, "pipeline.stages: 2 together with context_parallel.size"),
     ],
 )
-def test_axes_without_an_implementation_are_refused(extra: dict, key: str) -> None:
+def test_combinations_without_an_implementation_are_refused(extra: dict, key: str) -> None:
     message = run_distributed(4, _unsupported_body, extra)[0]
     assert message.startswith(key) and "not supported yet" in message, message
 
