@@ -33,7 +33,7 @@ class StepTiming:
 
     wall: float
     compute: float
-    costs: Costs
+    costs: dict[int, Costs]  # each stage's mean pass costs (every stage of the pipeline, gathered)
 
     @property
     def bubble(self) -> float:
@@ -89,7 +89,7 @@ class Executor:
         deferred: dict[tuple[int, int], WeightPass | tuple[torch.Tensor, torch.Tensor | None]] = {}
         losses: dict[int, torch.Tensor] = {}
         sends: list[Work] = []
-        spent: dict[Op, list[float]] = {op: [] for op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)}
+        spent: dict[tuple[int, Op], list[float]] = {}
         # One common start, so each rank's idle time includes its wait for the first activation (the
         # warm-up bubble); otherwise a rank that arrives late would measure less than it has.
         comm.barrier(self.group, tag="pipeline step start")
@@ -109,7 +109,7 @@ class Executor:
             else:
                 began = time.perf_counter()
                 self._compute(a, batches, inputs, outputs, grads, sent_back, deferred, losses, scale)
-                spent[a.op].append(time.perf_counter() - began)
+                spent.setdefault((a.stage, a.op), []).append(time.perf_counter() - began)
         for work in sends:
             work.wait()
         # The step lasts until the last rank is done (the last stage of 1F1B finishes early and then
@@ -117,7 +117,7 @@ class Executor:
         wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         comm.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group, tag="pipeline step time").wait()
         compute = sum(sum(v) for v in spent.values())
-        return [losses[i] for i in sorted(losses)], StepTiming(float(wall), compute, _mean_costs(spent, self.layout.stages_per_rank))
+        return [losses[i] for i in sorted(losses)], StepTiming(float(wall), compute, self._stage_costs(spent))
 
     def _compute(
         self, a: Action, batches: list[Any], inputs: dict, outputs: dict, grads: dict, sent_back: dict, deferred: dict,
@@ -198,6 +198,19 @@ class Executor:
             raise RuntimeError(f"pipeline: stage {stage}'s forward ran to the end of the model without reaching its last block")
         return loss_of(output)
 
+    def _stage_costs(self, spent: dict[tuple[int, Op], list[float]]) -> dict[int, Costs]:
+        """Every stage's mean forward / input-gradient / weight-gradient time, shared over the pipeline (one all-reduce)."""
+        table = torch.zeros(self.layout.num_stages, 3, dtype=torch.float64)
+        for stage in self.layout.stages_of(self.rank):
+            mean = {op: sum(t) / len(t) for (s, op), t in spent.items() if s == stage and t}
+            if Op.BACKWARD_INPUT in mean:
+                table[stage] = torch.tensor([mean.get(Op.FORWARD, 0.0), mean[Op.BACKWARD_INPUT], mean.get(Op.BACKWARD_WEIGHT, 0.0)])
+            else:  # a full backward: counted as halves (the simulator adds them back for a B)
+                full = mean.get(Op.BACKWARD, 0.0)
+                table[stage] = torch.tensor([mean.get(Op.FORWARD, 0.0), full / 2, full / 2])
+        comm.all_reduce(table, group=self.group, tag="pipeline stage costs").wait()
+        return {s: Costs(*map(float, table[s])) for s in range(self.layout.num_stages)}
+
     def _peer(self, stage: int) -> int:
         return self.peers[self.layout.rank_of(stage)]
 
@@ -222,18 +235,6 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def _mean_costs(spent: dict[Op, list[float]], stages_per_rank: int) -> Costs:
-    """Per-rank pass costs (a stage's mean × stages per rank), for simulating the step that ran."""
-
-    def mean(op: Op) -> float:
-        return sum(spent[op]) / len(spent[op]) * stages_per_rank if spent[op] else 0.0
-
-    forward = mean(Op.FORWARD)
-    if spent[Op.BACKWARD_INPUT]:
-        return Costs(forward, mean(Op.BACKWARD_INPUT), mean(Op.BACKWARD_WEIGHT))
-    return Costs(forward, mean(Op.BACKWARD) / 2, mean(Op.BACKWARD) / 2)
-
-
-def predicted_bubble(schedule: Schedule, costs: Costs) -> float:
-    """The bubble the schedule has with these costs and free transfers (the monitor's prediction)."""
-    return simulate(schedule, costs).bubble()
+def predicted_bubble(schedule: Schedule, costs: dict[int, Costs], rank: int) -> float:
+    """Rank ``rank``'s bubble in the schedule with these stage costs and free transfers (the monitor's prediction)."""
+    return simulate(schedule, costs).bubble(rank)

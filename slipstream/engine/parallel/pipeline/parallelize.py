@@ -73,7 +73,7 @@ class Pipeline:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
                 comm.all_reduce(param.grad, group=self.ties.group, tag="pipeline tied embedding gradient").wait()
-        report = StepReport(self._share_losses(losses, len(batches)), timing, predicted_bubble(self.schedule, timing.costs))
+        report = StepReport(self._share_losses(losses, len(batches)), timing, predicted_bubble(self.schedule, timing.costs, self.rank))
         self.last_report = report
         return report
 

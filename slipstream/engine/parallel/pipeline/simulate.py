@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping
 
 from slipstream.engine.parallel.pipeline.actions import Action, Op
 from slipstream.engine.parallel.pipeline.schedules import Schedule
@@ -78,7 +79,12 @@ def check(schedule: Schedule) -> None:
                 raise ValueError(f"pipeline schedule {schedule.name}: stage {s} micro-batch {i} is not run exactly once forward and once backward")
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
+def simulate(schedule: Schedule, costs: Costs | Mapping[int, Costs] = Costs()) -> Timeline:
+    """Each rank's actions as early as their dependencies allow.
+
+    ``costs``: one rank's pass costs (each of its v stages costs 1/v of them), or each stage's own
+    pass costs (measured: stages that differ, such as the one holding the LM head, are costed as they are).
+    """
     check(schedule)
     last = schedule.layout.num_stages - 1
     v = schedule.layout.stages_per_rank
@@ -105,7 +111,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> Timeline:
                 if any(t is None for t in ready):
                     break
                 start = max([clock[rank], *ready])  # type: ignore[list-item]
-                clock[rank] = start + costs.of(action.op, v)
+                cost = costs.of(action.op, v) if isinstance(costs, Costs) else costs[action.stage].of(action.op, 1)
+                clock[rank] = start + cost
                 end[action] = clock[rank]
                 spans[rank].append((action, start, clock[rank]))
                 cursor[rank] += 1

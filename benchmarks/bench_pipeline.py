@@ -1,0 +1,209 @@
+"""Pipeline parallel 2 (1F1B and ZB-V) vs data parallel 2 (ZeRO-1) vs DeepSpeed's PipelineModule 1F1B.
+
+    python benchmarks/bench_pipeline.py [--steps 4] [--rounds 3] [--micro-batches 8]
+                                        [--deepspeed-python /work/ds-venv/bin/python]
+
+Model: gpt2-large of BENCHMARKS.md (8 layers, n_embd 512, vocab 8192, seq 128), micro-batch 4,
+fp32, AdamW lr 1e-3, clip 1.0, 2 ranks (gloo, one thread each). Every configuration trains the same
+global batch per step (``--micro-batches`` × 4 sequences):
+
+* ``pp2-1f1b`` / ``pp2-zbv``: slipstream, pipeline.stages 2, the unchanged ``GPT2LMHeadModel``
+  (embedding tied to the head across the two ends), the user's loop;
+* ``dp2-zero1``: slipstream, dp 2, ZeRO-1, half the micro-batches on each rank;
+* ``ds-pipe``: DeepSpeed 0.19.8 ``PipelineModule`` (the model rewritten as a list of layers with a
+  ``TiedLayerSpec`` embedding/head, its only schedule, 1F1B) and ``train_batch``, ZeRO-1.
+
+Printed: median step time, tokens/s, peak RSS per rank, and for slipstream's pipelines the bubble
+each rank measured next to the schedule's prediction for the measured pass costs. Each
+configuration is a fresh 2-rank job; configurations alternate round by round (A B C D A B C D).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+WARMUP = 2
+
+
+def _config(kind: str, m: int) -> dict:
+    base = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}  # fmt: skip
+    if kind == "dp2-zero1":
+        return {**base, "gradient_accumulation_steps": m // 2, "zero_optimization": {"stage": 1}}
+    if kind == "ds-pipe":
+        return {**base, "gradient_accumulation_steps": m, "zero_optimization": {"stage": 1}, "pipeline": {"activation_checkpoint_interval": 0}}
+    schedule = kind.split("-", 1)[1]
+    return {**base, "gradient_accumulation_steps": m, "pipeline": {"stages": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "zbv" else 1}}
+
+
+def _deepspeed_pipe(model, m: int):
+    """GPT-2 as DeepSpeed's PipelineModule wants it: embedding, blocks, final norm, tied head, loss."""
+    import deepspeed
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    class Embed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = model.transformer.wte, model.transformer.wpe
+
+        def forward(self, ids):
+            return self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+
+    class Block(torch.nn.Module):
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.block = model.transformer.h[index]
+
+        def forward(self, hidden):
+            return self.block(hidden)
+
+    class Norm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = model.transformer.ln_f
+
+        def forward(self, hidden):
+            return self.ln(hidden)
+
+    def head(embed, hidden):
+        return hidden @ embed.wte.weight.t()
+
+    def loss_fn(logits, labels):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    layers = [TiedLayerSpec("embed", Embed, tied_weight_attr="wte.weight"),
+              *[LayerSpec(Block, i) for i in range(len(model.transformer.h))], LayerSpec(Norm),
+              TiedLayerSpec("embed", Embed, forward_fn=head, tied_weight_attr="wte.weight")]  # fmt: skip
+    return PipelineModule(layers=layers, num_stages=2, loss_fn=loss_fn, partition_method="parameters"), deepspeed
+
+
+def _worker(rank: int, kind: str, steps: int, m: int, port: int, out: str) -> None:
+    from benchmarks.common import current_rss_mb, peak_rss_mb, setup_rank_env
+
+    setup_rank_env(rank, 2, port)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from benchmarks.common import build_gpt2, random_batches
+
+    model = build_gpt2("gpt2-large")
+    batches = random_batches((WARMUP + steps) * m, seed=1)
+    bubbles: list[tuple[float, float]] = []
+    if kind == "ds-pipe":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        pipe, deepspeed = _deepspeed_pipe(model, m)
+        engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters() if p.requires_grad], config=_config(kind, m))
+
+        def step(k: int) -> None:
+            engine.train_batch(iter([(b, b) for b in batches[k * m : (k + 1) * m]]))
+    else:
+        import slipstream
+
+        engine = slipstream.initialize(model, _config(kind, m))
+        per_rank = m if kind.startswith("pp") else m // 2
+
+        def step(k: int) -> None:
+            window = batches[k * m : (k + 1) * m]
+            mine = window if kind.startswith("pp") else window[rank::2]
+            for b in mine[:per_rank]:
+                loss = engine(input_ids=b, labels=b).loss
+                engine.backward(loss)
+                engine.step()
+            if engine.pipeline is not None:
+                report = engine.pipeline.last_report
+                bubbles.append((report.timing.bubble, report.predicted_bubble))
+
+    times = []
+    for k in range(WARMUP + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step(k)
+        dist.barrier()
+        if k >= WARMUP:
+            times.append(time.perf_counter() - start)
+    Path(f"{out}.{rank}").write_text(json.dumps({"times": times, "peak": peak_rss_mb(), "end": current_rss_mb(), "bubbles": bubbles[WARMUP:]}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(python: str, kind: str, steps: int, m: int) -> list[dict] | str:
+    import os
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "r")
+        command = [python, __file__, "--worker", kind, "--steps", str(steps), "--micro-batches", str(m), "--out", out]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "MALLOC_ARENA_MAX": "2"}
+        done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        found = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2) if Path(f"{out}.{r}").exists()]
+        if done.returncode != 0 or len(found) < 2:
+            lines = [x for x in done.stderr.strip().splitlines() if "Error" in x or "error" in x] or done.stderr.strip().splitlines()[-1:]
+            return lines[-1] if lines else f"exit {done.returncode}"
+        return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--deepspeed-python", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        import torch.multiprocessing as mp
+
+        from benchmarks.common import free_port
+
+        mp.start_processes(_worker, args=(args.worker, args.steps, args.micro_batches, free_port(), args.out), nprocs=2, start_method="spawn")
+        return
+    kinds = ["pp2-1f1b", "pp2-zbv", "dp2-zero1"] + (["ds-pipe"] if args.deepspeed_python else [])
+    python = {k: args.deepspeed_python if k.startswith("ds") else sys.executable for k in kinds}
+    results: dict[str, dict] = {k: {"times": [], "peak": [0.0, 0.0], "bubbles": [[], []], "error": None} for k in kinds}
+    for _ in range(args.rounds):
+        for kind in kinds:
+            data = _run(python[kind], kind, args.steps, args.micro_batches)
+            if isinstance(data, str):
+                results[kind]["error"] = data
+                continue
+            results[kind]["times"] += data[0]["times"]
+            results[kind]["peak"] = [max(a, d["peak"]) for a, d in zip(results[kind]["peak"], data)]
+            for r in range(2):
+                results[kind]["bubbles"][r] += data[r]["bubbles"]
+    m = args.micro_batches
+    tokens = m * 4 * 128
+    print(f"gpt2-large (8 layers, n_embd 512, vocab 8192), seq 128, {m} micro-batches of 4 per step ({tokens} tokens), fp32, "
+          f"2 ranks; {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
+    print(f"{'config':<10} {'median ms':>9} {'tokens/s':>9} {'peak RSS/rank MB':>17} {'bubble measured/predicted r0, r1':>34} {'vs dp2-zero1':>13}")
+    base = statistics.median(results["dp2-zero1"]["times"]) if results["dp2-zero1"]["times"] else None
+    for kind in kinds:
+        r = results[kind]
+        if not r["times"]:
+            print(f"{kind:<10} failed: {r['error']}")
+            continue
+        median = statistics.median(r["times"])
+        bubble = ", ".join(
+            f"{statistics.median(b[0] for b in bs):.3f}/{statistics.median(b[1] for b in bs):.3f}" for bs in r["bubbles"] if bs
+        ) or "-"
+        vs = f"{median / base:.3f}x" if base else ""
+        print(f"{kind:<10} {median * 1e3:9.1f} {tokens / median:9.0f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {bubble:>34} {vs:>13}")
+    if "ds-pipe" in results and results["ds-pipe"]["times"] and results["pp2-1f1b"]["times"]:
+        ratio = statistics.median(results["pp2-1f1b"]["times"]) / statistics.median(results["ds-pipe"]["times"])
+        print(f"pp2-1f1b vs DeepSpeed PipelineModule 1F1B (same tokens per step): {ratio:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
