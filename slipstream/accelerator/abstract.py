@@ -28,6 +28,10 @@ class Accelerator(abc.ABC):
     @abc.abstractmethod
     def synchronize(self) -> None: ...
 
+    def device_name(self) -> str:
+        """The device's marketing name (for the monitor's peak-FLOPs table); empty where unknown."""
+        return ""
+
     # Streams and events. On CPU, work runs in order and communication on the backend's threads,
     # so these are cheap stand-ins with the same call shape.
     @abc.abstractmethod

@@ -1,4 +1,4 @@
-"""CUDA: real streams and events; communication gets its own stream and is ordered by events."""
+"""CUDA: real streams and events, handed to the communication context (comm/context.py), the only code that makes them."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ class CUDAAccelerator(Accelerator):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name()
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream()

@@ -68,7 +68,8 @@ def test_cpu_checkpointing_keeps_saved_inputs_off_the_device() -> None:
     assert offloaded["retained"] == on_device["retained"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="offload to host memory needs an accelerator")
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: offload to host memory needs an accelerator")
 def test_cpu_checkpointing_lowers_device_memory_on_cuda() -> None:
     def retained(cpu: bool) -> int:
         model = tiny_gpt2(n_layer=LAYERS).cuda()

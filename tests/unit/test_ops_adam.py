@@ -305,7 +305,8 @@ def test_bf16_params_take_the_float32_state_path(op):
     torch.testing.assert_close(p.detach().float(), ref.detach().bfloat16().float(), rtol=2**-8, atol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_fused_adam_on_cuda_matches_the_cpu_kernel_and_the_engine_picks_it(op):
     from slipstream.engine.config import OptimizerConfig
     from slipstream.engine.optimizers import build_optimizer

@@ -277,9 +277,9 @@ def _token_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
 
 
 def _known_peak(accelerator: Any, precision: str) -> float | None:
-    if accelerator.name != "cuda":
+    name = accelerator.device_name()
+    if accelerator.name != "cuda" or not name:
         return None
-    name = torch.cuda.get_device_name()
     return next((peaks[precision] for key, peaks in _PEAKS.items() if key in name), None)
 
 

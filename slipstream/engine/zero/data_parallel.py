@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream.comm.context import CommContext
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
 from slipstream.engine.zero.params import (
     TrainableParams,
@@ -49,6 +50,7 @@ class DataParallelStrategy(ShardingStrategy):
         self.names, self.trainable, self.index = params.names, params.trainable, params.index
         self.low_precision = any(p.dtype != torch.float32 for p in self.trainable)
         self.group_of = group_of = {id(p): g.sharding_group(self.group) for g in groups for p in g.params}
+        self.comm_context = CommContext()  # streams and events of every collective below (comm/context.py)
         self.reducer = BucketedAllReduce(
             self.trainable,
             torch.float32,
@@ -59,6 +61,7 @@ class DataParallelStrategy(ShardingStrategy):
             prescale=options.prescale_gradients,
             average=options.average,
             groups=[group_of.get(id(p), self.group) for p in self.trainable],
+            context=self.comm_context,
         )
         logger.debug("stage 0: %d gradient buckets", len(self.reducer.buckets))
         if self.low_precision:

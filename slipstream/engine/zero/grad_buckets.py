@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.comm.context import CommContext, Pending
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
 
 
@@ -36,7 +37,7 @@ class Bucket:
     end: int
     members: list[int]  # parameter indices
     group: dist.ProcessGroup | None = None  # averaged over this group (its parameter group's sharding group)
-    work: comm.Work | None = None
+    work: comm.Work | Pending | None = None
     staging: torch.Tensor | None = None  # low-precision copy when communicating in another dtype
 
 
@@ -59,8 +60,10 @@ class BucketedAllReduce:
         prescale: bool = False,
         average: bool = True,
         groups: list[dist.ProcessGroup | None] | None = None,
+        context: CommContext | None = None,
     ) -> None:
         self.group = group
+        self.context = context if context is not None else CommContext()  # the strategy's: all-reduces on their stream
         self.communication_dtype = communication_dtype if communication_dtype not in (None, dtype) else None
         self.scales = lambda g: reduction_scales(dist.get_world_size(g), predivide_factor, prescale, average)
         groups = groups if groups is not None else [group] * len(params)
@@ -102,7 +105,8 @@ class BucketedAllReduce:
         if self.communication_dtype is not None:
             bucket.staging = flat.to(self.communication_dtype)
             flat = bucket.staging
-        bucket.work = comm.all_reduce(flat, group=bucket.group, tag=f"gradient bucket {bucket.index}")
+        tag = f"gradient bucket {bucket.index}"
+        bucket.work = self.context.issue("all_reduce", lambda: comm.all_reduce(flat, group=bucket.group, tag=tag), tag)
 
     def finish(self) -> None:
         """Launch what is left (in order) and wait for everything.

@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from slipstream import comm
+from slipstream.comm.context import Pending
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.params import adopt_grad
@@ -23,7 +24,7 @@ from slipstream.engine.zero.params import adopt_grad
 
 @dataclasses.dataclass
 class InFlight:
-    work: comm.Work
+    work: comm.Work | Pending
     send: torch.Tensor  # keeps the input alive until the collective completes
     receive: torch.Tensor  # where the reduced chunk lands
     pooled: torch.Tensor | None = None  # the pool buffer behind ``send``, returned once the work is done

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.comm.context import CommContext
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.grad_storage import GradientStorage, InFlight
 from slipstream.engine.zero.layout import FlatLayout
@@ -29,9 +30,11 @@ class GroupPartition:
     def __init__(
         self, group: dist.ProcessGroup | None, trainable: list[torch.nn.Parameter], members: list[list[int]],
         options: ShardingOptions, storage: StorageFactory, base: int, dtype: torch.dtype, device: torch.device,
+        context: CommContext | None = None,
     ) -> None:  # fmt: skip
-        """``members``: indices into ``trainable`` per optimizer group sharded over ``group``."""
+        """``members``: indices into ``trainable`` per optimizer group sharded over ``group``; ``context``: the strategy's."""
         self.group, self.options, self.base = group, options, base
+        self.context = context if context is not None else CommContext()
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.layout = FlatLayout([p.numel() for p in trainable], members, options.reduce_bucket_numel, self.world, self.rank)
         self.indices = sorted({i for ms in members for i in ms})
@@ -75,7 +78,8 @@ class GroupPartition:
             receive = torch.empty(bucket.chunk, dtype=send.dtype, device=send.device)
         else:
             receive = self.grads.chunk(bucket)  # straight into place (stage 1: in place in the input)
-        work = comm.reduce_scatter_tensor(receive, send, group=self.group, tag=f"gradient bucket {index}")
+        tag = f"gradient bucket {index}"
+        work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, send, group=self.group, tag=tag), tag)
         self.inflight[index] = InFlight(work, send, receive, pooled)
 
     def finish(self) -> None:
@@ -107,8 +111,10 @@ class GroupPartition:
         works = []
         for bucket in self.layout.buckets:
             mine = self.layout.own_chunk(flat, bucket)  # in place: comm handles the aliasing
-            works.append(comm.all_gather_into_tensor(self.layout.bucket_view(flat, bucket), mine, group=self.group,
-                                                     tag=f"{what}, bucket {bucket.index}"))  # fmt: skip
+            whole, tag = self.layout.bucket_view(flat, bucket), f"{what}, bucket {bucket.index}"
+            works.append(self.context.issue(
+                "all_gather", lambda whole=whole, mine=mine, tag=tag: comm.all_gather_into_tensor(whole, mine, group=self.group, tag=tag), tag
+            ))  # fmt: skip
         for work in works:
             work.wait()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from slipstream.comm.context import CommContext
 from slipstream.engine.zero.grad_storage import FullGradients, ShardedGradients
 from slipstream.engine.zero.group_partition import GroupPartition, StorageFactory
 from slipstream.engine.zero.layout import FlatLayout
@@ -63,10 +64,11 @@ class PartitionedStrategy(MastersStrategy):
         device = self.trainable[0].device if self.trainable else torch.device("cpu")
         storage = _storage(stage, self.trainable, self.dtype, device, options.overlap_comm)
         self.parts: list[GroupPartition] = []
+        self.comm_context = CommContext()  # streams and events of every collective below (comm/context.py)
         for share in split_by_group(groups, options.group):
             members = [[self.index[id(p)] for p in g.params if id(p) in self.index] for g in share.specs]
             base = sum(part.numel for part in self.parts)
-            self.parts.append(GroupPartition(share.group, self.trainable, members, options, storage, base, self.dtype, device))
+            self.parts.append(GroupPartition(share.group, self.trainable, members, options, storage, base, self.dtype, device, self.comm_context))
         self.part_of = {i: part for part in self.parts for i in part.indices}
         params_chunks = join([part.params() for part in self.parts])
         nvme = options.offload is not None and options.offload.optimizer == "nvme"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.comm import p2p
 from slipstream.comm.collectives import Work
+from slipstream.comm.context import CommContext, Pending
 from slipstream.engine.parallel.pipeline.actions import Action, Op, with_communication
 from slipstream.engine.parallel.pipeline.cut import StageGate, StageOutput
 from slipstream.engine.parallel.pipeline.schedules import Schedule
@@ -75,6 +76,7 @@ class Executor:
         self.rank, self.peers, self.group, self.weights = pp_rank, peers, group, weights
         self.actions = with_communication([list(a) for a in schedule.compute], self.layout)[pp_rank]
         self.last = self.layout.num_stages - 1
+        self.context = CommContext()  # transfers on their own stream, ordered by events (comm/context.py)
 
     # ------------------------------------------------------------------ training step
     def train(self, batches: list[Any], scale: float) -> tuple[list[torch.Tensor], StepTiming]:
@@ -88,7 +90,7 @@ class Executor:
         sent_back: dict[tuple[int, int], torch.Tensor] = {}
         deferred: dict[tuple[int, int], WeightPass | tuple[torch.Tensor, torch.Tensor | None]] = {}
         losses: dict[int, torch.Tensor] = {}
-        sends: list[Work] = []
+        sends: list[Pending] = []
         spent: dict[tuple[int, Op], list[float]] = {}
         # One common start, so each rank's idle time includes its wait for the first activation (the
         # warm-up bubble); otherwise a rank that arrives late would measure less than it has.
@@ -100,12 +102,13 @@ class Executor:
                 inputs[key] = self._receive_activation(a).requires_grad_()
             elif a.op is Op.RECV_B:
                 buf = torch.empty_like(outputs[key])
-                p2p.recv(buf, self._peer(a.stage + 1), p2p.channel(a.stage, 2, a.micro), self.group, tag=f"pipeline gradient {a}").wait()
+                self._p2p(lambda: p2p.recv(buf, self._peer(a.stage + 1), p2p.channel(a.stage, 2, a.micro), self.group, tag=f"pipeline gradient {a}")).wait()
                 grads[key] = buf
             elif a.op is Op.SEND_F:
                 sends += self._send_activation(a, outputs[key].detach().contiguous())
             elif a.op is Op.SEND_B:
-                sends.append(p2p.send(sent_back.pop(key).contiguous(), self._peer(a.stage - 1), p2p.channel(a.stage - 1, 2, a.micro), self.group, tag=f"pipeline gradient {a}"))
+                grad = sent_back.pop(key).contiguous()
+                sends.append(self._p2p(lambda: p2p.send(grad, self._peer(a.stage - 1), p2p.channel(a.stage - 1, 2, a.micro), self.group, tag=f"pipeline gradient {a}")))
             else:
                 began = time.perf_counter()
                 self._compute(a, batches, inputs, outputs, grads, sent_back, deferred, losses, scale)
@@ -165,7 +168,7 @@ class Executor:
     def evaluate(self, batches: list[Any]) -> list[torch.Tensor]:
         """Every micro-batch forward through this rank's stages in order, without gradients."""
         losses: list[torch.Tensor] = []
-        sends: list[Work] = []
+        sends: list[Pending] = []
         with torch.no_grad():
             for i, batch in enumerate(batches):
                 handed: torch.Tensor | None = None
@@ -211,22 +214,26 @@ class Executor:
         comm.all_reduce(table, group=self.group, tag="pipeline stage costs").wait()
         return {s: Costs(*map(float, table[s])) for s in range(self.layout.num_stages)}
 
+    def _p2p(self, transfer: Callable[[], Work]) -> Pending:
+        """A send or receive on the context's P2P stream (ordered after the compute that wrote its tensor)."""
+        return self.context.issue("p2p", transfer, "pipeline transfer")
+
     def _peer(self, stage: int) -> int:
         return self.peers[self.layout.rank_of(stage)]
 
     def _receive_activation(self, a: Action) -> torch.Tensor:
         source = self._peer(a.stage - 1)
         head = torch.empty(p2p.HEADER, dtype=torch.int64)
-        p2p.recv(head, source, p2p.channel(a.stage, 0, a.micro), self.group, tag=f"pipeline shape {a}", op="p2p_meta").wait()
+        self._p2p(lambda: p2p.recv(head, source, p2p.channel(a.stage, 0, a.micro), self.group, tag=f"pipeline shape {a}", op="p2p_meta")).wait()
         buf = p2p.empty_from(head, _device_of(self.model))
-        p2p.recv(buf, source, p2p.channel(a.stage, 1, a.micro), self.group, tag=f"pipeline activation {a}").wait()
+        self._p2p(lambda: p2p.recv(buf, source, p2p.channel(a.stage, 1, a.micro), self.group, tag=f"pipeline activation {a}")).wait()
         return buf
 
-    def _send_activation(self, a: Action, tensor: torch.Tensor) -> list[Work]:
-        to = self._peer(a.stage + 1)
+    def _send_activation(self, a: Action, tensor: torch.Tensor) -> list[Pending]:
+        to, head = self._peer(a.stage + 1), p2p.header(tensor)
         return [
-            p2p.send(p2p.header(tensor), to, p2p.channel(a.stage + 1, 0, a.micro), self.group, tag=f"pipeline shape {a}", op="p2p_meta"),
-            p2p.send(tensor, to, p2p.channel(a.stage + 1, 1, a.micro), self.group, tag=f"pipeline activation {a}"),
+            self._p2p(lambda: p2p.send(head, to, p2p.channel(a.stage + 1, 0, a.micro), self.group, tag=f"pipeline shape {a}", op="p2p_meta")),
+            self._p2p(lambda: p2p.send(tensor, to, p2p.channel(a.stage + 1, 1, a.micro), self.group, tag=f"pipeline activation {a}")),
         ]
 
 

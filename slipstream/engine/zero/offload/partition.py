@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from slipstream.comm.context import CommContext, Pending
 from slipstream.accelerator import get_accelerator
 from slipstream.engine.zero.offload.adam import (
     OffloadAdam,
@@ -77,10 +78,10 @@ class PartitionOffload:
             placeholders[s.group].append(view)
         self._device_grads = spec.grads
         self.grads: Chunks | None = None
-        self.copy_stream = self.copy_done = None
+        self.context = CommContext(self.accelerator)  # the gradient copy's stream and events (comm/context.py)
+        self.copy: Pending | None = None
         if on_cuda:  # gradients cross to CPU memory once per step, into one pinned buffer, on their own stream
             self.grads = Chunks.flat(self.accelerator.pinned_empty(numel, dtype) if self.pin else torch.empty(numel, dtype=dtype))
-            self.copy_stream, self.copy_done = self.accelerator.new_stream(), self.accelerator.new_event()
         if params is not None and params.device.type == "cpu":
             sink = ParamSink(dtype, direct=params, aliases_master=alias)
         elif params is not None:
@@ -129,20 +130,18 @@ class PartitionOffload:
 
     def gradients_ready(self, used: torch.Tensor) -> None:
         """The strategy's reduced gradients are final: bring them to CPU memory (CUDA) and arm the step."""
-        if self.copy_stream is not None:
+        if self.grads is not None:
             # The copy runs while the device computes the gradient norm; step() waits for it.
-            assert self.grads is not None
-            self.copy_stream.wait_stream(self.accelerator.current_stream())
-            with self.accelerator.stream(self.copy_stream):
-                copy_out(self._device_grads(), self.grads.tensors[0], 0)
-                self.copy_done.record(self.copy_stream)
+            host, device_grads = self.grads.tensors[0], self._device_grads()
+            self.copy = self.context.issue("copy", lambda: copy_out(device_grads, host, 0), "offloaded gradients to host")
         if isinstance(self.store, NVMeStateStore):
             self.store.prefetch_first()  # the first read overlaps with the norm and the clipping
         self.optimizer.prepare(self.grads or self._device_grads(), [bool(u) for u in used.tolist()])
 
     def _wait_for_gradients(self) -> None:
-        if self.copy_done is not None:
-            self.copy_done.synchronize()
+        if self.copy is not None:
+            self.context.wait_host(self.copy)
+            self.copy = None
 
     def zero_grad(self) -> None:
         self.optimizer.grad_scale = 1.0

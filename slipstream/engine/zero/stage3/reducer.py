@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from slipstream import comm
+from slipstream.comm.context import CommContext, Pending
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
@@ -32,7 +33,7 @@ POOL_NUMEL = 64 * 2**20  # elements of reduce-scatter send buffers kept between 
 @dataclasses.dataclass
 class _Reduction:
     unit: ParamUnit
-    work: comm.Work
+    work: Pending
     send: torch.Tensor  # in the model's dtype: returns to the pool
     receive: torch.Tensor
     into: str  # "chunk": landed in place; "copy" or "add": move ``receive`` into the gradient chunk
@@ -54,6 +55,7 @@ class UnitReducer:
         self.pool: dict[int, list[torch.Tensor]] = {}  # numel -> reusable send buffers
         self.attached: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, int] | None]]] = {}
         self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
+        self.context = CommContext()  # the strategy's (set by it): reduce-scatters on their own stream
 
     def grads(self) -> Chunks:
         """The gradient chunks in partition coordinates."""
@@ -122,7 +124,8 @@ class UnitReducer:
         else:
             receive = torch.empty(chunk.numel(), dtype=wire.dtype, device=chunk.device)
         self.has_grad.add(unit.index)
-        work = comm.reduce_scatter_tensor(receive, wire, group=unit.lanes.reduce, tag=f"ZeRO-3 gradients of unit {unit.index} ({unit.spec.name})")
+        tag = f"ZeRO-3 gradients of unit {unit.index} ({unit.spec.name})"
+        work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=unit.lanes.reduce, tag=tag), tag)
         self.reductions.append(_Reduction(unit, work, send, receive, into))
         # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one).
         while len(self.reductions) > 1 and sum(r.send.numel() for r in self.reductions) > self.options.reduce_bucket_numel:
@@ -139,10 +142,13 @@ class UnitReducer:
             chunk.add_(reduction.receive)
         elif reduction.into == "copy":
             chunk.copy_(reduction.receive)
-        pooled = self.pool.setdefault(reduction.send.numel(), [])
+        self.context.recycle(reduction.work, lambda: self._pool(reduction.send))  # only after the collective read it
+
+    def _pool(self, send: torch.Tensor) -> None:
+        pooled = self.pool.setdefault(send.numel(), [])
         held = sum(t.numel() for pool in self.pool.values() for t in pool)
-        if len(pooled) < 2 and held + reduction.send.numel() <= POOL_NUMEL:
-            pooled.append(reduction.send)
+        if len(pooled) < 2 and held + send.numel() <= POOL_NUMEL:
+            pooled.append(send)
 
     def end_backward(self, units: list[ParamUnit]) -> None:
         """Every unit of the pass reduced exactly once on every rank (in order), all reductions complete."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.comm.context import CommContext
 from slipstream.accelerator import get_accelerator
 from slipstream.engine.zero.layout import FlatLayout
 from slipstream.engine.zero.masters import build_masters
@@ -68,6 +69,9 @@ class Stage3Strategy(MastersStrategy):
         group_of = {id(p): g.sharding_group(options.group) for g in groups for p in g.params}
         sharded = shard_units(split_units(specs, lambda p: group_of.get(id(p), options.group)), self.dtype, device, preshard)
         self.units, self.groups, self.managed = sharded.units, sharded.groups, sharded.managed
+        self.comm_context = CommContext()  # streams and events of every collective below (comm/context.py)
+        for unit in self.units:
+            unit.context = self.comm_context
         offload = options.offload
         nvme = offload is not None and "nvme" in (offload.optimizer, offload.param)
         job_id = shared_job_id(options.group) if nvme else ""
@@ -94,6 +98,7 @@ class Stage3Strategy(MastersStrategy):
             self.units, reduce_order, options, self.dtype, device, self.used, self.index,
             lambda u: self.masters.gradient_buffer(f"grad_{u.index:05d}", u.chunk),
         )  # fmt: skip
+        self.reducer.context = self.comm_context
         self.schedule = GatherSchedule(self.blocks, self.units, stage3.prefetch_numel, stage3.max_live_numel, self.reducer.unit_done)
         self.unit_hooks = UnitHooks(self.roots, self.blocks, self.schedule, self.reducer, self)
         self.hooks = self.unit_hooks.register(module)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.comm.context import CommContext, Pending
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.storage import alias
 from slipstream.engine.zero.stage3.units import UnitSpec
@@ -115,7 +116,8 @@ class ParamUnit:
         self.flat = alias(self.full.untyped_storage(), 0, (bucket.numel,), shard.dtype)  # what collectives write through
         self.state = UnitState.LIVE
         self.training_state = TrainingState.IDLE
-        self.work: comm.Work | None = None
+        self.work: Pending | None = None
+        self.context: CommContext = CommContext()  # the strategy's, set when it adopts the unit
         self.fetch: Callable[[], torch.Tensor] | None = None  # offloaded shard: brings it to the device
         self.staged: torch.Tensor | None = None  # what the all-gather reads, alive until it completes
         self.depth = 0  # active forward calls
@@ -154,8 +156,10 @@ class ParamUnit:
         self.full.untyped_storage().resize_(self.nbytes)
         self._mark(released=False)
         self.staged = self.shard if self.fetch is None else self.fetch()
-        self.work = comm.all_gather_into_tensor(
-            self.flat, self.staged, group=self.lanes.gather, tag=f"ZeRO-3 unit {self.index} ({self.spec.name})"
+        tag = f"ZeRO-3 unit {self.index} ({self.spec.name})"
+        staged = self.staged
+        self.work = self.context.issue(
+            "all_gather", lambda: comm.all_gather_into_tensor(self.flat, staged, group=self.lanes.gather, tag=tag), tag
         )
         self.state = UnitState.GATHERING
 
@@ -177,7 +181,7 @@ class ParamUnit:
         if self.kind == "persistent" or self.state is UnitState.FREE:
             return
         self.wait()
-        self.full.untyped_storage().resize_(0)
+        self.context.free(lambda: self.full.untyped_storage().resize_(0), tag=f"ZeRO-3 unit {self.index}")
         self._mark(released=True)
         self.state = UnitState.FREE
 
