@@ -8,7 +8,8 @@ fp32, AdamW lr 1e-3, clip 1.0, 2 ranks (gloo, one thread each). Every configurat
 global batch per step (``--micro-batches`` × 4 sequences):
 
 * ``pp2-1f1b`` / ``pp2-zbv``: slipstream, pipeline.stages 2, the unchanged ``GPT2LMHeadModel``
-  (embedding tied to the head across the two ends), the user's loop;
+  (embedding tied to the head across the two ends), the user's loop, stages balanced by
+  parameter count (DeepSpeed's default); ``-profile``: balanced by measured block times;
 * ``dp2-zero1``: slipstream, dp 2, ZeRO-1, half the micro-batches on each rank;
 * ``ds-pipe``: DeepSpeed 0.19.8 ``PipelineModule`` (the model rewritten as a list of layers with a
   ``TiedLayerSpec`` embedding/head, its only schedule, 1F1B) and ``train_batch``, ZeRO-1.
@@ -41,8 +42,9 @@ def _config(kind: str, m: int) -> dict:
         return {**base, "gradient_accumulation_steps": m // 2, "zero_optimization": {"stage": 1}}
     if kind == "ds-pipe":
         return {**base, "gradient_accumulation_steps": m, "zero_optimization": {"stage": 1}, "pipeline": {"activation_checkpoint_interval": 0}}
-    schedule = kind.split("-", 1)[1]
-    return {**base, "gradient_accumulation_steps": m, "pipeline": {"stages": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "zbv" else 1}}
+    schedule, _, partition = kind.split("-", 1)[1].partition("-")
+    pipeline = {"stages": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "zbv" else 1, "partition": partition or "parameters"}
+    return {**base, "gradient_accumulation_steps": m, "pipeline": pipeline}
 
 
 def _deepspeed_pipe(model, m: int):
@@ -170,7 +172,7 @@ def main() -> None:
 
         mp.start_processes(_worker, args=(args.worker, args.steps, args.micro_batches, free_port(), args.out), nprocs=2, start_method="spawn")
         return
-    kinds = ["pp2-1f1b", "pp2-zbv", "dp2-zero1"] + (["ds-pipe"] if args.deepspeed_python else [])
+    kinds = ["pp2-1f1b", "pp2-1f1b-profile", "pp2-zbv", "pp2-zbv-profile", "dp2-zero1"] + (["ds-pipe"] if args.deepspeed_python else [])
     python = {k: args.deepspeed_python if k.startswith("ds") else sys.executable for k in kinds}
     results: dict[str, dict] = {k: {"times": [], "peak": [0.0, 0.0], "bubbles": [[], []], "error": None} for k in kinds}
     for _ in range(args.rounds):
@@ -187,19 +189,19 @@ def main() -> None:
     tokens = m * 4 * 128
     print(f"gpt2-large (8 layers, n_embd 512, vocab 8192), seq 128, {m} micro-batches of 4 per step ({tokens} tokens), fp32, "
           f"2 ranks; {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
-    print(f"{'config':<10} {'median ms':>9} {'tokens/s':>9} {'peak RSS/rank MB':>17} {'bubble measured/predicted r0, r1':>34} {'vs dp2-zero1':>13}")
+    print(f"{'config':<17} {'median ms':>9} {'tokens/s':>9} {'peak RSS/rank MB':>17} {'bubble measured/predicted r0, r1':>34} {'vs dp2-zero1':>13}")
     base = statistics.median(results["dp2-zero1"]["times"]) if results["dp2-zero1"]["times"] else None
     for kind in kinds:
         r = results[kind]
         if not r["times"]:
-            print(f"{kind:<10} failed: {r['error']}")
+            print(f"{kind:<17} failed: {r['error']}")
             continue
         median = statistics.median(r["times"])
         bubble = ", ".join(
             f"{statistics.median(b[0] for b in bs):.3f}/{statistics.median(b[1] for b in bs):.3f}" for bs in r["bubbles"] if bs
         ) or "-"
         vs = f"{median / base:.3f}x" if base else ""
-        print(f"{kind:<10} {median * 1e3:9.1f} {tokens / median:9.0f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {bubble:>34} {vs:>13}")
+        print(f"{kind:<17} {median * 1e3:9.1f} {tokens / median:9.0f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {bubble:>34} {vs:>13}")
     if "ds-pipe" in results and results["ds-pipe"]["times"] and results["pp2-1f1b"]["times"]:
         ratio = statistics.median(results["pp2-1f1b"]["times"]) / statistics.median(results["ds-pipe"]["times"])
         print(f"pp2-1f1b vs DeepSpeed PipelineModule 1F1B (same tokens per step): {ratio:.3f}x")

@@ -183,8 +183,6 @@ def _check_pipeline(cfg: SlipstreamConfig, sizes: MeshSizes) -> None:
     if others:
         raise ConfigError(f"pipeline.stages: {p} together with {', '.join(others)} is not supported yet in this version of slipstream")
     pipe = cfg.pipeline
-    if pipe.partition == "profile":
-        raise ConfigError('pipeline.partition: "profile" is not available in this version of slipstream; use "parameters", "uniform" or "type:<regex>"')
     try:
         pipeline_schedules.check(pipe.schedule, p, cfg.gradient_accumulation_steps, pipe.virtual_stages)
     except ValueError as err:
@@ -194,7 +192,10 @@ def _check_pipeline(cfg: SlipstreamConfig, sizes: MeshSizes) -> None:
 def _parallelize_pipeline(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: Mesh) -> Any:
     pipe = cfg.pipeline
     try:
-        return parallelize_pipeline(model, mesh, pipe.schedule, cfg.gradient_accumulation_steps, pipe.virtual_stages, pipe.partition)
+        return parallelize_pipeline(
+            model, mesh, pipe.schedule, cfg.gradient_accumulation_steps, pipe.virtual_stages, pipe.partition,
+            cfg.train_micro_batch_size_per_gpu,
+        )  # fmt: skip
     except ValueError as err:
         if str(err).startswith("pipeline."):
             raise ConfigError(str(err)) from None

@@ -57,9 +57,10 @@ def _batches(rows: int, steps: int = STEPS, seed: int = 5) -> list[torch.Tensor]
     return [torch.randint(0, VOCAB, (rows, SEQ), generator=g) for _ in range(steps)]
 
 
-def _config(pp: int, schedule: str, m: int, v: int = 1, stage: int = 0, **extra: Any) -> dict[str, Any]:
+def _config(pp: int, schedule: str, m: int, v: int = 1, stage: int = 0, pipeline_partition: str = "parameters", **extra: Any) -> dict[str, Any]:
     return {
-        "pipeline": {"stages": pp, "schedule": schedule, "virtual_stages": v}, "train_micro_batch_size_per_gpu": B,
+        "pipeline": {"stages": pp, "schedule": schedule, "virtual_stages": v, "partition": pipeline_partition},
+        "train_micro_batch_size_per_gpu": B,
         "gradient_accumulation_steps": m, "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, **extra,
     }  # fmt: skip
@@ -86,6 +87,8 @@ def _train(engine: Any, batches: list[torch.Tensor]) -> list[float]:
 
 def _run_case(model: str, pp: int, schedule: str, m: int, v: int = 1, stage: int = 0, **extra: Any) -> dict[str, Any]:
     engine = slipstream.initialize(BUILD[model](), _config(pp, schedule, m, v, stage, **extra))
+    ranges = engine.pipeline.ranges
+    assert ranges[0].start == 0 and all(a.stop == b.start for a, b in zip(ranges, ranges[1:])) and all(len(r) for r in ranges)
     dp = engine.mesh.size("dp")
     losses = _train(engine, _batches(m * B * dp))
     records = comms_log.last  # the last step's traffic
@@ -115,6 +118,7 @@ WORLD2 = [
     ("llama-interleaved", {"model": "llama", "pp": 2, "schedule": "interleaved_1f1b", "m": 4, "v": 2}),
     ("llama-zb1p-v2", {"model": "llama", "pp": 2, "schedule": "zb1p", "m": 4, "v": 2}),
     ("llama-zbv", {"model": "llama", "pp": 2, "schedule": "zbv", "m": 4, "v": 2}),
+    ("gpt2-profile", {"model": "gpt2", "pp": 2, "schedule": "1f1b", "m": 4, "pipeline_partition": "profile"}),
     ("llama-dualpipev", {"model": "llama", "pp": 2, "schedule": "dualpipev", "m": 4, "v": 2}),
     ("llama-1f1b-ac", {"model": "llama", "pp": 2, "schedule": "1f1b", "m": 4,
                        "activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]}}),
@@ -316,7 +320,7 @@ def _mistakes_body() -> list[str]:
         (_llama(), _config(2, "1f1b", 1)),
         (_llama(), _config(2, "dualpipev", 3, v=2)),
         (_llama(layers=2), _config(2, "zbv", 4, v=2)),  # 4 stages, 2 blocks
-        (_llama(), {**_config(2, "1f1b", 4), "pipeline": {"stages": 2, "partition": "profile"}}),
+        (torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]), {**_config(2, "1f1b", 4), "pipeline": {"stages": 2, "partition": "profile"}}),
     ):
         try:
             slipstream.initialize(model, config)
@@ -331,4 +335,4 @@ def test_mistakes_name_the_key() -> None:
     assert messages[0].startswith("gradient_accumulation_steps: 1 micro-batches cannot fill a 1f1b pipeline of 2 stages")
     assert messages[1].startswith("gradient_accumulation_steps: dualpipev needs at least 2 × pipeline.stages = 4")
     assert messages[2].startswith("pipeline.stages: 4 stages need at least 4 blocks")
-    assert messages[3].startswith('pipeline.partition: "profile" is not available')
+    assert messages[3].startswith('pipeline.partition: "profile" times the model on synthetic token ids')

@@ -69,12 +69,15 @@ def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Te
 
 
 # ----------------------------------------------------------------------------- partition
-def partition(blocks: Blocks, stages: int, method: str, prologue_numel: int = 0, epilogue_numel: int = 0) -> list[range]:
+def partition(
+    blocks: Blocks, stages: int, method: str, prologue_numel: int = 0, epilogue_numel: int = 0, measured: list[float] | None = None
+) -> list[range]:  # fmt: skip
     """Contiguous block ranges, one per stage, by ``pipeline.partition``.
 
     ``uniform``: equal block counts; ``parameters`` (DeepSpeed's default): balanced parameter
     counts, the embeddings counted on the first stage and the head on the last;
-    ``type:<regex>``: balanced counts of blocks whose class name matches.
+    ``type:<regex>``: balanced counts of blocks whose class name matches; ``profile``: balanced
+    ``measured`` block times (``profile.py``).
     """
     n = len(blocks)
     if n < stages:
@@ -85,13 +88,15 @@ def partition(blocks: Blocks, stages: int, method: str, prologue_numel: int = 0,
         weights = [float(sum(p.numel() for p in b.parameters())) for b in blocks.modules]
         weights[0] += prologue_numel
         weights[-1] += epilogue_numel
+    elif method == "profile" and measured is not None:
+        weights = list(measured)
     elif method.startswith("type:"):
         pattern = re.compile(method[5:], re.IGNORECASE)
         weights = [1.0 if pattern.search(type(b).__name__) else 0.0 for b in blocks.modules]
         if sum(weights) < stages:
             raise ValueError(f"pipeline.partition: {method!r} matches {int(sum(weights))} blocks ({type(blocks.modules[0]).__name__}); need at least {stages}")
     else:
-        raise ValueError(f"pipeline.partition: {method!r} is not a method; use uniform, parameters or type:<regex>")
+        raise ValueError(f"pipeline.partition: {method!r} is not a method; use parameters, uniform, profile or type:<regex>")
     return _balanced(weights, stages)
 
 

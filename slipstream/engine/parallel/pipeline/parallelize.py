@@ -20,7 +20,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
-from slipstream.engine.parallel.pipeline import cut
+from slipstream.engine.parallel.pipeline import cut, profile
 from slipstream.engine.parallel.pipeline.executor import Executor, StepTiming, predicted_bubble
 from slipstream.engine.parallel.pipeline.schedules import Schedule, build
 from slipstream.engine.parallel.pipeline.simulate import simulate
@@ -109,7 +109,9 @@ class Pipeline:
         self.handles = []
 
 
-def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, schedule_name: str, micro_batches: int, virtual_stages: int, method: str) -> Pipeline | None:
+def parallelize_pipeline(
+    model: torch.nn.Module, mesh: Mesh, schedule_name: str, micro_batches: int, virtual_stages: int, method: str, micro_batch_size: int = 1
+) -> Pipeline | None:  # fmt: skip
     p = mesh.size("pp")
     if p == 1:
         return None
@@ -127,7 +129,10 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, schedule_name: str,
     layout = schedule.layout
     prologue, epilogue = cut.outer_modules(model, blocks)
     numel = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters(recurse=False))  # noqa: E731
-    ranges = cut.partition(blocks, layout.num_stages, method, numel(prologue), numel(epilogue))
+    measured = profile.block_times(model, blocks, prologue, epilogue, micro_batch_size, mesh.group("pp")) if method == "profile" else None
+    ranges = cut.partition(blocks, layout.num_stages, method, numel(prologue), numel(epilogue), measured)
+    if measured is not None:
+        log_rank0(logger, "pipeline: profiled stages: %s forward each", profile.describe(measured, ranges))
     rank = mesh.rank_of("pp")
     local = layout.stages_of(rank)
     owned = {i for s in local for i in ranges[s]}

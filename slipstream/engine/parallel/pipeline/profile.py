@@ -1,0 +1,70 @@
+"""``pipeline.partition: "profile"``: balance stages by measured block times, not parameter counts.
+
+Parameter counts misjudge compute: an embedding holds many parameters and costs a lookup, an LM
+head holds as many and costs a large matrix product. Before the cut, while every rank still holds
+the whole model, the model runs a few forwards on a synthetic micro-batch of the configured size
+(random token ids, sequence as long as the model's positions allow, up to 512) with a timer on
+each block and on the modules before and after the blocks. The pipeline ranks average their
+timings (one all-reduce), so every rank cuts the same stages.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.engine.parallel.anatomy import Blocks
+
+RUNS, WARMUP, MAX_SEQ = 3, 1, 512
+
+
+def synthetic_batch(model: torch.nn.Module, micro_batch: int) -> dict[str, torch.Tensor]:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not isinstance(vocab, int) or not isinstance(positions, int):
+        raise ValueError(
+            'pipeline.partition: "profile" times the model on synthetic token ids, so it needs a transformers model '
+            '(a config with vocab_size and max_position_embeddings); use "parameters", "uniform" or "type:<regex>"'
+        )
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab, (micro_batch, min(positions, MAX_SEQ)), generator=torch.Generator().manual_seed(0)).to(device)
+    return {"input_ids": ids}
+
+
+def block_times(model: torch.nn.Module, blocks: Blocks, prologue: list[str], epilogue: list[str], micro_batch: int, group: dist.ProcessGroup | None) -> list[float]:
+    """Each block's forward time, the prologue's added to the first and the epilogue's to the last (averaged over ``group``)."""
+    batch = synthetic_batch(model, micro_batch)
+    timed = {name: model.get_submodule(name) for name in [*blocks.names, *prologue, *epilogue]}
+    seconds: dict[str, list[float]] = {name: [] for name in timed}
+    started: dict[str, float] = {}
+    handles = []
+    for name, module in timed.items():
+        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: started.__setitem__(name, time.perf_counter())))
+        handles.append(module.register_forward_hook(lambda m, a, o, name=name: seconds[name].append(time.perf_counter() - started[name])))
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            for run in range(WARMUP + RUNS):
+                if run == WARMUP:
+                    for values in seconds.values():
+                        values.clear()
+                model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    median = {name: statistics.median(values) if values else 0.0 for name, values in seconds.items()}
+    weights = torch.tensor([median[name] for name in blocks.names], dtype=torch.float64)
+    weights[0] += sum(median[name] for name in prologue)
+    weights[-1] += sum(median[name] for name in epilogue)
+    comm.all_reduce(weights, group=group, tag="pipeline partition profile").wait()
+    return [float(w) for w in weights / dist.get_world_size(group)]
+
+
+def describe(weights: list[float], ranges: list[range]) -> str:
+    return ", ".join(f"{sum(weights[i] for i in r) * 1e3:.1f} ms" for r in ranges)
