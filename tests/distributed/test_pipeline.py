@@ -20,7 +20,7 @@ import torch.distributed as dist
 import slipstream
 from slipstream.comm import comms_log
 from tests.harness import run_distributed
-from tests.reference import train_lm_reference
+from tests.reference import Trajectory, assert_close_trajectory, train_lm_reference, train_reference
 
 SEQ, B, VOCAB, LR, STEPS, HIDDEN = 16, 2, 128, 1e-3, 3, 64
 GPT2_WEIGHTS = {"atol": 5e-5, "rtol": 1e-4}
@@ -100,6 +100,7 @@ def _run_case(model: str, pp: int, schedule: str, m: int, v: int = 1, stage: int
         "scatters": sum(1 for r in records if r.op == "reduce_scatter" and r.tag.startswith("ZeRO-3 gradients")),
         "units": len(getattr(engine.strategy, "units", ())),
         "bubble": engine.pipeline.last_report.timing.bubble,
+        "in_flight": engine.pipeline.last_report.timing.in_flight,
         "monitor": dict(engine.monitor.last),
     }
     engine.close()
@@ -120,6 +121,7 @@ WORLD2 = [
     ("llama-zbv", {"model": "llama", "pp": 2, "schedule": "zbv", "m": 4, "v": 2}),
     ("gpt2-profile", {"model": "gpt2", "pp": 2, "schedule": "1f1b", "m": 4, "pipeline_partition": "profile"}),
     ("llama-dualpipev", {"model": "llama", "pp": 2, "schedule": "dualpipev", "m": 4, "v": 2}),
+    ("llama-bf16", {"model": "llama", "pp": 2, "schedule": "zb1p", "m": 4, "bf16": {"enabled": True}}),
     ("llama-1f1b-ac", {"model": "llama", "pp": 2, "schedule": "1f1b", "m": 4,
                        "activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]}}),
 ]  # fmt: skip
@@ -146,21 +148,31 @@ def test_every_schedule_at_p2_matches_one_process() -> None:
     ranks = run_distributed(2, _cases_body, WORLD2)
     results = ranks[0]
     for name, kwargs in WORLD2:
+        if "bf16" in kwargs:  # against fp32 master weights and bf16 compute in one process (tests/reference.py)
+            low = train_reference(BUILD[kwargs["model"]](), _batches(kwargs["m"] * B), LR, dtype=torch.bfloat16)
+            ours = Trajectory(results[name]["losses"], {k: v.float() for k, v in results[name]["state"].items()}, [])
+            assert_close_trajectory(ours, low, loss_rtol=1e-3, param_rel_norm=2e-2)
+            continue
         _check(results[name], kwargs["model"], kwargs["m"] * B)
     # Activations: per boundary per step, each micro-batch's b·s·h fp32 forward and its gradient back.
     per_boundary = 2 * 4 * B * SEQ * HIDDEN * 4
     assert sum(r["gpt2-1f1b"]["p2p"] for r in ranks) == per_boundary
     assert ranks[0]["gpt2-1f1b"]["p2p"] == ranks[1]["gpt2-1f1b"]["p2p"] == per_boundary // 2
     assert sum(r["llama-zbv"]["p2p"] for r in ranks) == 2 * per_boundary  # V: stages 1 and 2 share rank 1
+    # Activations held for their backward, counted by the executor: AFAB all m, 1F1B min(p - s, m).
+    assert [r["gpt2-afab"]["in_flight"] for r in ranks] == [{0: 4}, {1: 4}]
+    assert [r["gpt2-1f1b"]["in_flight"] for r in ranks] == [{0: 2}, {1: 1}]
     monitor = results["gpt2-1f1b"]["monitor"]
     assert 0.0 < monitor["pipeline_bubble_predicted"] < 1.0 and monitor["pipeline_bubble"] >= 0.0
 
 
 def test_pipeline_composes_with_zero_and_tensor_parallel() -> None:
-    results = run_distributed(4, _cases_body, WORLD4)[0]
+    run_ranks = run_distributed(4, _cases_body, WORLD4)
+    results = run_ranks[0]
     for name, kwargs in WORLD4:
         dp = 4 // kwargs["pp"] // kwargs.get("tensor_parallel", {}).get("autotp_size", 1)
         _check(results[name], kwargs["model"], kwargs["m"] * B * dp)
+    assert [r["llama-p4-1f1b"]["in_flight"] for r in run_ranks] == [{s: min(4 - s, 4)} for s in range(4)]
     zero3 = results["gpt2-dp2-zero3"]
     # ZeRO-3 under a pipeline: each unit gathered and reduce-scattered once per step, not once per micro-batch.
     assert zero3["units"] > 0 and zero3["gathers"] == zero3["units"]

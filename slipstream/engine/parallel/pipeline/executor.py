@@ -35,6 +35,7 @@ class StepTiming:
     wall: float
     compute: float
     costs: dict[int, Costs]  # each stage's mean pass costs (every stage of the pipeline, gathered)
+    in_flight: dict[int, int] = dataclasses.field(default_factory=dict)  # per local stage: most outputs held for their backward
 
     @property
     def bubble(self) -> float:
@@ -92,6 +93,7 @@ class Executor:
         losses: dict[int, torch.Tensor] = {}
         sends: list[Pending] = []
         spent: dict[tuple[int, Op], list[float]] = {}
+        in_flight: dict[int, int] = {}
         # One common start, so each rank's idle time includes its wait for the first activation (the
         # warm-up bubble); otherwise a rank that arrives late would measure less than it has.
         comm.barrier(self.group, tag="pipeline step start")
@@ -113,6 +115,9 @@ class Executor:
                 began = time.perf_counter()
                 self._compute(a, batches, inputs, outputs, grads, sent_back, deferred, losses, scale)
                 spent.setdefault((a.stage, a.op), []).append(time.perf_counter() - began)
+                if a.op is Op.FORWARD:
+                    held = sum(1 for s, _ in outputs if s == a.stage)
+                    in_flight[a.stage] = max(in_flight.get(a.stage, 0), held)
         for work in sends:
             work.wait()
         # The step lasts until the last rank is done (the last stage of 1F1B finishes early and then
@@ -120,7 +125,7 @@ class Executor:
         wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         comm.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group, tag="pipeline step time").wait()
         compute = sum(sum(v) for v in spent.values())
-        return [losses[i] for i in sorted(losses)], StepTiming(float(wall), compute, self._stage_costs(spent))
+        return [losses[i] for i in sorted(losses)], StepTiming(float(wall), compute, self._stage_costs(spent), in_flight)
 
     def _compute(
         self, a: Action, batches: list[Any], inputs: dict, outputs: dict, grads: dict, sent_back: dict, deferred: dict,
