@@ -70,15 +70,10 @@ def _worker(kind: str, hidden: int, layers: int, steps: int, out: str) -> None:
             engine.step()
     else:
         dist.init_process_group("nccl")
-        model = model.cuda()
-        if kind == "ddp":
-            wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
+        from benchmarks.common import wrap_peer
 
-            for layer in model.model.layers:
-                fully_shard(layer)
-            wrapped = fully_shard(model)
+        model = model.cuda()
+        wrapped = wrap_peer(kind, model, model.model.layers)
         optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=True)
 
         def step(tokens: torch.Tensor) -> None:

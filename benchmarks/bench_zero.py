@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import build_gpt2, random_batches, setup_rank_env, time_steps, write_rank_results
+    from benchmarks.common import build_gpt2, random_batches, setup_rank_env, time_steps, wrap_peer, write_rank_results
 
     setup_rank_env(rank, world, port)
     torch.set_num_threads(1)
@@ -50,14 +50,7 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
 
     if kind in ("ddp", "fsdp2"):
-        if kind == "ddp":
-            wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.transformer.h:
-                fully_shard(block)
-            wrapped = fully_shard(model)
+        wrapped = wrap_peer(kind, model, model.transformer.h)
         optimizer = adamw(wrapped.parameters())
 
         def step(batch: torch.Tensor) -> None:

@@ -72,6 +72,17 @@ def current_rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def wrap_peer(kind: str, model: torch.nn.Module, blocks: torch.nn.ModuleList) -> torch.nn.Module:
+    """The PyTorch peers: ``ddp`` (DistributedDataParallel) or ``fsdp2`` (``fully_shard`` on each block, then the root)."""
+    if kind == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -174,14 +174,19 @@ def _check_supported(cfg: SlipstreamConfig, sizes: MeshSizes, optimizer: Any, lr
             )
 
 
+def _refuse_together(key: str, size: int, sizes: MeshSizes, axes: tuple[str, ...]) -> None:
+    """Combinations of axes not built yet: one error naming every key involved."""
+    others = [AXIS_KEYS[a] for a in axes if sizes.size(a) > 1]
+    if others:
+        raise ConfigError(f"{key}: {size} together with {', '.join(others)} is not supported yet in this version of slipstream")
+
+
 def _check_pipeline(cfg: SlipstreamConfig, sizes: MeshSizes) -> None:
     """The schedule must be able to run the window's micro-batches on the pipeline's ranks (key-naming errors)."""
     p = sizes.size("pp")
     if p == 1:
         return
-    others = [AXIS_KEYS[a] for a in ("sp", "cp", "ep") if sizes.size(a) > 1]
-    if others:
-        raise ConfigError(f"pipeline.stages: {p} together with {', '.join(others)} is not supported yet in this version of slipstream")
+    _refuse_together("pipeline.stages", p, sizes, ("sp", "cp", "ep"))
     pipe = cfg.pipeline
     try:
         pipeline_schedules.check(pipe.schedule, p, cfg.gradient_accumulation_steps, pipe.virtual_stages)
@@ -206,9 +211,7 @@ def _check_expert_parallel(sizes: MeshSizes, optimizer: Any) -> None:
     ep = sizes.size("ep")
     if ep == 1:
         return
-    others = [AXIS_KEYS[a] for a in ("tp", "sp", "cp") if sizes.size(a) > 1]
-    if others:
-        raise ConfigError(f"expert_parallel.autoep_size: {ep} together with {', '.join(others)} is not supported yet in this version of slipstream")
+    _refuse_together("expert_parallel.autoep_size", ep, sizes, ("tp", "sp", "cp"))
     if isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
             "expert_parallel.autoep_size: an optimizer built before initialize() holds the unsharded experts; pass the "
