@@ -99,6 +99,8 @@ def _run_case(model: str, pp: int, schedule: str, m: int, v: int = 1, stage: int
         "gathers": sum(1 for r in records if r.op == "all_gather" and r.tag.startswith("ZeRO-3 unit")),
         "scatters": sum(1 for r in records if r.op == "reduce_scatter" and r.tag.startswith("ZeRO-3 gradients")),
         "units": len(getattr(engine.strategy, "units", ())),
+        "bucket_bytes": sum(r.nbytes for r in records if r.op == "reduce_scatter" and r.tag.startswith("gradient bucket")),
+        "stage_bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad),
         "bubble": engine.pipeline.last_report.timing.bubble,
         "in_flight": engine.pipeline.last_report.timing.in_flight,
         "monitor": dict(engine.monitor.last),
@@ -173,6 +175,10 @@ def test_pipeline_composes_with_zero_and_tensor_parallel() -> None:
         dp = 4 // kwargs["pp"] // kwargs.get("tensor_parallel", {}).get("autotp_size", 1)
         _check(results[name], kwargs["model"], kwargs["m"] * B * dp)
     assert [r["llama-p4-1f1b"]["in_flight"] for r in run_ranks] == [{s: min(4 - s, 4)} for s in range(4)]
+    # ZeRO-1/2 under a pipeline: this stage's gradients reduce-scattered once per step (Ψ_stage), not m times.
+    for name in ("gpt2-dp2-zero1", "gpt2-dp2-zero2"):
+        for r in run_ranks:
+            assert r[name]["bucket_bytes"] == r[name]["stage_bytes"] > 0, (name, r[name]["bucket_bytes"], r[name]["stage_bytes"])
     zero3 = results["gpt2-dp2-zero3"]
     # ZeRO-3 under a pipeline: each unit gathered and reduce-scattered once per step, not once per micro-batch.
     assert zero3["units"] > 0 and zero3["gathers"] == zero3["units"]
