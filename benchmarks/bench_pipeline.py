@@ -162,6 +162,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--deepspeed-python", default=None)
+    parser.add_argument("--kinds", default=None, help="comma-separated subset of the configurations")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -173,6 +174,8 @@ def main() -> None:
         mp.start_processes(_worker, args=(args.worker, args.steps, args.micro_batches, free_port(), args.out), nprocs=2, start_method="spawn")
         return
     kinds = ["pp2-1f1b", "pp2-1f1b-profile", "pp2-zbv", "pp2-zbv-profile", "dp2-zero1"] + (["ds-pipe"] if args.deepspeed_python else [])
+    if args.kinds:
+        kinds = [k for k in kinds if k in args.kinds.split(",")]
     python = {k: args.deepspeed_python if k.startswith("ds") else sys.executable for k in kinds}
     results: dict[str, dict] = {k: {"times": [], "peak": [0.0, 0.0], "bubbles": [[], []], "error": None} for k in kinds}
     for _ in range(args.rounds):
@@ -190,7 +193,7 @@ def main() -> None:
     print(f"gpt2-large (8 layers, n_embd 512, vocab 8192), seq 128, {m} micro-batches of 4 per step ({tokens} tokens), fp32, "
           f"2 ranks; {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
     print(f"{'config':<17} {'median ms':>9} {'tokens/s':>9} {'peak RSS/rank MB':>17} {'bubble measured/predicted r0, r1':>34} {'vs dp2-zero1':>13}")
-    base = statistics.median(results["dp2-zero1"]["times"]) if results["dp2-zero1"]["times"] else None
+    base = statistics.median(results["dp2-zero1"]["times"]) if "dp2-zero1" in results and results["dp2-zero1"]["times"] else None
     for kind in kinds:
         r = results[kind]
         if not r["times"]:
@@ -202,7 +205,7 @@ def main() -> None:
         ) or "-"
         vs = f"{median / base:.3f}x" if base else ""
         print(f"{kind:<17} {median * 1e3:9.1f} {tokens / median:9.0f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {bubble:>34} {vs:>13}")
-    if "ds-pipe" in results and results["ds-pipe"]["times"] and results["pp2-1f1b"]["times"]:
+    if "ds-pipe" in results and results["ds-pipe"]["times"] and "pp2-1f1b" in results and results["pp2-1f1b"]["times"]:
         ratio = statistics.median(results["pp2-1f1b"]["times"]) / statistics.median(results["ds-pipe"]["times"])
         print(f"pp2-1f1b vs DeepSpeed PipelineModule 1F1B (same tokens per step): {ratio:.3f}x")
 

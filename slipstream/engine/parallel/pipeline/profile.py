@@ -33,11 +33,17 @@ def synthetic_batch(model: torch.nn.Module, micro_batch: int) -> dict[str, torch
         )
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab, (micro_batch, min(positions, MAX_SEQ)), generator=torch.Generator().manual_seed(0)).to(device)
-    return {"input_ids": ids}
+    return {"input_ids": ids, "labels": ids}  # the loss too: the last stage computes it
 
 
 def block_times(model: torch.nn.Module, blocks: Blocks, prologue: list[str], epilogue: list[str], micro_batch: int, group: dist.ProcessGroup | None) -> list[float]:
-    """Each block's forward time, the prologue's added to the first and the epilogue's to the last (averaged over ``group``)."""
+    """Each block's forward time, the prologue's added to the first and the epilogue's to the last (averaged over ``group``).
+
+    What no timed module covers (the loss after the head, masks and positions before the blocks)
+    is measured as the rest of the model's forward and counted on the last stage, which computes
+    the loss. Forward times stand for whole passes: backward costs about twice the forward for
+    blocks and head alike.
+    """
     batch = synthetic_batch(model, micro_batch)
     timed = {name: model.get_submodule(name) for name in [*blocks.names, *prologue, *epilogue]}
     seconds: dict[str, list[float]] = {name: [] for name in timed}
@@ -47,13 +53,17 @@ def block_times(model: torch.nn.Module, blocks: Blocks, prologue: list[str], epi
         handles.append(module.register_forward_pre_hook(lambda m, a, name=name: started.__setitem__(name, time.perf_counter())))
         handles.append(module.register_forward_hook(lambda m, a, o, name=name: seconds[name].append(time.perf_counter() - started[name])))
     was_training = model.training
+    whole: list[float] = []
     try:
         with torch.no_grad():
             for run in range(WARMUP + RUNS):
                 if run == WARMUP:
                     for values in seconds.values():
                         values.clear()
+                    whole.clear()
+                start = time.perf_counter()
                 model(**batch)
+                whole.append(time.perf_counter() - start)
     finally:
         for handle in handles:
             handle.remove()
@@ -62,6 +72,8 @@ def block_times(model: torch.nn.Module, blocks: Blocks, prologue: list[str], epi
     weights = torch.tensor([median[name] for name in blocks.names], dtype=torch.float64)
     weights[0] += sum(median[name] for name in prologue)
     weights[-1] += sum(median[name] for name in epilogue)
+    outer = [n for n in timed if not any(n != m and n.startswith(m + ".") for m in timed)]  # nested modules counted once
+    weights[-1] += max(0.0, statistics.median(whole) - sum(median[name] for name in outer))
     comm.all_reduce(weights, group=group, tag="pipeline partition profile").wait()
     return [float(w) for w in weights / dist.get_world_size(group)]
 
