@@ -1,11 +1,12 @@
 """``pipeline.partition: "profile"``: balance stages by measured block times, not parameter counts.
 
 Parameter counts misjudge compute: an embedding holds many parameters and costs a lookup, an LM
-head holds as many and costs a large matrix product. Before the cut, while every rank still holds
-the whole model, the model runs a few forwards on a synthetic micro-batch of the configured size
-(random token ids, sequence as long as the model's positions allow, up to 512) with a timer on
-each block and on the modules before and after the blocks. The pipeline ranks average their
-timings (one all-reduce), so every rank cuts the same stages.
+head holds as many and costs a large matrix product (and the loss after it). Before the cut, while
+every rank still holds the whole model, the model runs a few forward and backward passes on a
+synthetic micro-batch of the configured size (random token ids, sequence as long as the model's
+positions allow, up to 512) with timers on each block and on the modules before and after the
+blocks, forward and backward. The pipeline ranks average their timings (one all-reduce), so every
+rank cuts the same stages.
 """
 
 from __future__ import annotations
@@ -37,43 +38,55 @@ def synthetic_batch(model: torch.nn.Module, micro_batch: int) -> dict[str, torch
 
 
 def block_times(model: torch.nn.Module, blocks: Blocks, prologue: list[str], epilogue: list[str], micro_batch: int, group: dist.ProcessGroup | None) -> list[float]:
-    """Each block's forward time, the prologue's added to the first and the epilogue's to the last (averaged over ``group``).
+    """Each block's forward + backward time, the prologue's added to the first and the epilogue's to the last (averaged over ``group``).
 
     What no timed module covers (the loss after the head, masks and positions before the blocks)
-    is measured as the rest of the model's forward and counted on the last stage, which computes
-    the loss. Forward times stand for whole passes: backward costs about twice the forward for
-    blocks and head alike.
+    is measured as the rest of the model's forward and backward and counted on the last stage,
+    which computes the loss. Gradients are dropped afterwards: the model is left as it was.
     """
     batch = synthetic_batch(model, micro_batch)
     timed = {name: model.get_submodule(name) for name in [*blocks.names, *prologue, *epilogue]}
     seconds: dict[str, list[float]] = {name: [] for name in timed}
     started: dict[str, float] = {}
+
+    def begin(name: str) -> None:
+        started[name] = time.perf_counter()
+
+    def end(name: str) -> None:
+        if name in started:
+            seconds[name].append(time.perf_counter() - started.pop(name))
+
     handles = []
     for name, module in timed.items():
-        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: started.__setitem__(name, time.perf_counter())))
-        handles.append(module.register_forward_hook(lambda m, a, o, name=name: seconds[name].append(time.perf_counter() - started[name])))
-    was_training = model.training
+        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: begin(name)))
+        handles.append(module.register_forward_hook(lambda m, a, o, name=name: end(name)))
+        handles.append(module.register_full_backward_pre_hook(lambda m, g, name=name: begin("~" + name)))
+        handles.append(module.register_full_backward_hook(lambda m, gi, go, name=name: end("~" + name)))
+        seconds["~" + name] = []
     whole: list[float] = []
     try:
-        with torch.no_grad():
-            for run in range(WARMUP + RUNS):
-                if run == WARMUP:
-                    for values in seconds.values():
-                        values.clear()
-                    whole.clear()
-                start = time.perf_counter()
-                model(**batch)
-                whole.append(time.perf_counter() - start)
+        for run in range(WARMUP + RUNS):
+            if run == WARMUP:
+                for values in seconds.values():
+                    values.clear()
+                whole.clear()
+            start = time.perf_counter()
+            loss = getattr(model(**batch), "loss", None)
+            if loss is not None:
+                loss.backward()
+            whole.append(time.perf_counter() - start)
     finally:
         for handle in handles:
             handle.remove()
-        model.train(was_training)
+        for param in model.parameters():
+            param.grad = None
     median = {name: statistics.median(values) if values else 0.0 for name, values in seconds.items()}
-    weights = torch.tensor([median[name] for name in blocks.names], dtype=torch.float64)
-    weights[0] += sum(median[name] for name in prologue)
-    weights[-1] += sum(median[name] for name in epilogue)
+    cost = {name: median[name] + median["~" + name] for name in timed}
+    weights = torch.tensor([cost[name] for name in blocks.names], dtype=torch.float64)
+    weights[0] += sum(cost[name] for name in prologue)
+    weights[-1] += sum(cost[name] for name in epilogue)
     outer = [n for n in timed if not any(n != m and n.startswith(m + ".") for m in timed)]  # nested modules counted once
-    weights[-1] += max(0.0, statistics.median(whole) - sum(median[name] for name in outer))
+    weights[-1] += max(0.0, statistics.median(whole) - sum(cost[name] for name in outer))
     comm.all_reduce(weights, group=group, tag="pipeline partition profile").wait()
     return [float(w) for w in weights / dist.get_world_size(group)]
 
