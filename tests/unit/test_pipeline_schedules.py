@@ -179,3 +179,23 @@ def test_split_backward_equals_full_backward() -> None:
     weight_pass.run()
     for w, e in zip(weights, expected):
         torch.testing.assert_close(w.grad, e)
+
+
+def test_partition_balances_ranks_when_a_rank_runs_several_stages() -> None:
+    """A V puts the first and the last stage on rank 0: balanced stages can leave that rank the busiest."""
+    from slipstream.engine.parallel.anatomy import Blocks
+    from slipstream.engine.parallel.pipeline.cut import _balanced, _balance_ranks
+
+    v = StageLayout(2, 2, "v")
+
+    def loads(weights: list[float], ranges: list[range]) -> list[float]:
+        return [sum(weights[i] for s in v.stages_of(r) for i in ranges[s]) for r in range(2)]
+
+    weights = [1.0] * 16 + [2.5]  # a heavy head on the last block
+    stage_balanced = _balanced(weights, 4)
+    assert max(loads(weights, stage_balanced)) == 10.0
+    assert max(loads(weights, _balance_ranks(weights, stage_balanced, v.rank_of))) == 9.5  # the best contiguous cut
+    blocks = Blocks("", tuple(str(i) for i in range(17)), tuple(torch.nn.Linear(1, 1) for _ in range(17)))
+    measured = partition(blocks, 4, "profile", measured=weights, rank_of=v.rank_of)
+    assert max(loads(weights, measured)) == 9.5 and measured[0].start == 0 and measured[-1].stop == 17
+    assert partition(blocks, 4, "uniform", rank_of=v.rank_of) == [range(0, 4), range(4, 8), range(8, 12), range(12, 17)]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -70,14 +71,16 @@ def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Te
 
 # ----------------------------------------------------------------------------- partition
 def partition(
-    blocks: Blocks, stages: int, method: str, prologue_numel: int = 0, epilogue_numel: int = 0, measured: list[float] | None = None
+    blocks: Blocks, stages: int, method: str, prologue_numel: int = 0, epilogue_numel: int = 0, measured: list[float] | None = None,
+    rank_of: Callable[[int], int] | None = None,
 ) -> list[range]:  # fmt: skip
     """Contiguous block ranges, one per stage, by ``pipeline.partition``.
 
     ``uniform``: equal block counts; ``parameters`` (DeepSpeed's default): balanced parameter
     counts, the embeddings counted on the first stage and the head on the last;
     ``type:<regex>``: balanced counts of blocks whose class name matches; ``profile``: balanced
-    ``measured`` block times (``profile.py``).
+    ``measured`` block times (``profile.py``). ``rank_of`` (stage → rank): where a rank runs several
+    stages (interleaved, V), the weighted methods balance what each rank runs, not each stage.
     """
     n = len(blocks)
     if n < stages:
@@ -97,7 +100,10 @@ def partition(
             raise ValueError(f"pipeline.partition: {method!r} matches {int(sum(weights))} blocks ({type(blocks.modules[0]).__name__}); need at least {stages}")
     else:
         raise ValueError(f"pipeline.partition: {method!r} is not a method; use parameters, uniform, profile or type:<regex>")
-    return _balanced(weights, stages)
+    ranges = _balanced(weights, stages)
+    if rank_of is not None and method != "uniform":
+        ranges = _balance_ranks(weights, ranges, rank_of)
+    return ranges
 
 
 def _balanced(weights: list[float], stages: int) -> list[range]:
@@ -122,6 +128,46 @@ def _balanced(weights: list[float], stages: int) -> list[range]:
         bounds.append(range(cut[k][i], i))
         i = cut[k][i]
     return bounds[::-1]
+
+
+def _balance_ranks(weights: list[float], ranges: list[range], rank_of: Callable[[int], int]) -> list[range]:
+    """Move stage boundaries one block at a time while the busiest rank gets lighter.
+
+    [Note: balancing ranks] With several stages per rank (a V puts the first and the last stage on
+    rank 0), equal stages do not make equal ranks: what a rank runs is the sum of its stages. Exact
+    balancing of rank sums over contiguous cuts is a harder search; starting from the balanced
+    stages, single-block moves of one boundary that lower (heaviest rank, spread of the loads)
+    converge in a few passes and find the even split in the cases that matter (a heavy head or
+    embedding on an end stage).
+    """
+    cuts = [r.start for r in ranges[1:]]
+    n, stages = len(weights), len(ranges)
+
+    def score(cuts: list[int]) -> tuple[float, float]:
+        bounds = [0, *cuts, n]
+        loads: dict[int, float] = {}
+        for k in range(stages):
+            loads[rank_of(k)] = loads.get(rank_of(k), 0.0) + sum(weights[bounds[k] : bounds[k + 1]])
+        return max(loads.values()), sum(v * v for v in loads.values())
+
+    current = score(cuts)
+    for _ in range(4 * n):
+        best = None
+        for k in range(len(cuts)):
+            for step in (-1, 1):
+                trial = list(cuts)
+                trial[k] += step
+                bounds = [0, *trial, n]
+                if any(bounds[j + 1] - bounds[j] < 1 for j in range(stages)):
+                    continue
+                candidate = score(trial)
+                if candidate < current and (best is None or candidate < best[0]):
+                    best = (candidate, trial)
+        if best is None:
+            break
+        current, cuts = best
+    bounds = [0, *cuts, n]
+    return [range(bounds[k], bounds[k + 1]) for k in range(stages)]
 
 
 # ----------------------------------------------------------------------------- the gate

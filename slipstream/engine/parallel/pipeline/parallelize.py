@@ -130,7 +130,7 @@ def parallelize_pipeline(
     prologue, epilogue = cut.outer_modules(model, blocks)
     numel = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters(recurse=False))  # noqa: E731
     measured = profile.block_times(model, blocks, prologue, epilogue, micro_batch_size, mesh.group("pp")) if method == "profile" else None
-    ranges = cut.partition(blocks, layout.num_stages, method, numel(prologue), numel(epilogue), measured)
+    ranges = cut.partition(blocks, layout.num_stages, method, numel(prologue), numel(epilogue), measured, layout.rank_of)
     if measured is not None:
         log_rank0(logger, "pipeline: profiled stages: %s forward each", profile.describe(measured, ranges))
     rank = mesh.rank_of("pp")
