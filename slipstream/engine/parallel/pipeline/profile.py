@@ -40,9 +40,9 @@ def synthetic_batch(model: torch.nn.Module, micro_batch: int) -> dict[str, torch
 def block_times(model: torch.nn.Module, blocks: Blocks, prologue: list[str], epilogue: list[str], micro_batch: int, group: dist.ProcessGroup | None) -> list[float]:
     """Each block's forward + backward time, the prologue's added to the first and the epilogue's to the last (averaged over ``group``).
 
-    What no timed module covers (the loss after the head, masks and positions before the blocks)
-    is measured as the rest of the model's forward and backward and counted on the last stage,
-    which computes the loss. Gradients are dropped afterwards: the model is left as it was.
+    What no timed module covers (gradient accumulation, the loss after the head, masks and positions)
+    is measured as the rest of the model's forward and backward and spread in proportion. Gradients
+    are dropped afterwards: the model is left as it was.
     """
     batch = synthetic_batch(model, micro_batch)
     timed = {name: model.get_submodule(name) for name in [*blocks.names, *prologue, *epilogue]}
@@ -85,8 +85,11 @@ def block_times(model: torch.nn.Module, blocks: Blocks, prologue: list[str], epi
     weights = torch.tensor([cost[name] for name in blocks.names], dtype=torch.float64)
     weights[0] += sum(cost[name] for name in prologue)
     weights[-1] += sum(cost[name] for name in epilogue)
+    # The rest (gradient accumulation into every parameter, the loss, masks): spread in proportion,
+    # since most of it follows the modules' own work. Putting it all on the last stage overweights it.
     outer = [n for n in timed if not any(n != m and n.startswith(m + ".") for m in timed)]  # nested modules counted once
-    weights[-1] += max(0.0, statistics.median(whole) - sum(cost[name] for name in outer))
+    rest = max(0.0, statistics.median(whole) - sum(cost[name] for name in outer))
+    weights *= 1.0 + rest / max(float(weights.sum()), 1e-12)
     comm.all_reduce(weights, group=group, tag="pipeline partition profile").wait()
     return [float(w) for w in weights / dist.get_world_size(group)]
 
