@@ -11,7 +11,6 @@ rank cuts the same stages.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.parallel.anatomy import Blocks
 
-RUNS, WARMUP, MAX_SEQ = 3, 1, 512
+RUNS, WARMUP, MAX_SEQ = 4, 1, 512
 
 
 def synthetic_batch(model: torch.nn.Module, micro_batch: int) -> dict[str, torch.Tensor]:
@@ -80,15 +79,17 @@ def block_times(model: torch.nn.Module, blocks: Blocks, prologue: list[str], epi
             handle.remove()
         for param in model.parameters():
             param.grad = None
-    median = {name: statistics.median(values) if values else 0.0 for name, values in seconds.items()}
-    cost = {name: median[name] + median["~" + name] for name in timed}
+    # The fastest of the runs: other processes (the other ranks timing their copy on the same
+    # machine) only ever add time, so the minimum is the most repeatable figure.
+    fastest = {name: min(values) if values else 0.0 for name, values in seconds.items()}
+    cost = {name: fastest[name] + fastest["~" + name] for name in timed}
     weights = torch.tensor([cost[name] for name in blocks.names], dtype=torch.float64)
     weights[0] += sum(cost[name] for name in prologue)
     weights[-1] += sum(cost[name] for name in epilogue)
     # The rest (gradient accumulation into every parameter, the loss, masks): spread in proportion,
     # since most of it follows the modules' own work. Putting it all on the last stage overweights it.
     outer = [n for n in timed if not any(n != m and n.startswith(m + ".") for m in timed)]  # nested modules counted once
-    rest = max(0.0, statistics.median(whole) - sum(cost[name] for name in outer))
+    rest = max(0.0, min(whole) - sum(cost[name] for name in outer))
     weights *= 1.0 + rest / max(float(weights.sum()), 1e-12)
     comm.all_reduce(weights, group=group, tag="pipeline partition profile").wait()
     return [float(w) for w in weights / dist.get_world_size(group)]
