@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -110,11 +111,19 @@ def _run(kind: str, gpus: int, hidden: int, layers: int, steps: int) -> dict | s
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}", __file__,
                    "--worker", kind, "--hidden", str(hidden), "--layers", str(layers), "--steps", str(steps), "--out", out.name]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "SLIPSTREAM_ACCELERATOR": "cuda"}
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's path
+        env = {**os.environ, "PYTHONPATH": path, "SLIPSTREAM_ACCELERATOR": "cuda"}
         done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
-            return done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+            return _failure(done.stderr, done.returncode)
         return json.loads(Path(out.name).read_text())
+
+
+def _failure(stderr: str, code: int) -> str:
+    """The worker's own error line (torchrun's summary banner ends stderr, so its last line says nothing)."""
+    lines = [line.strip() for line in stderr.splitlines()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    return errors[-1] if errors else f"exit {code}"
 
 
 def main() -> None:

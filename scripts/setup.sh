@@ -23,10 +23,14 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
 fi
 TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__)')"
 
-# Pin whatever torch is present so resolving our dependencies can never swap it out.
+# Pin whatever torch is present so resolving our dependencies can never swap it out, and every
+# other dependency to the version the suite last passed with (requirements/constraints.txt), so a
+# fresh clone reproduces CI. SLIPSTREAM_CONSTRAINTS names another file (scripts/compat_check.sh
+# uses it to move one package to an end of its range); the package's own ranges stay open.
 CONSTRAINTS="$(mktemp)"
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
+grep -v -i '^torch==' "${SLIPSTREAM_CONSTRAINTS:-requirements/constraints.txt}" >> "$CONSTRAINTS"
 "$PY" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[dev]" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
 # Compile the ops now (CPU Adam, async I/O; cached per torch/compiler/flags), so no first run of a

@@ -187,9 +187,43 @@ def remove_activation_checkpointing(model: torch.nn.Module) -> None:
 
 # [Note: no cache under recomputation] A layer that writes a key/value cache in its forward would
 # write it a second time when backward replays the forward (and then attend over the doubled
-# cache: wrong gradients). Training needs no cache, so a checkpointed module gets none, as the
-# transformers library does for its own gradient checkpointing.
-_CACHE_ARGUMENTS = {"past_key_values": None, "past_key_value": None, "layer_past": None, "use_cache": False}
+# cache: wrong gradients, or a metadata mismatch in the non-reentrant variant). Training needs no
+# cache, so a checkpointed module gets none, as the transformers library does for its own gradient
+# checkpointing. Caches are found two ways, so a renamed argument cannot slip through (transformers
+# 5.24 renamed ``past_key_values`` to ``cache``): by the argument names below, and by value: any
+# argument that behaves like a cache (``update`` and ``get_seq_length``) is replaced by None.
+_CACHE_ARGUMENTS = {"past_key_values": None, "past_key_value": None, "layer_past": None, "cache": None, "use_cache": False}
+
+
+def _is_cache(value: Any) -> bool:
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
+def _without_caches(signature: inspect.Signature | None, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The call's arguments with every cache argument set to its no-cache value."""
+    if signature is not None:
+        try:
+            bound = signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            bound = None
+        if bound is not None:
+            for name, value in list(bound.arguments.items()):
+                kind = signature.parameters[name].kind
+                if kind is inspect.Parameter.VAR_KEYWORD:
+                    bound.arguments[name] = _without_caches(None, (), value)[1]
+                elif kind is inspect.Parameter.VAR_POSITIONAL:
+                    bound.arguments[name] = _without_caches(None, value, {})[0]
+                elif name in _CACHE_ARGUMENTS and value not in (None, False):
+                    bound.arguments[name] = _CACHE_ARGUMENTS[name]
+                elif _is_cache(value):
+                    bound.arguments[name] = None
+            return bound.args, bound.kwargs
+    args = tuple(None if _is_cache(a) else a for a in args)
+    kwargs = {
+        k: (_CACHE_ARGUMENTS[k] if k in _CACHE_ARGUMENTS and v not in (None, False) else None if _is_cache(v) else v)
+        for k, v in kwargs.items()
+    }
+    return args, kwargs
 
 
 def _wrap(module: torch.nn.Module, cpu_checkpointing: bool | None) -> None:
@@ -200,16 +234,11 @@ def _wrap(module: torch.nn.Module, cpu_checkpointing: bool | None) -> None:
         signature: inspect.Signature | None = inspect.signature(original)
     except (TypeError, ValueError):
         signature = None
-    caches = [n for n in _CACHE_ARGUMENTS if signature is not None and n in signature.parameters]
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if caches and torch.is_grad_enabled():
-            bound = signature.bind_partial(*args, **kwargs)
-            for name in caches:
-                if name in bound.arguments and bound.arguments[name] not in (None, False):
-                    bound.arguments[name] = _CACHE_ARGUMENTS[name]
-            args, kwargs = bound.args, bound.kwargs
+        if torch.is_grad_enabled():  # see [Note: no cache under recomputation]
+            args, kwargs = _without_caches(signature, args, kwargs)
         return checkpoint(original, *args, cpu_checkpointing=cpu_checkpointing, **kwargs)
 
     module.forward = forward

@@ -33,8 +33,8 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   const DType param_dtype = to_dtype(params[0], kOp);
   const DType grad_dtype = to_dtype(grads[0], kOp);
   const DType lowp_dtype = lowp_out.empty() ? DType::kNone : to_dtype(lowp_out[0], kOp);
-  TORCH_CHECK(grad_dtype == DType::kFloat32 || grad_dtype == param_dtype,
-              "fused_adam: grads must be float32 or the parameters' dtype");
+  // Any grad dtype with any parameter dtype: the kernel reads gradients in their own precision and
+  // computes in float32 (bf16 gradients of fp32 masters are the mixed-precision case, as on CPU).
   TORCH_CHECK(lowp_dtype == DType::kNone || (param_dtype == DType::kFloat32 && lowp_dtype != DType::kFloat32),
               "fused_adam: lowp_out (bfloat16/float16) is for float32 parameters");
   std::vector<slipstream::FusedAdamTensor> tensors(n);

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -131,15 +130,12 @@ def test_ranks_sharing_a_dp_coordinate_read_the_same_batches() -> None:
     assert sorted(sum(batches[0] + batches[2], [])) == list(range(8))  # dp halves cover the data once
 
 
-def _cheap_body() -> tuple[int, float]:
+def _cheap_body() -> int:
     before = len(mesh_module._groups)
-    start = time.perf_counter()
     mesh = Mesh.build(mesh_sizes(SlipstreamConfig.load({"train_micro_batch_size_per_gpu": 1}, world_size=None), 4), log=False)
-    elapsed = time.perf_counter() - start
     assert mesh.dense_group is dist.group.WORLD and mesh.group("dp") is dist.group.WORLD
-    return len(mesh_module._groups) - before, elapsed
+    return len(mesh_module._groups) - before
 
 
 def test_a_data_parallel_mesh_creates_no_process_group() -> None:
-    for created, elapsed in run_distributed(4, _cheap_body):
-        assert created == 0 and elapsed < 0.5, (created, elapsed)  # arithmetic only; generous for a loaded machine
+    assert run_distributed(4, _cheap_body) == [0, 0, 0, 0]  # arithmetic only: no group, no collective

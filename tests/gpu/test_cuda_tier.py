@@ -154,7 +154,7 @@ def test_offload_with_pinned_memory() -> None:
 
 def _offload_body(batches: list[torch.Tensor]) -> tuple[list[float], bool]:
     losses, engine = _engine_run(2, batches, offload=True)
-    grads = engine.strategy.masters.grads
+    grads = engine.strategy.masters.offload.grads  # the host buffer the device gradients cross into
     pinned = bool(grads is not None and grads.tensors[0].is_pinned())
     engine.close()
     return losses, pinned
@@ -169,6 +169,10 @@ def test_communication_context_streams_are_real_and_apart_from_compute() -> None
     assert len({s.cuda_stream for s in streams.values()} | {torch.cuda.current_stream().cuda_stream}) == len(KINDS) + 1
     x = torch.randn(1 << 20, device="cuda")
     y = torch.empty_like(x)
-    pending = context.issue("copy", lambda: y.copy_(x * 2) and None, "test copy")
+
+    def launch() -> None:  # a launch returns its async work handle, or None for stream-ordered work
+        y.copy_(x * 2)
+
+    pending = context.issue("copy", launch, "test copy")
     context.wait(pending)
     torch.testing.assert_close(y, x * 2)

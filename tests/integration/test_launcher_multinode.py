@@ -27,20 +27,17 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
 
 
-def _slipstream(*args: str, cwd: Path | None = None, timeout: float = 180) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run the command; also return the wall-clock time (time.time()) at which it exited."""
+def _slipstream(*args: str, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run the command. [Note: no durations] A misbehaving job here sleeps 300 s; the launcher
+    ending it before ``timeout`` (a hang guard, not a measured duration) is what the tests rely on,
+    plus the messages that name what happened and the timeout that fired."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOGLEVEL")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     done = subprocess.run(
         [sys.executable, "-m", "slipstream.launcher.cli", *args],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False,
     )  # fmt: skip
-    return done, time.time()
-
-
-def _since(path: Path, exited_at: float) -> float:
-    """Seconds from the moment a job wrote ``path`` (its misbehaviour) to the launcher's exit."""
-    return exited_at - float(path.read_text())
+    return done
 
 
 def _free_port() -> int:
@@ -74,7 +71,7 @@ def _assert_same_weights(out: Path, reference: Path) -> None:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One node, two ranks, uninterrupted: the run everything else must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    done, _ = _slipstream("run", "--nproc_per_node", "2", JOB, "--out", str(out), "--steps", str(STEPS))
+    done = _slipstream("run", "--nproc_per_node", "2", JOB, "--out", str(out), "--steps", str(STEPS))
     assert done.returncode == 0, done.stderr
     return out
 
@@ -91,7 +88,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Sshd:
 
 
 def test_one_node_trains_the_example(tmp_path):
-    done, _ = _slipstream(
+    done = _slipstream(
         "run", "--nproc_per_node", "2", str(REPO / "examples" / "train_gpt2.py"), "--steps", "2", "--print-every", "1"
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -151,7 +148,7 @@ def test_ssh_runner_trains_on_two_hosts(tmp_path, sshd, reference):
     (tmp_path / ".slipstream_env").write_text("SLIPSTREAM_TEST_MARK='from the env file'\n")
     out = tmp_path / "out"
     out.mkdir()
-    done, _ = _slipstream(*_ssh_args(sshd, hostfile), JOB, "--out", str(out), "--steps", str(STEPS), cwd=tmp_path)
+    done = _slipstream(*_ssh_args(sshd, hostfile), JOB, "--out", str(out), "--steps", str(STEPS), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     for rank in range(2):
         env_seen = json.loads((out / f"env_rank{rank}.json").read_text())
@@ -178,16 +175,15 @@ def test_ssh_runner_failure_stops_the_other_node(tmp_path, sshd):
     hostfile.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
     script = tmp_path / "fail.py"
     script.write_text(FAIL_ON_NODE_1)
-    done, exited_at = _slipstream(*_ssh_args(sshd, hostfile), str(script), str(tmp_path), cwd=tmp_path)
+    done = _slipstream(*_ssh_args(sshd, hostfile), str(script), str(tmp_path), cwd=tmp_path)
     assert done.returncode == 1, done.stderr
-    assert _since(tmp_path / "failed_at", exited_at) < 30
     host = socket.gethostname()
     assert f"rank 1 (local rank 0 on {host}) exited with code 1: ValueError: bad batch on purpose" in done.stderr
     assert "| " in done.stderr and 'raise ValueError("bad batch on purpose")' in done.stderr  # traceback tail
     assert "node 1 (localhost) failed first (exit code 1); stopping the other nodes" in done.stderr
     # Rank 0 (sleeping on node 0) was stopped through its agent, not left behind.
     pid = int((tmp_path / "pid0").read_text())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a wait for the exit, not a duration under test
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.2)
     assert not _alive(pid), "rank 0 outlived the job"
@@ -206,19 +202,18 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigkilled_rank_without_restarts_fails_fast(tmp_path):
-    done, exited_at = _slipstream(
+    done = _slipstream(
         "run", "--nproc_per_node", "2", JOB, "--out", str(tmp_path), "--steps", str(STEPS),
         "--kill_rank", "1", "--kill_after_step", "3",
     )  # fmt: skip
     assert done.returncode == 128 + signal.SIGKILL, done.stderr
-    assert _since(tmp_path / "killed_at", exited_at) < 30
     assert "slipstream run: rank 1 (local rank 1) was killed by signal SIGKILL (" in done.stderr
     assert "stopped the other rank(s) (0) with SIGTERM after rank 1 failed" in done.stderr
 
 
 def test_sigkilled_rank_restarts_and_resumes_from_checkpoint(tmp_path, reference):
     save_dir = tmp_path / "checkpoints"
-    done, _ = _slipstream(
+    done = _slipstream(
         "run", "--nproc_per_node", "2", "--max_restarts", "1", JOB, "--out", str(tmp_path), "--steps", str(STEPS),
         "--save_dir", str(save_dir), "--interval", "2", "--kill_rank", "1", "--kill_after_step", "5",
     )  # fmt: skip
@@ -254,13 +249,12 @@ def test_two_node_job_restarts_on_both_nodes_and_resumes(tmp_path, reference):
 def test_rank_skipping_a_collective_fails_the_others_within_the_timeout(tmp_path):
     # The job creates its process group itself (30-minute default), so this also checks that
     # comms_timeout_seconds reaches a group slipstream did not create.
-    done, exited_at = _slipstream(
+    done = _slipstream(
         "run", "--nproc_per_node", "2", JOB, "--out", str(tmp_path), "--steps", str(STEPS),
         "--comms_timeout", "3", "--skip_rank", "1", "--skip_step", "2", "--own_process_group",
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
-    # Rank 1 sleeps 300 s instead of stepping; rank 0 gives up after the 3 s timeout (plus teardown).
-    assert 3 <= _since(tmp_path / "skipped_at", exited_at) < 30
+    # Rank 1 sleeps 300 s instead of stepping; rank 0 gives up when its 3 s collective timeout fires.
     line = next(line for line in done.stderr.splitlines() if line.startswith("slipstream run: rank 0 (local rank 0)"))
     assert "exited with code 1: CollectiveError: rank 0/2: all_reduce of gradient bucket 0" in line
     assert "in step 2 timed out after 3." in line and "comms_timeout_seconds = 3" in line

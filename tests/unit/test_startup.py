@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 PROBE = """
 import sys, time
@@ -23,24 +22,22 @@ def _probe(body: str, preload: str = "") -> tuple[float, list[str]]:
 
 
 def test_import_slipstream_does_not_import_torch() -> None:
-    elapsed, heavy = _probe("import slipstream")
-    assert heavy == [] and elapsed < 0.3
+    _, heavy = _probe("import slipstream")
+    assert heavy == []
 
 
 def test_launcher_help_does_not_import_torch() -> None:
-    start = time.perf_counter()
     result = subprocess.run(
         [sys.executable, "-c", "import sys\nfrom slipstream.launcher.cli import main\n"
          "try:\n    main(['run', '--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     assert result.stdout.strip().splitlines()[-1] == "False"
-    assert time.perf_counter() - start < 2.0
 
 
 def test_engine_import_cost_beyond_torch_is_small() -> None:
-    # Resolving initialize loads the engine, config (pydantic) and comm layers; measured +0.29-0.39 s
-    # on the 2-core dev machine. The bound is loose because CI machines are shared and noisy.
-    elapsed, heavy = _probe("import slipstream; slipstream.initialize", preload="import torch")
-    assert "transformers" not in heavy and "torch.utils.cpp_extension" not in heavy
-    assert elapsed < 1.5
+    # Resolving initialize loads the engine, config (pydantic) and comm layers (measured +0.29-0.39 s
+    # on the 2-core dev machine: benchmarks/bench_startup.py); what a test can pin without a clock is
+    # that nothing heavy comes with them.
+    _, heavy = _probe("import slipstream; slipstream.initialize", preload="import torch")
+    assert "transformers" not in heavy and "torch.utils.cpp_extension" not in heavy and "tensorboard" not in heavy

@@ -36,6 +36,7 @@ class StepTiming:
     compute: float
     costs: dict[int, Costs]  # each stage's mean pass costs (every stage of the pipeline, gathered)
     in_flight: dict[int, int] = dataclasses.field(default_factory=dict)  # per local stage: most outputs held for their backward
+    executed: tuple[Action, ...] = ()  # this rank's compute actions in the order they ran (replayable by simulate)
 
     @property
     def bubble(self) -> float:
@@ -94,6 +95,7 @@ class Executor:
         sends: list[Pending] = []
         spent: dict[tuple[int, Op], list[float]] = {}
         in_flight: dict[int, int] = {}
+        executed: list[Action] = []
         # One common start, so each rank's idle time includes its wait for the first activation (the
         # warm-up bubble); otherwise a rank that arrives late would measure less than it has.
         comm.barrier(self.group, tag="pipeline step start")
@@ -115,6 +117,7 @@ class Executor:
                 began = time.perf_counter()
                 self._compute(a, batches, inputs, outputs, grads, sent_back, deferred, losses, scale)
                 spent.setdefault((a.stage, a.op), []).append(time.perf_counter() - began)
+                executed.append(a)
                 if a.op is Op.FORWARD:
                     held = sum(1 for s, _ in outputs if s == a.stage)
                     in_flight[a.stage] = max(in_flight.get(a.stage, 0), held)
@@ -125,7 +128,7 @@ class Executor:
         wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         comm.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group, tag="pipeline step time").wait()
         compute = sum(sum(v) for v in spent.values())
-        return [losses[i] for i in sorted(losses)], StepTiming(float(wall), compute, self._stage_costs(spent), in_flight)
+        return [losses[i] for i in sorted(losses)], StepTiming(float(wall), compute, self._stage_costs(spent), in_flight, tuple(executed))
 
     def _compute(
         self, a: Action, batches: list[Any], inputs: dict, outputs: dict, grads: dict, sent_back: dict, deferred: dict,
