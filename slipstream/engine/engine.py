@@ -112,7 +112,15 @@ class Engine(torch.nn.Module):
             local, count = self.sequence_sharder.shard(kwargs)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        return self.sequence_sharder.combine(self.module(**local), count)
+        self.sequence_sharder.activate()  # the model's own attention again after this step (parallel/attention.py)
+        try:
+            return self.sequence_sharder.combine(self.module(**local), count)
+        except BaseException:
+            self.sequence_sharder.deactivate()
+            raise
+        finally:
+            if not torch.is_grad_enabled():  # no backward follows
+                self.sequence_sharder.deactivate()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Scale ``loss`` for accumulation and fp16, backpropagate, start gradient communication.
@@ -144,7 +152,11 @@ class Engine(torch.nn.Module):
         self.strategy.begin_backward(boundary)
         scale = self.loss_scaler.scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
         with self.monitor.timers("backward"):
-            (loss.float() * scale).backward(retain_graph=retain_graph)
+            try:
+                (loss.float() * scale).backward(retain_graph=retain_graph)
+            finally:
+                if self.sequence_sharder is not None and not retain_graph:
+                    self.sequence_sharder.deactivate()
         with self.monitor.timers("reduce"):
             self.strategy.end_backward()
             if boundary:  # like DDP: when backward returns, .grad holds the averaged gradients

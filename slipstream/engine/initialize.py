@@ -267,14 +267,20 @@ def _parallelize_experts(model: torch.nn.Module, mesh: Mesh) -> Any:
     return plan
 
 
+def _model_device(model: torch.nn.Module) -> torch.device:
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 def _as_group_dicts(params: Iterable[Any]) -> list[dict[str, Any]]:
     items = list(params)
     return items if items and isinstance(items[0], dict) else [{"params": items}]
 
 
 def _parallelize_sequence(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: Mesh) -> Any:
-    """Ulysses over ``mesh.group("sp")`` or ring attention over ``mesh.group("cp")``: the model's attention
-    dispatch switched, and the engine's input sharder (None when neither is on)."""
+    """Ulysses over ``mesh.group("sp")`` or ring attention over ``mesh.group("cp")``: the kernel registered,
+    the engine's input sharder that switches the model to it for each step (None when neither is on),
+    and the numerical twin check (parallel/twin.py) unless ``twin_check`` is false."""
     from slipstream.engine.parallel.attention import route_attention
     from slipstream.engine.parallel.sequence import SequenceSharder
 
@@ -282,10 +288,12 @@ def _parallelize_sequence(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: M
         from slipstream.engine.parallel.sequence import ATTENTION_NAME, UlyssesAttention
 
         group = mesh.group("sp")
-        previous = route_attention(model, ATTENTION_NAME, UlyssesAttention(group), "sequence_parallel_size")
-        log_rank0(logger, "sequence parallel (Ulysses) %d: attention %r replaced; batches sharded on the sequence", mesh.size("sp"), previous)
-        return SequenceSharder(group, restore=(model, previous))
-    if mesh.size("cp") > 1:
+        kernel: Any = UlyssesAttention(group)
+        previous = route_attention(model, ATTENTION_NAME, kernel, "sequence_parallel_size")
+        log_rank0(logger, "sequence parallel (Ulysses) %d: attention %r replaced in each step; batches sharded on the sequence", mesh.size("sp"), previous)
+        sharder = SequenceSharder(group, routing=(model, ATTENTION_NAME, previous, kernel))
+        mode = f"Ulysses sequence parallel ({mesh.size('sp')})"
+    elif mesh.size("cp") > 1:
         from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
 
         group = mesh.group("cp")
@@ -293,9 +301,20 @@ def _parallelize_sequence(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: M
         layout = Layout(mesh.size("cp"), zigzag=method in ("zigzag", "zigzag_ring"))
         kernel = AllGatherKVAttention(group, layout) if method == "allgather_kv" else RingAttention(group, layout)
         previous = route_attention(model, f"slipstream_{method}", kernel, "context_parallel.size")
-        log_rank0(logger, "context parallel (%s) %d: attention %r replaced; batches sharded on the sequence", cfg.context_parallel.method, layout.size, previous)
-        return SequenceSharder(group, "context_parallel.size", layout, restore=(model, previous))
-    return None
+        log_rank0(logger, "context parallel (%s) %d: attention %r replaced in each step; batches sharded on the sequence", cfg.context_parallel.method, layout.size, previous)
+        sharder = SequenceSharder(group, "context_parallel.size", layout, routing=(model, f"slipstream_{method}", previous, kernel))
+        mode = f"context parallel ({method}, {layout.size})"
+    else:
+        return None
+    if cfg.twin_check:
+        from slipstream.engine.parallel.twin import check_sequence_twin
+
+        try:
+            check_sequence_twin(model, sharder, mode, _model_device(model))
+        except ValueError as err:
+            sharder.close()
+            raise ConfigError(str(err)) from None
+    return sharder
 
 
 def _check_tensor_parallel(cfg: SlipstreamConfig, sizes: MeshSizes) -> None:

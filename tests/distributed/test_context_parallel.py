@@ -48,7 +48,9 @@ def _kernel_body() -> dict[str, Any]:
         layout = Layout(c, zigzag)
         index = layout.positions(rank, S)
         lq, lk, lv = (t.index_select(2, index).clone().requires_grad_(True) for t in (q, k, v))
-        out, _ = kernel(dist.group.WORLD, layout)(_Stub(causal), lq, lk, lv, None)
+        fn = kernel(dist.group.WORLD, layout)
+        fn.active = True  # the engine's sharder sets this for its steps
+        out, _ = fn(_Stub(causal), lq, lk, lv, None)
         (out * upstream.index_select(1, index)).sum().backward()
         pairs = [
             (out, ref.index_select(1, index)), (lq.grad, ref_q.grad.index_select(2, index)),

@@ -66,7 +66,7 @@ def _config(u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any]:
 def _train(name: str, u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any]:
     model = BUILDERS[name]()
     engine = slipstream.initialize(model, _config(u, dp, stage, tp))
-    assert model.config._attn_implementation == "slipstream_ulysses"
+    assert model.config._attn_implementation == "sdpa"  # switched to Ulysses only inside the engine's steps
     dp_rank = engine.mesh.rank_of("dp")
     comms_log.keep_history = 2
     # ranks of one sequence group share a micro-batch; each reports its group's whole-sequence loss

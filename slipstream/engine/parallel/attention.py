@@ -4,17 +4,111 @@ transformers' models look their attention function up by ``config._attn_implemen
 ``AttentionInterface`` (and their mask builder in ``AttentionMaskInterface``). Registering a
 kernel under a new name and switching the model's config to it replaces attention in every layer
 without touching the model's code. Used by Ulysses (sequence/) and ring attention (context/).
+
+[Note: only inside the engine's step] The kernels expect the engine's sequence shards. The model
+is switched to them only while the engine runs a sharded step (``SequenceSharder.activate`` in
+``engine(...)``, ``deactivate`` once its backward is done, or at once under no_grad): a direct
+call of the model (``generate()``, an evaluation callback, ``engine.module(...)``) runs the
+model's own attention on the whole input. A kernel called outside a step raises.
+
+[Note: no keyword dropped] transformers passes attention functions keywords that change the
+arithmetic (``sliding_window``, ``softcap``, sinks, relative position biases, packed-sequence
+boundaries). ``attention_features`` reads them all; each kernel implements the ones it can and
+refuses the rest in one line naming the keyword (at ``initialize``, through the twin check's
+first forward), so none is silently ignored. An unknown floating-point tensor keyword is treated
+as a bias we do not understand and refused too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+# Keywords that carry no arithmetic (bookkeeping transformers threads through every layer).
+_HARMLESS = {
+    "position_ids", "cache_position", "use_cache", "output_hidden_states", "return_dict", "layer_idx",
+    "labels", "shift_labels", "num_items_in_batch", "token_type_ids", "past_key_values", "cache", "past_key_value",
+    "output_router_logits", "logits_to_keep", "inputs_embeds", "input_ids",
+}  # fmt: skip
+# Keywords that change the result when set; None (or False) means "not used".
+_REFUSED_WHEN_SET = ("position_bias", "s_aux", "sinks", "head_mask", "alibi", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k")
+
+
+class UnsupportedAttention(ValueError):
+    """A model's attention asks for something this kernel does not implement (raised before any collective)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionFeatures:
+    """What one attention call asks for beyond plain scaled-dot-product attention."""
+
+    causal: bool
+    scaling: float | None
+    dropout: float
+    sliding_window: int | None  # token i sees j when 0 <= i - j < window (transformers' convention)
+    softcap: float | None
+
+
+def attention_features(method: str, module: torch.nn.Module, dropout: float, scaling: float | None, kwargs: dict[str, Any]) -> AttentionFeatures:
+    """Read (and check) one call's keywords; :class:`UnsupportedAttention` for any keyword no kernel here implements."""
+    model = type(module).__name__
+    for name in _REFUSED_WHEN_SET:
+        if kwargs.get(name) is not None:
+            raise UnsupportedAttention(f"{method}: {model} passes attention keyword {name!r}, which {method} does not implement; train this model without it")
+    if kwargs.get("output_attentions"):
+        raise UnsupportedAttention(f"{method}: {model} asks for the attention weights (output_attentions=True), which {method} does not compute; turn it off")
+    for name, value in kwargs.items():
+        if name in _HARMLESS or name in ("is_causal", "sliding_window", "softcap", "output_attentions") or name in _REFUSED_WHEN_SET:
+            continue
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            raise UnsupportedAttention(
+                f"{method}: {model} passes an unknown tensor keyword {name!r} to attention (a bias {method} would ignore); "
+                "train this model without sequence/context parallelism"
+            )
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    return AttentionFeatures(
+        bool(causal), scaling, float(dropout or 0.0), int(window) if window is not None else None, float(softcap) if softcap else None
+    )
+
+
+def allowed(features: AttentionFeatures, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+    """Boolean mask [q, k] of the pairs a query may attend to (None: every pair)."""
+    if not features.causal and features.sliding_window is None:
+        return None
+    distance = q_pos[:, None] - k_pos[None, :]
+    mask = torch.ones_like(distance, dtype=torch.bool)
+    if features.causal:
+        mask &= distance >= 0
+    if features.sliding_window is not None:
+        mask &= distance < features.sliding_window if features.causal else distance.abs() < features.sliding_window
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: AttentionFeatures, mask: torch.Tensor | None, training: bool) -> torch.Tensor:
+    """Attention of [b, H, q, d] queries to [b, H, k, d] keys honouring every feature: SDPA, or explicit math for softcap."""
+    dropout = features.dropout if training else 0.0
+    if features.softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=features.scaling)
+    scale = features.scaling if features.scaling is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / features.softcap) * features.softcap  # Gemma 2's logit soft-capping
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if dropout:
+        probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
+    return probs @ v
+
 
 def route_attention(model: torch.nn.Module, name: str, kernel: Callable[..., object], key: str) -> str:
-    """Register ``kernel`` as ``name`` and switch the model to it; returns the implementation it replaced.
+    """Register ``kernel`` as ``name``; returns the model's own implementation (the model is not switched yet).
 
     ``key`` names the config key in the error for a model that does not dispatch this way.
     """
@@ -29,9 +123,7 @@ def route_attention(model: torch.nn.Module, name: str, kernel: Callable[..., obj
 
     AttentionInterface.register(name, kernel)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)  # the local mask is ignored: the kernel knows the positions
-    previous = config._attn_implementation
-    set_attention(model, name)
-    return previous
+    return config._attn_implementation
 
 
 def set_attention(model: torch.nn.Module, name: str) -> None:

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from slipstream import comm
+from slipstream.engine.parallel.attention import allowed, attend, attention_features
 from slipstream.engine.parallel.context.layout import Layout
 
 class _GatherKV(torch.autograd.Function):
@@ -35,16 +35,24 @@ class _GatherKV(torch.autograd.Function):
 
 
 class AllGatherKVAttention:
-    """The attention function registered with transformers for ``context_parallel.method = "allgather_kv"``."""
+    """The attention function registered with transformers for ``context_parallel.method = "allgather_kv"``.
+
+    Queries see the whole sequence's keys, so causality, sliding windows and soft-capping are exact
+    (a mask from the global positions; parallel/attention.py); anything else is refused.
+    """
 
     def __init__(self, group: dist.ProcessGroup, layout: Layout) -> None:
         self.group, self.layout = group, layout
         self.rank = dist.get_rank(group)
+        self.active = False  # set by the engine's sharder for its steps only
 
     def __call__(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
         dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        if not self.active:
+            raise RuntimeError("context_parallel: attention called outside the engine's sharded step (the model's own attention runs there)")
+        features = attention_features("all-gathered K/V attention (context_parallel)", module, dropout, scaling, kwargs)
         b, heads, n, d = query.shape
         kv_heads = key.shape[1]
         gathered = _GatherKV.apply(torch.cat([key, value], dim=1), self.group)  # [c, b, 2·Hkv, n, d]
@@ -52,11 +60,8 @@ class AllGatherKVAttention:
         v = gathered[:, :, kv_heads:].permute(1, 2, 0, 3, 4).reshape(b, kv_heads, -1, d)
         if heads != kv_heads:
             k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
-        mask = None
-        if getattr(module, "is_causal", True):
-            length = n * self.layout.size
-            q_pos = self.layout.positions(self.rank, length).to(query.device)
-            k_pos = torch.cat([self.layout.positions(r, length) for r in range(self.layout.size)]).to(query.device)
-            mask = q_pos[:, None] >= k_pos[None, :]
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        length = n * self.layout.size
+        q_pos = self.layout.positions(self.rank, length).to(query.device)
+        k_pos = torch.cat([self.layout.positions(r, length) for r in range(self.layout.size)]).to(query.device)
+        out = attend(query, k, v, features, allowed(features, q_pos, k_pos), module.training)
         return out.transpose(1, 2).contiguous(), None

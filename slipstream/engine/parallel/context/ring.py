@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.engine.parallel.attention import UnsupportedAttention, attention_features
 from slipstream.engine.parallel.context.layout import Layout
 
 class _RingShift(torch.autograd.Function):
@@ -134,6 +135,7 @@ class RingAttention:
         ranks = dist.get_process_group_ranks(self.group)
         self.nxt, self.prev = ranks[(self.rank + 1) % layout.size], ranks[(self.rank - 1) % layout.size]
         self.pairs = 0.0  # causal work done by this rank (layout.py's units), for tests and the monitor
+        self.active = False  # set by the engine's sharder for its steps only
 
     def shift(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """One ring step outside autograd: send ``x`` to the next rank, return the previous rank's."""
@@ -173,12 +175,24 @@ class RingAttention:
         dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
         # The engine refused padded batches; the causal pattern comes from the global positions below.
-        if dropout:
-            raise ValueError("context_parallel: attention dropout is not supported by ring attention; set the model's attention dropout to 0")
+        if not self.active:
+            raise RuntimeError("context_parallel: ring attention called outside the engine's sharded step (the model's own attention runs there)")
+        features = attention_features("ring attention (context_parallel)", module, dropout, scaling, kwargs)
         b, heads, n, d = query.shape
+        model = type(module).__name__
+        if features.dropout:
+            raise UnsupportedAttention(f"ring attention (context_parallel): {model} uses attention dropout {features.dropout}, which ring attention does not implement; set the model's attention dropout to 0")
+        if features.softcap is not None:
+            raise UnsupportedAttention(f"ring attention (context_parallel): {model} soft-caps attention logits (softcap={features.softcap}), which ring attention does not implement; use context_parallel.method \"allgather_kv\" or sequence_parallel_size")
+        if features.sliding_window is not None and features.sliding_window < n * self.layout.size:
+            raise UnsupportedAttention(
+                f"ring attention (context_parallel): {model} attends within a sliding window of {features.sliding_window} tokens, "
+                f"shorter than the sequence ({n * self.layout.size}), which ring attention does not implement; use "
+                "context_parallel.method \"allgather_kv\" or sequence_parallel_size"
+            )
         groups = heads // key.shape[1]
-        scale = scaling if scaling is not None else d**-0.5
-        causal = getattr(module, "is_causal", True)
+        scale = features.scaling if features.scaling is not None else d**-0.5
+        causal = features.causal
         if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16):
             out = _FlashRing.apply(query, key, value, self, scale, causal)
             return out.transpose(1, 2).contiguous(), None

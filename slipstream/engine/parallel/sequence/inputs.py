@@ -35,7 +35,7 @@ class SequenceSharder:
 
     def __init__(
         self, group: dist.ProcessGroup, key: str = "sequence_parallel_size", layout: Any = None,
-        restore: tuple[torch.nn.Module, str] | None = None,
+        routing: tuple[torch.nn.Module, str, str, Any] | None = None,
     ) -> None:  # fmt: skip
         self.group = group
         self.size = dist.get_world_size(group)
@@ -43,15 +43,39 @@ class SequenceSharder:
         self.key = key
         self.layout = layout  # context parallel's chunk layout (context/layout.py); None: contiguous shards
         self.divisor = layout.divisor if layout is not None else self.size
-        self.restore = restore  # (model, the attention implementation it had): put back by close()
+        # (model, our attention's name, the model's own, our kernel): see parallel/attention.py's notes
+        self.routing = routing
+        self.active = False
+
+    def activate(self) -> None:
+        """Switch the model to the sharded kernel for one engine step."""
+        if self.routing is not None and not self.active:
+            from slipstream.engine.parallel.attention import set_attention
+
+            model, ours, _, kernel = self.routing
+            set_attention(model, ours)
+            kernel.active = self.active = True
+
+    def deactivate(self) -> None:
+        """The model's own attention again (after the step's backward, or a forward without gradients)."""
+        if self.routing is not None and self.active:
+            from slipstream.engine.parallel.attention import set_attention
+
+            model, _, previous, kernel = self.routing
+            set_attention(model, previous)
+            kernel.active = self.active = False
 
     def close(self) -> None:
         """Give the model its own attention back (the engine is discarded; the model may be trained again)."""
-        if self.restore is not None:
-            from slipstream.engine.parallel.attention import set_attention
+        self.deactivate()
+        self.routing = None
 
-            set_attention(*self.restore)
-            self.restore = None
+    def positions(self, length: int) -> torch.Tensor:
+        """The global positions of this rank's tokens in a sequence of ``length``, in local order."""
+        if self.layout is not None:
+            return self.layout.positions(self.rank, length)
+        chunk = length // self.size
+        return torch.arange(self.rank * chunk, (self.rank + 1) * chunk)
 
     def shard(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
         """The local keyword arguments, and this rank's count of labelled tokens (None without labels)."""
@@ -77,11 +101,7 @@ class SequenceSharder:
             out["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
         if "position_ids" not in out:
             out["position_ids"] = torch.arange(length, device=source.device).unsqueeze(0).expand(batch, length)
-        if self.layout is not None:
-            index = self.layout.positions(self.rank, length).to(source.device)
-        else:
-            chunk = length // self.size
-            index = torch.arange(self.rank * chunk, (self.rank + 1) * chunk, device=source.device)
+        index = self.positions(length).to(source.device)
         for key in SEQUENCE_KEYS:
             if key in out and out[key] is not None:
                 out[key] = out[key].index_select(1, index)
@@ -99,7 +119,8 @@ class SequenceSharder:
             return output
         total = count.detach().clone()
         comm.all_reduce(total, group=self.group, tag="sequence-parallel token count").wait()
-        local = loss * count / total.clamp(min=1.0)  # n_r·l_r / N
+        # A shard with no labelled token (prompt masking) has a NaN mean: it contributes nothing, not 0 × NaN.
+        local = torch.where(count > 0, loss * count / total.clamp(min=1.0), torch.zeros_like(loss))  # n_r·l_r / N
         reported = local.detach().clone()
         comm.all_reduce(reported, group=self.group, tag="sequence-parallel loss").wait()
         output.loss = self.size * local + (reported - self.size * local).detach()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from slipstream import comm
+from slipstream.engine.parallel.attention import allowed, attend, attention_features
 
 ATTENTION_NAME = "slipstream_ulysses"
 
@@ -56,18 +57,26 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.P
 
 
 class UlyssesAttention:
-    """The attention function registered with transformers: ``(module, q, k, v, mask, ...) -> (out [b, s, H, d], None)``."""
+    """The attention function registered with transformers: ``(module, q, k, v, mask, ...) -> (out [b, s, H, d], None)``.
+
+    Each rank attends whole sequences, so causality, sliding windows, soft-capping and dropout are
+    all honoured exactly (parallel/attention.py); anything else a model asks for is refused.
+    """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
+        self.active = False  # set by the engine's sharder for its steps only
 
     def __call__(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
         dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        if not self.active:
+            raise RuntimeError("sequence_parallel_size: Ulysses attention called outside the engine's sharded step (the model's own attention runs there)")
+        features = attention_features("Ulysses attention (sequence_parallel_size)", module, dropout, scaling, kwargs)
         # attention_mask: the model built it for the local tokens only; the engine refused padded batches,
-        # so the whole-sequence mask is the causal one, applied below (is_causal on the whole sequence).
+        # so the whole-sequence mask is the causal one (plus the window), applied below on the whole sequence.
         u = self.size
         b, heads, s_local, d = query.shape
         kv_heads = key.shape[1]
@@ -83,7 +92,12 @@ class UlyssesAttention:
         q, k, v = whole.split([hq, hk, hk], dim=1)
         if hk != hq:
             k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
-        causal = getattr(module, "is_causal", True)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scaling)  # [b, hq, s, d]
+        s = s_local * u
+        training = module.training
+        if features.softcap is None and (features.sliding_window is None or features.sliding_window >= s):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=features.dropout if training else 0.0, is_causal=features.causal, scale=features.scaling)
+        else:
+            positions = torch.arange(s, device=q.device)
+            out = attend(q, k, v, features, allowed(features, positions, positions), training)  # [b, hq, s, d]
         back = all_to_all(out.unsqueeze(1), 3, 1, self.group, "ulysses output all-to-all")  # [b, u, hq, s/u, d]
         return back.reshape(b, heads, s_local, d).transpose(1, 2).contiguous(), None

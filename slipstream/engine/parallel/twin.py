@@ -1,0 +1,188 @@
+"""The numerical twin check: before training, the parallelized model is run on a synthetic batch
+next to its unparallelized twin, and a mismatch refuses to train naming the first module that diverges.
+
+[Note: why a twin check] Rules catch the model features we thought of (a keyword, a non-causal
+model, a cut that skips a block); the twin check catches the ones nobody wrote a rule for. For
+sequence and context parallelism the twin is the same model with its own attention on the whole
+sequence: every rank of the group holds the whole model, so each runs the reference itself, then
+the engine's sharded forward and backward, and compares (a) every module's output on its own
+tokens, in call order, (b) the whole-sequence loss, (c) the group-mean gradients. A kernel that
+refuses a feature raises on the first forward: the same check turns that into the refusal at
+``initialize``. The check runs in eval mode (dropout off, so both runs are deterministic) on a
+1 × L batch of random tokens under a forked RNG, and leaves no gradient and no RNG change behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+from slipstream.engine.parallel.attention import UnsupportedAttention
+
+RELATIVE_TOLERANCE = 1e-3  # fp32 arithmetic in another order: ~1e-6; a wrong mask or a dropped keyword: > 1e-2
+
+
+@dataclasses.dataclass
+class TwinMismatch:
+    what: str  # "module 'model.layers.0.self_attn'", "the loss", "the gradient of 'lm_head.weight'"
+    difference: float
+
+
+def relative_difference(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    ours, reference = ours.detach().double(), reference.detach().double()
+    if not torch.isfinite(ours).all() and torch.isfinite(reference).all():
+        return float("inf")
+    scale = reference.norm().item()
+    return (ours - reference).norm().item() / max(scale, 1e-12) if scale > 1e-12 else (ours - reference).norm().item()
+
+
+class _Recorder:
+    """Each module's first tensor output, in call order (forward hooks on every module)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.outputs: list[tuple[str, torch.Tensor]] = []
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in model.named_modules() if name]
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            tensor = output[0] if isinstance(output, (tuple, list)) and output else getattr(output, "last_hidden_state", output)
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dim() >= 2:
+                self.outputs.append((name, tensor.detach().clone()))
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def synthetic_tokens(model: torch.nn.Module, divisor: int) -> torch.Tensor:
+    """1 × L random token ids (the same on every rank): L a multiple of ``divisor``, inside the model's positions."""
+    config = getattr(model, "config", None)
+    vocab = int(getattr(config, "vocab_size", 0) or 256)
+    limit = min(
+        (int(v) for v in (getattr(config, k, None) for k in ("max_position_embeddings", "n_positions", "n_ctx")) if isinstance(v, int) and v > 0),
+        default=256,
+    )  # fmt: skip
+    length = max(divisor * max(1, 32 // divisor), divisor)
+    if length > limit:
+        length = max(divisor, limit // divisor * divisor)
+    generator = torch.Generator().manual_seed(20261126)
+    return torch.randint(0, vocab, (1, length), generator=generator)
+
+
+@contextlib.contextmanager
+def _quiet_model(model: torch.nn.Module) -> Any:
+    """Eval mode, a forked RNG, and the parameters' gradients restored afterwards."""
+    was_training = model.training
+    saved = {p: p.grad for p in model.parameters()}
+    # The CPU generator is forked; eval mode draws nothing from a device's (no dropout runs).
+    with torch.random.fork_rng(devices=[]):
+        model.eval()
+        try:
+            yield
+        finally:
+            model.train(was_training)
+            for p, g in saved.items():
+                p.grad = g
+
+
+def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str, device: torch.device) -> None:
+    """Sharded forward/backward vs. the same model's own attention on the whole sequence; raises ValueError naming the first divergence."""
+    tokens = synthetic_tokens(model, sharder.divisor).to(device)
+    batch = {"input_ids": tokens, "labels": tokens.clone()}
+    name = type(model).__name__
+    with _quiet_model(model):
+        for p in model.parameters():
+            p.grad = None
+        recorder = _Recorder(model)
+        try:
+            reference = model(**batch)
+            ref_loss = getattr(reference, "loss", None)
+            if ref_loss is None:
+                raise ValueError(f"{sharder.key}: {name} returned no loss for input_ids with labels; sequence sharding needs a model that computes its loss")
+            ref_loss.backward()
+            ref_outputs, recorder.outputs = recorder.outputs, []
+            ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            for p in model.parameters():
+                p.grad = None
+            local, count = sharder.shard(batch)
+            sharder.activate()
+            try:
+                output = sharder.combine(model(**local), count)
+                (output.loss * 1.0).backward()
+            except UnsupportedAttention as err:
+                raise ValueError(str(err)) from None
+            finally:
+                sharder.deactivate()
+            ours = recorder.outputs
+        finally:
+            recorder.close()
+        mismatch = _first_mismatch(ref_outputs, ours, sharder, tokens.shape[1])
+        if mismatch is None and relative_difference(output.loss, ref_loss) > RELATIVE_TOLERANCE:
+            mismatch = TwinMismatch("the loss", relative_difference(output.loss, ref_loss))
+        if mismatch is None:
+            mismatch = _first_gradient_mismatch(model, ref_grads, sharder.group)
+        _agree(mismatch, sharder.group, f"{sharder.key}: {mode} does not reproduce {name} on a synthetic batch (twin check)")
+
+
+def _first_mismatch(reference: list[tuple[str, torch.Tensor]], ours: list[tuple[str, torch.Tensor]], sharder: Any, length: int) -> TwinMismatch | None:
+    """The first module (in call order) whose output on this rank's tokens differs from the reference's."""
+    index = sharder.positions(length)
+    ref_by_call = {}
+    for name, tensor in reference:
+        ref_by_call.setdefault(name, []).append(tensor)
+    seen: dict[str, int] = {}
+    for name, tensor in ours:
+        k = seen.get(name, 0)
+        seen[name] = k + 1
+        candidates = ref_by_call.get(name, [])
+        if k >= len(candidates):
+            return TwinMismatch(f"module {name!r} (called more often than in the unparallelized model)", float("inf"))
+        ref = candidates[k]
+        if ref.dim() < 2 or ref.shape[1] != length or tensor.shape[1] != index.numel():
+            continue  # not a per-token output (or not on the sequence dimension)
+        ref_local = ref.index_select(1, index.to(ref.device))
+        if ref_local.shape != tensor.shape:
+            continue
+        difference = relative_difference(tensor, ref_local)
+        if difference > RELATIVE_TOLERANCE:
+            return TwinMismatch(f"module {name!r} ({type(tensor).__name__} output)", difference)
+    return None
+
+
+def _first_gradient_mismatch(model: torch.nn.Module, reference: dict[str, torch.Tensor], group: dist.ProcessGroup) -> TwinMismatch | None:
+    size = dist.get_world_size(group)
+    for name, p in model.named_parameters():
+        ref = reference.get(name)
+        if ref is None:
+            continue
+        grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(ref)
+        comm.all_reduce(grad, group=group, tag="twin check gradient").wait()
+        difference = relative_difference(grad / size, ref)
+        if difference > RELATIVE_TOLERANCE:
+            return TwinMismatch(f"the gradient of {name!r}", difference)
+    return None
+
+
+def _agree(mismatch: TwinMismatch | None, group: dist.ProcessGroup, headline: str) -> None:
+    """Every rank of the group raises if any rank saw a mismatch (the lowest such rank's finding)."""
+    flag = torch.tensor([dist.get_rank(group) if mismatch is not None else dist.get_world_size(group)], dtype=torch.int64)
+    comm.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, tag="twin check verdict").wait()
+    first = int(flag.item())
+    if first == dist.get_world_size(group):
+        return
+    found = [None]
+    if dist.get_rank(group) == first:
+        found = [f"{mismatch.what} differs by {mismatch.difference:.2e} (relative)"]
+    dist.broadcast_object_list(found, src=dist.get_global_rank(group, first), group=group)
+    raise ValueError(
+        f"{headline}: {found[0]} on rank {first} of the group, against the model's own attention on the whole sequence; "
+        "the model uses something this mode does not implement. Train it without this mode, or set twin_check: false "
+        "to train anyway at your own risk"
+    )

@@ -1,0 +1,193 @@
+"""Correct or refused (issue 27), sequence and context parallel: every attention keyword is honoured
+or refused at ``initialize``, the numerical twin check catches what no rule names, and the model
+outside the engine's steps is the user's own.
+
+Tiny models from configs, 2 gloo ranks, 3 steps against one process on the same global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import slipstream
+from tests.harness import run_distributed
+from tests.reference import train_lm_engine, train_lm_reference
+
+SEQ, BATCH, STEPS, VOCAB, LR = 32, 2, 3, 128, 1e-3
+WINDOW = 8  # shorter than SEQ: the window bites
+
+
+def _mistral(window: int | None = WINDOW) -> torch.nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=window, attention_dropout=0.0,
+    ))  # fmt: skip
+
+
+def _gemma2() -> torch.nn.Module:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=WINDOW, query_pre_attn_scalar=8,
+        attn_logit_softcapping=2.0, final_logit_softcapping=30.0, attention_dropout=0.0,
+    ))  # fmt: skip
+
+
+def _bert_mlm() -> torch.nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ))  # fmt: skip
+
+
+BUILDERS = {"mistral": _mistral, "gemma2": _gemma2, "bert": _bert_mlm}
+MODES = {
+    "ulysses": {"sequence_parallel_size": 2},
+    "ring": {"context_parallel": {"size": 2, "method": "ring"}},
+    "zigzag": {"context_parallel": {"size": 2, "method": "zigzag"}},
+    "allgather_kv": {"context_parallel": {"size": 2, "method": "allgather_kv"}},
+}
+
+
+def _config(mode: str) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, **MODES[mode],
+    }  # fmt: skip
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _train_or_refuse(name: str, mode: str) -> dict[str, Any]:
+    try:
+        engine = slipstream.initialize(BUILDERS[name](), _config(mode))
+    except slipstream.ConfigError as err:
+        return {"refused": str(err)}
+    losses = train_lm_engine(engine, _batches(), BATCH, 0)
+    engine.close()
+    return {"losses": losses}
+
+
+CASES = [
+    ("mistral", "ulysses", "trains"), ("mistral", "allgather_kv", "trains"),
+    ("mistral", "ring", "sliding window"), ("mistral", "zigzag", "sliding window"),
+    ("gemma2", "ulysses", "trains"), ("gemma2", "allgather_kv", "trains"), ("gemma2", "ring", "soft-caps"),
+    ("bert", "ulysses", "twin check"), ("bert", "ring", "twin check"),
+]  # fmt: skip
+
+
+def _cases_body() -> list[dict[str, Any]]:
+    return [_train_or_refuse(name, mode) for name, mode, _ in CASES]
+
+
+def test_every_attention_keyword_is_honoured_or_refused_at_initialize() -> None:
+    """Cases 1-3: sliding windows and soft-capping train to one process where the kernel implements them and
+    are refused (naming the feature) where it does not; a masked LM is refused by the twin check."""
+    references = {name: train_lm_reference(BUILDERS[name](), _batches(), LR)[0] for name in ("mistral", "gemma2")}
+    results = run_distributed(2, _cases_body)
+    for rank_results in results:
+        for (name, mode, expected), result in zip(CASES, rank_results, strict=True):
+            if expected == "trains":
+                assert "losses" in result, (name, mode, result)
+                assert result["losses"] == pytest.approx(references[name], rel=1e-5), (name, mode)
+            else:
+                assert "refused" in result, (name, mode, result)
+                assert expected in result["refused"] and "\n" not in result["refused"], (name, mode, result["refused"])
+
+
+def _dropping_body(mode: str) -> str:
+    """A kernel that silently drops ``sliding_window`` (the bug this guards against), caught by no rule but the twin check."""
+    import slipstream.engine.parallel.attention as attention
+
+    original = attention.attention_features
+
+    def drop_window(method: str, module: torch.nn.Module, dropout: float, scaling: Any, kwargs: dict[str, Any]) -> Any:
+        return original(method, module, dropout, scaling, {k: v for k, v in kwargs.items() if k != "sliding_window"})
+
+    targets = [m for m in (attention, *_kernel_modules()) if hasattr(m, "attention_features")]
+    for module in targets:
+        module.attention_features = drop_window
+    try:
+        slipstream.initialize(_mistral(), _config(mode))
+    except slipstream.ConfigError as err:
+        return str(err)
+    finally:
+        for module in targets:
+            module.attention_features = original
+    return "trained"
+
+
+def _kernel_modules() -> list[Any]:
+    from slipstream.engine.parallel.context import allgather, ring
+    from slipstream.engine.parallel.sequence import ulysses
+
+    return [ulysses, ring, allgather]
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "ring", "allgather_kv"])
+def test_twin_check_refuses_a_kernel_that_drops_a_keyword(mode: str) -> None:
+    for message in run_distributed(2, _dropping_body, mode):
+        assert "twin check" in message and "module 'model.layers.0.self_attn" in message, message
+
+
+def _prompt_masked_body() -> dict[str, Any]:
+    """Case 4: labels all -100 on rank 0's half (SFT prompt masking): the loss is the second half's, finite."""
+    engine = slipstream.initialize(_mistral(), {**_config("ulysses"), "twin_check": False})
+    tokens = _batches()[0]
+    labels = tokens.clone()
+    labels[:, : SEQ // 2 + 1] = -100  # after the engine's shift, rank 0's shard has no labelled token
+    loss = engine(input_ids=tokens, labels=labels).loss
+    engine.backward(loss)
+    grads = {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+    engine.close()
+    return {"loss": float(loss), "grad": float(sum(g.norm() ** 2 for g in grads.values()) ** 0.5)}
+
+
+def test_a_shard_without_labels_reports_the_true_loss() -> None:
+    model = _mistral()
+    tokens = _batches()[0]
+    labels = tokens.clone()
+    labels[:, : SEQ // 2 + 1] = -100
+    loss = model(input_ids=tokens, labels=labels).loss
+    loss.backward()
+    loss = loss.detach()
+    grad = float(sum(p.grad.norm() ** 2 for p in model.parameters() if p.grad is not None) ** 0.5)
+    for result in run_distributed(2, _prompt_masked_body):
+        assert result["loss"] == pytest.approx(float(loss), rel=1e-5)
+        assert result["grad"] == pytest.approx(grad, rel=1e-4)
+
+
+def _direct_call_body(mode: str) -> float:
+    """Case 5: after initialize, calling the model itself on a whole batch runs its own attention."""
+    model = _mistral(window=None)
+    engine = slipstream.initialize(model, _config(mode))
+    tokens = _batches()[0]
+    loss = engine(input_ids=tokens, labels=tokens).loss  # one engine step in between
+    engine.backward(loss)
+    with torch.no_grad():
+        direct = engine.module(input_ids=tokens).logits
+        twin = _mistral(window=None)
+        twin.load_state_dict(engine.module.state_dict())
+        expected = twin(input_ids=tokens).logits
+    engine.close()
+    return float((direct - expected).abs().max())
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "zigzag"])
+def test_direct_calls_after_initialize_run_the_models_own_attention(mode: str) -> None:
+    assert max(run_distributed(2, _direct_call_body, mode)) < 1e-6
