@@ -13,7 +13,13 @@
 # build lies on disk (it runs on CPU); the others use the torch of requirements (torch==2.13.0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT="$PWD"
+# The cells test the committed tree (HEAD), exported once, so editing the working tree meanwhile
+# cannot change what a cell runs.
+SRC="$ROOT/.compat/src"
+rm -rf "$SRC" && mkdir -p "$SRC" && git archive HEAD | tar -x -C "$SRC"
 PYTHON="${PYTHON:-python3}"
+META_PYTHON="${META_PYTHON:-.venv/bin/python}"  # reads the dependency closure of the installed packages
 BASE_TORCH="${SLIPSTREAM_TORCH:-torch==2.13.0}"
 TESTS="${COMPAT_TESTS:-tests/integration/test_hf_trainer_switch.py tests/integration/test_accelerate_switch.py tests/integration/test_lightning_switch.py tests/distributed/test_tensor_parallel.py tests/distributed/test_sequence_parallel.py tests/distributed/test_context_parallel.py tests/distributed/test_pipeline.py tests/distributed/test_expert_parallel.py tests/unit/test_activation_checkpointing.py}"
 PACKAGES=(torch transformers accelerate lightning)
@@ -50,24 +56,49 @@ PY
 }
 
 run_cell() {  # package version
-  local pkg="$1" version="$2" venv=".compat/$1-$2" log=".compat/$1-$2.log" constraints
+  local pkg="$1" version="$2" venv="$ROOT/.compat/$1-$2" log="$ROOT/.compat/$1-$2.log" constraints
   constraints="$(mktemp)"
-  grep -v -i "^${pkg}==" requirements/constraints.txt > "$constraints"
-  [ "$pkg" = lightning ] && { grep -v -i "^pytorch-lightning==" "$constraints" > "$constraints.2"; mv "$constraints.2" "$constraints"; echo "pytorch-lightning==$version" >> "$constraints"; }
+  # The package and what it depends on float (an old release needs old dependencies); the rest stays pinned.
+  "$META_PYTHON" - "$pkg" <<'PY' > "$constraints"
+import re, sys
+from importlib import metadata
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+def closure(name, seen):
+    name = canonicalize_name(name)
+    if name in seen:
+        return seen
+    seen.add(name)
+    try:
+        requires = metadata.requires(name) or []
+    except metadata.PackageNotFoundError:
+        return seen
+    for text in requires:
+        r = Requirement(text)
+        if r.marker is None or "extra" not in str(r.marker):
+            closure(r.name, seen)
+    return seen
+floating = closure(sys.argv[1], set()) | ({"pytorch-lightning"} if sys.argv[1] == "lightning" else set())
+for line in open("requirements/constraints.txt"):
+    name = line.split("==")[0].strip()
+    if line.startswith("#") or canonicalize_name(name) not in floating:
+        print(line.rstrip())
+PY
+  [ "$pkg" = lightning ] && echo "pytorch-lightning==$version" >> "$constraints"
   [ "$pkg" != torch ] && echo "${pkg}==${version}" >> "$constraints"
   local torch_spec="$BASE_TORCH"
   [ "$pkg" = torch ] && torch_spec="torch==$version"
   echo "== $pkg $version ($venv)"
-  {
+  (
     [ -x "$venv/bin/python" ] || "$PYTHON" -m venv --system-site-packages "$venv"
     # The machine-wide pip constraint may cap torch at what lies on its disk; a torch cell asks the index.
     if [ "$pkg" = torch ]; then
       PIP_CONSTRAINT="$constraints" "$venv/bin/python" -m pip install --quiet "$torch_spec"
     fi
-    VENV="$venv" SLIPSTREAM_TORCH="$torch_spec" SLIPSTREAM_CONSTRAINTS="$constraints" PIP_CONSTRAINT="$constraints" ./scripts/setup.sh
+    (cd "$SRC" && VENV="$venv" SLIPSTREAM_TORCH="$torch_spec" SLIPSTREAM_CONSTRAINTS="$constraints" PIP_CONSTRAINT="$constraints" ./scripts/setup.sh) || exit 1
     "$venv/bin/python" -c "import torch, transformers, accelerate, lightning; print('versions: torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'lightning', lightning.__version__)"
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider $TESTS
-  } > "$log" 2>&1
+    (cd "$SRC" && "$venv/bin/python" -m pytest -q -p no:cacheprovider $TESTS)
+  ) > "$log" 2>&1
   local code=$?
   local summary versions
   summary="$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$log" | tail -1 | tr -d '=' | sed 's/^ *//')"

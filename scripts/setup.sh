@@ -31,8 +31,10 @@ CONSTRAINTS="$(mktemp)"
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
 grep -v -i '^torch==' "${SLIPSTREAM_CONSTRAINTS:-requirements/constraints.txt}" >> "$CONSTRAINTS"
+# (pip's own status decides: the filter only hides a harmless notice of this machine's pip config)
 "$PY" -m pip install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[dev]" 2>&1 \
-  | grep -v "is ignored: it is neither a file nor a directory" || true
+  | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "setup: installing slipstream's dependencies failed (see pip's message above)" >&2; exit 1; }
 # Compile the ops now (CPU Adam, async I/O; cached per torch/compiler/flags), so no first run of a
 # user waits for a compiler: an offload config's first loss would otherwise include the build.
 "$PY" -m slipstream.ops.build >/dev/null 2>&1 \
