@@ -199,7 +199,7 @@ def _parallelize_pipeline(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: M
     try:
         return parallelize_pipeline(
             model, mesh, pipe.schedule, cfg.gradient_accumulation_steps, pipe.virtual_stages, pipe.partition,
-            cfg.train_micro_batch_size_per_gpu,
+            cfg.train_micro_batch_size_per_gpu, twin_check=cfg.twin_check,
         )  # fmt: skip
     except ValueError as err:
         if str(err).startswith("pipeline."):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from slipstream.integrations._config import fill_hidden_size_autos, get, node
+from slipstream.integrations._mesh import data_parallel_layout
 
 
 class AutoFiller:
@@ -35,8 +36,14 @@ class AutoFiller:
         self.fill_match(key, hf_value, must_match=False)
 
     def from_arguments(self, args: Any, auto_find_batch_size: bool = False) -> None:
-        """The first pass, when the arguments are created."""
-        train_batch_size = args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+        """The first pass, when the arguments are created.
+
+        ``train_batch_size`` counts data-parallel ranks: under sequence, context, tensor or pipeline
+        parallelism several processes share one micro-batch (``_mesh.py``), so it is
+        dp × micro × accumulation, with dp = world / (pp · cp · sp · tp), as the engine checks it.
+        """
+        dp = data_parallel_layout(self.config, args.world_size, args.process_index).size
+        train_batch_size = dp * args.per_device_train_batch_size * args.gradient_accumulation_steps
         self.fill_match("train_micro_batch_size_per_gpu", args.per_device_train_batch_size, "per_device_train_batch_size", not auto_find_batch_size)
         self.fill_match("gradient_accumulation_steps", args.gradient_accumulation_steps, "gradient_accumulation_steps")
         self.fill_match("train_batch_size", train_batch_size, "train_batch_size (calculated)", not auto_find_batch_size)

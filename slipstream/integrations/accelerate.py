@@ -6,6 +6,11 @@ same ``ACCELERATE_DEEPSPEED_*`` environment variables). ``prepare`` builds the e
 runs ``engine.backward`` and ``engine.step`` (the optimizer and scheduler returned by ``prepare``
 step inside the engine, as with DeepSpeed); ``accumulate``, ``clip_grad_norm_``, ``save_state`` /
 ``load_state`` and ``unwrap_model`` behave as they do under DeepSpeed.
+
+Under a model-parallel mesh (sequence, context, tensor or pipeline parallel) data loaders are
+sharded by the data-parallel coordinate, not by process (see ``_mesh.py``): every rank of one
+sequence/tensor/pipeline group reads the same micro-batches, ``"auto"`` batch sizes count dp, and
+``gather_for_metrics`` returns each sample once.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state, save_custom_state
+from accelerate.data_loader import get_sampler, prepare_data_loader
+from accelerate.utils import broadcast_object_list, gather_object, recursively_apply
 
 import slipstream
 from slipstream.integrations._config import fill_auto, fill_hidden_size_autos, get
 from slipstream.integrations._engine import build_training_engine, inference_engine
+from slipstream.integrations._mesh import DataParallelLayout, check_engine, data_parallel_layout
 from slipstream.integrations._plugin import DummyOptim, DummyScheduler, SlipstreamPlugin
 from slipstream.integrations._wrappers import SlipstreamOptimizer, SlipstreamScheduler
 from slipstream.utils.logging import get_logger
@@ -45,6 +53,84 @@ class SlipstreamAccelerator(Accelerator):
         self.engines: list[Any] = []
         # The Hugging Face Trainer divides the loss by the accumulation steps itself (SlipstreamTrainer sets this).
         self.caller_scales_loss = False
+        self._dp_layout: DataParallelLayout | None = None
+
+    # ------------------------------------------------------------------ data: sharded by dp (_mesh.py)
+    @property
+    def data_parallel_layout(self) -> DataParallelLayout:
+        """This process's dp coordinate and the dp size, from the plugin's config (the engine's mesh agrees)."""
+        if self._dp_layout is None:
+            self._dp_layout = data_parallel_layout(self.slipstream_plugin.config, self.num_processes, self.process_index)
+        return self._dp_layout
+
+    def prepare_data_loader(self, data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None) -> Any:
+        """Accelerate's sharding, over dp coordinates: the ranks of one model-parallel group read the same batches."""
+        layout = self.data_parallel_layout
+        if not layout.shared or getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if self.dispatch_batches:
+            raise ValueError(
+                "SlipstreamAccelerator: dispatch_batches=True slices each batch per process, but under a model-parallel "
+                f"mesh ({layout.sharers} ranks per micro-batch) ranks of one group must read the same batch; "
+                "use dispatch_batches=False"
+            )
+        data_seed = self._same_order_on_every_rank(data_loader)
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=layout.size, process_index=layout.rank, split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(), dispatch_batches=False, even_batches=self.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=self.use_seedable_sampler, data_seed=data_seed,
+            non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader, torch_device_mesh=None,
+        )  # fmt: skip
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def _same_order_on_every_rank(self, data_loader: Any) -> Any:
+        """Rank 0's shuffling seed for every rank; the data seed to prepare with.
+
+        Accelerate keeps a shuffled order in step by broadcasting the sampler's generator from
+        rank 0, but only when it shards (dp > 1), and its seedable sampler starts from each
+        process's own initial seed; ranks sharing a micro-batch must shuffle identically always.
+        """
+        seed = self.dataloader_config.data_seed
+        sampler = get_sampler(data_loader)
+        if not isinstance(sampler, torch.utils.data.RandomSampler):
+            return seed
+        if self.use_seedable_sampler:
+            shared = [seed if seed is not None else torch.random.initial_seed()]
+            broadcast_object_list(shared)
+            return shared[0]
+        if sampler.generator is None:
+            sampler.generator = torch.Generator()
+            sampler.generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+        state = [sampler.generator.get_state()]
+        broadcast_object_list(state)
+        sampler.generator.set_state(state[0])
+        return seed
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Accelerate's ``gather_for_metrics`` with each micro-batch counted once (from one rank per dp coordinate)."""
+        layout = self.data_parallel_layout
+        if not layout.shared:
+            return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        readers = list(layout.readers)
+        if use_gather_object or not all_tensors:
+            per_rank = gather_object([input_data])
+            data = [x for rank in readers for x in per_rank[rank]]
+        else:
+            world = layout.world
+            data = recursively_apply(lambda t: t.reshape(world, -1, *t.shape[1:])[readers].flatten(0, 1), self.gather(input_data))
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:  # the last batch was padded with repeated samples
+            if isinstance(data, list):
+                return data[: state.remainder]
+            return recursively_apply(lambda t: t[: state.remainder], data)
+        return data
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
@@ -99,6 +185,7 @@ class SlipstreamAccelerator(Accelerator):
         engine = build_training_engine(
             model, config, optimizer=user_optimizer, lr_scheduler=callable_scheduler, model_parameters=params
         )
+        check_engine(self.data_parallel_layout, engine)
         self.engines.append(engine)
         self._models.append(engine)
         self._optimizers.append(SlipstreamOptimizer(engine))
@@ -114,16 +201,18 @@ class SlipstreamAccelerator(Accelerator):
     def _filled_config(self, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
         """Accelerate's DeepSpeed "auto" filling: batch sizes from the data loader, optimizer and schedule from the dummies."""
         config = self.slipstream_plugin.config_copy()
+        # A loader's total batch is the micro-batch of every dp coordinate together (ranks that share a
+        # micro-batch read it once): the micro-batch and train_batch_size count dp, not processes.
+        dp = self.data_parallel_layout.size
         batch = next((getattr(d, "total_batch_size", None) for d in self._dataloaders), None)
         mb = get(config, "train_micro_batch_size_per_gpu")
         if mb == "auto" and batch is not None:
-            mb = batch // self.num_processes if not self.split_batches else batch // self.num_processes
-            fill_auto(config, "train_micro_batch_size_per_gpu", mb)
+            fill_auto(config, "train_micro_batch_size_per_gpu", batch // dp)
         fill_auto(config, "gradient_accumulation_steps", self.gradient_accumulation_steps)
         mb = get(config, "train_micro_batch_size_per_gpu")
         gas = get(config, "gradient_accumulation_steps")
         if isinstance(mb, int) and isinstance(gas, int):
-            fill_auto(config, "train_batch_size", mb * gas * self.num_processes)
+            fill_auto(config, "train_batch_size", mb * gas * dp)
         if get(config, "gradient_clipping") == "auto":
             config.pop("gradient_clipping")
         if isinstance(optimizer, DummyOptim):

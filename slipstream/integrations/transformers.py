@@ -9,6 +9,15 @@ config, and its ``"auto"`` values are filled exactly as the DeepSpeed integratio
 checkpoint save/load) and hand it a :class:`SlipstreamAccelerator`, so the Trainer's own loop runs
 unchanged: it divides the loss by the accumulation steps, forces a boundary on an epoch's last
 batch, and the engine does the rest. Nothing is patched and no ``deepspeed`` module is faked.
+
+[Note: model-parallel meshes] Under sequence, context, tensor or pipeline parallelism the ranks of
+one group read the same micro-batches (the accelerator shards the loader by dp, ``_mesh.py``).
+The Trainer already divides its label count and its loss scale by the number of processes that
+share a batch, which it asks of ``get_tp_size``; here that is world / dp. Under sequence or context
+parallelism the model runs without ``num_items_in_batch`` (the engine reports the micro-batch's
+whole-sequence *mean* from per-shard means) and :meth:`SlipstreamTrainer.compute_loss` turns that
+mean into the Trainer's token sum over the window's label count, so the loss trained and logged is
+the one a single process would see.
 """
 
 from __future__ import annotations
@@ -85,6 +94,39 @@ class SlipstreamTrainer(Trainer):
         if accelerator is not None and accelerator.engines:
             return accelerator.engines[-1]
         return inference_engine(self.model)
+
+    # ------------------------------------------------------------------ model-parallel meshes (see the module's note)
+    def get_tp_size(self) -> int:
+        """How many processes read each batch (world / dp): the Trainer divides its label count and loss scale by it."""
+        accelerator = getattr(self, "accelerator", None)
+        if isinstance(accelerator, SlipstreamAccelerator):
+            return accelerator.data_parallel_layout.sharers
+        return super().get_tp_size()
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:  # fmt: skip
+        """The Trainer's loss; under sequence or context parallelism, normalised by ``num_items_in_batch`` here."""
+        accelerator = getattr(self, "accelerator", None)
+        if (
+            num_items_in_batch is None
+            or not isinstance(accelerator, SlipstreamAccelerator)
+            or not accelerator.data_parallel_layout.sequence_split
+            or not self.model_accepts_loss_kwargs
+            or self.compute_loss_func is not None
+            or self.label_smoother is not None
+            or "labels" not in inputs
+        ):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        # The engine's loss is the micro-batch's mean over its labelled tokens (shifted, as the engine shifts them
+        # before cutting the sequences); times that count over the window's count, it is the model's own
+        # `sum / num_items_in_batch`, then scaled as the Trainer scales it.
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True)
+        labels = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][..., 1:]
+        loss = loss * labels.ne(-100).sum().to(loss.dtype) / num_items_in_batch
+        if self.args.average_tokens_across_devices:
+            loss = loss * (accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu)
+        return (loss, outputs) if return_outputs else loss
 
     # ------------------------------------------------------------------ optimizer and schedule
     def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:

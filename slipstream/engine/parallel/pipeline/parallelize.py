@@ -20,7 +20,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
-from slipstream.engine.parallel.pipeline import cut, profile
+from slipstream.engine.parallel.pipeline import cut, profile, twin
 from slipstream.engine.parallel.pipeline.executor import Executor, StepTiming, predicted_bubble
 from slipstream.engine.parallel.pipeline.schedules import Schedule, build
 from slipstream.engine.parallel.pipeline.simulate import simulate
@@ -110,8 +110,10 @@ class Pipeline:
 
 
 def parallelize_pipeline(
-    model: torch.nn.Module, mesh: Mesh, schedule_name: str, micro_batches: int, virtual_stages: int, method: str, micro_batch_size: int = 1
+    model: torch.nn.Module, mesh: Mesh, schedule_name: str, micro_batches: int, virtual_stages: int, method: str, micro_batch_size: int = 1,
+    twin_check: bool = False,
 ) -> Pipeline | None:  # fmt: skip
+    """This rank's stages of ``model`` and their schedule; ``twin_check``: the cut's first step against the whole model's (twin.py)."""
     p = mesh.size("pp")
     if p == 1:
         return None
@@ -127,6 +129,16 @@ def parallelize_pipeline(
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=mesh.ranks("pp")[0], group=mesh.group("pp"))
     layout = schedule.layout
+    twin_batches, expected = None, None
+    if twin_check:
+        twin_batches = twin.micro_batches(model, micro_batches)
+        if twin_batches is None:
+            log_rank0(logger, "pipeline: %s takes no token batch the twin check could make; its cut is not checked numerically", type(model).__name__)
+        else:
+            problem = twin.probe_blocks(model, blocks, twin_batches[0])
+            if problem is not None:
+                raise ValueError(f"pipeline.stages: {type(model).__name__}: {problem}; train it without a pipeline")
+            expected = twin.reference(model, twin_batches)
     prologue, epilogue = cut.outer_modules(model, blocks)
     numel = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters(recurse=False))  # noqa: E731
     measured = profile.block_times(model, blocks, prologue, epilogue, micro_batch_size, mesh.group("pp")) if method == "profile" else None
@@ -164,6 +176,9 @@ def parallelize_pipeline(
     )  # fmt: skip
     pipeline = Pipeline(model, mesh, schedule, gate, ranges, ties, handles)
     pipeline.settle()
+    if expected is not None:
+        twin.check(pipeline, twin_batches, expected, f"pipeline.stages: the {p}-stage cut ({schedule.name}) does not reproduce {type(model).__name__} (twin check)")
+        pipeline.last_report = None
     return pipeline
 
 

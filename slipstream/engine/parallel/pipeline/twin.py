@@ -1,0 +1,148 @@
+"""The pipeline's numerical twin check (see parallel/twin.py): the cut model's first step against the whole model's.
+
+[Note: what the pipeline twin compares] Before the cut every rank holds the whole model (rank 0's
+weights), so each computes the reference itself: the window's ``m`` synthetic micro-batches
+through the unchanged model, losses and accumulated gradients. After the cut the same
+micro-batches run through the real schedule across the pipeline ranks (P2P, tied-weight sums and
+all). The step's losses and every parameter's gradient on this rank must match the reference's.
+Whatever the cut cannot see, a block that reads more than the hidden state (``block(x, x0)``), a
+block list run twice, weights shared across more than the two ends, a block the gate skips,
+shows up as a loss or gradient that differs, and ``initialize`` refuses, naming the module of
+the first parameter that differs. Before the cut, one forward of the whole model with hooks on the blocks refuses
+what no cut can carry in words (a block called twice, a block reading a second activation). The
+synthetic batch is random token ids in the model's first call convention that returns a loss
+(``input_ids=/labels=``, ``(tokens, labels)``, ``(tokens)``); a model taking none of them trains
+unchecked, and the log says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from slipstream.engine.parallel.twin import TwinMismatch, agree, quiet_model, relative_difference, synthetic_tokens, tolerance_for
+
+
+def _vocabulary(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        return int(config.vocab_size)
+    first = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return first.num_embeddings if first is not None else None
+
+
+def micro_batches(model: torch.nn.Module, count: int) -> list[Any] | None:
+    """``count`` synthetic micro-batches in the first call convention the model accepts that returns a loss:
+    ``model(input_ids=, labels=)``, ``model(tokens, labels)``, ``model(tokens)``; None for a model that takes none."""
+    vocab = _vocabulary(model)
+    if vocab is None:
+        return None
+    device = next(model.parameters()).device
+    tokens = [synthetic_tokens(model, 8, seed=k).to(device).clamp_(max=vocab - 1) for k in range(count)]
+    conventions = (lambda t: {"input_ids": t, "labels": t.clone()}, lambda t: (t, t.clone()), lambda t: t)
+    from slipstream.engine.parallel.pipeline.executor import call_model, loss_of
+
+    with quiet_model(model), torch.no_grad():
+        for make in conventions:
+            try:
+                loss_of(call_model(model, make(tokens[0])))
+            except Exception:  # noqa: BLE001 - probing the model's call convention
+                continue
+            return [make(t) for t in tokens]
+    return None
+
+
+def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> str | None:
+    """What a cut cannot carry, seen in one forward of the whole model: a block called other than once, in order,
+    or a block that reads an activation with gradients besides its hidden state (None: nothing found)."""
+    from slipstream.engine.parallel.pipeline.executor import call_model
+
+    calls: list[int] = []
+    extra: dict[int, str] = {}
+
+    def hook(index: int) -> Any:
+        def record(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            calls.append(index)
+            values = list(enumerate(args[1:], 1)) + [(k, v) for k, v in kwargs.items() if k != "hidden_states" or not args]
+            if not args and "hidden_states" in kwargs:
+                values = [(k, v) for k, v in kwargs.items() if k != "hidden_states"]
+            for key, value in values:
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad and index not in extra:
+                    extra[index] = f"argument {key!r}" if isinstance(key, str) else f"positional argument {key}"
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(blocks.modules)]
+    try:
+        with quiet_model(model):
+            call_model(model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if calls != list(range(len(blocks))):
+        counted = {i: calls.count(i) for i in range(len(blocks))}
+        odd = next((i for i, n in counted.items() if n != 1), None)
+        if odd is not None:
+            return f"block {blocks.names[odd]!r} runs {counted[odd]} times per forward; a pipeline cut runs each block once, in order"
+        return "the blocks run out of their registration order; a pipeline cut runs them in order"
+    if extra:
+        index = min(extra)
+        return (
+            f"block {blocks.names[index]!r} reads an activation besides its hidden state ({extra[index]}, a tensor with "
+            "gradients, e.g. the embedding output); a pipeline cut carries only the hidden state between stages"
+        )
+    return None
+
+
+def reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The whole model's losses and accumulated gradients (mean over micro-batches), in eval mode."""
+    from slipstream.engine.parallel.pipeline.executor import call_model, loss_of
+
+    with quiet_model(model):
+        for p in model.parameters():
+            p.grad = None
+        losses = []
+        for batch in batches:
+            loss = loss_of(call_model(model, batch))
+            (loss / len(batches)).backward()
+            losses.append(float(loss.detach()))
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return losses, grads
+
+
+def check(pipeline: Any, batches: list[Any], expected: tuple[list[float], dict[str, torch.Tensor]], headline: str) -> None:
+    """Run one step of the cut model and compare it with ``expected``; ValueError naming the first difference."""
+    model = pipeline.model
+    ref_losses, ref_grads = expected
+    tolerance = tolerance_for(model)
+    with quiet_model(model):
+        for p in model.parameters():
+            p.grad = None
+        report = pipeline.train_step(batches, 1.0 / len(batches), contextlib.nullcontext)
+        mismatch = None
+        for k, (ours, theirs) in enumerate(zip(report.losses, ref_losses, strict=True)):
+            difference = abs(ours - theirs) / max(abs(theirs), 1e-12)
+            if difference > tolerance:
+                mismatch = TwinMismatch(f"the loss of micro-batch {k}", difference)
+                break
+        if mismatch is None:
+            mismatch = _first_gradient_mismatch(model, ref_grads, pipeline, tolerance)
+    agree(mismatch, pipeline.group, headline, "the whole model's step on the same micro-batches")
+
+
+def _first_gradient_mismatch(model: torch.nn.Module, reference: dict[str, torch.Tensor], pipeline: Any, tolerance: float) -> TwinMismatch | None:
+    silenced = tuple(n + "." for n in pipeline.ties.silenced)
+    for name, p in model.named_parameters():
+        ref = reference.get(name)
+        if ref is None or name.startswith(silenced) and name not in pipeline.ties.names:
+            continue
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if grad.shape != ref.shape:
+            continue  # reshaped by the cut: compared through the loss
+        difference = relative_difference(grad, ref)
+        if difference > tolerance:
+            module = name.rsplit(".", 1)[0] if "." in name else name
+            return TwinMismatch(f"the gradient of {name!r} (module {module!r})", difference)
+    return None
