@@ -126,3 +126,83 @@ def test_encoder_decoder_is_refused(name: str) -> None:
     """Case 9: embeddings shared by encoder, decoder and head; the pipeline cuts one block list only."""
     for message in run_distributed(2, _refusal, name):
         assert message.startswith("pipeline.stages:") and "\n" not in message, message
+
+
+def _opt() -> torch.nn.Module:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    return OPTForCausalLM(OPTConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4, ffn_dim=32, num_attention_heads=2, max_position_embeddings=64,
+        word_embed_proj_dim=HIDDEN, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
+    ))  # fmt: skip
+
+
+def _t5() -> torch.nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0,
+    ))  # fmt: skip
+
+
+class _EncoderLM(torch.nn.Module):
+    """An LM on ``nn.TransformerEncoder`` (its forward inspects ``layers[0].self_attn``: a cut stage cannot run it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        layer = torch.nn.TransformerEncoderLayer(HIDDEN, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> _Output:
+        logits = self.head(self.encoder(self.embed(input_ids)))
+        return _Output(F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+MODELS.update({"opt": _opt, "t5": _t5, "encoder": _EncoderLM})
+
+
+def test_opt_final_norm_registered_before_its_layers_trains() -> None:
+    """Case 14: prologue and epilogue by execution order (OPT registers final_layer_norm before its layers)."""
+    for message in run_distributed(2, _refusal, "opt"):
+        assert message == "accepted", message
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("t5", "block 'encoder.block.1' reads an activation besides its hidden state"),
+    ("encoder", "stage 1 fails on its own (AttributeError: 'Passthrough' object has no attribute 'self_attn')"),
+])  # fmt: skip
+def test_models_a_cut_breaks_are_refused_on_every_rank(name: str, expected: str) -> None:
+    """Case 15: T5 and an nn.TransformerEncoder LM are refused at initialize on every rank (no crash, no rank left waiting)."""
+    for message in run_distributed(2, _refusal, name, timeout=120):
+        assert message.startswith("pipeline.stages:") and expected in message and "\n" not in message, message
+
+
+def _config_error(layers: int, extra: dict[str, Any]) -> str:
+    from tests.distributed.test_pipeline import _llama
+
+    config = _config(2, "1f1b", 4)
+    config["pipeline"].update(extra)
+    if extra.get("schedule") == "interleaved_1f1b":
+        config["gradient_accumulation_steps"] = 4
+    try:
+        slipstream.initialize(_llama(layers), config)
+    except slipstream.ConfigError as err:
+        return str(err)
+    return "accepted"
+
+
+@pytest.mark.parametrize("layers,extra,expected", [
+    (1, {}, "pipeline.stages: 2 stages need at least 2 blocks; LlamaForCausalLM has 1 (model.layers)"),
+    (2, {"schedule": "interleaved_1f1b", "virtual_stages": 2}, "pipeline.virtual_stages: 2 ranks × 2 virtual stages = 4 stages need at least 4 blocks"),
+    (4, {"partition": "type:(["}, "pipeline.partition: 'type:([': '([' is not a regular expression"),
+])  # fmt: skip
+def test_pipeline_errors_name_the_right_key(layers: int, extra: dict[str, Any], expected: str) -> None:
+    """Case 18: every rank refuses together, naming the key that is wrong."""
+    for message in run_distributed(2, _config_error, layers, extra, timeout=120):
+        assert message.startswith(expected) and "\n" not in message, message

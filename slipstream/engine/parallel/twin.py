@@ -189,7 +189,7 @@ def agree(mismatch: TwinMismatch | None, group: dist.ProcessGroup, headline: str
         return
     found = [None]
     if dist.get_rank(group) == first:
-        found = [f"{mismatch.what} differs by {mismatch.difference:.2e} (relative)"]
+        found = [mismatch.what + (f" differs by {mismatch.difference:.2e} (relative)" if mismatch.difference != float("inf") else "")]
     dist.broadcast_object_list(found, src=dist.get_global_rank(group, first), group=group)
     raise ValueError(
         f"{headline}: {found[0]} on rank {first} of the group, against {against}; the model uses something this mode "

@@ -84,7 +84,10 @@ def partition(
     """
     n = len(blocks)
     if n < stages:
-        raise ValueError(f"pipeline.stages: {stages} stages need at least {stages} blocks; the model has {n} ({blocks.container or 'model'})")
+        ranks = len({rank_of(s) for s in range(stages)}) if rank_of is not None else stages
+        key = "pipeline.stages" if ranks == stages else "pipeline.virtual_stages"
+        how = f"{stages} stages" if ranks == stages else f"{ranks} ranks × {stages // ranks} virtual stages = {stages} stages"
+        raise ValueError(f"{key}: {how} need at least {stages} blocks; the model has {n} ({blocks.container or 'model'})")
     if method == "uniform":
         weights = [1.0] * n
     elif method in ("parameters", "best"):
@@ -94,7 +97,10 @@ def partition(
     elif method == "profile" and measured is not None:
         weights = list(measured)
     elif method.startswith("type:"):
-        pattern = re.compile(method[5:], re.IGNORECASE)
+        try:
+            pattern = re.compile(method[5:], re.IGNORECASE)
+        except re.error as err:
+            raise ValueError(f"pipeline.partition: {method!r}: {method[5:]!r} is not a regular expression ({err}); e.g. \"type:DecoderLayer\"") from None
         weights = [1.0 if pattern.search(type(b).__name__) else 0.0 for b in blocks.modules]
         if sum(weights) < stages:
             raise ValueError(f"pipeline.partition: {method!r} matches {int(sum(weights))} blocks ({type(blocks.modules[0]).__name__}); need at least {stages}")
@@ -213,8 +219,24 @@ class StageGate:
 
 
 # ----------------------------------------------------------------------------- surgery
-def outer_modules(model: torch.nn.Module, blocks: Blocks) -> tuple[list[str], list[str]]:
-    """Modules with their own parameters outside the blocks: before them (prologue) and after (epilogue)."""
+def outer_modules(model: torch.nn.Module, blocks: Blocks, order: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """Modules with their own parameters outside the blocks: before them (prologue) and after (epilogue).
+
+    ``order``: the modules' first calls in one forward (twin.probe_blocks). With it a module is
+    prologue or epilogue by when it runs (OPT registers its final norm before its layers); without
+    it, or for a module the forward did not call, by registration order.
+    """
+    if order is not None and blocks.names and blocks.names[0] in order:
+        position = {name: i for i, name in enumerate(order)}
+        first_block = position[blocks.names[0]]
+        by_registration = outer_modules(model, blocks)
+        before, after = [], []
+        for name in [*by_registration[0], *by_registration[1]]:
+            if name in position:
+                (before if position[name] < first_block else after).append(name)
+            else:
+                (before if name in by_registration[0] else after).append(name)
+        return before, after
     container = blocks.container
     before, after, seen_blocks = [], [], False
     for name, module in model.named_modules():
@@ -241,9 +263,15 @@ def absent_for(module: torch.nn.Module, name: str) -> Absent:
     if isinstance(module, torch.nn.Linear):
         return Absent(module.out_features, module.weight.dtype, from_ids=False)
     raise ValueError(
-        f"pipeline: cannot cut the model: its prologue module {name} ({type(module).__name__}) has weights and runs "
+        f"pipeline.stages: cannot cut the model: its prologue module {name} ({type(module).__name__}) has weights and runs "
         "before the first block, and only embeddings and linear layers can be left out of later stages"
     )
+
+
+def check_prologue(model: torch.nn.Module, prologue: list[str]) -> None:
+    """Every rank refuses a prologue a later stage could not stand in for, before any rank cuts (no rank left waiting)."""
+    for name in prologue:
+        absent_for(model.get_submodule(name), name)
 
 
 def silence(module: torch.nn.Module) -> None:

@@ -119,6 +119,10 @@ def parallelize_pipeline(
         return None
     blocks = find_blocks(model)
     if blocks is None:
+        single = next((n for n, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))
+                       and sum(1 for c in m.children() if any(True for _ in c.parameters())) == 1), None)  # fmt: skip
+        if single is not None:
+            raise ValueError(f"pipeline.stages: {p} stages need at least {p} blocks; {type(model).__name__} has 1 ({single})")
         raise ValueError(
             f"pipeline.stages: {type(model).__name__} has no run of repeated blocks (a ModuleList or Sequential of "
             "identical layers) to cut into stages"
@@ -129,17 +133,19 @@ def parallelize_pipeline(
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=mesh.ranks("pp")[0], group=mesh.group("pp"))
     layout = schedule.layout
-    twin_batches, expected = None, None
+    twin_batches, expected, order, probe = None, None, None, None
     if twin_check:
         twin_batches = twin.micro_batches(model, micro_batches)
         if twin_batches is None:
             log_rank0(logger, "pipeline: %s takes no token batch the twin check could make; its cut is not checked numerically", type(model).__name__)
         else:
-            problem = twin.probe_blocks(model, blocks, twin_batches[0])
-            if problem is not None:
-                raise ValueError(f"pipeline.stages: {type(model).__name__}: {problem}; train it without a pipeline")
+            probe = twin.probe_blocks(model, blocks, twin_batches[0])
+            if probe.problem is not None:
+                raise ValueError(f"pipeline.stages: {type(model).__name__}: {probe.problem}; train it without a pipeline")
+            order = probe.order
             expected = twin.reference(model, twin_batches)
-    prologue, epilogue = cut.outer_modules(model, blocks)
+    prologue, epilogue = cut.outer_modules(model, blocks, order)
+    cut.check_prologue(model, prologue)
     numel = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters(recurse=False))  # noqa: E731
     measured = profile.block_times(model, blocks, prologue, epilogue, micro_batch_size, mesh.group("pp")) if method == "profile" else None
     ranges = cut.partition(blocks, layout.num_stages, method, numel(prologue), numel(epilogue), measured, layout.rank_of)
@@ -177,7 +183,9 @@ def parallelize_pipeline(
     pipeline = Pipeline(model, mesh, schedule, gate, ranges, ties, handles)
     pipeline.settle()
     if expected is not None:
-        twin.check(pipeline, twin_batches, expected, f"pipeline.stages: the {p}-stage cut ({schedule.name}) does not reproduce {type(model).__name__} (twin check)")
+        headline = f"pipeline.stages: the {p}-stage cut ({schedule.name}) does not reproduce {type(model).__name__} (twin check)"
+        twin.dry_run(pipeline, twin_batches[0], probe, headline)
+        twin.check(pipeline, twin_batches, expected, headline)
         pipeline.last_report = None
     return pipeline
 

@@ -18,6 +18,7 @@ unchecked, and the log says so.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -54,17 +55,41 @@ def micro_batches(model: torch.nn.Module, count: int) -> list[Any] | None:
     return None
 
 
-def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> str | None:
-    """What a cut cannot carry, seen in one forward of the whole model: a block called other than once, in order,
-    or a block that reads an activation with gradients besides its hidden state (None: nothing found)."""
+@dataclasses.dataclass
+class Probe:
+    """What one forward of the whole model showed (see probe_blocks)."""
+
+    problem: str | None
+    order: list[str]  # modules by first call
+    inputs: dict[int, tuple[torch.Size, torch.dtype]]  # each block's hidden-state input
+
+
+def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
+    """One forward of the whole model: what a cut cannot carry (a block called other than once, in order, or a
+    block reading an activation with gradients besides its hidden state; None: nothing found), and the
+    qualified names of the modules in the order they first ran (prologue and epilogue by execution, not registration)."""
     from slipstream.engine.parallel.pipeline.executor import call_model
 
     calls: list[int] = []
     extra: dict[int, str] = {}
+    inputs: dict[int, tuple[torch.Size, torch.dtype]] = {}
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def first_call(name: str) -> Any:
+        def record(module: torch.nn.Module, args: Any) -> None:
+            if name not in seen:
+                seen.add(name)
+                order.append(name)
+
+        return record
 
     def hook(index: int) -> Any:
         def record(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             calls.append(index)
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(hidden, torch.Tensor) and index not in inputs:
+                inputs[index] = (hidden.shape, hidden.dtype)
             values = list(enumerate(args[1:], 1)) + [(k, v) for k, v in kwargs.items() if k != "hidden_states" or not args]
             if not args and "hidden_states" in kwargs:
                 values = [(k, v) for k, v in kwargs.items() if k != "hidden_states"]
@@ -75,6 +100,7 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> str | None:
         return record
 
     handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(blocks.modules)]
+    handles += [m.register_forward_pre_hook(first_call(name)) for name, m in model.named_modules() if name]
     try:
         with quiet_model(model):
             call_model(model, batch)
@@ -85,15 +111,16 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> str | None:
         counted = {i: calls.count(i) for i in range(len(blocks))}
         odd = next((i for i, n in counted.items() if n != 1), None)
         if odd is not None:
-            return f"block {blocks.names[odd]!r} runs {counted[odd]} times per forward; a pipeline cut runs each block once, in order"
-        return "the blocks run out of their registration order; a pipeline cut runs them in order"
+            return Probe(f"block {blocks.names[odd]!r} runs {counted[odd]} times per forward; a pipeline cut runs each block once, in order", order, inputs)
+        return Probe("the blocks run out of their registration order; a pipeline cut runs them in order", order, inputs)
     if extra:
         index = min(extra)
-        return (
+        return Probe(
             f"block {blocks.names[index]!r} reads an activation besides its hidden state ({extra[index]}, a tensor with "
-            "gradients, e.g. the embedding output); a pipeline cut carries only the hidden state between stages"
-        )
-    return None
+            "gradients computed by another module: an embedding output, a learned position bias); a pipeline cut "
+            "carries only the hidden state between stages", order, inputs,
+        )  # fmt: skip
+    return Probe(None, order, inputs)
 
 
 def reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -110,6 +137,28 @@ def reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float], 
             losses.append(float(loss.detach()))
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return losses, grads
+
+
+def dry_run(pipeline: Any, batch: Any, probe: Probe, headline: str) -> None:
+    """Each local stage's forward alone (zeros for the received activation) before any rank waits on another:
+    a stage the cut broke (a model that inspects the blocks it calls) fails here on its own rank, and every
+    pipeline rank raises together instead of one crashing while its peer waits for an activation."""
+    from slipstream.engine.parallel.pipeline.cut import StageOutput  # noqa: F401 - forward() catches it
+
+    executor, problem = pipeline.executor, None
+    with quiet_model(pipeline.model), torch.no_grad():
+        for stage in executor.layout.stages_of(executor.rank):
+            start = pipeline.ranges[stage].start
+            received = None
+            if stage > 0 and start in probe.inputs:
+                shape, dtype = probe.inputs[start]
+                received = torch.zeros(shape, dtype=dtype, device=next(pipeline.model.parameters()).device)
+            try:
+                executor.forward(stage, batch, received)
+            except Exception as err:  # noqa: BLE001 - any failure of the cut stage is the finding
+                problem = TwinMismatch(f"stage {stage} fails on its own ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})", float("inf"))
+                break
+    agree(problem, pipeline.group, headline, "the whole model")
 
 
 def check(pipeline: Any, batches: list[Any], expected: tuple[list[float], dict[str, torch.Tensor]], headline: str) -> None:
