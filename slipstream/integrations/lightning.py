@@ -10,7 +10,9 @@ accumulation, clipping (``Trainer(gradient_clip_val=...)`` goes into the config)
 step; Lightning still calls ``training_step``, steps the LR schedulers of ``configure_optimizers``
 (the engine updates the very optimizer they were built over) and saves its loop state inside the
 engine's checkpoint (a directory, like DeepSpeed's). Lightning already divides the loss by
-``accumulate_grad_batches``, so the engine does not divide it again.
+``accumulate_grad_batches``, so the engine does not divide it again. Lightning's distributed
+sampler shards by the data-parallel coordinate (``_mesh.py``), so under sequence, context, tensor
+or pipeline parallelism the ranks of one group read the same batches.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import slipstream
 from slipstream.integrations._config import read_config
+from slipstream.integrations._mesh import data_parallel_layout
 
 __all__ = ["SlipstreamPrecision", "SlipstreamStrategy"]
 
@@ -136,6 +139,12 @@ class SlipstreamStrategy(DDPStrategy):
         self.engine = slipstream.initialize(self.model, config, optimizer=optimizer)
         self.model = self.engine
         self.optimizers = [self.engine.optimizer]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Shard by dp, not by process: ranks that differ only in pp, cp, sp or tp read the same batches."""
+        layout = data_parallel_layout(self.config, self.world_size, self.global_rank)
+        return {"num_replicas": layout.size, "rank": layout.rank}
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DDP wrapper: the engine reduces the gradients
