@@ -69,6 +69,11 @@ class Work:
             if timed_out
             else ""
         )
+        if not _from_peer(err):  # a local error (autograd, dtype, shape): do not send the user after another rank
+            return (
+                f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} failed on "
+                f"this rank ({type(err).__name__}, not a communication error): {err}"
+            )
         return (
             f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} "
             f"{reason} after {elapsed:.1f}s{hint}. Another rank probably died or took a different code path "
@@ -91,6 +96,14 @@ def _launch(
         handle = Work(None, record, group)
         raise CollectiveError(handle._describe(err)) from err
     return Work(work, record, group, on_complete)
+
+
+_PEER_SIGNS = ("timed out", "timeout", "connection", "closed", "peer", "socket", "broken pipe", "reset", "abort", "nccl", "gloo")
+
+
+def _from_peer(err: BaseException) -> bool:
+    """Whether a failed collective points at another rank (a backend/transport error) or at this rank's own code."""
+    return isinstance(err, getattr(dist, "DistBackendError", ())) or any(sign in str(err).lower() for sign in _PEER_SIGNS)
 
 
 def all_reduce(

@@ -62,7 +62,14 @@ class RingContext:
             self._exchange(chunks[(self.rank - step) % self.size], chunks[(self.rank - step - 1) % self.size])
 
     def submit(self, fn, *args) -> concurrent.futures.Future:  # noqa: ANN001
-        return self.executor.submit(fn, *args)
+        # [Note: no autograd on the ring thread] Grad mode is thread-local and on by default in a new
+        # thread; a collective's copies into buffers (views made under no_grad inside an autograd
+        # Function's forward) must never be recorded, or torch refuses the in-place write.
+        def untracked() -> object:
+            with torch.no_grad():
+                return fn(*args)
+
+        return self.executor.submit(untracked)
 
 
 _contexts: dict[int, RingContext] = {}

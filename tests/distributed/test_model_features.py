@@ -191,3 +191,59 @@ def _direct_call_body(mode: str) -> float:
 @pytest.mark.parametrize("mode", ["ulysses", "zigzag"])
 def test_direct_calls_after_initialize_run_the_models_own_attention(mode: str) -> None:
     assert max(run_distributed(2, _direct_call_body, mode)) < 1e-6
+
+
+def _gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ))  # fmt: skip
+
+
+BUILDERS["gpt2"] = _gpt2
+TP_SP = {"tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}
+
+
+def _tp_sp_body(length: int) -> dict[str, Any]:
+    config = {**_config("ulysses"), **TP_SP}
+    del config["sequence_parallel_size"]
+    engine = slipstream.initialize(_gpt2(), config)
+    try:
+        tokens = [t[:, :length] for t in _batches()]
+        return {"losses": train_lm_engine(engine, tokens, BATCH, 0)}
+    except slipstream.ConfigError as err:
+        return {"refused": str(err)}
+    finally:
+        engine.close()
+
+
+def test_gpt2_tensor_and_megatron_sequence_parallel_trains() -> None:
+    """Case 13: GPT-2 under tp 2 + sequence parallel trains to one process (the ring thread recorded autograd)."""
+    reference = train_lm_reference(_gpt2(), _batches(), LR)[0]
+    for result in run_distributed(2, _tp_sp_body, SEQ):
+        assert result["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+def test_megatron_sequence_parallel_names_the_multiple_to_pad_to() -> None:
+    """Case 19: a sequence that does not divide by tp is a ConfigError naming the key and the multiple."""
+    for result in run_distributed(2, _tp_sp_body, SEQ - 1):
+        assert result["refused"].startswith("tensor_parallel.sequence_parallel: the sequence length 31 does not divide"), result
+
+
+def _counted_body() -> float:
+    """transformers' num_items_in_batch (the Trainer passes it): the shards' losses add up to the whole batch's."""
+    engine = slipstream.initialize(_mistral(window=None), _config("ulysses"))
+    tokens = _batches()[0]
+    loss = engine(input_ids=tokens, labels=tokens, num_items_in_batch=torch.tensor(3 * BATCH * (SEQ - 1))).loss
+    engine.backward(loss)
+    engine.close()
+    return float(loss)
+
+
+def test_num_items_in_batch_is_honoured_under_ulysses() -> None:
+    tokens = _batches()[0]
+    expected = float(_mistral(window=None)(input_ids=tokens, labels=tokens, num_items_in_batch=torch.tensor(3 * BATCH * (SEQ - 1))).loss)
+    for loss in run_distributed(2, _counted_body):
+        assert loss == pytest.approx(expected, rel=1e-5)

@@ -46,6 +46,7 @@ class SequenceSharder:
         # (model, our attention's name, the model's own, our kernel): see parallel/attention.py's notes
         self.routing = routing
         self.active = False
+        self.caller_normalizes = False
 
     def activate(self) -> None:
         """Switch the model to the sharded kernel for one engine step."""
@@ -95,6 +96,8 @@ class SequenceSharder:
                 f"{self.key}: padded batches (attention_mask with zeros) are not supported with sequence parallelism yet; "
                 "pack sequences without padding or mark padding with labels = -100 and an all-ones mask"
             )
+        # transformers' num_items_in_batch: the model divides its token sum by the caller's count, not its own
+        self.caller_normalizes = kwargs.get("num_items_in_batch") is not None
         out = {k: v for k, v in kwargs.items() if k != "attention_mask"}
         labels = out.pop("labels", None)
         if labels is not None and "shift_labels" not in out:
@@ -117,10 +120,13 @@ class SequenceSharder:
         loss = getattr(output, "loss", None)
         if loss is None or count is None:
             return output
-        total = count.detach().clone()
-        comm.all_reduce(total, group=self.group, tag="sequence-parallel token count").wait()
-        # A shard with no labelled token (prompt masking) has a NaN mean: it contributes nothing, not 0 × NaN.
-        local = torch.where(count > 0, loss * count / total.clamp(min=1.0), torch.zeros_like(loss))  # n_r·l_r / N
+        if getattr(self, "caller_normalizes", False):
+            local = loss  # already (shard's token sum) / (the caller's count for the whole batch): shards add up
+        else:
+            total = count.detach().clone()
+            comm.all_reduce(total, group=self.group, tag="sequence-parallel token count").wait()
+            # A shard with no labelled token (prompt masking) has a NaN mean: it contributes nothing, not 0 × NaN.
+            local = torch.where(count > 0, loss * count / total.clamp(min=1.0), torch.zeros_like(loss))  # n_r·l_r / N
         reported = local.detach().clone()
         comm.all_reduce(reported, group=self.group, tag="sequence-parallel loss").wait()
         output.loss = self.size * local + (reported - self.size * local).detach()

@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.tensor import ops
 from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext
 from slipstream.engine.parallel.tensor.partial_grads import sum_gradients_over_tp
@@ -70,6 +72,13 @@ def enable(
         if not ctx.sp:
             return None
         kind, key = _first_tensor(args, kwargs)
+        hidden = args[0] if kind == "arg" else kwargs[key]
+        size = dist.get_world_size(ctx.group)
+        if hidden.shape[ctx.seq_dim] % size:
+            raise ConfigError(
+                f"tensor_parallel.sequence_parallel: the sequence length {hidden.shape[ctx.seq_dim]} does not divide by "
+                f"tensor_parallel.autotp_size = {size}; pad or cut sequences to a multiple of {size}"
+            )
         if kind == "arg":
             return (ops.split_sequence(args[0], ctx.seq_dim, ctx.group), *args[1:]), kwargs
         return args, {**kwargs, key: ops.split_sequence(kwargs[key], ctx.seq_dim, ctx.group)}
