@@ -106,9 +106,12 @@ def backward(engine: Engine, loss: Any, boundary: bool) -> None:
 def train_batch(engine: Engine, data_iter: Iterator[Any] | Iterable[Any] | None) -> torch.Tensor:
     """DeepSpeed's ``train_batch``: ``gradient_accumulation_steps`` micro-batches, one optimizer step, the mean loss."""
     it = _iterator(engine, data_iter)
+    # The window's micro-batches are drawn before any runs: an iterator that ends inside the window raises
+    # StopIteration with nothing recorded (DeepSpeed's epoch idiom, `except StopIteration: it = iter(loader)`,
+    # then starts a clean window; no stale micro-batch leaks into the next step).
+    batches = _draw(it, engine.gradient_accumulation_steps(), "train_batch")
     losses = []
-    for _ in range(engine.gradient_accumulation_steps()):
-        batch = next(it)
+    for batch in batches:
         loss = engine(**batch) if isinstance(batch, dict) else engine(*batch) if isinstance(batch, (tuple, list)) else engine(batch)
         if engine.pipeline is None:
             loss = loss_of(loss)
@@ -121,12 +124,25 @@ def train_batch(engine: Engine, data_iter: Iterator[Any] | Iterable[Any] | None)
 def eval_batch(engine: Engine, data_iter: Iterator[Any] | Iterable[Any] | None) -> torch.Tensor:
     """DeepSpeed's ``eval_batch``: forward only over ``gradient_accumulation_steps`` micro-batches, the mean loss."""
     it = _iterator(engine, data_iter)
-    batches = [next(it) for _ in range(engine.gradient_accumulation_steps())]
+    batches = _draw(it, engine.gradient_accumulation_steps(), "eval_batch")
     if engine.pipeline is not None:
         return _mean_over_dp(engine, engine.pipeline.evaluate(batches))
     with torch.no_grad():
         losses = [float(loss_of(call_model(engine, b)).detach()) for b in batches]
     return _mean_over_dp(engine, losses)
+
+
+def _draw(it: Iterator[Any], count: int, call: str) -> list[Any]:
+    drawn: list[Any] = []
+    for _ in range(count):
+        try:
+            drawn.append(next(it))
+        except StopIteration:
+            raise StopIteration(
+                f"{call}: the data iterator ended after {len(drawn)} of the window's {count} micro-batches "
+                "(gradient_accumulation_steps); they were dropped and no step was taken"
+            ) from None
+    return drawn
 
 
 def _iterator(engine: Engine, data_iter: Any) -> Iterator[Any]:

@@ -68,12 +68,17 @@ def initialize(
     accelerator = get_accelerator()
     _prepare_model(model, cfg, accelerator)  # 2. device, dtype, activation checkpointing
     mesh = Mesh.build(sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
+    if model_parameters is not None:  # groups built on the parameters as they are now (before any module is swapped)
+        model_parameters = list(model_parameters)
+    original_names = {id(p): n for n, p in model.named_parameters()}
     pipeline = _parallelize_pipeline(model, cfg, mesh)  # 4a. pipeline: this rank's stages of the model, and their schedule
     experts = _parallelize_experts(model, mesh)  # 4b. expert parallel: this rank's experts, dispatch by all-to-all
     parallelize_tensor(model, cfg, mesh)  # 4c. tensor (+ sequence) parallel over mesh.group("tp")
     sequence = _parallelize_sequence(model, cfg, mesh)  # 4d. Ulysses/ring attention and the engine's input sharding
     if pipeline is not None:
         pipeline.settle()  # tied weights and stand-ins found again after tensor parallel swapped modules
+    if model_parameters is not None and (pipeline is not None or mesh.size("tp") > 1 or experts is not None):
+        model_parameters = _remap_groups(model_parameters, original_names, model)
     if experts is not None:  # expert parameters sharded over their own group (parallel/expert/parallelize.py)
         model_parameters = experts.split(_as_group_dicts(model_parameters if model_parameters is not None else model.parameters()))
     strategy = _shard(model, cfg, mesh, model_parameters, optimizer, accelerator)  # 5. ZeRO over dp·cp·sp
@@ -265,6 +270,29 @@ def _parallelize_experts(model: torch.nn.Module, mesh: Mesh) -> Any:
         raise ConfigError(str(err)) from None
     log_rank0(logger, "expert parallel %d: %d experts modules, %d expert parameters per rank", mesh.size("ep"), len(plan.modules), len(plan.params))
     return plan
+
+
+def _remap_groups(params: list[Any], original: dict[int, str], model: torch.nn.Module) -> list[Any]:
+    """Parameter groups built before ``initialize`` (decay / no-decay), moved onto the parameters the parallelisms
+    put in their place, by name: a tensor-parallel shard for its full weight, nothing for a weight another
+    pipeline stage or expert rank holds. A tensor that never was a parameter is left for the strategy to refuse."""
+    current = dict(model.named_parameters())
+    current_ids = {id(p) for p in current.values()}
+
+    def mapped(p: Any) -> Any:
+        if id(p) in current_ids or id(p) not in original:
+            return p
+        return current.get(original[id(p)])
+
+    if params and isinstance(params[0], dict):
+        groups = []
+        for group in params:
+            members = group["params"] if isinstance(group["params"], (list, tuple)) else [group["params"]]
+            kept = [q for q in map(mapped, members) if q is not None]
+            if kept:
+                groups.append({**group, "params": kept})
+        return groups
+    return [q for q in map(mapped, params) if q is not None]
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

@@ -206,3 +206,74 @@ def test_pipeline_errors_name_the_right_key(layers: int, extra: dict[str, Any], 
     """Case 18: every rank refuses together, naming the key that is wrong."""
     for message in run_distributed(2, _config_error, layers, extra, timeout=120):
         assert message.startswith(expected) and "\n" not in message, message
+
+
+def _epoch_body(pp: int) -> dict[str, Any]:
+    """Case 16: DeepSpeed's epoch idiom around train_batch, with an iterator that ends inside the window."""
+    from tests.distributed.test_pipeline import _batches
+
+    config = _config(pp, "1f1b", 2) if pp > 1 else {**_config(1, "1f1b", 2), "pipeline": {}}
+    tokens = _batches(8, steps=1)[0]
+    micro = [{"input_ids": t, "labels": t} for t in tokens.split(2)][:3]  # 3 micro-batches for windows of 2
+    results = {}
+    for name, sequence in (("interrupted", [micro[:3], micro[:2]]), ("clean", [micro[:2], micro[:2]])):
+        engine = slipstream.initialize(_gpt2(), config)
+        it, losses, stops = iter(sequence[0]), [], []
+        for _ in range(3):
+            try:
+                losses.append(float(engine.train_batch(it)))
+            except StopIteration as stop:
+                stops.append(str(stop))
+                it = iter(sequence[1])
+        results[name] = {"losses": losses, "stops": stops, "steps": engine.global_steps}
+        engine.close()
+    return results
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_train_batch_epoch_idiom_drops_a_partial_window(pp: int) -> None:
+    for result in run_distributed(2, _epoch_body, pp):
+        interrupted, clean = result["interrupted"], result["clean"]
+        assert len(interrupted["stops"]) == 1 and "ended after 1 of the window's 2 micro-batches" in interrupted["stops"][0]
+        assert interrupted["steps"] == 2 and interrupted["losses"] == pytest.approx(clean["losses"][:2], rel=1e-6)
+
+
+def _grouped(model: torch.nn.Module) -> list[dict[str, Any]]:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _groups_body(mode: str) -> list[float]:
+    """Case 17: decay / no-decay groups built before initialize, under tp or pp (their parameters get replaced)."""
+    from tests.distributed.test_pipeline import _batches, _llama
+
+    model = _llama()
+    config = _config(2, "1f1b", 2) if mode == "pp" else {**_config(1, "1f1b", 2), "pipeline": {}, "tensor_parallel": {"autotp_size": 2}}
+    engine = slipstream.initialize(model, config, model_parameters=_grouped(model))
+    losses = []
+    for tokens in _batches(8, steps=2):
+        micro = [{"input_ids": t, "labels": t} for t in tokens.split(4)]
+        losses.append(float(engine.train_batch(iter(micro))))
+    engine.close()
+    return losses
+
+
+@pytest.mark.parametrize("mode", ["tp", "pp"])
+def test_parameter_groups_built_before_initialize_follow_the_parallel_parameters(mode: str) -> None:
+    from tests.distributed.test_pipeline import LR, _batches, _llama
+
+    model = _llama()
+    optimizer = torch.optim.AdamW(_grouped(model), lr=LR)
+    expected = []
+    for tokens in _batches(8, steps=2):
+        losses = []
+        for t in tokens.split(4):
+            loss = model(input_ids=t, labels=t).loss
+            (loss / 2).backward()
+            losses.append(float(loss))
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(sum(losses) / 2)
+    for losses in run_distributed(2, _groups_body, mode):
+        assert losses == pytest.approx(expected, rel=1e-5)
