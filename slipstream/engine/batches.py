@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from slipstream import comm
-from slipstream.engine.parallel.pipeline.executor import call_model, loss_of
+from slipstream.engine.parallel.calls import call_model, loss_of
 
 Engine = Any  # the Engine calls in here (it imports this module, so this module cannot import it)
 

@@ -123,6 +123,9 @@ WORLD2 = [
     ("gpt2-profile", {"model": "gpt2", "pp": 2, "schedule": "1f1b", "m": 4, "pipeline_partition": "profile"}),
     ("llama-dualpipev", {"model": "llama", "pp": 2, "schedule": "dualpipev", "m": 4, "v": 2}),
     ("llama-bf16", {"model": "llama", "pp": 2, "schedule": "zb1p", "m": 4, "bf16": {"enabled": True}}),
+    # issue 27 case 11: a tied embedding's gradient summed over both ends when the strategy moves bf16 grads out of .grad
+    ("gpt2-bf16", {"model": "gpt2", "pp": 2, "schedule": "1f1b", "m": 4, "bf16": {"enabled": True}}),
+    ("gpt2-bf16-zb1p", {"model": "gpt2", "pp": 2, "schedule": "zb1p", "m": 4, "bf16": {"enabled": True}}),
     ("llama-1f1b-ac", {"model": "llama", "pp": 2, "schedule": "1f1b", "m": 4,
                        "activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]}}),
 ]  # fmt: skip

@@ -54,19 +54,22 @@ class AttentionFeatures:
 
 
 def attention_features(method: str, module: torch.nn.Module, dropout: float, scaling: float | None, kwargs: dict[str, Any]) -> AttentionFeatures:
-    """Read (and check) one call's keywords; :class:`UnsupportedAttention` for any keyword no kernel here implements."""
+    """Read (and check) one call's keywords; :class:`UnsupportedAttention` for any keyword no kernel here implements.
+
+    ``method``: "<config key>: <kernel name>", e.g. "context_parallel.method: ring attention"."""
+    key, _, kernel = method.partition(": ")
     model = type(module).__name__
     for name in _REFUSED_WHEN_SET:
         if kwargs.get(name) is not None:
-            raise UnsupportedAttention(f"{method}: {model} passes attention keyword {name!r}, which {method} does not implement; train this model without it")
+            raise UnsupportedAttention(f"{key}: {model} passes attention keyword {name!r}, which {kernel} does not implement; train this model without {kernel}")
     if kwargs.get("output_attentions"):
-        raise UnsupportedAttention(f"{method}: {model} asks for the attention weights (output_attentions=True), which {method} does not compute; turn it off")
+        raise UnsupportedAttention(f"{key}: {model} asks for the attention weights (output_attentions=True), which {kernel} does not compute; turn it off")
     for name, value in kwargs.items():
         if name in _HARMLESS or name in ("is_causal", "sliding_window", "softcap", "output_attentions") or name in _REFUSED_WHEN_SET:
             continue
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             raise UnsupportedAttention(
-                f"{method}: {model} passes an unknown tensor keyword {name!r} to attention (a bias {method} would ignore); "
+                f"{key}: {model} passes an unknown tensor keyword {name!r} to attention (a bias {kernel} would ignore); "
                 "train this model without sequence/context parallelism"
             )
     causal = kwargs.get("is_causal")

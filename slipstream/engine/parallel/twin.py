@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.parallel.attention import UnsupportedAttention
+from slipstream.engine.parallel.calls import call_model, loss_of
 
 # fp32 arithmetic in another order differs by ~1e-6 relative; a dropped keyword, a wrong mask or a
 # skipped block by 1e-3 and more (measured on tiny random models, where such faults move the least).
@@ -40,12 +41,82 @@ class TwinMismatch:
     difference: float
 
 
-def relative_difference(ours: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_difference(ours: torch.Tensor, reference: torch.Tensor, floor: float = 0.0) -> float:
+    """‖ours − reference‖ / max(‖reference‖, floor): ``floor`` keeps a gradient that is zero in exact arithmetic
+    (a key bias under softmax's shift invariance) from turning rounding noise into a large relative error."""
     ours, reference = ours.detach().double(), reference.detach().double()
     if not torch.isfinite(ours).all() and torch.isfinite(reference).all():
         return float("inf")
-    scale = reference.norm().item()
-    return (ours - reference).norm().item() / max(scale, 1e-12) if scale > 1e-12 else (ours - reference).norm().item()
+    scale = max(reference.norm().item(), floor, 1e-12)
+    return (ours - reference).norm().item() / scale
+
+
+def gradient_floor(reference: dict[str, torch.Tensor]) -> float:
+    """1e-3 of the whole model's reference gradient norm: the scale below which a parameter's gradient is noise."""
+    return 1e-3 * float(sum(g.double().norm() ** 2 for g in reference.values()) ** 0.5)
+
+
+def local_piece(reference: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
+    """The part of a whole-model tensor this rank's (possibly sharded) parameter holds, by its placement."""
+    from slipstream.utils.placement import placement_of
+
+    placed = placement_of(param)
+    if placed is None or tuple(placed.global_shape) != tuple(reference.shape):
+        return reference if reference.shape == param.shape else None
+    if placed.boxes is not None:
+        pieces = [reference[tuple(slice(o, o + n) for o, n in zip(off, sizes))].reshape(-1) for off, sizes in placed.boxes]
+        return torch.cat(pieces).view(param.shape)
+    box = placed.box(tuple(param.shape))
+    if box is None:
+        return reference
+    offsets, sizes = box
+    return reference[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+
+
+def whole_model_reference(model: torch.nn.Module, batch: Any) -> tuple[float, dict[str, torch.Tensor]]:
+    """The unparallelized model's loss and gradients on ``batch`` (eval mode, forked RNG, no gradient left behind)."""
+    with quiet_model(model):
+        for p in model.parameters():
+            p.grad = None
+        loss = loss_of(call_model(model, batch))
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), grads
+
+
+def check_whole_model(
+    model: torch.nn.Module, batch: Any, expected: tuple[float, dict[str, torch.Tensor]], group: dist.ProcessGroup,
+    headline: str, against: str,
+) -> None:  # fmt: skip
+    """The parallelized model on ``batch`` against ``expected`` (its unparallelized twin): the loss, then every
+    parameter's gradient on this rank's piece; all ranks of ``group`` raise together naming the first difference."""
+    ref_loss, ref_grads = expected
+    tolerance, floor = tolerance_for(model), gradient_floor(ref_grads)
+    mismatch = None
+    with quiet_model(model):
+        for p in model.parameters():
+            p.grad = None
+        try:
+            loss = loss_of(call_model(model, batch))
+            loss.backward()
+        except Exception as err:  # noqa: BLE001 - a parallelized model that cannot run is the finding
+            mismatch = TwinMismatch(f"the parallelized model fails on its own ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})", float("inf"))
+        if mismatch is None:
+            difference = abs(float(loss.detach()) - ref_loss) / max(abs(ref_loss), 1e-12)
+            if difference > tolerance:
+                mismatch = TwinMismatch("the loss", difference)
+        if mismatch is None:
+            for name, p in model.named_parameters():
+                ref = ref_grads.get(name)
+                piece = local_piece(ref, p) if ref is not None else None
+                if piece is None:
+                    continue
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                difference = relative_difference(grad.reshape(piece.shape), piece, floor)
+                if difference > tolerance:
+                    mismatch = TwinMismatch(f"the gradient of {name!r} (module {name.rpartition('.')[0]!r})", difference)
+                    break
+    agree(mismatch, group, headline, against)
 
 
 class _Recorder:
@@ -81,6 +152,33 @@ def synthetic_tokens(model: torch.nn.Module, divisor: int, seed: int = 0) -> tor
         length = max(divisor, limit // divisor * divisor)
     generator = torch.Generator().manual_seed(20261126 + seed)
     return torch.randint(0, vocab, (1, length), generator=generator)
+
+
+def _vocabulary(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        return int(config.vocab_size)
+    first = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return first.num_embeddings if first is not None else None
+
+
+def synthetic_batches(model: torch.nn.Module, count: int, divisor: int = 8) -> list[Any] | None:
+    """``count`` synthetic micro-batches in the first call convention the model accepts that returns a loss:
+    ``model(input_ids=, labels=)``, ``model(tokens, labels)``, ``model(tokens)``; None for a model that takes none."""
+    vocab = _vocabulary(model)
+    if vocab is None:
+        return None
+    device = next(model.parameters()).device
+    tokens = [synthetic_tokens(model, divisor, seed=k).to(device).clamp_(max=vocab - 1) for k in range(count)]
+    conventions = (lambda t: {"input_ids": t, "labels": t.clone()}, lambda t: (t, t.clone()), lambda t: t)
+    with quiet_model(model), torch.no_grad():
+        for make in conventions:
+            try:
+                loss_of(call_model(model, make(tokens[0])))
+            except Exception:  # noqa: BLE001 - probing the model's call convention
+                continue
+            return [make(t) for t in tokens]
+    return None
 
 
 @contextlib.contextmanager
@@ -168,13 +266,14 @@ def _first_mismatch(
 
 def _first_gradient_mismatch(model: torch.nn.Module, reference: dict[str, torch.Tensor], group: dist.ProcessGroup, tolerance: float) -> TwinMismatch | None:
     size = dist.get_world_size(group)
+    floor = gradient_floor(reference)
     for name, p in model.named_parameters():
         ref = reference.get(name)
         if ref is None:
             continue
         grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(ref)
         comm.all_reduce(grad, group=group, tag="twin check gradient").wait()
-        difference = relative_difference(grad / size, ref)
+        difference = relative_difference(grad / size, ref, floor)
         if difference > tolerance:
             return TwinMismatch(f"the gradient of {name!r}", difference)
     return None

@@ -52,7 +52,7 @@ class AllGatherKVAttention:
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
         if not self.active:
             raise RuntimeError("context_parallel: attention called outside the engine's sharded step (the model's own attention runs there)")
-        features = attention_features("all-gathered K/V attention (context_parallel)", module, dropout, scaling, kwargs)
+        features = attention_features("context_parallel.method: all-gathered K/V attention", module, dropout, scaling, kwargs)
         b, heads, n, d = query.shape
         kv_heads = key.shape[1]
         gathered = _GatherKV.apply(torch.cat([key, value], dim=1), self.group)  # [c, b, 2·Hkv, n, d]

@@ -177,16 +177,16 @@ class RingAttention:
         # The engine refused padded batches; the causal pattern comes from the global positions below.
         if not self.active:
             raise RuntimeError("context_parallel: ring attention called outside the engine's sharded step (the model's own attention runs there)")
-        features = attention_features("ring attention (context_parallel)", module, dropout, scaling, kwargs)
+        features = attention_features("context_parallel.method: ring attention", module, dropout, scaling, kwargs)
         b, heads, n, d = query.shape
         model = type(module).__name__
         if features.dropout:
-            raise UnsupportedAttention(f"ring attention (context_parallel): {model} uses attention dropout {features.dropout}, which ring attention does not implement; set the model's attention dropout to 0")
+            raise UnsupportedAttention(f"context_parallel.method: {model} uses attention dropout {features.dropout}, which ring attention does not implement; set the model's attention dropout to 0")
         if features.softcap is not None:
-            raise UnsupportedAttention(f"ring attention (context_parallel): {model} soft-caps attention logits (softcap={features.softcap}), which ring attention does not implement; use context_parallel.method \"allgather_kv\" or sequence_parallel_size")
+            raise UnsupportedAttention(f"context_parallel.method: {model} soft-caps attention logits (softcap={features.softcap}), which ring attention does not implement; use context_parallel.method \"allgather_kv\" or sequence_parallel_size")
         if features.sliding_window is not None and features.sliding_window < n * self.layout.size:
             raise UnsupportedAttention(
-                f"ring attention (context_parallel): {model} attends within a sliding window of {features.sliding_window} tokens, "
+                f"context_parallel.method: {model} attends within a sliding window of {features.sliding_window} tokens, "
                 f"shorter than the sequence ({n * self.layout.size}), which ring attention does not implement; use "
                 "context_parallel.method \"allgather_kv\" or sequence_parallel_size"
             )

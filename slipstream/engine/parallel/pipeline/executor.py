@@ -21,6 +21,7 @@ from slipstream import comm
 from slipstream.comm import p2p
 from slipstream.comm.collectives import Work
 from slipstream.comm.context import CommContext, Pending
+from slipstream.engine.parallel.calls import call_model, loss_of
 from slipstream.engine.parallel.pipeline.actions import Action, Op, with_communication
 from slipstream.engine.parallel.pipeline.cut import StageGate, StageOutput
 from slipstream.engine.parallel.pipeline.schedules import Schedule
@@ -41,30 +42,6 @@ class StepTiming:
     @property
     def bubble(self) -> float:
         return (self.wall - self.compute) / self.compute if self.compute > 0 else 0.0
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """The scalar loss in what the model returned (``.loss``, the first of a tuple, or the tensor)."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, (tuple, list)) and output:
-        loss = output[0]
-    if loss is None and isinstance(output, torch.Tensor):
-        loss = output
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(
-            "pipeline: the last stage must compute the loss: the model's forward should return a scalar tensor, a tuple "
-            f"starting with it, or an output with .loss (pass labels); got {type(output).__name__}"
-        )
-    return loss
-
-
-def call_model(model: torch.nn.Module, batch: Any) -> Any:
-    """A micro-batch as the model's forward takes it: keyword arguments, positional ones, or one tensor."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 class Executor:

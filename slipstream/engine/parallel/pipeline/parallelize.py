@@ -46,6 +46,9 @@ class Pipeline:
         self.model, self.mesh, self.schedule, self.gate, self.ranges = model, mesh, schedule, gate, ranges
         self.ties = ties
         self.tied: list[torch.nn.Parameter] = []
+        self.tie_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._stash: dict[int, torch.Tensor] = {}
+        self._collecting = False
         self.rank = mesh.rank_of("pp")
         self.group = mesh.group("pp")
         self.peers = mesh.ranks("pp")
@@ -68,11 +71,13 @@ class Pipeline:
         if len(batches) != self.micro_batches:
             raise ValueError(f"pipeline: {len(batches)} micro-batches for a schedule of {self.micro_batches} (gradient_accumulation_steps)")
         with window():
-            losses, timing = self.executor.train(batches, scale)
+            self._stash, self._collecting = {}, True
+            try:
+                losses, timing = self.executor.train(batches, scale)
+            finally:
+                self._collecting = False
             for param in self.tied:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                comm.all_reduce(param.grad, group=self.ties.group, tag="pipeline tied embedding gradient").wait()
+                self._sum_tied(param)
         report = StepReport(self._share_losses(losses, len(batches)), timing, predicted_bubble(self.schedule, timing.costs, self.rank))
         self.last_report = report
         return report
@@ -88,6 +93,35 @@ class Pipeline:
         comm.broadcast(values, src=self.peers[self.last_rank], group=self.group, tag="pipeline losses").wait()
         return values.tolist()
 
+    # [Note: tied gradients bypass the strategy's hooks] A strategy may move a gradient out of
+    # ``.grad`` as autograd accumulates it (bf16 models at ZeRO 0-2 add it into fp32 buffers), so a
+    # sum over the two ends taken from ``.grad`` after the schedule would see nothing. The tied
+    # weight's gradients are caught before accumulation instead (a tensor hook stashes them in fp32
+    # and hands autograd zeros), summed with whatever reached ``.grad`` by hand (zero-bubble weight
+    # passes), all-reduced between the ends, and given to ``.grad`` (in place where it is a buffer
+    # view) before the window closes, so the strategy adopts the whole sum once.
+    def _stash_tied(self, param: torch.nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            if not self._collecting:
+                return None
+            held = self._stash.get(id(param))
+            self._stash[id(param)] = grad.float() if held is None else held.add_(grad.float())
+            return torch.zeros_like(grad)
+
+        return hook
+
+    def _sum_tied(self, param: torch.nn.Parameter) -> None:
+        total = self._stash.pop(id(param), None)
+        if total is None:
+            total = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        if param.grad is not None:
+            total = total + param.grad.float()
+        comm.all_reduce(total, group=self.ties.group, tag="pipeline tied embedding gradient").wait()
+        if param.grad is not None:
+            param.grad.copy_(total)
+        else:
+            param.grad = total.to(param.dtype)
+
     def settle(self) -> None:
         """After the other parallelisms replaced modules: find the tied weights again, keep the stand-ins silent.
 
@@ -97,6 +131,9 @@ class Pipeline:
         """
         named = dict(self.model.named_parameters())
         self.tied = [named[n] for n in self.ties.names if n in named]
+        for handle in self.tie_hooks:
+            handle.remove()
+        self.tie_hooks = [param.register_hook(self._stash_tied(param)) for param in self.tied]
         for param in self.tied if self.ties.duplicate else ():
             placed = placement_of(param)
             place(param, placed.global_shape if placed else tuple(param.shape), placed.offsets if placed else None, duplicate=True)
@@ -104,9 +141,9 @@ class Pipeline:
             cut.silence(self.model.get_submodule(name))
 
     def close(self) -> None:
-        for handle in self.handles:
+        for handle in [*self.handles, *self.tie_hooks]:
             handle.remove()
-        self.handles = []
+        self.handles, self.tie_hooks = [], []
 
 
 def parallelize_pipeline(
@@ -135,7 +172,7 @@ def parallelize_pipeline(
     layout = schedule.layout
     twin_batches, expected, order, probe = None, None, None, None
     if twin_check:
-        twin_batches = twin.micro_batches(model, micro_batches)
+        twin_batches = twin.synthetic_batches(model, micro_batches)
         if twin_batches is None:
             log_rank0(logger, "pipeline: %s takes no token batch the twin check could make; its cut is not checked numerically", type(model).__name__)
         else:

@@ -23,36 +23,8 @@ from typing import Any
 
 import torch
 
-from slipstream.engine.parallel.twin import TwinMismatch, agree, quiet_model, relative_difference, synthetic_tokens, tolerance_for
-
-
-def _vocabulary(model: torch.nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    if isinstance(getattr(config, "vocab_size", None), int):
-        return int(config.vocab_size)
-    first = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-    return first.num_embeddings if first is not None else None
-
-
-def micro_batches(model: torch.nn.Module, count: int) -> list[Any] | None:
-    """``count`` synthetic micro-batches in the first call convention the model accepts that returns a loss:
-    ``model(input_ids=, labels=)``, ``model(tokens, labels)``, ``model(tokens)``; None for a model that takes none."""
-    vocab = _vocabulary(model)
-    if vocab is None:
-        return None
-    device = next(model.parameters()).device
-    tokens = [synthetic_tokens(model, 8, seed=k).to(device).clamp_(max=vocab - 1) for k in range(count)]
-    conventions = (lambda t: {"input_ids": t, "labels": t.clone()}, lambda t: (t, t.clone()), lambda t: t)
-    from slipstream.engine.parallel.pipeline.executor import call_model, loss_of
-
-    with quiet_model(model), torch.no_grad():
-        for make in conventions:
-            try:
-                loss_of(call_model(model, make(tokens[0])))
-            except Exception:  # noqa: BLE001 - probing the model's call convention
-                continue
-            return [make(t) for t in tokens]
-    return None
+from slipstream.engine.parallel.calls import call_model, loss_of
+from slipstream.engine.parallel.twin import TwinMismatch, agree, gradient_floor, quiet_model, relative_difference, synthetic_batches, tolerance_for
 
 
 @dataclasses.dataclass
@@ -68,8 +40,6 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
     """One forward of the whole model: what a cut cannot carry (a block called other than once, in order, or a
     block reading an activation with gradients besides its hidden state; None: nothing found), and the
     qualified names of the modules in the order they first ran (prologue and epilogue by execution, not registration)."""
-    from slipstream.engine.parallel.pipeline.executor import call_model
-
     calls: list[int] = []
     extra: dict[int, str] = {}
     inputs: dict[int, tuple[torch.Size, torch.dtype]] = {}
@@ -125,8 +95,6 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
 
 def reference(model: torch.nn.Module, batches: list[Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The whole model's losses and accumulated gradients (mean over micro-batches), in eval mode."""
-    from slipstream.engine.parallel.pipeline.executor import call_model, loss_of
-
     with quiet_model(model):
         for p in model.parameters():
             p.grad = None
@@ -183,6 +151,7 @@ def check(pipeline: Any, batches: list[Any], expected: tuple[list[float], dict[s
 
 def _first_gradient_mismatch(model: torch.nn.Module, reference: dict[str, torch.Tensor], pipeline: Any, tolerance: float) -> TwinMismatch | None:
     silenced = tuple(n + "." for n in pipeline.ties.silenced)
+    floor = gradient_floor(reference)
     for name, p in model.named_parameters():
         ref = reference.get(name)
         if ref is None or name.startswith(silenced) and name not in pipeline.ties.names:
@@ -190,7 +159,7 @@ def _first_gradient_mismatch(model: torch.nn.Module, reference: dict[str, torch.
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         if grad.shape != ref.shape:
             continue  # reshaped by the cut: compared through the loss
-        difference = relative_difference(grad, ref)
+        difference = relative_difference(grad, ref, floor)
         if difference > tolerance:
             module = name.rsplit(".", 1)[0] if "." in name else name
             return TwinMismatch(f"the gradient of {name!r} (module {module!r})", difference)

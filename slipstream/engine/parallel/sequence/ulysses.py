@@ -74,7 +74,7 @@ class UlyssesAttention:
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
         if not self.active:
             raise RuntimeError("sequence_parallel_size: Ulysses attention called outside the engine's sharded step (the model's own attention runs there)")
-        features = attention_features("Ulysses attention (sequence_parallel_size)", module, dropout, scaling, kwargs)
+        features = attention_features("sequence_parallel_size: Ulysses attention", module, dropout, scaling, kwargs)
         # attention_mask: the model built it for the local tokens only; the engine refused padded batches,
         # so the whole-sequence mask is the causal one (plus the window), applied below on the whole sequence.
         u = self.size

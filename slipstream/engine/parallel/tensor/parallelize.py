@@ -25,6 +25,7 @@ from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.rng import ShardedRegionRng, sync_default_rng
+from slipstream.engine.parallel import twin
 from slipstream.engine.parallel.tensor import selfcheck, sequence
 from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext, VocabEmbedding, VocabHead
 from slipstream.engine.parallel.tensor.partial_grads import params_in_sharded_regions, sum_gradients_over_tp
@@ -190,6 +191,11 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
     }  # fmt: skip
     if not leaves:
         raise ConfigError("tensor_parallel.autotp_size: the model's blocks hold no nn.Linear or Conv1D to shard")
+    twin_batch, expected = None, None
+    if getattr(cfg, "twin_check", False):  # the whole model's twin, before anything is sharded (parallel/twin.py)
+        found = twin.synthetic_batches(model, 1, divisor=t)
+        if found is not None:
+            twin_batch, expected = found[0], twin.whole_model_reference(model, found[0])
     probe = selfcheck.capture(model, blocks.modules, leaves)
     order = probe.order + [n for n in leaves if n not in probe.order]
     plan = build_plan(model, leaves, order, section.partition_config)
@@ -216,6 +222,16 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
         hooks = sequence.enable(model, blocks.modules, ctx, shared)
     else:
         hooks = sum_gradients_over_tp(params_in_sharded_regions(blocks.modules, probe.calls[0], ctx), ctx, "tp replicated gradient")
+    if expected is not None:
+        name = type(model).__name__ + (" with sequence parallel" if ctx.sequence_parallel else "")
+        try:
+            twin.check_whole_model(
+                model, twin_batch, expected, ctx.group,
+                f"tensor_parallel.autotp_size: the {t}-way sharded {name} does not reproduce the unsharded model (twin check)",
+                "the unsharded model on the same batch",
+            )  # fmt: skip
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     columns = sum(e.style != "row" for e in plan)
     log_rank0(
         logger, "tensor parallel %d%s: %d column + %d row leaves in %d blocks (%s)%s%s", t,

@@ -57,10 +57,14 @@ def _run_model(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves
     device = next(model.parameters()).device
     if isinstance(vocab, int) and vocab > 0:
         ids = (torch.arange(16, device=device) * 7 + 3).remainder(vocab).view(2, 8)
-        try:
-            model(input_ids=ids, use_cache=False)
-        except TypeError:
-            model(input_ids=ids)
+        calls = ({"input_ids": ids, "use_cache": False}, {"input_ids": ids}, {"input_ids": ids, "labels": ids})
+        for k, kwargs in enumerate(calls):  # the last one for encoder-decoders, which need decoder inputs (or labels)
+            try:
+                model(**kwargs)
+                return
+            except (TypeError, ValueError):
+                if k == len(calls) - 1:
+                    raise
         return
     first = next(iter(leaves.values()))
     generator = torch.Generator().manual_seed(0)
