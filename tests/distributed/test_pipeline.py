@@ -347,5 +347,5 @@ def test_mistakes_name_the_key() -> None:
     messages = run_distributed(2, _mistakes_body)[0]
     assert messages[0].startswith("gradient_accumulation_steps: 1 micro-batches cannot fill a 1f1b pipeline of 2 stages")
     assert messages[1].startswith("gradient_accumulation_steps: dualpipev needs at least 2 × pipeline.stages = 4")
-    assert messages[2].startswith("pipeline.stages: 4 stages need at least 4 blocks")
+    assert messages[2].startswith("pipeline.virtual_stages: 2 ranks × 2 virtual stages = 4 stages need at least 4 blocks")  # issue 27 case 18
     assert messages[3].startswith('pipeline.partition: "profile" times the model on synthetic token ids')
