@@ -126,3 +126,19 @@ def test_zoo(arch: str) -> None:
         elif kind == "refused":
             assert "\n" not in detail and ":" in detail.split(" ")[0], f"{mode}: refusal is not one line naming a key: {detail}"
     assert not bad, f"{arch}: " + " | ".join(bad)
+    documented = _documented_row(arch)
+    found = {mode: outcome(results[0][mode], expected)[0] for mode in modes_of(arch)}
+    assert documented == found, f"docs/model_zoo.md is stale for {arch} (regenerate: python -m tests.zoo.table): {documented} vs {found}"
+
+
+def _documented_row(arch: str) -> dict[str, str]:
+    """The support table's row for ``arch``: mode -> "trains" | "refused"."""
+    from tests.zoo.table import DOC
+
+    lines = [line for line in DOC.read_text().splitlines() if line.startswith("| ")]
+    modes = [c.strip() for c in lines[0].strip("|").split("|")][1:]
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] == arch:
+            return {m: c.split(" ")[0] for m, c in zip(modes, cells[1:], strict=True) if c != "—"}
+    return {}
