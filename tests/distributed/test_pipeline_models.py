@@ -7,56 +7,16 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import slipstream
 from tests.distributed.test_pipeline import _config, _gpt2
 from tests.harness import run_distributed
+from tests.zoo.models import EncoderLM, LoopedLM, PlainLM, ValueResidualLM
 
-VOCAB, HIDDEN = 64, 16
-
-
-class _Output:
-    def __init__(self, loss: torch.Tensor) -> None:
-        self.loss = loss
+VOCAB, HIDDEN = 64, 16  # the encoder-decoders built here; the custom LMs come from the zoo
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, reads_x0: bool) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(HIDDEN, HIDDEN)
-        self.reads_x0 = reads_x0
-
-    def forward(self, x: torch.Tensor, x0: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + torch.tanh(self.linear(x))
-        return x + 0.5 * x0 if self.reads_x0 else x
-
-
-class _CustomLM(torch.nn.Module):
-    """A small LM written by hand: value-residual blocks (``block(x, x0)``) or a block list run twice (looped depth)."""
-
-    def __init__(self, reads_x0: bool = False, loops: int = 1) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.layers = torch.nn.ModuleList([_Block(reads_x0) for _ in range(4)])
-        self.head = torch.nn.Linear(HIDDEN, VOCAB)
-        self.reads_x0, self.loops = reads_x0, loops
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> _Output:
-        x0 = self.embed(input_ids)
-        x = x0
-        for _ in range(self.loops):
-            for layer in self.layers:
-                x = layer(x, x0) if self.reads_x0 else layer(x)
-        logits = self.head(x)
-        return _Output(F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1)))
-
-
-MODELS = {
-    "x0": lambda: _CustomLM(reads_x0=True), "looped": lambda: _CustomLM(loops=2), "plain": lambda: _CustomLM(),
-    "bart": lambda: _bart(),
-}  # fmt: skip
+MODELS = {"x0": ValueResidualLM, "looped": LoopedLM, "plain": PlainLM, "bart": lambda: _bart()}
 
 
 def _refusal(name: str) -> str:
@@ -70,13 +30,13 @@ def _refusal(name: str) -> str:
 def test_value_residual_blocks_are_refused() -> None:
     """Case 8: a block reading the embedding output besides its hidden state (later stages would get zeros)."""
     for message in run_distributed(2, _refusal, "x0"):
-        assert message.startswith("pipeline.stages: _CustomLM: block 'layers.0' reads an activation besides its hidden state"), message
+        assert message.startswith("pipeline.stages: ValueResidualLM: block 'layers.0' reads an activation besides its hidden state"), message
 
 
 def test_looped_blocks_are_refused() -> None:
     """Case 10: a block list run twice per forward (the second pass would be dropped)."""
     for message in run_distributed(2, _refusal, "looped"):
-        assert message.startswith("pipeline.stages: _CustomLM: block 'layers.0' runs 2 times per forward"), message
+        assert message.startswith("pipeline.stages: LoopedLM: block 'layers.0' runs 2 times per forward"), message
 
 
 def test_a_plain_custom_lm_trains_under_the_twin_check() -> None:
@@ -148,23 +108,7 @@ def _t5() -> torch.nn.Module:
     ))  # fmt: skip
 
 
-class _EncoderLM(torch.nn.Module):
-    """An LM on ``nn.TransformerEncoder`` (its forward inspects ``layers[0].self_attn``: a cut stage cannot run it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
-        layer = torch.nn.TransformerEncoderLayer(HIDDEN, 2, 32, dropout=0.0, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> _Output:
-        logits = self.head(self.encoder(self.embed(input_ids)))
-        return _Output(F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
-
-
-MODELS.update({"opt": _opt, "t5": _t5, "encoder": _EncoderLM})
+MODELS.update({"opt": _opt, "t5": _t5, "encoder": EncoderLM})
 
 
 def test_opt_final_norm_registered_before_its_layers_trains() -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_distributed
+from tests.reference import train_lm_reference
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -53,16 +54,7 @@ def _config(mesh: str) -> dict[str, Any]:
 
 def _reference(windows: list[torch.Tensor]) -> list[float]:
     """One process, whole sequences, each window's micro-batches as one batch: AdamW, no clipping, constant LR."""
-    model = _llama()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    losses = []
-    for tokens in windows:
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+    return train_lm_reference(_llama(), windows, LR)[0]
 
 
 def _reset_accelerate() -> None:

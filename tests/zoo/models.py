@@ -55,8 +55,8 @@ class _Block(torch.nn.Module):
         return x if x0 is None else x + 0.5 * x0
 
 
-class ValueResidualLM(torch.nn.Module):
-    """Custom: every block also reads the embedding output (``x = block(x, x0)``)."""
+class _BlockLM(torch.nn.Module):
+    """Embedding, four small blocks, a head; subclasses decide how the blocks are called."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,30 +65,42 @@ class ValueResidualLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList([_Block() for _ in range(4)])
         self.head = torch.nn.Linear(HIDDEN, VOCAB)
 
+    def hidden(self, x0: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> _Output:
-        x0 = self.embed(input_ids)
+        return _Output(_causal_loss(self.head(self.hidden(self.embed(input_ids))), labels))
+
+
+class PlainLM(_BlockLM):
+    """Custom: the blocks once, in order (what a pipeline cut expects)."""
+
+    def hidden(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class ValueResidualLM(_BlockLM):
+    """Custom: every block also reads the embedding output (``x = block(x, x0)``)."""
+
+    def hidden(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0
         for layer in self.layers:
             x = layer(x, x0)
-        return _Output(_causal_loss(self.head(x), labels))
+        return x
 
 
-class LoopedLM(torch.nn.Module):
+class LoopedLM(_BlockLM):
     """Custom: the block list runs twice per forward (looped depth, ALBERT-style sharing)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.layers = torch.nn.ModuleList([_Block() for _ in range(4)])
-        self.head = torch.nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> _Output:
-        x = self.embed(input_ids)
+    def hidden(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
         for _ in range(2):
             for layer in self.layers:
                 x = layer(x)
-        return _Output(_causal_loss(self.head(x), labels))
+        return x
 
 
 class EncoderLM(torch.nn.Module):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_distributed
+from tests.reference import train_lm_reference
 from tests.zoo.models import MOE, SEQ, VOCAB, ZOO
 
 STEPS, ROWS, LR = 2, 4, 1e-3
@@ -44,16 +45,7 @@ def batches() -> list[torch.Tensor]:
 
 
 def reference(arch: str) -> list[float]:
-    model = ZOO[arch]()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
-    for tokens in batches():
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+    return train_lm_reference(ZOO[arch](), batches(), LR)[0]
 
 
 def _config(mode: str) -> dict[str, Any]:
