@@ -172,7 +172,7 @@ def parallelize_pipeline(
     layout = schedule.layout
     twin_batches, expected, order, probe = None, None, None, None
     if twin_check:
-        twin_batches = twin.synthetic_batches(model, micro_batches)
+        twin_batches = twin.synthetic_batches(model, micro_batches, target=16)
         if twin_batches is None:
             log_rank0(logger, "pipeline: %s takes no token batch the twin check could make; its cut is not checked numerically", type(model).__name__)
         else:
