@@ -37,8 +37,9 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     install_requires=[
-        # Any build the user already has (CPU, CUDA, ROCm) from 2.4 on; we never pin an exact wheel.
-        "torch>=2.4",
+        # Any build the user already has (CPU, CUDA, ROCm) from 2.6 on (the oldest scripts/compat_check.sh
+        # can test: transformers 5 needs 2.6); we never pin an exact wheel.
+        "torch>=2.6",
         "pydantic>=2.5,<3",
         "hjson>=3.1",
         "psutil>=5.9",
@@ -49,13 +50,13 @@ setup(
         "numpy>=1.22",  # checkpoints: single-threaded, GIL-free copies and writes of tensor bytes
     ],
     extras_require={
-        "test": ["pytest>=7.4", "hypothesis>=6.100", "transformers>=5.0,<6", "safetensors>=0.4", "tensorboard>=2.14"],
+        "test": ["pytest>=7.4", "hypothesis>=6.100", "transformers>=5.2,<6", "safetensors>=0.4", "tensorboard>=2.14"],
         "monitor": ["tensorboard>=2.14", "tqdm>=4.66"],
         # Host libraries of slipstream.integrations, in the ranges the tests run against.
-        "hf": ["transformers>=5.0,<6", "accelerate>=1.10,<2"],
+        "hf": ["transformers>=5.2,<6", "accelerate>=1.10,<2"],
         "lightning": ["lightning>=2.5,<3"],
         "dev": [
-            "pytest>=7.4", "hypothesis>=6.100", "transformers>=5.0,<6", "accelerate>=1.10,<2", "lightning>=2.5,<3", "safetensors>=0.4",
+            "pytest>=7.4", "hypothesis>=6.100", "transformers>=5.2,<6", "accelerate>=1.10,<2", "lightning>=2.5,<3", "safetensors>=0.4",
             "tensorboard>=2.14", "tqdm>=4.66",
         ],
     },
