@@ -139,7 +139,7 @@ def _kernel_modules() -> list[Any]:
     return [ulysses, ring, allgather]
 
 
-@pytest.mark.parametrize("mode", ["ulysses", "ring", "allgather_kv"])
+@pytest.mark.parametrize("mode", ["ulysses", "ring", "zigzag", "allgather_kv"])
 def test_twin_check_refuses_a_kernel_that_drops_a_keyword(mode: str) -> None:
     for message in run_distributed(2, _dropping_body, mode):
         assert "twin check" in message and "module 'model.layers.0.self_attn" in message, message
