@@ -207,7 +207,10 @@ class VocabEmbedding(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        # The padding row gets no gradient, as in nn.Embedding (OPT, Gemma, BART have one): its local index
+        # where this rank holds it. Found by the tensor-parallel twin check (its rows were trained before).
+        pad = self.padding_idx - self.start if self.padding_idx is not None and self.start <= self.padding_idx < self.end else None
+        out = F.embedding(local, self.weight, padding_idx=pad).masked_fill(outside.unsqueeze(-1), 0.0)
         return ops.reduce_from_tp(out, self.ctx.group)
 
     def extra_repr(self) -> str:

@@ -113,6 +113,16 @@ def _rewrite_kv_groups(model: torch.nn.Module, plan: list[PlanEntry], part_sizes
                 parent.num_key_value_groups = local_q
 
 
+def _plain_embedding(model: torch.nn.Module, embedding: torch.nn.Module, head: torch.nn.Module | None) -> bool:
+    """Whether ``VocabEmbedding`` computes what ``embedding`` computes: nn.Embedding's own forward (Gemma's scaled
+    embedding multiplies in its forward), and a weight no module but it and the head holds (BART's embedding
+    is shared by the encoder, the decoder and the head: sharding one holder would split the weight)."""
+    if type(embedding).forward is not torch.nn.Embedding.forward:
+        return False
+    holders = {id(m) for m in model.modules() if getattr(m, "weight", None) is embedding.weight}
+    return holders <= {id(embedding), id(head)}
+
+
 def _shard_vocab(model: torch.nn.Module, ctx: TPContext) -> list[str]:
     """Embedding and LM head on the vocabulary (unevenly when it does not divide by t: see ``layers.vocab_rows``).
 
@@ -126,7 +136,11 @@ def _shard_vocab(model: torch.nn.Module, ctx: TPContext) -> list[str]:
         head = None  # a pipeline stage without the head
     done: list[str] = []
     shard_embedding = isinstance(embedding, torch.nn.Embedding) and embedding.weight.shape[0] >= 2 * ctx.size
+    if shard_embedding and not _plain_embedding(model, embedding, head):
+        return done  # kept whole, head too: a vocab-sharded stand-in would drop what this one does differently
     tied = shard_embedding and head is not None and head.weight is embedding.weight
+    if tied and not (isinstance(head, torch.nn.Linear) and head.bias is None):
+        return done  # a tied head we cannot shard (BERT's has a bias): both stay whole, as they must agree
     new_embedding = None
     if shard_embedding:
         emb_name = _named(model, embedding)
