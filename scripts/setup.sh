@@ -21,7 +21,9 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
     | grep -v "is ignored: it is neither a file nor a directory" || true
   "$PY" -c 'import torch' || { echo "setup: installing $TORCH_FALLBACK failed" >&2; exit 1; }
 fi
-TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__)')"
+# The installed distribution's version, not torch.__version__: a CUDA wheel from PyPI reports "2.15.0+cu132" while
+# pip knows it as 2.15.0, and pinning the former would make every install impossible.
+TORCH_VERSION="$("$PY" -c 'from importlib.metadata import version; print(version("torch"))')"
 
 # Pin whatever torch is present so resolving our dependencies can never swap it out, and every
 # other dependency to the version the suite last passed with (requirements/constraints.txt), so a
