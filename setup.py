@@ -50,13 +50,13 @@ setup(
         "numpy>=1.22",  # checkpoints: single-threaded, GIL-free copies and writes of tensor bytes
     ],
     extras_require={
-        "test": ["pytest>=7.4", "hypothesis>=6.100", "transformers>=5.3,<6", "safetensors>=0.4", "tensorboard>=2.14"],
+        "test": ["pytest>=7.4", "hypothesis>=6.100", "transformers>=5.17,<6", "safetensors>=0.4", "tensorboard>=2.14"],
         "monitor": ["tensorboard>=2.14", "tqdm>=4.66"],
         # Host libraries of slipstream.integrations, in the ranges the tests run against.
-        "hf": ["transformers>=5.3,<6", "accelerate>=1.10,<2"],
+        "hf": ["transformers>=5.17,<6", "accelerate>=1.10,<2"],
         "lightning": ["lightning>=2.5,<3"],
         "dev": [
-            "pytest>=7.4", "hypothesis>=6.100", "transformers>=5.3,<6", "accelerate>=1.10,<2", "lightning>=2.5,<3", "safetensors>=0.4",
+            "pytest>=7.4", "hypothesis>=6.100", "transformers>=5.17,<6", "accelerate>=1.10,<2", "lightning>=2.5,<3", "safetensors>=0.4",
             "tensorboard>=2.14", "tqdm>=4.66",
         ],
     },
