@@ -295,11 +295,6 @@ def _remap_groups(params: list[Any], original: dict[int, str], model: torch.nn.M
     return [q for q in map(mapped, params) if q is not None]
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
-    first = next(model.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
 def _as_group_dicts(params: Iterable[Any]) -> list[dict[str, Any]]:
     items = list(params)
     return items if items and isinstance(items[0], dict) else [{"params": items}]
@@ -338,7 +333,7 @@ def _parallelize_sequence(model: torch.nn.Module, cfg: SlipstreamConfig, mesh: M
         from slipstream.engine.parallel.twin import check_sequence_twin
 
         try:
-            check_sequence_twin(model, sharder, mode, _model_device(model))
+            check_sequence_twin(model, sharder, mode)
         except ValueError as err:
             sharder.close()
             raise ConfigError(str(err)) from None

@@ -15,6 +15,7 @@ refuses a feature raises on the first forward: the same check turns that into th
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 import dataclasses
 from typing import Any
 
@@ -56,6 +57,23 @@ def gradient_floor(reference: dict[str, torch.Tensor]) -> float:
     return 1e-3 * float(sum(torch.linalg.vector_norm(g.float()).item() ** 2 for g in reference.values()) ** 0.5)
 
 
+def first_gradient_mismatch(
+    pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], reference: dict[str, torch.Tensor], tolerance: float
+) -> TwinMismatch | None:  # fmt: skip
+    """The first ``(name, ours, theirs)`` whose gradients differ beyond ``tolerance`` (near-zero ones against the floor)."""
+    floor = gradient_floor(reference)
+    for name, ours, theirs in pairs:
+        difference = relative_difference(ours, theirs, floor)
+        if difference > tolerance:
+            return TwinMismatch(f"the gradient of {name!r} (module {name.rpartition('.')[0]!r})", difference)
+    return None
+
+
+def loss_mismatch(ours: float, theirs: float, tolerance: float, what: str = "the loss") -> TwinMismatch | None:
+    difference = abs(ours - theirs) / max(abs(theirs), 1e-12)
+    return TwinMismatch(what, difference) if difference > tolerance else None
+
+
 def local_piece(reference: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
     """The part of a whole-model tensor this rank's (possibly sharded) parameter holds, by its placement."""
     from slipstream.utils.placement import placement_of
@@ -71,6 +89,14 @@ def local_piece(reference: torch.Tensor, param: torch.Tensor) -> torch.Tensor | 
         return reference
     offsets, sizes = box
     return reference[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+
+
+def _local_pairs(model: torch.nn.Module, reference: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Each parameter's gradient beside the piece of the reference gradient it holds (sharded or whole)."""
+    for name, p in model.named_parameters():
+        piece = local_piece(reference[name], p) if name in reference else None
+        if piece is not None:
+            yield name, (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(piece.shape), piece
 
 
 def whole_model_reference(model: torch.nn.Module, batch: Any) -> tuple[float, dict[str, torch.Tensor]]:
@@ -91,7 +117,7 @@ def check_whole_model(
     """The parallelized model on ``batch`` against ``expected`` (its unparallelized twin): the loss, then every
     parameter's gradient on this rank's piece; all ranks of ``group`` raise together naming the first difference."""
     ref_loss, ref_grads = expected
-    tolerance, floor = tolerance_for(model), gradient_floor(ref_grads)
+    tolerance = tolerance_for(model)
     mismatch = None
     with quiet_model(model):
         for p in model.parameters():
@@ -102,20 +128,9 @@ def check_whole_model(
         except Exception as err:  # noqa: BLE001 - a parallelized model that cannot run is the finding
             mismatch = TwinMismatch(f"the parallelized model fails on its own ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})", float("inf"))
         if mismatch is None:
-            difference = abs(float(loss.detach()) - ref_loss) / max(abs(ref_loss), 1e-12)
-            if difference > tolerance:
-                mismatch = TwinMismatch("the loss", difference)
+            mismatch = loss_mismatch(float(loss.detach()), ref_loss, tolerance)
         if mismatch is None:
-            for name, p in model.named_parameters():
-                ref = ref_grads.get(name)
-                piece = local_piece(ref, p) if ref is not None else None
-                if piece is None:
-                    continue
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                difference = relative_difference(grad.reshape(piece.shape), piece, floor)
-                if difference > tolerance:
-                    mismatch = TwinMismatch(f"the gradient of {name!r} (module {name.rpartition('.')[0]!r})", difference)
-                    break
+            mismatch = first_gradient_mismatch(_local_pairs(model, ref_grads), ref_grads, tolerance)
     agree(mismatch, group, headline, against)
 
 
@@ -197,9 +212,9 @@ def quiet_model(model: torch.nn.Module) -> Any:
                 p.grad = g
 
 
-def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str, device: torch.device) -> None:
+def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str) -> None:
     """Sharded forward/backward vs. the same model's own attention on the whole sequence; raises ValueError naming the first divergence."""
-    tokens = synthetic_tokens(model, sharder.divisor).to(device)
+    tokens = synthetic_tokens(model, sharder.divisor).to(next(model.parameters()).device)
     batch = {"input_ids": tokens, "labels": tokens.clone()}
     name = type(model).__name__
     tolerance = tolerance_for(model)
@@ -230,10 +245,10 @@ def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str, device:
         finally:
             recorder.close()
         mismatch = _first_mismatch(ref_outputs, ours, sharder, tokens.shape[1], tolerance)
-        if mismatch is None and relative_difference(output.loss, ref_loss) > tolerance:
-            mismatch = TwinMismatch("the loss", relative_difference(output.loss, ref_loss))
         if mismatch is None:
-            mismatch = _first_gradient_mismatch(model, ref_grads, sharder.group, tolerance)
+            mismatch = loss_mismatch(float(output.loss.detach()), float(ref_loss.detach()), tolerance)
+        if mismatch is None:
+            mismatch = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group), ref_grads, tolerance)
         agree(mismatch, sharder.group, f"{sharder.key}: {mode} does not reproduce {name} on a synthetic batch (twin check)")
 
 
@@ -264,24 +279,18 @@ def _first_mismatch(
     return None
 
 
-def _first_gradient_mismatch(model: torch.nn.Module, reference: dict[str, torch.Tensor], group: dist.ProcessGroup, tolerance: float) -> TwinMismatch | None:
-    """The group-mean gradients against the reference's: one flat all-reduce, then parameter by parameter."""
-    size = dist.get_world_size(group)
-    floor = gradient_floor(reference)
+def _group_mean_pairs(model: torch.nn.Module, reference: dict[str, torch.Tensor], group: dist.ProcessGroup) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The group-mean gradients (one flat all-reduce) beside the reference's, parameter by parameter."""
     named = [(n, p) for n, p in model.named_parameters() if n in reference]
     if not named:
-        return None
+        return
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for _, p in named])
     comm.all_reduce(flat, group=group, tag="twin check gradients").wait()
-    flat /= size
+    flat /= dist.get_world_size(group)
     offset = 0
     for name, p in named:
-        piece = flat[offset : offset + p.numel()].view(p.shape)
+        yield name, flat[offset : offset + p.numel()].view(p.shape), reference[name]
         offset += p.numel()
-        difference = relative_difference(piece, reference[name], floor)
-        if difference > tolerance:
-            return TwinMismatch(f"the gradient of {name!r}", difference)
-    return None
 
 
 def agree(mismatch: TwinMismatch | None, group: dist.ProcessGroup, headline: str, against: str = "the model's own attention on the whole sequence") -> None:

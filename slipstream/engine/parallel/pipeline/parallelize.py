@@ -24,6 +24,7 @@ from slipstream.engine.parallel.pipeline import cut, profile, twin
 from slipstream.engine.parallel.pipeline.executor import Executor, StepTiming, predicted_bubble
 from slipstream.engine.parallel.pipeline.schedules import Schedule, build
 from slipstream.engine.parallel.pipeline.simulate import simulate
+from slipstream.engine.parallel.twin import synthetic_batches
 from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.placement import place, placement_of
 
@@ -172,7 +173,7 @@ def parallelize_pipeline(
     layout = schedule.layout
     twin_batches, expected, order, probe = None, None, None, None
     if twin_check:
-        twin_batches = twin.synthetic_batches(model, micro_batches, target=16)
+        twin_batches = synthetic_batches(model, micro_batches, target=16)
         if twin_batches is None:
             log_rank0(logger, "pipeline: %s takes no token batch the twin check could make; its cut is not checked numerically", type(model).__name__)
         else:

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from slipstream.engine.parallel.calls import call_model, loss_of
-from slipstream.engine.parallel.twin import TwinMismatch, agree, gradient_floor, quiet_model, relative_difference, synthetic_batches, tolerance_for
+from slipstream.engine.parallel.calls import call_model
+from slipstream.engine.parallel.twin import (
+    TwinMismatch, agree, first_gradient_mismatch, loss_mismatch, quiet_model, tolerance_for, whole_model_reference,
+)
 
 
 @dataclasses.dataclass
@@ -106,21 +109,13 @@ def _concatenated(batches: list[Any]) -> Any:
 
 def reference(model: torch.nn.Module, batches: list[Any]) -> tuple[float, dict[str, torch.Tensor]]:
     """The whole model's mean loss and gradients over the micro-batches, in eval mode."""
-    with quiet_model(model):
-        for p in model.parameters():
-            p.grad = None
-        loss = loss_of(call_model(model, _concatenated(batches)))
-        loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}  # taken (quiet_model restores .grad)
-    return float(loss.detach()), grads
+    return whole_model_reference(model, _concatenated(batches))
 
 
 def dry_run(pipeline: Any, batch: Any, probe: Probe, headline: str) -> None:
     """Each local stage's forward alone (zeros for the received activation) before any rank waits on another:
     a stage the cut broke (a model that inspects the blocks it calls) fails here on its own rank, and every
     pipeline rank raises together instead of one crashing while its peer waits for an activation."""
-    from slipstream.engine.parallel.pipeline.cut import StageOutput  # noqa: F401 - forward() catches it
-
     executor, problem = pipeline.executor, None
     with quiet_model(pipeline.model), torch.no_grad():
         for stage in executor.layout.stages_of(executor.rank):
@@ -147,27 +142,19 @@ def check(pipeline: Any, batches: list[Any], expected: tuple[float, dict[str, to
             p.grad = None
         report = pipeline.train_step(batches, 1.0 / len(batches), contextlib.nullcontext)
         mismatch = None
-        ours = sum(report.losses) / len(report.losses)
-        difference = abs(ours - ref_losses) / max(abs(ref_losses), 1e-12)
-        if difference > tolerance:
-            mismatch = TwinMismatch("the step's loss", difference)
+        mismatch = loss_mismatch(sum(report.losses) / len(report.losses), ref_losses, tolerance, "the step's loss")
         if mismatch is None:
-            mismatch = _first_gradient_mismatch(model, ref_grads, pipeline, tolerance)
+            mismatch = first_gradient_mismatch(_stage_pairs(model, ref_grads, pipeline), ref_grads, tolerance)
     agree(mismatch, pipeline.group, headline, "the whole model's step on the same micro-batches")
 
 
-def _first_gradient_mismatch(model: torch.nn.Module, reference: dict[str, torch.Tensor], pipeline: Any, tolerance: float) -> TwinMismatch | None:
+def _stage_pairs(model: torch.nn.Module, reference: dict[str, torch.Tensor], pipeline: Any) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """This stage's gradients beside the whole model's (a silenced tied copy counts once, through its tie)."""
     silenced = tuple(n + "." for n in pipeline.ties.silenced)
-    floor = gradient_floor(reference)
     for name, p in model.named_parameters():
         ref = reference.get(name)
         if ref is None or name.startswith(silenced) and name not in pipeline.ties.names:
             continue
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        if grad.shape != ref.shape:
-            continue  # reshaped by the cut: compared through the loss
-        difference = relative_difference(grad, ref, floor)
-        if difference > tolerance:
-            module = name.rsplit(".", 1)[0] if "." in name else name
-            return TwinMismatch(f"the gradient of {name!r} (module {module!r})", difference)
-    return None
+        if grad.shape == ref.shape:  # otherwise reshaped by the cut: compared through the loss
+            yield name, grad, ref

@@ -120,7 +120,7 @@ class SequenceSharder:
         loss = getattr(output, "loss", None)
         if loss is None or count is None:
             return output
-        if getattr(self, "caller_normalizes", False):
+        if self.caller_normalizes:
             local = loss  # already (shard's token sum) / (the caller's count for the whole batch): shards add up
         else:
             total = count.detach().clone()
