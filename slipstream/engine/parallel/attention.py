@@ -129,9 +129,17 @@ def route_attention(model: torch.nn.Module, name: str, kernel: Callable[..., obj
     return config._attn_implementation
 
 
-def set_attention(model: torch.nn.Module, name: str) -> None:
-    """Point every config the model's modules read (one object in most models) at attention ``name``."""
+def attention_configs(model: torch.nn.Module) -> list[Any]:
+    """The distinct configs the model's modules read their attention implementation from (one in most models)."""
+    found: dict[int, Any] = {}
     for module in model.modules():
         sub = getattr(module, "config", None)
         if sub is not None and hasattr(sub, "_attn_implementation"):
-            sub._attn_implementation = name
+            found.setdefault(id(sub), sub)
+    return list(found.values())
+
+
+def set_attention(configs: list[Any], name: str) -> None:
+    """Point every config (``attention_configs``) at attention ``name``."""
+    for config in configs:
+        config._attn_implementation = name

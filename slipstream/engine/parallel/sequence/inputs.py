@@ -46,6 +46,12 @@ class SequenceSharder:
         # (model, our attention's name, the model's own, our kernel): see parallel/attention.py's notes
         self.routing = routing
         self.active = False
+        # Found once: every step switches them twice (a walk over the modules per switch would be on the hot path).
+        self.configs: list[Any] = []
+        if routing is not None:
+            from slipstream.engine.parallel.attention import attention_configs
+
+            self.configs = attention_configs(routing[0])
         self.caller_normalizes = False
 
     def activate(self) -> None:
@@ -53,8 +59,8 @@ class SequenceSharder:
         if self.routing is not None and not self.active:
             from slipstream.engine.parallel.attention import set_attention
 
-            model, ours, _, kernel = self.routing
-            set_attention(model, ours)
+            _, ours, _, kernel = self.routing
+            set_attention(self.configs, ours)
             kernel.active = self.active = True
 
     def deactivate(self) -> None:
@@ -62,8 +68,8 @@ class SequenceSharder:
         if self.routing is not None and self.active:
             from slipstream.engine.parallel.attention import set_attention
 
-            model, _, previous, kernel = self.routing
-            set_attention(model, previous)
+            _, _, previous, kernel = self.routing
+            set_attention(self.configs, previous)
             kernel.active = self.active = False
 
     def close(self) -> None:
