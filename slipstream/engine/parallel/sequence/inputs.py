@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.engine.parallel.attention import attention_configs, set_attention
 
 IGNORE_INDEX = -100
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "inputs_embeds", "token_type_ids")
@@ -49,16 +50,12 @@ class SequenceSharder:
         # Found once: every step switches them twice (a walk over the modules per switch would be on the hot path).
         self.configs: list[Any] = []
         if routing is not None:
-            from slipstream.engine.parallel.attention import attention_configs
-
             self.configs = attention_configs(routing[0])
         self.caller_normalizes = False
 
     def activate(self) -> None:
         """Switch the model to the sharded kernel for one engine step."""
         if self.routing is not None and not self.active:
-            from slipstream.engine.parallel.attention import set_attention
-
             _, ours, _, kernel = self.routing
             set_attention(self.configs, ours)
             kernel.active = self.active = True
@@ -66,8 +63,6 @@ class SequenceSharder:
     def deactivate(self) -> None:
         """The model's own attention again (after the step's backward, or a forward without gradients)."""
         if self.routing is not None and self.active:
-            from slipstream.engine.parallel.attention import set_attention
-
             _, _, previous, kernel = self.routing
             set_attention(self.configs, previous)
             kernel.active = self.active = False
