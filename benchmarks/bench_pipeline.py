@@ -44,7 +44,9 @@ def _config(kind: str, m: int) -> dict:
         return {**base, "gradient_accumulation_steps": m, "zero_optimization": {"stage": 1}, "pipeline": {"activation_checkpoint_interval": 0}}
     schedule, _, partition = kind.split("-", 1)[1].partition("-")
     pipeline = {"stages": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "zbv" else 1, "partition": partition or "parameters"}
-    return {**base, "gradient_accumulation_steps": m, "pipeline": pipeline}
+    # wall_clock_breakdown: the executor times the step from one barrier and takes the slowest rank's
+    # wall time, so the measured bubble compares with the simulator's (executor.py, [Note: timing a step]).
+    return {**base, "gradient_accumulation_steps": m, "pipeline": pipeline, "wall_clock_breakdown": True}
 
 
 def _deepspeed_pipe(model, m: int):

@@ -149,6 +149,7 @@ def apply_activation_checkpointing(
     module_classes: Sequence[str],
     number_checkpoints: int | None = None,
     cpu_checkpointing: bool | None = None,
+    strict: bool = True,
 ) -> list[str]:
     """Checkpoint the forward of every module whose class name is in ``module_classes``.
 
@@ -156,7 +157,7 @@ def apply_activation_checkpointing(
     unchanged). With ``number_checkpoints`` only the first that many matching modules, in
     registration order, are checkpointed: fewer recomputations for more memory. Returns the
     qualified names of the checkpointed modules. Raises ``ValueError`` naming the classes the model
-    has when a class is not found.
+    has when a class is not found, unless ``strict=False`` (a pipeline stage holds only some of them).
     """
     wanted = set(module_classes)
     matches: list[tuple[str, torch.nn.Module]] = []
@@ -164,7 +165,7 @@ def apply_activation_checkpointing(
         if type(module).__name__ in wanted and not any(name.startswith(outer + ".") for outer, _ in matches):
             matches.append((name, module))
     missing = wanted - {type(m).__name__ for _, m in matches}
-    if missing:
+    if missing and strict:
         classes = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(
             f"activation_checkpointing.module_classes: no module of class {', '.join(sorted(missing))} in the model "

@@ -8,7 +8,6 @@ the global norm (which doubles as the fp16 overflow check), clips, steps and sch
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -17,16 +16,21 @@ import torch
 
 from slipstream.accelerator import Accelerator
 from slipstream.comm import comms_log, get_rank
-from slipstream.engine import batches
 from slipstream.engine.checkpoint.manager import CheckpointManager
 from slipstream.engine.checkpoint.rng import RngState
 from slipstream.engine.checkpoint.target import CheckpointTarget, Counters, TrainState
-from slipstream.engine.config import ConfigError, SlipstreamConfig
+from slipstream.engine.config import SlipstreamConfig
 from slipstream.engine.data import DistributedDataLoader
-from slipstream.engine.model_save import is_spread
+from slipstream.engine.model_save import ModelWeights
 from slipstream.engine.monitor import StepRecord, TrainingMonitor
+from slipstream.engine.no_optimizer import MISSING_OPTIMIZER, NoOptimizer
+from slipstream.engine.optimizer_step import OptimizerStep
+from slipstream.engine.parallel.calls import call_model
 from slipstream.engine.parallel.mesh import Mesh
+from slipstream.engine.parallel.parallelize import Parallelized
+from slipstream.engine.parallel.pipeline import Pipeline
 from slipstream.engine.precision import DTYPES, LossScaler
+from slipstream.engine.runners import StepRunner, Windows, mean_over_dp
 from slipstream.engine.zero.strategy import ShardingStrategy
 from slipstream.utils.logging import get_logger
 
@@ -34,109 +38,62 @@ logger = get_logger(__name__)
 
 
 class Engine(torch.nn.Module):
-    """Wraps ``module``; use ``loss = engine(batch); engine.backward(loss); engine.step()``."""
+    """Wraps ``module``; use ``loss = engine(batch); engine.backward(loss); engine.step()``.
 
-    sequence_sharder: Any = None  # Ulysses: shards each batch on the sequence (set by initialize)
-    expert_modules: tuple[Any, ...] = ()  # expert parallel: the experts modules, for per-expert token counts
-    pipeline: Any = None  # pipeline parallel: this rank's stages and their schedule (parallel/pipeline)
+    Built by ``initialize`` from what each of its steps made: the parallelized model (``parallel``),
+    the ZeRO ``strategy`` and the step ``runner`` of its mode (runners/base.py); the Engine keeps the
+    loop's state and delegates, with no branch on the mode.
+    """
 
     def __init__(
-        self,
-        module: torch.nn.Module,
-        config: SlipstreamConfig,
-        strategy: ShardingStrategy,
-        loss_scaler: LossScaler,
-        accelerator: Accelerator,
-        world_size: int,
-        lr_scheduler: Any = None,
-        training_dataloader: DistributedDataLoader | None = None,
-        mesh: Mesh | None = None,
-    ) -> None:
+        self, module: torch.nn.Module, config: SlipstreamConfig, mesh: Mesh, parallel: Parallelized, strategy: ShardingStrategy,
+        runner: StepRunner, monitor: TrainingMonitor, loss_scaler: LossScaler, accelerator: Accelerator,
+        lr_scheduler: Any = None, training_dataloader: DistributedDataLoader | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.module = module
-        self.config = config
-        self.strategy = strategy
-        self.loss_scaler = loss_scaler
-        self.accelerator = accelerator
-        self.world_size = world_size
-        self.lr_scheduler = lr_scheduler
-        self.training_dataloader = training_dataloader
-        # --- mesh (engine/parallel/mesh.py): samples are counted over dp, not the world
-        self.mesh = mesh
-        self._dp_size = mesh.size("dp") if mesh is not None else world_size
-        # --- end mesh
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
+        self.module, self.config, self.mesh, self.parallel, self.strategy = module, config, mesh, parallel, strategy
+        self.runner, self.monitor, self.loss_scaler, self.accelerator = runner, monitor, loss_scaler, accelerator
+        self.world_size, self.lr_scheduler, self.training_dataloader = mesh.sizes.world, lr_scheduler, training_dataloader
+        self.global_steps = self.micro_steps = self.skipped_steps = 0
+        self.global_samples = 0  # counted over dp (ranks that share a dp coordinate see the same samples)
         self._dtype = DTYPES[config.precision]
-        self._auto_cast = (config.fp16.enabled and config.fp16.auto_cast) or (config.bf16.enabled and config.bf16.auto_cast)
-        self._no_sync = False
-        # As DeepSpeed: fp16 always skips steps with non-finite gradients; bf16 unless told not to.
-        self._check_overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
-        self._backward_since_step = False
+        self._no_sync = self._backward_since_step = self._step_applied = False
         self._global_grad_norm: float | None = None
-        self._last_loss: torch.Tensor | None = None
-        self.monitor = TrainingMonitor(config, module, accelerator, get_rank(), world_size)
-        self.checkpoints = CheckpointManager(config.checkpoint)
-        self.checkpoint_states: dict[str, Any] = {}  # extra objects saved through state_dict()/load_state_dict()
-        self.resumed_from: str | None = None  # set by checkpoint.auto_resume
-        self.resumed_client_state: dict[str, Any] | None = None
         self._forced_boundary: bool | None = None  # integrations API: set_gradient_accumulation_boundary
-        self._step_applied = False
         self._window_micro_steps = 0  # micro-steps since the last boundary (forced boundaries included)
-        self.pipeline_window: list[Any] = []  # pipeline: the window's micro-batches and deferred losses (engine/batches.py)
-        self.data_iterator: Any = None  # train_batch()/eval_batch() without data_iter: over training_dataloader
+        self.weights = ModelWeights(module, strategy, parallel.spread, self._dtype)
+        self.checkpoints = CheckpointManager(config.checkpoint)
+        # As DeepSpeed: fp16 always skips steps with non-finite gradients; bf16 unless told not to.
+        overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
+        self._update = OptimizerStep(strategy, loss_scaler, config.gradient_clipping, overflow, self.checkpoints.before_update)
+        self.checkpoint_states: dict[str, Any] = {}  # extra objects saved through state_dict()/load_state_dict()
+        self._windows = Windows(training_dataloader, config.gradient_accumulation_steps)  # train_batch/eval_batch
+        self.resumed_from: str | None = None  # checkpoint.auto_resume: what was loaded, and its client state
+        self.resumed_client_state: dict[str, Any] | None = None
+        if config.checkpoint.auto_resume:  # the fault-tolerant launcher restarts jobs with this on
+            self.resumed_from, self.resumed_client_state = self.checkpoints.resume(self)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.strategy.optimizer
 
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """This rank's pipeline stages and their schedule (None without a pipeline)."""
+        return self.parallel.pipeline
+
     # ------------------------------------------------------------------ training loop
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         comms_log.step = self.global_steps  # a timed-out collective names this step (also after a resume)
-        if self._auto_cast:
-            args, kwargs = _cast_floats((args, kwargs), self._dtype)
-        if self.pipeline is not None:  # the window's schedule runs at its last engine.backward (engine/batches.py)
-            return batches.collect(self, args, kwargs)
-        with self.monitor.forward(args, kwargs, self.global_steps):
-            if self.sequence_sharder is None:
-                return self.module(*args, **kwargs)
-            return self._forward_sequence_parallel(args, kwargs)
+        return self.runner.forward(args, kwargs, self.global_steps)
 
-    def _forward_sequence_parallel(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Ulysses: this rank's share of the sequence through the model, the whole sequence's loss out (parallel/sequence/inputs.py)."""
-        if args:
-            raise TypeError("engine(...): with sequence_parallel_size > 1 pass the batch as keyword arguments (input_ids=..., labels=...)")
-        try:
-            local, count = self.sequence_sharder.shard(kwargs)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        self.sequence_sharder.activate()  # the model's own attention again after this step (parallel/attention.py)
-        try:
-            return self.sequence_sharder.combine(self.module(**local), count)
-        except BaseException:
-            self.sequence_sharder.deactivate()
-            raise
-        finally:
-            if not torch.is_grad_enabled():  # no backward follows
-                self.sequence_sharder.deactivate()
-
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
         """Scale ``loss`` for accumulation and fp16, backpropagate, start gradient communication.
 
         ``scale_wrt_gas=False``: the caller already divided the loss by the accumulation steps (as
         the Hugging Face Trainer does), so only the fp16 loss scale is applied.
         """
         self._require_optimizer("engine.backward")
-        if self.pipeline is not None:
-            return self._backward_pipeline(loss)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(
-                f"engine.backward: expected the scalar loss tensor, got {type(loss).__name__}"
-                + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-                + " (for a ModelOutput pass output.loss)"
-            )
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self._backward_since_step:
             raise RuntimeError(
@@ -149,39 +106,26 @@ class Engine(torch.nn.Module):
                 f"{self.gradient_accumulation_steps()}), so its gradients must be reduced across ranks; run it "
                 "outside engine.no_sync()"
             )
-        self.strategy.begin_backward(boundary)
-        scale = self.loss_scaler.scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
-        with self.monitor.timers("backward"):
-            try:
-                (loss.float() * scale).backward(retain_graph=retain_graph)
-            finally:
-                if self.sequence_sharder is not None and not retain_graph:
-                    self.sequence_sharder.deactivate()
-        with self.monitor.timers("reduce"):
-            self.strategy.end_backward()
-            if boundary:  # like DDP: when backward returns, .grad holds the averaged gradients
-                self.strategy.finish_gradients()
-        self._backward_since_step = True
-        self._last_loss = loss.detach()
-        self.monitor.on_loss(self._last_loss, self.global_steps)
-        return loss
-
-    def _backward_pipeline(self, loss: Any) -> Any:
-        boundary = self.is_gradient_accumulation_boundary()
-        if boundary and self._backward_since_step:
-            raise RuntimeError("engine.backward: called twice at an accumulation boundary without engine.step() in between")
-        with self.monitor.timers("backward"):
-            batches.backward(self, loss, boundary)
+        accumulation = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        self.runner.backward(loss, self.loss_scaler.scale, accumulation, boundary, retain_graph, self.global_steps)
         self._backward_since_step = True
         return loss
 
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """DeepSpeed's call: ``gradient_accumulation_steps`` micro-batches from ``data_iter`` and one step; the global mean loss."""
-        return batches.train_batch(self, data_iter)
+        losses = []
+        for batch in self._windows.draw(data_iter, "train_batch"):
+            loss = self.runner.loss_of(call_model(self, batch))
+            self.backward(loss)
+            self.step()
+            losses.append(loss)  # a pipeline's are known after the window's last backward
+        return mean_over_dp([float(loss.item()) for loss in losses], self.mesh)
 
     def eval_batch(self, data_iter: Any = None) -> torch.Tensor:
         """Forward only over ``gradient_accumulation_steps`` micro-batches; the global mean loss, on every rank."""
-        return batches.eval_batch(self, data_iter)
+        batches = self._windows.draw(data_iter, "eval_batch")
+        comms_log.step = self.global_steps
+        return mean_over_dp(self.runner.evaluate(batches, self.global_steps), self.mesh)
 
     def step(self) -> None:
         """Optimizer step at an accumulation boundary; between boundaries only counts the micro-step."""
@@ -196,34 +140,16 @@ class Engine(torch.nn.Module):
         self._backward_since_step = False
         self.micro_steps += 1
         self._window_micro_steps = 0 if boundary else self._window_micro_steps + 1
-        self.global_samples += self.train_micro_batch_size_per_gpu() * self._dp_size
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.mesh.size("dp")
         if boundary:
             self._report_progress()
             if self.checkpoints.due(self.global_steps):  # checkpoint.interval
                 self.save_checkpoint(self.config.checkpoint.save_dir)
 
     def _optimizer_step(self) -> None:
-        inv_scale = 1.0 / self.loss_scaler.scale
-        norm = float(self.strategy.global_grad_norm()) * inv_scale
-        self._global_grad_norm = norm
-        overflow = not math.isfinite(norm) and self._check_overflow
-        if overflow:
-            self.skipped_steps += 1
-            if not self.loss_scaler.dynamic:
-                logger.warning("step %d: non-finite gradient norm (%s); step skipped", self.global_steps, norm)
-        else:
-            coef = inv_scale
-            clip = self.config.gradient_clipping
-            if clip > 0:
-                coef *= min(1.0, clip / (norm + 1e-6))
-            self.strategy.scale_gradients(coef)
-            self.checkpoints.before_update()  # an async save may still be reading the weights
-            self.strategy.step()
-            self._step_applied = True
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        self.loss_scaler.update(overflow)
-        self.strategy.zero_grad()
+        result = self._update(self.lr_scheduler, self.global_steps)
+        self._global_grad_norm, self._step_applied = result.grad_norm, result.applied
+        self.skipped_steps += 0 if result.applied else 1
         self.global_steps += 1
         if self.config.comms_logger.enabled and self.config.comms_logger.verbose:
             logger.info(comms_log.summary())
@@ -249,7 +175,7 @@ class Engine(torch.nn.Module):
             global_steps=self.global_steps, global_samples=self.global_samples, train_batch_size=self.train_batch_size(),
             lr=lrs[0] if lrs else None, grad_norm=self._global_grad_norm, loss_scale=self.loss_scale(),
             dynamic_loss_scale=self.loss_scaler.dynamic,
-            expert_tokens=tuple(tuple(m.take_counts()) for m in self.expert_modules),
+            expert_tokens=self.parallel.expert_tokens(),
         ))  # fmt: skip
 
     # ------------------------------------------------------------------ accessors
@@ -316,7 +242,7 @@ class Engine(torch.nn.Module):
             rng=RngState(self.accelerator.rng_state, self.accelerator.set_rng_state), extra=extra,
             config=self.config.model_dump(mode="json", by_alias=False, exclude_unset=True),
             zero_stage=self.config.zero_optimization.stage, precision=self.config.precision, world_size=self.world_size,
-            spread=is_spread(self),
+            spread=self.parallel.spread,
         )  # fmt: skip
 
     def _train_state(self) -> TrainState:
@@ -337,10 +263,7 @@ class Engine(torch.nn.Module):
         self.checkpoints.wait()
         self.strategy.close()
         self.monitor.close()
-        if self.sequence_sharder is not None:  # the model's own attention back (see parallel/attention.py)
-            self.sequence_sharder.close()
-        if self.pipeline is not None:
-            self.pipeline.close()
+        self.parallel.close()  # every parallelism's hooks; the model's own attention back
 
     # ------------------------------------------------------------------ integrations API (issue 15)
     # [Note: DeepSpeed's names] The Hugging Face Trainer, Accelerate and Lightning drive a DeepSpeed
@@ -363,14 +286,10 @@ class Engine(torch.nn.Module):
         return self._step_applied
 
     def has_optimizer(self) -> bool:
-        from slipstream.engine.no_optimizer import NoOptimizer
-
         return not isinstance(self.strategy.optimizer, NoOptimizer)
 
     def _require_optimizer(self, call: str) -> None:
         if not self.has_optimizer():
-            from slipstream.engine.no_optimizer import MISSING_OPTIMIZER
-
             raise RuntimeError(f"{call}: {MISSING_OPTIMIZER}")
 
     def consolidated_state_dict(
@@ -381,9 +300,7 @@ class Engine(torch.nn.Module):
         ``dtype=None`` gives the fp32 master values; pass the training dtype (``engine.training_dtype``)
         for what ``save_16bit_model`` writes.
         """
-        from slipstream.engine.model_save import consolidated
-
-        return consolidated(self, dtype, exclude_frozen_parameters)
+        return self.weights.consolidated(dtype, exclude_frozen_parameters)
 
     @property
     def training_dtype(self) -> torch.dtype:
@@ -397,9 +314,7 @@ class Engine(torch.nn.Module):
     def gathered_model_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
         """What ``save_16bit_model`` writes, as a dict on rank 0 (``None`` elsewhere): parameters in the
         training dtype and persistent buffers, for a host's own ``save_pretrained(state_dict=...)``. Collective."""
-        from slipstream.engine.model_save import full_model_state
-
-        return full_model_state(self, exclude_frozen_parameters)
+        return self.weights.full_state(exclude_frozen_parameters)
 
     def save_16bit_model(
         self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
@@ -409,22 +324,9 @@ class Engine(torch.nn.Module):
         A ``.safetensors`` name writes safetensors; any other a ``torch.save`` of a plain tensor dict
         (readable with ``weights_only=True``), as Hugging Face's ``from_pretrained`` expects.
         """
-        from slipstream.engine.model_save import save_model_weights
-
-        return save_model_weights(self, save_dir, save_filename, exclude_frozen_parameters)
+        return self.weights.save(save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """DeepSpeed's name for :meth:`close`."""
         self.close()
 
-    # ------------------------------------------------------------------ end integrations API
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value

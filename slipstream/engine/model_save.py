@@ -9,6 +9,7 @@ as ``save_pretrained`` writes them; ``from_pretrained`` re-ties them. The file i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -16,103 +17,106 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.utils.placement import placement_of
-
-Engine = Any  # the Engine calls in here; typing it by name would make an import cycle
+from slipstream.engine.zero.strategy import ShardingStrategy
 
 
-SPREAD_AXES = ("tp", "pp", "ep")  # the axes that give ranks different parts of the model
+@dataclasses.dataclass(frozen=True)
+class ModelWeights:
+    """What writing the whole model needs from an engine, given explicitly: the module, its strategy, whether
+    ranks hold different parts of it (tensor, pipeline or expert parallel) and the training dtype."""
 
+    module: torch.nn.Module
+    strategy: ShardingStrategy
+    spread: bool
+    dtype: torch.dtype
 
-def is_spread(engine: Engine) -> bool:
-    """Whether ranks hold different parts of the model (tensor, pipeline or expert parallel)."""
-    mesh = getattr(engine, "mesh", None)
-    if mesh is not None and any(mesh.size(axis) > 1 for axis in SPREAD_AXES):
+    def consolidated(self, dtype: torch.dtype | None, exclude_frozen: bool) -> dict[str, torch.Tensor] | None:
+        """The strategy's fp32 gathered parameters, cast to ``dtype``, without frozen ones on request. Collective."""
+        if self.spread:
+            state = self.gather_spread(exclude_frozen)
+            exclude_frozen = False  # each rank left out its own frozen parameters
+        else:
+            state = self.strategy.consolidated_state_dict()
+        if state is None:
+            return None
+        if exclude_frozen:
+            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+            state = {name: value for name, value in state.items() if name not in frozen}
+        if dtype is not None:
+            state = {name: value.to(dtype) for name, value in state.items()}
+        return state
+
+    def gather_spread(self, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+        """Whole fp32 parameters on rank 0 from every rank's saved slices (pieces under tp, stages under pp, experts under ep).
+
+        [Note: assembling a spread model] Each rank sends what it would save in a checkpoint (each
+        element of the model once: duplicates stay home) as (name, global shape, box, flat range) plus
+        the values; rank 0 assembles every parameter as the checkpoint reader does. Names keep the
+        order of the ranks (pipeline stages in order), each rank's in its model order. Collective.
+        """
+        from slipstream.engine.checkpoint.layout import assemble
+
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
+        entries, values = [], []
+        for owned in self.strategy.sharded_state():
+            if owned.duplicate or owned.slice.name in frozen:
+                continue
+            value = owned.value.detach().float().reshape(-1).cpu()
+            for lo, hi, s in owned.slice.split():  # a packed piece (tensor parallel) is one box per part
+                entries.append({"name": s.name, "shape": list(s.shape), "start": s.start, "numel": s.numel,
+                                "box": {"offsets": list(s.offsets), "sizes": list(s.sizes)}})  # fmt: skip
+                values.append(value[lo:hi])
+        mine = (entries, torch.cat(values) if values else torch.zeros(0))
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        pieces: dict[str, list[Any]] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for rank_entries, flat in gathered:
+            offset = 0
+            for entry in rank_entries:
+                part = flat[offset : offset + entry["numel"]]
+                offset += entry["numel"]
+                shapes.setdefault(entry["name"], tuple(entry["shape"]))
+                pieces.setdefault(entry["name"], []).append((entry, lambda lo, hi, part=part: part[lo:hi]))
+        return {name: assemble(shapes[name], pieces[name], torch.float32) for name in pieces}
+
+    def full_state(self, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
+        """Parameters in the training dtype plus persistent buffers, on rank 0 (``None`` elsewhere). Collective."""
+        from slipstream.engine.checkpoint.capture import persistent_buffers  # shared: what state_dict() holds
+
+        state = self.consolidated(self.dtype, exclude_frozen)
+        buffers = self._spread_buffers() if self.spread else persistent_buffers(self.module)
+        if state is None or buffers is None:
+            return None
+        for name, buffer in buffers.items():
+            state[name] = buffer.detach().cpu().clone()
+        return {name: value.detach().cpu().contiguous() for name, value in state.items()}
+
+    def _spread_buffers(self) -> dict[str, torch.Tensor] | None:
+        """Persistent buffers by name from every rank (a pipeline stage holds only its own); rank 0's win. Collective."""
+        from slipstream.engine.checkpoint.capture import persistent_buffers
+
+        mine = {name: b.detach().cpu() for name, b in persistent_buffers(self.module).items()}
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return None
+        buffers: dict[str, torch.Tensor] = {}
+        for found in gathered:
+            for name, value in found.items():
+                buffers.setdefault(name, value)
+        return buffers
+
+    def save(self, save_dir: str | os.PathLike[str], filename: str, exclude_frozen: bool) -> bool:
+        """``engine.save_16bit_model``: rank 0 writes; every rank returns True once the file exists. Collective."""
+        state = self.full_state(exclude_frozen)
+        if state is not None:
+            write_weights(Path(save_dir) / filename, state)
+        if dist.is_initialized():
+            dist.barrier()
         return True
-    return any(placement_of(p) is not None for p in engine.module.parameters())
-
-
-def consolidated(engine: Engine, dtype: torch.dtype | None, exclude_frozen: bool) -> dict[str, torch.Tensor] | None:
-    """The strategy's fp32 gathered parameters, cast to ``dtype``, without frozen ones on request. Collective."""
-    if is_spread(engine):
-        state = gather_spread(engine, exclude_frozen)
-        exclude_frozen = False  # each rank left out its own frozen parameters
-    else:
-        state = engine.strategy.consolidated_state_dict()
-    if state is None:
-        return None
-    if exclude_frozen:
-        frozen = {name for name, p in engine.module.named_parameters() if not p.requires_grad}
-        state = {name: value for name, value in state.items() if name not in frozen}
-    if dtype is not None:
-        state = {name: value.to(dtype) for name, value in state.items()}
-    return state
-
-
-def gather_spread(engine: Engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
-    """Whole fp32 parameters on rank 0 from every rank's saved slices (pieces under tp, stages under pp, experts under ep).
-
-    [Note: assembling a spread model] Each rank sends what it would save in a checkpoint (each
-    element of the model once: duplicates stay home) as (name, global shape, box, flat range) plus
-    the values; rank 0 assembles every parameter as the checkpoint reader does. Names keep the
-    order of the ranks (pipeline stages in order), each rank's in its model order. Collective.
-    """
-    from slipstream.engine.checkpoint.layout import assemble
-
-    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
-    entries, values = [], []
-    for owned in engine.strategy.sharded_state():
-        if owned.duplicate or owned.slice.name in frozen:
-            continue
-        value = owned.value.detach().float().reshape(-1).cpu()
-        for lo, hi, s in owned.slice.split():  # a packed piece (tensor parallel) is one box per part
-            entries.append({"name": s.name, "shape": list(s.shape), "start": s.start, "numel": s.numel,
-                            "box": {"offsets": list(s.offsets), "sizes": list(s.sizes)}})  # fmt: skip
-            values.append(value[lo:hi])
-    mine = (entries, torch.cat(values) if values else torch.zeros(0))
-    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() != 0:
-        return None
-    pieces: dict[str, list[Any]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for rank_entries, flat in gathered:
-        offset = 0
-        for entry in rank_entries:
-            part = flat[offset : offset + entry["numel"]]
-            offset += entry["numel"]
-            shapes.setdefault(entry["name"], tuple(entry["shape"]))
-            pieces.setdefault(entry["name"], []).append((entry, lambda lo, hi, part=part: part[lo:hi]))
-    return {name: assemble(shapes[name], pieces[name], torch.float32) for name in pieces}
-
-
-def _spread_buffers(engine: Engine) -> dict[str, torch.Tensor] | None:
-    """Persistent buffers by name from every rank (a pipeline stage holds only its own); rank 0's win. Collective."""
-    from slipstream.engine.checkpoint.capture import persistent_buffers
-
-    mine = {name: b.detach().cpu() for name, b in persistent_buffers(engine.module).items()}
-    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() != 0:
-        return None
-    buffers: dict[str, torch.Tensor] = {}
-    for found in gathered:
-        for name, value in found.items():
-            buffers.setdefault(name, value)
-    return buffers
-
-
-def full_model_state(engine: Engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
-    """Parameters in the training dtype plus persistent buffers, on rank 0 (``None`` elsewhere). Collective."""
-    from slipstream.engine.checkpoint.capture import persistent_buffers  # shared: what state_dict() holds
-
-    state = consolidated(engine, engine.training_dtype, exclude_frozen)
-    buffers = _spread_buffers(engine) if is_spread(engine) else persistent_buffers(engine.module)
-    if state is None or buffers is None:
-        return None
-    for name, buffer in buffers.items():
-        state[name] = buffer.detach().cpu().clone()
-    return {name: value.detach().cpu().contiguous() for name, value in state.items()}
 
 
 def write_weights(path: Path, state: dict[str, torch.Tensor]) -> None:
@@ -126,13 +130,3 @@ def write_weights(path: Path, state: dict[str, torch.Tensor]) -> None:
     else:
         torch.save(state, part)
     os.replace(part, path)
-
-
-def save_model_weights(engine: Engine, save_dir: str | os.PathLike[str], filename: str, exclude_frozen: bool) -> bool:
-    """``engine.save_16bit_model``: rank 0 writes; every rank returns True once the file exists. Collective."""
-    state = full_model_state(engine, exclude_frozen)
-    if state is not None:
-        write_weights(Path(save_dir) / filename, state)
-    if dist.is_initialized():
-        dist.barrier()
-    return True

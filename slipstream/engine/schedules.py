@@ -13,12 +13,13 @@ OneCycle gives ``cycle_min_lr`` and momentum ``cycle_min_mom`` for -1, then ~``c
 from __future__ import annotations
 
 import math
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from torch import Tensor
 from torch.optim import Optimizer
 
+from slipstream.engine.config import ConfigError, SchedulerConfig, format_validation_error
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -325,3 +326,22 @@ def build_lr_scheduler(type_name: str, params: dict | BaseModel, optimizer: Opti
     elif not isinstance(params, model):
         raise TypeError(f"{type_name} expects {model.__name__} params, got {type(params).__name__}")
     return _SCHEDULES[type_name](optimizer, params)  # type: ignore[arg-type]
+
+
+def scheduler_for(config: SchedulerConfig | None, given: Any, optimizer: Optimizer) -> Any:
+    """The engine's schedule: the config's ``scheduler`` section, or the user's schedule (or a callable ``optimizer -> schedule``).
+
+    :class:`ConfigError` naming ``scheduler.params`` for parameters the schedule refuses.
+    """
+    if config is not None:
+        from pydantic import ValidationError
+
+        try:
+            return build_lr_scheduler(config.type, config.params, optimizer)
+        except ValidationError as err:
+            raise ConfigError(format_validation_error(err, SCHEDULER_PARAMS[config.type], prefix="scheduler.params")) from None
+        except (ValueError, TypeError) as err:  # e.g. a per-group lr list of the wrong length
+            raise ConfigError(f"scheduler.params: {err}") from None
+    if callable(given) and not hasattr(given, "step"):
+        return given(optimizer)
+    return given

@@ -6,6 +6,12 @@ source with ``ast``; nothing is imported, so it takes a fraction of a second).
 * ``slipstream.accelerator``, ``slipstream.comm`` and ``slipstream.ops`` never import
   ``slipstream.engine``, directly (any kind of import) or through other modules (what those import
   when they run: top level and in functions, not their ``TYPE_CHECKING`` blocks).
+* ``slipstream.engine.parallel`` and ``slipstream.engine.zero`` never import each other (the engine
+  composes them); ``checkpoint`` and ``monitor`` never import the ``Engine`` module or
+  ``initialize`` (they are handed ``Stateful`` pieces and a step record); ``config`` never imports
+  ``zero``. Paths are followed as for the engine rule above.
+* No module-level ``Engine = ...`` (``Engine = Any`` and the like) outside ``engine/engine.py``: an
+  alias that dodges an import cycle hides the dependency the rules above are about.
 * The launcher (``slipstream/launcher/**``, the ``slipstream`` dispatcher ``slipstream/cli.py``
   and the console script's module) imports no torch at module level, so ``slipstream run --help``
   answers instantly; the launcher never imports ``slipstream.engine`` (the dispatcher may, inside
@@ -23,13 +29,18 @@ from __future__ import annotations
 import ast
 import re
 from collections import defaultdict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "slipstream"
 ENGINE = "slipstream.engine"
+ENGINE_MODULE = "slipstream.engine.engine"  # the one place the name ``Engine`` is bound
+INITIALIZE = "slipstream.engine.initialize"
+PARALLEL = "slipstream.engine.parallel"
+ZERO = "slipstream.engine.zero"
+CONFIG = "slipstream.engine.config"
 CORE_LAYERS = ("slipstream.accelerator", "slipstream.comm", "slipstream.ops")
 DISPATCHER = "slipstream.cli"
 MAX_FILE_LINES = 600
@@ -103,9 +114,10 @@ class Graph:
             self.files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
         self.edges: Edges = defaultdict(lambda: defaultdict(list))
         self.external: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
+        self.trees = {m: ast.parse(p.read_text(encoding="utf-8"), filename=str(p)) for m, p in self.files.items()}
         for module, path in self.files.items():
             collector = _Imports(module, path.name == "__init__.py")
-            collector.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+            collector.visit(self.trees[module])
             for name, imported, line, kind in collector.found:
                 submodule = f"{name}.{imported}" if imported else None
                 target = submodule if submodule in self.files else self._resolve(name)
@@ -215,14 +227,83 @@ def import_cycles(g: Graph) -> list[str]:
     return found
 
 
-def engine_imports(g: Graph, modules: Iterable[str], rule: str) -> list[str]:
+def imports_of(g: Graph, modules: Iterable[str], targets: set[str], rule: str) -> list[str]:
+    """One violation per module that reaches ``targets``: by any import of its own, then through
+    what the modules on the way import when they run (their ``TYPE_CHECKING`` blocks never run)."""
     found = []
-    engine = g.under(ENGINE)
     for module in sorted(modules):
-        path = shortest_path(g.edges, module, engine, ANY, RUNTIME)
+        path = shortest_path(g.edges, module, targets, ANY, RUNTIME)
         if path:
             found.append(f"{module} imports {path[-1]} ({rule}): " + g.describe(path, ANY, RUNTIME))
     return found
+
+
+def engine_imports(g: Graph, modules: Iterable[str], rule: str) -> list[str]:
+    return imports_of(g, modules, g.under(ENGINE), rule)
+
+
+def never_imports(g: Graph, sources: Sequence[str], targets: Sequence[str], rule: str) -> list[str]:
+    """``imports_of`` from every module under the ``sources`` prefixes to those under ``targets``.
+
+    A prefix that names no module fails: after a rename the rule would otherwise check nothing."""
+    for prefix in (*sources, *targets):
+        assert g.under(prefix), f"{prefix} names no module under {PACKAGE}/: the rule would check nothing"
+    return imports_of(g, g.under(*sources), g.under(*targets), rule)
+
+
+def module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements that run when a module is imported: top level and inside ``if``/``try``/
+    ``with``/loop/``match`` blocks (``if TYPE_CHECKING: ... else: Engine = Any`` included), not the
+    bodies of functions and classes."""
+    for node in body:
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            yield from module_level(getattr(node, field, []))
+        for block in (*getattr(node, "handlers", ()), *getattr(node, "cases", ())):
+            yield from module_level(block.body)
+
+
+def bound_names(target: ast.expr) -> Iterator[str]:
+    """The names an assignment target binds (``a``, ``a, *b``, ``[a, b]``; not ``x.a`` or ``x[a]``)."""
+    if isinstance(target, ast.Name):
+        yield target.id
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        for element in target.elts:
+            yield from bound_names(element)
+    elif isinstance(target, ast.Starred):
+        yield from bound_names(target.value)
+
+
+def engine_aliases(tree: ast.Module) -> list[int]:
+    """Lines of the module-level assignments (``=``, annotated, ``type`` statement) to ``Engine``."""
+    lines = []
+    for node in module_level(tree.body):
+        targets: list[ast.expr]
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        elif type(node).__name__ == "TypeAlias":  # ``type Engine = ...`` (Python 3.12+)
+            targets = [node.name]  # type: ignore[attr-defined]
+        else:
+            continue
+        if any(name == "Engine" for target in targets for name in bound_names(target)):
+            lines.append(node.lineno)
+    return lines
+
+
+def engine_alias_sites(g: Graph) -> list[str]:
+    """Every module-level binding of ``Engine`` outside the Engine's own module."""
+    owner = g.files[ENGINE_MODULE].relative_to(ROOT)
+    return [
+        f"{g.where(module, line)} binds the module-level name Engine (an alias that dodges an import cycle; "
+        f"only {owner} defines Engine)"
+        for module in sorted(g.files)
+        if module != ENGINE_MODULE
+        for line in engine_aliases(g.trees[module])
+    ]
 
 
 def launcher_modules(g: Graph) -> set[str]:
@@ -277,6 +358,31 @@ def test_accelerator_comm_and_ops_never_import_the_engine() -> None:
     assert not found, "\n".join(found)
 
 
+def test_parallel_and_zero_never_import_each_other() -> None:
+    g = graph()
+    found = never_imports(g, [PARALLEL], [ZERO], "parallel never imports zero: the engine composes them")
+    found += never_imports(g, [ZERO], [PARALLEL], "zero never imports parallel: the engine composes them")
+    assert not found, "\n".join(found)
+
+
+def test_checkpoint_and_monitor_never_import_the_engine_or_initialize() -> None:
+    g = graph()
+    rule = "checkpoint and monitor are handed Stateful pieces and a step record, never the Engine"
+    found = never_imports(g, [f"{ENGINE}.checkpoint", f"{ENGINE}.monitor"], [ENGINE_MODULE, INITIALIZE], rule)
+    assert not found, "\n".join(found)
+
+
+def test_config_never_imports_zero() -> None:
+    g = graph()
+    found = never_imports(g, [CONFIG], [ZERO], "the config sits below zero: zero reads it, not the reverse")
+    assert not found, "\n".join(found)
+
+
+def test_no_module_level_engine_alias() -> None:
+    found = engine_alias_sites(graph())
+    assert not found, "\n".join(found)
+
+
 def test_launcher_never_imports_the_engine() -> None:
     g = graph()
     found = engine_imports(g, launcher_modules(g) - {DISPATCHER}, "the launcher never imports the engine")
@@ -302,3 +408,17 @@ def test_the_checks_see_what_they_check() -> None:
     assert "slipstream.launcher.cli" in g.edges[DISPATCHER]
     assert torch_at_module_level(g, ["slipstream.engine.engine"])  # the engine does import torch
     assert engine_imports(g, [DISPATCHER], "the dispatcher may")  # through its checkpoint subcommand
+    # Each "never" rule, pointed at pairs that really do import, finds the path (and its lines).
+    assert never_imports(g, [INITIALIZE], [ZERO], "it does")  # initialize builds the ZeRO strategy
+    assert never_imports(g, [INITIALIZE], [PARALLEL], "it does")  # ... and parallelizes the model
+    assert never_imports(g, [INITIALIZE], [ENGINE_MODULE], "it does")  # ... and the Engine
+    assert never_imports(g, [f"{ENGINE}.checkpoint"], [ZERO], "it does")  # the slices it saves
+    through = never_imports(g, [DISPATCHER], [ZERO], "it does")  # in a function, then checkpoint's imports
+    assert through and through[0].count(".py:") > 1, through
+    typing_later = {"a": {"b": [(1, TOP)]}, "b": {"c": [(2, TYPING)]}}  # a later TYPE_CHECKING hop never runs
+    assert shortest_path(typing_later, "a", {"c"}, ANY, RUNTIME) is None
+    assert shortest_path(typing_later, "b", {"c"}, ANY, RUNTIME) == ["b", "c"]
+    assert len(g.under(PARALLEL)) > 1 and len(g.under(ZERO)) > 1  # the prefixes take in the subpackages
+    alias = "if TYPE_CHECKING:\n    pass\nelse:\n    Engine = Any\nEngine: TypeAlias = Any\na, *Engine = b\n"
+    inside = "def f():\n    Engine = Any\nclass C:\n    Engine = Any\nx.Engine = Any\nEngines = Any\n"
+    assert engine_aliases(ast.parse(alias)) == [4, 5, 6] and engine_aliases(ast.parse(inside)) == []

@@ -1,7 +1,7 @@
 """What the checkpoint code is handed instead of the engine: ``Stateful`` pieces and a counters record.
 
 [Note: no Engine here] The engine builds a :class:`CheckpointTarget` for each save or load (see
-``Engine._checkpoint_target``). Everything in it is either a ``Stateful`` (``state_dict`` /
+``Engine.checkpoint_target``). Everything in it is either a ``Stateful`` (``state_dict`` /
 ``load_state_dict``) or a read-only fact (module for names and shapes, config, world size), so the
 checkpoint package never imports the engine and never writes engine attributes: the counters come
 back through the engine's own :class:`TrainState` Stateful.

@@ -1,4 +1,5 @@
-"""Parallelism beyond data parallel: the mesh today; tensor, sequence, context, pipeline and expert later."""
+"""The parallelisms beyond data parallel: the mesh, and ``parallelize`` (parallelize.py) over pipeline,
+expert, tensor (+ sequence), Ulysses / context and activation checkpointing."""
 
 from slipstream.engine.parallel.mesh import DENSE, Mesh, coordinates, partition
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from slipstream.engine.config import ConfigError
+
 # Keywords that carry no arithmetic (bookkeeping transformers threads through every layer).
 _HARMLESS = {
     "position_ids", "cache_position", "use_cache", "output_hidden_states", "return_dict", "layer_idx",
@@ -38,7 +40,7 @@ _HARMLESS = {
 _REFUSED_WHEN_SET = ("position_bias", "s_aux", "sinks", "head_mask", "alibi", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k")
 
 
-class UnsupportedAttention(ValueError):
+class UnsupportedAttention(ConfigError):
     """A model's attention asks for something this kernel does not implement (raised before any collective)."""
 
 
@@ -117,7 +119,7 @@ def route_attention(model: torch.nn.Module, name: str, kernel: Callable[..., obj
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
-        raise ValueError(
+        raise ConfigError(
             f"{key}: the model does not dispatch attention through transformers' attention interface (no "
             "config._attn_implementation); this needs a Hugging Face model such as Llama, GPT-2, Mistral or Qwen"
         )

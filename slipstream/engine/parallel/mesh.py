@@ -154,6 +154,18 @@ class Mesh:
         group = self._groups[self._built(axes)]
         return group if group is not None else _own_group()
 
+    def pair_group(self, axis: str, coordinates: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The ranks of this rank's ``axis`` group at ``coordinates`` on it (e.g. a pipeline's first and last
+        stage), as a process group; None when this rank is at none of them. Collective: every rank creates
+        every such group (one per ``axis`` group), in the same order."""
+        mine = None
+        for part in partition(self.sizes, (axis,)):  # a part's i-th rank is at coordinate i on the axis
+            ranks = tuple(part[c] for c in coordinates)
+            group = _shared_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     @property
     def dense_group(self) -> dist.ProcessGroup:
         """dp·cp·sp: the ranks holding the same dense (tp/pp) shard, over which ZeRO partitions it."""

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.attention import UnsupportedAttention
 from slipstream.engine.parallel.calls import call_model, loss_of
 
@@ -226,7 +227,7 @@ def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str) -> None
             reference = model(**batch)
             ref_loss = getattr(reference, "loss", None)
             if ref_loss is None:
-                raise ValueError(f"{sharder.key}: {name} returned no loss for input_ids with labels; sequence sharding needs a model that computes its loss")
+                raise ConfigError(f"{sharder.key}: {name} returned no loss for input_ids with labels; sequence sharding needs a model that computes its loss")
             ref_loss.backward()
             ref_outputs, recorder.outputs = recorder.outputs, []
             ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}  # taken, not copied
@@ -238,7 +239,7 @@ def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str) -> None
                 output = sharder.combine(model(**local), count)
                 (output.loss * 1.0).backward()
             except UnsupportedAttention as err:
-                raise ValueError(str(err)) from None
+                raise ConfigError(str(err)) from None
             finally:
                 sharder.deactivate()
             ours = recorder.outputs
@@ -304,7 +305,7 @@ def agree(mismatch: TwinMismatch | None, group: dist.ProcessGroup, headline: str
     if dist.get_rank(group) == first:
         found = [mismatch.what + (f" differs by {mismatch.difference:.2e} (relative)" if mismatch.difference != float("inf") else "")]
     dist.broadcast_object_list(found, src=dist.get_global_rank(group, first), group=group)
-    raise ValueError(
+    raise ConfigError(
         f"{headline}: {found[0]} on rank {first} of the group, against {against}; the model uses something this mode "
         "does not implement. Train it without this mode, or set twin_check: false to train anyway at your own risk"
     )

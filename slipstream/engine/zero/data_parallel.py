@@ -46,7 +46,7 @@ class DataParallelStrategy(ShardingStrategy):
         self.options = options
         self.group = options.group
         self.module = module
-        params = TrainableParams(module, groups, self.group)
+        params = TrainableParams(module, groups)
         self.names, self.trainable, self.index = params.names, params.trainable, params.index
         self.low_precision = any(p.dtype != torch.float32 for p in self.trainable)
         self.group_of = group_of = {id(p): g.sharding_group(self.group) for g in groups for p in g.params}

@@ -29,6 +29,7 @@ from slipstream.accelerator import get_accelerator
 from slipstream.engine.zero.layout import FlatLayout
 from slipstream.engine.zero.storage import alias, copy_pieces, hollow
 from slipstream.utils.logging import get_logger
+from slipstream.engine.config.base import ConfigError
 
 logger = get_logger(__name__)
 
@@ -200,7 +201,7 @@ class _Preshard:
 
     def __call__(self, layout: FlatLayout) -> torch.Tensor:
         if layout.world != self.world or [b.numel for b in layout.buckets] != self.unit_numels:
-            raise ValueError(
+            raise ConfigError(
                 "zero_optimization: the model was partitioned by zero.Init with other ZeRO-3 settings (world size "
                 f"{self.world}, units of {self.unit_numels} elements); pass zero.Init the same config as initialize()"
             )

@@ -1,4 +1,4 @@
-"""Set-up steps every strategy shares: identical starting weights, sane optimizer groups."""
+"""Set-up steps every strategy shares: indexed trainable parameters, sane optimizer groups."""
 
 from __future__ import annotations
 
@@ -6,12 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from slipstream import comm
+from slipstream.engine.config import ConfigError
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec
 from slipstream.utils.logging import get_logger
-from slipstream.utils.placement import placement_of
 
 logger = get_logger(__name__)
 
@@ -19,11 +17,11 @@ logger = get_logger(__name__)
 class TrainableParams:
     """The model's parameters as every strategy sees them: named, trainable ones indexed, groups checked.
 
-    Building it also makes every rank start from rank 0's weights.
+    Every rank already starts from rank 0's weights: ``parallelize`` synchronised them once, world-wide,
+    before any parallelism cut the model (engine/parallel/weights.py).
     """
 
-    def __init__(self, module: torch.nn.Module, groups: list[ParamGroupSpec], group: dist.ProcessGroup | None) -> None:
-        broadcast_module_state(module, group, placed_groups(groups, group))
+    def __init__(self, module: torch.nn.Module, groups: list[ParamGroupSpec]) -> None:
         named = list(module.named_parameters())
         self.names = {id(p): n for n, p in named}
         self.trainable = [p for _, p in named if p.requires_grad]
@@ -31,56 +29,14 @@ class TrainableParams:
         check_groups(groups, self.index, self.names)
 
 
-def placed_groups(groups: list[ParamGroupSpec], default: dist.ProcessGroup | None) -> dict[int, dist.ProcessGroup | None]:
-    """The sharding group of each placed parameter (utils/placement.py), by ``id``."""
-    return {id(p): g.sharding_group(default) for g in groups for p in g.params if placement_of(p) is not None}
-
-
-def broadcast_module_state(
-    module: torch.nn.Module, group: dist.ProcessGroup | None, placed: dict[int, dist.ProcessGroup | None] | None = None,
-    parameters: bool = True,
-) -> None:  # fmt: skip
-    """Make every rank start from its group's first rank's parameters and buffers (one broadcast per dtype).
-
-    ``placed``: parameters that are pieces (tensor/expert parallel) and the group that holds the
-    same piece; they are broadcast over that group only, since other ranks of ``group`` hold other
-    pieces (rank 0's expert 0 must not overwrite rank 1's expert 2). A placed parameter in no
-    optimizer group keeps the value its rank built.
-    """
-    placed = placed or {}
-    tensors = [t for t in (*(module.parameters() if parameters else ()), *module.buffers()) if placement_of(t) is None]
-    _broadcast(tensors, group)
-    if parameters and placed:
-        by_group: dict[int, tuple[dist.ProcessGroup | None, list[torch.Tensor]]] = {}
-        for p in module.parameters():
-            if id(p) in placed:
-                by_group.setdefault(id(placed[id(p)]), (placed[id(p)], []))[1].append(p)
-        for own, params in by_group.values():
-            _broadcast(params, own)
-
-
-def _broadcast(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    if dist.get_world_size(group) == 1 or not tensors:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    with torch.no_grad():
-        for dtype, group_tensors in by_dtype.items():
-            flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-            comm.broadcast(flat, src=src, group=group, tag=f"initial {dtype} weights").wait()
-            torch._foreach_copy_(group_tensors, [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in group_tensors]), group_tensors)])
-
-
 def check_groups(groups: list[ParamGroupSpec], index: dict[int, int], names: dict[int, str]) -> None:
     seen: set[int] = set()
     for group in groups:
         for p in group.params:
             if id(p) not in names:
-                raise ValueError("optimizer/model_parameters: holds a tensor that is not a parameter of the model")
+                raise ConfigError("optimizer/model_parameters: holds a tensor that is not a parameter of the model")
             if id(p) in seen:
-                raise ValueError(f"optimizer/model_parameters: parameter {names[id(p)]!r} appears in two groups")
+                raise ConfigError(f"optimizer/model_parameters: parameter {names[id(p)]!r} appears in two groups")
             seen.add(id(p))
     frozen = [names[i] for i in seen if i not in index]
     if frozen:
@@ -128,7 +84,7 @@ def bind_optimizer(
         trainable = [p for g in optimizer.param_groups for p in g["params"] if id(p) in index]
         if any(len(targets(index[id(p)])) != 1 or targets(index[id(p)])[0] is not p for p in trainable):
             if optimizer.state:
-                raise ValueError(
+                raise ConfigError(
                     "optimizer: already has state; pass a fresh optimizer (or a callable params -> optimizer) "
                     "so slipstream can point it at the fp32 weights this rank updates"
                 )

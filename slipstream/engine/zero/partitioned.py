@@ -58,7 +58,7 @@ class PartitionedStrategy(MastersStrategy):
         if stage not in (1, 2):
             raise ValueError(f"PartitionedStrategy implements ZeRO stages 1 and 2, got {stage}")
         self.options, self.module = options, module
-        params = TrainableParams(module, groups, options.group)
+        params = TrainableParams(module, groups)
         self.names, self.trainable, self.index = params.names, params.trainable, params.index
         self.dtype = single_dtype(self.trainable, stage)
         device = self.trainable[0].device if self.trainable else torch.device("cpu")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream.engine.zero.offload.options import OffloadOptions
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -33,7 +34,7 @@ class ShardingOptions:
     prescale_gradients: bool = False
     average: bool = True  # False: gradient_allreduce_op "sum"
     group: dist.ProcessGroup | None = None
-    offload: Any = None  # OffloadOptions (zero/offload/options.py) when optimizer state or parameters leave the device
+    offload: OffloadOptions | None = None  # when optimizer state or parameters leave the device
 
 
 DEFAULT_GROUP: Any = "sharding-options-group"  # ParamGroupSpec.group: shard over ShardingOptions.group

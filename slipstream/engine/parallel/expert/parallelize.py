@@ -19,10 +19,15 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.expert.dispatch import ExpertParallelExperts, dispatch_combine
+from slipstream.engine.parallel.expert.options import ExpertOptions
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.moe import MoE
+from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.placement import place
+
+logger = get_logger(__name__)
 
 
 @dataclasses.dataclass
@@ -32,6 +37,17 @@ class ExpertPlan:
     params: list[torch.nn.Parameter]
     group: dist.ProcessGroup  # the expert-data-parallel group: ranks holding the same experts
     modules: list[ExpertParallelExperts]
+    hooks: list[torch.utils.hooks.RemovableHandle] = dataclasses.field(default_factory=list)
+
+    def token_counts(self) -> tuple[tuple[int, ...], ...]:
+        """Tokens each local expert received since the last call, per experts module (for the step record)."""
+        return tuple(tuple(m.take_counts()) for m in self.modules)
+
+    def close(self) -> None:
+        """Remove the expert-gradient scalings (see [Note: expert gradients])."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
 
     def split(self, groups: list[dict]) -> list[dict]:
         """Each optimizer parameter group cut into its dense part and its expert part (sharded over ``group``)."""
@@ -55,41 +71,44 @@ def is_fused_experts(module: torch.nn.Module) -> bool:
     return isinstance(n, int) and n > 1 and fused and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")
 
 
-def parallelize_experts(model: torch.nn.Module, mesh: Mesh) -> ExpertPlan | None:
+def parallelize_experts(model: torch.nn.Module, mesh: Mesh, options: ExpertOptions | None) -> ExpertPlan | None:
     """Replace every fused experts module by this rank's experts over ``mesh.group("ep")``; None when ep is 1. Collective."""
-    ep = mesh.size("ep")
-    if ep == 1:
+    if options is None:
         return None
+    ep = options.size
     found = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     if not found and not layers:
-        raise ValueError(
+        raise ConfigError(
             "expert_parallel.autoep_size: no experts module found (transformers' fused MoE experts such as Mixtral's "
             "or Qwen-MoE's); this model cannot be expert-parallel"
         )
     for name, m in found + layers:
         if m.num_experts % ep:
-            raise ValueError(f"expert_parallel.autoep_size: {name} has {m.num_experts} experts, which do not divide by {ep}")
+            raise ConfigError(f"expert_parallel.autoep_size: {name} has {m.num_experts} experts, which do not divide by {ep}")
     group = mesh.group("ep")
-    modules = []
+    modules, hooks = [], []
     for name, m in found:
         sharded = ExpertParallelExperts(m, group)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, sharded)
         for pname, p in sharded.named_parameters(recurse=False):
             place(p, sharded.global_shapes[pname], (sharded.first, 0, 0))
-            p.register_hook(lambda g, ep=ep: g / ep)  # see [Note: expert gradients]
+            hooks.append(p.register_hook(lambda g, ep=ep: g / ep))  # see [Note: expert gradients]
         modules.append(sharded)
     params = [p for m in modules for p in m.parameters(recurse=False)]
     for name, layer in layers:
-        params += _keep_local_experts(name, layer, group, ep)
-    return ExpertPlan(params, _expert_data_group(mesh), modules)
+        params += _keep_local_experts(name, layer, group, ep, hooks)
+    log_rank0(logger, "expert parallel %d: %d experts modules, %d expert parameters per rank", ep, len(modules), len(params))
+    return ExpertPlan(params, _expert_data_group(mesh), modules, hooks)
 
 
-def _keep_local_experts(name: str, layer: MoE, group: dist.ProcessGroup, ep: int) -> list[torch.nn.Parameter]:
+def _keep_local_experts(
+    name: str, layer: MoE, group: dist.ProcessGroup, ep: int, hooks: list[torch.utils.hooks.RemovableHandle]
+) -> list[torch.nn.Parameter]:  # fmt: skip
     """A ``slipstream.moe.MoE`` keeps its own experts (their global indices as names) and dispatches by all-to-all."""
     if layer.ep_size not in (1, ep):
-        raise ValueError(f"expert_parallel.autoep_size: {ep}, but the MoE layer {name} was built with ep_size={layer.ep_size}")
+        raise ConfigError(f"expert_parallel.autoep_size: {ep}, but the MoE layer {name} was built with ep_size={layer.ep_size}")
     local = layer.num_experts // ep
     first = dist.get_rank(group) * local
     for e in list(layer.experts.keys()):
@@ -103,7 +122,7 @@ def _keep_local_experts(name: str, layer: MoE, group: dist.ProcessGroup, ep: int
     params = [p for p in layer.experts.parameters()]
     for p in params:
         place(p, tuple(p.shape))  # whole tensors under global names: other ranks' experts are other parameters
-        p.register_hook(lambda g, ep=ep: g / ep)  # see [Note: expert gradients]
+        hooks.append(p.register_hook(lambda g, ep=ep: g / ep))  # see [Note: expert gradients]
     return params
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import Blocks
 
 
@@ -87,7 +88,7 @@ def partition(
         ranks = len({rank_of(s) for s in range(stages)}) if rank_of is not None else stages
         key = "pipeline.stages" if ranks == stages else "pipeline.virtual_stages"
         how = f"{stages} stages" if ranks == stages else f"{ranks} ranks × {stages // ranks} virtual stages = {stages} stages"
-        raise ValueError(f"{key}: {how} need at least {stages} blocks; the model has {n} ({blocks.container or 'model'})")
+        raise ConfigError(f"{key}: {how} need at least {stages} blocks; the model has {n} ({blocks.container or 'model'})")
     if method == "uniform":
         weights = [1.0] * n
     elif method in ("parameters", "best"):
@@ -100,12 +101,12 @@ def partition(
         try:
             pattern = re.compile(method[5:], re.IGNORECASE)
         except re.error as err:
-            raise ValueError(f"pipeline.partition: {method!r}: {method[5:]!r} is not a regular expression ({err}); e.g. \"type:DecoderLayer\"") from None
+            raise ConfigError(f"pipeline.partition: {method!r}: {method[5:]!r} is not a regular expression ({err}); e.g. \"type:DecoderLayer\"") from None
         weights = [1.0 if pattern.search(type(b).__name__) else 0.0 for b in blocks.modules]
         if sum(weights) < stages:
-            raise ValueError(f"pipeline.partition: {method!r} matches {int(sum(weights))} blocks ({type(blocks.modules[0]).__name__}); need at least {stages}")
+            raise ConfigError(f"pipeline.partition: {method!r} matches {int(sum(weights))} blocks ({type(blocks.modules[0]).__name__}); need at least {stages}")
     else:
-        raise ValueError(f"pipeline.partition: {method!r} is not a method; use parameters, uniform, profile or type:<regex>")
+        raise ConfigError(f"pipeline.partition: {method!r} is not a method; use parameters, uniform, profile or type:<regex>")
     ranges = _balanced(weights, stages)
     if rank_of is not None and method != "uniform":
         ranges = _balance_ranks(weights, ranges, rank_of)
@@ -262,7 +263,7 @@ def absent_for(module: torch.nn.Module, name: str) -> Absent:
         return Absent(module.embedding_dim, module.weight.dtype, from_ids=True)
     if isinstance(module, torch.nn.Linear):
         return Absent(module.out_features, module.weight.dtype, from_ids=False)
-    raise ValueError(
+    raise ConfigError(
         f"pipeline.stages: cannot cut the model: its prologue module {name} ({type(module).__name__}) has weights and runs "
         "before the first block, and only embeddings and linear layers can be left out of later stages"
     )

@@ -47,12 +47,14 @@ class StepTiming:
 class Executor:
     def __init__(
         self, model: torch.nn.Module, gate: StageGate, schedule: Schedule, pp_rank: int, peers: tuple[int, ...],
-        group: dist.ProcessGroup | None, weights: Callable[[], list[torch.nn.Parameter]],
+        group: dist.ProcessGroup | None, weights: Callable[[], list[torch.nn.Parameter]], synchronized_timing: bool = False,
     ) -> None:  # fmt: skip
-        """``peers``: global rank of each pipeline rank; ``weights``: this rank's trainable parameters."""
+        """``peers``: global rank of each pipeline rank; ``weights``: this rank's trainable parameters;
+        ``synchronized_timing`` (``wall_clock_breakdown``): see [Note: timing a step]."""
         self.model, self.gate, self.schedule = model, gate, schedule
         self.layout = schedule.layout
         self.rank, self.peers, self.group, self.weights = pp_rank, peers, group, weights
+        self.synchronized_timing = synchronized_timing
         self.actions = with_communication([list(a) for a in schedule.compute], self.layout)[pp_rank]
         self.last = self.layout.num_stages - 1
         self.context = CommContext()  # transfers on their own stream, ordered by events (comm/context.py)
@@ -73,9 +75,13 @@ class Executor:
         spent: dict[tuple[int, Op], list[float]] = {}
         in_flight: dict[int, int] = {}
         executed: list[Action] = []
-        # One common start, so each rank's idle time includes its wait for the first activation (the
-        # warm-up bubble); otherwise a rank that arrives late would measure less than it has.
-        comm.barrier(self.group, tag="pipeline step start")
+        # [Note: timing a step] Under wall_clock_breakdown the ranks start from one barrier, so each
+        # rank's idle time includes its wait for the first activation (the warm-up bubble), and the
+        # step lasts until the last rank is done (a MAX all-reduce: the last stage of 1F1B finishes
+        # early and idles until the step ends, as in the simulator's makespan). Without it the step
+        # pays for neither collective and each rank reports its own wall time (a lower bound).
+        if self.synchronized_timing:
+            comm.barrier(self.group, tag="pipeline step start")
         start = time.perf_counter()
         for a in self.actions:
             key = (a.stage, a.micro)
@@ -100,10 +106,9 @@ class Executor:
                     in_flight[a.stage] = max(in_flight.get(a.stage, 0), held)
         for work in sends:
             work.wait()
-        # The step lasts until the last rank is done (the last stage of 1F1B finishes early and then
-        # idles until the step ends, as in the simulator's makespan).
         wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        comm.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group, tag="pipeline step time").wait()
+        if self.synchronized_timing:
+            comm.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group, tag="pipeline step time").wait()
         compute = sum(sum(v) for v in spent.values())
         return [losses[i] for i in sorted(losses)], StepTiming(float(wall), compute, self._stage_costs(spent), in_flight, tuple(executed))
 

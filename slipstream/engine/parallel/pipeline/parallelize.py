@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.pipeline import cut, profile, twin
 from slipstream.engine.parallel.pipeline.executor import Executor, StepTiming, predicted_bubble
+from slipstream.engine.parallel.pipeline.options import PipelineOptions
 from slipstream.engine.parallel.pipeline.schedules import Schedule, build
 from slipstream.engine.parallel.pipeline.simulate import simulate
 from slipstream.engine.parallel.twin import synthetic_batches
@@ -41,7 +43,7 @@ class StepReport:
 class Pipeline:
     def __init__(
         self, model: torch.nn.Module, mesh: Mesh, schedule: Schedule, gate: cut.StageGate, ranges: list[range],
-        ties: Ties, handles: list[torch.utils.hooks.RemovableHandle],
+        ties: Ties, handles: list[torch.utils.hooks.RemovableHandle], synchronized_timing: bool = False,
     ) -> None:  # fmt: skip
         self.handles = handles
         self.model, self.mesh, self.schedule, self.gate, self.ranges = model, mesh, schedule, gate, ranges
@@ -55,7 +57,8 @@ class Pipeline:
         self.peers = mesh.ranks("pp")
         self.last_rank = schedule.layout.rank_of(schedule.layout.num_stages - 1)
         self.executor = Executor(
-            model, gate, schedule, self.rank, self.peers, self.group, lambda: [p for p in model.parameters() if p.requires_grad]
+            model, gate, schedule, self.rank, self.peers, self.group, lambda: [p for p in model.parameters() if p.requires_grad],
+            synchronized_timing,
         )
         self.last_report: StepReport | None = None
 
@@ -147,45 +150,44 @@ class Pipeline:
         self.handles, self.tie_hooks = [], []
 
 
-def parallelize_pipeline(
-    model: torch.nn.Module, mesh: Mesh, schedule_name: str, micro_batches: int, virtual_stages: int, method: str, micro_batch_size: int = 1,
-    twin_check: bool = False,
-) -> Pipeline | None:  # fmt: skip
-    """This rank's stages of ``model`` and their schedule; ``twin_check``: the cut's first step against the whole model's (twin.py)."""
-    p = mesh.size("pp")
-    if p == 1:
+def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOptions | None) -> Pipeline | None:
+    """This rank's stages of ``model`` and their schedule; None without a pipeline. Collective over the world.
+
+    With ``twin_check`` the cut's first step is checked against the whole model's (twin.py). The
+    weights are already every rank's same (``parallel/weights.py``): each stage cuts its blocks out of them.
+    """
+    if options is None:
         return None
+    p, micro_batches = options.stages, options.micro_batches
     blocks = find_blocks(model)
     if blocks is None:
         single = next((n for n, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))
                        and sum(1 for c in m.children() if any(True for _ in c.parameters())) == 1), None)  # fmt: skip
         if single is not None:
-            raise ValueError(f"pipeline.stages: {p} stages need at least {p} blocks; {type(model).__name__} has 1 ({single})")
-        raise ValueError(
+            raise ConfigError(f"pipeline.stages: {p} stages need at least {p} blocks; {type(model).__name__} has 1 ({single})")
+        raise ConfigError(
             f"pipeline.stages: {type(model).__name__} has no run of repeated blocks (a ModuleList or Sequential of "
             "identical layers) to cut into stages"
         )
-    schedule = build(schedule_name, p, micro_batches, virtual_stages)
+    schedule = build(options.schedule, p, micro_batches, options.virtual_stages)
     simulate(schedule)  # refuses a schedule that would deadlock, before any rank waits on it
-    with torch.no_grad():  # rank 0's weights win, as without a pipeline: every stage starts from its values
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=mesh.ranks("pp")[0], group=mesh.group("pp"))
     layout = schedule.layout
     twin_batches, expected, order, probe = None, None, None, None
-    if twin_check:
+    if options.twin_check:
         twin_batches = synthetic_batches(model, micro_batches, target=16)
         if twin_batches is None:
             log_rank0(logger, "pipeline: %s takes no token batch the twin check could make; its cut is not checked numerically", type(model).__name__)
         else:
             probe = twin.probe_blocks(model, blocks, twin_batches[0])
             if probe.problem is not None:
-                raise ValueError(f"pipeline.stages: {type(model).__name__}: {probe.problem}; train it without a pipeline")
+                raise ConfigError(f"pipeline.stages: {type(model).__name__}: {probe.problem}; train it without a pipeline")
             order = probe.order
             expected = twin.reference(model, twin_batches)
     prologue, epilogue = cut.outer_modules(model, blocks, order)
     cut.check_prologue(model, prologue)
     numel = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters(recurse=False))  # noqa: E731
-    measured = profile.block_times(model, blocks, prologue, epilogue, micro_batch_size, mesh.group("pp")) if method == "profile" else None
+    method = options.partition
+    measured = profile.block_times(model, blocks, prologue, epilogue, options.micro_batch_size, mesh.group("pp")) if method == "profile" else None
     ranges = cut.partition(blocks, layout.num_stages, method, numel(prologue), numel(epilogue), measured, layout.rank_of)
     if measured is not None:
         log_rank0(logger, "pipeline: profiled stages: %s forward each", profile.describe(measured, ranges))
@@ -218,7 +220,7 @@ def parallelize_pipeline(
         logger, "pipeline: %d stages on %d ranks, schedule %s, %d micro-batches; blocks per stage %s", layout.num_stages, p,
         schedule.name, micro_batches, [len(r) for r in ranges],
     )  # fmt: skip
-    pipeline = Pipeline(model, mesh, schedule, gate, ranges, ties, handles)
+    pipeline = Pipeline(model, mesh, schedule, gate, ranges, ties, handles, synchronized_timing=options.timed)
     pipeline.settle()
     if expected is not None:
         headline = f"pipeline.stages: the {p}-stage cut ({schedule.name}) does not reproduce {type(model).__name__} (twin check)"
@@ -239,21 +241,14 @@ class Ties:
 
 
 def _tie_ends(model: torch.nn.Module, mesh: Mesh, first_rank: int, last_rank: int, shared: set[int], first: bool) -> Ties:
-    """One group per (first, last) stage pair, made by every rank in the same order; both copies start from the first's values."""
+    """The weights the first and last stage both hold, and their pair's group (``mesh.pair_group``; every rank makes every pair).
+
+    Both copies already hold the same values (``parallel/weights.py`` synced the model before the cut).
+    """
     if not shared or first_rank == last_rank:
         return Ties()
-    world, p = dist.get_world_size(), mesh.size("pp")
-    span = world // p
-    mine = None
-    for inner in range(span):
-        pair = [first_rank * span + inner, last_rank * span + inner]
-        group = dist.new_group(pair)
-        if dist.get_rank() in pair:
-            mine = group
-    if mesh.rank_of("pp") not in (first_rank, last_rank):
+    mine = mesh.pair_group("pp", (first_rank, last_rank))
+    if mine is None:
         return Ties()
     names = [n for n, param in model.named_parameters() if id(param) in shared]
-    for name in names:
-        param = model.get_parameter(name)
-        comm.broadcast(param.data, src=first_rank * span + dist.get_rank() % span, group=mine, tag="pipeline tied embedding").wait()
     return Ties(names, mine, duplicate=not first)

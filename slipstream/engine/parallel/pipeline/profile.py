@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import Blocks
 
 RUNS, WARMUP, MAX_SEQ = 4, 1, 512
@@ -27,7 +28,7 @@ def synthetic_batch(model: torch.nn.Module, micro_batch: int) -> dict[str, torch
     vocab = getattr(config, "vocab_size", None)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not isinstance(vocab, int) or not isinstance(positions, int):
-        raise ValueError(
+        raise ConfigError(
             'pipeline.partition: "profile" times the model on synthetic token ids, so it needs a transformers model '
             '(a config with vocab_size and max_position_embeddings); use "parameters", "uniform" or "type:<regex>"'
         )

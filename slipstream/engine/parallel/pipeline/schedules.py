@@ -21,6 +21,7 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
+from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.pipeline.actions import Action, Op, StageLayout
 
 NAMES = ("afab", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev")
@@ -54,20 +55,20 @@ def check(name: str, ranks: int, micro_batches: int, virtual_stages: int) -> Non
     name = ALIASES.get(name, name)
     p, m, v = ranks, micro_batches, virtual_stages
     if name not in NAMES:
-        raise ValueError(f"pipeline.schedule: {name!r} is not a schedule; use one of {', '.join(NAMES)}")
+        raise ConfigError(f"pipeline.schedule: {name!r} is not a schedule; use one of {', '.join(NAMES)}")
     if name in ("1f1b", "interleaved_1f1b", "zb1p") and m < p:
-        raise ValueError(
+        raise ConfigError(
             f"gradient_accumulation_steps: {m} micro-batches cannot fill a {name} pipeline of {p} stages "
             f"(pipeline.stages); use at least {p}"
         )
     if name == "dualpipev" and m < 2 * p:
-        raise ValueError(f"gradient_accumulation_steps: dualpipev needs at least 2 × pipeline.stages = {2 * p} micro-batches, got {m}")
+        raise ConfigError(f"gradient_accumulation_steps: dualpipev needs at least 2 × pipeline.stages = {2 * p} micro-batches, got {m}")
     if name in ("zbv", "dualpipev") and v != 2 and v != 1:
-        raise ValueError(f"pipeline.virtual_stages: {name} runs exactly 2 stages per rank (a V), got {v}")
+        raise ConfigError(f"pipeline.virtual_stages: {name} runs exactly 2 stages per rank (a V), got {v}")
     if name in ("afab", "1f1b") and v != 1:
-        raise ValueError(f"pipeline.virtual_stages: {v} needs an interleaved schedule (interleaved_1f1b, zb1p, zbv, dualpipev), not {name}")
+        raise ConfigError(f"pipeline.virtual_stages: {v} needs an interleaved schedule (interleaved_1f1b, zb1p, zbv, dualpipev), not {name}")
     if name in ("interleaved_1f1b", "zb1p") and m % max(1, m // p):
-        raise ValueError(
+        raise ConfigError(
             f"gradient_accumulation_steps: {name} runs micro-batches in rounds of about pipeline.stages = {p}; {m} is "
             f"not a multiple of its {max(1, m // p)} rounds"
         )

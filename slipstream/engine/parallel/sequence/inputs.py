@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.attention import attention_configs, set_attention
 
 IGNORE_INDEX = -100
@@ -83,17 +84,17 @@ class SequenceSharder:
         """The local keyword arguments, and this rank's count of labelled tokens (None without labels)."""
         source = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if source is None:
-            raise ValueError(f"{self.key}: sequence parallel needs the batch as keyword arguments with input_ids (or inputs_embeds)")
+            raise ConfigError(f"{self.key}: sequence parallel needs the batch as keyword arguments with input_ids (or inputs_embeds)")
         batch, length = source.shape[0], source.shape[1]
         if length % self.divisor:
             how = f"{self.key} = {self.size}" + (" × 2 (zig-zag chunks)" if self.divisor != self.size else "")
-            raise ValueError(
+            raise ConfigError(
                 f"{self.key}: the sequence length {length} does not divide by {how}; pad or cut sequences to a "
                 f"multiple of {self.divisor}"
             )
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(torch.all(mask != 0)):
-            raise ValueError(
+            raise ConfigError(
                 f"{self.key}: padded batches (attention_mask with zeros) are not supported with sequence parallelism yet; "
                 "pack sequences without padding or mark padding with labels = -100 and an all-ones mask"
             )

@@ -1,11 +1,12 @@
 """Tensor parallelism (Megatron-style, with sequence parallelism) for unchanged models.
 
-``parallelize_tensor(model, cfg, mesh)`` is the one entry ``initialize`` calls (step 4); the
+``parallelize_tensor(model, mesh, options)`` is the one entry ``parallelize`` calls; the
 pieces: ``ops`` (the f/g autograd pairs), ``layers`` (sharded leaves, vocabulary layers),
 ``plan`` (config → Hugging Face ``tp_plan`` → inferred), ``selfcheck``, ``sequence``.
 """
 
+from slipstream.engine.parallel.tensor.options import TensorOptions
 from slipstream.engine.parallel.tensor.parallelize import TensorParallel, parallelize_tensor
 from slipstream.engine.parallel.tensor.plan import PlanEntry, validate_partition_config
 
-__all__ = ["PlanEntry", "TensorParallel", "parallelize_tensor", "validate_partition_config"]
+__all__ = ["PlanEntry", "TensorOptions", "TensorParallel", "parallelize_tensor", "validate_partition_config"]

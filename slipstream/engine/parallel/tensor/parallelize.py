@@ -1,7 +1,7 @@
 """``parallelize_tensor``: cut an unchanged model for tensor (and sequence) parallelism, in one fixed order.
 
-1. make the weights and the default random generator identical on the tp group (rank 0 of the
-   group wins, as ZeRO's sync does for dp; see ``parallel/rng.py``);
+1. make the default random generator identical on the tp group (rank 0 of the group wins; see
+   ``parallel/rng.py``; the weights already are: ``parallel/weights.py``);
 2. record the self-check probe on the whole model and the leaves' execution order;
 3. build the plan (config → ``base_model_tp_plan`` → inferred) and check it divides (heads, sizes);
 4. replace the planned leaves by sharded ones, rewrite sharded size attributes on their parents,
@@ -19,15 +19,15 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from slipstream.engine.config import ConfigError
+from slipstream.engine.parallel import twin
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.rng import ShardedRegionRng, sync_default_rng
-from slipstream.engine.parallel import twin
 from slipstream.engine.parallel.tensor import selfcheck, sequence
 from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext, VocabEmbedding, VocabHead
+from slipstream.engine.parallel.tensor.options import TensorOptions
 from slipstream.engine.parallel.tensor.partial_grads import params_in_sharded_regions, sum_gradients_over_tp
 from slipstream.engine.parallel.tensor.plan import PlanEntry, build_plan, in_features, is_linear_like, out_features
 from slipstream.utils.logging import get_logger, log_rank0
@@ -49,6 +49,12 @@ class TensorParallel:
     vocab_sharded: list[str]
     hooks: list[Any]
 
+    def close(self) -> None:
+        """Remove the gradient reductions and sequence-parallel region hooks (the sharded leaves stay)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
 
 def _named(model: torch.nn.Module, module: torch.nn.Module) -> str | None:
     return next((n for n, m in model.named_modules() if m is module), None)
@@ -57,13 +63,6 @@ def _named(model: torch.nn.Module, module: torch.nn.Module) -> str | None:
 def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
-
-
-def _sync_from_group_root(model: torch.nn.Module, mesh: Mesh) -> None:
-    group, root = mesh.group("tp"), mesh.ranks("tp")[0]
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=root, group=group)
 
 
 def _check_divides(plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], model: torch.nn.Module, t: int) -> list[PlanEntry]:
@@ -181,20 +180,18 @@ def _place_all(model: torch.nn.Module, ctx: TPContext) -> None:
             place(param, tuple(param.shape), duplicate=ctx.rank != 0)
 
 
-def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorParallel | None:
+def parallelize_tensor(model: torch.nn.Module, mesh: Mesh, options: TensorOptions | None) -> TensorParallel | None:
     """Tensor (+ sequence) parallelism over ``mesh.group("tp")``; None when tp is 1. Collective over the world.
 
     [Note: packed placement] A packed projection's local piece (this rank's Q, K and V columns) is
     three boxes of the global tensor: it is stored part-major and placed with ``place_parts``, so
     checkpoints and ``consolidated_state_dict`` store and assemble it box by box.
     """
-    t = mesh.size("tp")
-    if t == 1:
+    if options is None:
         return None
-    section = cfg.tensor_parallel
+    t = options.size
     # Sequence parallel switches on after the self-check, which runs blocks on whole sequences.
-    ctx = TPContext(mesh.group("tp"), t, mesh.rank_of("tp"), section.sequence_parallel, enabled_sequence=False)
-    _sync_from_group_root(model, mesh)
+    ctx = TPContext(mesh.group("tp"), t, mesh.rank_of("tp"), options.sequence_parallel, enabled_sequence=False)
     sync_default_rng(ctx.group, mesh.ranks("tp")[0])  # replicated dropout alike on every tp rank
     blocks = find_blocks(model)
     if blocks is None:
@@ -206,13 +203,13 @@ def parallelize_tensor(model: torch.nn.Module, cfg: Any, mesh: Mesh) -> TensorPa
     if not leaves:
         raise ConfigError("tensor_parallel.autotp_size: the model's blocks hold no nn.Linear or Conv1D to shard")
     twin_batch, expected = None, None
-    if getattr(cfg, "twin_check", False):  # the whole model's twin, before anything is sharded (parallel/twin.py)
+    if options.twin_check:  # the whole model's twin, before anything is sharded (parallel/twin.py)
         found = twin.synthetic_batches(model, 1, divisor=t)
         if found is not None:
             twin_batch, expected = found[0], twin.whole_model_reference(model, found[0])
     probe = selfcheck.capture(model, blocks.modules, leaves)
     order = probe.order + [n for n in leaves if n not in probe.order]
-    plan = build_plan(model, leaves, order, section.partition_config)
+    plan = build_plan(model, leaves, order, options.partition_config)
     plan = _check_divides(plan, leaves, model, t)
     shared: dict[str, SharedInput] = {}
     part_sizes: dict[str, set[int]] = {}

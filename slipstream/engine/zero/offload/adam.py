@@ -23,6 +23,7 @@ import torch
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.offload.state_store import STATE_NAMES, StateStore
 from slipstream.ops.adam import cpu_adam_step, evaluate_closure
+from slipstream.engine.config.base import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +55,11 @@ def adam_hyper(optimizer: torch.optim.Optimizer) -> list[AdamHyper]:
         out = []
         for g in optimizer.param_groups:
             if g.get("amsgrad") or g.get("maximize"):
-                raise ValueError("zero_optimization.offload_optimizer: amsgrad/maximize Adam cannot be offloaded; turn them off")
+                raise ConfigError("zero_optimization.offload_optimizer: amsgrad/maximize Adam cannot be offloaded; turn them off")
             decoupled = type(optimizer) is torch.optim.AdamW or bool(g.get("decoupled_weight_decay", False))
             out.append(AdamHyper(float(g["lr"]), tuple(g["betas"]), g["eps"], g["weight_decay"], decoupled))
         return out
-    raise ValueError(
+    raise ConfigError(
         f"zero_optimization.offload_optimizer: the offloaded optimizer is the CPU Adam, so the optimizer must be "
         f"Adam or AdamW (config optimizer.type, torch.optim.Adam/AdamW or slipstream.ops.adam.CPUAdam), got {type(optimizer).__name__}"
     )

@@ -39,6 +39,7 @@ from slipstream.engine.zero.partition import PartitionSpec
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec
 from slipstream.ops.aio import AsyncIO
 from slipstream.utils.logging import get_logger
+from slipstream.engine.config.base import ConfigError
 
 logger = get_logger(__name__)
 
@@ -200,7 +201,7 @@ def _hyperparameters(
     """
     if isinstance(optimizer, torch.optim.Optimizer):
         if optimizer.state:
-            raise ValueError("optimizer: already has state; pass a fresh optimizer so offload can own its state")
+            raise ConfigError("optimizer: already has state; pass a fresh optimizer so offload can own its state")
         member = [[p for p in g["params"] if id(p) in index] for g in optimizer.param_groups]
         hyper = adam_hyper(optimizer)
     else:

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 from slipstream.utils.logging import get_logger
+from slipstream.engine.config.base import ConfigError
 
 logger = get_logger(__name__)
 
@@ -59,7 +60,7 @@ class SwapDir:
             self.path.mkdir(parents=True, exist_ok=True)
             (self.path / _OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         except OSError as err:
-            raise ValueError(f"{key}: cannot create swap files under {str(self.root)!r} ({err.strerror or err}); point it at a writable local disk") from None
+            raise ConfigError(f"{key}: cannot create swap files under {str(self.root)!r} ({err.strerror or err}); point it at a writable local disk") from None
         self.closed, self.users = False, 1
         atexit.register(self.remove, force=True)
 
@@ -68,7 +69,7 @@ class SwapDir:
         free = shutil.disk_usage(self.path).free
         if free < nbytes * 1.01:
             self.remove(force=True)
-            raise ValueError(
+            raise ConfigError(
                 f"{self.key}: {str(self.root)!r} has {free / 2**30:.2f} GiB free, this rank's swap files need "
                 f"{nbytes / 2**30:.2f} GiB; free space or choose another path"
             )

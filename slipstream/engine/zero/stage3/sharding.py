@@ -18,6 +18,7 @@ from slipstream.engine.zero.layout import FlatLayout
 from slipstream.engine.zero.stage3.unit import GroupLanes, ParamUnit
 from slipstream.engine.zero.stage3.units import UnitSpec
 from slipstream.engine.zero.storage import copy_pieces
+from slipstream.engine.config.base import ConfigError
 
 Preshard = Callable[[FlatLayout], torch.Tensor]
 
@@ -70,7 +71,7 @@ def shard_units(
         base += layout.shard_numel
     if preshard is not None:
         if len(groups) != 1:
-            raise ValueError(
+            raise ConfigError(
                 "zero_optimization: a model built under zero.Init cannot have parameter groups sharded over different "
                 "process groups yet; build it without zero.Init or shard every group over the same process group"
             )

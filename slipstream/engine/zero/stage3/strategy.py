@@ -22,7 +22,7 @@ from slipstream.engine.zero.layout import FlatLayout
 from slipstream.engine.zero.masters import build_masters
 from slipstream.engine.zero.offload.param_store import open_param_store
 from slipstream.engine.zero.offload.swap_dir import shared_job_id
-from slipstream.engine.zero.params import broadcast_module_state, check_groups, placed_groups, single_dtype
+from slipstream.engine.zero.params import check_groups, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
 from slipstream.engine.zero.masters_strategy import MastersStrategy, Piece
 from slipstream.engine.zero.sharding_groups import reduce_flags
@@ -64,8 +64,6 @@ class Stage3Strategy(MastersStrategy):
         check_groups(groups, self.index, self.names)
         self.dtype = single_dtype(managed, 3)
         device = managed[0].device if managed else torch.device("cpu")
-        # rank 0's weights win (a placed piece's: its group's first rank)
-        broadcast_module_state(module, options.group, placed_groups(groups, options.group), parameters=preshard is None)
         group_of = {id(p): g.sharding_group(options.group) for g in groups for p in g.params}
         sharded = shard_units(split_units(specs, lambda p: group_of.get(id(p), options.group)), self.dtype, device, preshard)
         self.units, self.groups, self.managed = sharded.units, sharded.groups, sharded.managed

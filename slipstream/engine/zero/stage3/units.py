@@ -21,6 +21,7 @@ import weakref
 from typing import Literal
 
 import torch
+from slipstream.engine.config.base import ConfigError
 
 UnitKind = Literal["root", "block", "persistent"]
 
@@ -107,7 +108,7 @@ def _unit_roots(model: torch.nn.Module, unit_classes: list[str] | None) -> list[
         missing = wanted - found - {type(model).__name__}
         if missing:
             classes = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(
+            raise ConfigError(
                 f"zero_optimization.stage3_unit_modules: no module of class {', '.join(sorted(missing))} in the model "
                 f"(its classes: {', '.join(classes)})"
             )

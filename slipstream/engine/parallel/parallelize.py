@@ -1,0 +1,108 @@
+"""``parallelize``: every parallelism applied to an unchanged model, in one fixed order.
+
+[Note: the order] (torchtitan's ``parallelize_llama`` shape) 1. one world-wide initial weight sync
+(``weights.py``); 2. the pipeline cut (this rank's blocks; the rest become pass-throughs);
+3. experts (this rank's experts, dispatch by all-to-all); 4. tensor (+ sequence) parallel, which
+swaps leaves inside the blocks that remain, after which the pipeline finds its tied weights again;
+5. Ulysses / ring attention and the engine's input sharding; 6. activation checkpointing on the
+blocks as they now are. Each step is ``(model, mesh, options) -> part | None`` and reads only what
+the steps before it left; the twin checks run inside the steps that cut the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from slipstream.engine.parallel.activations import checkpoint_activations
+from slipstream.engine.parallel.expert import ExpertPlan, parallelize_experts
+from slipstream.engine.parallel.mesh import Mesh
+from slipstream.engine.parallel.options import ParallelOptions
+from slipstream.engine.parallel.pipeline import Pipeline, parallelize_pipeline
+from slipstream.engine.parallel.sequence import SequenceSharder, parallelize_attention
+from slipstream.engine.parallel.tensor import TensorParallel, parallelize_tensor
+from slipstream.engine.parallel.weights import sync_initial_weights
+from slipstream.utils.placement import placement_of
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelized:
+    """What ``parallelize`` made of the model: each part (None when off) and what the engine needs of them."""
+
+    model: torch.nn.Module
+    pipeline: Pipeline | None
+    experts: ExpertPlan | None
+    tensor: TensorParallel | None
+    sequence: SequenceSharder | None
+    original_names: Mapping[int, str]  # id of each parameter before any cut -> its name
+
+    @property
+    def spread(self) -> bool:
+        """Whether ranks hold different parts of the model (pipeline stages, tensor pieces, experts)."""
+        if self.pipeline is not None or self.tensor is not None or self.experts is not None:
+            return True
+        return any(placement_of(p) is not None for p in self.model.parameters())
+
+    def param_groups(self, user: Iterable[Any] | None) -> Iterable[Any]:
+        """The optimizer's parameter groups: the user's (``model_parameters``, built on the uncut model) moved onto
+        the parameters now in the model, by name, and each group split into its dense and expert part."""
+        if user is None:
+            groups: Iterable[Any] = self.model.parameters()
+        else:
+            groups = list(user)
+            if self.spread:
+                groups = _remap(groups, self.original_names, self.model)
+        if self.experts is None:
+            return groups
+        items = list(groups)
+        return self.experts.split(items if items and isinstance(items[0], dict) else [{"params": items}])
+
+    def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
+        """Per experts module, the tokens each local expert received since the last call (for the step record)."""
+        return self.experts.token_counts() if self.experts is not None else ()
+
+    def close(self) -> None:
+        """Every part's hooks off; the model's own attention back. The cut itself stays."""
+        for part in (self.sequence, self.pipeline, self.tensor, self.experts):
+            if part is not None:
+                part.close()
+
+
+def parallelize(model: torch.nn.Module, mesh: Mesh, options: ParallelOptions) -> Parallelized:
+    """Apply every parallelism ``options`` turns on, in the order of [Note: the order]. Collective over the world."""
+    sync_initial_weights(model, parameters=not options.presharded)
+    original = {id(p): n for n, p in model.named_parameters()}
+    pipeline = parallelize_pipeline(model, mesh, options.pipeline)
+    experts = parallelize_experts(model, mesh, options.experts)
+    tensor = parallelize_tensor(model, mesh, options.tensor)
+    if pipeline is not None:
+        pipeline.settle()  # tied weights and stand-ins found again after tensor parallel swapped modules
+    sequence = parallelize_attention(model, mesh, options.sequence)
+    checkpoint_activations(model, mesh, options.activations)
+    return Parallelized(model, pipeline, experts, tensor, sequence, original)
+
+
+def _remap(params: list[Any], original: Mapping[int, str], model: torch.nn.Module) -> list[Any]:
+    """Groups built before ``initialize`` (decay / no-decay), moved onto the parameters the parallelisms put in
+    their place, by name: a tensor-parallel shard for its full weight, nothing for a weight another pipeline
+    stage or expert rank holds. A tensor that never was a parameter is left for the strategy to refuse."""
+    current = dict(model.named_parameters())
+    current_ids = {id(p) for p in current.values()}
+
+    def mapped(p: Any) -> Any:
+        if id(p) in current_ids or id(p) not in original:
+            return p
+        return current.get(original[id(p)])
+
+    if params and isinstance(params[0], dict):
+        groups = []
+        for group in params:
+            members = group["params"] if isinstance(group["params"], (list, tuple)) else [group["params"]]
+            kept = [q for q in map(mapped, members) if q is not None]
+            if kept:
+                groups.append({**group, "params": kept})
+        return groups
+    return [q for q in map(mapped, params) if q is not None]

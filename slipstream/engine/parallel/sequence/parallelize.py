@@ -1,0 +1,51 @@
+"""Ulysses or ring attention for an unchanged model: the kernel registered, the engine's input sharder, the twin check."""
+
+from __future__ import annotations
+
+import torch
+
+from slipstream.engine.parallel.attention import route_attention
+from slipstream.engine.parallel.mesh import Mesh
+from slipstream.engine.parallel.sequence.inputs import SequenceSharder
+from slipstream.engine.parallel.sequence.options import SequenceOptions
+from slipstream.engine.parallel.sequence.ulysses import ATTENTION_NAME, UlyssesAttention
+from slipstream.utils.logging import get_logger, log_rank0
+
+logger = get_logger(__name__)
+
+
+def parallelize_attention(model: torch.nn.Module, mesh: Mesh, options: SequenceOptions | None) -> SequenceSharder | None:
+    """Ulysses over ``mesh.group("sp")`` or ring attention over ``mesh.group("cp")``; None when neither is on.
+
+    The sharder switches the model to the registered kernel for each step and shards each batch on
+    the sequence; the numerical twin check (parallel/twin.py) runs unless ``twin_check`` is false and
+    refuses a model the kernel does not reproduce (:class:`ConfigError` naming the key).
+    """
+    if options is None:
+        return None
+    if options.ulysses > 1:
+        group = mesh.group("sp")
+        kernel: object = UlyssesAttention(group)
+        previous = route_attention(model, ATTENTION_NAME, kernel, "sequence_parallel_size")
+        log_rank0(logger, "sequence parallel (Ulysses) %d: attention %r replaced in each step; batches sharded on the sequence", options.ulysses, previous)
+        sharder = SequenceSharder(group, routing=(model, ATTENTION_NAME, previous, kernel))
+        mode = f"Ulysses sequence parallel ({options.ulysses})"
+    else:
+        from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
+
+        group, method = mesh.group("cp"), options.method
+        layout = Layout(options.context, zigzag=method in ("zigzag", "zigzag_ring"))
+        kernel = AllGatherKVAttention(group, layout) if method == "allgather_kv" else RingAttention(group, layout)
+        previous = route_attention(model, f"slipstream_{method}", kernel, "context_parallel.size")
+        log_rank0(logger, "context parallel (%s) %d: attention %r replaced in each step; batches sharded on the sequence", method, layout.size, previous)
+        sharder = SequenceSharder(group, "context_parallel.size", layout, routing=(model, f"slipstream_{method}", previous, kernel))
+        mode = f"context parallel ({method}, {layout.size})"
+    if options.twin_check:
+        from slipstream.engine.parallel.twin import check_sequence_twin
+
+        try:
+            check_sequence_twin(model, sharder, mode)
+        except BaseException:
+            sharder.close()
+            raise
+    return sharder

@@ -1,0 +1,79 @@
+"""The direct step runner: each ``engine(batch)`` runs the model, each ``engine.backward`` its backward.
+
+Data, tensor and expert parallelism need nothing more; with Ulysses or ring attention the batch is
+sharded on the sequence first and the whole sequence's loss comes out (``parallel/sequence``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slipstream.engine.monitor import TrainingMonitor
+from slipstream.engine.parallel.calls import call_model, loss_of
+from slipstream.engine.parallel.sequence import SequenceSharder
+from slipstream.engine.runners.base import cast_floats
+from slipstream.engine.zero.strategy import ShardingStrategy
+
+
+class DirectRunner:
+    def __init__(
+        self, module: torch.nn.Module, strategy: ShardingStrategy, monitor: TrainingMonitor, sharder: SequenceSharder | None,
+        cast_dtype: torch.dtype | None,
+    ) -> None:  # fmt: skip
+        """``cast_dtype``: floating-point inputs are cast to it (``auto_cast``); ``sharder``: Ulysses / ring attention."""
+        self.module, self.strategy, self.monitor, self.sharder, self.cast_dtype = module, strategy, monitor, sharder, cast_dtype
+
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], step: int) -> Any:
+        if self.cast_dtype is not None:
+            args, kwargs = cast_floats((args, kwargs), self.cast_dtype)
+        with self.monitor.forward(args, kwargs, step):
+            if self.sharder is None:
+                return self.module(*args, **kwargs)
+            return self._forward_sharded(self.sharder, args, kwargs)
+
+    def _forward_sharded(self, sharder: SequenceSharder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """This rank's share of the sequence through the model, the whole sequence's loss out (parallel/sequence/inputs.py)."""
+        if args:
+            raise TypeError(f"engine(...): with {sharder.key} > 1 pass the batch as keyword arguments (input_ids=..., labels=...)")
+        local, count = sharder.shard(kwargs)
+        sharder.activate()  # the model's own attention again after this step (parallel/attention.py)
+        try:
+            return sharder.combine(self.module(**local), count)
+        except BaseException:
+            sharder.deactivate()
+            raise
+        finally:
+            if not torch.is_grad_enabled():  # no backward follows
+                sharder.deactivate()
+
+    def backward(self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"engine.backward: expected the scalar loss tensor, got {type(loss).__name__}"
+                + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                + " (for a ModelOutput pass output.loss)"
+            )
+        self.strategy.begin_backward(boundary)
+        with self.monitor.timers("backward"):
+            try:
+                (loss.float() * (loss_scale / accumulation)).backward(retain_graph=retain_graph)
+            finally:
+                if self.sharder is not None and not retain_graph:
+                    self.sharder.deactivate()
+        with self.monitor.timers("reduce"):
+            self.strategy.end_backward()
+            if boundary:  # like DDP: when backward returns, .grad holds the averaged gradients
+                self.strategy.finish_gradients()
+        self.monitor.on_loss(loss.detach(), step)
+
+    def loss_of(self, output: Any) -> torch.Tensor:
+        return loss_of(output)
+
+    def evaluate(self, batches: list[Any], step: int) -> list[float]:
+        def model(*args: Any, **kwargs: Any) -> Any:
+            return self.forward(args, kwargs, step)
+
+        with torch.no_grad():
+            return [float(loss_of(call_model(model, b)).detach()) for b in batches]  # type: ignore[arg-type]

@@ -1,0 +1,114 @@
+"""The pipeline step runner: the user's loop, unchanged, drives a schedule that runs a whole window at once.
+
+[Note: the loop under a pipeline] A pipeline runs all micro-batches of a window together, so
+``loss = engine(batch)`` cannot compute the loss yet: it records the micro-batch and returns a
+:class:`DeferredLoss`. ``engine.backward(loss)`` on the window's last micro-batch runs the
+schedule (inside the ZeRO strategy's accumulation window) and fills in every deferred loss of
+the window, on every rank; ``engine.step()`` then steps as usual. Reading a loss earlier is an
+error that says when it becomes available.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slipstream.engine.monitor import TrainingMonitor
+from slipstream.engine.parallel.pipeline import Pipeline
+from slipstream.engine.runners.base import cast_floats
+from slipstream.engine.zero.strategy import ShardingStrategy
+
+
+class DeferredLoss:
+    """A micro-batch's loss under a pipeline: known once the window's last ``engine.backward`` ran."""
+
+    def __init__(self, micro: int, step: int) -> None:
+        self.micro, self.step = micro, step
+        self._value: float | None = None
+
+    def _resolve(self, value: float) -> None:
+        self._value = value
+
+    @property
+    def loss(self) -> DeferredLoss:
+        """``engine(**batch).loss`` keeps working: the model's output is the loss under a pipeline."""
+        return self
+
+    @property
+    def ready(self) -> bool:
+        return self._value is not None
+
+    def item(self) -> float:
+        if self._value is None:
+            raise RuntimeError(
+                f"pipeline: the loss of micro-batch {self.micro} of step {self.step} is computed when the accumulation "
+                "window's last engine.backward() runs the pipeline schedule; read it after that call"
+            )
+        return self._value
+
+    def __float__(self) -> float:
+        return self.item()
+
+    def detach(self) -> torch.Tensor:
+        return torch.tensor(self.item())
+
+    def numel(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"DeferredLoss(micro={self.micro}, step={self.step}, value={self._value})"
+
+
+def as_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if args and kwargs:
+        raise TypeError("engine(...): under a pipeline pass a micro-batch either as keyword arguments or as positional ones, not both")
+    if kwargs:
+        return kwargs
+    return args[0] if len(args) == 1 else args
+
+
+class PipelineRunner:
+    def __init__(self, pipeline: Pipeline, strategy: ShardingStrategy, monitor: TrainingMonitor, cast_dtype: torch.dtype | None) -> None:
+        self.pipeline, self.strategy, self.monitor, self.cast_dtype = pipeline, strategy, monitor, cast_dtype
+        self.window: list[tuple[Any, DeferredLoss]] = []  # this window's micro-batches and their deferred losses
+
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], step: int) -> DeferredLoss:
+        """``engine(batch)``: keep the micro-batch for the window's schedule."""
+        if self.cast_dtype is not None:
+            args, kwargs = cast_floats((args, kwargs), self.cast_dtype)
+        if len(self.window) >= self.pipeline.micro_batches:
+            raise RuntimeError(
+                f"engine(...): already {len(self.window)} micro-batches in this window (gradient_accumulation_steps); call "
+                "engine.backward() and engine.step() after each forward"
+            )
+        loss = DeferredLoss(len(self.window), step)
+        self.window.append((as_batch(args, kwargs), loss))
+        return loss
+
+    def backward(self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int) -> None:
+        """Nothing until the window's last micro-batch, then the schedule (the loss scaled by the window's size)."""
+        if not isinstance(loss, DeferredLoss):
+            raise TypeError(f"engine.backward: under a pipeline pass the loss engine(batch) returned, got {type(loss).__name__}")
+        if not boundary:
+            return
+        pending, self.window = self.window, []
+        m = self.pipeline.micro_batches
+        if len(pending) != m:
+            raise RuntimeError(
+                f"engine.backward: the window holds {len(pending)} micro-batches but gradient_accumulation_steps is {m}; a "
+                "pipeline step needs them all"
+            )
+        with self.monitor.timers("backward"):
+            report = self.pipeline.train_step([b for b, _ in pending], loss_scale / m, self.strategy.accumulation_window)
+            self.strategy.finish_gradients()
+        for (_, deferred), value in zip(pending, report.losses):
+            deferred._resolve(value)
+            self.monitor.on_loss(torch.tensor(value), step)
+        self.monitor.on_pipeline_step(report.timing.bubble if report.timing else None, report.predicted_bubble, step)
+
+    def loss_of(self, output: Any) -> DeferredLoss:
+        return output  # type: ignore[no-any-return]
+
+    def evaluate(self, batches: list[Any], step: int) -> list[float]:
+        return self.pipeline.evaluate(batches)

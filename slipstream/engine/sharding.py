@@ -1,0 +1,62 @@
+"""Step 4 of ``initialize``: the ZeRO strategy over what ``parallelize`` left on this rank.
+
+The stage is chosen here, once; the Engine only makes the calls on ``ShardingStrategy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from slipstream.accelerator import Accelerator
+from slipstream.engine.options import EngineOptions
+from slipstream.engine.optimizers import build_optimizer
+from slipstream.engine.parallel.mesh import DENSE, Mesh
+from slipstream.engine.zero.data_parallel import DataParallelStrategy
+from slipstream.engine.zero.init import take_preshard
+from slipstream.engine.zero.partitioned import PartitionedStrategy
+from slipstream.engine.zero.stage3.strategy import Stage3Strategy
+from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingStrategy
+from slipstream.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# The strategy currently attached to each model, so wrapping a model again detaches the old hooks.
+# Weak both ways: a strategy refers to its model, so a strong value would keep both alive forever.
+# While attached, a strategy is kept alive by its hooks on the model.
+_attached: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[ShardingStrategy]] = weakref.WeakKeyDictionary()
+
+
+def shard(
+    model: torch.nn.Module, options: EngineOptions, mesh: Mesh, param_groups: Iterable[Any], accelerator: Accelerator
+) -> ShardingStrategy:  # fmt: skip
+    """The ZeRO strategy over the dense group (dp·cp·sp; experts over their own), with the optimizer it builds over its shards."""
+    groups = ParamGroupSpec.from_user(param_groups)
+    optimizer = options.optimizer
+    if optimizer is None:
+        optimizer_config = options.config.optimizer
+        assert optimizer_config is not None
+
+        def optimizer_factory(param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return build_optimizer(optimizer_config, param_groups, accelerator.supports_fused_adam())
+
+        optimizer = optimizer_factory
+    previous = _attached[model]() if model in _attached else None
+    if previous is not None and previous.hooks:
+        logger.warning("initialize: this model is still attached to an earlier engine; closing that engine's hooks")
+        previous.close()
+    # None is the default group: a dense group spanning the world is exactly that (no second group).
+    sharding = dataclasses.replace(options.sharding, group=None if mesh.spans_world(*DENSE) else mesh.dense_group)
+    strategy: ShardingStrategy
+    if options.stage == 0:
+        strategy = DataParallelStrategy(model, groups, sharding, optimizer)
+    elif options.stage3 is not None:
+        strategy = Stage3Strategy(model, groups, sharding, optimizer, options.stage3, preshard=take_preshard(model))
+    else:
+        strategy = PartitionedStrategy(model, groups, sharding, optimizer, stage=options.stage)
+    _attached[model] = weakref.ref(strategy)
+    return strategy
