@@ -166,6 +166,19 @@ class Mesh:
                 mine = group
         return mine
 
+    def across(self, axis: str) -> dist.ProcessGroup:
+        """The ranks at this rank's coordinate on ``axis``, one from each group along it (for ep: the ranks that
+        hold the same experts, over which ZeRO shards them). Collective: every rank creates every such group."""
+        parts = partition(self.sizes, (axis,))
+        mine = None
+        for position in range(len(parts[0])):
+            ranks = tuple(part[position] for part in parts)
+            group = _shared_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        assert mine is not None
+        return mine
+
     @property
     def dense_group(self) -> dist.ProcessGroup:
         """dp·cp·sp: the ranks holding the same dense (tp/pp) shard, over which ZeRO partitions it."""

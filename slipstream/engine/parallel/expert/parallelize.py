@@ -100,7 +100,7 @@ def parallelize_experts(model: torch.nn.Module, mesh: Mesh, options: ExpertOptio
     for name, layer in layers:
         params += _keep_local_experts(name, layer, group, ep, hooks)
     log_rank0(logger, "expert parallel %d: %d experts modules, %d expert parameters per rank", ep, len(modules), len(params))
-    return ExpertPlan(params, _expert_data_group(mesh), modules, hooks)
+    return ExpertPlan(params, mesh.across("ep"), modules, hooks)  # the expert-data-parallel group
 
 
 def _keep_local_experts(
@@ -124,16 +124,3 @@ def _keep_local_experts(
         place(p, tuple(p.shape))  # whole tensors under global names: other ranks' experts are other parameters
         hooks.append(p.register_hook(lambda g, ep=ep: g / ep))  # see [Note: expert gradients]
     return params
-
-
-def _expert_data_group(mesh: Mesh) -> dist.ProcessGroup:
-    """Ranks that hold the same experts: one per ep block, same position in it. Collective (every rank makes every group)."""
-    ep, world = mesh.size("ep"), dist.get_world_size()
-    mine = None
-    for position in range(ep):
-        ranks = list(range(position, world, ep))
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    assert mine is not None
-    return mine
