@@ -87,7 +87,7 @@ def _runner(parallel: Parallelized, strategy: ShardingStrategy, monitor: Trainin
     auto_cast = (cfg.fp16.enabled and cfg.fp16.auto_cast) or (cfg.bf16.enabled and cfg.bf16.auto_cast)
     cast = DTYPES[cfg.precision] if auto_cast else None
     if parallel.pipeline is not None:
-        return PipelineRunner(parallel.pipeline, strategy, monitor, cast)
+        return PipelineRunner(parallel.pipeline, strategy, monitor, cast, parallel.sequence)
     return DirectRunner(parallel.model, strategy, monitor, parallel.sequence, cast)
 
 

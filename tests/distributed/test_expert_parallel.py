@@ -155,12 +155,13 @@ def test_checkpoint_ep2_to_ep1_and_back(tmp_path: Any) -> None:
 
 def _errors_body() -> dict[str, str]:
     found = {}
-    for key, model, extra in (
-        ("plain", torch.nn.Linear(4, 4), {}),
-        ("with-tp", _mixtral(), {"tensor_parallel": {"autotp_size": 2}}),
+    mixtral = _mixtral()
+    for key, model, config, kwargs in (
+        ("plain", torch.nn.Linear(4, 4), _config(0), {}),
+        ("prebuilt-optimizer", mixtral, {**_config(0), "optimizer": None}, {"optimizer": torch.optim.AdamW(mixtral.parameters())}),
     ):
         try:
-            slipstream.initialize(model, {**_config(0), **extra})
+            slipstream.initialize(model, config, **kwargs)
         except slipstream.ConfigError as err:
             found[key] = str(err)
     return found
@@ -169,7 +170,7 @@ def _errors_body() -> dict[str, str]:
 def test_expert_parallel_mistakes_are_one_line_errors_naming_the_key() -> None:
     found = run_distributed(2, _errors_body)[0]
     assert found["plain"].startswith("expert_parallel.autoep_size: no experts module found"), found
-    assert "expert_parallel.autoep_size" in found["with-tp"] and "not supported yet" in found["with-tp"], found
+    assert found["prebuilt-optimizer"].startswith("expert_parallel.autoep_size: an optimizer built before initialize()"), found
 
 
 class _Custom(torch.nn.Module):

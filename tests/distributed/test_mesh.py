@@ -89,8 +89,7 @@ def _unsupported_body(extra: dict) -> str:
 @pytest.mark.parametrize(
     ("extra", "key"),
     [
-        ({"pipeline": {"stages": 2}, "sequence_parallel_size": 2}, "pipeline.stages: 2 together with sequence_parallel_size"),
-        ({"pipeline": {"stages": 2}, "context_parallel": {"size": 2}}, "pipeline.stages: 2 together with context_parallel.size"),
+        ({"sequence_parallel_size": 2, "context_parallel": {"size": 2}}, "context_parallel.size: 2 with sequence_parallel_size 2"),
     ],
 )
 def test_combinations_without_an_implementation_are_refused(extra: dict, key: str) -> None:

@@ -125,14 +125,6 @@ class MeshSizes:
         text = " × ".join(f"{axis} {self.size(axis)}" for axis in AXES)
         return f"world {self.world} = {text}" + (f" (ep {self.ep})" if self.ep > 1 else "")
 
-    def refuse_together(self, axis: str, others: tuple[str, ...]) -> None:
-        """Combinations of axes not built yet: one :class:`ConfigError` naming every key involved."""
-        on = [AXIS_KEYS[a] for a in others if self.size(a) > 1]
-        if self.size(axis) > 1 and on:
-            raise ConfigError(
-                f"{AXIS_KEYS[axis]}: {self.size(axis)} together with {', '.join(on)} is not supported yet in this version of slipstream"
-            )
-
 
 def requested_sizes(config: Any) -> dict[str, int | None]:
     """The size the config asks of each axis (``dp`` None: derive it from the world size)."""

@@ -167,15 +167,19 @@ class Mesh:
         return mine
 
     def across(self, axis: str) -> dist.ProcessGroup:
-        """The ranks at this rank's coordinate on ``axis``, one from each group along it (for ep: the ranks that
-        hold the same experts, over which ZeRO shards them). Collective: every rank creates every such group."""
-        parts = partition(self.sizes, (axis,))
+        """The ranks of this pipeline stage at this rank's coordinate on ``axis``, one from each of the stage's
+        groups along it (for ep: the ranks that hold the same experts, over which ZeRO shards them; ranks of
+        other stages hold other layers). Collective: every rank creates every such group, in the same order."""
+        by_stage: dict[int, list[tuple[int, ...]]] = {}
+        for part in partition(self.sizes, (axis,)):
+            by_stage.setdefault(coordinates(self.sizes, part[0])["pp"], []).append(part)
         mine = None
-        for position in range(len(parts[0])):
-            ranks = tuple(part[position] for part in parts)
-            group = _shared_group(ranks)
-            if self.rank in ranks:
-                mine = group
+        for parts in by_stage.values():
+            for position in range(len(parts[0])):
+                ranks = tuple(part[position] for part in parts)
+                group = _shared_group(ranks)
+                if self.rank in ranks:
+                    mine = group
         assert mine is not None
         return mine
 

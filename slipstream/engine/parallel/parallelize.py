@@ -80,7 +80,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, options: ParallelOptions) ->
     tensor = parallelize_tensor(model, mesh, options.tensor)
     if pipeline is not None:
         pipeline.settle()  # tied weights and stand-ins found again after tensor parallel swapped modules
-    sequence = parallelize_attention(model, mesh, options.sequence)
+    sequence = parallelize_attention(model, mesh, options.sequence, pipeline, experts)
     checkpoint_activations(model, mesh, options.activations)
     return Parallelized(model, pipeline, experts, tensor, sequence, original)
 

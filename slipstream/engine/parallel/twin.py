@@ -15,7 +15,7 @@ refuses a feature raises on the first forward: the same check turns that into th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 import dataclasses
 from typing import Any
 
@@ -213,7 +213,7 @@ def quiet_model(model: torch.nn.Module) -> Any:
                 p.grad = g
 
 
-def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str) -> None:
+def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str, averaging: Mapping[int, dist.ProcessGroup] | None = None) -> None:
     """Sharded forward/backward vs. the same model's own attention on the whole sequence; raises ValueError naming the first divergence."""
     tokens = synthetic_tokens(model, sharder.divisor).to(next(model.parameters()).device)
     batch = {"input_ids": tokens, "labels": tokens.clone()}
@@ -249,8 +249,39 @@ def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str) -> None
         if mismatch is None:
             mismatch = loss_mismatch(float(output.loss.detach()), float(ref_loss.detach()), tolerance)
         if mismatch is None:
-            mismatch = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group), ref_grads, tolerance)
+            mismatch = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging), ref_grads, tolerance)
         agree(mismatch, sharder.group, f"{sharder.key}: {mode} does not reproduce {name} on a synthetic batch (twin check)")
+
+
+def check_sequence_pipeline_twin(pipeline: Any, sharder: Any, mode: str, averaging: Mapping[int, dist.ProcessGroup] | None = None) -> None:
+    """Under a pipeline: one schedule on whole sequences with the model's own attention against one on this
+    rank's shards with the sharded attention; the loss, then this stage's group-mean gradients. Every rank
+    of the world raises together (the stages' verdicts differ, and none may go on while another stops)."""
+    model = pipeline.model
+    name, tolerance = type(model).__name__, tolerance_for(model)
+    device = next(model.parameters()).device
+    tokens = [synthetic_tokens(model, sharder.divisor, seed=k).to(device) for k in range(pipeline.micro_batches)]
+    batches = [{"input_ids": t, "labels": t.clone()} for t in tokens]
+    scale = 1.0 / len(batches)
+    with quiet_model(model):
+        for p in model.parameters():
+            p.grad = None
+        reference = pipeline.train_step(batches, scale, contextlib.nullcontext)
+        ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}  # taken, not copied
+        for p in model.parameters():
+            p.grad = None
+        local = [sharder.shard(b) for b in batches]
+        sharder.activate()
+        try:
+            ours = pipeline.train_step([b for b, _ in local], scale, contextlib.nullcontext, lambda out, i: sharder.combine(out, local[i][1]))
+        finally:
+            sharder.deactivate()
+        mismatch = loss_mismatch(sum(ours.losses) / len(ours.losses), sum(reference.losses) / len(reference.losses), tolerance, "the step's loss")
+        if mismatch is None:
+            mismatch = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging), ref_grads, tolerance)
+        pipeline.last_report = None
+    agree(mismatch, dist.group.WORLD, f"{sharder.key}: {mode} inside the pipeline's stages does not reproduce {name} (twin check)",
+          "the same pipeline with the model's own attention on whole sequences")  # fmt: skip
 
 
 def _first_mismatch(
@@ -280,18 +311,33 @@ def _first_mismatch(
     return None
 
 
-def _group_mean_pairs(model: torch.nn.Module, reference: dict[str, torch.Tensor], group: dist.ProcessGroup) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """The group-mean gradients (one flat all-reduce) beside the reference's, parameter by parameter."""
+def _group_mean_pairs(
+    model: torch.nn.Module, reference: dict[str, torch.Tensor], group: dist.ProcessGroup,
+    averaging: Mapping[int, dist.ProcessGroup] | None = None,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """The group-mean gradients (one flat all-reduce per group) beside the reference's, parameter by parameter.
+
+    [Note: which ranks to average] The ranks of ``group`` hold the same parameters and saw different parts of
+    the batch, so their mean is the whole batch's gradient. A parameter in ``averaging`` (an expert, by ``id``)
+    is another one on each rank of ``group``; its own group (the ranks that hold the same experts, as ZeRO
+    averages it) takes its place.
+    """
     named = [(n, p) for n, p in model.named_parameters() if n in reference]
-    if not named:
-        return
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for _, p in named])
-    comm.all_reduce(flat, group=group, tag="twin check gradients").wait()
-    flat /= dist.get_world_size(group)
-    offset = 0
+    by_group: dict[int, tuple[dist.ProcessGroup, list[tuple[str, torch.nn.Parameter]]]] = {}
     for name, p in named:
-        yield name, flat[offset : offset + p.numel()].view(p.shape), reference[name]
-        offset += p.numel()
+        own = (averaging or {}).get(id(p), group)
+        by_group.setdefault(id(own), (own, []))[1].append((name, p))
+    means: dict[str, torch.Tensor] = {}
+    for own, members in by_group.values():  # the same groups in the same order on every rank: one model, one walk
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for _, p in members])
+        comm.all_reduce(flat, group=own, tag="twin check gradients").wait()
+        flat /= dist.get_world_size(own)
+        offset = 0
+        for name, p in members:
+            means[name] = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+    for name, _ in named:
+        yield name, means[name], reference[name]
 
 
 def agree(mismatch: TwinMismatch | None, group: dist.ProcessGroup, headline: str, against: str = "the model's own attention on the whole sequence") -> None:

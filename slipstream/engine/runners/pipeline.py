@@ -10,12 +10,15 @@ error that says when it becomes available.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from slipstream.engine.monitor import TrainingMonitor
 from slipstream.engine.parallel.pipeline import Pipeline
+from slipstream.engine.parallel.sequence import SequenceSharder
 from slipstream.engine.runners.base import cast_floats
 from slipstream.engine.zero.strategy import ShardingStrategy
 
@@ -69,9 +72,17 @@ def as_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 class PipelineRunner:
-    def __init__(self, pipeline: Pipeline, strategy: ShardingStrategy, monitor: TrainingMonitor, cast_dtype: torch.dtype | None) -> None:
-        self.pipeline, self.strategy, self.monitor, self.cast_dtype = pipeline, strategy, monitor, cast_dtype
+    """``sharder``: Ulysses / ring attention inside the stages. Each micro-batch is cut on the sequence when it
+    is recorded; the window's schedule runs with the sharded attention switched on, and the last stage's loss
+    is the whole sequence's (the sharder's combine)."""
+
+    def __init__(
+        self, pipeline: Pipeline, strategy: ShardingStrategy, monitor: TrainingMonitor, cast_dtype: torch.dtype | None,
+        sharder: SequenceSharder | None = None,
+    ) -> None:  # fmt: skip
+        self.pipeline, self.strategy, self.monitor, self.cast_dtype, self.sharder = pipeline, strategy, monitor, cast_dtype, sharder
         self.window: list[tuple[Any, DeferredLoss]] = []  # this window's micro-batches and their deferred losses
+        self.counts: list[torch.Tensor | None] = []  # under a sharder: each micro-batch's labelled tokens on this rank
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], step: int) -> DeferredLoss:
         """``engine(batch)``: keep the micro-batch for the window's schedule."""
@@ -82,8 +93,12 @@ class PipelineRunner:
                 f"engine(...): already {len(self.window)} micro-batches in this window (gradient_accumulation_steps); call "
                 "engine.backward() and engine.step() after each forward"
             )
+        batch = as_batch(args, kwargs)
+        if self.sharder is not None:
+            batch, count = self._shard(batch)
+            self.counts.append(count)
         loss = DeferredLoss(len(self.window), step)
-        self.window.append((as_batch(args, kwargs), loss))
+        self.window.append((batch, loss))
         return loss
 
     def backward(self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int) -> None:
@@ -93,14 +108,17 @@ class PipelineRunner:
         if not boundary:
             return
         pending, self.window = self.window, []
+        counts, self.counts = self.counts, []
         m = self.pipeline.micro_batches
         if len(pending) != m:
             raise RuntimeError(
                 f"engine.backward: the window holds {len(pending)} micro-batches but gradient_accumulation_steps is {m}; a "
                 "pipeline step needs them all"
             )
-        with self.monitor.timers("backward"):
-            report = self.pipeline.train_step([b for b, _ in pending], loss_scale / m, self.strategy.accumulation_window)
+        with self.monitor.timers("backward"), self._sharded():
+            report = self.pipeline.train_step(
+                [b for b, _ in pending], loss_scale / m, self.strategy.accumulation_window, self._finish(counts)
+            )  # fmt: skip
             self.strategy.finish_gradients()
         for (_, deferred), value in zip(pending, report.losses):
             deferred._resolve(value)
@@ -111,4 +129,32 @@ class PipelineRunner:
         return output  # type: ignore[no-any-return]
 
     def evaluate(self, batches: list[Any], step: int) -> list[float]:
-        return self.pipeline.evaluate(batches)
+        if self.sharder is None:
+            return self.pipeline.evaluate(batches)
+        local = [self._shard(b) for b in batches]
+        with self._sharded():
+            return self.pipeline.evaluate([b for b, _ in local], self._finish([c for _, c in local]))
+
+    def _shard(self, batch: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
+        assert self.sharder is not None
+        if not isinstance(batch, dict):
+            raise TypeError(f"engine(...): with {self.sharder.key} > 1 pass the batch as keyword arguments (input_ids=..., labels=...)")
+        return self.sharder.shard(batch)
+
+    def _finish(self, counts: list[torch.Tensor | None]) -> Callable[[Any, int], Any] | None:
+        sharder = self.sharder
+        if sharder is None:
+            return None
+        return lambda output, micro: sharder.combine(output, counts[micro])
+
+    @contextlib.contextmanager
+    def _sharded(self) -> Iterator[None]:
+        """The sharded attention on for the schedule (the model's own again after it, even on an error)."""
+        if self.sharder is None:
+            yield
+            return
+        self.sharder.activate()
+        try:
+            yield
+        finally:
+            self.sharder.deactivate()

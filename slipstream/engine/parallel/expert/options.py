@@ -20,7 +20,6 @@ class ExpertOptions:
         ep = sizes.size("ep")
         if ep == 1:
             return None
-        sizes.refuse_together("ep", ("tp", "sp", "cp"))
         if optimizer_built:
             raise ConfigError(
                 "expert_parallel.autoep_size: an optimizer built before initialize() holds the unsharded experts; pass the "

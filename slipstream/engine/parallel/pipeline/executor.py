@@ -55,6 +55,9 @@ class Executor:
         self.layout = schedule.layout
         self.rank, self.peers, self.group, self.weights = pp_rank, peers, group, weights
         self.synchronized_timing = synchronized_timing
+        # The last stage's model output → what its loss is read from, given the micro-batch index (the
+        # sequence sharder's combine under Ulysses / ring attention: runners/pipeline.py). None: as it is.
+        self.finish: Callable[[Any, int], Any] | None = None
         self.actions = with_communication([list(a) for a in schedule.compute], self.layout)[pp_rank]
         self.last = self.layout.num_stages - 1
         self.context = CommContext()  # transfers on their own stream, ordered by events (comm/context.py)
@@ -118,7 +121,7 @@ class Executor:
     ) -> None:  # fmt: skip
         key = (a.stage, a.micro)
         if a.op is Op.FORWARD:
-            out = self.forward(a.stage, batches[a.micro], inputs.get(key))
+            out = self.forward(a.stage, batches[a.micro], inputs.get(key), a.micro)
             if a.stage == self.last:
                 losses[a.micro] = out.detach()
                 out = out.float() * scale
@@ -166,7 +169,7 @@ class Executor:
                     received = handed
                     if stage > 0 and self.layout.rank_of(stage - 1) != self.rank:
                         received = self._receive_activation(Action(stage, Op.RECV_F, i))
-                    out = self.forward(stage, batch, received)
+                    out = self.forward(stage, batch, received, i)
                     if stage == self.last:
                         losses.append(out.detach())
                     elif self.layout.rank_of(stage + 1) != self.rank:
@@ -178,8 +181,9 @@ class Executor:
         return losses
 
     # ------------------------------------------------------------------ pieces
-    def forward(self, stage: int, batch: Any, received: torch.Tensor | None) -> torch.Tensor:
-        """The model's forward made stage ``stage``'s: its output activation, or its loss on the last stage."""
+    def forward(self, stage: int, batch: Any, received: torch.Tensor | None, micro: int = 0) -> torch.Tensor:
+        """The model's forward made stage ``stage``'s: its output activation, or its loss on the last stage
+        (of micro-batch ``micro``, through ``finish`` when set)."""
         self.gate.active, self.gate.received = stage, received
         try:
             output = call_model(self.model, batch)
@@ -189,7 +193,7 @@ class Executor:
             self.gate.active, self.gate.received = None, None
         if stage != self.last:
             raise RuntimeError(f"pipeline: stage {stage}'s forward ran to the end of the model without reaching its last block")
-        return loss_of(output)
+        return loss_of(self.finish(output, micro) if self.finish is not None else output)
 
     def _stage_costs(self, spent: dict[tuple[int, Op], list[float]]) -> dict[int, Costs]:
         """Every stage's mean forward / input-gradient / weight-gradient time, shared over the pipeline (one all-reduce)."""

@@ -27,7 +27,6 @@ class PipelineOptions:
         p = sizes.size("pp")
         if p == 1:
             return None
-        sizes.refuse_together("pp", ("sp", "cp", "ep"))
         pipe = cfg.pipeline
         schedules.check(pipe.schedule, p, cfg.gradient_accumulation_steps, pipe.virtual_stages)
         return cls(

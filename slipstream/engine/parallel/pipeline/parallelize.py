@@ -66,28 +66,40 @@ class Pipeline:
     def micro_batches(self) -> int:
         return self.schedule.micro_batches
 
-    def train_step(self, batches: list[Any], scale: float, window: Callable[[], contextlib.AbstractContextManager[None]]) -> StepReport:
+    def train_step(
+        self, batches: list[Any], scale: float, window: Callable[[], contextlib.AbstractContextManager[None]],
+        finish: Callable[[Any, int], Any] | None = None,
+    ) -> StepReport:  # fmt: skip
         """One accumulation window: the schedule over ``batches`` inside the strategy's ``window``.
 
         Tied embeddings have their gradients summed between the first and last stage before the
-        window closes (so the ZeRO reduction sees the sum).
+        window closes (so the ZeRO reduction sees the sum). ``finish(output, micro)``: the last
+        stage's model output as the loss is read from it (the sequence sharder's combine).
         """
         if len(batches) != self.micro_batches:
             raise ValueError(f"pipeline: {len(batches)} micro-batches for a schedule of {self.micro_batches} (gradient_accumulation_steps)")
-        with window():
-            self._stash, self._collecting = {}, True
-            try:
-                losses, timing = self.executor.train(batches, scale)
-            finally:
-                self._collecting = False
-            for param in self.tied:
-                self._sum_tied(param)
+        self.executor.finish = finish
+        try:
+            with window():
+                self._stash, self._collecting = {}, True
+                try:
+                    losses, timing = self.executor.train(batches, scale)
+                finally:
+                    self._collecting = False
+                for param in self.tied:
+                    self._sum_tied(param)
+        finally:
+            self.executor.finish = None
         report = StepReport(self._share_losses(losses, len(batches)), timing, predicted_bubble(self.schedule, timing.costs, self.rank))
         self.last_report = report
         return report
 
-    def evaluate(self, batches: list[Any]) -> list[float]:
-        return self._share_losses(self.executor.evaluate(batches), len(batches))
+    def evaluate(self, batches: list[Any], finish: Callable[[Any, int], Any] | None = None) -> list[float]:
+        self.executor.finish = finish
+        try:
+            return self._share_losses(self.executor.evaluate(batches), len(batches))
+        finally:
+            self.executor.finish = None
 
     def _share_losses(self, losses: list[torch.Tensor], count: int) -> list[float]:
         """The last stage's per-micro-batch losses, on every pipeline rank (one small broadcast)."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from slipstream.engine.parallel.attention import route_attention
+from slipstream.engine.parallel.expert import ExpertPlan
 from slipstream.engine.parallel.mesh import Mesh
+from slipstream.engine.parallel.pipeline import Pipeline
 from slipstream.engine.parallel.sequence.inputs import SequenceSharder
 from slipstream.engine.parallel.sequence.options import SequenceOptions
 from slipstream.engine.parallel.sequence.ulysses import ATTENTION_NAME, UlyssesAttention
@@ -14,12 +16,17 @@ from slipstream.utils.logging import get_logger, log_rank0
 logger = get_logger(__name__)
 
 
-def parallelize_attention(model: torch.nn.Module, mesh: Mesh, options: SequenceOptions | None) -> SequenceSharder | None:
+def parallelize_attention(
+    model: torch.nn.Module, mesh: Mesh, options: SequenceOptions | None, pipeline: Pipeline | None = None,
+    experts: ExpertPlan | None = None,
+) -> SequenceSharder | None:  # fmt: skip
     """Ulysses over ``mesh.group("sp")`` or ring attention over ``mesh.group("cp")``; None when neither is on.
 
     The sharder switches the model to the registered kernel for each step and shards each batch on
     the sequence; the numerical twin check (parallel/twin.py) runs unless ``twin_check`` is false and
-    refuses a model the kernel does not reproduce (:class:`ConfigError` naming the key).
+    refuses a model the kernel does not reproduce (:class:`ConfigError` naming the key); under a
+    ``pipeline`` (whose stages hold only part of the model) it compares one schedule with another;
+    ``experts``' gradients are averaged over their own group there (parallel/twin.py, [Note: which ranks to average]).
     """
     if options is None:
         return None
@@ -41,10 +48,14 @@ def parallelize_attention(model: torch.nn.Module, mesh: Mesh, options: SequenceO
         sharder = SequenceSharder(group, "context_parallel.size", layout, routing=(model, f"slipstream_{method}", previous, kernel))
         mode = f"context parallel ({method}, {layout.size})"
     if options.twin_check:
-        from slipstream.engine.parallel.twin import check_sequence_twin
+        from slipstream.engine.parallel.twin import check_sequence_pipeline_twin, check_sequence_twin
 
+        averaging = {id(p): experts.group for p in experts.params} if experts is not None else None
         try:
-            check_sequence_twin(model, sharder, mode)
+            if pipeline is not None:
+                check_sequence_pipeline_twin(pipeline, sharder, mode, averaging)
+            else:
+                check_sequence_twin(model, sharder, mode, averaging)
         except BaseException:
             sharder.close()
             raise
