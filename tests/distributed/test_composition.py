@@ -2,7 +2,8 @@
 
 World 4, fp32, dropout 0, 3 steps on the same global batches as one process (``train_lm_reference``):
 expert parallel folded onto tensor parallel's ranks, onto Ulysses' and ring attention's, expert
-parallel inside pipeline stages, and Ulysses / ring attention inside pipeline stages. Losses within
+parallel inside pipeline stages, Ulysses / ring attention inside pipeline stages, and Ulysses × ring
+(and × all-gathered K/V) over one sequence split four ways. Losses within
 1e-5 relative, weights 1e-4 relative / 5e-5 absolute (Adam turns a last-bit difference in a near-zero gradient into a step of up to lr).
 """
 
@@ -41,6 +42,8 @@ PAIRS: dict[str, dict[str, Any]] = {
     "ep2_pp2": {**EP2, "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2},
     "sp2_pp2": {"sequence_parallel_size": 2, "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2},
     "cp2_pp2": {"context_parallel": {"size": 2}, "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2},
+    "sp2_cp2": {"sequence_parallel_size": 2, "context_parallel": {"size": 2}},  # USP: Ulysses × ring
+    "sp2_cp2_allgather": {"sequence_parallel_size": 2, "context_parallel": {"size": 2, "method": "allgather_kv"}},
 }
 
 

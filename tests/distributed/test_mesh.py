@@ -87,14 +87,17 @@ def _unsupported_body(extra: dict) -> str:
 
 
 @pytest.mark.parametrize(
-    ("extra", "key"),
+    ("extra", "key", "why"),
     [
-        ({"sequence_parallel_size": 2, "context_parallel": {"size": 2}}, "context_parallel.size: 2 with sequence_parallel_size 2"),
+        (
+            {"sequence_parallel_size": 2, "context_parallel": {"size": 2, "method": "zigzag"}},
+            "context_parallel.method: 'zigzag' with sequence_parallel_size 2", "not contiguous after Ulysses' all-to-all",
+        ),
     ],
 )
-def test_combinations_without_an_implementation_are_refused(extra: dict, key: str) -> None:
+def test_combinations_that_cannot_work_are_refused_saying_why(extra: dict, key: str, why: str) -> None:
     message = run_distributed(4, _unsupported_body, extra)[0]
-    assert message.startswith(key) and "not supported yet" in message, message
+    assert message.startswith(key) and why in message, message
 
 
 def _engine_body() -> dict:

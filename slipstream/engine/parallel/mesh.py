@@ -32,8 +32,8 @@ from slipstream.utils.logging import get_logger, log_rank0
 logger = get_logger(__name__)
 
 DENSE = ("dp", "cp", "sp")  # what dense parameters are sharded over (ZeRO): every copy of the same tp/pp shard
-# Axis sets whose groups every mesh builds: each axis, and the dense ZeRO group.
-BUILT = (*((axis,) for axis in ALL_AXES), DENSE)
+# Axis sets whose groups every mesh builds: each axis, the dense ZeRO group, and Ulysses × ring's sequence group.
+BUILT = (*((axis,) for axis in ALL_AXES), DENSE, ("cp", "sp"))
 
 _groups: dict[tuple[int, tuple[int, ...]], tuple[object, dist.ProcessGroup]] = {}
 

@@ -27,10 +27,12 @@ class SequenceOptions:
     def from_config(cls, cfg: SlipstreamConfig, sizes: MeshSizes, model: torch.nn.Module) -> SequenceOptions | None:
         """None when neither is on; :class:`ConfigError` naming the key for a model whose attention cannot be sharded."""
         u, c = sizes.size("sp"), sizes.size("cp")
-        if u > 1 and c > 1:
+        method = cfg.context_parallel.method
+        if u > 1 and c > 1 and method not in ("ring", "allgather_kv"):
             raise ConfigError(
-                f"context_parallel.size: {c} with sequence_parallel_size {u}: Ulysses and ring attention together are not "
-                "supported yet in this version of slipstream; use one of them"
+                f"context_parallel.method: {method!r} with sequence_parallel_size {u}: zig-zag chunks (a head and a tail per "
+                "rank) are not contiguous after Ulysses' all-to-all gathers a sequence group's shards; use \"ring\" or "
+                "\"allgather_kv\""
             )
         config = getattr(model, "config", None)
         dispatches = hasattr(config, "_attn_implementation")
@@ -40,7 +42,7 @@ class SequenceOptions:
             _check_heads(config, dispatches, u, sizes.size("tp"), type(model).__name__)
         if u == 1 and c == 1:
             return None
-        return cls(u, c, cfg.context_parallel.method, cfg.twin_check)
+        return cls(u, c, method, cfg.twin_check)
 
 
 def _check_heads(config: object, dispatches: bool, u: int, tp: int, name: str) -> None:

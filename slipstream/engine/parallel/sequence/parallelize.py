@@ -30,7 +30,17 @@ def parallelize_attention(
     """
     if options is None:
         return None
-    if options.ulysses > 1:
+    if options.ulysses > 1 and options.context > 1:  # USP: see ulysses.py, [Note: Ulysses × ring]
+        from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
+
+        method, layout = options.method, Layout(options.context, zigzag=False)
+        inner = AllGatherKVAttention(mesh.group("cp"), layout) if method == "allgather_kv" else RingAttention(mesh.group("cp"), layout)
+        kernel = UlyssesAttention(mesh.group("sp"), inner)
+        previous = route_attention(model, ATTENTION_NAME, kernel, "sequence_parallel_size")
+        log_rank0(logger, "Ulysses %d × %s context parallel %d: attention %r replaced in each step; batches sharded on the sequence", options.ulysses, method, options.context, previous)
+        sharder = SequenceSharder(mesh.group("cp", "sp"), routing=(model, ATTENTION_NAME, previous, kernel))
+        mode = f"Ulysses ({options.ulysses}) × {method} context parallel ({options.context})"
+    elif options.ulysses > 1:
         group = mesh.group("sp")
         kernel: object = UlyssesAttention(group)
         previous = route_attention(model, ATTENTION_NAME, kernel, "sequence_parallel_size")

@@ -9,6 +9,12 @@ all-to-all of the output turns it back. Backward runs the two inverse all-to-all
 micro-batch: 2 all-to-alls forward and 2 backward, each rank sending ``(u-1)/u`` of its
 ``b·(H+2·Hkv')·(s/u)·d`` (Q|K|V) and ``b·H·(s/u)·d`` (output) elements.
 
+[Note: Ulysses × ring] With a context-parallel group as well (USP), the batch is cut in ``u·c``
+contiguous shards over both groups (sp innermost), so the all-to-all over the ``u`` ranks of the
+sequence group gathers the ``c``-th part of the sequence that its context rank holds, for ``H/u``
+heads; ring (or all-gathered K/V) attention over the context group then attends the whole
+sequence for those heads. Ulysses' head limit (``u`` ≤ heads) no longer bounds the sequence split.
+
 With fewer KV heads than ``u`` each KV head is repeated ``u/Hkv`` times before the exchange
 (``Hkv' = u``: every rank receives the one KV head its query heads use); autograd sums the
 repeats' gradients. The model reaches this code through transformers' attention interface (the
@@ -63,10 +69,23 @@ class UlyssesAttention:
     all honoured exactly (parallel/attention.py); anything else a model asks for is refused.
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, inner: Any = None) -> None:
+        """``inner``: the attention over the heads this rank gathered when the sequence is also split over a
+        context-parallel group (ring or all-gathered K/V: [Note: Ulysses × ring]); None: local attention."""
+        self.group, self.inner = group, inner
         self.size = dist.get_world_size(group)
-        self.active = False  # set by the engine's sharder for its steps only
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        """Set by the engine's sharder for its steps only (and passed on to the inner attention)."""
+        return self._active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._active = value
+        if self.inner is not None:
+            self.inner.active = value
 
     def __call__(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -90,6 +109,10 @@ class UlyssesAttention:
         whole = all_to_all(packed, 1, 3, self.group, "ulysses q|k|v all-to-all")  # [b, 1, hq + 2hk, s, d]
         whole = whole.squeeze(1)
         q, k, v = whole.split([hq, hk, hk], dim=1)
+        if self.inner is not None:
+            out, _ = self.inner(module, q, k, v, attention_mask, dropout, scaling, **kwargs)  # [b, s/c, hq, d]
+            back = all_to_all(out.transpose(1, 2).unsqueeze(1), 3, 1, self.group, "ulysses output all-to-all")
+            return back.reshape(b, heads, s_local, d).transpose(1, 2).contiguous(), None
         if hk != hq:
             k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
         s = s_local * u
