@@ -91,3 +91,27 @@ def test_pairs_match_one_process() -> None:
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
         for key, value in params.items():
             torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=5e-5, msg=lambda msg: f"{name} {key}: {msg}")
+
+
+RECIPES: dict[str, dict[str, Any]] = {
+    # Llama 3: tensor × context × pipeline (× data, 1 here: 8 processes are the CI budget's most)
+    "llama3_tp2_cp2_pp2": {"tensor_parallel": {"autotp_size": 2}, "context_parallel": {"size": 2}, "pipeline": {"stages": 2},
+                           "gradient_accumulation_steps": 2},
+    # DeepSeek-V3: pipeline × expert × ZeRO-1 data parallel
+    "deepseek_pp2_ep2_dp4": {**EP2, "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2},
+    # USP with tensor parallel and data parallel: Ulysses × ring × tp × dp... at 8: Ulysses 2 × ring 2 × dp 2
+    "usp_sp2_cp2_dp2": {"sequence_parallel_size": 2, "context_parallel": {"size": 2}},
+}
+
+
+def _recipes_body() -> dict[str, Any]:
+    return {name: _train(extra) for name, extra in RECIPES.items()}
+
+
+def test_recipes_at_world_8_match_one_process() -> None:
+    results = run_distributed(8, _recipes_body)[0]
+    for name, ours in results.items():
+        losses, params = train_lm_reference(_mixtral(), _batches(ours["dp"], ours["m"]), LR)
+        assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
+        for key, value in params.items():
+            torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=5e-5, msg=lambda msg: f"{name} {key}: {msg}")

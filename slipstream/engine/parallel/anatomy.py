@@ -15,6 +15,10 @@ import dataclasses
 import torch
 
 
+# A class attribute of the module a pipeline stage puts in place of a block another stage runs.
+BLOCK_STAND_IN = "is_block_stand_in"
+
+
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """The repeated blocks of a model: the container's qualified name and its children in order."""
@@ -28,13 +32,18 @@ class Blocks:
 
 
 def find_blocks(model: torch.nn.Module) -> Blocks | None:
-    """The longest run of same-class parameterised children of one ``ModuleList``/``Sequential`` (first found on a tie)."""
+    """The longest run of same-class parameterised children of one ``ModuleList``/``Sequential`` (first found on a tie).
+
+    A pipeline stage's container counts its cut-away blocks' stand-ins (``BLOCK_STAND_IN``) as slots: a stage
+    that keeps one block of many still has blocks (the one it runs), where a container of one block does not.
+    """
     best: Blocks | None = None
     for name, module in model.named_modules():
         if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
             continue
         children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
-        if len(children) >= 2 and len({type(c) for _, c in children}) == 1 and (best is None or len(children) > len(best)):
+        slots = len(children) + sum(1 for c in module.children() if getattr(c, BLOCK_STAND_IN, False))
+        if children and slots >= 2 and len({type(c) for _, c in children}) == 1 and (best is None or len(children) > len(best)):
             prefix = f"{name}." if name else ""
             best = Blocks(name, tuple(prefix + n for n, _ in children), tuple(c for _, c in children))
     return best

@@ -44,6 +44,8 @@ class StageOutput(Exception):
 class Passthrough(torch.nn.Module):
     """A block this rank does not own: returns its hidden-state input unchanged."""
 
+    is_block_stand_in = True  # anatomy.BLOCK_STAND_IN: still a slot of the run of blocks
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _hidden_of(args, kwargs)
 
