@@ -1,6 +1,6 @@
 """The axes compose: every pair ``initialize`` accepts trains a tiny Mixtral to the one-process reference.
 
-World 4, fp32, dropout 0, 3 steps on the same global batches as one process (``train_lm_reference``):
+World 4, ZeRO-1 and ZeRO-3, fp32, dropout 0, 3 steps on the same global batches as one process (``train_lm_reference``):
 expert parallel folded onto tensor parallel's ranks, onto Ulysses' and ring attention's, expert
 parallel inside pipeline stages, Ulysses / ring attention inside pipeline stages, and Ulysses × ring
 (and × all-gathered K/V) over one sequence split four ways. Losses within
@@ -52,16 +52,16 @@ def _batches(dp: int, accumulation: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (MICRO * dp * accumulation, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _config(extra: dict[str, Any]) -> dict[str, Any]:
+def _config(extra: dict[str, Any], stage: int) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, "zero_optimization": {"stage": 1},
-        **extra,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra,
     }  # fmt: skip
 
 
-def _train(extra: dict[str, Any]) -> dict[str, Any]:
-    engine = slipstream.initialize(_mixtral(), _config(extra))
+def _train(extra: dict[str, Any], stage: int = 1) -> dict[str, Any]:
+    engine = slipstream.initialize(_mixtral(), _config(extra, stage))
     dp, d, m = engine.mesh.size("dp"), engine.mesh.rank_of("dp"), engine.gradient_accumulation_steps()
     losses = []
     for tokens in _batches(dp, m):
@@ -80,12 +80,13 @@ def _train(extra: dict[str, Any]) -> dict[str, Any]:
     return {"losses": losses, "state": state, "dp": dp, "m": m}
 
 
-def _body() -> dict[str, Any]:
-    return {name: _train(extra) for name, extra in PAIRS.items()}
+def _body(stage: int) -> dict[str, Any]:
+    return {name: _train(extra, stage) for name, extra in PAIRS.items()}
 
 
-def test_pairs_match_one_process() -> None:
-    results = run_distributed(4, _body)[0]
+@pytest.mark.parametrize("stage", [1, 3])
+def test_pairs_match_one_process(stage: int) -> None:
+    results = run_distributed(4, _body, stage)[0]
     for name, ours in results.items():
         losses, params = train_lm_reference(_mixtral(), _batches(ours["dp"], ours["m"]), LR)
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
