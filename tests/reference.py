@@ -167,3 +167,33 @@ def train_lm_engine(engine: Any, batches: list[torch.Tensor], micro: int, index:
         dist.all_reduce(total)
         losses.append(float(total) / dist.get_world_size())
     return losses
+
+
+def tiny_mixtral(seed: int = 0, hidden: int = 64, intermediate: int = 96, vocab: int = 128, positions: int = 16) -> torch.nn.Module:
+    """A randomly initialised Mixtral (4 experts, top-2, GQA 4/2 heads, sdpa attention), two layers."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(
+        num_hidden_layers=2, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab,
+        max_position_embeddings=positions, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
+
+
+def train_step_on_global_batch(engine: Any, tokens: torch.Tensor, micro: int) -> float:
+    """One optimizer step over ``tokens`` (the global batch): dp rank ``d``'s micro-batch ``i`` is rows
+    ``(i·dp + d)·micro …`` (as a sampler would hand them out); the step's mean loss over the world
+    (a pipeline's deferred losses are read after the window's last backward)."""
+    dp, d, m = engine.mesh.size("dp"), engine.mesh.rank_of("dp"), engine.gradient_accumulation_steps()
+    window = []
+    for i in range(m):
+        mine = tokens[(i * dp + d) * micro : (i * dp + d + 1) * micro]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        window.append(loss)
+    total = torch.tensor(sum(float(loss.item()) for loss in window) / m)
+    dist.all_reduce(total)
+    return float(total) / dist.get_world_size()

@@ -13,25 +13,16 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import slipstream
 from tests.harness import run_distributed
-from tests.reference import train_lm_reference
+from tests.reference import tiny_mixtral, train_lm_reference, train_step_on_global_batch
 
 SEQ, MICRO, STEPS, VOCAB, LR = 16, 2, 3, 128, 1e-3
 
 
 def _mixtral() -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
-        eos_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
-    return MixtralForCausalLM(config)
+    return tiny_mixtral(vocab=VOCAB, positions=SEQ)
 
 
 EP2 = {"expert_parallel": {"enabled": True, "autoep_size": 2}}
@@ -62,19 +53,8 @@ def _config(extra: dict[str, Any], stage: int) -> dict[str, Any]:
 
 def _train(extra: dict[str, Any], stage: int = 1) -> dict[str, Any]:
     engine = slipstream.initialize(_mixtral(), _config(extra, stage))
-    dp, d, m = engine.mesh.size("dp"), engine.mesh.rank_of("dp"), engine.gradient_accumulation_steps()
-    losses = []
-    for tokens in _batches(dp, m):
-        window = []
-        for i in range(m):  # micro-batch i of dp rank d: rows (i·dp + d)·MICRO … (as a sampler over the global batch)
-            mine = tokens[(i * dp + d) * MICRO : (i * dp + d + 1) * MICRO]
-            loss = engine(input_ids=mine, labels=mine).loss
-            engine.backward(loss)
-            engine.step()
-            window.append(loss)
-        total = torch.tensor(sum(float(loss.item()) for loss in window) / m)
-        dist.all_reduce(total)
-        losses.append(float(total) / dist.get_world_size())
+    dp, m = engine.mesh.size("dp"), engine.gradient_accumulation_steps()
+    losses = [train_step_on_global_batch(engine, tokens, MICRO) for tokens in _batches(dp, m)]
     state = engine.consolidated_state_dict()
     engine.close()
     return {"losses": losses, "state": state, "dp": dp, "m": m}
@@ -116,3 +96,34 @@ def test_recipes_at_world_8_match_one_process() -> None:
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
         for key, value in params.items():
             torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=5e-5, msg=lambda msg: f"{name} {key}: {msg}")
+
+
+GLOBAL_ROWS = 8  # every mesh below trains on the same global batches of 8 sequences
+
+
+def _global_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ), generator=g) for _ in range(6)]
+
+
+def _resume_run(extra: dict[str, Any], accumulation: int, micro: int, steps: range, load: str | None, save: str) -> list[float]:
+    """Train ``steps`` of the global batches on this mesh (resuming from ``load``), save to ``save``."""
+    config = {**_config(extra, 1), "gradient_accumulation_steps": accumulation, "train_micro_batch_size_per_gpu": micro}
+    engine = slipstream.initialize(_mixtral(), config)
+    assert engine.mesh.size("dp") * accumulation * micro == GLOBAL_ROWS
+    if load is not None:
+        engine.load_checkpoint(load, tag="t")
+    losses = [train_step_on_global_batch(engine, _global_batches()[k], micro) for k in steps]
+    engine.save_checkpoint(save, tag="t")
+    engine.close()
+    return losses
+
+
+def test_a_deepseek_like_checkpoint_resumes_in_one_process_and_under_tensor_parallel(tmp_path: Any) -> None:
+    """pp 2 × ep 2 × dp 2 → one process → tp 2 × dp 2: the trajectory continues as if never interrupted."""
+    a, b, c = (str(tmp_path / x) for x in "abc")
+    reference, _ = train_lm_reference(_mixtral(), _global_batches(), LR)
+    first = run_distributed(4, _resume_run, {**EP2, "pipeline": {"stages": 2}}, 2, 2, range(0, 2), None, a)[0]
+    middle = run_distributed(1, _resume_run, {}, 1, 8, range(2, 4), a, b)[0]
+    last = run_distributed(4, _resume_run, {"tensor_parallel": {"autotp_size": 2}}, 1, 4, range(4, 6), b, c)[0]
+    assert first + middle + last == pytest.approx(reference, rel=1e-5)

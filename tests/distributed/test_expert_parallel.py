@@ -11,21 +11,13 @@ import torch.distributed as dist
 import slipstream
 from slipstream.comm import comms_log
 from tests.harness import run_distributed
-from tests.reference import train_lm_engine, train_lm_reference
+from tests.reference import tiny_mixtral, train_lm_engine, train_lm_reference
 
 SEQ, MICRO, STEPS, VOCAB, LR = 16, 2, 6, 128, 1e-3
 
 
 def _mixtral() -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
-        eos_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
-    return MixtralForCausalLM(config)
+    return tiny_mixtral(vocab=VOCAB, positions=SEQ)
 
 
 def _qwen_moe() -> torch.nn.Module:

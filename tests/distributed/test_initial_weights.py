@@ -17,21 +17,13 @@ import slipstream
 from slipstream.engine.config import SlipstreamConfig, mesh_sizes
 from slipstream.engine.parallel.mesh import Mesh
 from tests.harness import run_distributed
-from tests.reference import tiny_gpt2, tiny_llama
+from tests.reference import tiny_gpt2, tiny_llama, tiny_mixtral
 
 BASE = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
 
 def _mixtral(seed: int) -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(seed)
-    config = MixtralConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        num_local_experts=4, num_experts_per_tok=2, vocab_size=64, max_position_embeddings=16, bos_token_id=0,
-        eos_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
-    return MixtralForCausalLM(config)
+    return tiny_mixtral(seed, hidden=32, intermediate=48, vocab=64)
 
 
 CASES: dict[str, tuple[Any, dict[str, Any]]] = {

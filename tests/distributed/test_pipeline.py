@@ -19,7 +19,7 @@ import torch.distributed as dist
 import slipstream
 from slipstream.comm import comms_log
 from tests.harness import run_distributed
-from tests.reference import Trajectory, assert_close_trajectory, train_lm_reference, train_reference
+from tests.reference import Trajectory, assert_close_trajectory, train_lm_reference, train_reference, train_step_on_global_batch
 
 SEQ, B, VOCAB, LR, STEPS, HIDDEN = 16, 2, 128, 1e-3, 3, 64
 GPT2_WEIGHTS = {"atol": 5e-5, "rtol": 1e-4}
@@ -67,21 +67,7 @@ def _config(pp: int, schedule: str, m: int, v: int = 1, stage: int = 0, pipeline
 
 def _train(engine: Any, batches: list[torch.Tensor]) -> list[float]:
     """The user's loop: every micro-batch through engine/backward/step; the step's mean loss over the world."""
-    m, dp = engine.gradient_accumulation_steps(), engine.mesh.size("dp")
-    d = engine.mesh.rank_of("dp")
-    out = []
-    for tokens in batches:
-        losses = []
-        for i in range(m):
-            mine = tokens[(i * dp + d) * B : (i * dp + d + 1) * B]
-            loss = engine(input_ids=mine, labels=mine).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss)  # under a pipeline known after the window's last backward
-        total = torch.tensor(sum(loss.item() for loss in losses) / m)
-        dist.all_reduce(total)
-        out.append(float(total) / dist.get_world_size())
-    return out
+    return [train_step_on_global_batch(engine, tokens, B) for tokens in batches]
 
 
 def _run_case(model: str, pp: int, schedule: str, m: int, v: int = 1, stage: int = 0, **extra: Any) -> dict[str, Any]:
