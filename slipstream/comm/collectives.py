@@ -89,7 +89,7 @@ def _launch(
     call: Callable[[], dist.Work],
     on_complete: Callable[[], None] | None = None,
 ) -> Work:
-    record = comms_log.add(op, tensor.numel() * tensor.element_size(), tag)
+    record = comms_log.add(op, tensor.numel() * tensor.element_size(), tag, group)
     try:
         work = call()
     except Exception as err:
@@ -125,7 +125,7 @@ def all_to_all_v(
     """Uneven all-to-all on dim 0 (``input_splits[i]`` rows go to rank ``i``); logged as the bytes that leave for other ranks."""
     me = dist.get_rank(group)
     row = input[0].numel() * input.element_size() if input.dim() and input.shape[0] else 0
-    record = comms_log.add("all_to_all", row * sum(n for i, n in enumerate(input_splits) if i != me), tag)
+    record = comms_log.add("all_to_all", row * sum(n for i, n in enumerate(input_splits) if i != me), tag, group)
     try:
         work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True)
     except Exception as err:

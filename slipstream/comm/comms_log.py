@@ -1,9 +1,12 @@
-"""A per-step record of every collective: op, bytes, time. Tests and benchmarks read it."""
+"""A per-step record of every collective: op, bytes, time, group. Tests, benchmarks and the step record read it."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from typing import Any
+
+import torch.distributed as dist
 
 
 # Bytes each rank moves per byte of tensor, in the ZeRO paper's accounting: an all-reduce is a
@@ -17,6 +20,7 @@ class CommRecord:
     nbytes: int  # the full (unsharded) tensor the collective is about
     tag: str
     seconds: float | None = None  # launch to completion, filled when the work is waited on
+    ranks: tuple[int, ...] | None = None  # the group's global ranks; None: the default (world) group
 
     @property
     def moved(self) -> int:
@@ -32,11 +36,21 @@ class CommsLog:
         self.last: list[CommRecord] = []  # the previous step's records (the step monitor reports them)
         self.history: list[list[CommRecord]] = []
         self.keep_history = 0  # how many finished steps to keep (benchmarks ask for some)
+        self._group_ranks: dict[Any, tuple[int, ...]] = {}
 
-    def add(self, op: str, nbytes: int, tag: str) -> CommRecord:
-        record = CommRecord(op, nbytes, tag)
+    def add(self, op: str, nbytes: int, tag: str, group: Any = None) -> CommRecord:
+        record = CommRecord(op, nbytes, tag, ranks=self._ranks_of(group))
         self.records.append(record)
         return record
+
+    def _ranks_of(self, group: Any) -> tuple[int, ...] | None:
+        """The global ranks of ``group`` (looked up once per group: the monitor attributes traffic to mesh axes)."""
+        if group is None or group is dist.group.WORLD:
+            return None
+        found = self._group_ranks.get(group)
+        if found is None:
+            found = self._group_ranks[group] = tuple(dist.get_process_group_ranks(group))
+        return found
 
     def next_step(self) -> None:
         if self.keep_history:

@@ -47,7 +47,7 @@ def _config(extra: dict[str, Any], stage: int) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, "steps_per_print": 1, **extra,
     }  # fmt: skip
 
 
@@ -55,19 +55,31 @@ def _train(extra: dict[str, Any], stage: int = 1) -> dict[str, Any]:
     engine = slipstream.initialize(_mixtral(), _config(extra, stage))
     dp, m = engine.mesh.size("dp"), engine.gradient_accumulation_steps()
     losses = [train_step_on_global_batch(engine, tokens, MICRO) for tokens in _batches(dp, m)]
+    traffic = {k: v for k, v in engine.monitor.last.items() if k.startswith("comms_MB")}  # the last step's, by axis
     state = engine.consolidated_state_dict()
     engine.close()
-    return {"losses": losses, "state": state, "dp": dp, "m": m}
+    return {"losses": losses, "state": state, "dp": dp, "m": m, "traffic": traffic}
 
 
 def _body(stage: int) -> dict[str, Any]:
     return {name: _train(extra, stage) for name, extra in PAIRS.items()}
 
 
+# The axes whose groups each pair's own collectives cross (the step record's comms_MB/<axis>; "tp+ep" where the
+# two axes' groups are the same ranks).
+AXES_USED = {
+    "ep2_tp2": {"ep", "tp"}, "ep2_sp2": {"ep", "sp"}, "ep2_cp2": {"ep", "cp"}, "ep2_pp2": {"ep", "pp"},
+    "sp2_pp2": {"sp", "pp"}, "cp2_pp2": {"cp", "pp"}, "sp2_cp2": {"sp", "cp"}, "sp2_cp2_allgather": {"sp", "cp"},
+}
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_pairs_match_one_process(stage: int) -> None:
     results = run_distributed(4, _body, stage)[0]
     for name, ours in results.items():
+        by_axis = {k.partition("/")[2]: v for k, v in ours["traffic"].items() if "/" in k}
+        assert AXES_USED[name] <= {axis for label in by_axis for axis in label.split("+")}, (name, by_axis)
+        assert sum(by_axis.values()) == pytest.approx(ours["traffic"]["comms_MB"], rel=1e-9), name
         losses, params = train_lm_reference(_mixtral(), _batches(ours["dp"], ours["m"]), LR)
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
         for key, value in params.items():

@@ -159,6 +159,8 @@ class TrainingMonitor:
         if tokens:
             metrics["tokens_per_second"] = tokens / step_time
         metrics["step_time_ms"] = step_time * 1e3
+        for axis, moved in step.traffic.items():  # which axis the step's traffic crossed (docs/monitoring.md)
+            metrics[f"comms_MB/{axis}"] = moved / 2**20
         for layer, counts in enumerate(step.expert_tokens):  # load balance of each MoE layer
             for expert, n in enumerate(counts):
                 metrics[f"expert_tokens/layer{layer}/expert{expert}"] = float(n)

@@ -21,7 +21,8 @@ one process, and two axes with the same ranks (dp and dp·cp·sp when cp = sp = 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch.distributed as dist
 
@@ -36,6 +37,7 @@ DENSE = ("dp", "cp", "sp")  # what dense parameters are sharded over (ZeRO): eve
 BUILT = (*((axis,) for axis in ALL_AXES), DENSE, ("cp", "sp"))
 
 _groups: dict[tuple[int, tuple[int, ...]], tuple[object, dist.ProcessGroup]] = {}
+_labels: dict[tuple[int, ...], str] = {}  # groups made outside the axes (pair_group, across): what to call their traffic
 
 
 def canonical(axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -162,6 +164,7 @@ class Mesh:
         for part in partition(self.sizes, (axis,)):  # a part's i-th rank is at coordinate i on the axis
             ranks = tuple(part[c] for c in coordinates)
             group = _shared_group(ranks)
+            _labels.setdefault(ranks, f"{axis}-pairs")
             if self.rank in ranks:
                 mine = group
         return mine
@@ -178,6 +181,7 @@ class Mesh:
             for position in range(len(parts[0])):
                 ranks = tuple(part[position] for part in parts)
                 group = _shared_group(ranks)
+                _labels.setdefault(ranks, f"across-{axis}")
                 if self.rank in ranks:
                     mine = group
         assert mine is not None
@@ -197,6 +201,27 @@ class Mesh:
             built = ", ".join("·".join(k) for k in self._ranks)
             raise ValueError(f"mesh: no group for {'·'.join(key)}; the mesh builds {built}")
         return key
+
+    def traffic(self, records: Iterable[Any]) -> dict[str, int]:
+        """Bytes this rank moved per axis (``comms_log`` records: ``.ranks`` of their group, ``.moved``): "tp",
+        "dp-cp-sp", "across-ep" (the expert-data group), "pp-pairs", "world" (the default group). Axes whose
+        groups have the same ranks share one process group, so their traffic shares a name ("tp+ep" when
+        expert parallel folds onto the tensor-parallel ranks)."""
+        singles: dict[tuple[int, ...], list[str]] = {}
+        names: dict[tuple[int, ...], str] = {}
+        for axes, ranks in self._ranks.items():
+            if len(ranks) > 1:
+                if len(axes) == 1:
+                    singles.setdefault(ranks, []).append(axes[0])
+                names.setdefault(ranks, "-".join(axes))
+        names.update({ranks: "+".join(axes) for ranks, axes in singles.items()})
+        world = names.get(tuple(range(self.sizes.world)), "world")  # an axis spanning the world uses the default group
+        totals: dict[str, int] = {}
+        for record in records:
+            ranks = record.ranks
+            label = world if ranks is None else names.get(ranks) or _labels.get(ranks) or ("local" if len(ranks) == 1 else "other")
+            totals[label] = totals.get(label, 0) + record.moved
+        return totals
 
     def describe_coordinates(self) -> str:
         return ", ".join(f"{axis} {self.coords[axis]}" for axis in ALL_AXES)
