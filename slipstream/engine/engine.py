@@ -175,7 +175,7 @@ class Engine(torch.nn.Module):
             global_steps=self.global_steps, global_samples=self.global_samples, train_batch_size=self.train_batch_size(),
             lr=lrs[0] if lrs else None, grad_norm=self._global_grad_norm, loss_scale=self.loss_scale(),
             dynamic_loss_scale=self.loss_scaler.dynamic,
-            expert_tokens=self.parallel.expert_tokens(), traffic=self.mesh.traffic(comms_log.last),
+            expert_tokens=self.parallel.expert_tokens(),
         ))  # fmt: skip
 
     # ------------------------------------------------------------------ accessors

@@ -58,7 +58,7 @@ def initialize(
     mesh = Mesh.build(options.sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
     parallel = parallelize(model, mesh, options.parallel)  # 4. weight sync, pipeline, experts, tensor, sequence, checkpointing
     strategy = shard(model, options, mesh, parallel.param_groups(groups), accelerator)  # 5. ZeRO over dp·cp·sp
-    monitor = TrainingMonitor(cfg, model, accelerator, get_rank(), options.sizes.world)
+    monitor = TrainingMonitor(cfg, model, accelerator, get_rank(), options.sizes.world, mesh.traffic)
     runner = _runner(parallel, strategy, monitor, cfg)  # 6. how a micro-batch runs
     loader = None
     if training_data is not None:  # sharded by the dp coordinate: ranks that share it read the same batches

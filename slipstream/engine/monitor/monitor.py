@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from slipstream.comm import comms_log
+from slipstream.comm.comms_log import CommRecord
 from slipstream.engine.config import ConfigError, SlipstreamConfig
 from slipstream.engine.monitor.flops import (
     TransformerFlops,
@@ -44,8 +45,14 @@ _PEAKS = {
 class TrainingMonitor:
     """One per engine; rank 0 prints and writes, every rank times and counts."""
 
-    def __init__(self, config: SlipstreamConfig, module: torch.nn.Module, accelerator: Any, rank: int, world_size: int) -> None:
+    def __init__(
+        self, config: SlipstreamConfig, module: torch.nn.Module, accelerator: Any, rank: int, world_size: int,
+        traffic_by_axis: Callable[[list[CommRecord]], Mapping[str, int]] | None = None,
+    ) -> None:  # fmt: skip
+        """``traffic_by_axis``: a step's collectives → bytes per mesh axis (``Mesh.traffic``), read only for steps
+        whose metrics are written."""
         self.config = config
+        self.traffic_by_axis = traffic_by_axis
         self.rank, self.world_size = rank, world_size
         self.accelerator = accelerator
         self.timers = Timers(config.wall_clock_breakdown, accelerator.synchronize)
@@ -159,8 +166,6 @@ class TrainingMonitor:
         if tokens:
             metrics["tokens_per_second"] = tokens / step_time
         metrics["step_time_ms"] = step_time * 1e3
-        for axis, moved in step.traffic.items():  # which axis the step's traffic crossed (docs/monitoring.md)
-            metrics[f"comms_MB/{axis}"] = moved / 2**20
         for layer, counts in enumerate(step.expert_tokens):  # load balance of each MoE layer
             for expert, n in enumerate(counts):
                 metrics[f"expert_tokens/layer{layer}/expert{expert}"] = float(n)
@@ -182,6 +187,8 @@ class TrainingMonitor:
         metrics["peak_memory_MB"] = self.accelerator.max_memory_allocated() / 2**20
         if comms_log.last:
             metrics["comms_MB"] = sum(r.moved for r in comms_log.last) / 2**20
+            for axis, moved in (self.traffic_by_axis(comms_log.last) if self.traffic_by_axis else {}).items():
+                metrics[f"comms_MB/{axis}"] = moved / 2**20  # which axis the step's traffic crossed (docs/monitoring.md)
         for name, seconds in timers.items():
             metrics[f"time_{name}_ms"] = seconds * 1e3
         return metrics

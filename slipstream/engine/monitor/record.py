@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,5 +18,3 @@ class StepRecord:
     dynamic_loss_scale: bool
     # per MoE layer, the choices this rank's tokens made of each expert over the step (expert parallel)
     expert_tokens: tuple[tuple[int, ...], ...] = ()
-    # bytes this rank moved over the step's collectives, by mesh axis ("tp", "dp·cp·sp", "ep", "pp"...: Mesh.traffic)
-    traffic: Mapping[str, int] = dataclasses.field(default_factory=dict)

@@ -81,8 +81,8 @@ class PipelineRunner:
         sharder: SequenceSharder | None = None,
     ) -> None:  # fmt: skip
         self.pipeline, self.strategy, self.monitor, self.cast_dtype, self.sharder = pipeline, strategy, monitor, cast_dtype, sharder
-        self.window: list[tuple[Any, DeferredLoss]] = []  # this window's micro-batches and their deferred losses
-        self.counts: list[torch.Tensor | None] = []  # under a sharder: each micro-batch's labelled tokens on this rank
+        # This window's micro-batches, each with its labelled tokens on this rank (under a sharder) and its deferred loss.
+        self.window: list[tuple[Any, torch.Tensor | None, DeferredLoss]] = []
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], step: int) -> DeferredLoss:
         """``engine(batch)``: keep the micro-batch for the window's schedule."""
@@ -93,12 +93,11 @@ class PipelineRunner:
                 f"engine(...): already {len(self.window)} micro-batches in this window (gradient_accumulation_steps); call "
                 "engine.backward() and engine.step() after each forward"
             )
-        batch = as_batch(args, kwargs)
+        batch, count = as_batch(args, kwargs), None
         if self.sharder is not None:
             batch, count = self._shard(batch)
-            self.counts.append(count)
         loss = DeferredLoss(len(self.window), step)
-        self.window.append((batch, loss))
+        self.window.append((batch, count, loss))
         return loss
 
     def backward(self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int) -> None:
@@ -108,7 +107,6 @@ class PipelineRunner:
         if not boundary:
             return
         pending, self.window = self.window, []
-        counts, self.counts = self.counts, []
         m = self.pipeline.micro_batches
         if len(pending) != m:
             raise RuntimeError(
@@ -117,10 +115,10 @@ class PipelineRunner:
             )
         with self.monitor.timers("backward"), self._sharded():
             report = self.pipeline.train_step(
-                [b for b, _ in pending], loss_scale / m, self.strategy.accumulation_window, self._finish(counts)
+                [b for b, _, _ in pending], loss_scale / m, self.strategy.accumulation_window, self._finish([c for _, c, _ in pending])
             )  # fmt: skip
             self.strategy.finish_gradients()
-        for (_, deferred), value in zip(pending, report.losses):
+        for (_, _, deferred), value in zip(pending, report.losses):
             deferred._resolve(value)
             self.monitor.on_loss(torch.tensor(value), step)
         self.monitor.on_pipeline_step(report.timing.bubble if report.timing else None, report.predicted_bubble, step)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -78,26 +78,28 @@ class Pipeline:
         """
         if len(batches) != self.micro_batches:
             raise ValueError(f"pipeline: {len(batches)} micro-batches for a schedule of {self.micro_batches} (gradient_accumulation_steps)")
-        self.executor.finish = finish
-        try:
-            with window():
-                self._stash, self._collecting = {}, True
-                try:
-                    losses, timing = self.executor.train(batches, scale)
-                finally:
-                    self._collecting = False
-                for param in self.tied:
-                    self._sum_tied(param)
-        finally:
-            self.executor.finish = None
+        with self._finishing(finish), window():
+            self._stash, self._collecting = {}, True
+            try:
+                losses, timing = self.executor.train(batches, scale)
+            finally:
+                self._collecting = False
+            for param in self.tied:
+                self._sum_tied(param)
         report = StepReport(self._share_losses(losses, len(batches)), timing, predicted_bubble(self.schedule, timing.costs, self.rank))
         self.last_report = report
         return report
 
     def evaluate(self, batches: list[Any], finish: Callable[[Any, int], Any] | None = None) -> list[float]:
+        with self._finishing(finish):
+            return self._share_losses(self.executor.evaluate(batches), len(batches))
+
+    @contextlib.contextmanager
+    def _finishing(self, finish: Callable[[Any, int], Any] | None) -> Iterator[None]:
+        """The executor reads the last stage's loss through ``finish`` for one call (see ``train_step``)."""
         self.executor.finish = finish
         try:
-            return self._share_losses(self.executor.evaluate(batches), len(batches))
+            yield
         finally:
             self.executor.finish = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.engine.parallel.attention import route_attention
+from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
 from slipstream.engine.parallel.expert import ExpertPlan
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.pipeline import Pipeline
@@ -31,11 +32,8 @@ def parallelize_attention(
     if options is None:
         return None
     if options.ulysses > 1 and options.context > 1:  # USP: see ulysses.py, [Note: Ulysses × ring]
-        from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
-
-        method, layout = options.method, Layout(options.context, zigzag=False)
-        inner = AllGatherKVAttention(mesh.group("cp"), layout) if method == "allgather_kv" else RingAttention(mesh.group("cp"), layout)
-        kernel = UlyssesAttention(mesh.group("sp"), inner)
+        method = options.method
+        kernel = UlyssesAttention(mesh.group("sp"), _context_attention(mesh, method, zigzag=False))
         previous = route_attention(model, ATTENTION_NAME, kernel, "sequence_parallel_size")
         log_rank0(logger, "Ulysses %d × %s context parallel %d: attention %r replaced in each step; batches sharded on the sequence", options.ulysses, method, options.context, previous)
         sharder = SequenceSharder(mesh.group("cp", "sp"), routing=(model, ATTENTION_NAME, previous, kernel))
@@ -48,14 +46,12 @@ def parallelize_attention(
         sharder = SequenceSharder(group, routing=(model, ATTENTION_NAME, previous, kernel))
         mode = f"Ulysses sequence parallel ({options.ulysses})"
     else:
-        from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
-
-        group, method = mesh.group("cp"), options.method
-        layout = Layout(options.context, zigzag=method in ("zigzag", "zigzag_ring"))
-        kernel = AllGatherKVAttention(group, layout) if method == "allgather_kv" else RingAttention(group, layout)
+        method = options.method
+        kernel = _context_attention(mesh, method, zigzag=method in ("zigzag", "zigzag_ring"))
+        layout = kernel.layout
         previous = route_attention(model, f"slipstream_{method}", kernel, "context_parallel.size")
         log_rank0(logger, "context parallel (%s) %d: attention %r replaced in each step; batches sharded on the sequence", method, layout.size, previous)
-        sharder = SequenceSharder(group, "context_parallel.size", layout, routing=(model, f"slipstream_{method}", previous, kernel))
+        sharder = SequenceSharder(mesh.group("cp"), "context_parallel.size", layout, routing=(model, f"slipstream_{method}", previous, kernel))
         mode = f"context parallel ({method}, {layout.size})"
     if options.twin_check:
         from slipstream.engine.parallel.twin import check_sequence_pipeline_twin, check_sequence_twin
@@ -70,3 +66,9 @@ def parallelize_attention(
             sharder.close()
             raise
     return sharder
+
+
+def _context_attention(mesh: Mesh, method: str, zigzag: bool) -> AllGatherKVAttention | RingAttention:
+    """Context parallel's attention over ``mesh.group("cp")``: all-gathered K/V, or the ring."""
+    layout = Layout(mesh.size("cp"), zigzag=zigzag)
+    return AllGatherKVAttention(mesh.group("cp"), layout) if method == "allgather_kv" else RingAttention(mesh.group("cp"), layout)
