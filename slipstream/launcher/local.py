@@ -300,27 +300,31 @@ class _RestartNotice(logging.Filter):
     """Turns the agent's restart log into one line of ours and drops every record it sees.
 
     With --max_restarts the agent restarts all ranks after a failure and only says so at INFO,
-    so the user would see the script's output twice with no explanation. The failing rank comes
-    from the "failed (exitcode: C) local_rank: R (pid: P) ..." record logged just before.
+    so the user would see the script's output twice with no explanation. The failing ranks come
+    from the "failed (exitcode: C) local_rank: R (pid: P) ..." records logged just before; as in
+    ``_report_failures`` the root cause is named, not a consequence: a rank killed by a signal
+    other than the agent's SIGTERM died on its own, while its peers only raised when their
+    collective lost it (under load the agent may log those first).
     """
 
     def __init__(self, who: _Describer) -> None:
         super().__init__()
         self._who = who
-        self._last_failure: str | None = None
+        self._failures: list[tuple[int, str]] = []  # (exit code, description) since the last restart
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             if record.name == _PROCS_LOGGER and record.msg.startswith("failed (exitcode"):
                 exitcode, local_rank = int(record.args[0]), int(record.args[1])  # type: ignore[index]
                 pid = int(record.args[2]) if len(record.args) > 2 else None  # type: ignore[arg-type,index]
-                self._last_failure = self._who.failure(None, local_rank, exitcode, pid)
+                self._failures.append((exitcode, self._who.failure(None, local_rank, exitcode, pid)))
             elif record.name == _AGENT_LOGGER and "will restart worker group" in record.msg:
                 left, total = int(record.args[2]), int(record.args[3])  # type: ignore[index]
-                cause = self._last_failure or "a rank failed"
+                killed = [text for code, text in self._failures if code < 0 and code != -signal.SIGTERM]
+                cause = (killed or [text for _, text in self._failures] or ["a rank failed"])[0]
                 ranks = "this node's ranks" if self._who.host else "all ranks"
                 _say(f"{self._who.node}{cause}; restarting {ranks} (restart {total - left + 1} of {total})")
-                self._last_failure = None
+                self._failures = []
         except (AttributeError, IndexError, TypeError, ValueError):
             pass  # another torch version worded it differently; staying quiet is fine
         return False

@@ -144,3 +144,29 @@ def test_bad_input_is_one_line_without_traceback(outcomes, case: str) -> None:
     assert lines[0].startswith(("slipstream run: error: ", "slipstream plan: error: ")), lines[0]
     assert CASES[case][3].format(cwd=job) in lines[0], lines[0]
     assert done.stdout == ""  # nothing ran, not even --dry_run's commands
+
+
+def test_the_restart_notice_names_the_killed_rank_not_the_peer_that_failed_after_it(capsys: pytest.CaptureFixture[str]) -> None:
+    # The agent logs every failed rank before restarting; the survivor whose collective lost the SIGKILLed
+    # rank may come last (under load it may come first: the order must not decide the culprit).
+    import logging
+
+    from slipstream.launcher import local
+
+    class Who:
+        node, host = "", None
+
+        def failure(self, rank: int | None, local_rank: int, exitcode: int, pid: int | None) -> str:
+            return local.describe_failure(local_rank, local_rank, exitcode)
+
+    notice = local._RestartNotice(Who())  # type: ignore[arg-type]
+
+    def log(name: str, msg: str, args: tuple) -> None:
+        notice.filter(logging.LogRecord(name, logging.INFO, "", 0, msg, args, None))
+
+    log(local._PROCS_LOGGER, "failed (exitcode: %s) local_rank: %s (pid: %s)", (-9, 1, 12))
+    log(local._PROCS_LOGGER, "failed (exitcode: %s) local_rank: %s (pid: %s)", (1, 0, 11))
+    log(local._AGENT_LOGGER, "[%s] Worker group %s. %s/%s attempts left; will restart worker group", ("default", "FAILED", 1, 1))
+    said = capsys.readouterr().err
+    assert "rank 1 (local rank 1) was killed by signal SIGKILL" in said and "restarting all ranks (restart 1 of 1)" in said, said
+    assert "rank 0" not in said, said
