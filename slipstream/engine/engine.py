@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +36,13 @@ from slipstream.engine.zero.strategy import ShardingStrategy
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+_engine_of: weakref.WeakKeyDictionary[torch.nn.Module, Engine] = weakref.WeakKeyDictionary()  # open engines by model
+
+
+def engine_of(module: torch.nn.Module) -> Engine | None:
+    """The open engine built over ``module``, if any (``initialize`` hands a model over from it)."""
+    return _engine_of.get(module)
 
 
 class Engine(torch.nn.Module):
@@ -72,6 +80,7 @@ class Engine(torch.nn.Module):
         self.resumed_client_state: dict[str, Any] | None = None
         if config.checkpoint.auto_resume:  # the fault-tolerant launcher restarts jobs with this on
             self.resumed_from, self.resumed_client_state = self.checkpoints.resume(self)
+        _engine_of[module] = self
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -262,8 +271,26 @@ class Engine(torch.nn.Module):
         """Wait for a background checkpoint save, detach the engine's hooks, close the metric writers."""
         self.checkpoints.wait()
         self.strategy.close()
+        self._closed()
+
+    def hand_over(self) -> None:
+        """Close for a new engine over the same model (``initialize`` calls it; collective).
+
+        An engine without an optimizer at plain ZeRO-3 (a model loaded straight into shards)
+        leaves its shards partitioned for the next engine instead of gathering the whole model;
+        any other engine closes, giving every parameter its full value back.
+        """
+        self.checkpoints.wait()
+        pure_data_parallel = self.mesh.sizes.dp == self.mesh.sizes.world
+        if not (pure_data_parallel and not self.has_optimizer() and self.strategy.leave_partitioned()):
+            self.strategy.close()
+        self._closed()
+
+    def _closed(self) -> None:
         self.monitor.close()
         self.parallel.close()  # every parallelism's hooks; the model's own attention back
+        if _engine_of.get(self.module) is self:
+            del _engine_of[self.module]
 
     # ------------------------------------------------------------------ integrations API (issue 15)
     # [Note: DeepSpeed's names] The Hugging Face Trainer, Accelerate and Lightning drive a DeepSpeed

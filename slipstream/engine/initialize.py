@@ -10,8 +10,9 @@ import torch
 from slipstream.accelerator import Accelerator, get_accelerator
 from slipstream.comm import get_rank
 from slipstream.engine.data import DistributedDataLoader
-from slipstream.engine.engine import Engine
+from slipstream.engine.engine import Engine, engine_of
 from slipstream.engine.monitor import TrainingMonitor
+from slipstream.engine.no_optimizer import NoOptimizer
 from slipstream.engine.options import ConfigSource, EngineOptions, OptimizerSource, engine_options
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.parallelize import Parallelized, parallelize
@@ -50,6 +51,9 @@ def initialize(
     model on its device → mesh → ``parallelize`` → the ZeRO strategy over what remains → the step
     runner of the mode → Engine. Each step reads only the options and what the steps before it made.
     """
+    previous = engine_of(model)
+    if previous is not None:  # a model loaded into ZeRO-3 shards keeps them (Engine.hand_over)
+        previous.hand_over()
     options = engine_options(model, config, optimizer, lr_scheduler, inference)  # 1. options: every check, nothing built
     accelerator = get_accelerator()
     cfg = options.config
@@ -92,10 +96,15 @@ def _runner(parallel: Parallelized, strategy: ShardingStrategy, monitor: Trainin
 
 
 def _log_ready(options: EngineOptions) -> None:
-    cfg, sizes = options.config, options.sizes
+    cfg, sizes, offload = options.config, options.sizes, options.sharding.offload
+    moved = [] if offload is None else [f"{what} to {where}" for what, where in (("optimizer", offload.optimizer), ("parameters", offload.param)) if where != "none"]
+    if options.optimizer is NoOptimizer:
+        optimizer = "no optimizer (forward only)"
+    else:
+        optimizer = f"optimizer {cfg.optimizer.type}" if cfg.optimizer is not None else f"optimizer {type(options.optimizer).__name__}"
     log_rank0(
         logger,
-        "engine ready: ZeRO stage %d, %s, world size %d, batch %d = micro %d × accumulation %d × dp %d",
-        options.stage, cfg.precision, sizes.world, cfg.train_batch_size,
+        "engine ready: ZeRO stage %d, %s, %s, offload %s, world size %d, batch %d = micro %d × accumulation %d × dp %d",
+        options.stage, cfg.precision, optimizer, " and ".join(moved) or "off", sizes.world, cfg.train_batch_size,
         cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, sizes.dp,
     )  # fmt: skip

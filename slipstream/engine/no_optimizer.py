@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 MISSING_OPTIMIZER = (
-    "this engine has no optimizer (it was built with initialize(..., inference=True)); to train, add an "
-    "\"optimizer\" section to the config or pass optimizer= to slipstream.initialize()"
+    "this engine has no optimizer (initialize() got inference=True, or neither an \"optimizer\" section in the "
+    "config nor optimizer=); to train, add an \"optimizer\" section to the config or pass optimizer= to "
+    "slipstream.initialize()"
 )
 
 

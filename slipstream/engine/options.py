@@ -64,8 +64,10 @@ def engine_options(
     world_size = dist.get_world_size()
     sizes = mesh_sizes(cfg, world_size)
     cfg.resolve_batch_triad(world_size)
-    if inference:
-        cfg, optimizer = _without_optimizer(cfg, optimizer, lr_scheduler)
+    if inference or (optimizer is None and cfg.optimizer is None):
+        # No optimizer anywhere builds an engine for forward passes, as DeepSpeed does: TRL's reference
+        # models and evaluation-only Trainer runs initialize one at ZeRO-3 to get the parameters gathered.
+        cfg, optimizer = _without_optimizer(cfg, optimizer, lr_scheduler, "inference=True" if inference else "no optimizer")
     presharded = is_presharded(model)
     parallel = ParallelOptions.from_config(
         cfg, sizes, model, presharded=presharded, optimizer_built=isinstance(optimizer, torch.optim.Optimizer),
@@ -106,11 +108,6 @@ def offload_options(zero: ZeroConfig, aio: AioConfig) -> OffloadOptions | None:
         )
     if param != "none" and zero.stage != 3:
         raise ConfigError(f"zero_optimization.offload_param.device: parameter offload needs stage 3, got stage {zero.stage}")
-    if param != "none" and optimizer == "none":
-        raise ConfigError(
-            "zero_optimization.offload_param.device: parameter offload needs offload_optimizer too (device \"cpu\" or "
-            "\"nvme\"): the fp32 masters of offloaded parameters live with the offloaded optimizer state"
-        )
     for name, device, section in (("offload_optimizer", optimizer, optimizer_cfg), ("offload_param", param, param_cfg)):
         if device == "nvme" and not section.nvme_path:  # type: ignore[union-attr]
             raise ConfigError(f"zero_optimization.{name}.nvme_path: required when {name}.device is \"nvme\" (a directory on a local SSD)")
@@ -126,13 +123,18 @@ def offload_options(zero: ZeroConfig, aio: AioConfig) -> OffloadOptions | None:
     )
 
 
-def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -> tuple[SlipstreamConfig, Any]:
+def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any, why: str) -> tuple[SlipstreamConfig, Any]:
     """An engine for evaluation and inference: no optimizer, no schedule, no optimizer state to offload."""
     from slipstream.engine.no_optimizer import NoOptimizer
 
     if optimizer is not None or lr_scheduler is not None:
         raise ValueError("initialize: inference=True builds no optimizer; do not pass optimizer= or lr_scheduler=")
-    # No optimizer state to offload; parameter offload stays where this version allows it alone.
+    if why == "no optimizer" and cfg.scheduler is not None:
+        raise ConfigError(
+            "scheduler: a schedule needs an optimizer, and there is none (no \"optimizer\" section in the config, no "
+            "optimizer= to initialize()); add one, or remove the scheduler section for an engine that only runs forward"
+        )
+    # No optimizer state to offload; parameter offload stays (stage 3), dropped where it is not allowed.
     zero = cfg.zero_optimization.model_copy(update={"offload_optimizer": None, "cpu_offload": None})
     try:
         offload_options(zero, cfg.aio)
@@ -142,8 +144,6 @@ def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any)
 
 
 def _check_optimizer_and_schedule(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any) -> None:
-    if optimizer is None and cfg.optimizer is None:
-        raise ConfigError("optimizer: not set; add an \"optimizer\" section to the config or pass optimizer= to initialize()")
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("optimizer: given both in the config and as initialize(optimizer=...); keep one")
     if lr_scheduler is not None and cfg.scheduler is not None:

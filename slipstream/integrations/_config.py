@@ -94,6 +94,22 @@ def fill_hidden_size_autos(config: dict[str, Any], model: torch.nn.Module) -> No
         fill_auto(config, "zero_optimization.stage3_param_persistence_threshold", 10 * hidden)
 
 
+def apply_mixed_precision(config: dict[str, Any], mixed_precision: str, flag: str) -> None:
+    """The host's mixed-precision switch (``--bf16``, ``mixed_precision="fp16"``...) in the config, as Accelerate does for DeepSpeed.
+
+    A config without the section gets it (``{"enabled": true}``); an explicit section for the other
+    half-precision dtype is a contradiction named with ``flag``, the host's own name for the switch.
+    An explicit ``"enabled": false`` against the switch is left to the host's mismatch check.
+    """
+    if mixed_precision not in ("fp16", "bf16"):
+        return
+    other = "bf16" if mixed_precision == "fp16" else "fp16"
+    if str(get(config, f"{other}.enabled")).lower() == "true":
+        raise ValueError(f"{flag} asks for {mixed_precision}, but the DeepSpeed config enables {other}; keep one")
+    if mixed_precision not in config and not (mixed_precision == "bf16" and "bfloat16" in config):
+        config[mixed_precision] = {"enabled": True}
+
+
 def inference_config(config: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
     """A config for an engine without an optimizer: no optimizer or schedule, no batch-size "auto" left."""
     config = copy.deepcopy(config)

@@ -1,9 +1,10 @@
 """Build (and hand over) the Slipstream engine behind a host's model.
 
 [Note: one engine per model] Evaluation before training, or a model loaded straight into ZeRO-3
-shards, gets an *inference* engine (no optimizer). When training starts, that engine is closed —
-which gives every parameter its full value back — and the training engine is built over the same
-model. ``attached`` remembers the inference engine of each model for that hand-over.
+shards, gets an *inference* engine (no optimizer). When training starts, the training engine is
+built over the same model and ``initialize`` takes the shards over from the inference engine
+(``Engine.hand_over``): the whole model is never gathered. ``_inference_engines`` remembers the
+inference engine of each model until then.
 """
 
 from __future__ import annotations
@@ -40,10 +41,8 @@ def build_training_engine(
     model: torch.nn.Module, config: dict[str, Any], optimizer: Any = None, lr_scheduler: Any = None,
     model_parameters: Any = None,
 ) -> Any:  # fmt: skip
-    """``slipstream.initialize`` after closing the model's inference engine (collective)."""
-    previous = _inference_engines.pop(model, None)
-    if previous is not None:
-        previous.close()
+    """``slipstream.initialize``, which takes the model over from its inference engine (collective)."""
+    _inference_engines.pop(model, None)
     return slipstream.initialize(
         model, config, optimizer=optimizer, lr_scheduler=lr_scheduler, model_parameters=model_parameters
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slipstream.integrations._config import fill_hidden_size_autos, get, node
+from slipstream.integrations._config import apply_mixed_precision, fill_hidden_size_autos, get, node
 from slipstream.integrations._mesh import data_parallel_layout
 
 
@@ -56,6 +56,9 @@ class AutoFiller:
         self.fill_match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
         if args.save_on_each_node:
             self.config.setdefault("checkpoint", {})["use_node_local_storage"] = True
+        # --bf16 / --fp16 with a config that has no such section trains in that dtype, as under DeepSpeed
+        # (Accelerate's DeepSpeed plugin adds the section); it used to train in fp32, silently.
+        apply_mixed_precision(self.config, "bf16" if args.bf16 else "fp16" if args.fp16 else "no", "--bf16" if args.bf16 else "--fp16")
         self.fill_match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
         self.fill_match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
 

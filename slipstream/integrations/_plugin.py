@@ -139,6 +139,14 @@ class SlipstreamPlugin:
             config["gradient_clipping"] = self.gradient_clipping
         return config
 
+    @property
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The config, under ``DeepSpeedPlugin``'s name (Accelerate's examples test ``"optimizer" in ...deepspeed_config``)."""
+        return self.config
+
+    def is_zero3_init_enabled(self) -> bool:
+        return bool(self.zero3_init_flag)
+
     def config_copy(self) -> dict[str, Any]:
         """A copy to fill and hand to ``slipstream.initialize``."""
         return copy.deepcopy(self.config)

@@ -25,8 +25,9 @@ from accelerate.data_loader import get_sampler, prepare_data_loader
 from accelerate.utils import broadcast_object_list, gather_object, recursively_apply
 
 import slipstream
-from slipstream.integrations._config import fill_auto, fill_hidden_size_autos, get
+from slipstream.integrations._config import apply_mixed_precision, fill_auto, fill_hidden_size_autos, get
 from slipstream.integrations._engine import build_training_engine, inference_engine
+from slipstream.integrations._launch import check_host_world_size, host_needs_cpu_flag
 from slipstream.integrations._mesh import DataParallelLayout, check_engine, data_parallel_layout
 from slipstream.integrations._plugin import DummyOptim, DummyScheduler, SlipstreamPlugin
 from slipstream.integrations._wrappers import SlipstreamOptimizer, SlipstreamScheduler
@@ -39,6 +40,38 @@ __all__ = ["DummyOptim", "DummyScheduler", "SlipstreamAccelerator", "SlipstreamP
 CHECKPOINT_TAG = "pytorch_model"  # Accelerate's DeepSpeed checkpoint id for the first model
 
 
+class SlipstreamState:
+    """Accelerate's state as this accelerator's code sees it: ``deepspeed_plugin`` is the Slipstream plugin.
+
+    Accelerate's DeepSpeed examples choose ``DummyOptim`` and ``DummyScheduler`` by reading
+    ``accelerator.state.deepspeed_plugin.deepspeed_config``; without this they find None, build
+    their own AdamW, and ``prepare`` refuses an optimizer in the config and in the code. Only this
+    accelerator's view changes: ``AcceleratorState()`` elsewhere (Accelerate's internals, the
+    Trainer, TRL) still says DeepSpeed is off, so no code path imports ``deepspeed``.
+    """
+
+    def __init__(self, state: Any, plugin: SlipstreamPlugin) -> None:
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "_plugin", plugin)
+
+    @property
+    def deepspeed_plugin(self) -> SlipstreamPlugin:
+        return self._plugin
+
+    @property
+    def deepspeed_plugins(self) -> SlipstreamPlugin:
+        return self._plugin
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._state, name, value)
+
+    def __repr__(self) -> str:
+        return repr(self._state)
+
+
 class SlipstreamAccelerator(Accelerator):
     """An ``Accelerator`` whose models train on a Slipstream engine (ZeRO 0-3, offload, mixed precision)."""
 
@@ -49,7 +82,11 @@ class SlipstreamAccelerator(Accelerator):
         gas = self.slipstream_plugin.gradient_accumulation_steps
         if isinstance(gas, int) and "gradient_accumulation_steps" not in kwargs and "gradient_accumulation_plugin" not in kwargs:
             kwargs["gradient_accumulation_steps"] = gas  # as Accelerate takes it from the DeepSpeed plugin
+        if host_needs_cpu_flag() and "cpu" not in kwargs:
+            kwargs["cpu"] = True  # several processes on a CPU machine (_launch.py)
         super().__init__(*args, **kwargs)
+        check_host_world_size("Accelerator", self.num_processes)
+        self.state = SlipstreamState(self.state, self.slipstream_plugin)  # type: ignore[assignment]
         self.engines: list[Any] = []
         # The Hugging Face Trainer divides the loss by the accumulation steps itself (SlipstreamTrainer sets this).
         self.caller_scales_loss = False
@@ -201,6 +238,7 @@ class SlipstreamAccelerator(Accelerator):
     def _filled_config(self, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
         """Accelerate's DeepSpeed "auto" filling: batch sizes from the data loader, optimizer and schedule from the dummies."""
         config = self.slipstream_plugin.config_copy()
+        apply_mixed_precision(config, str(self.mixed_precision), "Accelerator(mixed_precision=...) / --mixed_precision")
         # A loader's total batch is the micro-batch of every dp coordinate together (ranks that share a
         # micro-batch read it once): the micro-batch and train_batch_size count dp, not processes.
         dp = self.data_parallel_layout.size

@@ -33,6 +33,7 @@ from slipstream.integrations._config import inference_config, read_config
 from slipstream.integrations._engine import build_inference_engine, inference_engine
 from slipstream.integrations._hf_auto import AutoFiller
 from slipstream.integrations._hf_load import from_pretrained
+from slipstream.integrations._launch import check_host_world_size, host_needs_cpu_flag
 from slipstream.integrations._plugin import DummyOptim, SlipstreamPlugin
 from slipstream.integrations._wrappers import SlipstreamScheduler
 from slipstream.integrations.accelerate import SlipstreamAccelerator
@@ -46,9 +47,13 @@ class SlipstreamTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         source, self.deepspeed = self.deepspeed, None  # keep transformers' DeepSpeed set-up out of the way
+        if host_needs_cpu_flag():
+            self.use_cpu = True  # several processes on a CPU machine (_launch.py)
         super().__post_init__()
         _ = self.device  # settle the device set-up before `deepspeed` holds a value again
         self.deepspeed = source
+        if source:
+            check_host_world_size("TrainingArguments", self.world_size)
         self.slipstream_filler: AutoFiller | None = None
         if source:
             self.slipstream_filler = AutoFiller(read_config(source))

@@ -135,9 +135,25 @@ def _model() -> torch.nn.Module:
     return torch.nn.Linear(4, 2)
 
 
-def test_initialize_requires_an_optimizer() -> None:
-    with pytest.raises(slipstream.ConfigError, match=r"^optimizer: not set; add an \"optimizer\" section"):
-        slipstream.initialize(_model(), {"train_batch_size": 2})
+def test_initialize_without_an_optimizer_builds_an_engine_that_only_runs_forward() -> None:
+    """As DeepSpeed allows (TRL's reference models, evaluation-only runs): forward works, training says why not."""
+    model = _model()
+    engine = slipstream.initialize(model, {"train_batch_size": 2})
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), model(x))
+    loss = engine(x).sum()
+    with pytest.raises(RuntimeError, match=r"no optimizer .*add an \"optimizer\" section"):
+        engine.backward(loss)
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        engine.step()
+    engine.close()
+
+
+def test_a_schedule_without_an_optimizer_is_refused() -> None:
+    config = {"train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}}
+    with pytest.raises(slipstream.ConfigError, match=r"^scheduler: a schedule needs an optimizer"):
+        slipstream.initialize(_model(), config)
 
 
 @pytest.mark.parametrize(

@@ -11,11 +11,12 @@ a knob that is not connected. Whole DeepSpeed sections with no counterpart are i
 from __future__ import annotations
 
 import difflib
+import logging
 from typing import Any
 
 from pydantic import BaseModel
 
-from slipstream.utils.logging import get_logger
+from slipstream.utils.logging import get_logger, log_rank0
 
 logger = get_logger(__name__)
 
@@ -117,7 +118,10 @@ def warn_no_effect(config: BaseModel) -> list[str]:
         found.append(path)
         if path not in _warned:
             _warned.add(path)
-            logger.warning("config: %s = %r has no effect in slipstream (%s); accepted for DeepSpeed compatibility", path, value, why)
+            log_rank0(  # every rank reads the same file: say it once
+                logger, "config: %s = %r has no effect in slipstream (%s); accepted for DeepSpeed compatibility", path, value, why,
+                level=logging.WARNING,
+            )  # fmt: skip
     return found
 
 

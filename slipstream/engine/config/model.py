@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Annotated, Any, Literal
@@ -14,9 +15,10 @@ from slipstream.engine.config.compat import IGNORED_SECTIONS, split_unknown_top_
 from slipstream.engine.config.errors import format_validation_error, known_keys
 from slipstream.engine.config.source import read_config_source, resolve_auto
 from slipstream.engine.config.zero import ZeroConfig
-from slipstream.utils.logging import get_logger
+from slipstream.utils.logging import get_logger, log_rank0
 
 logger = get_logger(__name__)
+_warned_sections: set[str] = set()  # ignored top-level sections already warned about in this process
 
 # A timeout this long is "forever" for any job, and still fits torch's millisecond timedelta.
 MAX_TIMEOUT_S = 1e9
@@ -119,7 +121,9 @@ class SlipstreamConfig(Section):
             del raw["bfloat16"]
         ignored = {k: raw.pop(k) for k in list(raw) if k in IGNORED_SECTIONS}
         for key in ignored:
-            logger.warning("config key %r is accepted for DeepSpeed compatibility but has no effect in slipstream", key)
+            if key not in _warned_sections:  # once per process, on rank 0: every rank reads the same file
+                _warned_sections.add(key)
+                log_rank0(logger, "config key %r is accepted for DeepSpeed compatibility but has no effect in slipstream", key, level=logging.WARNING)
         ignored.update(split_unknown_top_level(raw, known_keys(cls)))
         try:
             config = cls.model_validate(raw)

@@ -202,8 +202,9 @@ class _Preshard:
     def __call__(self, layout: FlatLayout) -> torch.Tensor:
         if layout.world != self.world or [b.numel for b in layout.buckets] != self.unit_numels:
             raise ConfigError(
-                "zero_optimization: the model was partitioned by zero.Init with other ZeRO-3 settings (world size "
-                f"{self.world}, units of {self.unit_numels} elements); pass zero.Init the same config as initialize()"
+                "zero_optimization: the model is already partitioned (by zero.Init or an engine without an optimizer) with "
+                f"other ZeRO-3 settings (world size {self.world}, units of {self.unit_numels} elements, now "
+                f"{layout.world} and {[b.numel for b in layout.buckets]}); use the same zero_optimization section"
             )
         return self.shard
 
@@ -218,6 +219,11 @@ def take_preshard(model: torch.nn.Module) -> _Preshard | None:
 
 def is_presharded(model: torch.nn.Module) -> bool:
     return model in _preshards
+
+
+def leave_presharded(model: torch.nn.Module, world: int, unit_numels: list[int], shard: torch.Tensor) -> None:
+    """An engine hands ``model`` on still partitioned: the next initialize() starts from ``shard`` as from zero.Init's."""
+    _preshards[model] = _Preshard(world, unit_numels, shard)
 
 
 class _Replay:

@@ -108,11 +108,16 @@ class DeviceMasters(MasterWeights):
         index: dict[int, int],
     ) -> None:  # fmt: skip
         super().__init__(spec)
-        assert spec.params is not None, "masters on the device write the parameters in place"
         self.params = spec.params
         self.low_precision = spec.dtype != torch.float32
+        # [Note: parameters offloaded, optimizer on the device] ZeRO-3's offload_param alone keeps
+        # the parameter shard in CPU memory (or NVMe swap files) while the optimizer steps on the
+        # device, as DeepSpeed allows. The optimizer then steps a device copy (``flat``) even in
+        # fp32, and each step writes the result back: into the CPU shard, or through ``publish``
+        # into the swap files.
+        self.offloaded = spec.params is None or any(t.device != spec.device for t in spec.params.tensors)
         self.flat: torch.Tensor | None = None  # the fp32 copy (None: the parameters are the masters)
-        if self.low_precision:
+        if self.low_precision or self.offloaded:
             self.flat = torch.zeros(spec.numel, dtype=torch.float32, device=spec.device)
             copy_out(spec.initial, self.flat, 0)
         self.views = {p.offset: self._view(p.offset, p.numel) for p in spec.pieces}  # what the optimizer steps
@@ -125,6 +130,7 @@ class DeviceMasters(MasterWeights):
     def _view(self, offset: int, numel: int) -> torch.Tensor:
         if self.flat is not None:
             return self.flat[offset : offset + numel]
+        assert self.params is not None
         return self.params.slice(offset, numel)
 
     def gradients_ready(self, used: torch.Tensor) -> None:
@@ -156,6 +162,7 @@ class DeviceMasters(MasterWeights):
     def read(self, lo: int, hi: int) -> torch.Tensor:
         if self.flat is not None:
             return self.flat[lo:hi].clone()
+        assert self.params is not None
         out = torch.zeros(hi - lo, dtype=torch.float32, device=self.spec.device)
         copy_out(self.params, out, lo)
         return out
@@ -165,12 +172,18 @@ class DeviceMasters(MasterWeights):
             if self.flat is not None:
                 self.flat[lo : lo + values.numel()].copy_(values)
             else:
+                assert self.params is not None
                 copy_in(self.params, values, lo)
 
     def publish(self) -> None:
-        if self.flat is not None:
-            with torch.no_grad():
+        if self.flat is None:
+            return
+        with torch.no_grad():
+            if self.params is not None:
                 copy_in(self.params, self.flat, 0)
+            else:
+                assert self.spec.publish is not None, "parameters neither resident nor published"
+                self.spec.publish(0, 0, self.flat.to(self.spec.dtype))
 
     def owned_slices(self, pieces: list[tuple[ParamSlice, int]]) -> list[OwnedSlice]:
         owned = []

@@ -175,6 +175,10 @@ class ShardingStrategy(abc.ABC):
     def load_sharded_state(self, read: Callable[[ParamSlice], torch.Tensor]) -> None:
         """Fill every slice this rank holds with ``read(slice)`` (any checkpoint slicing), then show it in the model. Collective."""
 
+    def leave_partitioned(self) -> bool:
+        """Close, leaving the parameters partitioned for the model's next engine; False (nothing done) where not possible."""
+        return False
+
     def close(self) -> None:
         """Remove hooks (an engine can be discarded and the model wrapped again)."""
         for hook in self.hooks:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.comm.context import CommContext
 from slipstream.accelerator import get_accelerator
+from slipstream.engine.zero.init import leave_presharded
 from slipstream.engine.zero.layout import FlatLayout
 from slipstream.engine.zero.masters import build_masters
 from slipstream.engine.zero.offload.param_store import open_param_store
@@ -213,6 +214,25 @@ class Stage3Strategy(MastersStrategy):
             "optimizer": self.masters.memory_bytes(),  # offload: CPU memory (NVMe: buffers only)
             "buffers": live + self.reducer.pool_bytes(),
         }
+
+    def leave_partitioned(self) -> bool:
+        """Close without gathering: each rank's shard is handed to the model's next engine as zero.Init's would be.
+
+        A model loaded straight into shards (``from_pretrained`` into ZeRO-3) first gets an engine
+        without an optimizer; training then builds another. Closing would give every rank the whole
+        model, which is what loading into shards avoids. Only one sharding group and a shard in
+        memory (not swapped to NVMe) can be handed on.
+        """
+        if len(self.groups) != 1 or self.param_store.mode == "nvme":
+            return False
+        layout = self.groups[0].layout
+        self.gathered.unregister()
+        for unit in self.units:
+            unit.reshard()
+        super().close()
+        self.param_store.close()
+        leave_presharded(self.module, layout.world, [b.numel for b in layout.buckets], self.param_store.shard)
+        return True
 
     def close(self) -> None:
         """Remove the hooks and give every parameter its full value back as an ordinary tensor."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -30,13 +31,21 @@ from slipstream.comm.context import CommContext, Pending
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.storage import alias
 from slipstream.engine.zero.stage3.units import UnitSpec
+from slipstream.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 _HARMLESS = {
     "shape", "size", "dim", "numel", "dtype", "device", "requires_grad", "requires_grad_", "grad", "data", "is_leaf",
     "untyped_storage", "element_size", "stride", "storage_offset", "ndim", "layout", "is_meta", "is_cuda", "is_sparse",
     "is_floating_point", "_version", "grad_fn", "name", "__get__", "__set__", "register_post_accumulate_grad_hook",
     "register_hook", "__hash__", "__eq__", "__reduce_ex__", "_is_view", "is_quantized", "is_complex", "nbytes", "itemsize",
+    "_has_compatible_shallow_copy_type",
 }  # fmt: skip
+
+
+_MOVES = {"cpu", "cuda", "to"}
+_placeholder_noted = False
 
 
 class ReleasedParameter(torch.nn.Parameter):
@@ -46,6 +55,18 @@ class ReleasedParameter(torch.nn.Parameter):
     process, so every computation on it raises an explanation instead. Reading its metadata
     (shape, dtype, grad, ...) stays allowed. Torch itself switches a parameter's class this way
     (``UninitializedParameter``).
+
+    [Note: what hosts call on a partitioned model] Hosts call a few module-wide methods that
+    DeepSpeed tolerates at ZeRO-3, and a finished run must not end in an exception there:
+    - ``module.cpu()`` / ``.to(device)`` / ``.cuda()`` (Lightning's teardown, ``initialize`` on a
+      model loaded into shards): moving a partitioned parameter is meaningless, since the engine
+      owns where its shard lives, so the move returns the parameter itself (still released:
+      computing with it still raises). A *dtype* change is refused: the engine's precision
+      section decides the dtype.
+    - ``module.state_dict()`` (transformers' ``save_pretrained`` on a rank where Accelerate's
+      ``get_state_dict`` returned None): each partitioned parameter is saved as an empty
+      placeholder, as DeepSpeed's are; loading one fails on its shape, never silently. Only
+      ``Module._save_to_state_dict`` gets a placeholder: any other ``detach`` still raises.
     """
 
     @classmethod
@@ -54,6 +75,11 @@ class ReleasedParameter(torch.nn.Parameter):
         if name in _HARMLESS or getattr(getattr(func, "__self__", None), "__name__", "") in _HARMLESS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if name in _MOVES and args and isinstance(args[0], ReleasedParameter):
+            _refuse_dtype_change(name, args[0], args[1:], kwargs or {})
+            return args[0]
+        if name == "detach" and args and sys._getframe(1).f_code is _SAVE_TO_STATE_DICT:
+            return _state_dict_placeholder(args[0])
         raise RuntimeError(
             f"ZeRO-3: {name or func} used a partitioned parameter while its unit was not gathered (a parameter used "
             "outside its owning module's forward, a submodule called outside the model's forward, or model.state_dict() "
@@ -65,6 +91,35 @@ class ReleasedParameter(torch.nn.Parameter):
 
     def __repr__(self) -> str:
         return f"ReleasedParameter(shape={tuple(self.shape)}, dtype={self.dtype}; gather with slipstream.zero.GatheredParameters)"
+
+
+_SAVE_TO_STATE_DICT = torch.nn.Module._save_to_state_dict.__code__
+
+
+def _refuse_dtype_change(name: str, param: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A move to another dtype (``model.half()``, ``.to(torch.bfloat16)``) cannot be honoured by a partitioned parameter."""
+    wanted = kwargs.get("dtype")
+    for arg in args:
+        if isinstance(arg, torch.dtype):
+            wanted = arg
+        elif isinstance(arg, torch.Tensor):
+            wanted = arg.dtype
+    if wanted is not None and wanted != param.dtype:
+        raise RuntimeError(
+            f"ZeRO-3: {name}(dtype={wanted}) on a partitioned parameter of dtype {param.dtype}: the engine's precision "
+            "section (bf16/fp16) sets the dtype of ZeRO-3 parameters; cast the model before slipstream.initialize()"
+        )
+
+
+def _state_dict_placeholder(param: torch.Tensor) -> torch.Tensor:
+    global _placeholder_noted
+    if not _placeholder_noted:
+        _placeholder_noted = True
+        logger.warning(
+            "ZeRO-3: module.state_dict() saves partitioned parameters as empty placeholders, as DeepSpeed does; "
+            "for the weights use engine.consolidated_state_dict() (collective) or slipstream.zero.GatheredParameters"
+        )
+    return torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 class UnitState(enum.Enum):
