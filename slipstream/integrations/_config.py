@@ -9,12 +9,12 @@ still ``"auto"`` after that reaches Slipstream's config parser, which says which
 from __future__ import annotations
 
 import copy
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from slipstream.engine.config.source import read_config_source
 
 _HIDDEN_SIZE_KEYS = (
     "zero_optimization.reduce_bucket_size",
@@ -24,16 +24,10 @@ _HIDDEN_SIZE_KEYS = (
 
 
 def read_config(source: str | os.PathLike[str] | dict[str, Any]) -> dict[str, Any]:
-    """A private copy of a config given as a dict or a JSON/HJSON file."""
+    """A private copy of a config given as a dict or a JSON/HJSON file (errors name the file)."""
     if isinstance(source, dict):
         return copy.deepcopy(source)
-    text = Path(source).read_text()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        import hjson
-
-        return json.loads(json.dumps(hjson.loads(text)))
+    return read_config_source(source)
 
 
 def node(config: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:

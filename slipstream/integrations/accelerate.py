@@ -25,8 +25,8 @@ from accelerate.data_loader import get_sampler, prepare_data_loader
 from accelerate.utils import broadcast_object_list, gather_object, recursively_apply
 
 import slipstream
-from slipstream.integrations._config import apply_mixed_precision, fill_auto, fill_hidden_size_autos, get
-from slipstream.integrations._engine import build_training_engine, inference_engine
+from slipstream.integrations._config import apply_mixed_precision, fill_auto, fill_hidden_size_autos, get, inference_config
+from slipstream.integrations._engine import build_inference_engine, build_training_engine, inference_engine
 from slipstream.integrations._launch import check_host_world_size, host_needs_cpu_flag
 from slipstream.integrations._mesh import DataParallelLayout, check_engine, data_parallel_layout
 from slipstream.integrations._plugin import DummyOptim, DummyScheduler, SlipstreamPlugin
@@ -305,11 +305,19 @@ class SlipstreamAccelerator(Accelerator):
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
-        if evaluation_mode and inference_engine(model) is not None:
-            return model  # the inference engine's hooks gather its ZeRO-3 shards
-        if evaluation_mode:
-            return model
-        return self.prepare(model)
+        """``evaluation_mode``: a model that only runs forward (TRL's reference models); at ZeRO-3 it is partitioned too.
+
+        As TRL's DeepSpeed path does for its reference model, the model gets an engine without an
+        optimizer, whose hooks gather each unit for its forward; the model itself is returned, so
+        the host calls it as before.
+        """
+        if not evaluation_mode:
+            return self.prepare(model)
+        config = self.slipstream_plugin.config_copy()
+        if inference_engine(model) is None and get(config, "zero_optimization.stage") == 3:
+            apply_mixed_precision(config, str(self.mixed_precision), "Accelerator(mixed_precision=...) / --mixed_precision")
+            build_inference_engine(model, inference_config(config, model))
+        return model
 
     def get_state_dict(self, model: Any, unwrap: bool = True) -> dict[str, torch.Tensor] | None:
         """Full weights in the training dtype on the main process (collective for an engine)."""

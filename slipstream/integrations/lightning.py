@@ -28,12 +28,17 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 import slipstream
-from slipstream.integrations._config import read_config
+from slipstream.integrations._config import apply_mixed_precision, read_config
 from slipstream.integrations._mesh import data_parallel_layout
 
 __all__ = ["SlipstreamPrecision", "SlipstreamStrategy"]
 
 CHECKPOINT_TAG = "checkpoint"
+# Trainer(precision=...) flags and the config section each one turns on ("no": the config decides).
+_PRECISIONS = {
+    "32-true": "no", "32": "no", "16-mixed": "fp16", "16-true": "fp16", "16": "fp16",
+    "bf16-mixed": "bf16", "bf16-true": "bf16", "bf16": "bf16",
+}  # fmt: skip
 
 
 class SlipstreamPrecision(Precision):
@@ -67,7 +72,7 @@ class SlipstreamStrategy(DDPStrategy):
     ) -> None:  # fmt: skip
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin or SlipstreamPrecision(), process_group_backend=process_group_backend,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend,  # None: Trainer(precision=) decides
         )  # fmt: skip
         if config is not None:
             self.config = read_config(config)
@@ -79,6 +84,7 @@ class SlipstreamStrategy(DDPStrategy):
                 zero["offload_param"] = {"device": "cpu"}
             self.config = {"zero_optimization": zero}
         self.engine: Any = None
+        self.host_precision = getattr(self, "host_precision", "no")  # Trainer(precision=...) may have set it already
 
     @property
     def precision_plugin(self) -> Precision:
@@ -86,14 +92,17 @@ class SlipstreamStrategy(DDPStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        # The Trainer hands every strategy the plugin of its `precision=` flag; the engine's precision
-        # comes from the config's fp16/bf16 sections, so only full precision is accepted here.
+        # The Trainer hands every strategy the plugin of its `precision=` flag. The engine casts, so the
+        # flag becomes the config's fp16/bf16 section (as Lightning's DeepSpeed strategy maps it) and the
+        # engine's own plugin takes its place.
         if plugin is not None and not isinstance(plugin, SlipstreamPrecision):
-            if type(plugin) is not Precision:
+            flag = str(getattr(plugin, "precision", "32-true"))
+            if flag not in _PRECISIONS:
                 raise ValueError(
-                    f"SlipstreamStrategy: Trainer(precision=...) gave {type(plugin).__name__}; set mixed precision in the "
-                    "config instead (SlipstreamStrategy(config={..., \"bf16\": {\"enabled\": true}}))"
+                    f"SlipstreamStrategy: Trainer(precision={flag!r}) is not supported; use one of {', '.join(_PRECISIONS)} "
+                    "(or set the fp16/bf16 section of the config)"
                 )
+            self.host_precision = _PRECISIONS[flag]
             plugin = SlipstreamPrecision()
         self._precision_plugin = plugin
 
@@ -114,6 +123,7 @@ class SlipstreamStrategy(DDPStrategy):
     def _config(self, trainer: Any, training: bool) -> dict[str, Any]:
         config = copy.deepcopy(self.config)
         config.setdefault("steps_per_print", 0)
+        apply_mixed_precision(config, self.host_precision, "Trainer(precision=...)")
         if training:
             if "gradient_accumulation_steps" in config and config["gradient_accumulation_steps"] != trainer.accumulate_grad_batches:
                 raise ValueError(

@@ -38,12 +38,11 @@ from slipstream.integrations._plugin import DummyOptim, SlipstreamPlugin
 from slipstream.integrations._wrappers import SlipstreamScheduler
 from slipstream.integrations.accelerate import SlipstreamAccelerator
 
-__all__ = ["SlipstreamTrainer", "SlipstreamTrainingArguments", "from_pretrained"]
+__all__ = ["SlipstreamTrainer", "SlipstreamTrainingArguments", "from_pretrained", "slipstream_trainer"]
 
 
-@dataclasses.dataclass
-class SlipstreamTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` whose ``deepspeed`` config runs on Slipstream (no ``deepspeed`` package needed)."""
+class SlipstreamArgumentsMixin:
+    """What makes a ``TrainingArguments`` (or any subclass) run its ``deepspeed`` config on Slipstream."""
 
     def __post_init__(self) -> None:
         source, self.deepspeed = self.deepspeed, None  # keep transformers' DeepSpeed set-up out of the way
@@ -65,14 +64,20 @@ class SlipstreamTrainingArguments(TrainingArguments):
         return None if self.slipstream_filler is None else self.slipstream_filler.config
 
 
-class SlipstreamTrainer(Trainer):
-    """``Trainer`` with the model trained by a Slipstream engine built from ``args.deepspeed``."""
+@dataclasses.dataclass
+class SlipstreamTrainingArguments(SlipstreamArgumentsMixin, TrainingArguments):
+    """``TrainingArguments`` whose ``deepspeed`` config runs on Slipstream (no ``deepspeed`` package needed)."""
+
+
+class SlipstreamTrainerMixin:
+    """What makes a ``Trainer`` (or any subclass: TRL's, ``Seq2SeqTrainer``...) train on a Slipstream engine."""
 
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any) -> None:
-        if args is None or not isinstance(args, SlipstreamTrainingArguments) or not args.deepspeed:
+        if args is None or not isinstance(args, SlipstreamArgumentsMixin) or not args.deepspeed:
             raise ValueError(
-                "SlipstreamTrainer: pass args=SlipstreamTrainingArguments(..., deepspeed=\"ds_config.json\") "
-                "(or --deepspeed ds_config.json through HfArgumentParser)"
+                f"{type(self).__name__}: pass args=SlipstreamTrainingArguments(..., deepspeed=\"ds_config.json\") (for a "
+                "Trainer subclass, the arguments class slipstream_trainer() returned with it), or --deepspeed "
+                "ds_config.json through HfArgumentParser"
             )
         super().__init__(model, args, *rest, **kwargs)
 
@@ -197,6 +202,33 @@ class SlipstreamTrainer(Trainer):
         if self._engine() is None and _is_partitioned(self.model):
             build_inference_engine(self.model, inference_config(self.args.slipstream_config, self.model))
         return super().evaluation_loop(*args, **kwargs)
+
+
+class SlipstreamTrainer(SlipstreamTrainerMixin, Trainer):
+    """``Trainer`` with the model trained by a Slipstream engine built from ``args.deepspeed``."""
+
+
+_switched: dict[type, type] = {SlipstreamTrainer: SlipstreamTrainer, Trainer: SlipstreamTrainer, TrainingArguments: SlipstreamTrainingArguments}
+
+
+def slipstream_trainer(trainer_cls: type, arguments_cls: type) -> tuple[type, type]:
+    """Any ``Trainer`` subclass and its arguments class, on Slipstream: the one-line switch for TRL's trainers and the rest.
+
+    ``SFTTrainer, SFTConfig = slipstream_trainer(SFTTrainer, SFTConfig)`` (likewise ``DPOTrainer`` /
+    ``DPOConfig``, ``Seq2SeqTrainer`` / ``Seq2SeqTrainingArguments``): each returned class is the
+    host's own with Slipstream's overrides in front, so everything the subclass adds still runs.
+    The same classes come back for the same input, so ``isinstance`` checks keep working.
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"slipstream_trainer: {trainer_cls!r} is not a transformers.Trainer subclass")
+    if not (isinstance(arguments_cls, type) and issubclass(arguments_cls, TrainingArguments)):
+        raise TypeError(f"slipstream_trainer: {arguments_cls!r} is not a transformers.TrainingArguments subclass")
+    if trainer_cls not in _switched:
+        _switched[trainer_cls] = type(f"Slipstream{trainer_cls.__name__}", (SlipstreamTrainerMixin, trainer_cls), {"__module__": __name__})
+    if arguments_cls not in _switched:
+        switched = type(f"Slipstream{arguments_cls.__name__}", (SlipstreamArgumentsMixin, arguments_cls), {"__module__": __name__})
+        _switched[arguments_cls] = dataclasses.dataclass(switched)
+    return _switched[trainer_cls], _switched[arguments_cls]
 
 
 def _is_partitioned(model: torch.nn.Module) -> bool:

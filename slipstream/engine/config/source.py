@@ -23,7 +23,9 @@ def read_config_source(source: dict[str, Any] | str | os.PathLike[str]) -> dict[
     if not path.is_file():
         raise ConfigError(f"config: file {str(path)!r} does not exist")
     try:
-        data = hjson.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        _refuse_yaml(path, text)
+        data = hjson.loads(text)
     except hjson.HjsonDecodeError as err:
         raise ConfigError(f"config: {path} is not valid JSON/HJSON: {err}") from None
     except UnicodeDecodeError as err:
@@ -31,6 +33,21 @@ def read_config_source(source: dict[str, Any] | str | os.PathLike[str]) -> dict[
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must hold an object at the top level, got {type(data).__name__}")
     return json.loads(json.dumps(data))  # hjson returns OrderedDicts
+
+
+def _refuse_yaml(path: Path, text: str) -> None:
+    """A YAML file parses as HJSON into nonsense (``optimizer: "type: AdamW"``): say what it is instead.
+
+    DeepSpeed configs are JSON; an object always starts with ``{``. Only a ``.hjson`` file may
+    leave the top-level braces out.
+    """
+    lines = (line.strip() for line in text.splitlines())
+    first = next((line for line in lines if line and not line.startswith(("#", "//", "/*"))), "")
+    if path.suffix.lower() in (".yaml", ".yml") or (path.suffix.lower() != ".hjson" and first and not first.startswith("{")):
+        raise ConfigError(
+            f"config: {path} is not a JSON object (it starts with {first[:40]!r}); Slipstream reads DeepSpeed's JSON or "
+            "HJSON config files, not YAML: convert it to JSON"
+        )
 
 
 # Paths where "auto" (as written for the HF Trainer) has a sensible resolution without a trainer.
