@@ -29,8 +29,11 @@ import argparse
 import dataclasses
 import json
 import math
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
+
+from slipstream.launcher.textfile import read_small_text  # standard library only, like this module
+from slipstream.launcher.usage import fail, shown
 
 GB = 1e9  # the paper's unit: 1e9 bytes
 STAGES = (0, 1, 2, 3)
@@ -276,11 +279,11 @@ def shape_from_config(config: Any) -> dict[str, int]:
 
 def _describe(model: Any) -> dict[str, int]:
     if isinstance(model, (int, float)) and not isinstance(model, bool):
-        return {"params": int(model)}
+        return {"params": _whole_params(model)}
     if isinstance(model, dict):
         found = shape_from_config(model)
         if "params" in model or "num_parameters" in model:
-            found["params"] = int(model.get("params", model.get("num_parameters")))
+            found["params"] = _whole_params(model.get("params", model.get("num_parameters")))
         elif {"layers", "hidden", "vocab"} <= found.keys():
             found["params"] = gpt_params(found["layers"], found["hidden"], found["vocab"], found.get("seq_len", 0), model.get("intermediate_size"))
         return found
@@ -297,6 +300,13 @@ def _describe(model: Any) -> dict[str, int]:
     raise TypeError(f"estimate: expected a parameter count, an nn.Module or a config dict, got {type(model).__name__}")
 
 
+def _whole_params(value: Any) -> int:
+    """A parameter count as an int; ValueError (not OverflowError) for inf/NaN or a non-number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"the parameter count must be a finite number, got {value!r}")
+    return int(value)
+
+
 def gpt_params(layers: int, hidden: int, vocab: int, positions: int = 0, intermediate: int | None = None) -> int:
     """Parameters of a GPT-style model: embeddings + per layer (attention 4h², MLP 2·h·ffn, biases, norms)."""
     ffn = intermediate or 4 * hidden
@@ -306,39 +316,145 @@ def gpt_params(layers: int, hidden: int, vocab: int, positions: int = 0, interme
 
 # --------------------------------------------------------------------------- command line
 
+# The largest values the command line takes. Beyond them no model exists, and the arithmetic stays
+# far from float overflow: activations multiply four of these counts (about 1e36 at most).
+MAX_PARAMS = 1e15
+_MAX_PARAMS_TEXT = "1e15 (1000T)"
+MAX_COUNT = 1_000_000_000  # ranks, tokens, layers, hidden size, heads, vocabulary, micro-batch
+MIN_DEVICE_GB, MAX_DEVICE_GB = 0.001, 1_000_000.0
+_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFile:
+    """What ``--model-config`` gives: the file as named on the command line and its JSON object."""
+
+    path: str
+    data: dict[str, Any]
+
+
+def parse_params(text: str) -> int:
+    """``--params``: a finite count from 1 to ``MAX_PARAMS``, as ``7e9``, ``7.5e9`` or ``7B`` (K, M, B, T)."""
+    number, scale = text.strip(), 1.0
+    if number[-1:].upper() in _SUFFIXES:
+        number, scale = number[:-1], _SUFFIXES[number[-1].upper()]
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(f"{shown(text)}: must be a finite positive number of parameters (e.g. 7e9 or 7B)")
+    if value > MAX_PARAMS:
+        raise argparse.ArgumentTypeError(f"{shown(text)}: must be at most {_MAX_PARAMS_TEXT} parameters")
+    return round(value)
+
+
+def parse_device_memory(text: str) -> float:
+    """``--device-memory``: GB (1e9 bytes) per device, finite, from ``MIN_DEVICE_GB`` to ``MAX_DEVICE_GB``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not MIN_DEVICE_GB <= value <= MAX_DEVICE_GB:  # NaN fails every comparison
+        raise argparse.ArgumentTypeError(
+            f"{shown(text)}: must be a number of GB (1e9 bytes) per device from {MIN_DEVICE_GB:g} to {MAX_DEVICE_GB:,.0f} (e.g. 80)"
+        )
+    return value
+
+
+def whole_number(meaning: str) -> Callable[[str], int]:
+    """A ``type=`` converter for a count from 1 to ``MAX_COUNT``; ``meaning`` says what it counts in errors."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # also thousands of digits (Python's int size limit)
+            value = 0
+        if not 1 <= value <= MAX_COUNT:
+            raise argparse.ArgumentTypeError(f"{shown(text)}: must be a whole number from 1 to {MAX_COUNT:,} ({meaning})")
+        return value
+
+    convert.__name__ = f"whole number ({meaning})"
+    return convert
+
+
+def read_model_config(text: str) -> ConfigFile:
+    """``--model-config``: a readable UTF-8 file (at most 1 MiB) holding a JSON object whose sizes are in range.
+
+    The numbers the estimate reads are checked here, so a config with ``"n_embd": 1e400`` (infinity
+    to JSON) or ``"num_parameters": -1`` is refused, naming the file and the key, like a bad option.
+    """
+    try:
+        content = read_small_text(text, "--model-config", ValueError)
+    except ValueError as err:  # cannot be read, larger than 1 MiB, not UTF-8
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--model-config: ")) from None
+    try:
+        data = json.loads(content)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError(f"{text} is not valid JSON: nested too deeply") from None
+    except ValueError:  # Python's int size limit
+        raise argparse.ArgumentTypeError(f"{text}: a number in it has too many digits (over 4300) to read") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"{text} holds a JSON {type(data).__name__}, not an object; give a transformers config.json")
+    for key in ("params", "num_parameters"):
+        if key in data and not (_is_number(data[key]) and 1 <= data[key] <= MAX_PARAMS):
+            raise argparse.ArgumentTypeError(f"{text}: {key!r} is {_as_json(data[key])}; it must be a number of parameters from 1 to {_MAX_PARAMS_TEXT}")
+    for key in [*(k for keys in _CONFIG_KEYS.values() for k in keys), "intermediate_size"]:
+        value = data.get(key)
+        if key == "intermediate_size":  # gpt_params multiplies by it: absent, null or a whole number
+            wrong = value is not None and not (isinstance(value, int) and _is_number(value) and 1 <= value <= MAX_COUNT)
+        else:  # shape_from_config passes over what is not a number; a number must be in range
+            wrong = _is_number(value) and not 1 <= value <= MAX_COUNT
+        if wrong:
+            raise argparse.ArgumentTypeError(f"{text}: {key!r} is {_as_json(value)}; it must be a whole number from 1 to {MAX_COUNT:,}")
+    return ConfigFile(text, data)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_json(value: Any, limit: int = 60) -> str:
+    """``value`` spelled as in the file (``Infinity``, ``"big"``, ``true``), shortened past ``limit``."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``slipstream estimate`` options."""
-    parser.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9 (or give --model-config)")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree: ranks the states are partitioned over (default 1)")
-    parser.add_argument("--model-config", metavar="JSON", help="a transformers config.json: layers, hidden, heads, vocab, sequence length")
+    """The ``slipstream estimate`` options; every value is checked by its ``type=`` converter above."""
+    parser.add_argument("--params", type=parse_params, metavar="N", help="number of parameters, e.g. 7.5e9 or 7.5B (or give --model-config)")
+    parser.add_argument("--dp", type=whole_number("the data-parallel degree"), default=1, metavar="N", help="data-parallel degree: ranks the states are partitioned over (default 1)")
+    parser.add_argument("--model-config", type=read_model_config, metavar="JSON", help="a transformers config.json: layers, hidden, heads, vocab, sequence length")
     parser.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none", help="optimizer (and at stage 3 parameter) offload")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="bf16/fp16 with fp32 masters (default) or fp32")
-    parser.add_argument("--seq-len", type=int, help="sequence length for the activation estimate")
-    parser.add_argument("--micro-batch", type=int, default=1, help="micro-batch per device (default 1)")
-    parser.add_argument("--layers", type=int, help="transformer layers (activation estimate)")
-    parser.add_argument("--hidden", type=int, help="hidden size (activation estimate)")
-    parser.add_argument("--heads", type=int, help="attention heads (only for --no-flash-attention)")
-    parser.add_argument("--vocab", type=int, help="vocabulary size (the loss's logits)")
+    parser.add_argument("--seq-len", type=whole_number("tokens per sequence"), metavar="S", help="sequence length for the activation estimate")
+    parser.add_argument("--micro-batch", type=whole_number("sequences per device"), default=1, metavar="B", help="micro-batch per device (default 1)")
+    parser.add_argument("--layers", type=whole_number("transformer layers"), metavar="L", help="transformer layers (activation estimate)")
+    parser.add_argument("--hidden", type=whole_number("the hidden size"), metavar="H", help="hidden size (activation estimate)")
+    parser.add_argument("--heads", type=whole_number("attention heads"), metavar="A", help="attention heads (only for --no-flash-attention)")
+    parser.add_argument("--vocab", type=whole_number("the vocabulary size"), metavar="V", help="vocabulary size (the loss's logits)")
     parser.add_argument("--activation-checkpointing", action="store_true", help="estimate activations with checkpointing on")
     parser.add_argument("--no-flash-attention", action="store_true", help="attention keeps the s×s score matrices")
     parser.add_argument("--fp32-grads", action="store_true", help="gradients accumulate in fp32 with bf16/fp16 weights (slipstream's stage 0)")
-    parser.add_argument("--device-memory", type=float, metavar="GB", help="memory per device in GB (1e9 bytes): adds a recommendation")
+    parser.add_argument("--device-memory", type=parse_device_memory, metavar="GB", help="memory per device in GB (1e9 bytes): adds a recommendation")
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``slipstream estimate``; returns the exit code."""
+    """Run ``slipstream estimate``; returns the exit code. Usage errors are one line, status 2."""
+    prog = "slipstream estimate"
     source: Any = args.params
-    if args.model_config:
-        path = Path(args.model_config)
-        if not path.is_file():
-            raise SystemExit(f"slipstream estimate: --model-config {path} does not exist")
-        config = json.loads(path.read_text())
+    if args.model_config is not None:
+        source = dict(args.model_config.data)
         if args.params:
-            config["params"] = args.params
-        source = config
+            source["params"] = args.params
+        params = _describe(source).get("params", 0)
+        if not 1 <= params <= MAX_PARAMS:
+            why = "no parameter count (params or num_parameters) and not all of layers, hidden size and vocabulary size to derive one" if not params else f"describes {params:.2g} parameters, more than {_MAX_PARAMS_TEXT}"
+            fail(prog, f"--model-config {args.model_config.path}: {why}; give --params")
     if source is None:
-        raise SystemExit("slipstream estimate: give --params N or --model-config config.json")
+        fail(prog, f"give --params N (e.g. 7e9 or 7B) or --model-config config.json; see '{prog} --help'")
     try:
         result = estimate(
             source, args.dp, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
@@ -348,18 +464,20 @@ def main(args: argparse.Namespace) -> int:
             fp32_grads=args.fp32_grads,
         )  # fmt: skip
     except (ValueError, TypeError) as err:
-        raise SystemExit(f"slipstream estimate: {err}") from None
+        fail(prog, str(err))
     print(result.table())
     return 0
 
 
 def _gb(nbytes: float) -> str:
     value = nbytes / GB
+    if value >= 1e6:  # keeps the table's columns apart (a million GB and more: 1.6e+07)
+        return f"{value:.2g}"
     return f"{value:.1f}" if value >= 0.05 or value == 0 else f"{value:.3f}"
 
 
 def _count(n: float) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
             return f"{n / size:.{1 if n / size < 100 else 0}f}{unit}"
     return str(int(n)) if math.isfinite(n) else str(n)
