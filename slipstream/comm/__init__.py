@@ -14,12 +14,12 @@ from slipstream.comm.collectives import (
     shift_ring,
 )
 from slipstream.comm.comms_log import CommRecord, CommsLog, comms_log
-from slipstream.comm.distributed import get_rank, get_world_size, init_distributed
+from slipstream.comm.distributed import LaunchEnvError, get_rank, get_world_size, init_distributed
 from slipstream.comm.lanes import lane_group
 from slipstream.comm.ring import ring_context
 
 __all__ = [
     "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "all_to_all_v",
-    "barrier", "broadcast", "comms_log", "reduce_scatter_tensor", "ring_context", "shift_ring", "get_rank", "get_world_size", "init_distributed",
+    "barrier", "broadcast", "comms_log", "reduce_scatter_tensor", "ring_context", "shift_ring", "get_rank", "get_world_size", "init_distributed", "LaunchEnvError",
     "lane_group",
 ]  # fmt: skip

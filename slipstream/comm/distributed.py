@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
+import reprlib
+from collections.abc import Mapping
 
 import torch.distributed as dist
 
@@ -14,6 +17,13 @@ logger = get_logger(__name__)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _timeout = DEFAULT_TIMEOUT
+_LAUNCHED_BY = "`slipstream run` and torchrun set it for each process"
+_MAX_C10D_INT = 2**31 - 1  # c10d keeps ranks and world sizes in a C int
+
+
+class LaunchEnvError(RuntimeError):
+    """A launch variable (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) that is
+    missing or malformed; the message names the variable, its value and what is allowed."""
 
 
 def current_timeout() -> datetime.timedelta:
@@ -35,23 +45,23 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
         if timeout is not None:
             _apply_timeout(timeout)
         return
+    check_launch_env(os.environ)
     accelerator = get_accelerator()
     backend = backend or accelerator.communication_backend
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     timeout = _timeout = timeout or DEFAULT_TIMEOUT
     if accelerator.name == "cuda":
-        accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank, devices = int(os.environ.get("LOCAL_RANK", "0")), accelerator.device_count()
+        if local_rank >= devices:  # torch would say only "invalid device ordinal"
+            raise LaunchEnvError(
+                f"LOCAL_RANK={local_rank} is not below this node's {devices} visible CUDA device(s); start at most "
+                f"{devices} process(es) per node (--nproc_per_node) or check CUDA_VISIBLE_DEVICES"
+            )
+        accelerator.set_device(local_rank)
     if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-        if missing:
-            raise RuntimeError(
-                f"init_distributed: environment variables {', '.join(missing)} are not set; launch with "
-                "`slipstream run --nproc_per_node N script.py` (or torchrun), or set RANK, WORLD_SIZE, "
-                "MASTER_ADDR and MASTER_PORT"
-            )
         store = _attempt_store(timeout)
         if store is None:
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
@@ -60,6 +70,47 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     set_rank(dist.get_rank())
     logger.debug("joined process group: rank %d of %d, backend %s", dist.get_rank(), dist.get_world_size(), backend)
+
+
+def check_launch_env(environ: Mapping[str, str]) -> None:
+    """Refuse a missing or malformed launch variable with one line that names it, before any socket opens.
+
+    Unchecked, ``WORLD_SIZE=abc`` surfaces as a bare ``invalid literal for int()``, and ``MASTER_PORT=99999``,
+    ``RANK=2`` of ``WORLD_SIZE=2`` or an empty ``MASTER_ADDR`` as a C++ rendezvous error or a timeout minutes
+    later; neither names the variable. With neither ``RANK`` nor ``WORLD_SIZE`` set the job is a single
+    process and only ``LOCAL_RANK`` (if set) is read.
+    """
+    if "LOCAL_RANK" in environ:
+        _launch_int(environ, "LOCAL_RANK", 0, "a non-negative integer (this process's index on its node)")
+    if "WORLD_SIZE" not in environ and "RANK" not in environ:
+        return
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in environ]
+    if missing:
+        raise LaunchEnvError(
+            f"init_distributed: environment variables {', '.join(missing)} are not set; launch with "
+            "`slipstream run --nproc_per_node N script.py` (or torchrun), or set RANK, WORLD_SIZE, "
+            "MASTER_ADDR and MASTER_PORT"
+        )
+    world_size = _launch_int(environ, "WORLD_SIZE", 1, "a positive integer (the number of processes)")
+    rank = _launch_int(environ, "RANK", 0, "a non-negative integer (this process's rank)")
+    if rank >= world_size:
+        raise LaunchEnvError(f"RANK={rank} is not below WORLD_SIZE={world_size}: ranks run from 0 to {world_size - 1}")
+    _launch_int(environ, "MASTER_PORT", 1, "an integer in 1..65535 (the port rank 0 listens on)", high=65535)
+    if not re.fullmatch(r"\S+", environ["MASTER_ADDR"]):
+        raise LaunchEnvError(
+            f"MASTER_ADDR={reprlib.repr(environ['MASTER_ADDR'])}: must be rank 0's host name or IP address, "
+            f"with no spaces; {_LAUNCHED_BY}"
+        )
+
+
+def _launch_int(environ: Mapping[str, str], name: str, low: int, allowed: str, high: int = _MAX_C10D_INT) -> int:
+    """``environ[name]`` as an int in low..high, or a :class:`LaunchEnvError` saying ``allowed``."""
+    text = environ[name].strip()
+    # ASCII digits only (str.isdigit() takes '²', which int() refuses); the length check first, because
+    # int() of thousands of digits raises instead of converting.
+    if re.fullmatch(r"[0-9]+", text) and len(text.lstrip("0")) <= len(str(high)) and low <= int(text) <= high:
+        return int(text)
+    raise LaunchEnvError(f"{name}={reprlib.repr(environ[name])}: must be {allowed}; {_LAUNCHED_BY}")
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:

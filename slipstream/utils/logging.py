@@ -21,7 +21,9 @@ def set_rank(rank: int) -> None:
 def current_rank() -> int:
     if _rank is not None:
         return _rank
-    return int(os.environ.get("RANK", "0"))
+    # A malformed RANK must not break a log line: init_distributed refuses it with an error that names it.
+    value = os.environ.get("RANK", "0").strip()
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 10 else 0
 
 
 class _StderrHandler(logging.StreamHandler):
