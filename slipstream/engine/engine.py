@@ -252,6 +252,7 @@ class Engine(torch.nn.Module):
             config=self.config.model_dump(mode="json", by_alias=False, exclude_unset=True),
             zero_stage=self.config.zero_optimization.stage, precision=self.config.precision, world_size=self.world_size,
             spread=self.parallel.spread,
+            mesh={axis: self.mesh.size(axis) for axis in self.mesh.coords},  # every axis: pp, dp, cp, sp, tp, ep
         )  # fmt: skip
 
     def _train_state(self) -> TrainState:

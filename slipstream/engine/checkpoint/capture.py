@@ -146,6 +146,7 @@ def _manifest_body(target: CheckpointTarget, tag: str) -> dict[str, Any]:
         "global_steps": counters.global_steps,
         "micro_steps": counters.micro_steps,
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
+        **({"mesh": {str(axis): int(size) for axis, size in target.mesh.items()}} if target.mesh else {}),
         **_module_entries(module, names),
     }
 

@@ -66,17 +66,38 @@ def inspect(directory: Path, tag: str | None, verify: bool) -> int:
         f"training        step {m['global_steps']} (micro-step {m['micro_steps']}), {m['world_size']} rank(s), "
         f"ZeRO stage {m['zero_stage']}, {m['precision']}"
     )
+    print(f"mesh            {_mesh(m.get('mesh'))}")
     print(f"model           {m['module_class']}: {len(params)} parameters, {numel:,} elements; {len(m['buffers'])} buffers")
     print(f"state_dict      {len(m['state_dict_keys'])} keys ({len(m['state_dict_keys']) - len(params) - len(m['buffers'])} tied aliases)")
     print(f"optimizer state {', '.join(first['optimizer']) if first else 'none'}")
     pieces = [e for r in range(reader.world_size) for e in reader.rank_meta(r)["slices"]]
     boxed = sum(1 for e in pieces if "box" in e)
-    layout = f"{boxed} in boxes (parts of a tensor-parallel cut)" if boxed else "all whole-tensor boxes (ZeRO flat ranges)"
+    layout = f"{boxed} in boxes ({_boxes(m.get('mesh') or {})})" if boxed else "all whole-tensor boxes (ZeRO flat ranges)"
     print(f"layout          {len(pieces)} saved pieces, {layout}")
     print(f"client_state    {', '.join(_keys(common['client_state'])) or 'empty'}")
     checked = "CRC-32 verified" if verify else "sizes checked (--verify for CRC-32)"
     print(f"files           {len(m['files'])}, {size / 2**20:.1f} MiB, {checked}")
     return 0
+
+
+def _mesh(mesh: dict[str, int] | None) -> str:
+    """The recorded axis sizes, e.g. ``pp 1 × dp 2 × cp 1 × sp 1 × tp 2, ep 1``."""
+    if not mesh:
+        return "not recorded"
+    dense = " × ".join(f"{axis} {size}" for axis, size in mesh.items() if axis != "ep")
+    return ", ".join(part for part in (dense, f"ep {mesh['ep']}" if "ep" in mesh else "") if part)
+
+
+def _boxes(mesh: dict[str, int]) -> str:
+    """What the boxes are: tensor parallelism cuts weights into blocks, expert parallelism splits fused expert weights."""
+    tp, ep = mesh.get("tp", 1), mesh.get("ep", 1)
+    if tp > 1 and ep > 1:
+        return f"tensor-parallel blocks (tp {tp}) and expert-parallel slices (ep {ep})"
+    if tp > 1:
+        return f"tensor-parallel blocks, tp {tp}"
+    if ep > 1:
+        return f"expert-parallel slices, ep {ep}"
+    return "tensor-parallel blocks or expert-parallel slices"
 
 
 def _numel(shape: list[int]) -> int:

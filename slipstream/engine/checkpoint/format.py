@@ -2,8 +2,9 @@
 
 [Note: layout] A checkpoint is a directory ``<save_dir>/<tag>/``::
 
-    manifest.json           written last; versions, world size, stage, parameter shapes and dtypes,
-                            the model's state_dict keys, and every file's size and CRC-32
+    manifest.json           written last; versions, world size, stage, the mesh's axis sizes,
+                            parameter shapes and dtypes, the model's state_dict keys, and every
+                            file's size and CRC-32
     config.json             the engine's config
     rank00000.json          this rank's slices (parameter name, flat start, length), the optimizer
     rank00000.safetensors   state for them, RNG states, loader position; rank 0 also the shared state

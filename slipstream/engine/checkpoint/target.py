@@ -2,9 +2,9 @@
 
 [Note: no Engine here] The engine builds a :class:`CheckpointTarget` for each save or load (see
 ``Engine.checkpoint_target``). Everything in it is either a ``Stateful`` (``state_dict`` /
-``load_state_dict``) or a read-only fact (module for names and shapes, config, world size), so the
-checkpoint package never imports the engine and never writes engine attributes: the counters come
-back through the engine's own :class:`TrainState` Stateful.
+``load_state_dict``) or a read-only fact (module for names and shapes, config, world size, mesh), so
+the checkpoint package never imports the engine and never writes engine attributes: the counters
+come back through the engine's own :class:`TrainState` Stateful.
 """
 
 from __future__ import annotations
@@ -83,3 +83,6 @@ class CheckpointTarget:
     precision: str
     world_size: int
     spread: bool = False  # ranks hold different parts of the model (tp/pp/ep): the manifest is the union of every rank's
+    # The mesh's axis sizes (pp, dp, cp, sp, tp, ep), recorded in the manifest for ``checkpoint inspect``;
+    # empty: not recorded. Informational only: a checkpoint loads under any mesh.
+    mesh: Mapping[str, int] = dataclasses.field(default_factory=dict)

@@ -68,6 +68,9 @@ _MANIFEST = {
 
 def check_manifest(path: Path, m: dict[str, Any], file: str) -> None:
     _check(path, file, m, _MANIFEST)
+    mesh = m.get("mesh")  # optional: checkpoints written before it was recorded have none
+    if mesh is not None and not (isinstance(mesh, dict) and all(isinstance(k, str) and _is_int(v) and v >= 1 for k, v in mesh.items())):
+        raise _fail(path, file, "mesh", mesh, "an object of axis sizes (positive integers)")
     for name, info in m["parameters"].items():
         if not isinstance(info, dict) or not _shape(info.get("shape")):
             raise _fail(path, file, f"parameters[{name!r}].shape", info.get("shape") if isinstance(info, dict) else info, "a list of sizes")

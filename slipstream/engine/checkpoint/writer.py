@@ -16,6 +16,16 @@ file system cannot exchange, the old one is first renamed to ``.trash-<tag>-<ns>
 gap leaves ``<tag>`` missing, and readers then take the complete ``.tmp-<tag>`` (or the trash copy)
 in its place; the next save puts it back (``recover``). A lock file per tag, held by rank 0 from
 ``prepare`` to the end of the commit, makes a second job saving the same tag fail at once.
+
+[Note: removing the lock file] The lock is the ``flock`` on the file's inode, not the file's
+existence, so its holder unlinks ``.lock-<tag>`` while it still holds it and only then closes it.
+A job that opened the file just before the unlink may get the flock on the unlinked inode once it
+is released; so whoever takes the lock checks, after ``flock`` succeeds, that the path still names
+the inode it locked, and otherwise drops it and starts over on the new file. While a holder holds,
+the path names its inode (only a holder unlinks), so two jobs never both hold one tag. A process
+killed while holding leaves the file behind, unlocked: the next save of that tag takes and removes
+it, and ``recover`` removes such leftovers of other tags. Lock files are never checkpoints (a
+checkpoint is a directory, and a tag cannot start with '.').
 """
 
 from __future__ import annotations
@@ -54,33 +64,57 @@ LOCK_PREFIX = ".lock-"
 
 
 class TagLock:
-    """An exclusive ``flock`` on ``<save_dir>/.lock-<tag>``; the kernel drops it if the process dies."""
+    """An exclusive ``flock`` on ``<save_dir>/.lock-<tag>``; the kernel drops it if the process dies.
+
+    :meth:`release` removes the file (see [Note: removing the lock file]).
+    """
+
+    ATTEMPTS = 100  # each retry means another process took and removed the file in between
 
     def __init__(self, save_dir: Path, tag: str) -> None:
         self.path = save_dir / f"{LOCK_PREFIX}{tag}"
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            self._fd = None
-            raise CheckpointError(
-                f"save_checkpoint: another job is saving tag {tag!r} into {save_dir} right now ({self.path} is locked); "
-                "give each job its own save_dir or tag"
-            ) from None
+        self._fd: int | None = None
+        for _ in range(self.ATTEMPTS):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise CheckpointError(
+                    f"save_checkpoint: another job is saving tag {tag!r} into {save_dir} right now ({self.path} is locked); "
+                    "give each job its own save_dir or tag"
+                ) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if _names(self.path, fd):
+                self._fd = fd
+                return
+            os.close(fd)  # the previous holder removed the file after we opened it: lock the one there now
+        raise CheckpointError(f"save_checkpoint: {self.path} was replaced {self.ATTEMPTS} times while being locked; not saving")
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Remove the lock file while still holding it, then unlock (closing the descriptor)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if _names(self.path, fd):  # only a holder unlinks, so this is ours unless someone deleted it by hand
+                os.unlink(self.path)
+        except OSError as err:  # a leftover file is harmless: the next save of the tag removes it
+            logger.debug("could not remove the checkpoint lock file %s: %s", self.path, err)
+        finally:
+            os.close(fd)
 
 
-def _is_free(save_dir: Path, tag: str) -> bool:
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` is the file open as ``fd`` (and not gone, or another file made since)."""
     try:
-        TagLock(save_dir, tag).release()
-        return True
-    except CheckpointError:
+        on_disk = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
         return False
+    held = os.fstat(fd)
+    return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
 
 
 def temp_dir(save_dir: Path, tag: str) -> Path:
@@ -104,22 +138,51 @@ def prepare(save_dir: Path, tag: str) -> TagLock:
 
 
 def recover(save_dir: Path, own_tag: str) -> None:
-    """Put back a checkpoint a crash left only in ``.tmp-``/``.trash-``; delete stale leftovers of unlocked tags."""
+    """Put back a checkpoint a crash left only in ``.tmp-``/``.trash-``; delete stale leftovers of unlocked tags.
+
+    Another tag's leftovers are handled while holding that tag's lock, so a job saving it is never
+    disturbed (a job starting to save it during that cleanup fails at once, as with any holder);
+    lock files left by killed processes are removed the same way.
+    """
     for child in sorted(save_dir.iterdir()):
         name = child.name
+        if name.startswith(LOCK_PREFIX) and not child.is_dir():
+            tag = name.removeprefix(LOCK_PREFIX)
+            if tag != own_tag:
+                _with_lock(save_dir, tag, lambda: None)  # a free one is taken, and removed on release
+            continue
         if not child.is_dir() or not name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             continue
         tag = name.removeprefix(TMP_PREFIX) if name.startswith(TMP_PREFIX) else name.removeprefix(TRASH_PREFIX).rpartition("-")[0]
-        if tag != own_tag and not _is_free(save_dir, tag):
-            continue  # another job's save in progress
-        if not (save_dir / tag).exists():
-            found = stand_in(save_dir, tag)
-            if found is not None and found.exists():
-                os.replace(found, save_dir / tag)
-                fsync_dir(save_dir)
-                continue
-        if child.exists():
-            shutil.rmtree(child, ignore_errors=True)
+        if tag == own_tag:
+            _recover_tag(save_dir, tag, child)
+        else:
+            _with_lock(save_dir, tag, lambda tag=tag, child=child: _recover_tag(save_dir, tag, child))
+
+
+def _with_lock(save_dir: Path, tag: str, action: Any) -> None:
+    """Run ``action`` holding ``tag``'s lock; skip it when another job holds it (a save in progress) or it cannot be opened."""
+    try:
+        lock = TagLock(save_dir, tag)
+    except (CheckpointError, OSError):  # OSError: e.g. another user's leftover lock file; not ours to clean
+        return
+    try:
+        action()
+    finally:
+        lock.release()
+
+
+def _recover_tag(save_dir: Path, tag: str, child: Path) -> None:
+    """``child`` is a ``.tmp-``/``.trash-`` directory of ``tag``: put it back as ``tag`` if it is the only copy, else delete it."""
+    if not child.exists():
+        return  # handled with an earlier leftover of the same tag
+    if not (save_dir / tag).exists():
+        found = stand_in(save_dir, tag)
+        if found is not None and found.exists():
+            os.replace(found, save_dir / tag)
+            fsync_dir(save_dir)
+            return
+    shutil.rmtree(child, ignore_errors=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
