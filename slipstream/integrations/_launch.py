@@ -18,7 +18,7 @@ from slipstream.accelerator import get_accelerator
 def launched_world_size() -> int | None:
     """``WORLD_SIZE`` as the launcher set it (None when not launched, or not a number)."""
     value = os.environ.get("WORLD_SIZE", "")
-    return int(value) if value.isdigit() else None
+    return int(value) if value.isascii() and value.isdigit() and len(value) < 10 else None
 
 
 def host_needs_cpu_flag() -> bool:

@@ -23,6 +23,7 @@ the one a single process would see.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from typing import Any
 
@@ -72,14 +73,16 @@ class SlipstreamTrainingArguments(SlipstreamArgumentsMixin, TrainingArguments):
 class SlipstreamTrainerMixin:
     """What makes a ``Trainer`` (or any subclass: TRL's, ``Seq2SeqTrainer``...) train on a Slipstream engine."""
 
-    def __init__(self, model: Any = None, args: TrainingArguments | None = None, *rest: Any, **kwargs: Any) -> None:
+    def __init__(self, *positional: Any, **kwargs: Any) -> None:
+        # The host's own signature says where its arguments object is (DPOTrainer takes ref_model second).
+        args = inspect.signature(super().__init__).bind_partial(*positional, **kwargs).arguments.get("args")
         if args is None or not isinstance(args, SlipstreamArgumentsMixin) or not args.deepspeed:
             raise ValueError(
                 f"{type(self).__name__}: pass args=SlipstreamTrainingArguments(..., deepspeed=\"ds_config.json\") (for a "
                 "Trainer subclass, the arguments class slipstream_trainer() returned with it), or --deepspeed "
                 "ds_config.json through HfArgumentParser"
             )
-        super().__init__(model, args, *rest, **kwargs)
+        super().__init__(*positional, **kwargs)
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         return None  # slipstream.initialize places (and at ZeRO-3 partitions) the model, as DeepSpeed does
@@ -224,11 +227,26 @@ def slipstream_trainer(trainer_cls: type, arguments_cls: type) -> tuple[type, ty
     if not (isinstance(arguments_cls, type) and issubclass(arguments_cls, TrainingArguments)):
         raise TypeError(f"slipstream_trainer: {arguments_cls!r} is not a transformers.TrainingArguments subclass")
     if trainer_cls not in _switched:
-        _switched[trainer_cls] = type(f"Slipstream{trainer_cls.__name__}", (SlipstreamTrainerMixin, trainer_cls), {"__module__": __name__})
+        _switched[trainer_cls] = _module_level(type(_free_name(trainer_cls), (SlipstreamTrainerMixin, trainer_cls), {}))
     if arguments_cls not in _switched:
-        switched = type(f"Slipstream{arguments_cls.__name__}", (SlipstreamArgumentsMixin, arguments_cls), {"__module__": __name__})
-        _switched[arguments_cls] = dataclasses.dataclass(switched)
+        switched = type(_free_name(arguments_cls), (SlipstreamArgumentsMixin, arguments_cls), {})
+        _switched[arguments_cls] = _module_level(dataclasses.dataclass(switched))
     return _switched[trainer_cls], _switched[arguments_cls]
+
+
+def _free_name(cls: type) -> str:
+    name, n = f"Slipstream{cls.__name__}", 1
+    while name in globals():  # another host class of the same name already switched
+        n += 1
+        name = f"Slipstream{cls.__name__}{n}"
+    return name
+
+
+def _module_level(cls: type) -> type:
+    """Made findable by pickle (the Trainer saves its arguments with ``torch.save``)."""
+    cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    globals()[cls.__name__] = cls
+    return cls
 
 
 def _is_partitioned(model: torch.nn.Module) -> bool:

@@ -60,7 +60,7 @@ def _run_host(module: str, argv: list[str], env: dict[str, str]) -> Any:
     """On every rank of the pool: the example's ``main(argv)`` with ``env`` set, as its launch would set it."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    saved = {k: os.environ.get(k) for k in env}
+    saved = dict(os.environ)  # hosts edit the environment too (Lightning's DDP set-up): the next host gets the pool's
     os.environ.update(env)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -68,11 +68,8 @@ def _run_host(module: str, argv: list[str], env: dict[str, str]) -> Any:
     try:
         result = importlib.import_module(f"tests.integration.hosts.{module}").main(argv)
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        os.environ.clear()
+        os.environ.update(saved)
     dist.barrier()
     return result if dist.get_rank() == 0 else None
 
@@ -188,3 +185,25 @@ def test_lightning_precision_flag_contradicting_the_config_is_refused() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", logger=False)
     with pytest.raises(ValueError, match=r"Trainer\(precision=...\) asks for bf16, but the DeepSpeed config enables fp16"):
         trainer.strategy._config(trainer, training=False)
+
+
+# ---------------------------------------------------------------------- TRL: SFTTrainer, DPOTrainer with a reference model
+def _trl_argv(trainer: str, data: dict[str, str], out: Path) -> list[str]:
+    return [
+        "--trainer", trainer, "--data", data["train.jsonl" if trainer == "sft" else "pairs.jsonl"],
+        "--config_name", data["config"], "--tokenizer_name", data["tokenizer"], "--output_dir", str(out),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trl_plain(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    pytest.importorskip("trl")
+    return {t: run_host("trl_trainers", _trl_argv(t, data, tmp_path_factory.mktemp(f"trl-{t}"))) for t in ("sft", "dpo")}
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trl_trainer_finishes_and_matches_plain(trainer: str, stage: int, data: dict[str, str], trl_plain: dict[str, Any], tmp_path: Path) -> None:
+    config = ds_config(tmp_path / "ds.json", stage, gradient_clipping="auto")
+    got = run_host("trl_trainers", [*_trl_argv(trainer, data, tmp_path / "out"), "--slipstream", "--deepspeed", config])
+    assert_losses_match(got["losses"], trl_plain[trainer]["losses"])

@@ -185,3 +185,11 @@ def test_optimizer_in_config_and_argument_is_ambiguous() -> None:
     model = _model()
     with pytest.raises(slipstream.ConfigError, match="given both in the config and as initialize"):
         slipstream.initialize(model, {"train_batch_size": 2, "optimizer": {"type": "Adam"}}, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("name", ["ds.yaml", "ds.json"])
+def test_a_yaml_config_is_named_as_yaml(tmp_path: Path, name: str) -> None:
+    """HJSON would read YAML's nested mappings as strings ("optimizer: must be an object, got 'type: AdamW'")."""
+    (tmp_path / name).write_text("# DeepSpeed config\noptimizer:\n  type: AdamW\n  params:\n    lr: 0.001\n")
+    message = _error(str(tmp_path / name))  # type: ignore[arg-type]
+    assert name in message and "not YAML: convert it to JSON" in message

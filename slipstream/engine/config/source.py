@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 from typing import Any
@@ -38,12 +39,14 @@ def read_config_source(source: dict[str, Any] | str | os.PathLike[str]) -> dict[
 def _refuse_yaml(path: Path, text: str) -> None:
     """A YAML file parses as HJSON into nonsense (``optimizer: "type: AdamW"``): say what it is instead.
 
-    DeepSpeed configs are JSON; an object always starts with ``{``. Only a ``.hjson`` file may
-    leave the top-level braces out.
+    DeepSpeed configs are JSON; an object starts with ``{``. A file named ``.yaml``/``.yml``, or
+    one whose first line is a bare ``key:`` (YAML's mapping; only ``.hjson`` files may leave the
+    top-level braces out), is named as YAML.
     """
     lines = (line.strip() for line in text.splitlines())
     first = next((line for line in lines if line and not line.startswith(("#", "//", "/*"))), "")
-    if path.suffix.lower() in (".yaml", ".yml") or (path.suffix.lower() != ".hjson" and first and not first.startswith("{")):
+    bare_key = re.match(r"[A-Za-z_][\w.-]*\s*:", first) is not None
+    if path.suffix.lower() in (".yaml", ".yml") or (path.suffix.lower() != ".hjson" and bare_key):
         raise ConfigError(
             f"config: {path} is not a JSON object (it starts with {first[:40]!r}); Slipstream reads DeepSpeed's JSON or "
             "HJSON config files, not YAML: convert it to JSON"
