@@ -55,9 +55,11 @@ setup(
         # Host libraries of slipstream.integrations, in the ranges the tests run against.
         "hf": ["transformers>=5.17,<6", "accelerate>=1.10,<2"],
         "lightning": ["lightning>=2.5,<3"],
+        # TRL's trainers switch with slipstream_trainer(); the hosts' stock examples read their data with datasets.
+        "trl": ["transformers>=5.17,<6", "accelerate>=1.10,<2", "trl>=1.16,<2"],
         "dev": [
             "pytest>=7.4", "hypothesis>=6.100", "transformers>=5.17,<6", "accelerate>=1.10,<2", "lightning>=2.5,<3", "safetensors>=0.4",
-            "tensorboard>=2.14", "tqdm>=4.66",
+            "tensorboard>=2.14", "tqdm>=4.66", "trl>=1.16,<2", "datasets>=5.2,<6",
         ],
     },
     entry_points={"console_scripts": ["slipstream=slipstream.cli:main"]},
