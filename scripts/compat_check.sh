@@ -2,7 +2,7 @@
 # Test the ends of every supported range: each package in turn at the lowest and the newest version
 # its range admits, everything else at requirements/constraints.txt, in its own venv (.compat/).
 #
-#   scripts/compat_check.sh                     the whole matrix (torch, transformers, accelerate, lightning)
+#   scripts/compat_check.sh                     the whole matrix (torch, transformers, accelerate, lightning, trl)
 #   scripts/compat_check.sh transformers        one package's two ends
 #   scripts/compat_check.sh transformers=5.23.0 one cell
 #   COMPAT_TESTS="tests/..." scripts/compat_check.sh   other tests than the integration + parallelism set
@@ -21,8 +21,8 @@ rm -rf "$SRC" && mkdir -p "$SRC" && git archive HEAD | tar -x -C "$SRC"
 PYTHON="${PYTHON:-python3}"
 META_PYTHON="${META_PYTHON:-.venv/bin/python}"  # reads the dependency closure of the installed packages
 BASE_TORCH="${SLIPSTREAM_TORCH:-torch==2.13.0}"
-TESTS="${COMPAT_TESTS:-tests/integration/test_hf_trainer_switch.py tests/integration/test_accelerate_switch.py tests/integration/test_lightning_switch.py tests/distributed/test_tensor_parallel.py tests/distributed/test_sequence_parallel.py tests/distributed/test_context_parallel.py tests/distributed/test_pipeline.py tests/distributed/test_expert_parallel.py tests/unit/test_activation_checkpointing.py}"
-PACKAGES=(torch transformers accelerate lightning)
+TESTS="${COMPAT_TESTS:-tests/integration/test_host_examples.py tests/integration/test_hf_trainer_switch.py tests/integration/test_accelerate_switch.py tests/integration/test_lightning_switch.py tests/distributed/test_tensor_parallel.py tests/distributed/test_sequence_parallel.py tests/distributed/test_context_parallel.py tests/distributed/test_pipeline.py tests/distributed/test_expert_parallel.py tests/unit/test_activation_checkpointing.py}"
+PACKAGES=(torch transformers accelerate lightning trl)
 mkdir -p .compat
 RESULTS=.compat/results.txt
 : > "$RESULTS"
