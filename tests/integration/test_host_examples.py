@@ -52,6 +52,7 @@ def ds_config(path: Path, stage: int, **extra: Any) -> str:
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra,
     }  # fmt: skip
+    config = {k: v for k, v in config.items() if v is not None}
     path.write_text(json.dumps(config))
     return str(path)
 
@@ -101,6 +102,17 @@ def _accelerate_clm_argv(data: dict[str, str], out: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def _accelerate_clm_config(path: Path, stage: int) -> str:
+    """The example's DeepSpeed path: optimizer and schedule from the config (DummyOptim, DummyScheduler).
+
+    DeepSpeed's schedules apply their lr one step later than transformers' (engine.step advances
+    them after the update), so both runs hold the lr constant: WarmupLR from lr to lr here, the
+    plain run's "constant" schedule there.
+    """
+    schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": LR, "warmup_max_lr": LR, "warmup_num_steps": "auto"}}
+    return ds_config(path, stage, scheduler=schedule)
+
+
 @pytest.fixture(scope="module")
 def accelerate_clm_plain(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("accelerate-clm-plain")
@@ -111,17 +123,35 @@ def accelerate_clm_plain(data: dict[str, str], tmp_path_factory: pytest.TempPath
 def test_accelerate_deepspeed_example_finishes_and_matches_plain(stage: int, data: dict[str, str], accelerate_clm_plain: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    # The example's DeepSpeed path: optimizer and schedule from the config (DummyOptim, DummyScheduler). DeepSpeed's
-    # schedules apply their lr one step later than transformers' (engine.step advances them after the update), so
-    # both runs hold the lr constant: WarmupLR from lr to lr, and the plain run's "constant" schedule.
-    schedule = {"type": "WarmupLR", "params": {"warmup_min_lr": LR, "warmup_max_lr": LR, "warmup_num_steps": "auto"}}
-    config = ds_config(tmp_path / "ds.json", stage, scheduler=schedule)
+    config = _accelerate_clm_config(tmp_path / "ds.json", stage)
     out = tmp_path / "out"
     got = run_host("accelerate_clm", [*_accelerate_clm_argv(data, out), "--slipstream"], {"ACCELERATE_DEEPSPEED_CONFIG_FILE": config})
     assert_losses_match(got["losses"], accelerate_clm_plain["losses"])
     assert got["best"] == pytest.approx(accelerate_clm_plain["best"], rel=1e-5)
     saved = AutoModelForCausalLM.from_pretrained(out)  # rank 0's get_state_dict: the whole model, loadable
     assert all(p.numel() > 0 for p in saved.parameters())
+
+
+# ---------------------------------------------------------------------- Accelerate: complete_nlp_example.py
+@pytest.fixture(scope="module")
+def accelerate_nlp_plain(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("accelerate-nlp-plain")
+    argv = ["--tokenizer_name", data["tokenizer"], "--output_dir", str(out), "--schedule_once"]
+    plain = run_host("accelerate_nlp", argv)
+    plain["resumed"] = run_host("accelerate_nlp", [*argv, "--resume_from_checkpoint", str(out / "epoch_0")])
+    return plain
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_nlp_example_finishes_resumes_and_matches_plain(stage: int, data: dict[str, str], accelerate_nlp_plain: dict[str, Any], tmp_path: Path) -> None:
+    """The script's own AdamW and schedule (no optimizer in the config); epoch 1 again from epoch_0's save_state."""
+    env = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": ds_config(tmp_path / "ds.json", stage, optimizer=None)}
+    argv = ["--tokenizer_name", data["tokenizer"], "--output_dir", str(tmp_path / "out"), "--slipstream"]
+    got = run_host("accelerate_nlp", argv, env)
+    assert_losses_match(got["losses"], accelerate_nlp_plain["losses"])
+    assert got["accuracies"] == accelerate_nlp_plain["accuracies"]
+    again = run_host("accelerate_nlp", [*argv, "--resume_from_checkpoint", str(tmp_path / "out" / "epoch_0")], env)
+    assert_losses_match(again["losses"], accelerate_nlp_plain["resumed"]["losses"])  # resumes as the plain run resumes
 
 
 # ---------------------------------------------------------------------- transformers: run_clm.py
@@ -207,3 +237,13 @@ def test_trl_trainer_finishes_and_matches_plain(trainer: str, stage: int, data: 
     config = ds_config(tmp_path / "ds.json", stage, gradient_clipping="auto")
     got = run_host("trl_trainers", [*_trl_argv(trainer, data, tmp_path / "out"), "--slipstream", "--deepspeed", config])
     assert_losses_match(got["losses"], trl_plain[trainer]["losses"])
+
+
+# ---------------------------------------------------------------------- as a user launches it
+def test_accelerate_example_at_zero3_exits_0_under_slipstream_run(data: dict[str, str], tmp_path: Path) -> None:
+    """The run that used to train, save on rank 0 and then exit 1 (get_state_dict was None on rank 1)."""
+    env = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": _accelerate_clm_config(tmp_path / "ds.json", 3)}
+    argv = [*_accelerate_clm_argv(data, tmp_path / "out"), "--num_train_epochs", "1", "--slipstream"]
+    done = launch("accelerate_clm.py", argv, env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "all_results.json").is_file()
