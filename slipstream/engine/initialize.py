@@ -61,6 +61,8 @@ def initialize(
     _place_model(model, cfg.precision, accelerator)  # 2. device and dtype (a zero.Init model keeps its shards)
     mesh = Mesh.build(options.sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
     parallel = parallelize(model, mesh, options.parallel)  # 4. weight sync, pipeline, experts, tensor, sequence, checkpointing
+    if isinstance(options.optimizer, torch.optim.Optimizer):
+        parallel.rebind_optimizer(options.optimizer)  # built on the uncut model (a host's create_optimizer)
     strategy = shard(model, options, mesh, parallel.param_groups(groups), accelerator)  # 5. ZeRO over dp·cp·sp
     monitor = TrainingMonitor(cfg, model, accelerator, get_rank(), options.sizes.world, mesh.traffic)
     runner = _runner(parallel, strategy, monitor, cfg)  # 6. how a micro-batch runs

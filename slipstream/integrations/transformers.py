@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from slipstream.integrations._config import inference_config, read_config
+from slipstream.integrations._config import get, inference_config, read_config
 from slipstream.integrations._engine import build_inference_engine, inference_engine
 from slipstream.integrations._hf_auto import AutoFiller
 from slipstream.integrations._hf_load import from_pretrained
@@ -81,6 +81,14 @@ class SlipstreamTrainerMixin:
                 f"{type(self).__name__}: pass args=SlipstreamTrainingArguments(..., deepspeed=\"ds_config.json\") (for a "
                 "Trainer subclass, the arguments class slipstream_trainer() returned with it), or --deepspeed "
                 "ds_config.json through HfArgumentParser"
+            )
+        stages = get(args.slipstream_config or {}, "pipeline.stages")
+        if isinstance(stages, int) and stages > 1:
+            raise ValueError(
+                f"{type(self).__name__}: pipeline.stages={stages} is not supported under the Trainer: its loop scales and "
+                "logs each micro-batch's loss before backward, and under a pipeline a micro-batch's loss exists only once "
+                "the window's schedule has run (DeepSpeed's Trainer integration has no pipeline either); train with "
+                "engine.train_batch() or your own engine(batch)/backward/step loop, or use tensor_parallel instead"
             )
         super().__init__(*positional, **kwargs)
 

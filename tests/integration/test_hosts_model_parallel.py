@@ -27,6 +27,11 @@ MESHES: dict[str, dict[str, Any]] = {
     "ulysses": {"sequence_parallel_size": 2},
     "zigzag": {"context_parallel": {"size": 2, "method": "zigzag"}},
 }
+# Issue 30 item 11: the Trainer under tensor and pipeline parallelism, with the config's optimizer or its own.
+CUT_MESHES: dict[str, dict[str, Any]] = {
+    "tp": {"tensor_parallel": {"autotp_size": 2}},
+    "tp-zero3": {"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 3}},
+}
 
 
 def _llama() -> torch.nn.Module:
@@ -48,7 +53,7 @@ def _rows(n: int) -> torch.Tensor:
 def _config(mesh: str) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, **MESHES[mesh],
+        "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, **{**MESHES, **CUT_MESHES}[mesh],
     }  # fmt: skip
 
 
@@ -71,22 +76,25 @@ def _all(value: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------------- the Hugging Face Trainer
-def _trainer_arguments(mesh: str, out: Path) -> Any:
+def _trainer_arguments(mesh: str, out: Path, trainer_optimizer: bool = False) -> Any:
     from slipstream.integrations.transformers import SlipstreamTrainingArguments
 
-    config = {**_config(mesh), "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}}
+    config = _config(mesh)
+    if not trainer_optimizer:  # else the Trainer builds AdamW over the parameters from before the cut
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
     return SlipstreamTrainingArguments(
         output_dir=str(out), deepspeed=config, per_device_train_batch_size=MB, gradient_accumulation_steps=GAS,
         learning_rate=LR, max_grad_norm=0.0, lr_scheduler_type="constant", num_train_epochs=1, logging_steps=1,
         report_to="none", use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", dataloader_num_workers=0,
+        weight_decay=0.0,
     )  # fmt: skip
 
 
-def _trainer_body(mesh: str) -> dict[str, Any]:
+def _trainer_body(mesh: str, trainer_optimizer: bool = False) -> dict[str, Any]:
     from slipstream.integrations.transformers import SlipstreamTrainer
 
     _reset_accelerate()
-    args = _trainer_arguments(mesh, Path(tempfile.mkdtemp(prefix="slipstream-hf-mesh-")) / "run")
+    args = _trainer_arguments(mesh, Path(tempfile.mkdtemp(prefix="slipstream-hf-mesh-")) / "run", trainer_optimizer)
     seen: list[torch.Tensor] = []
 
     def collate(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -125,6 +133,31 @@ def test_trainer_under_sequence_and_context_parallel_matches_one_process(mesh: s
     ref = _reference(windows)
     for r in results:  # the logged loss is the whole sequence's, on every rank
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("trainer_optimizer", [False, True], ids=["config-optimizer", "trainer-optimizer"])
+@pytest.mark.parametrize("mesh", sorted(CUT_MESHES))
+def test_trainer_under_tensor_and_pipeline_parallel_matches_one_process(mesh: str, trainer_optimizer: bool) -> None:
+    """"auto" batch sizes count dp (1 here), and an optimizer the Trainer built before the cut steps the cut parameters."""
+    results = run_distributed(2, _trainer_body, mesh, trainer_optimizer)
+    result = results[0]
+    assert [r["dp"] for r in results] == [(1, 0), (1, 0)]
+    assert result["batch"] == (MB * GAS, MB, GAS) and result["steps"] == STEPS
+    seen = result["seen"]
+    for mine, other in zip(seen[0], seen[1], strict=True):
+        assert torch.equal(mine, other)
+    windows = [torch.cat(seen[0][s * GAS : (s + 1) * GAS]) for s in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(_reference(windows)), rtol=1e-5, atol=0)
+
+
+def test_trainer_refuses_a_pipeline_saying_what_to_do() -> None:
+    from slipstream.integrations.transformers import SlipstreamTrainer, SlipstreamTrainingArguments
+
+    config = {"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+              "pipeline": {"stages": 2}}  # fmt: skip
+    args = SlipstreamTrainingArguments(output_dir=tempfile.mkdtemp(), deepspeed=config, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=r"pipeline.stages=2 is not supported under the Trainer: .*engine.train_batch\(\)"):
+        SlipstreamTrainer(model=torch.nn.Linear(2, 2), args=args)
 
 
 # ---------------------------------------------------------------------- Accelerate

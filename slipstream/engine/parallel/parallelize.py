@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from slipstream.engine.config.base import ConfigError
 from slipstream.engine.parallel.activations import checkpoint_activations
 from slipstream.engine.parallel.expert import ExpertPlan, parallelize_experts
 from slipstream.engine.parallel.mesh import Mesh
@@ -59,6 +60,24 @@ class Parallelized:
             return groups
         items = list(groups)
         return self.experts.split(items if items and isinstance(items[0], dict) else [{"params": items}])
+
+    def rebind_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """A user's optimizer instance, built on the uncut model, moved onto the parameters now in it (by name, in place).
+
+        [Note: an optimizer built before the cut] Hosts build their optimizer before the engine
+        exists (the Trainer's ``create_optimizer``), so under tensor or pipeline parallelism it
+        holds the full weights the cut replaced. Left alone, those would get no gradient and the
+        shards none of its updates: training would run and be silently wrong.
+        """
+        if not self.spread:
+            return
+        if optimizer.state:
+            raise ConfigError(
+                "optimizer: already has state, but the parallelisms replaced the parameters it holds; pass a fresh "
+                "optimizer (or a callable params -> optimizer)"
+            )
+        for group in optimizer.param_groups:
+            group["params"] = _remap(list(group["params"]), self.original_names, self.model)
 
     def expert_tokens(self) -> tuple[tuple[int, ...], ...]:
         """Per experts module, the tokens each local expert received since the last call (for the step record)."""

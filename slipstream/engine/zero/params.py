@@ -81,6 +81,14 @@ def bind_optimizer(
         return [t for p in params if id(p) in index for t in targets(index[id(p)])]
 
     if isinstance(optimizer, torch.optim.Optimizer):
+        strangers = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in index and p.requires_grad]
+        if strangers:  # dropping them would leave weights untrained, silently
+            shapes = ", ".join(str(tuple(p.shape)) for p in strangers[:3])
+            raise ConfigError(
+                f"optimizer: holds {len(strangers)} trainable tensor(s) that are not parameters of the model being trained "
+                f"(shapes {shapes}{', ...' if len(strangers) > 3 else ''}); build the optimizer over model.parameters() "
+                "of this model, or pass a callable params -> optimizer"
+            )
         trainable = [p for g in optimizer.param_groups for p in g["params"] if id(p) in index]
         if any(len(targets(index[id(p)])) != 1 or targets(index[id(p)])[0] is not p for p in trainable):
             if optimizer.state:
