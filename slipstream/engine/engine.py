@@ -37,12 +37,14 @@ from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_engine_of: weakref.WeakKeyDictionary[torch.nn.Module, Engine] = weakref.WeakKeyDictionary()  # open engines by model
+# Open engines by model; weak both ways (an engine holds its model, so a strong value would keep the key alive).
+_engine_of: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Engine]] = weakref.WeakKeyDictionary()
 
 
 def engine_of(module: torch.nn.Module) -> Engine | None:
     """The open engine built over ``module``, if any (``initialize`` hands a model over from it)."""
-    return _engine_of.get(module)
+    ref = _engine_of.get(module)
+    return ref() if ref is not None else None
 
 
 class Engine(torch.nn.Module):
@@ -80,7 +82,7 @@ class Engine(torch.nn.Module):
         self.resumed_client_state: dict[str, Any] | None = None
         if config.checkpoint.auto_resume:  # the fault-tolerant launcher restarts jobs with this on
             self.resumed_from, self.resumed_client_state = self.checkpoints.resume(self)
-        _engine_of[module] = self
+        _engine_of[module] = weakref.ref(self)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -290,7 +292,7 @@ class Engine(torch.nn.Module):
     def _closed(self) -> None:
         self.monitor.close()
         self.parallel.close()  # every parallelism's hooks; the model's own attention back
-        if _engine_of.get(self.module) is self:
+        if engine_of(self.module) is self:
             del _engine_of[self.module]
 
     # ------------------------------------------------------------------ integrations API (issue 15)

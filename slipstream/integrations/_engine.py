@@ -3,8 +3,8 @@
 [Note: one engine per model] Evaluation before training, or a model loaded straight into ZeRO-3
 shards, gets an *inference* engine (no optimizer). When training starts, the training engine is
 built over the same model and ``initialize`` takes the shards over from the inference engine
-(``Engine.hand_over``): the whole model is never gathered. ``_inference_engines`` remembers the
-inference engine of each model until then.
+(``Engine.hand_over``): the whole model is never gathered. ``_inference_engines`` keeps each
+model's inference engine alive until then (the engine layer only remembers it weakly).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import slipstream
+from slipstream.engine.engine import engine_of
 
 _inference_engines: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
@@ -24,8 +25,12 @@ def attach_inference_engine(model: torch.nn.Module, engine: Any) -> None:
 
 
 def inference_engine(model: torch.nn.Module) -> Any:
-    """The inference engine attached to ``model``, if any."""
-    return _inference_engines.get(model)
+    """The inference engine attached to ``model``, if any (and still open: ``initialize`` may have taken the model over)."""
+    engine = _inference_engines.get(model)
+    if engine is not None and engine_of(model) is not engine:
+        del _inference_engines[model]
+        return None
+    return engine
 
 
 def build_inference_engine(model: torch.nn.Module, config: dict[str, Any]) -> Any:

@@ -144,7 +144,7 @@ def _error_body(case: str, root: str) -> str:
     zero: dict = {
         "stage0": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
         "param_stage2": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-        "param_alone": {"stage": 3, "offload_param": {"device": "cpu"}},
+        "param_nvme_no_path": {"stage": 3, "offload_param": {"device": "nvme"}},
         "no_path": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
         "unwritable": {"stage": 2, "offload_optimizer": {**nvme, "nvme_path": os.path.join(root, "a_file", "swap")}},
         "full": {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme},
@@ -165,7 +165,7 @@ def test_offload_configuration_errors_name_the_key_and_path(tmp_path: os.PathLik
     expected = {
         "stage0": "offload_optimizer.device: offload needs ZeRO stage 1, 2 or 3",
         "param_stage2": "offload_param.device: parameter offload needs stage 3",
-        "param_alone": "offload_param.device: parameter offload needs offload_optimizer too",
+        "param_nvme_no_path": "offload_param.nvme_path: required",  # parameter offload alone is allowed (issue 30)
         "no_path": "offload_optimizer.nvme_path: required",
         "unwritable": f"offload_optimizer.nvme_path: cannot create swap files under '{root}/a_file/swap'",
         "full": f"nvme_path: '{root}' has 0.00 GiB free",
