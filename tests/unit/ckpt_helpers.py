@@ -7,6 +7,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import slipstream
@@ -106,3 +107,12 @@ def rewrite_tensor(ckpt: Path, rank: int, key: str, value: torch.Tensor) -> None
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["files"][f"{stem}.safetensors"] = record
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def eng() -> Any:
+    """One trained engine per test module (import this fixture by name)."""
+    e = engine()
+    train(e)
+    yield e
+    e.close()

@@ -22,19 +22,11 @@ from slipstream.engine.checkpoint import writer
 from slipstream.engine.checkpoint.capture import capture
 from slipstream.engine.checkpoint.cli import main as checkpoint_cli
 from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader, complete_checkpoints
-from tests.unit.ckpt_helpers import engine, rewrite_json, train
+from tests.unit.ckpt_helpers import eng, engine, rewrite_json, train  # noqa: F401 - eng is a fixture
 from tests.unit.test_checkpoint_layout import W, Shards, _column_boxes, _target
 
 ONE_PROCESS = {"pp": 1, "dp": 1, "cp": 1, "sp": 1, "tp": 1, "ep": 1}
 V1 = Path(__file__).resolve().parents[1] / "data" / "ckpt_v1_zero2_world2"
-
-
-@pytest.fixture(scope="module")
-def eng() -> object:
-    e = engine()
-    train(e)
-    yield e
-    e.close()
 
 
 def inspect(directory: Path, capsys: pytest.CaptureFixture[str], tag: str | None = None) -> str:

@@ -13,15 +13,7 @@ from slipstream.engine.checkpoint import format as ckpt_format
 from slipstream.engine.checkpoint import writer
 from slipstream.engine.checkpoint.reader import CheckpointError
 from slipstream.engine.checkpoint.tags import TagError
-from tests.unit.ckpt_helpers import engine, rewrite_json, train
-
-
-@pytest.fixture(scope="module")
-def eng() -> object:
-    e = engine()
-    train(e)
-    yield e
-    e.close()
+from tests.unit.ckpt_helpers import eng, engine, rewrite_json, train  # noqa: F401 - eng is a fixture
 
 
 @pytest.mark.parametrize(

@@ -93,7 +93,9 @@ def test_a_plain_arguments_object_is_refused_by_a_switched_trainer() -> None:
 def test_no_effect_warnings_are_said_once_and_on_rank_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Every rank of a job reads the same file; official templates carry keys that have no effect here."""
     from slipstream.engine.config import SlipstreamConfig, compat, model
+    from slipstream.utils import logging as slipstream_logging
 
+    monkeypatch.setattr(slipstream_logging, "_rank", None)  # an earlier test may have joined a group: RANK decides here
     monkeypatch.setattr(compat, "_warned", set())
     monkeypatch.setattr(model, "_warned_sections", set())
     config = {"train_batch_size": 2, "tensorboard": {"enabled": False}, "zero_optimization": {"stage": 2, "round_robin_gradients": True}}
