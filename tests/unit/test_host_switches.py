@@ -108,3 +108,17 @@ def test_no_effect_warnings_are_said_once_and_on_rank_0(monkeypatch: pytest.Monk
     SlipstreamConfig.load(config)
     err = capsys.readouterr().err
     assert err.count("round_robin_gradients = True has no effect") == 1, err
+
+
+def test_engine_ready_says_whether_offload_is_on_and_which_optimizer(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    import slipstream
+
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}  # fmt: skip
+    slipstream.initialize(torch.nn.Linear(4, 4), config).close()
+    err = capsys.readouterr().err
+    assert "engine ready: ZeRO stage 3, fp32, optimizer AdamW, offload parameters to cpu," in err, err
+    slipstream.initialize(torch.nn.Linear(4, 4), {"train_batch_size": 2}).close()
+    assert "no optimizer (forward only), offload off," in capsys.readouterr().err
