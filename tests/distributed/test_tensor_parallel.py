@@ -373,3 +373,26 @@ def test_dropout_rng_alike_in_replicated_regions_independent_in_sharded_ones() -
     assert not torch.equal(r0["inside"], r1["inside"])  # a sharded region: independent per tp rank
     assert torch.equal(r0["after"], r1["after"])  # back on the replicated stream, still alike
     assert torch.equal(r0["again"], r0["inside"]) and torch.equal(r1["again"], r1["inside"])  # recompute-safe
+
+
+def _user_optimizer_body(stage: int) -> list[float]:
+    """An optimizer instance built on the uncut model (as hosts build theirs) must step the shards the cut put in place."""
+    from tests.reference import global_batches, tiny_llama, train_lm_engine
+
+    model = tiny_llama(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
+              "tensor_parallel": {"autotp_size": 2}}  # fmt: skip
+    engine = slipstream.initialize(model, config, optimizer=optimizer)
+    losses = train_lm_engine(engine, global_batches(3, 4), micro=4, index=0)
+    engine.close()
+    return losses
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_optimizer_built_before_the_cut_trains_the_shards(stage: int) -> None:
+    from tests.reference import global_batches, tiny_llama, train_lm_reference
+
+    want, _ = train_lm_reference(tiny_llama(seed=0), global_batches(3, 4), lr=1e-2)
+    for got in run_distributed(2, _user_optimizer_body, stage):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
