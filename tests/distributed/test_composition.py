@@ -35,6 +35,10 @@ PAIRS: dict[str, dict[str, Any]] = {
     "cp2_pp2": {"context_parallel": {"size": 2}, "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2},
     "sp2_cp2": {"sequence_parallel_size": 2, "context_parallel": {"size": 2}},  # USP: Ulysses × ring
     "sp2_cp2_allgather": {"sequence_parallel_size": 2, "context_parallel": {"size": 2, "method": "allgather_kv"}},
+    # Megatron sequence parallelism inside tensor parallelism (norm and dropout activations cut along the sequence)
+    "tpsp2_pp2": {"tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}, "pipeline": {"stages": 2},
+                  "gradient_accumulation_steps": 2},
+    "tpsp2_cp2": {"tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}, "context_parallel": {"size": 2}},
 }
 
 
@@ -70,6 +74,7 @@ def _body(stage: int) -> dict[str, Any]:
 AXES_USED = {
     "ep2_tp2": {"ep", "tp"}, "ep2_sp2": {"ep", "sp"}, "ep2_cp2": {"ep", "cp"}, "ep2_pp2": {"ep", "pp"},
     "sp2_pp2": {"sp", "pp"}, "cp2_pp2": {"cp", "pp"}, "sp2_cp2": {"sp", "cp"}, "sp2_cp2_allgather": {"sp", "cp"},
+    "tpsp2_pp2": {"tp", "pp"}, "tpsp2_cp2": {"tp", "cp"},
 }
 
 
@@ -84,6 +89,19 @@ def test_pairs_match_one_process(stage: int) -> None:
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
         for key, value in params.items():
             torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=5e-5, msg=lambda msg: f"{name} {key}: {msg}")
+
+
+def _refused_body(extra: dict[str, Any]) -> str:
+    with pytest.raises(slipstream.ConfigError) as err:
+        slipstream.initialize(_mixtral(), _config(extra, 1))
+    return str(err.value)
+
+
+def test_megatron_sequence_parallel_with_experts_is_refused_not_trained() -> None:
+    """Its expert gradients differ from one process: the twin check refuses it at initialize, naming the weight."""
+    extra = {**EP2, "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}
+    for message in run_distributed(4, _refused_body, extra):
+        assert "does not reproduce the unsharded model (twin check)" in message and "experts" in message, message
 
 
 RECIPES: dict[str, dict[str, Any]] = {

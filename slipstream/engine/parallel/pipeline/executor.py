@@ -91,7 +91,9 @@ class Executor:
             if a.op is Op.RECV_F:
                 inputs[key] = self._receive_activation(a).requires_grad_()
             elif a.op is Op.RECV_B:
-                buf = torch.empty_like(outputs[key])
+                # Contiguous whatever the output's strides (a Megatron sequence-parallel stage hands on a
+                # transposed view): the sender sends a contiguous gradient and gloo receives into one.
+                buf = torch.empty_like(outputs[key], memory_format=torch.contiguous_format)
                 self._p2p(lambda: p2p.recv(buf, self._peer(a.stage + 1), p2p.channel(a.stage, 2, a.micro), self.group, tag=f"pipeline gradient {a}")).wait()
                 grads[key] = buf
             elif a.op is Op.SEND_F:
