@@ -270,26 +270,17 @@ class Engine(torch.nn.Module):
             raise TypeError(f"register_checkpoint_state: {type(obj).__name__} has no state_dict()/load_state_dict()")
         self.checkpoint_states[name] = obj
 
-    def close(self) -> None:
-        """Wait for a background checkpoint save, detach the engine's hooks, close the metric writers."""
-        self.checkpoints.wait()
-        self.strategy.close()
-        self._closed()
+    def close(self, for_new_engine: bool = False) -> None:
+        """Wait for a background checkpoint save, detach the engine's hooks, close the metric writers.
 
-    def hand_over(self) -> None:
-        """Close for a new engine over the same model (``initialize`` calls it; collective).
-
-        An engine without an optimizer at plain ZeRO-3 (a model loaded straight into shards)
-        leaves its shards partitioned for the next engine instead of gathering the whole model;
-        any other engine closes, giving every parameter its full value back.
+        ``for_new_engine`` (``initialize`` over the same model; collective): an engine without an
+        optimizer at plain ZeRO-3 (a model loaded straight into shards) leaves its shards
+        partitioned for the next engine instead of gathering the whole model.
         """
         self.checkpoints.wait()
-        pure_data_parallel = self.mesh.sizes.dp == self.mesh.sizes.world
-        if not (pure_data_parallel and not self.has_optimizer() and self.strategy.leave_partitioned()):
+        hand_over = for_new_engine and not self.has_optimizer() and self.mesh.sizes.dp == self.mesh.sizes.world
+        if not (hand_over and self.strategy.leave_partitioned()):
             self.strategy.close()
-        self._closed()
-
-    def _closed(self) -> None:
         self.monitor.close()
         self.parallel.close()  # every parallelism's hooks; the model's own attention back
         if engine_of(self.module) is self:

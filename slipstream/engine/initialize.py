@@ -52,8 +52,8 @@ def initialize(
     runner of the mode → Engine. Each step reads only the options and what the steps before it made.
     """
     previous = engine_of(model)
-    if previous is not None:  # a model loaded into ZeRO-3 shards keeps them (Engine.hand_over)
-        previous.hand_over()
+    if previous is not None:  # a model loaded into ZeRO-3 shards keeps them (Engine.close)
+        previous.close(for_new_engine=True)
     options = engine_options(model, config, optimizer, lr_scheduler, inference)  # 1. options: every check, nothing built
     accelerator = get_accelerator()
     cfg = options.config

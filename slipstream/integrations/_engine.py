@@ -3,7 +3,7 @@
 [Note: one engine per model] Evaluation before training, or a model loaded straight into ZeRO-3
 shards, gets an *inference* engine (no optimizer). When training starts, the training engine is
 built over the same model and ``initialize`` takes the shards over from the inference engine
-(``Engine.hand_over``): the whole model is never gathered. ``_inference_engines`` keeps each
+(``Engine.close(for_new_engine=True)``): the whole model is never gathered. ``_inference_engines`` keeps each
 model's inference engine alive until then (the engine layer only remembers it weakly).
 """
 
