@@ -307,7 +307,7 @@ def test_bad_input_is_refused_with_a_precise_message(tmp_path: Path) -> None:
         assert "rank00001.safetensors is missing" in m["missing"]
         assert "client_state['fn'] is a builtins.builtin_function_or_method" in m["client_state"]
         assert "manifest.json is missing" in m["no_manifest"]
-        assert "pickle" in m["deepspeed_style/global_step2"] and "mp_rank_00_model_states.pt" in m["deepspeed_style/global_step2"]
+        assert "holds no weights" in m["deepspeed_style/global_step2"] and "mp_rank_00_model_states.pt" in m["deepspeed_style/global_step2"]
         assert "'transformer.wte.weight' has shape (256, 64) in the checkpoint but (256, 32)" in m["wrong_model"]
         path, caught = m["fallback"]
         assert path.endswith("good") and any("latest points to 'truncated'" in w for w in caught)

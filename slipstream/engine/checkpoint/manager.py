@@ -25,8 +25,10 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from slipstream.engine.checkpoint import writer
+from slipstream.engine.checkpoint.deepspeed.source import locate as locate_deepspeed
+from slipstream.engine.checkpoint.deepspeed.staging import staged
 from slipstream.engine.checkpoint.capture import Payload, capture, merge_spread_manifest
-from slipstream.engine.checkpoint.reader import CheckpointReader, complete_checkpoints, latest_tag, resolve
+from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader, complete_checkpoints, latest_tag, resolve
 from slipstream.engine.checkpoint.restore import restore
 from slipstream.engine.checkpoint.snapshot import GuardedTensors
 from slipstream.engine.checkpoint.tags import check_load_tag, check_tag
@@ -193,10 +195,24 @@ class CheckpointManager:
         self.wait()
         if tag is not None:
             tag = check_load_tag(tag, "load_checkpoint")
+        foreign = _agree(lambda: locate_deepspeed(load_dir, tag), "finding the checkpoint")
+        if foreign is not None:  # a DeepSpeed checkpoint: converted per node, then loaded like ours
+            with staged(foreign, _agree) as converted:
+                try:
+                    _, client_state = self._load_from(target, converted, strict, optimizer, scheduler, module_only)
+                except (CheckpointError, RuntimeError) as err:  # name the user's checkpoint, not the temporary copy
+                    raise type(err)(str(err).replace(str(converted), f"{foreign} (DeepSpeed)")) from None
+            logger.info("loaded DeepSpeed checkpoint %s", foreign)
+            return str(foreign), client_state
         path = _agree(lambda: resolve(load_dir, tag, self.config.verify_checksums), "finding the checkpoint")
         if path is None:
             logger.warning("load_checkpoint: no checkpoint in %s; nothing loaded", load_dir)
             return None, None
+        return self._load_from(target, path, strict, optimizer, scheduler, module_only)
+
+    def _load_from(
+        self, target: CheckpointTarget, path: Path, strict: bool, optimizer: bool, scheduler: bool, module_only: bool
+    ) -> tuple[str, dict[str, Any]]:
         reader = _agree(lambda: CheckpointReader(path, verify_checksums=self.config.verify_checksums), "opening the checkpoint")
         client_state = restore(
             target, reader, dist.get_rank(), strict=strict, optimizer=optimizer, scheduler=scheduler, module_only=module_only,

@@ -212,7 +212,9 @@ def _per_rank(target: CheckpointTarget, reader: CheckpointReader, rank: int) -> 
     same_world = reader.world_size == target.world_size
     source = rank if rank < reader.world_size else None
     found: list[tuple[str, Any, Any]] = []
-    if source is not None:
+    if source is not None and not reader.rank_meta(source)["rng"]:  # converted from DeepSpeed, which saves none
+        logger.info("checkpoint %s holds no RNG state; the random generators keep their current state", reader.path)
+    elif source is not None:
         found.append(("RNG state", target.rng, reader.decode(source, reader.rank_meta(source)["rng"])))
         if not same_world:
             logger.info("checkpoint saved by %d ranks: this rank takes rank %d's RNG state", reader.world_size, source)
