@@ -66,7 +66,8 @@ def load_pickle(path: Path) -> Any:
     except pickle.UnpicklingError as err:
         text = str(err)
         found = _UNSUPPORTED.search(text)
-        what = f"the global {found.group(1)}" if found else text.splitlines()[0]
+        detail = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("WeightsUnpickler error")), text)
+        what = f"the global {found.group(1)}" if found else f"something outside tensors and plain data ({detail.splitlines()[0]})"
         raise CheckpointError(
             f"DeepSpeed checkpoint file {path} names {what}, which is not on slipstream's allow-list of DeepSpeed "
             f"checkpoint classes ({', '.join(ALLOWED)}); it was not unpickled (unpickling runs arbitrary code)"

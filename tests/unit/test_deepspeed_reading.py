@@ -1,0 +1,147 @@
+"""Reading DeepSpeed checkpoints safely: the allow-listed unpickler, and where each rank's elements lie."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slipstream.engine.checkpoint.deepspeed.partitions import zero3_shares, zero12_shares, zero12_total
+from slipstream.engine.checkpoint.deepspeed.source import describe, locate
+from slipstream.engine.checkpoint.deepspeed.unpickle import DeepSpeedRecord, load_pickle
+from slipstream.engine.checkpoint.validate import CheckpointError
+
+
+class _Payload:
+    """Pickles as a call of ``os.system`` (what a booby-trapped checkpoint holds)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _deepspeed_dir(root: Path, state: dict[str, object]) -> Path:
+    tag = root / "global_step3"
+    tag.mkdir(parents=True)
+    torch.save(state, tag / "mp_rank_00_model_states.pt")
+    (root / "latest").write_text("global_step3")
+    return tag
+
+
+def test_a_pickled_callable_is_refused_without_running(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    tag = _deepspeed_dir(tmp_path / "ckpt", {"module": {"w": torch.ones(2)}, "global_steps": 3, "trap": _Payload(marker)})
+    assert locate(tmp_path / "ckpt", None) == tag
+    with pytest.raises(CheckpointError) as err:
+        describe(tag)
+    assert "names the global posix.system" in str(err.value) or "names the global os.system" in str(err.value)
+    assert "not unpickled" in str(err.value)
+    assert not marker.exists()
+
+
+def test_a_deepspeed_class_is_read_as_data(tmp_path: Path) -> None:
+    """DeepSpeed's loss scaler is rebuilt as an inert record of its attributes, under its own class name."""
+    class LossScaler:  # the shape DeepSpeed pickles: module.qualname + attribute dict
+        pass
+
+    LossScaler.__module__ = "deepspeed.runtime.fp16.loss_scaler"
+    LossScaler.__qualname__ = "LossScaler"
+    scaler = LossScaler()
+    scaler.cur_scale = 1024.0
+    file = tmp_path / "x.pt"
+    import sys
+    import types
+
+    fake = types.ModuleType("deepspeed.runtime.fp16.loss_scaler")
+    fake.LossScaler = LossScaler  # type: ignore[attr-defined]
+    for name in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16", "deepspeed.runtime.fp16.loss_scaler"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["deepspeed.runtime.fp16.loss_scaler"] = fake
+    try:
+        torch.save({"loss_scaler": scaler, "t": torch.arange(3)}, file)
+    finally:
+        for name in ("deepspeed.runtime.fp16.loss_scaler", "deepspeed.runtime.fp16", "deepspeed.runtime", "deepspeed"):
+            sys.modules.pop(name, None)
+    loaded = load_pickle(file)
+    assert isinstance(loaded["loss_scaler"], DeepSpeedRecord)
+    assert loaded["loss_scaler"].ds_class == "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+    assert vars(loaded["loss_scaler"]) == {"cur_scale": 1024.0}
+    assert torch.equal(loaded["t"], torch.arange(3))
+
+
+def test_not_a_pickle_is_one_line(tmp_path: Path) -> None:
+    file = tmp_path / "mp_rank_00_model_states.pt"
+    file.write_bytes(b"PK\x03\x04 this is no zip")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_pickle(file)
+
+
+def test_parallel_deepspeed_checkpoints_are_refused_by_name(tmp_path: Path) -> None:
+    tag = _deepspeed_dir(tmp_path, {"module": {"w": torch.ones(2)}})
+    torch.save({"module": {}}, tag / "mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointError, match="mp_rank_01_model_states.pt.*tensor parallelism.*ds_to_universal"):
+        describe(tag)
+
+
+def test_our_own_checkpoints_are_not_taken_for_deepspeed(tmp_path: Path) -> None:
+    (tmp_path / "step3").mkdir()
+    (tmp_path / "step3" / "manifest.json").write_text("{}")
+    (tmp_path / "latest").write_text("step3")
+    assert locate(tmp_path, None) is None
+    assert locate(tmp_path, "step3") is None
+
+
+_shapes = st.lists(st.lists(st.integers(1, 7), min_size=1, max_size=3), min_size=1, max_size=6)
+
+
+def _covers_exactly(shapes: dict[str, tuple[int, ...]], shares_per_rank: list[list]) -> None:
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for shares in shares_per_rank:
+        for s in shares:
+            seen.setdefault(s.name, []).append((s.start, s.numel))
+    for name, shape in shapes.items():
+        at = 0
+        for start, numel in sorted(seen[name]):
+            assert start == at
+            at += numel
+        assert at == math.prod(shape)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_shapes, st.integers(1, 5), st.data())
+def test_zero12_partitions_tile_every_parameter(dims: list[list[int]], world: int, data: st.DataObject) -> None:
+    shapes = {f"p{i}": tuple(d) for i, d in enumerate(dims)}
+    paddings = data.draw(st.lists(st.integers(0, 3), min_size=len(shapes), max_size=len(shapes)))
+    total = zero12_total(shapes, paddings)
+    partition = math.ceil(total / world) + data.draw(st.integers(0, 2))  # DeepSpeed may pad to a larger multiple
+    flat = torch.arange(partition * world, dtype=torch.float32)
+    per_rank = []
+    for rank in range(world):
+        held = max(0, min(partition, total - rank * partition))
+        shares = zero12_shares(shapes, paddings, rank, partition, held)
+        for s in shares:  # each share reads the parameter's own elements from the rank's partition
+            values = flat[rank * partition + s.offset : rank * partition + s.offset + s.numel]
+            assert values.numel() == s.numel
+        per_rank.append(shares)
+    _covers_exactly(shapes, per_rank)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_shapes, st.integers(1, 5))
+def test_zero3_partitions_tile_every_parameter(dims: list[list[int]], world: int) -> None:
+    shapes = {f"p{i}": tuple(d) for i, d in enumerate(dims)}
+    lengths = set()
+    per_rank = []
+    for rank in range(world):
+        shares, length = zero3_shares(shapes, rank, world)
+        lengths.add(length)
+        per_rank.append(shares)
+    assert lengths == {sum(math.ceil(math.prod(s) / world) for s in shapes.values())}  # equal flat groups, as DeepSpeed's
+    _covers_exactly(shapes, per_rank)
