@@ -25,9 +25,11 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from slipstream.engine.checkpoint import writer
+from slipstream.engine.checkpoint.agree import agree as _agree
 from slipstream.engine.checkpoint.deepspeed.source import locate as locate_deepspeed
 from slipstream.engine.checkpoint.deepspeed.staging import staged
 from slipstream.engine.checkpoint.capture import Payload, capture, merge_spread_manifest
+from slipstream.engine.checkpoint.dcp import DCP_METADATA, load_dcp
 from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader, complete_checkpoints, latest_tag, resolve
 from slipstream.engine.checkpoint.restore import restore
 from slipstream.engine.checkpoint.snapshot import GuardedTensors
@@ -195,6 +197,11 @@ class CheckpointManager:
         self.wait()
         if tag is not None:
             tag = check_load_tag(tag, "load_checkpoint")
+        dcp_dir = Path(load_dir) / (tag or "")
+        if (dcp_dir / DCP_METADATA).is_file():  # torch.distributed.checkpoint: FSDP2's, torchtitan's or save_dcp's
+            load_dcp(target, dcp_dir, optimizer=optimizer and not module_only)
+            logger.info("loaded DCP checkpoint %s", dcp_dir)
+            return str(dcp_dir), {}
         foreign = _agree(lambda: locate_deepspeed(load_dir, tag), "finding the checkpoint")
         if foreign is not None:  # a DeepSpeed checkpoint: converted per node, then loaded like ours
             with staged(foreign, _agree) as converted:
@@ -238,21 +245,3 @@ class CheckpointManager:
         """``checkpoint.interval``: whether the step just finished should be saved into ``save_dir``."""
         every = self.config.interval
         return bool(every) and global_steps % every == 0 and self.config.save_dir is not None
-
-
-def _agree(action: Any, what: str) -> Any:
-    """Run ``action`` on this rank; if it fails on any rank, raise on every rank (no rank left waiting)."""
-    error = None
-    try:
-        result = action()
-    except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
-        error, result = err, None
-    if dist.get_world_size() > 1:
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
-        failed = {r: e for r, e in enumerate(errors) if e is not None}
-        if failed and error is None:
-            raise RuntimeError(f"checkpoint: {what} failed on rank(s) {sorted(failed)}: {next(iter(failed.values()))}")
-    if error is not None:
-        raise error
-    return result

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ def restore(
                      scheduler=scheduler, module_only=module_only, model_names=model_names)  # fmt: skip
 
     decoded = agree(read_all, "reading the checkpoint") if agree is not None else read_all()
-    _apply_stateful(decoded.stateful, reader)
+    apply_stateful(decoded.stateful, reader.path)
     if decoded.groups is not None:
         _apply_groups(target.optimizer, decoded.groups)
     target.shards.load_sharded_state(decoded.values.__getitem__)
@@ -113,16 +114,17 @@ def _read(
         stateful.append(("loss scaler", target.loss_scaler, scaler))
     elif current:  # e.g. an fp32 or bf16 checkpoint into an fp16 engine: no scale was saved
         logger.info("checkpoint %s was saved as %s: the loss scaler keeps its initial state", reader.path, reader.manifest["precision"])
-    stateful.append(("counters", target.counters, dataclasses.asdict(_counters(reader, common["counters"], target))))
+    stateful.append(("counters", target.counters, dataclasses.asdict(counters_from(reader.path, common["counters"], target))))
     stateful.extend(_per_rank(target, reader, rank))
     return _Decoded(values, buffers, states, groups, stateful, reader.decode(0, common["client_state"]))
 
 
-def _counters(reader: CheckpointReader, saved: Any, target: CheckpointTarget) -> TrainState:
+def counters_from(where: Path, saved: Any, target: CheckpointTarget) -> TrainState:
+    """The saved counters, checked, with the micro-step count re-expressed in the target's accumulation windows."""
     fields = [f.name for f in dataclasses.fields(TrainState)]
     if not isinstance(saved, dict) or any(type(saved.get(f)) is not int or saved[f] < 0 for f in fields):
         raise CheckpointError(
-            f"checkpoint {reader.path}: rank00000.json common.counters is {saved!r}; expected non-negative integers "
+            f"checkpoint {where}: the saved counters are {saved!r}; expected non-negative integers "
             f"{', '.join(fields)} (the file is damaged: load another checkpoint)"
         )
     now = target.counters.record().gradient_accumulation_steps
@@ -156,7 +158,7 @@ def _check_groups(reader: CheckpointReader, opt: torch.optim.Optimizer, groups: 
         for key, value in saved.items():
             current = group.get(key)
             if isinstance(current, tuple) and not (
-                isinstance(value, (list, tuple)) and len(value) == len(current) and all(_finite(v) for v in value)
+                isinstance(value, (list, tuple)) and len(value) == len(current) and all(finite(v) for v in value)
             ):
                 raise CheckpointError(
                     f"checkpoint {reader.path}: optimizer group {i} {key!r} is {value!r}, expected {len(current)} finite numbers "
@@ -166,7 +168,7 @@ def _check_groups(reader: CheckpointReader, opt: torch.optim.Optimizer, groups: 
             if numeric:
                 if torch.is_tensor(value) and value.numel() == 1:
                     value = value.item()
-                if not _finite(value):
+                if not finite(value):
                     raise CheckpointError(
                         f"checkpoint {reader.path}: optimizer group {i} {key!r} is {value!r}, expected a finite number "
                         "(the file is damaged: load another checkpoint, or load with load_optimizer_states=False)"
@@ -181,7 +183,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
         return False
 
 
-def _finite(value: Any) -> bool:
+def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -235,7 +237,7 @@ def _per_rank(target: CheckpointTarget, reader: CheckpointReader, rank: int) -> 
 # --------------------------------------------------------------------------- apply
 
 
-def _apply_stateful(pieces: list[tuple[str, Any, Any]], reader: CheckpointReader) -> None:
+def apply_stateful(pieces: list[tuple[str, Any, Any]], where: Path) -> None:
     """``load_state_dict`` each piece; if one fails, put every piece back as it was."""
     previous = [(obj, obj.state_dict()) for _, obj, _ in pieces]
     for i, (what, obj, state) in enumerate(pieces):
@@ -248,7 +250,7 @@ def _apply_stateful(pieces: list[tuple[str, Any, Any]], reader: CheckpointReader
                 except Exception:  # noqa: BLE001, S110 - the failing one may refuse its own state too
                     pass
             raise CheckpointError(
-                f"checkpoint {reader.path}: {what}.load_state_dict() refused the saved state ({type(err).__name__}: {err}); "
+                f"checkpoint {where}: {what}.load_state_dict() refused the saved state ({type(err).__name__}: {err}); "
                 "nothing was loaded"
             ) from None
 
