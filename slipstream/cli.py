@@ -62,10 +62,19 @@ def _add_checkpoint_parser(commands: argparse._SubParsersAction) -> None:
     inspect.add_argument("dir", metavar="DIR", help="a save directory (its latest checkpoint) or a checkpoint directory")
     inspect.add_argument("--tag", default=None, help="the checkpoint in DIR to read (default: latest)")
     inspect.add_argument("--verify", action="store_true", help="check every file's CRC-32")
-    export = actions.add_parser("export", help="write one consolidated fp32 safetensors file of the model's state_dict")
+    export = actions.add_parser(
+        "export", help="write the model's weights: one fp32 safetensors file, or Hugging Face's sharded layout (--format hf)"
+    )
     export.add_argument("dir", metavar="DIR", help="a save directory (its latest checkpoint) or a checkpoint directory")
-    export.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+    export.add_argument("out", metavar="OUT", help="the file to write (OUT.safetensors), or the directory for --format hf")
     export.add_argument("--tag", default=None, help="the checkpoint in DIR to export (default: latest)")
+    export.add_argument(
+        "--format", choices=("safetensors", "hf"), default="safetensors",
+        help="safetensors: one fp32 file of every state_dict key (default); hf: model-0000i-of-0000n.safetensors "
+        "+ model.safetensors.index.json in OUT, as save_pretrained writes them (tied weights once)",
+    )  # fmt: skip
+    export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="--format hf: the weights' dtype (default fp32)")
+    export.add_argument("--max-shard-size", default=None, help="--format hf: the largest file, e.g. 5GB (default) or 500MiB")
 
 
 def _report(args: argparse.Namespace) -> int:

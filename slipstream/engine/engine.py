@@ -338,14 +338,17 @@ class Engine(torch.nn.Module):
         return self.weights.full_state(exclude_frozen_parameters)
 
     def save_16bit_model(
-        self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+        self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False,
+        sharded: bool | None = None,
     ) -> bool:
         """Write the full weights in the training dtype to ``save_dir/save_filename`` (rank 0). Call on every rank.
 
         A ``.safetensors`` name writes safetensors; any other a ``torch.save`` of a plain tensor dict
-        (readable with ``weights_only=True``), as Hugging Face's ``from_pretrained`` expects.
+        (readable with ``weights_only=True``), as Hugging Face's ``from_pretrained`` expects. ``sharded``
+        (default: a ``.safetensors`` name at world size > 1): every rank writes its own Hugging Face shard
+        files, ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, and none gathers.
         """
-        return self.weights.save(save_dir, save_filename, exclude_frozen_parameters)
+        return self.weights.save(save_dir, save_filename, exclude_frozen_parameters, sharded)
 
     def destroy(self) -> None:
         """DeepSpeed's name for :meth:`close`."""

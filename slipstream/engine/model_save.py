@@ -5,6 +5,10 @@ plain model would hold, in the training dtype: every parameter under its ``named
 name (gathered from the shards at any stage) and every persistent buffer. Tied weights appear once,
 as ``save_pretrained`` writes them; ``from_pretrained`` re-ties them. The file is safetensors or a
 ``torch.save`` of a plain tensor dict, so loading it never needs to unpickle objects.
+
+Two ways to write it: one file gathered on rank 0 (:meth:`ModelWeights.save`), or Hugging Face's
+sharded layout with every rank writing its own files and nothing gathered (:meth:`ModelWeights.save_sharded`,
+hf_shards.py); a ``.safetensors`` name at world size > 1 takes the second by default.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream.engine.hf_shards import ShardReport, write_sharded
 from slipstream.engine.zero.strategy import ShardingStrategy
 
 
@@ -109,14 +114,40 @@ class ModelWeights:
                 buffers.setdefault(name, value)
         return buffers
 
-    def save(self, save_dir: str | os.PathLike[str], filename: str, exclude_frozen: bool) -> bool:
-        """``engine.save_16bit_model``: rank 0 writes; every rank returns True once the file exists. Collective."""
+    def save(self, save_dir: str | os.PathLike[str], filename: str, exclude_frozen: bool, sharded: bool | None = None) -> bool:
+        """``engine.save_16bit_model``: every rank returns True once the file (or the shards and their index) exists.
+
+        ``sharded=None``: sharded for a ``.safetensors`` name when there are several ranks, else one file from rank 0. Collective.
+        """
+        if sharded is None:
+            sharded = filename.endswith(".safetensors") and dist.is_initialized() and dist.get_world_size() > 1
+        if sharded:
+            self.save_sharded(save_dir, None, exclude_frozen, filename=filename)
+            return True
         state = self.full_state(exclude_frozen)
         if state is not None:
             write_weights(Path(save_dir) / filename, state)
         if dist.is_initialized():
             dist.barrier()
         return True
+
+    def save_sharded(
+        self, save_dir: str | os.PathLike[str], dtype: torch.dtype | None = None, exclude_frozen: bool = False,
+        max_shard_size: int | str | None = None, filename: str = "model.safetensors",
+    ) -> ShardReport:  # fmt: skip
+        """Hugging Face's sharded safetensors (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``),
+        each rank writing the files of its share from what it holds: no gather on any rank (hf_shards.py, [Note:
+        writing in parallel]). ``dtype``: the training dtype unless given (``torch.float32`` for the masters);
+        ``max_shard_size`` (bytes or ``"5GB"``) cuts a rank's share into more files. Returns this rank's report. Collective.
+        """
+        from slipstream.engine.checkpoint.capture import persistent_buffers
+
+        named = list(self.module.named_parameters())
+        frozen = {name for name, p in named if not p.requires_grad}
+        return write_sharded(
+            Path(save_dir), filename, self.strategy.sharded_state(), [name for name, _ in named], frozen,
+            persistent_buffers(self.module), dtype or self.dtype, exclude_frozen, max_shard_size,
+        )  # fmt: skip
 
 
 def write_weights(path: Path, state: dict[str, torch.Tensor]) -> None:

@@ -21,9 +21,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.checkpoint_command == "inspect":
             return inspect(Path(args.dir), args.tag, args.verify)
-        path, keys = _export(args)
-        print(f"wrote {keys} tensors (fp32 weights, every state_dict key) from {path} to {args.out}")
-        return 0
+        return _export(args)
     except CheckpointError as err:
         print(f"slipstream checkpoint: {err}", file=sys.stderr)
         return 1
@@ -32,10 +30,33 @@ def main(args: argparse.Namespace) -> int:
         return 1
 
 
-def _export(args: argparse.Namespace) -> tuple[Path, int]:
+def _export(args: argparse.Namespace) -> int:
+    """``--format safetensors`` (default): one fp32 file of every state_dict key; ``--format hf``: Hugging Face's
+    sharded layout in a directory (``model-0000i-of-0000n.safetensors`` + index), one parameter in memory at a time."""
+    fmt, dtype = getattr(args, "format", None) or "safetensors", getattr(args, "dtype", None)
+    if fmt == "hf":
+        import torch
+
+        from slipstream.engine.hf_shards import DEFAULT_MAX_SHARD_SIZE, export_hf
+
+        try:
+            path, plan = export_hf(
+                args.dir, args.out, args.tag, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype or "fp32", torch.float32),
+                getattr(args, "max_shard_size", None) or DEFAULT_MAX_SHARD_SIZE,
+            )  # fmt: skip
+        except ValueError as err:  # a --max-shard-size that is no size
+            raise CheckpointError(str(err)) from None
+        files = len(plan.files)
+        print(f"wrote {len(plan.weight_map)} tensors ({dtype or 'fp32'}, tied weights once) from {path} to {args.out} "
+              f"in {files} file{'s' if files > 1 else ''}{' with model.safetensors.index.json' if files > 1 else ''}")  # fmt: skip
+        return 0
+    if dtype not in (None, "fp32") or getattr(args, "max_shard_size", None) is not None:
+        raise CheckpointError("export: --dtype and --max-shard-size apply to --format hf; the single file is fp32")
     from slipstream.engine.checkpoint.export import export_fp32
 
-    return export_fp32(args.dir, args.out, args.tag)
+    path, keys = export_fp32(args.dir, args.out, args.tag)
+    print(f"wrote {keys} tensors (fp32 weights, every state_dict key) from {path} to {args.out}")
+    return 0
 
 
 def inspect(directory: Path, tag: str | None, verify: bool) -> int:

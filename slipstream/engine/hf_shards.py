@@ -1,0 +1,484 @@
+"""Hugging Face's sharded safetensors layout, written by every rank from what it holds, or offline from a checkpoint.
+
+[Note: the sharded layout] ``model-00001-of-00003.safetensors`` ... ``model-00003-of-00003.safetensors``
+and ``model.safetensors.index.json`` = ``{"metadata": {"total_size": bytes, "total_parameters": n},
+"weight_map": {key: file}}``: what ``save_pretrained`` writes for a model bigger than one shard, and what
+``from_pretrained`` loads. Each file is safetensors with metadata ``{"format": "pt"}``, written to
+``<name>.part`` and renamed; the index is written last, once every file is in place. When everything
+fits in one file it is ``model.safetensors`` with no index, as ``save_pretrained`` does. The keys are
+what a saved model holds (model_save.py, [Note: what a saved model holds]): every parameter once under
+its ``named_parameters()`` name (tied weights once; ``from_pretrained`` re-ties them) and every
+persistent buffer.
+
+[Note: writing in parallel] No rank gathers the model. Every rank sends every other rank the
+*metadata* of what it holds (the strategy's checkpoint slices: name, global shape, box, flat range;
+its persistent buffers), one small ``all_gather_object``, and all derive the same plan: the parameters
+in model order cut into world-size contiguous shares balanced by bytes (rank r writes share r), a
+buffer with the first rank that holds it, each share cut into files at ``max_shard_size``. Then the
+ranks go in rounds: in round k every rank gets the k-th parameter of its share, so all ranks write at
+the same time. A parameter's writer takes it from its own whole copy when it has one (ZeRO 0,
+replicated pieces); otherwise each rank holding pieces of it sends them, cast to the output dtype,
+point to point, and the writer assembles the parameter, streams it into its open file and drops it.
+So a rank holds its parameter of the round plus the pieces it sends others in that round (about one
+more parameter under ZeRO), never its share and never the model; :class:`HeldBytes` counts it. A
+failed write (full disk) does not stop the rounds, so the other ranks never hang: every rank raises
+the same error at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import struct
+import weakref
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream.comm import p2p
+from slipstream.engine.zero.slices import OwnedSlice
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # save_pretrained's default
+CHANNEL = 1 << 24  # p2p channels (backend tags) of a save: CHANNEL + the parameter's place in the plan
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a size such as ``"5GB"`` (10^9, as Hugging Face) or ``"500MiB"`` (2^20)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+        if found is None:
+            raise ValueError(f"max_shard_size: expected bytes or a size such as '5GB' or '500MiB', got {size!r}")
+        value = int(float(found[1]) * _UNITS[found[2] or ""])
+    if value <= 0:
+        raise ValueError(f"max_shard_size: must be positive, got {size!r}")
+    return value
+
+
+def shard_name(filename: str, index: int, count: int) -> str:
+    """``model.safetensors`` -> ``model-00002-of-00005.safetensors`` (``index`` counts from 1)."""
+    stem, suffix = filename.removesuffix(".safetensors"), ".safetensors"
+    return f"{stem}-{index:05d}-of-{count:05d}{suffix}"
+
+
+def index_name(filename: str) -> str:
+    return f"{filename}.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One tensor of the output: its key, shape and dtype (what the file header says before the bytes exist)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class FilePlan:
+    """Every output file in order: (writing rank, file name, its tensors in file order)."""
+
+    files: list[tuple[int, str, list[Spec]]]
+    filename: str
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {spec.key: name for _, name, specs in self.files for spec in specs}
+
+    @property
+    def total_size(self) -> int:
+        return sum(spec.nbytes for _, _, specs in self.files for spec in specs)
+
+    def of_rank(self, rank: int) -> list[tuple[str, list[Spec]]]:
+        return [(name, specs) for r, name, specs in self.files if r == rank]
+
+
+def cut(specs: list[Spec], max_bytes: int | None) -> list[list[Spec]]:
+    """``specs`` in order, cut as ``save_pretrained`` cuts: a new file when the next tensor would pass ``max_bytes``
+    (a tensor bigger than that gets a file of its own)."""
+    files: list[list[Spec]] = []
+    size = 0
+    for spec in specs:
+        if not files or (max_bytes is not None and size + spec.nbytes > max_bytes and size > 0):
+            files.append([])
+            size = 0
+        files[-1].append(spec)
+        size += spec.nbytes
+    return files
+
+
+def plan_files(shares: list[list[Spec]], filename: str, max_bytes: int | None) -> FilePlan:
+    """Each rank's share (in order) cut at ``max_bytes`` and named; an empty share writes no file."""
+    cuts = [(rank, specs) for rank, share in enumerate(shares) for specs in cut(share, max_bytes)]
+    if len(cuts) == 1:
+        return FilePlan([(cuts[0][0], filename, cuts[0][1])], filename)
+    return FilePlan([(rank, shard_name(filename, i + 1, len(cuts)), specs) for i, (rank, specs) in enumerate(cuts)], filename)
+
+
+def split_shares(sizes: list[int], parts: int) -> list[int]:
+    """The share of each item (in order) for ``parts`` contiguous shares balanced by size: an item goes to the
+    share its middle byte falls in."""
+    total = max(sum(sizes), 1)
+    shares, at = [], 0
+    for n in sizes:
+        shares.append(min(parts - 1, (2 * at + n) * parts // (2 * total)))
+        at += n
+    return shares
+
+
+class HeldBytes:
+    """Bytes of the tensors a save made and still holds (each counted until the object is freed), and their peak."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        self.now += n
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(t, self._release, n)
+        return t
+
+    def _release(self, n: int) -> None:
+        self.now -= n
+
+
+def write_file(path: Path, specs: list[Spec], fetch: Callable[[str], torch.Tensor]) -> None:
+    """Stream ``fetch(key)`` for each spec into a safetensors file, atomically (``.part``, fsync, rename).
+
+    The header is written first from the specs, so a tensor is asked for only when its bytes are
+    written and dropped right after: memory holds one tensor of the file at a time.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        header[spec.key] = {"dtype": _CODES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    part = path.with_name(path.name + ".part")
+    try:
+        with open(part, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)) + encoded)
+            for spec in specs:
+                t = fetch(spec.key)
+                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                    raise RuntimeError(f"{spec.key}: got a {t.dtype} tensor of shape {tuple(t.shape)}, planned {spec.dtype} {spec.shape}")
+                if t.numel():
+                    f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                del t
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    finally:
+        if part.exists():
+            part.unlink()
+
+
+def finish_directory(save_dir: Path, plan: FilePlan, total_parameters: int) -> None:
+    """Write the index (several files) and remove what a previous save left that would confuse a load:
+    other ``<stem>-NNNNN-of-NNNNN`` shards, the single file beside an index (it would win), an index beside one file."""
+    filename = plan.filename
+    sharded = len(plan.files) > 1
+    if sharded:
+        index = {"metadata": {"total_size": plan.total_size, "total_parameters": total_parameters}, "weight_map": plan.weight_map}
+        path = save_dir / index_name(filename)
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        os.replace(part, path)
+    keep = {name for _, name, _ in plan.files}
+    pattern = re.compile(re.escape(filename.removesuffix(".safetensors")) + r"-\d{5}-of-\d{5}\.safetensors")
+    stale = [p for p in save_dir.iterdir() if pattern.fullmatch(p.name) and p.name not in keep]
+    stale += [save_dir / filename] if sharded else [save_dir / index_name(filename)]
+    for path in stale:
+        if path.is_file():
+            path.unlink()
+
+
+# --------------------------------------------------------------------------- online: every rank writes its share
+
+
+@dataclasses.dataclass
+class ShardReport:
+    """What one rank did in a sharded save."""
+
+    files: list[str]  # the files this rank wrote
+    weight_map: dict[str, str]  # every key -> its file (all ranks)
+    total_bytes: int  # all files together
+    peak_bytes: int  # the most bytes this rank held at once in tensors made for the save (HeldBytes)
+    sent_bytes: int
+    received_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+    numel: int
+    duplicate: bool
+
+    def whole(self, shape: tuple[int, ...]) -> bool:
+        return self.start == 0 and self.numel == math.prod(shape) and self.sizes == tuple(shape) and not any(self.offsets)
+
+
+def write_sharded(
+    save_dir: Path, filename: str, owned: list[OwnedSlice], names: list[str], frozen: set[str], buffers: dict[str, torch.Tensor],
+    dtype: torch.dtype, exclude_frozen: bool, max_shard_size: int | str | None,
+) -> ShardReport:  # fmt: skip
+    """Write the model as Hugging Face shards, each rank its own; see [Note: writing in parallel]. Collective.
+
+    ``owned``: this rank's checkpoint slices (``strategy.sharded_state()``); ``names``: its parameter
+    names in model order; ``buffers``: its persistent buffers.
+    """
+    if not filename.endswith(".safetensors"):
+        raise ValueError(f"a sharded save writes safetensors: name a '.safetensors' file, got {filename!r}")
+    max_bytes = None if max_shard_size is None else parse_size(max_shard_size)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    pieces, values = [], []
+    for o in owned:
+        value = o.value.detach().reshape(-1)
+        for lo, hi, s in o.slice.split():  # a packed piece (tensor parallel) is one box per part
+            pieces.append((s.name, list(s.shape), list(s.offsets), list(s.sizes), s.start, s.numel, o.duplicate))
+            values.append(value[lo:hi])
+    mine = {"names": names, "frozen": sorted(frozen), "pieces": pieces,
+            "buffers": [(n, list(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in buffers.items()]}  # fmt: skip
+    gathered = _all_gather(mine, world)
+    walk = _Walk(gathered, rank, world, values, dtype, frozen_out=exclude_frozen)
+    shares: list[list[Spec]] = [[] for _ in range(world)]
+    for name in walk.order:
+        shares[walk.owner[name]].append(Spec(name, walk.shape[name], dtype))
+    for name, (holder, spec) in walk.buffers.items():
+        shares[holder].append(spec)
+    plan = plan_files(shares, filename, max_bytes)
+    save_dir, error = Path(save_dir), None
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        for name, specs in plan.of_rank(rank):
+            write_file(save_dir / name, specs, lambda key: walk.take(key, buffers))
+    except OSError as err:  # the rounds go on: the other ranks wait for this rank's pieces
+        error = f"rank {rank}: {err}"
+    walk.finish()
+    errors = [e for e in _all_gather(error, world) if e is not None]
+    if not errors and rank == 0:
+        try:
+            missing = [name for _, name, _ in plan.files if not (save_dir / name).is_file()]
+            if missing:
+                where = save_dir / missing[0]
+                raise OSError(f"{where} is missing: every rank writes into save_dir, which must be one directory all ranks see")
+            finish_directory(save_dir, plan, sum(math.prod(walk.shape[n]) for n in walk.order))
+        except OSError as err:
+            errors = [f"rank 0: {err}"]
+    errors = _broadcast(errors, world)
+    if errors:
+        raise OSError(f"save to {save_dir}: " + "; ".join(errors))
+    return ShardReport([name for name, _ in plan.of_rank(rank)], plan.weight_map, plan.total_size, walk.held.peak, walk.sent, walk.received)
+
+
+def _all_gather(obj: Any, world: int) -> list[Any]:
+    if world == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def _broadcast(obj: Any, world: int) -> Any:
+    if world == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+class _Walk:
+    """The plan, the same on every rank, run in rounds; :meth:`take` runs them up to this rank's next parameter."""
+
+    def __init__(
+        self, gathered: list[dict[str, Any]], rank: int, world: int, values: list[torch.Tensor], dtype: torch.dtype, frozen_out: bool
+    ) -> None:
+        self.rank, self.dtype, self.held = rank, dtype, HeldBytes()
+        self.sent = self.received = 0
+        self.device = _comm_device()
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.pieces: dict[str, list[_Piece]] = {}
+        self.local: dict[str, list[tuple[_Piece, torch.Tensor]]] = {}
+        frozen: set[str] = set()
+        order: dict[str, None] = {}  # names in model order: the ranks in order (pipeline stages), each its own order
+        for r, found in enumerate(gathered):
+            frozen.update(found["frozen"])
+            order.update(dict.fromkeys(found["names"]))
+            for i, (name, shape, offsets, sizes, start, numel, duplicate) in enumerate(found["pieces"]):
+                piece = _Piece(r, tuple(offsets), tuple(sizes), start, numel, duplicate)
+                self.shape.setdefault(name, tuple(shape))
+                self.pieces.setdefault(name, []).append(piece)
+                if r == rank:
+                    self.local.setdefault(name, []).append((piece, values[i]))
+        missing = [n for n in order if n not in self.pieces]
+        if missing:
+            raise RuntimeError(f"sharded save: no rank holds a slice of parameter {missing[0]!r}")
+        self.order = [n for n in order if not (frozen_out and n in frozen)]
+        sizes = [math.prod(self.shape[n]) * dtype.itemsize for n in self.order]
+        self.owner = dict(zip(self.order, split_shares(sizes, world)))
+        self.buffers: dict[str, tuple[int, Spec]] = {}
+        for r, found in enumerate(gathered):
+            for name, shape, kind in found["buffers"]:
+                self.buffers.setdefault(name, (r, Spec(name, tuple(shape), getattr(torch, kind))))
+        self.place = {name: i for i, name in enumerate(self.order)}
+        self.shares: list[list[str]] = [[] for _ in range(world)]
+        for name in self.order:
+            self.shares[self.owner[name]].append(name)
+        self.mine = {name: k for k, name in enumerate(self.shares[rank])}
+        self.rounds, self.done = max(map(len, self.shares), default=0), 0
+
+    def take(self, key: str, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tensor to write for ``key``: a buffer this rank holds, or its next parameter (running rounds up to it)."""
+        if key not in self.mine:
+            return self.held.hold(buffers[key].detach().cpu().contiguous())
+        k, found = self.mine[key], None
+        if k < self.done:
+            raise RuntimeError(f"sharded save: {key!r} asked for after its round (files out of plan order)")
+        while self.done <= k:
+            found = self._round(self.done)
+            self.done += 1
+        assert found is not None
+        return found
+
+    def finish(self) -> None:
+        """Run the remaining rounds: other ranks still need this rank's pieces (a failed file just drops its own)."""
+        while self.done < self.rounds:
+            self._round(self.done)
+            self.done += 1
+
+    def _round(self, k: int) -> torch.Tensor | None:
+        """Round ``k``: every rank gets the ``k``-th parameter of its share, so all write at once. Returns this rank's.
+
+        All transfers of the round are posted, then waited for. Each rank posts them in plan order, so
+        two ranks post theirs to each other in the same order (NCCL runs a pair's transfers in order).
+        """
+        hold = self.held.hold
+        works, outgoing, own = [], [], None
+        for name in (share[k] for share in self.shares if k < len(share)):  # plan order: the shares are contiguous
+            owner, shape, channel = self.owner[name], self.shape[name], CHANNEL + self.place[name]
+            if any(p.rank == owner and p.whole(shape) for p in self.pieces[name]):  # the writer holds it whole: no traffic
+                if self.rank == owner:
+                    whole = next(v for piece, v in self.local[name] if piece.whole(shape))
+                    own = (shape, [(_Piece(owner, (0,) * len(shape), shape, 0, whole.numel(), False), whole)])
+                continue
+            saved = [p for p in self.pieces[name] if not p.duplicate]
+            senders = sorted({p.rank for p in saved} - {owner})
+            if self.rank == owner:
+                parts = [(piece, v) for piece, v in self.local.get(name, []) if not piece.duplicate]
+                for source in senders:
+                    theirs = [p for p in saved if p.rank == source]
+                    buffer = hold(torch.empty(sum(p.numel for p in theirs), dtype=self.dtype, device=self.device))
+                    works.append(p2p.recv(buffer, source, channel, tag=f"{name} for the sharded save"))
+                    self.received += buffer.numel() * buffer.element_size()
+                    at = 0
+                    for piece in theirs:
+                        parts.append((piece, buffer[at : at + piece.numel]))
+                        at += piece.numel
+                own = (shape, parts)
+            elif self.rank in senders:
+                sources = [v for piece, v in self.local[name] if not piece.duplicate]
+                cast = [v.to(self.device, self.dtype) for v in sources]
+                outgoing.append(cast[0].contiguous() if len(cast) == 1 else torch.cat(cast))  # kept until sent
+                if outgoing[-1] is not sources[0]:  # a new tensor; the live slice itself costs nothing more
+                    hold(outgoing[-1])
+                del sources, cast
+                works.append(p2p.send(outgoing[-1], owner, channel, tag=f"{name} for the sharded save"))
+                self.sent += outgoing[-1].numel() * outgoing[-1].element_size()
+        for work in works:
+            work.wait()
+        del works, outgoing  # sent (a backend's work holds its tensor): freed before this rank's parameter is assembled
+        return None if own is None else self._assemble(*own)
+
+    def _assemble(self, shape: tuple[int, ...], parts: Iterable[tuple[_Piece, torch.Tensor]]) -> torch.Tensor:
+        """The whole parameter from pieces that tile it (each a flat range inside a box), on the CPU, in the output dtype."""
+        full = self.held.hold(torch.empty(shape, dtype=self.dtype))
+        boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[_Piece, torch.Tensor]]] = {}
+        for piece, data in parts:
+            boxes.setdefault((piece.offsets, piece.sizes), []).append((piece, data))
+        for (offsets, sizes), members in boxes.items():
+            is_whole = tuple(sizes) == tuple(shape) and not any(offsets)
+            flat = full.view(-1) if is_whole else self.held.hold(torch.empty(math.prod(sizes), dtype=self.dtype))
+            for piece, data in members:
+                flat[piece.start : piece.start + piece.numel].copy_(data.to("cpu", self.dtype))
+            if not is_whole:
+                full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = flat.view(sizes)
+            del flat
+        return full
+
+
+def _comm_device() -> torch.device:
+    """Where point-to-point tensors live: the accelerator under NCCL, else the CPU."""
+    if dist.is_initialized() and str(dist.get_backend()) == "nccl":
+        from slipstream.accelerator import get_accelerator
+
+        return get_accelerator().device()
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- offline: from a checkpoint's files
+
+
+def export_hf(
+    checkpoint: str | Path, out_dir: str | Path, tag: str | None = None, dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> tuple[Path, FilePlan]:  # fmt: skip
+    """Write a checkpoint (``latest``, or ``tag``) as Hugging Face safetensors shards into ``out_dir``, one parameter in
+    memory at a time; returns the checkpoint used and the plan written. Parameters in ``dtype``, buffers as saved."""
+    from slipstream.engine.checkpoint.format import LATEST, TMP_PREFIX, TRASH_PREFIX
+    from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader, resolve
+
+    max_bytes = parse_size(max_shard_size)
+    path = resolve(checkpoint, tag)
+    if path is None:
+        raise CheckpointError(f"no checkpoint in {checkpoint}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"export --format hf: {out} is a file; pass the directory to write the shards into")
+    resolved, source = out.resolve(), path.resolve()
+    if resolved.is_relative_to(source) or resolved == source.parent / LATEST or resolved.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        raise CheckpointError(f"export: {out} lies inside the checkpoint {path} it exports; write the export elsewhere")
+    reader = CheckpointReader(path)
+    manifest, saved_buffers = reader.manifest, reader.common()["buffers"]
+    specs: list[Spec] = []
+    for key, held in manifest["state_dict_keys"].items():  # tied aliases point at another name: written once
+        if held.get("param") == key:
+            specs.append(Spec(key, tuple(manifest["parameters"][key]["shape"]), dtype))
+        elif held.get("buffer") == key:
+            specs.append(Spec(key, tuple(manifest["buffers"][key]["shape"]), getattr(torch, manifest["buffers"][key]["dtype"])))
+
+    def fetch(key: str) -> torch.Tensor:
+        if key in manifest["parameters"]:
+            return reader.full_param(key).to(dtype)
+        return reader.tensor(0, saved_buffers[key])
+
+    plan = plan_files([specs], "model.safetensors", max_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    for _, name, file_specs in plan.files:
+        write_file(out / name, file_specs, fetch)
+    finish_directory(out, plan, sum(s.numel for s in specs if s.key in manifest["parameters"]))
+    return path, plan
