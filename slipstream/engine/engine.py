@@ -17,6 +17,7 @@ import torch
 
 from slipstream.accelerator import Accelerator
 from slipstream.comm import comms_log, get_rank
+from slipstream.engine.checkpoint.dcp import save_dcp
 from slipstream.engine.checkpoint.manager import CheckpointManager
 from slipstream.engine.checkpoint.rng import RngState
 from slipstream.engine.checkpoint.target import CheckpointTarget, Counters, TrainState
@@ -233,11 +234,18 @@ class Engine(torch.nn.Module):
         self, load_dir: str | os.PathLike[str], tag: str | None = None, load_module_strict: bool = True,
         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, load_module_only: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
-        """Load ``load_dir/tag`` (default: ``latest``); returns ``(path, client_state)``, ``(None, None)`` if there is none."""
+        """Load ``load_dir/tag`` (default: ``latest``); returns ``(path, client_state)``, ``(None, None)`` if there is none.
+
+        Also reads DeepSpeed checkpoints (ZeRO 0-3, universal) and torch DCP directories (FSDP2, torchtitan)."""
         return self.checkpoints.load(
             self.checkpoint_target(), load_dir, tag, strict=load_module_strict, optimizer=load_optimizer_states,
             scheduler=load_lr_scheduler_states, module_only=load_module_only,
         )  # fmt: skip
+
+    def save_dcp(self, path: str | os.PathLike[str]) -> None:
+        """Write ``path`` in torch DCP format as FSDP2's ``get_state_dict`` lays it out, each rank its own slices. Collective."""
+        self.checkpoints.wait()
+        save_dcp(self.checkpoint_target(), path, optimizer=self.has_optimizer())
 
     def checkpoint_target(self) -> CheckpointTarget:
         """What a checkpoint saves and restores, as ``Stateful`` pieces (engine/checkpoint never sees the engine)."""

@@ -160,9 +160,10 @@ def _round_trip_body(stage: int, tmp: str) -> None:
 
     # (a) Slipstream (other initial weights) loads FSDP2's checkpoint and continues identically.
     engine = _engine(stage)
-    load_dcp(engine.checkpoint_target(), d / "fsdp2-2")
+    path, client_state = engine.load_checkpoint(d / "fsdp2-2")  # the public path: a DCP directory is recognised
+    assert (path, client_state) == (str(d / "fsdp2-2"), {})
     _assert_close_losses(_engine_train(engine, range(2, 4)), fsdp2_losses)
-    save_dcp(engine.checkpoint_target(), d / "ours-4")
+    engine.save_dcp(d / "ours-4")
     theirs, ours = _read_all(str(d / "fsdp2-4")), _read_all(str(d / "ours-4"))
     for key, value in theirs.items():  # weights and Adam moments after the same 4 steps
         assert key in ours, key

@@ -184,3 +184,24 @@ def test_there_and_back_keeps_every_tensor(case: str, tmp_path: Path) -> None:
     ca, cb = a.common(), b.common()
     for key in ("counters", "lr_scheduler", "client_state"):
         assert a.decode(0, ca[key]) == b.decode(0, cb[key]), key
+
+
+@pytest.mark.skipif(not (FIXTURES / "gpt2_s3_bf16").is_dir(), reason="no DeepSpeed fixtures")
+def test_the_command_line_inspects_and_converts_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from slipstream.cli import main
+
+    assert main(["checkpoint", "inspect", str(FIXTURES / "gpt2_s3_bf16")]) == 0
+    shown = capsys.readouterr().out
+    assert "DeepSpeed 0.19.8 (ZeRO stage 3, 2 data-parallel rank(s)), bf16" in shown
+    assert "step 3, 12 samples" in shown and "client_state    epoch, note" in shown and "1 tied aliases" in shown
+    assert main(["checkpoint", "convert", str(FIXTURES / "gpt2_s3_bf16"), str(tmp_path / "ours")]) == 0
+    assert (tmp_path / "ours" / "latest").read_text() == "global_step3"
+    assert main(["checkpoint", "inspect", str(tmp_path / "ours"), "--verify"]) == 0
+    assert "ZeRO stage 3, bf16" in capsys.readouterr().out
+    assert main(["checkpoint", "convert", str(tmp_path / "ours"), str(tmp_path / "back")]) == 0
+    assert main(["checkpoint", "inspect", str(tmp_path / "back")]) == 0
+    assert "(universal), bf16" in capsys.readouterr().out
+    inside = FIXTURES / "gpt2_s3_bf16" / "global_step3" / "x"
+    assert main(["checkpoint", "convert", str(FIXTURES / "gpt2_s3_bf16"), str(inside)]) == 1
+    assert "lies inside the DeepSpeed checkpoint" in capsys.readouterr().err
+    assert not inside.exists()

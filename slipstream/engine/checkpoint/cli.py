@@ -1,4 +1,4 @@
-"""``slipstream checkpoint inspect|export``: read checkpoints offline, from their files alone."""
+"""``slipstream checkpoint inspect|export|convert``: read checkpoints offline, from their files alone (DeepSpeed's too)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import datetime
 import sys
 from pathlib import Path
 
+from slipstream.engine.checkpoint.deepspeed.source import locate as locate_deepspeed
 from slipstream.engine.checkpoint.reader import (
     CheckpointError,
     CheckpointReader,
@@ -20,7 +21,10 @@ def main(args: argparse.Namespace) -> int:
     """Entry point of ``slipstream checkpoint``: a user error is one line on stderr and status 1, never a traceback."""
     try:
         if args.checkpoint_command == "inspect":
-            return inspect(Path(args.dir), args.tag, args.verify)
+            foreign = locate_deepspeed(args.dir, args.tag)
+            return inspect_deepspeed(foreign) if foreign is not None else inspect(Path(args.dir), args.tag, args.verify)
+        if args.checkpoint_command == "convert":
+            return _convert(Path(args.dir), Path(args.out), args.tag)
         return _export(args)
     except CheckpointError as err:
         print(f"slipstream checkpoint: {err}", file=sys.stderr)
@@ -28,6 +32,48 @@ def main(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"slipstream checkpoint: {err}", file=sys.stderr)
         return 1
+
+
+def _convert(directory: Path, out: Path, tag: str | None) -> int:
+    """DeepSpeed -> slipstream (same tag, ``latest`` written), or slipstream -> DeepSpeed universal."""
+    foreign = locate_deepspeed(directory, tag)
+    if foreign is not None:
+        from slipstream.engine.checkpoint.deepspeed.convert import convert
+
+        if out.resolve().is_relative_to(foreign.resolve()):
+            raise CheckpointError(f"convert: {out} lies inside the DeepSpeed checkpoint {foreign}; write elsewhere")
+        path = convert(foreign, out, foreign.name)
+        print(f"wrote slipstream checkpoint {path} from DeepSpeed checkpoint {foreign} (loads at any world size and stage)")
+        return 0
+    from slipstream.engine.checkpoint.deepspeed.export import export_deepspeed
+
+    path = export_deepspeed(directory, out, tag)
+    print(f"wrote DeepSpeed universal checkpoint {path} (DeepSpeed loads it with \"checkpoint\": {{\"load_universal\": true}})")
+    return 0
+
+
+def inspect_deepspeed(path: Path) -> int:
+    """A DeepSpeed checkpoint's summary, read through the allow-listed unpickler (nothing of it runs)."""
+    from slipstream.engine.checkpoint.deepspeed.source import describe
+
+    ds = describe(path)
+    shapes = {n: s for g in ds.param_shapes() for n, s in g.items()} if ds.model_state.get("param_shapes") else {}
+    if not shapes:
+        module = ds.model_state["module"]
+        shapes = {n: tuple(v.shape) for n, v in module.items() if n not in ds.buffer_names() and n not in ds.shared_params()}
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    counters = ds.counters()
+    kind = "universal" if ds.universal else f"ZeRO stage {ds.zero_stage}, {ds.world} data-parallel rank(s)"
+    print(f"checkpoint      {path}")
+    print(f"written by      DeepSpeed {ds.version} ({kind}), {ds.precision}")
+    print(f"training        step {counters['global_steps']}, {counters['global_samples']} samples, {counters['skipped_steps']} skipped")
+    print(f"model           {len(shapes)} parameters, {sum(_numel(list(s)) for s in shapes.values()):,} elements; "
+          f"{len(ds.buffer_names())} buffers, {len(ds.shared_params())} tied aliases")  # fmt: skip
+    print(f"lr_scheduler    {'saved' if ds.model_state.get('lr_scheduler') is not None else 'none'}")
+    print(f"client_state    {', '.join(sorted(ds.client_state())) or 'empty'}")
+    print(f"files           {sum(1 for f in path.rglob('*') if f.is_file())}, {size / 2**20:.1f} MiB")
+    print("loads with      engine.load_checkpoint (any world size, stage and mesh); 'slipstream checkpoint convert' writes ours")
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:
