@@ -73,8 +73,9 @@ def _check(case: str, stage: int, world: int, tmp_path: Path) -> None:
     ref = _reference(case)
     out = tmp_path / f"{case}-w{world}-s{stage}"
     model = ref["model"]
-    results = run_distributed(world, _resume, str(FIXTURES / case), stage, world, ref["precision"], ref["offload_optimizer"], model, str(out))
+    results = run_distributed(world, _resume, str(FIXTURES / ref["checkpoint_dir"]), stage, world, ref["precision"], ref["offload_optimizer"], model, str(out))
     got = results[0]
+    assert got["path"] is not None, f"nothing loaded from {ref['checkpoint_dir']}"
     # fp32: DeepSpeed's next three losses to 1e-6; bf16 computes in bf16, where summation order shows at ~1e-3.
     tolerance = 1e-6 if ref["precision"] == "fp32" else 2e-2
     for mine, theirs in zip(got["losses"], ref["resume_losses"], strict=True):

@@ -202,24 +202,46 @@ def _universal_batches(ds: DeepSpeedCheckpoint) -> list[list[str]]:
 
 
 def _universal(ds: DeepSpeedCheckpoint, names: list[str]) -> list[Piece]:
-    """Universal: whole tensors of ``names`` from ``zero/<name>/*.pt``."""
+    """Universal: whole tensors of ``names`` from ``zero/<name>/*.pt`` (ZeRO-3's are saved flat: shaped by ``param_shapes``)."""
     zero = ds.path / "zero"
+    shapes = {n: s for group in ds.param_shapes() for n, s in group.items()} if ds.model_state.get("param_shapes") else {}
     batch: list[Piece] = []
+    shared_step = _universal_step(ds)
     for name in names:
         folder = zero / name
         if not (folder / "fp32.pt").is_file():
             raise CheckpointError(f"universal DeepSpeed checkpoint {ds.path}: zero/{name}/fp32.pt is missing")
         value = _universal_tensor(folder / "fp32.pt")
+        shape = shapes.get(name, tuple(value.shape))
+        if math.prod(shape) != value.numel():
+            raise CheckpointError(
+                f"universal DeepSpeed checkpoint {ds.path}: zero/{name}/fp32.pt holds {value.numel()} elements, "
+                f"param_shapes says {list(shape)}"
+            )
+        value = value.reshape(shape)
         state: dict[str, Any] = {}
         for file in sorted(folder.glob("*.pt")):
             key = file.stem
             if key == "fp32":
                 continue
             tensor = _universal_tensor(file)
-            state[key] = tensor if key != "step" else tensor.reshape(()) if torch.is_tensor(tensor) else tensor
+            state[key] = tensor.reshape(()) if key == "step" and torch.is_tensor(tensor) else tensor
+        if "step" not in state and shared_step is not None and state:  # ZeRO-3's universal layout keeps one step
+            state["step"] = shared_step
         share = Share(name, tuple(value.shape), 0, value.numel(), 0)
         batch.append(_piece(share, value.reshape(-1), state))
     return batch
+
+
+def _universal_step(ds: DeepSpeedCheckpoint) -> Any:
+    """The optimizer step ``zero/optimizer_state.pt`` records (ZeRO-3 universal checkpoints have no per-parameter step.pt)."""
+    file = ds.path / "zero" / "optimizer_state.pt"
+    saved = load_pickle(file) if file.is_file() else None
+    inner = saved.get("optimizer_state_dict") if isinstance(saved, dict) else None
+    state = inner.get("state") if isinstance(inner, dict) else None
+    first = next(iter(state.values()), None) if isinstance(state, dict) and state else None
+    step = first.get("step") if isinstance(first, dict) else None
+    return torch.as_tensor(step, dtype=torch.float32).reshape(()) if isinstance(step, (int, float)) or torch.is_tensor(step) else None
 
 
 def _universal_tensor(file: Path) -> Any:
