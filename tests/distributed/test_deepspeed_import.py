@@ -26,22 +26,29 @@ def _reference(case: str) -> dict[str, Any]:
     return json.loads((FIXTURES / case / "reference.json").read_text())
 
 
-def _resume(case_dir: str, stage: int, world: int, precision: str, offload: bool, model: str, out: str) -> dict[str, Any]:
-    """Rank body: build the recipe's model and optimizer under slipstream, load DeepSpeed's checkpoint, train 3 steps."""
+def _resume(
+    case_dir: str, stage: int, world: int, precision: str, offload: bool, model: str, out: str, tp: int = 1
+) -> dict[str, Any]:
+    """Rank body: build the recipe's model and optimizer under slipstream, load DeepSpeed's checkpoint, train 3 steps.
+
+    ``tp`` > 1: tensor parallel over that many ranks; ranks of one data-parallel coordinate see the same rows.
+    """
     import torch.distributed as dist
 
     import slipstream
     from tests.fixtures.deepspeed import recipe
 
-    config = recipe.ds_config(stage, precision, offload=offload, world=world)
+    config = recipe.ds_config(stage, precision, offload=offload, world=world // tp)
     config.pop("zero_force_ds_cpu_optimizer", None)
+    if tp > 1:
+        config["tensor_parallel"] = {"autotp_size": tp}
     engine = slipstream.initialize(recipe.build_model(model), config, optimizer=recipe.make_optimizer)
     path, client_state = engine.load_checkpoint(case_dir)
     after = {"global_steps": engine.global_steps, "lr": engine.get_lr()[0], "client_state": client_state, "path": path}
     engine.save_checkpoint(out, tag="after_load")  # what was loaded, read back offline by the test
-    rank, losses = dist.get_rank(), []
+    rank, losses = dist.get_rank() // tp, []
     for step in range(4, 7):
-        loss = recipe.loss_fn(engine, recipe.batch(step, rank, world))
+        loss = recipe.loss_fn(engine, recipe.batch(step, rank, world // tp))
         engine.backward(loss)
         engine.step()
         total = loss.detach().float().clone()
@@ -67,13 +74,13 @@ def _loaded_state(out: Path) -> dict[str, dict[str, torch.Tensor]]:
     return found
 
 
-def _check(case: str, stage: int, world: int, tmp_path: Path) -> None:
+def _check(case: str, stage: int, world: int, tmp_path: Path, tp: int = 1) -> None:
     from safetensors.torch import load_file
 
     ref = _reference(case)
-    out = tmp_path / f"{case}-w{world}-s{stage}"
+    out = tmp_path / f"{case}-w{world}-s{stage}-tp{tp}"
     model = ref["model"]
-    results = run_distributed(world, _resume, str(FIXTURES / ref["checkpoint_dir"]), stage, world, ref["precision"], ref["offload_optimizer"], model, str(out))
+    results = run_distributed(world, _resume, str(FIXTURES / ref["checkpoint_dir"]), stage, world, ref["precision"], ref["offload_optimizer"], model, str(out), tp)
     got = results[0]
     assert got["path"] is not None, f"nothing loaded from {ref['checkpoint_dir']}"
     # fp32: DeepSpeed's next three losses to 1e-6; bf16 computes in bf16, where summation order shows at ~1e-3.
@@ -99,12 +106,13 @@ def test_resumes_as_deepspeed_at_the_same_world_and_stage(case: str, tmp_path: P
     _check(case, ref["stage"], ref["resume_world"], tmp_path)
 
 
-_RESHARD = [  # (case, our stage, our world): another world size and another stage
-    ("gpt2_s1_fp32", 3, 4), ("gpt2_s2_fp32", 0, 1), ("gpt2_s3_fp32", 1, 4), ("gpt2_s3_fp32", 2, 1), ("llama_s3_fp32", 1, 1),
+_RESHARD = [  # (case, our stage, our world, tp): another world size, stage and mesh
+    ("gpt2_s1_fp32", 3, 4, 1), ("gpt2_s2_fp32", 0, 1, 1), ("gpt2_s3_fp32", 1, 4, 1), ("gpt2_s3_fp32", 2, 1, 1),
+    ("llama_s3_fp32", 1, 1, 1), ("gpt2_s2_fp32", 1, 2, 2), ("gpt2_s3_bf16", 3, 4, 2),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("case", "stage", "world"), [c for c in _RESHARD if c[0] in CASES])
-def test_resumes_at_another_world_size_and_stage(case: str, stage: int, world: int, tmp_path: Path) -> None:
-    """DeepSpeed's world-2 checkpoint at world 1 or 4 and another ZeRO stage: DeepSpeed's own world-2 losses."""
-    _check(case, stage, world, tmp_path)
+@pytest.mark.parametrize(("case", "stage", "world", "tp"), [c for c in _RESHARD if c[0] in CASES])
+def test_resumes_at_another_world_size_stage_and_mesh(case: str, stage: int, world: int, tp: int, tmp_path: Path) -> None:
+    """DeepSpeed's world-2 checkpoint at world 1 or 4, another ZeRO stage, or tensor parallel: DeepSpeed's own losses."""
+    _check(case, stage, world, tmp_path, tp)
