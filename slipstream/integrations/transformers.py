@@ -206,6 +206,20 @@ class SlipstreamTrainerMixin:
         path, _ = engine.load_checkpoint(checkpoint)
         if path is None:
             raise FileNotFoundError(f"SlipstreamTrainer: no loadable checkpoint in {checkpoint}")
+        if not os.path.isfile(os.path.join(path, "manifest.json")):  # a DeepSpeed checkpoint (the engine converted it)
+            self._load_host_scheduler(checkpoint)
+
+    def _load_host_scheduler(self, checkpoint: str) -> None:
+        """The Trainer's own schedule of a DeepSpeed run: the Trainer saved it beside DeepSpeed's files as scheduler.pt.
+
+        Read with ``weights_only=True``: a schedule's state is numbers and lists (a schedule whose
+        state holds code is refused by torch in one line, never run).
+        """
+        file = os.path.join(checkpoint, "scheduler.pt")
+        scheduler = self.lr_scheduler
+        if isinstance(scheduler, SlipstreamScheduler) or scheduler is None or not os.path.isfile(file):
+            return  # the config's schedule came back with the engine's state
+        scheduler.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
 
     # ------------------------------------------------------------------ evaluation before training
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:

@@ -226,7 +226,11 @@ def _per_rank(target: CheckpointTarget, reader: CheckpointReader, rank: int) -> 
         # The engine's loader position is global (any rank's will do); other objects' state is per rank.
         src = next((r for r in (source, 0) if r is not None and name in reader.rank_meta(r)["stateful"]), None)
         if src is None:
-            logger.warning("checkpoint %s holds no state for %r; it starts fresh", reader.path, name)
+            if "source" in reader.manifest:  # converted from DeepSpeed, which saves only its own engine's state
+                logger.info("%s checkpoint %s carries no state for %r; it keeps its current state (a host integration "
+                            "restores its own files)", reader.manifest["source"].get("format", "foreign"), reader.path, name)  # fmt: skip
+            else:
+                logger.warning("checkpoint %s holds no state for %r; it starts fresh", reader.path, name)
             continue
         if name != LOADER_STATE and src != rank:
             logger.warning("checkpoint saved by %d ranks: %r takes rank %d's state", reader.world_size, name, src)
