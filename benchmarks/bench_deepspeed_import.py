@@ -8,7 +8,8 @@ world 2 (fp32, AdamW, ZeRO ``--stages``) and saves. Then, in fresh processes, al
 (A B A B):
 
 * A: ``zero_to_fp32.py`` (DeepSpeed's script, in its venv) writes the consolidated fp32 weights
-  (safetensors) — what users script before every resume elsewhere;
+  (pytorch_model.bin: its --safe_serialization fails on tied weights such as GPT-2's) — what users script
+  before every resume elsewhere;
 * B: slipstream's import (``slipstream.engine.checkpoint.deepspeed.convert``): fp32 masters *and*
   both Adam moments, step, scheduler and counters, resharding-ready, every file fsynced.
 
@@ -47,7 +48,8 @@ def worker(rank, out, model, stage):
     engine.backward(engine(input_ids=batch, labels=batch).loss)
     engine.step()
     engine.save_checkpoint(out)
-mp.spawn(worker, args=(sys.argv[1], sys.argv[2], int(sys.argv[3])), nprocs=2)
+if __name__ == "__main__":
+    mp.spawn(worker, args=(sys.argv[1], sys.argv[2], int(sys.argv[3])), nprocs=2)
 '''
 
 _IMPORT = r'''
@@ -86,7 +88,9 @@ def main() -> None:
             saved = work / f"stage{stage}"
             maker = work / "make.py"
             maker.write_text(_MAKE.format(root=str(ROOT)))
-            subprocess.run([args.deepspeed_python, str(maker), str(saved), args.model, str(stage)], check=True, capture_output=True)
+            made = subprocess.run([args.deepspeed_python, str(maker), str(saved), args.model, str(stage)], capture_output=True, text=True)
+            if made.returncode != 0:
+                raise SystemExit(f"DeepSpeed could not make the checkpoint:\n{made.stderr[-3000:]}")
             tag = saved / (saved / "latest").read_text().strip()
             size = sum(f.stat().st_size for f in tag.iterdir()) / 2**20
             importer = work / "import.py"
@@ -95,7 +99,7 @@ def main() -> None:
             results: dict[str, list[tuple[float, float]]] = {"zero_to_fp32": [], "slipstream": []}
             for _ in range(args.rounds):
                 out_a, out_b = work / "fp32", work / "ours"
-                results["zero_to_fp32"].append(_rss_of([args.deepspeed_python, str(script), str(saved), str(out_a), "--safe_serialization"]))
+                results["zero_to_fp32"].append(_rss_of([args.deepspeed_python, str(script), str(saved), str(out_a)]))
                 results["slipstream"].append(_rss_of([sys.executable, str(importer), str(tag), str(out_b)]))
                 shutil.rmtree(out_a, ignore_errors=True)
                 shutil.rmtree(out_b, ignore_errors=True)

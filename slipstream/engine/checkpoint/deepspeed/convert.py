@@ -109,7 +109,7 @@ def _zero3_rank(ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shapes
         raise CheckpointError(f"DeepSpeed checkpoint {ds.path}: {file.name} holds no fp32_flat_groups")
     if opt.get("ds_zero_partition_groups"):
         raise CheckpointError(f"DeepSpeed checkpoint {ds.path} partitions ZeRO-3 over sub-groups (hpZ/MiCS); convert it with ds_to_universal first")
-    flat = torch.cat([t.reshape(-1) for t in groups])
+    flat = groups[0].reshape(-1) if len(groups) == 1 else torch.cat([t.reshape(-1) for t in groups])
     merged = {name: shape for group in shapes for name, shape in group.items()}
     shares, length = zero3_shares(merged, rank, ds.world)
     if length != flat.numel():
@@ -123,7 +123,8 @@ def _zero3_rank(ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shapes
     if per_group:
         for key, value in per_group[0].items():
             if torch.is_tensor(value) and value.dim() > 0:
-                joined[key] = torch.cat([s[key].reshape(-1) for s in per_group])
+                parts = [s[key].reshape(-1) for s in per_group]
+                joined[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
                 if joined[key].numel() != flat.numel():
                     raise CheckpointError(f"DeepSpeed checkpoint {ds.path}: {file.name}'s optimizer state {key!r} does not match its fp32 partition")
             else:
@@ -146,14 +147,15 @@ def _group_states(ds: DeepSpeedCheckpoint, file: Path, base: Any, groups: int) -
 
 
 def _piece(share: Share, flat: torch.Tensor, state: dict[str, Any]) -> Piece:
+    # Views, not copies: the files are memory-mapped, so each byte is read once, as the rank file is written.
     lo, hi = share.offset, share.offset + share.numel
-    values = flat.reshape(-1)[lo:hi].float().clone()
+    values = flat.reshape(-1)[lo:hi].float()
     mine: dict[str, Any] = {}
     for key, value in state.items():
         if torch.is_tensor(value) and value.dim() > 0:
             if value.numel() < hi:
                 raise CheckpointError(f"optimizer state {key!r} is shorter than its fp32 partition")
-            mine[key] = value.reshape(-1)[lo:hi].clone()
+            mine[key] = value.reshape(-1)[lo:hi]
         else:
             mine[key] = value
     return share, values, mine
