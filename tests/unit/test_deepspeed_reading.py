@@ -205,3 +205,12 @@ def test_the_command_line_inspects_and_converts_both_ways(tmp_path: Path, capsys
     assert main(["checkpoint", "convert", str(FIXTURES / "gpt2_s3_bf16"), str(inside)]) == 1
     assert "lies inside the DeepSpeed checkpoint" in capsys.readouterr().err
     assert not inside.exists()
+
+
+def test_a_tag_named_zero_is_still_ours(tmp_path: Path) -> None:
+    """A slipstream checkpoint tagged "zero" is not taken for a DeepSpeed universal checkpoint (its zero/ folder)."""
+    (tmp_path / "zero").mkdir()
+    (tmp_path / "zero" / "manifest.json").write_text("{}")
+    (tmp_path / "latest").write_text("zero")
+    assert locate(tmp_path, None) is None
+    assert locate(tmp_path, "zero") is None

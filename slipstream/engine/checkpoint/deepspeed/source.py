@@ -49,7 +49,7 @@ ENGINE_KEYS = frozenset({
 def _is_checkpoint_dir(path: Path) -> bool:
     if not path.is_dir():
         return False
-    if (path / MODEL_FILE).is_file() or (path / "zero").is_dir():
+    if (path / MODEL_FILE).is_file():  # universal checkpoints carry it too (a bare "zero" folder may be a tag of ours)
         return True
     return any(_MODEL3.match(p.name) for p in path.iterdir())
 
@@ -147,7 +147,7 @@ def describe(path: Path) -> DeepSpeedCheckpoint:
     """Read the model-states file and list the optimizer files of the DeepSpeed checkpoint at ``path``."""
     names = sorted(p.name for p in path.iterdir())
     _refuse_parallel(path, names)
-    universal = (path / "zero").is_dir()
+    universal = (path / "zero" / "optimizer_state.pt").is_file()
     optim: dict[int, Path] = {}
     for name in names:
         found = _OPTIM.match(name)
