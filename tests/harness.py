@@ -66,12 +66,17 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, sys_path: lis
         if job is None:
             break
         fn, args, kwargs = job
+        environment = dict(os.environ)  # hosts edit it (Lightning's DDP set-up writes WORLD_SIZE): the next body gets the pool's
         try:
             conn.send(("ok", fn(*args, **kwargs)))
         except pytest.skip.Exception as err:
             conn.send(("skip", str(err)))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
             conn.send(("error", traceback.format_exc()))
+        finally:
+            if os.environ != environment:
+                os.environ.clear()
+                os.environ.update(environment)
     dist.destroy_process_group()
 
 
