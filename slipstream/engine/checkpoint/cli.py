@@ -57,10 +57,7 @@ def inspect_deepspeed(path: Path) -> int:
     from slipstream.engine.checkpoint.deepspeed.source import describe
 
     ds = describe(path)
-    shapes = {n: s for g in ds.param_shapes() for n, s in g.items()} if ds.model_state.get("param_shapes") else {}
-    if not shapes:
-        module = ds.model_state["module"]
-        shapes = {n: tuple(v.shape) for n, v in module.items() if n not in ds.buffer_names() and n not in ds.shared_params()}
+    shapes = ds.parameter_shapes()
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     counters = ds.counters()
     kind = "universal" if ds.universal else f"ZeRO stage {ds.zero_stage}, {ds.world} data-parallel rank(s)"

@@ -68,7 +68,7 @@ def _ranks(ds: DeepSpeedCheckpoint) -> tuple[int, Iterator[list[Piece]]]:
 
 
 def _zero(ds: DeepSpeedCheckpoint) -> Iterator[list[Piece]]:
-    shapes = ds.param_shapes()
+    shapes, merged = ds.param_shapes(), ds.merged_param_shapes()
     for rank, file in enumerate(ds.optim_files):
         saved = load_pickle(file)
         opt = saved.get("optimizer_state_dict") if isinstance(saved, dict) else None
@@ -76,7 +76,7 @@ def _zero(ds: DeepSpeedCheckpoint) -> Iterator[list[Piece]]:
             raise CheckpointError(f"DeepSpeed checkpoint {ds.path}: {file.name} holds no optimizer_state_dict")
         stage = int(opt.get("zero_stage", ds.zero_stage))
         if stage == 3:
-            yield _zero3_rank(ds, file, opt, shapes, rank)
+            yield _zero3_rank(ds, file, opt, merged, rank)
         else:
             yield _zero12_rank(ds, file, opt, shapes, rank)
 
@@ -103,15 +103,14 @@ def _zero12_rank(ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shape
     return pieces
 
 
-def _zero3_rank(ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shapes: list[dict[str, Any]], rank: int) -> list[Piece]:
+def _zero3_rank(ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shapes: dict[str, tuple[int, ...]], rank: int) -> list[Piece]:
     groups = opt.get("fp32_flat_groups")
     if not isinstance(groups, list) or not all(torch.is_tensor(t) for t in groups):
         raise CheckpointError(f"DeepSpeed checkpoint {ds.path}: {file.name} holds no fp32_flat_groups")
     if opt.get("ds_zero_partition_groups"):
         raise CheckpointError(f"DeepSpeed checkpoint {ds.path} partitions ZeRO-3 over sub-groups (hpZ/MiCS); convert it with ds_to_universal first")
     flat = groups[0].reshape(-1) if len(groups) == 1 else torch.cat([t.reshape(-1) for t in groups])
-    merged = {name: shape for group in shapes for name, shape in group.items()}
-    shares, length = zero3_shares(merged, rank, ds.world)
+    shares, length = zero3_shares(shapes, rank, ds.world)
     if length != flat.numel():
         raise CheckpointError(
             f"DeepSpeed checkpoint {ds.path}: {file.name} holds {flat.numel()} fp32 elements, its parameters' shares need {length}"
@@ -167,7 +166,7 @@ def _piece(share: Share, flat: torch.Tensor, state: dict[str, Any]) -> Piece:
 def _zero0(ds: DeepSpeedCheckpoint) -> list[Piece]:
     """ZeRO 0: whole weights from the module state dict, the optimizer's state by parameter index."""
     module = ds.model_state["module"]
-    params = _module_params(ds)
+    params = ds.module_params()
     saved = ds.model_state.get("optimizer")
     state = saved.get("state") if isinstance(saved, dict) else None
     order = [i for g in saved.get("param_groups", []) for i in g.get("params", [])] if isinstance(saved, dict) else []
@@ -188,10 +187,7 @@ def _zero0(ds: DeepSpeedCheckpoint) -> list[Piece]:
 
 def _universal_batches(ds: DeepSpeedCheckpoint) -> list[list[str]]:
     """The parameters of each output rank file: about :data:`UNIVERSAL_FILE_BYTES` of fp32 weights and state each."""
-    if ds.model_state.get("param_shapes"):
-        shapes = {n: s for group in ds.param_shapes() for n, s in group.items()}
-    else:
-        shapes = {n: tuple(ds.model_state["module"][n].shape) for n in _module_params(ds)}
+    shapes = ds.parameter_shapes()
     batches: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
@@ -206,9 +202,9 @@ def _universal_batches(ds: DeepSpeedCheckpoint) -> list[list[str]]:
 def _universal(ds: DeepSpeedCheckpoint, names: list[str]) -> list[Piece]:
     """Universal: whole tensors of ``names`` from ``zero/<name>/*.pt`` (ZeRO-3's are saved flat: shaped by ``param_shapes``)."""
     zero = ds.path / "zero"
-    shapes = {n: s for group in ds.param_shapes() for n, s in group.items()} if ds.model_state.get("param_shapes") else {}
+    shapes = ds.merged_param_shapes()
     batch: list[Piece] = []
-    shared_step = _universal_step(ds)
+    shared_step = ds.optimizer_globals["step"]
     for name in names:
         folder = zero / name
         if not (folder / "fp32.pt").is_file():
@@ -235,41 +231,12 @@ def _universal(ds: DeepSpeedCheckpoint, names: list[str]) -> list[Piece]:
     return batch
 
 
-def _universal_step(ds: DeepSpeedCheckpoint) -> Any:
-    """The optimizer step ``zero/optimizer_state.pt`` records (ZeRO-3 universal checkpoints have no per-parameter step.pt)."""
-    file = ds.path / "zero" / "optimizer_state.pt"
-    saved = load_pickle(file) if file.is_file() else None
-    inner = saved.get("optimizer_state_dict") if isinstance(saved, dict) else None
-    state = inner.get("state") if isinstance(inner, dict) else None
-    first = next(iter(state.values()), None) if isinstance(state, dict) and state else None
-    step = first.get("step") if isinstance(first, dict) else None
-    return torch.as_tensor(step, dtype=torch.float32).reshape(()) if isinstance(step, (int, float)) or torch.is_tensor(step) else None
-
-
 def _universal_tensor(file: Path) -> Any:
     saved = load_pickle(file)
     value = saved.get("param") if isinstance(saved, dict) else saved
     if value is None:
         raise CheckpointError(f"universal DeepSpeed checkpoint file {file} holds no 'param'")
     return value
-
-
-def _module_params(ds: DeepSpeedCheckpoint) -> list[str]:
-    """Parameter names of the module state dict in order: not buffers, each tied tensor once."""
-    module = ds.model_state["module"]
-    buffers = set(ds.buffer_names())
-    shared = ds.shared_params()
-    seen: set[tuple[int, int]] = set()
-    names = []
-    for key, value in module.items():
-        if key in buffers or key in shared or not torch.is_tensor(value):
-            continue
-        ident = (value.untyped_storage().data_ptr(), value.storage_offset())
-        if value.numel() and ident in seen:
-            continue
-        seen.add(ident)
-        names.append(key)
-    return names
 
 
 # --------------------------------------------------------------------------- files
@@ -309,42 +276,16 @@ def _common(ds: DeepSpeedCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[s
         if name in module and torch.is_tensor(module[name]):
             buffers[name] = f"b/{key_part(name)}"
             tensors[buffers[name]] = module[name].contiguous()
-    groups = _optimizer_groups(ds)
+    groups = [_plain({k: v for k, v in g.items() if k != "params"}) for g in ds.optimizer_globals["param_groups"] if isinstance(g, dict)]
     scheduler = ds.model_state.get("lr_scheduler")
     return {
         "counters": ds.counters(),
         "optimizer_groups": encode_tree(groups, "common/optimizer_groups", tensors, "optimizer.param_groups"),
         "lr_scheduler": None if scheduler is None else encode_tree(scheduler, "common/lr_scheduler", tensors, "lr_scheduler"),
-        "loss_scaler": ds.loss_scaler(_saved_loss_scaler(ds)),
+        "loss_scaler": ds.loss_scaler(ds.optimizer_globals["loss_scaler"]),
         "client_state": encode_tree(_plain(ds.client_state()), "common/client_state", tensors, "client_state"),
         "buffers": buffers,
     }
-
-
-def _optimizer_groups(ds: DeepSpeedCheckpoint) -> list[dict[str, Any]]:
-    """The torch optimizer's param_groups without their parameter lists (hyperparameters only)."""
-    groups: Any = None
-    if ds.universal:
-        file = ds.path / "zero" / "optimizer_state.pt"
-        saved = load_pickle(file) if file.is_file() else None
-        groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    elif not ds.optim_files:
-        saved = ds.model_state.get("optimizer")
-        groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    else:
-        opt = load_pickle(ds.optim_files[0]).get("optimizer_state_dict", {})
-        inner = opt.get("optimizer_state_dict") or opt.get("base_optimizer_state")
-        groups = inner.get("param_groups") if isinstance(inner, dict) else None
-    if not isinstance(groups, list):
-        return []
-    return [_plain({k: v for k, v in g.items() if k != "params"}) for g in groups if isinstance(g, dict)]
-
-
-def _saved_loss_scaler(ds: DeepSpeedCheckpoint) -> Any:
-    if ds.optim_files:
-        return load_pickle(ds.optim_files[0]).get("optimizer_state_dict", {}).get("loss_scaler")
-    saved = ds.model_state.get("optimizer")
-    return saved.get("loss_scaler") if isinstance(saved, dict) else None
 
 
 def _plain(obj: Any) -> Any:

@@ -21,6 +21,7 @@ are refused by name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from pathlib import Path
@@ -103,6 +104,58 @@ class DeepSpeedCheckpoint:
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise CheckpointError(f"DeepSpeed checkpoint {self.path}: {MODEL_FILE} has no param_shapes (written by ZeRO 0, or damaged)")
         return [{str(n): tuple(int(d) for d in s) for n, s in g.items()} for g in groups]
+
+    def merged_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every flat group's names and shapes, in order, as one dict (empty when none are recorded, as at ZeRO 0)."""
+        return {n: s for group in self.param_shapes() for n, s in group.items()} if self.model_state.get("param_shapes") else {}
+
+    def module_params(self) -> list[str]:
+        """Parameter names of the module state dict in order: not buffers, not tied aliases, each tied tensor once."""
+        module = self.model_state["module"]
+        buffers, shared = set(self.buffer_names()), self.shared_params()
+        seen: set[tuple[int, int]] = set()
+        names = []
+        for key, value in module.items():
+            if key in buffers or key in shared or not torch.is_tensor(value):
+                continue
+            ident = (value.untyped_storage().data_ptr(), value.storage_offset())
+            if value.numel() and ident in seen:
+                continue
+            seen.add(ident)
+            names.append(key)
+        return names
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's shape: the recorded flat groups', else the module state dict's."""
+        module = self.model_state["module"]
+        return self.merged_param_shapes() or {n: tuple(module[n].shape) for n in self.module_params()}
+
+    @functools.cached_property
+    def optimizer_globals(self) -> dict[str, Any]:
+        """What every rank's optimizer state shares, read once: the torch ``param_groups``, the loss scaler, and
+        the step a universal checkpoint keeps in ``zero/optimizer_state.pt`` (ZeRO-3's has no per-parameter step.pt)."""
+        inner: Any = None
+        saved = self.model_state.get("optimizer")
+        scaler = saved.get("loss_scaler") if isinstance(saved, dict) else None
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if self.universal:
+            file = self.path / "zero" / "optimizer_state.pt"
+            found = load_pickle(file) if file.is_file() else None
+            groups = found.get("param_groups") if isinstance(found, dict) else None
+            inner = found.get("optimizer_state_dict") if isinstance(found, dict) else None
+        elif self.optim_files:
+            opt = load_pickle(self.optim_files[0]).get("optimizer_state_dict", {})
+            scaler = opt.get("loss_scaler")
+            base = opt.get("optimizer_state_dict") or opt.get("base_optimizer_state")
+            groups = base.get("param_groups") if isinstance(base, dict) else None
+        state = inner.get("state") if isinstance(inner, dict) else None
+        first = next(iter(state.values()), None) if isinstance(state, dict) and state else None
+        step = first.get("step") if isinstance(first, dict) else None
+        if isinstance(step, (int, float)) or torch.is_tensor(step):
+            step = torch.as_tensor(step, dtype=torch.float32).reshape(())
+        else:
+            step = None
+        return {"param_groups": groups if isinstance(groups, list) else [], "loss_scaler": scaler, "step": step}
 
     def shared_params(self) -> dict[str, str]:
         shared = self.model_state.get("shared_params") or {}
