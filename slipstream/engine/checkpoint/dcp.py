@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from slipstream.engine.checkpoint.agree import agree
 from slipstream.engine.checkpoint.capture import persistent_buffers, state_dict_keys
 from slipstream.engine.checkpoint.format import decode_tree, encode_tree
-from slipstream.engine.checkpoint.restore import apply_stateful, counters_from, finite
+from slipstream.engine.checkpoint.restore import apply_group, apply_stateful, counters_from, finite, same_values
 from slipstream.engine.checkpoint.target import CheckpointTarget
 from slipstream.engine.checkpoint.validate import CheckpointError
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
@@ -282,19 +282,12 @@ def _saved_groups(opt: torch.optim.Optimizer, names: list[list[str]]) -> list[di
         if "adamw_mode" in entry:  # so that FSDP2's Adam/AdamW finds every key its own group has
             entry = {**TORCH_ADAM, **entry, "decoupled_weight_decay": bool(entry["adamw_mode"])}
             del entry["adamw_mode"]
-        same = next((s for s in saved if _same({k: v for k, v in s.items() if k != "params"}, entry)), None)
+        same = next((s for s in saved if same_values({k: v for k, v in s.items() if k != "params"}, entry)), None)
         if same is not None:
             same["params"] = [*same["params"], *params]
         else:
             saved.append({**entry, "params": list(params)})
     return saved
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    try:
-        return bool(a == b)
-    except (RuntimeError, TypeError):  # tensor-valued hyperparameters
-        return False
 
 
 def _extras(target: CheckpointTarget) -> dict[str, Any]:
@@ -353,7 +346,7 @@ def load_dcp(target: CheckpointTarget, path: str | Path, *, optimizer: bool = Tr
     stateful, group_values, values, states = agree(lambda: _decode(target, path, request, owned, groups), "load_dcp")
     apply_stateful(stateful, path)
     for group, hyper in group_values:
-        _apply_group(group, hyper)
+        apply_group(group, hyper)
     target.shards.load_sharded_state(values.__getitem__)
     with torch.no_grad():
         for name, buf in persistent_buffers(target.module).items():
@@ -527,7 +520,7 @@ def _decode_groups(
         if not matched:
             continue
         first, hyper = matched[0]
-        other = next((n for n, h in matched if h is not hyper and not _same(h, hyper)), None)
+        other = next((n for n, h in matched if h is not hyper and not same_values(h, hyper)), None)
         if other is not None:
             raise _fail(path, f"parameters {first!r} and {other!r} share an optimizer group here but not in the checkpoint")
         if "adamw_mode" in group and "decoupled_weight_decay" in hyper:  # saved by torch's Adam/AdamW
@@ -545,11 +538,3 @@ def _decode_groups(
             hyper[key] = value
         found.append((group, hyper))
     return found
-
-
-def _apply_group(group: dict[str, Any], hyper: dict[str, Any]) -> None:
-    for key, value in hyper.items():
-        if torch.is_tensor(group[key]):
-            group[key].fill_(value)
-        else:
-            group[key] = tuple(value) if isinstance(group[key], tuple) else value

@@ -147,7 +147,7 @@ def _check_groups(reader: CheckpointReader, opt: torch.optim.Optimizer, groups: 
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise CheckpointError(f"checkpoint {reader.path}: common.optimizer_groups is not a list of dicts (the file is damaged)")
     current = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    if len(groups) != len(current) and groups and all(_same(g, groups[0]) for g in groups) and all(_same(c, current[0]) for c in current):
+    if len(groups) != len(current) and groups and all(same_values(g, groups[0]) for g in groups) and all(same_values(c, current[0]) for c in current):
         groups = [groups[0]] * len(current)
     if len(groups) != len(opt.param_groups):
         raise CheckpointError(
@@ -176,7 +176,8 @@ def _check_groups(reader: CheckpointReader, opt: torch.optim.Optimizer, groups: 
     return groups
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two hyperparameter dicts are equal; tensor-valued ones that cannot be compared this way are not."""
     try:
         return bool(a == b)
     except (RuntimeError, TypeError):  # tensor-valued hyperparameters: not comparable this way
@@ -261,14 +262,19 @@ def apply_stateful(pieces: list[tuple[str, Any, Any]], where: Path) -> None:
 
 def _apply_groups(opt: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
     for group, saved in zip(opt.param_groups, groups):
-        for key, value in saved.items():
-            current = group.get(key)
-            if torch.is_tensor(current):
-                current.fill_(value if not torch.is_tensor(value) else value.item())
-            elif isinstance(current, tuple) and isinstance(value, list):
-                group[key] = tuple(value)
-            else:
-                group[key] = value
+        apply_group(group, saved)
+
+
+def apply_group(group: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Set one optimizer group's hyperparameters to checked saved values (a tensor-valued one in place)."""
+    for key, value in saved.items():
+        current = group.get(key)
+        if torch.is_tensor(current):
+            current.fill_(value if not torch.is_tensor(value) else value.item())
+        elif isinstance(current, tuple) and isinstance(value, list):
+            group[key] = tuple(value)
+        else:
+            group[key] = value
 
 
 def _apply_slice_states(target: CheckpointTarget, owned: list[OwnedSlice], states: dict[ParamSlice, Any]) -> None:
