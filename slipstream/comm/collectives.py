@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -248,6 +249,15 @@ def reduce_scatter_tensor(
 def _is_unsupported(err: BaseException) -> bool:
     text = str(err.__cause__ or err).lower()
     return "not supported" in text or "unsupported" in text or "not implemented" in text
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable, small: metadata, error texts), in rank order; ``[obj]`` without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
 
 
 def barrier(group: dist.ProcessGroup | None = None, tag: str = "") -> None:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream.comm import all_gather_objects
 from slipstream.comm import p2p
 from slipstream.engine.zero.slices import OwnedSlice
 
@@ -264,7 +265,7 @@ def write_sharded(
             values.append(value[lo:hi])
     mine = {"names": names, "frozen": sorted(frozen), "pieces": pieces,
             "buffers": [(n, list(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in buffers.items()]}  # fmt: skip
-    gathered = _all_gather(mine, world)
+    gathered = all_gather_objects(mine)
     walk = _Walk(gathered, rank, world, values, dtype, frozen_out=exclude_frozen)
     shares: list[list[Spec]] = [[] for _ in range(world)]
     for name in walk.order:
@@ -280,7 +281,7 @@ def write_sharded(
     except OSError as err:  # the rounds go on: the other ranks wait for this rank's pieces
         error = f"rank {rank}: {err}"
     walk.finish()
-    errors = [e for e in _all_gather(error, world) if e is not None]
+    errors = [e for e in all_gather_objects(error) if e is not None]
     if not errors and rank == 0:
         try:
             missing = [name for _, name, _ in plan.files if not (save_dir / name).is_file()]
@@ -294,14 +295,6 @@ def write_sharded(
     if errors:
         raise OSError(f"save to {save_dir}: " + "; ".join(errors))
     return ShardReport([name for name, _ in plan.of_rank(rank)], plan.weight_map, plan.total_size, walk.held.peak, walk.sent, walk.received)
-
-
-def _all_gather(obj: Any, world: int) -> list[Any]:
-    if world == 1:
-        return [obj]
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def _broadcast(obj: Any, world: int) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
+from slipstream.comm import all_gather_objects
 
 
 def agree(action: Any, what: str) -> Any:
@@ -14,9 +14,8 @@ def agree(action: Any, what: str) -> Any:
         result = action()
     except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
         error, result = err, None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    errors = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}")
+    if len(errors) > 1:
         failed = {r: e for r, e in enumerate(errors) if e is not None}
         if failed and error is None:
             raise RuntimeError(f"checkpoint: {what} failed on rank(s) {sorted(failed)}: {next(iter(failed.values()))}")

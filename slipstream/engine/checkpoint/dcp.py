@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from slipstream.comm import all_gather_objects
 from slipstream.engine.checkpoint.agree import agree
 from slipstream.engine.checkpoint.capture import persistent_buffers, state_dict_keys
 from slipstream.engine.checkpoint.format import decode_tree, encode_tree
@@ -195,19 +196,11 @@ class _Reader(FileSystemReader):
         return metadata
 
 
-def _gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order. Collective."""
-    every = [obj] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if len(every) > 1:
-        dist.all_gather_object(every, obj)
-    return every
-
-
 def _group_names(target: CheckpointTarget, owned: list[OwnedSlice]) -> list[list[str]]:
     """The parameter names of each optimizer group, over all ranks (a rank may own no slice of some). Collective."""
     index = {id(p): i for i, g in enumerate(target.optimizer.param_groups) for p in g["params"]}
     mine = list({o.slice.name: index.get(id(o.optimizer_param), 0) for o in owned if o.optimizer_param is not None}.items())
-    every = _gather(mine)  # a parameter the optimizer does not hold itself (offload's stand-ins): group 0
+    every = all_gather_objects(mine)  # a parameter the optimizer does not hold itself (offload's stand-ins): group 0
     order = {n: i for i, (n, _) in enumerate(target.module.named_parameters())}  # FSDP2 lists them in module order
     found = dict(sorted({n: i for part in every for n, i in part}.items(), key=lambda e: order.get(e[0], len(order))))
     groups: list[list[str]] = [[] for _ in target.optimizer.param_groups]

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from slipstream.comm import all_gather_objects
 from slipstream.engine.checkpoint import writer
 from slipstream.engine.checkpoint.agree import agree as _agree
 from slipstream.engine.checkpoint.deepspeed.source import locate as locate_deepspeed
@@ -181,8 +182,7 @@ class CheckpointManager:
         mode = self.config.tag_validation
         if mode == "Ignore" or world == 1:
             return
-        tags: list[Any] = [None] * world
-        dist.all_gather_object(tags, tag)
+        tags = all_gather_objects(tag)
         if len(set(tags)) > 1:
             message = f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; pass the same tag on every rank"
             if mode == "Fail":

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from slipstream.comm import all_gather_objects
 from slipstream.engine.checkpoint.capture import LOADER_STATE, persistent_buffers
 from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader
 from slipstream.engine.checkpoint.target import CheckpointTarget, TrainState
@@ -73,11 +74,7 @@ def restore(
 
 def _model_names(target: CheckpointTarget) -> set[str]:
     """The parameter names of the whole spread model (a pipeline stage holds only its own). Collective."""
-    import torch.distributed as dist
-
-    mine = [n for n, _ in target.module.named_parameters()]
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = all_gather_objects([n for n, _ in target.module.named_parameters()])
     return {n for names in every for n in names}
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from slipstream.comm import all_gather_objects
 from slipstream.engine.checkpoint.deepspeed.convert import convert
 
 TAG = "converted"
@@ -52,12 +53,8 @@ def staged(source: Path, agree: Callable[[Callable[[], Any], str], Any]) -> Iter
 
 def _node_path(mine: str | None) -> str:
     """This node's converted checkpoint: the path its converting rank made."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        assert mine is not None
-        return mine
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (socket.gethostname(), mine))
     host = socket.gethostname()
+    every = all_gather_objects((host, mine))
     found = next((path for name, path in every if name == host and path is not None), None)
     if found is None:
         raise RuntimeError(f"load_checkpoint: no rank with LOCAL_RANK 0 on host {host} converted the DeepSpeed checkpoint")
