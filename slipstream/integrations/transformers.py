@@ -206,7 +206,7 @@ class SlipstreamTrainerMixin:
         path, _ = engine.load_checkpoint(checkpoint)
         if path is None:
             raise FileNotFoundError(f"SlipstreamTrainer: no loadable checkpoint in {checkpoint}")
-        if not os.path.isfile(os.path.join(path, "manifest.json")):  # a DeepSpeed checkpoint (the engine converted it)
+        if not os.path.isfile(os.path.join(path, "manifest.json")):  # DeepSpeed's (or DCP): the Trainer kept its own schedule
             self._load_host_scheduler(checkpoint)
 
     def _load_host_scheduler(self, checkpoint: str) -> None:

@@ -90,12 +90,13 @@ def test_parallel_deepspeed_checkpoints_are_refused_by_name(tmp_path: Path) -> N
         describe(tag)
 
 
-def test_our_own_checkpoints_are_not_taken_for_deepspeed(tmp_path: Path) -> None:
-    (tmp_path / "step3").mkdir()
-    (tmp_path / "step3" / "manifest.json").write_text("{}")
-    (tmp_path / "latest").write_text("step3")
+@pytest.mark.parametrize("tag", ["step3", "zero"])  # "zero": not taken for a universal checkpoint's zero/ folder
+def test_our_own_checkpoints_are_not_taken_for_deepspeed(tmp_path: Path, tag: str) -> None:
+    (tmp_path / tag).mkdir()
+    (tmp_path / tag / "manifest.json").write_text("{}")
+    (tmp_path / "latest").write_text(tag)
     assert locate(tmp_path, None) is None
-    assert locate(tmp_path, "step3") is None
+    assert locate(tmp_path, tag) is None
 
 
 _shapes = st.lists(st.lists(st.integers(1, 7), min_size=1, max_size=3), min_size=1, max_size=6)
@@ -205,12 +206,3 @@ def test_the_command_line_inspects_and_converts_both_ways(tmp_path: Path, capsys
     assert main(["checkpoint", "convert", str(FIXTURES / "gpt2_s3_bf16"), str(inside)]) == 1
     assert "lies inside the DeepSpeed checkpoint" in capsys.readouterr().err
     assert not inside.exists()
-
-
-def test_a_tag_named_zero_is_still_ours(tmp_path: Path) -> None:
-    """A slipstream checkpoint tagged "zero" is not taken for a DeepSpeed universal checkpoint (its zero/ folder)."""
-    (tmp_path / "zero").mkdir()
-    (tmp_path / "zero" / "manifest.json").write_text("{}")
-    (tmp_path / "latest").write_text("zero")
-    assert locate(tmp_path, None) is None
-    assert locate(tmp_path, "zero") is None

@@ -204,7 +204,7 @@ class CheckpointManager:
             return str(dcp_dir), {}
         foreign = _agree(lambda: locate_deepspeed(load_dir, tag), "finding the checkpoint")
         if foreign is not None:  # a DeepSpeed checkpoint: converted per node, then loaded like ours
-            with staged(foreign, _agree) as converted:
+            with staged(foreign) as converted:
                 try:
                     _, client_state = self._load_from(target, converted, strict, optimizer, scheduler, module_only)
                 except (CheckpointError, RuntimeError) as err:  # name the user's checkpoint, not the temporary copy

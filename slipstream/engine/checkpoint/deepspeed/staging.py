@@ -15,20 +15,20 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
 from slipstream.comm import all_gather_objects
+from slipstream.engine.checkpoint.agree import agree
 from slipstream.engine.checkpoint.deepspeed.convert import convert
 
 TAG = "converted"
 
 
 @contextlib.contextmanager
-def staged(source: Path, agree: Callable[[Callable[[], Any], str], Any]) -> Iterator[Path]:
+def staged(source: Path) -> Iterator[Path]:
     """The slipstream checkpoint converted from the DeepSpeed one at ``source``, for as long as the block runs."""
     converts = int(os.environ.get("LOCAL_RANK", "0")) == 0 or not dist.is_initialized()
     made: Path | None = None
