@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import struct
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,17 +40,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.comm import all_gather_objects
-from slipstream.comm import p2p
+from slipstream.comm import all_gather_objects, p2p
+from slipstream.engine.checkpoint.format import safetensors_header
 from slipstream.engine.zero.slices import OwnedSlice
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # save_pretrained's default
 CHANNEL = 1 << 24  # p2p channels (backend tags) of a save: CHANNEL + the parameter's place in the plan
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
 
 
 def parse_size(size: int | str) -> int:
@@ -170,17 +165,11 @@ def write_file(path: Path, specs: list[Spec], fetch: Callable[[str], torch.Tenso
     The header is written first from the specs, so a tensor is asked for only when its bytes are
     written and dropped right after: memory holds one tensor of the file at a time.
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for spec in specs:
-        header[spec.key] = {"dtype": _CODES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
-        offset += spec.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
+    header = safetensors_header([(spec.key, spec.dtype, spec.shape) for spec in specs], {"format": "pt"})
     part = path.with_name(path.name + ".part")
     try:
         with open(part, "wb") as f:
-            f.write(struct.pack("<Q", len(encoded)) + encoded)
+            f.write(header)
             for spec in specs:
                 t = fetch(spec.key)
                 if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:

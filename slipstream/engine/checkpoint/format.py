@@ -21,6 +21,7 @@ nothing. They are read with the official ``safetensors`` package.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -87,26 +88,11 @@ def write_safetensors(path: Path, tensors: Any, metadata: dict[str, str] | None 
     """Write ``tensors`` (a dict, or a :class:`GuardedTensors`) as a safetensors file, fsync it; return size and CRC-32."""
     from slipstream.engine.checkpoint.snapshot import reading
 
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = metadata
-    offset = 0
-    for name, t in tensors.items():
-        if t.dtype not in _DTYPE_CODES:
-            raise TypeError(f"checkpoint: tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    crc = 0
-    size = 0
+    header = safetensors_header([(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()], metadata)
+    crc, size = zlib.crc32(header), len(header)
     try:
         with open(path, "wb") as f:
-            for block in (struct.pack("<Q", len(encoded)), encoded):
-                f.write(block)
-                crc = zlib.crc32(block, crc)
-                size += len(block)
+            f.write(header)
             for name in tensors:
                 with reading(tensors, name) as t:
                     for block in _byte_blocks(t):
@@ -118,6 +104,22 @@ def write_safetensors(path: Path, tensors: Any, metadata: dict[str, str] | None 
     except OSError as err:
         raise naming_file(path, err) from None
     return {"bytes": size, "crc32": crc}
+
+
+def safetensors_header(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
+    """What precedes a safetensors file's data: the header length (8 bytes, little-endian) and the JSON header,
+    padded so the data starts 8-byte aligned; ``layout`` is (key, dtype, shape) per tensor, in file order."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape in layout:
+        if dtype not in _DTYPE_CODES:
+            raise TypeError(f"checkpoint: tensor {name!r} has dtype {dtype}, which safetensors cannot hold")
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(encoded)) + encoded
 
 
 def _byte_blocks(t: torch.Tensor) -> Any:
