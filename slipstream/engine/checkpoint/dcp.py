@@ -55,7 +55,6 @@ from slipstream.utils.placement import global_shape_and_box
 
 logger = get_logger(__name__)
 
-DCP_METADATA = ".metadata"  # the file that marks a DCP checkpoint directory
 MODEL, STATE, GROUPS, EXTRA = "model.", "optimizer.state.", "optimizer.param_groups.", "slipstream."
 # Group entries that choose an implementation rather than the mathematics: a load keeps ours.
 IMPLEMENTATION = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
