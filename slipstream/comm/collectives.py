@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream.comm import flight
 from slipstream.comm.comms_log import CommRecord, comms_log
 from slipstream.comm.distributed import current_timeout
 from slipstream.comm.ring import ring_context
@@ -35,11 +36,13 @@ class Work:
         record: CommRecord,
         group: dist.ProcessGroup | None,
         on_complete: Callable[[], None] | None = None,
+        flight_index: int = 0,
     ) -> None:
         self._work = work
         self._record = record
         self._group = group
         self._on_complete = on_complete
+        self._flight_index = flight_index
         self._start = time.perf_counter()
         self.done = work is None
 
@@ -51,6 +54,8 @@ class Work:
         except Exception as err:  # the backend raises RuntimeError/DistBackendError variants
             raise CollectiveError(self._describe(err)) from err
         self.done = True
+        if self._flight_index:
+            _flight().finish(self._flight_index)
         self._record.seconds = time.perf_counter() - self._start
         if self._on_complete is not None:
             self._on_complete()
@@ -70,6 +75,8 @@ class Work:
             if timed_out
             else ""
         )
+        if self._flight_index:
+            _flight().finish(self._flight_index, ok=False)
         if not _from_peer(err):  # a local error (autograd, dtype, shape): do not send the user after another rank
             return (
                 f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} failed on "
@@ -78,8 +85,32 @@ class Work:
         return (
             f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} "
             f"{reason} after {elapsed:.1f}s{hint}. Another rank probably died or took a different code path "
-            f"(e.g. skipped backward or step). Backend said: {err}"
+            f"(e.g. skipped backward or step). Backend said: {_one_line(err)}. Flight record: {_culprit()}"
         )
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _culprit() -> str:
+    """The flight recorder's verdict (see flight.py): who holds the group up, from the rings this rank can read."""
+    try:
+        return flight.report_for(*_rank_and_world()).summary
+    except Exception as err:  # noqa: BLE001 - the report must never hide the collective's own error
+        return f"unavailable ({type(err).__name__}: {err})"
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _flight() -> flight.FlightRecorder:
+    return flight.recorder(*_rank_and_world())
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
 
 def _launch(
@@ -89,14 +120,19 @@ def _launch(
     group: dist.ProcessGroup | None,
     call: Callable[[], dist.Work],
     on_complete: Callable[[], None] | None = None,
+    nbytes: int | None = None,
+    route: str = "",
 ) -> Work:
-    record = comms_log.add(op, tensor.numel() * tensor.element_size(), tag, group)
+    """Log, record in the flight ring and start one collective. ``route`` (``"1->3"``) names a point-to-point transfer's ends."""
+    record = comms_log.add(op, tensor.numel() * tensor.element_size() if nbytes is None else nbytes, tag, group)
+    label = f"p2p {route}" if route else flight.group_label(record.ranks)
+    index = _flight().issue(op, label, record.nbytes, _shape(tensor), tag, comms_log.step)
     try:
         work = call()
     except Exception as err:
-        handle = Work(None, record, group)
+        handle = Work(None, record, group, flight_index=index)
         raise CollectiveError(handle._describe(err)) from err
-    return Work(work, record, group, on_complete)
+    return Work(work, record, group, on_complete, index)
 
 
 _PEER_SIGNS = ("timed out", "timeout", "connection", "closed", "peer", "socket", "broken pipe", "reset", "abort", "nccl", "gloo")
@@ -126,12 +162,11 @@ def all_to_all_v(
     """Uneven all-to-all on dim 0 (``input_splits[i]`` rows go to rank ``i``); logged as the bytes that leave for other ranks."""
     me = dist.get_rank(group)
     row = input[0].numel() * input.element_size() if input.dim() and input.shape[0] else 0
-    record = comms_log.add("all_to_all", row * sum(n for i, n in enumerate(input_splits) if i != me), tag, group)
-    try:
-        work = dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True)
-    except Exception as err:
-        raise CollectiveError(Work(None, record, group)._describe(err)) from err
-    return Work(work, record, group)
+    return _launch(
+        "all_to_all", input, tag, group,
+        lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True),
+        nbytes=row * sum(n for i, n in enumerate(input_splits) if i != me),
+    )  # fmt: skip
 
 
 def shift_ring(send: torch.Tensor, recv: torch.Tensor, to: int, source: int, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
@@ -142,7 +177,7 @@ def shift_ring(send: torch.Tensor, recv: torch.Tensor, to: int, source: int, gro
         works = dist.batch_isend_irecv(ops)
         return _AllWorks(works)  # type: ignore[return-value]
 
-    return _launch("p2p", send, tag, group, call)
+    return _launch("p2p", send, tag, group, call, route=f"{source}->{dist.get_rank()}->{to}")
 
 
 class _AllWorks:

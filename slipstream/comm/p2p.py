@@ -23,12 +23,12 @@ def send(tensor: torch.Tensor, to: int, channel: int, group: dist.ProcessGroup |
     not by order: a V-shaped schedule sends activations and gradients the same way between the
     same two ranks, in an order the receiver does not share.
     """
-    return _launch(op, tensor, tag, group, lambda: dist.isend(tensor, to, group=group, tag=channel))
+    return _launch(op, tensor, tag, group, lambda: dist.isend(tensor, to, group=group, tag=channel), route=f"{dist.get_rank()}->{to}")
 
 
 def recv(tensor: torch.Tensor, source: int, channel: int, group: dist.ProcessGroup | None = None, tag: str = "", op: str = "p2p_recv") -> Work:
     """Asynchronous receive into ``tensor`` from global rank ``source`` on ``channel``."""
-    return _launch(op, tensor, tag, group, lambda: dist.irecv(tensor, source, group=group, tag=channel))
+    return _launch(op, tensor, tag, group, lambda: dist.irecv(tensor, source, group=group, tag=channel), route=f"{source}->{dist.get_rank()}")
 
 
 def channel(stage: int, kind: int, micro: int) -> int:

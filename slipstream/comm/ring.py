@@ -38,6 +38,7 @@ class RingContext:
         self.next_peer = ranks[(self.rank + 1) % self.size]
         self.prev_peer = ranks[(self.rank - 1) % self.size]
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-ring")
+        self.failure: str | None = None  # the first failed job's error: later jobs are refused (see submit)
 
     def _exchange(self, send: torch.Tensor, receive: torch.Tensor) -> None:
         ops = [
@@ -65,9 +66,19 @@ class RingContext:
         # [Note: no autograd on the ring thread] Grad mode is thread-local and on by default in a new
         # thread; a collective's copies into buffers (views made under no_grad inside an autograd
         # Function's forward) must never be recorded, or torch refuses the in-place write.
+        # [Note: a failed ring fails fast] After a timeout the ring's group is unusable, and every
+        # job still queued would wait out its own timeout: at interpreter exit the executor runs them
+        # all, one after the other (30 s for six gradient buckets at a 5 s limit), before the rank
+        # can exit and the launcher can report. So the first failure fails the queued jobs at once.
         def untracked() -> object:
-            with torch.no_grad():
-                return fn(*args)
+            if self.failure is not None:
+                raise RuntimeError(f"not run: an earlier collective on this ring failed ({self.failure})")
+            try:
+                with torch.no_grad():
+                    return fn(*args)
+            except Exception as err:
+                self.failure = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+                raise
 
         return self.executor.submit(untracked)
 

@@ -156,6 +156,8 @@ class Engine(torch.nn.Module):
             self._report_progress()
             if self.checkpoints.due(self.global_steps):  # checkpoint.interval
                 self.save_checkpoint(self.config.checkpoint.save_dir)
+            if self.checkpoints.snapshot_due(self.global_steps):  # checkpoint.in_memory_interval
+                self.checkpoints.snapshot(self.checkpoint_target(), self._pin(), self.accelerator.synchronize)
 
     def _optimizer_step(self) -> None:
         result = self._update(self.lr_scheduler, self.global_steps)
@@ -223,11 +225,14 @@ class Engine(torch.nn.Module):
 
         ``exclude_frozen_parameters=True`` leaves out parameters with ``requires_grad=False``.
         """
-        pin = self.accelerator.pin_memory if self.accelerator.name != "cpu" else None
         return str(self.checkpoints.save(
-            self.checkpoint_target(), save_dir, tag, client_state, save_latest, pin, self.accelerator.synchronize,
+            self.checkpoint_target(), save_dir, tag, client_state, save_latest, self._pin(), self.accelerator.synchronize,
             exclude_frozen=exclude_frozen_parameters, mid_window=self.micro_steps_in_window() > 0,
         ))  # fmt: skip
+
+    def _pin(self) -> Any:
+        """How an asynchronous save pins its host copies (None on CPU: nothing to pin)."""
+        return self.accelerator.pin_memory if self.accelerator.name != "cpu" else None
 
     def load_checkpoint(
         self, load_dir: str | os.PathLike[str], tag: str | None = None, load_module_strict: bool = True,

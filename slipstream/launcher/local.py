@@ -24,8 +24,10 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from slipstream.launcher.flight_report import exit_description, report_failed_attempt, run_directory
 from slipstream.launcher.oom import oom_kill_count, sigkill_note
 
 PREFIX = "slipstream run:"
@@ -91,8 +93,9 @@ def launch(spec: LocalLaunch) -> int:
     # leaves a torchelastic_* directory in /tmp on every run, so we own and remove it.
     with (
         tempfile.TemporaryDirectory(prefix="slipstream_run_") as log_dir,
+        run_directory(run_id) as flight_dir,
         _rank_defaults(nproc),
-        _quiet_torch_elastic(who),
+        _quiet_torch_elastic(who, flight_dir, nproc * spec.num_nodes),
         _exit_on_stdin_close(spec.exit_on_stdin_close),
     ):
         config = LaunchConfig(
@@ -307,18 +310,27 @@ class _RestartNotice(logging.Filter):
     collective lost it (under load the agent may log those first).
     """
 
-    def __init__(self, who: _Describer) -> None:
+    def __init__(self, who: _Describer, flight_dir: Path | None = None, world: int = 0) -> None:
         super().__init__()
         self._who = who
         self._failures: list[tuple[int, str]] = []  # (exit code, description) since the last restart
+        self._flight_dir, self._world = flight_dir, world
+        self._attempt = 0  # restarts so far: the ranks' TORCHELASTIC_RESTART_COUNT
+        self._reported = False  # the flight report of this attempt is out
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
-            if record.name == _PROCS_LOGGER and record.msg.startswith("failed (exitcode"):
+            if record.name == _PROCS_LOGGER and record.msg.startswith("Sending process") and not self._reported:
+                self._report_flight({})  # the teardown's first signal: the survivors still run, their rings are fresh
+            elif record.name == _PROCS_LOGGER and record.msg.startswith("failed (exitcode"):
                 exitcode, local_rank = int(record.args[0]), int(record.args[1])  # type: ignore[index]
                 pid = int(record.args[2]) if len(record.args) > 2 else None  # type: ignore[arg-type,index]
+                if not self._reported:  # no rank was left to stop
+                    self._report_flight({self._who.rank_base + local_rank: exit_description(exitcode)})
                 self._failures.append((exitcode, self._who.failure(None, local_rank, exitcode, pid)))
             elif record.name == _AGENT_LOGGER and "will restart worker group" in record.msg:
+                self._attempt += 1
+                self._reported = False
                 left, total = int(record.args[2]), int(record.args[3])  # type: ignore[index]
                 killed = [text for code, text in self._failures if code < 0 and code != -signal.SIGTERM]
                 cause = (killed or [text for _, text in self._failures] or ["a rank failed"])[0]
@@ -329,9 +341,21 @@ class _RestartNotice(logging.Filter):
             pass  # another torch version worded it differently; staying quiet is fine
         return False
 
+    def _report_flight(self, exited: dict[int, str]) -> None:
+        """The hang report of this attempt, once, before the agent signals the survivors (see flight_report.py)."""
+        self._reported = True
+        if self._flight_dir is None:
+            return
+        try:
+            lines = report_failed_attempt(self._flight_dir, self._attempt, self._world, exited)
+        except Exception as err:  # noqa: BLE001 - the failure report itself must still print
+            lines = [f"flight recorder: no report ({type(err).__name__}: {err})"]
+        for line in lines:
+            _say(f"{self._who.node}{line}")
+
 
 @contextlib.contextmanager
-def _quiet_torch_elastic(who: _Describer) -> Iterator[None]:
+def _quiet_torch_elastic(who: _Describer, flight_dir: Path | None = None, world: int = 0) -> Iterator[None]:
     """Mute torch elastic's launch-config dump, teardown warnings and failure banner.
 
     We print the failures (and restarts) ourselves. ``LOGLEVEL`` is torch elastic's own switch
@@ -347,7 +371,7 @@ def _quiet_torch_elastic(who: _Describer) -> Iterator[None]:
     }
     levels = {name: logging.CRITICAL for name in names}
     levels[_AGENT_LOGGER] = levels[_PROCS_LOGGER] = logging.INFO  # seen by _RestartNotice only
-    notice = _RestartNotice(who)
+    notice = _RestartNotice(who, flight_dir, world)
     saved = {name: logging.getLogger(name).level for name in levels}
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)

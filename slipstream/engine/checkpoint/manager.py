@@ -35,12 +35,14 @@ from slipstream.engine.checkpoint.restore import restore
 from slipstream.engine.checkpoint.snapshot import GuardedTensors
 from slipstream.engine.checkpoint.tags import check_load_tag, check_tag
 from slipstream.engine.checkpoint.target import CheckpointTarget
-from slipstream.engine.config import CheckpointConfig
+from slipstream.engine.config import CheckpointConfig, ConfigError
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 DCP_METADATA = ".metadata"  # the file that marks a torch.distributed.checkpoint directory
+SNAPSHOT_DIR_ENV = "SLIPSTREAM_SNAPSHOT_DIR"  # set by `slipstream run`: this run's directory on /dev/shm
+SNAPSHOTS_KEPT = 2  # the newest complete one, and the one being written may replace it
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
@@ -73,7 +75,8 @@ def _wait_all() -> None:
 class CheckpointManager:
     """Owned by one engine; every public method is called on every rank (they are collective)."""
 
-    def __init__(self, config: CheckpointConfig) -> None:
+    def __init__(self, config: CheckpointConfig, track: bool = True) -> None:
+        """``track=False``: a failed background save does not fail the process at exit (in-memory snapshots)."""
         self.config = config
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -83,7 +86,10 @@ class CheckpointManager:
         self.last_saved: Path | None = None
         self.last_stall_s = 0.0  # training-thread time of the last save: the call plus its fence
         self.last_write_s = 0.0  # from the save call until this rank's files (and, on rank 0, the commit) are done
-        _live.add(self)
+        self.resume_s = 0.0  # how long auto_resume took to find and load the checkpoint
+        self.memory = _snapshot_manager(config) if config.in_memory_interval else None
+        if track:
+            _live.add(self)
 
     # ------------------------------------------------------------------ save
     def save(
@@ -144,6 +150,28 @@ class CheckpointManager:
         if self._guard is not None:
             self.last_stall_s += self._guard.fence()
             self._guard = None
+        if self.memory is not None:
+            self.memory.before_update()
+
+    def snapshot_due(self, global_steps: int) -> bool:
+        """``checkpoint.in_memory_interval``: whether the step just finished is snapshotted into shared memory."""
+        return self.memory is not None and global_steps % self.config.in_memory_interval == 0
+
+    def snapshot(self, target: CheckpointTarget, pin: Callable[[Any], Any] | None, synchronize: Callable[[], None] | None) -> None:
+        """Snapshot into this node's shared memory, written in the background while training goes on.
+
+        [Note: in-memory snapshots] A snapshot is an ordinary checkpoint (same writer, same atomic
+        commit, same reader) whose directory is on tmpfs: it outlives the ranks (a SIGKILLed rank,
+        a restart of every rank by the agent) but not the node, and costs a memory copy instead of
+        storage bandwidth. A failed snapshot is logged and training continues: the disk checkpoints
+        are the durable ones, and auto_resume takes whichever of the two is newer.
+        """
+        assert self.memory is not None
+        error = self.memory.wait(raise_errors=False)
+        if error is not None:
+            logger.warning("in-memory snapshot failed (training goes on; the previous snapshot and save_dir remain): %s", error)
+        assert self.memory.config.save_dir is not None
+        self.memory.save(target, self.memory.config.save_dir, None, None, True, pin, synchronize)
 
     def _persist(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool, started: float) -> None:
         try:
@@ -169,6 +197,8 @@ class CheckpointManager:
 
     def wait(self, raise_errors: bool = True) -> BaseException | None:
         """Block until the background save (if any) is on disk; re-raise its failure (or return it)."""
+        if self.memory is not None:
+            self.memory.wait(raise_errors=False)
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
@@ -235,15 +265,63 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ config-driven saves
     def resume(self, source: TargetSource) -> tuple[str | None, dict[str, Any] | None]:
-        """``checkpoint.auto_resume``: load the newest complete checkpoint in ``save_dir``, if there is one."""
+        """``checkpoint.auto_resume``: load the newest complete checkpoint in ``save_dir``, or a newer in-memory snapshot."""
         assert self.config.save_dir is not None
+        started = time.perf_counter()
         save_dir = Path(self.config.save_dir)
-        if latest_tag(save_dir) is None and not complete_checkpoints(save_dir):
+        snapshot = self._newer_snapshot(save_dir)
+        if snapshot is not None:
+            loaded = self.load(source.checkpoint_target(), snapshot, None)
+        elif latest_tag(save_dir) is None and not complete_checkpoints(save_dir):
             logger.info("auto_resume: no checkpoint in %s yet; starting from scratch", save_dir)
             return None, None
-        return self.load(source.checkpoint_target(), save_dir, None)
+        else:
+            loaded = self.load(source.checkpoint_target(), save_dir, None)
+        self.resume_s = time.perf_counter() - started
+        logger.info("auto_resume: restored %s in %.2f s", loaded[0], self.resume_s)
+        return loaded
+
+    def _newer_snapshot(self, save_dir: Path) -> Path | None:
+        """The newest in-memory snapshot if it is newer than every complete checkpoint in ``save_dir`` (on every rank)."""
+        if self.memory is None:
+            return None
+        assert self.memory.config.save_dir is not None
+        snapshots = complete_checkpoints(Path(self.memory.config.save_dir))
+        on_disk = complete_checkpoints(save_dir)
+        newest = snapshots[-1] if snapshots else None
+        disk_steps = on_disk[-1][1].get("global_steps", 0) if on_disk else -1
+        choice = str(newest[0]) if newest is not None and newest[1].get("global_steps", 0) > disk_steps else None
+        if len(set(all_gather_objects(choice))) > 1:  # ranks see different snapshots: only the disk is common ground
+            logger.warning("auto_resume: the ranks found different in-memory snapshots; resuming from %s instead", save_dir)
+            return None
+        if choice is not None:
+            logger.info("auto_resume: in-memory snapshot at step %d is newer than %s's (step %d)",
+                        newest[1].get("global_steps", 0), save_dir, disk_steps)  # type: ignore[index]  # fmt: skip
+        return Path(choice) if choice is not None else None
 
     def due(self, global_steps: int) -> bool:
         """``checkpoint.interval``: whether the step just finished should be saved into ``save_dir``."""
         every = self.config.interval
         return bool(every) and global_steps % every == 0 and self.config.save_dir is not None
+
+
+def _snapshot_manager(config: CheckpointConfig) -> CheckpointManager:
+    """The manager that writes ``in_memory_interval`` snapshots: asynchronous, the newest two kept, untracked at exit."""
+    directory = config.in_memory_dir or os.environ.get(SNAPSHOT_DIR_ENV)
+    if not directory:
+        raise ConfigError(
+            "checkpoint.in_memory_interval: no shared-memory directory for the snapshots; launch with `slipstream run` "
+            "(it makes one per run on /dev/shm) or set checkpoint.in_memory_dir"
+        )
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if config.in_memory_dir is None and local is not None and world is not None and local != world:
+        raise ConfigError(
+            f"checkpoint.in_memory_interval: this job spans several nodes ({world} ranks, {local} per node) and each node's "
+            "/dev/shm is its own; snapshots are not replicated to a peer node yet: use disk checkpoints (checkpoint.interval), "
+            "or set checkpoint.in_memory_dir to a directory every rank shares"
+        )
+    memory = config.model_copy(update={
+        "save_dir": directory, "keep_last_n": SNAPSHOTS_KEPT, "async_save": True, "interval": 0, "in_memory_interval": 0,
+        "auto_resume": False, "tag_validation": "Ignore",
+    })  # fmt: skip
+    return CheckpointManager(memory, track=False)

@@ -137,6 +137,10 @@ class CheckpointConfig(Section):
     auto_resume: bool = Field(False, description="initialize() loads the newest complete checkpoint in save_dir")
     async_save: bool = Field(False, validation_alias=AliasChoices("async", "async_save"), description="persist in the background")
     keep_last_n: int = Field(0, ge=0, description="keep the newest N checkpoints in a save directory; 0 keeps all")
+    in_memory_interval: int = Field(
+        0, ge=0, description="snapshot every N optimizer steps into this node's shared memory; auto_resume restores the newer of it and save_dir",
+    )  # fmt: skip
+    in_memory_dir: str | None = Field(None, description="where in-memory snapshots go; default: the launcher's per-run directory on /dev/shm")
     verify_checksums: bool = Field(True, description="check every file's CRC-32 when loading")
     commit_timeout: float = Field(600.0, gt=0.0, description="seconds rank 0 waits for the other ranks' files")
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
@@ -154,4 +158,6 @@ class CheckpointConfig(Section):
     def _dir_for_auto(self) -> CheckpointConfig:
         if (self.auto_resume or self.interval) and not self.save_dir:
             raise ValueError("save_dir must be set when auto_resume or interval is used")
+        if self.in_memory_interval and not self.auto_resume:
+            raise ValueError("in_memory_interval needs auto_resume: true (snapshots exist to be restored after a restart)")
         return self

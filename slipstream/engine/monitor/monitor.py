@@ -4,7 +4,8 @@ The engine calls a handful of methods (:meth:`TrainingMonitor.forward`, :meth:`o
 :meth:`timers`, :meth:`on_step`, :meth:`close`); everything else lives here. Nothing costs a device
 synchronization unless it is asked for: the loss is summed on the device and read once per
 optimizer step only when a writer or the progress line needs it; timers synchronize only with
-``wall_clock_breakdown``.
+``wall_clock_breakdown``. At each progress line every rank joins one tiny exchange that names a slow
+rank or the first rank whose loss went non-finite (health.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from slipstream.engine.monitor.flops import (
     analytic_flops,
     flop_counter_mode,
 )
+from slipstream.engine.monitor.health import RankHealth, WaitClock
 from slipstream.engine.monitor.record import StepRecord
-from slipstream.engine.monitor.timers import Timers
 from slipstream.engine.monitor.writers import Writer, build_writers
 from slipstream.utils.logging import get_logger
 
@@ -55,7 +56,8 @@ class TrainingMonitor:
         self.traffic_by_axis = traffic_by_axis
         self.rank, self.world_size = rank, world_size
         self.accelerator = accelerator
-        self.timers = Timers(config.wall_clock_breakdown, accelerator.synchronize)
+        self.timers = WaitClock(config.wall_clock_breakdown, accelerator.synchronize)
+        self.health = RankHealth(rank, accelerator.device())  # slow and numerically sick ranks, named at progress lines
         _check_packages(config)
         self.writers: list[Writer] = build_writers(config) if rank == 0 else []
         profiler = config.flops_profiler
@@ -124,6 +126,9 @@ class TrainingMonitor:
         self._window.add(step_time, samples, tokens, timers)
         every = self.config.steps_per_print
         printing = bool(every) and step.global_steps % every == 0
+        if every:  # someone will read it: the exchange at the progress line
+            self.health.on_step(step.global_steps, self._loss_sum, self._losses, step.grad_norm, step.dynamic_loss_scale, self.timers.take_waited())
+        verdicts = self.health.exchange(step.global_steps) if printing else []  # every rank; rank 0 logs them below
         if self.rank != 0 or not (self.writers or printing):
             self._loss_sum, self._losses = None, 0
             if printing:
@@ -140,6 +145,8 @@ class TrainingMonitor:
                 writer.flush()  # as DeepSpeed: a crashed run keeps its curves up to the last step
         if printing:
             logger.info(self._line(step, loss))
+            for level, line in verdicts:
+                logger.log(level, "%s", line)
             self._window = _Window()
 
     def close(self) -> None:
