@@ -292,12 +292,11 @@ def analyze(flights: dict[int, RankFlight], world: int, now: float | None = None
     if diverged is not None:
         group, seq, kinds, step = diverged
         parts = sorted(kinds.items(), key=lambda item: (len(item[1]), item[1]))
-        culprits = parts[0][1] if len(parts[0][1]) < len(parts[-1][1]) else [r for _, ranks in parts[:-1] for r in ranks]
+        majority = len(parts) > 1 and len(parts[-1][1]) > len(parts[-2][1])  # one side strictly largest
+        culprits = [r for _, ranks in (parts[:-1] if majority else parts) for r in ranks]
         sides = "; ".join(f"{_ranks(ranks)} issued {op} ({shape})" for (op, shape), ranks in parts)
-        summary = (
-            f"{_ranks(culprits)} took a different code path: the first divergence is collective #{seq} of {group} "
-            f"in step {step}: {sides}"
-        )
+        who = f"{_ranks(culprits)} took a different code path" if majority else f"{_ranks(culprits)} disagree (no majority)"
+        summary = f"{who}: the first divergence is collective #{seq} of {group} in step {step}: {sides}"
         details += [f"rank {r}: {whereabouts(r)}" for r in sorted(set(range(world)) | set(flights))]
         return HangReport(sorted(culprits), summary, details)
 
