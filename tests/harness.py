@@ -55,6 +55,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, sys_path: lis
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
     )
+    from slipstream.comm import flight
     from slipstream.utils.logging import set_rank
 
     set_rank(rank)
@@ -67,6 +68,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, sys_path: lis
             break
         fn, args, kwargs = job
         environment = dict(os.environ)  # hosts edit it (Lightning's DDP set-up writes WORLD_SIZE): the next body gets the pool's
+        flight.reset()  # each body's collectives are numbered from 1, as in a fresh job
         try:
             conn.send(("ok", fn(*args, **kwargs)))
         except pytest.skip.Exception as err:

@@ -85,7 +85,7 @@ class Work:
         return (
             f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} "
             f"{reason} after {elapsed:.1f}s{hint}. Another rank probably died or took a different code path "
-            f"(e.g. skipped backward or step). Backend said: {_one_line(err)}. Flight record: {_culprit()}"
+            f"(e.g. skipped backward or step). Backend said: {_one_line(err)}. Flight record: {_culprit(elapsed)}"
         )
 
 
@@ -93,10 +93,15 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-def _culprit() -> str:
-    """The flight recorder's verdict (see flight.py): who holds the group up, from the rings this rank can read."""
+def _culprit(elapsed: float) -> str:
+    """The flight recorder's verdict (see flight.py): who holds the group up, from the rings this rank can get.
+
+    The other ranks' rings are awaited for half the time this collective waited (at most 10 s): ranks
+    stuck in the same collective time out within about that."""
     try:
-        return flight.report_for(*_rank_and_world()).summary
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        wait_s = min(10.0, max(1.0, elapsed / 2))
+        return flight.report_for(*_rank_and_world(), store=store, wait_s=wait_s).summary
     except Exception as err:  # noqa: BLE001 - the report must never hide the collective's own error
         return f"unavailable ({type(err).__name__}: {err})"
 

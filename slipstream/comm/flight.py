@@ -26,6 +26,7 @@ import struct
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 FLIGHT_DIR_ENV = "SLIPSTREAM_FLIGHT_DIR"
 CAPACITY = 512  # records per rank: a ZeRO-3 step of a small model issues ~100 collectives
@@ -267,22 +268,27 @@ def first_divergence(flights: dict[int, RankFlight]) -> tuple[str, int, dict[tup
     return group, seq, kinds, step
 
 
-def analyze(flights: dict[int, RankFlight], world: int, now: float | None = None, exited: dict[int, str] | None = None) -> HangReport:
+def analyze(
+    flights: dict[int, RankFlight], world: int, now: float | None = None, exited: dict[int, str] | None = None,
+    unanswered: Iterable[int] = (),
+) -> HangReport:  # fmt: skip
     """Name the rank that holds the others up, from the rings of (ideally) every rank.
 
-    ``exited`` adds what the launcher knows of ranks that are gone ("killed by signal SIGKILL").
+    ``exited`` adds what the launcher knows of ranks that are gone ("killed by signal SIGKILL");
+    ``unanswered`` are ranks asked for their ring out of band that did not answer in time.
     The order of the questions: did ranks take different paths (a divergence is the cause of any
     hang that follows it)? Is a rank behind its group in the collective the others wait in? Else
     say where each rank waits.
     """
     now = time.time() if now is None else now
     exited = exited or {}
+    silent = set(unanswered) - set(flights)
     details: list[str] = []
 
     def whereabouts(rank: int) -> str:
         flight = flights.get(rank)
         if flight is None:
-            return exited.get(rank, "no flight record on this node")
+            return exited.get(rank, "did not answer" if rank in silent else "no flight record on this node")
         state = exited.get(rank) or process_state(flight.pid)
         last = flight.records[-1] if flight.records else None
         where = f"last collective {last.describe()}, {last.state}" if last else "no collective issued yet"
@@ -306,9 +312,19 @@ def analyze(flights: dict[int, RankFlight], world: int, now: float | None = None
         members = _members(record.group, world)
         behind = [m for m in members if m in flights and flights[m].last_seq(record.group) < record.seq]
         if not behind:
-            unseen = [m for m in members if m not in flights and m not in exited]
+            quiet = [m for m in members if m in silent]
+            unseen = [m for m in members if m not in flights and m not in exited and m not in silent]
+            waiters = [r for r, other in waiting.items() if other.group == record.group and other.seq == record.seq]
+            if quiet:  # every rank that could answer is waiting here: the silent ones are the suspects
+                summary = (
+                    f"{_ranks(quiet)} did not answer (stopped, dead, or busy outside slipstream's collectives) while "
+                    f"{_ranks(waiters)} {'waits' if len(waiters) == 1 else 'wait'} in {record.describe()} for "
+                    f"{now - record.issued_at:.1f} s"
+                )
+                details += [f"rank {r}: {whereabouts(r)}" for r in sorted(set(flights))]
+                return HangReport(sorted(quiet), summary, details)
             if unseen:
-                details.append(f"rank {rank} waits in {record.describe()}; {_ranks(unseen)} of the group have no record on this node")
+                details.append(f"rank {rank} waits in {record.describe()}; {_ranks(unseen)} of the group have no record here")
             continue
         waiters = [r for r, other in waiting.items() if other.group == record.group and other.seq == record.seq]
         summary = (
@@ -326,10 +342,17 @@ def analyze(flights: dict[int, RankFlight], world: int, now: float | None = None
         return HangReport(gone, summary, details)
     if waiting:
         rank, record = min(waiting.items(), key=lambda item: item[1].issued_at)
-        summary = (
-            f"every member of {record.group} issued {record.describe()} and none completed it: no rank is behind "
-            f"in slipstream's collectives (a transport failure, or a collective issued outside slipstream)"
-        )
+        members = _members(record.group, world)
+        if any(m not in flights for m in members):
+            summary = (
+                f"{_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in {record.describe()}; the rings of "
+                f"{_ranks(m for m in members if m not in flights)} are not visible from here"
+            )
+        else:
+            summary = (
+                f"every member of {record.group} issued {record.describe()} and none completed it: no rank is behind "
+                f"in slipstream's collectives (a transport failure, or a collective issued outside slipstream)"
+            )
     else:
         summary = "no rank waits in a collective slipstream issued"
     details += [f"rank {r}: {whereabouts(r)}" for r in sorted(flights)]
@@ -340,6 +363,14 @@ def analyze(flights: dict[int, RankFlight], world: int, now: float | None = None
 
 
 _recorder: FlightRecorder | None = None
+_generation = 0  # bumped by reset(): the out-of-band keys of one run never mix with an earlier one's
+
+
+def reset() -> None:
+    """Start a fresh recorder, as a new process would (for harnesses that reuse processes across jobs; on every rank)."""
+    global _recorder, _last_report, _generation
+    _recorder, _last_report = None, None
+    _generation += 1
 
 
 def recorder(rank: int, world: int) -> FlightRecorder:
@@ -355,10 +386,48 @@ def recorder(rank: int, world: int) -> FlightRecorder:
     return _recorder
 
 
-def report_for(rank: int, world: int) -> HangReport:
-    """The rings this rank can see (its node's under the launcher, else its own) analysed."""
+_STORE_PREFIX = "slipstream_flight/"
+_last_report: tuple[int, HangReport] | None = None  # (collectives issued when it was made, the report)
+
+
+def report_for(rank: int, world: int, store: Any = None, wait_s: float = 0.0) -> HangReport:
+    """Analyse the rings this rank can get: its node's (under the launcher) and, through ``store``, the others'.
+
+    [Note: the out-of-band exchange] ``store`` is the job's key-value store (torch's TCPStore, never
+    the hung process group): this rank publishes its ring there and waits up to ``wait_s`` for the
+    rings of the ranks it cannot read from its node's directory. The other ranks whose collectives
+    time out publish theirs the same way; a rank that is stopped, dead or computing never does,
+    and is named as not answering.
+    """
+    global _last_report
     own = recorder(rank, world)
+    if _last_report is not None and _last_report[0] == own._issued:  # the works queued behind a failed one: one exchange serves all
+        return _last_report[1]
     directory = os.environ.get(FLIGHT_DIR_ENV)
     flights = read_rings(directory, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if directory else {}
     flights[rank] = own.snapshot()
-    return analyze(flights, world)
+    unanswered: set[int] = set()
+    if store is not None and world > 1:
+        unanswered = _exchange(store, rank, world, bytes(own._map), flights, wait_s)
+    report = analyze(flights, world, unanswered=unanswered)
+    _last_report = (own._issued, report)
+    return report
+
+
+def _exchange(store: Any, rank: int, world: int, ring: bytes, flights: dict[int, RankFlight], wait_s: float) -> set[int]:
+    """Publish ``ring``; add the other ranks' published rings to ``flights``; return the ranks that stayed silent."""
+    store.set(f"{_STORE_PREFIX}{_generation}/{rank}", ring)
+    missing = set(range(world)) - set(flights)
+    deadline = time.monotonic() + wait_s
+    while missing:
+        for other in sorted(missing):
+            key = f"{_STORE_PREFIX}{_generation}/{other}"
+            if store.check([key]):
+                parsed = _parse(store.get(key), None)
+                if parsed is not None:
+                    flights[other] = parsed
+                missing.discard(other)
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    return missing

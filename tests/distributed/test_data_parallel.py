@@ -270,6 +270,26 @@ def _timeout_body() -> str:
 def test_hung_collective_names_rank_and_operation() -> None:
     message = run_distributed(2, _timeout_body)[0]
     assert "rank 0/2" in message and "all_reduce of probe tensor" in message and "timed out" in message
+    # No launcher here: the rings are exchanged through the job's store, and rank 1 never published one.
+    assert "Flight record: rank 1 did not answer (stopped, dead, or busy outside slipstream's collectives) while rank 0 waits in all_reduce #1 of ranks 0-1 " in message
+
+
+def _divergent_body() -> str:
+    import datetime
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
+    tensor = torch.ones(4 if dist.get_rank() == 0 else 3)
+    call = slipstream.comm.all_reduce if dist.get_rank() == 0 else (lambda t, group, tag: slipstream.comm.broadcast(t, 1, group, tag))
+    with pytest.raises(slipstream.comm.CollectiveError) as info:
+        call(tensor, group=group, tag="probe").wait()
+    return str(info.value)
+
+
+def test_divergent_collectives_are_named_through_the_store() -> None:
+    messages = run_distributed(2, _divergent_body)
+    for message in messages:  # both ranks published their rings out of band and both name the divergence
+        assert "Flight record: ranks 0,1 disagree (no majority): the first divergence is collective #1 of ranks 0-1 in step" in message, message
+        assert "rank 0 issued all_reduce ([4] float32); rank 1 issued broadcast ([3] float32)" in message, message
 
 
 def _bad_world_config_body() -> str:
