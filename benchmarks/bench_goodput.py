@@ -152,7 +152,7 @@ def _overhead(args: argparse.Namespace) -> None:
             code, _, lines = _launch(["--nproc_per_node", "2", __file__, "--overhead-worker", out, str(interval),
                                       str(args.steps), str(args.warmup)])  # fmt: skip
             if code != 0:
-                raise SystemExit(f"overhead job failed:\n" + "\n".join(t for _, t in lines[-30:]))
+                raise SystemExit("overhead job failed:\n" + "\n".join(t for _, t in lines[-30:]))
             data = json.loads(Path(out).read_text())
             results[name] += data["times"]
             print(f"round {round_ + 1} {name:>7} snapshots: median {statistics.median(data['times']) * 1e3:.1f} ms/step, "
