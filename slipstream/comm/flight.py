@@ -164,8 +164,15 @@ class RankFlight:
         return max((r.seq for r in self.records if r.group == group), default=0)
 
     def pending(self) -> Record | None:
-        """The oldest collective issued and not completed: where this rank waits."""
-        return next((r for r in self.records if r.state != "completed"), None)
+        """The oldest collective issued and not completed: where this rank waits.
+
+        One whose group has completed a later collective is not waited on (a handle dropped without
+        ``wait()``): a group runs its collectives in order, so it finished too."""
+        done: dict[str, int] = {}
+        for r in self.records:
+            if r.state == "completed":
+                done[r.group] = max(done.get(r.group, 0), r.seq)
+        return next((r for r in self.records if r.state != "completed" and r.seq > done.get(r.group, 0)), None)
 
 
 def _parse(data: bytes, path: Path | None) -> RankFlight | None:

@@ -86,6 +86,16 @@ def test_subgroups_are_compared_among_their_members(tmp_path):
     assert report.summary.startswith("rank 0 is behind: rank 1 waits in all_reduce #5 of ranks 0-1")
 
 
+def test_a_collective_never_waited_on_is_not_where_a_rank_waits(tmp_path):
+    rings = _rings(tmp_path, 2)
+    for recorder in rings.values():
+        recorder.issue("broadcast", "world", 4, "[1] float32", "dropped handle", 0)  # never waited on
+        _steps(recorder, 2)
+    rings[0].issue("all_reduce", "world", 4, "[1] float32", "norm", 2)
+    report = flight.analyze(flight.read_rings(tmp_path, 0), 2)
+    assert report.culprits == [1] and "rank 0 waits in all_reduce #6 of world" in report.summary
+
+
 def test_the_ring_keeps_the_newest_records_and_sequence_numbers(tmp_path):
     recorder = flight.FlightRecorder(0, 1, flight.ring_path(tmp_path, 0, 0), capacity=8)
     _steps(recorder, 10)
