@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+import types
 
 import torch
 import torch.distributed as dist
 
 import slipstream
+from slipstream.engine.monitor import health as health_module
 from slipstream.engine.monitor.health import SLOW_MARGIN, SLOW_MIN_EXCESS_S, SLOW_REPORTS, NonFinite, RankHealth, over_median
 from tests.harness import run_distributed
 from tests.reference import global_batches, gpt2_loss, micro_batch, tiny_gpt2
@@ -26,18 +28,26 @@ class _Lines(logging.Handler):
         self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
-def _train(slow_rank: int | None = None, delay: float = 0.0, nan_rank: int | None = None, nan_step: int = 0) -> dict:
+def _train(
+    slow_rank: int | None = None, delay: float = 0.0, nan_rank: int | None = None, nan_step: int = 0, cpu_clock: bool = False
+) -> dict:
     """STEPS optimizer steps, a progress line every EVERY; ``slow_rank`` sleeps ``delay`` before each forward,
-    ``nan_rank``'s loss is NaN at optimizer step ``nan_step`` (1-based, as the progress line counts)."""
+    ``nan_rank``'s loss is NaN at optimizer step ``nan_step`` (1-based, as the progress line counts).
+
+    ``cpu_clock``: the health check times each rank by its CPU time instead of the wall clock. On a shared
+    test machine (two cores, other suites running) a rank starved by the scheduler really is 2-4x slower
+    in wall time; CPU time counts only the work, which is the same on every rank when nobody sleeps."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    if cpu_clock:
+        health_module.time = types.SimpleNamespace(perf_counter=time.thread_time)  # type: ignore[assignment]
     config = {
         "train_batch_size": MB * world, "gradient_accumulation_steps": 1, "steps_per_print": EVERY,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},  # fp32, default clipping: a NaN norm must not crash it
     }  # fmt: skip
-    engine = slipstream.initialize(tiny_gpt2(), config)
     handler = _Lines()
-    logging.getLogger("slipstream").addHandler(handler)
     try:
+        engine = slipstream.initialize(tiny_gpt2(), config)
+        logging.getLogger("slipstream").addHandler(handler)
         for tokens in global_batches(STEPS, MB * world):
             if rank == slow_rank:
                 time.sleep(delay)  # a slow data loader or a throttled device
@@ -46,9 +56,10 @@ def _train(slow_rank: int | None = None, delay: float = 0.0, nan_rank: int | Non
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
+        engine.close()
     finally:
         logging.getLogger("slipstream").removeHandler(handler)
-        engine.close()
+        health_module.time = time  # the pool's processes serve other tests
     health = engine.monitor.health
     return {
         "slow": sorted(health.slow_ranks),
@@ -69,14 +80,14 @@ def test_a_slow_rank_is_named() -> None:
 
 
 def test_no_slow_rank_without_a_slowdown() -> None:
-    results = run_distributed(WORLD, _train)
+    results = run_distributed(WORLD, _train, cpu_clock=True)
     assert [r["slow"] for r in results] == [[]] * WORLD
     assert results[0]["lines"] == []
     assert all(r["nonfinite"] is None for r in results)
 
 
 def test_the_first_nonfinite_loss_is_named() -> None:
-    results = run_distributed(WORLD, _train, nan_rank=1, nan_step=3)
+    results = run_distributed(WORLD, _train, nan_rank=1, nan_step=3, cpu_clock=True)
     verdict = results[0]["nonfinite"]
     # step 3's NaN reaches rank 0 through the all-reduce: its own loss is NaN from step 4 on, rank 1 had it first
     assert verdict is not None and verdict.key() == results[1]["nonfinite"].key()
