@@ -75,8 +75,9 @@ def _wait_all() -> None:
 class CheckpointManager:
     """Owned by one engine; every public method is called on every rank (they are collective)."""
 
-    def __init__(self, config: CheckpointConfig, track: bool = True) -> None:
-        """``track=False``: a failed background save does not fail the process at exit (in-memory snapshots)."""
+    def __init__(self, config: CheckpointConfig, in_memory: bool = False) -> None:
+        """``in_memory``: this manager writes in-memory snapshots: a failed one does not fail the process at exit,
+        and their tensor files carry no CRC (see format.write_safetensors)."""
         self.config = config
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -87,8 +88,9 @@ class CheckpointManager:
         self.last_stall_s = 0.0  # training-thread time of the last save: the call plus its fence
         self.last_write_s = 0.0  # from the save call until this rank's files (and, on rank 0, the commit) are done
         self.resume_s = 0.0  # how long auto_resume took to find and load the checkpoint
+        self.checksums = not in_memory
         self.memory = _snapshot_manager(config) if config.in_memory_interval else None
-        if track:
+        if not in_memory:
             _live.add(self)
 
     # ------------------------------------------------------------------ save
@@ -132,7 +134,7 @@ class CheckpointManager:
             self._thread.start()
         else:
             try:
-                _agree(lambda: writer.write_rank(tmp, payload), "writing this rank's checkpoint files")
+                _agree(lambda: writer.write_rank(tmp, payload, self.checksums), "writing this rank's checkpoint files")
                 if rank == 0:
                     _agree(lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest), "committing the checkpoint")
                 else:
@@ -175,7 +177,7 @@ class CheckpointManager:
 
     def _persist(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool, started: float) -> None:
         try:
-            writer.write_rank(tmp, payload)
+            writer.write_rank(tmp, payload, self.checksums)
             if payload.rank == 0:
                 self._commit(payload, save_dir, tag, tmp, world, save_latest)
                 logger.info("saved checkpoint %s (in the background)", save_dir / tag)
@@ -324,4 +326,4 @@ def _snapshot_manager(config: CheckpointConfig) -> CheckpointManager:
         "save_dir": directory, "keep_last_n": SNAPSHOTS_KEPT, "async_save": True, "interval": 0, "in_memory_interval": 0,
         "auto_resume": False, "tag_validation": "Ignore",
     })  # fmt: skip
-    return CheckpointManager(memory, track=False)
+    return CheckpointManager(memory, in_memory=True)

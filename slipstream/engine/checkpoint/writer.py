@@ -210,10 +210,10 @@ def _libc() -> Any:
     return _LIBC[0]
 
 
-def write_rank(tmp: Path, payload: Payload) -> None:
-    """One rank's files; its JSON appears last (renamed into place), marking the rank done."""
+def write_rank(tmp: Path, payload: Payload, checksum: bool = True) -> None:
+    """One rank's files; its JSON appears last (renamed into place), marking the rank done. ``checksum``: see write_safetensors."""
     stem = rank_stem(payload.rank)
-    record = write_safetensors(tmp / f"{stem}.safetensors", payload.tensors)
+    record = write_safetensors(tmp / f"{stem}.safetensors", payload.tensors, checksum=checksum)
     if payload.config is not None:
         write_json_durably(tmp / CONFIG, payload.config)
     meta = {**payload.meta, "tensor_file": record}
