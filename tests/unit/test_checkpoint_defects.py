@@ -81,7 +81,7 @@ def test_3_a_failed_async_save_at_the_end_of_a_run_exits_non_zero(tmp_path: Path
         from tests.unit.ckpt_helpers import engine, train
         eng = engine(checkpoint={{"async": True}})
         train(eng)
-        def broken(tmp, payload):
+        def broken(tmp, payload, checksum=True):
             raise OSError(28, "No space left on device", str(tmp / "rank00000.safetensors"))
         writer.write_rank = broken
         eng.save_checkpoint({str(tmp_path)!r})
