@@ -169,3 +169,31 @@ def test_export_assembles_the_boxes_into_the_whole_tensor(tmp_path: Path) -> Non
     boxed = _save(tmp_path / "boxed", _column_boxes(), W)
     export_fp32(boxed, tmp_path / "out" / "w.safetensors")
     assert torch.equal(load_file(tmp_path / "out" / "w.safetensors")["w"], W)
+
+
+def test_a_snapshot_without_tensor_checksums_loads_and_a_checkpoint_missing_one_is_refused(tmp_path: Path) -> None:
+    import json
+
+    from slipstream.engine.checkpoint.reader import is_complete
+    from slipstream.engine.checkpoint.validate import METADATA_CRC_ONLY
+
+    source = W
+    layout = _row_boxes()
+    payloads = [capture(_target(Shards(pieces, source), 2), rank, "t", None) for rank, pieces in enumerate(layout)]
+    lock, tmp = writer.prepare(tmp_path, "t"), writer.temp_dir(tmp_path, "t")
+    for p in payloads:
+        writer.write_rank(tmp, p, checksum=False)  # as an in-memory snapshot writes
+    writer.commit(tmp_path, "t", tmp, 2, payloads[0].manifest, True, 10.0)
+    lock.release()
+    manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert manifest["checksum"] == METADATA_CRC_ONLY and "crc32" not in manifest["files"]["rank00000.safetensors"]
+    assert "crc32" in manifest["files"]["rank00000.json"]
+    for shards in _load(tmp_path / "t", layout):
+        assert all(torch.equal(o.value, _expected(o.slice, W)) and torch.equal(shards.moments[id(o)], _expected(o.slice, W) * 2)
+                   for o in shards.owned)  # fmt: skip
+    # An ordinary checkpoint whose manifest lost a tensor file's CRC is damaged, not a snapshot.
+    full = _save(tmp_path / "disk", layout, source)
+    manifest = json.loads((full / "manifest.json").read_text())
+    del manifest["files"]["rank00000.safetensors"]["crc32"]
+    (full / "manifest.json").write_text(json.dumps(manifest))
+    assert is_complete(full) is None

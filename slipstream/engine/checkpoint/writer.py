@@ -54,6 +54,7 @@ from slipstream.engine.checkpoint.format import (
     write_json_durably,
     write_safetensors,
 )
+from slipstream.engine.checkpoint.validate import METADATA_CRC_ONLY
 from slipstream.engine.checkpoint.reader import CheckpointError, check_coverage, complete_checkpoints, latest_tag, stand_in
 from slipstream.utils.logging import get_logger
 
@@ -244,7 +245,8 @@ def commit(
     check_coverage(tag, manifest["parameters"], slices)  # never commit a checkpoint that misses weights
     config = tmp / CONFIG
     files[CONFIG] = _record(config.read_bytes())
-    write_json_durably(tmp / MANIFEST, {**manifest, "files": files, "checksum": "crc32"})
+    checksum = "crc32" if all("crc32" in record for record in files.values()) else METADATA_CRC_ONLY
+    write_json_durably(tmp / MANIFEST, {**manifest, "files": files, "checksum": checksum})
     fsync_dir(tmp)
     final = save_dir / tag
     old = None
