@@ -321,12 +321,12 @@ class _RestartNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             if record.name == _PROCS_LOGGER and record.msg.startswith("Sending process") and not self._reported:
-                self._report_flight({})  # the teardown's first signal: the survivors still run, their rings are fresh
+                self._report_flight(None)  # the teardown's first signal: the survivors still run, their rings are fresh
             elif record.name == _PROCS_LOGGER and record.msg.startswith("failed (exitcode"):
                 exitcode, local_rank = int(record.args[0]), int(record.args[1])  # type: ignore[index]
                 pid = int(record.args[2]) if len(record.args) > 2 else None  # type: ignore[arg-type,index]
                 if not self._reported:  # no rank was left to stop
-                    self._report_flight({self._who.rank_base + local_rank: exit_description(exitcode)})
+                    self._report_flight((local_rank, exitcode))
                 self._failures.append((exitcode, self._who.failure(None, local_rank, exitcode, pid)))
             elif record.name == _AGENT_LOGGER and "will restart worker group" in record.msg:
                 self._attempt += 1
@@ -341,12 +341,15 @@ class _RestartNotice(logging.Filter):
             pass  # another torch version worded it differently; staying quiet is fine
         return False
 
-    def _report_flight(self, exited: dict[int, str]) -> None:
-        """The hang report of this attempt, once, before the agent signals the survivors (see flight_report.py)."""
+    def _report_flight(self, failed: tuple[int, int] | None) -> None:
+        """The hang report of this attempt, once, before the agent signals the survivors (see flight_report.py).
+
+        ``failed``: (local rank, exit code) of the rank that failed, when the agent said so first."""
         self._reported = True
         if self._flight_dir is None:
             return
         try:
+            exited = {self._who.rank_base + failed[0]: exit_description(failed[1])} if failed else {}
             lines = report_failed_attempt(self._flight_dir, self._attempt, self._world, exited)
         except Exception as err:  # noqa: BLE001 - the failure report itself must still print
             lines = [f"flight recorder: no report ({type(err).__name__}: {err})"]
