@@ -206,6 +206,8 @@ def read_rings(directory: str | Path, attempt: int | str) -> dict[int, RankFligh
 
 def process_state(pid: int) -> str:
     """What the kernel says of ``pid`` on this machine: running, sleeping, stopped, exited..."""
+    if not Path("/proc/self/stat").exists():  # not Linux: no kernel view to ask
+        return "state unknown"
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
