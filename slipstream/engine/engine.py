@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from slipstream.accelerator import Accelerator
-from slipstream.comm import comms_log, get_rank
+from slipstream.comm import comms_log
 from slipstream.engine.checkpoint.manager import CheckpointManager
 from slipstream.engine.checkpoint.rng import RngState
 from slipstream.engine.checkpoint.target import CheckpointTarget, Counters, TrainState
