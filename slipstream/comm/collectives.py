@@ -36,13 +36,13 @@ class Work:
         record: CommRecord,
         group: dist.ProcessGroup | None,
         on_complete: Callable[[], None] | None = None,
-        flight_index: int = 0,
+        flight_entry: tuple[flight.FlightRecorder, int] | None = None,
     ) -> None:
         self._work = work
         self._record = record
         self._group = group
         self._on_complete = on_complete
-        self._flight_index = flight_index
+        self._flight_entry = flight_entry  # (the recorder it was issued to, its index there)
         self._start = time.perf_counter()
         self.done = work is None
 
@@ -54,8 +54,9 @@ class Work:
         except Exception as err:  # the backend raises RuntimeError/DistBackendError variants
             raise CollectiveError(self._describe(err)) from err
         self.done = True
-        if self._flight_index:
-            _flight().finish(self._flight_index)
+        if self._flight_entry is not None:
+            recorder, index = self._flight_entry
+            recorder.finish(index)
         self._record.seconds = time.perf_counter() - self._start
         if self._on_complete is not None:
             self._on_complete()
@@ -75,8 +76,9 @@ class Work:
             if timed_out
             else ""
         )
-        if self._flight_index:
-            _flight().finish(self._flight_index, ok=False)
+        if self._flight_entry is not None:
+            recorder, index = self._flight_entry
+            recorder.finish(index, ok=False)
         if not _from_peer(err):  # a local error (autograd, dtype, shape): do not send the user after another rank
             return (
                 f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} failed on "
@@ -110,10 +112,6 @@ def _rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _flight() -> flight.FlightRecorder:
-    return flight.recorder(*_rank_and_world())
-
-
 def _shape(tensor: torch.Tensor) -> str:
     return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
@@ -131,13 +129,14 @@ def _launch(
     """Log, record in the flight ring and start one collective. ``route`` (``"1->3"``) names a point-to-point transfer's ends."""
     record = comms_log.add(op, tensor.numel() * tensor.element_size() if nbytes is None else nbytes, tag, group)
     label = f"p2p {route}" if route else flight.group_label(record.ranks)
-    index = _flight().issue(op, label, record.nbytes, _shape(tensor), tag, comms_log.step)
+    recorder = flight.recorder(*_rank_and_world())
+    entry = (recorder, recorder.issue(op, label, record.nbytes, _shape(tensor), tag, comms_log.step))
     try:
         work = call()
     except Exception as err:
-        handle = Work(None, record, group, flight_index=index)
+        handle = Work(None, record, group, flight_entry=entry)
         raise CollectiveError(handle._describe(err)) from err
-    return Work(work, record, group, on_complete, index)
+    return Work(work, record, group, on_complete, entry)
 
 
 _PEER_SIGNS = ("timed out", "timeout", "connection", "closed", "peer", "socket", "broken pipe", "reset", "abort", "nccl", "gloo")

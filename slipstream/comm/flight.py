@@ -115,7 +115,7 @@ class FlightRecorder:
         struct.pack_into("<d", self._map, 32, now)
 
     def snapshot(self) -> RankFlight:
-        return _parse(bytes(self._map), None)  # type: ignore[return-value]
+        return _parse(bytes(self._map))  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -175,7 +175,7 @@ class RankFlight:
         return next((r for r in self.records if r.state != "completed" and r.seq > done.get(r.group, 0)), None)
 
 
-def _parse(data: bytes, path: Path | None) -> RankFlight | None:
+def _parse(data: bytes) -> RankFlight | None:
     if len(data) < _HEADER_SIZE or data[:8] != _MAGIC:
         return None
     _, rank, world, pid, capacity, started, last_write = _HEADER.unpack_from(data, 0)
@@ -196,7 +196,7 @@ def read_rings(directory: str | Path, attempt: int | str) -> dict[int, RankFligh
     found: dict[int, RankFlight] = {}
     for path in sorted((Path(directory) / f"attempt{attempt}").glob("rank*.flight")):
         try:
-            flight = _parse(path.read_bytes(), path)
+            flight = _parse(path.read_bytes())
         except OSError:
             continue
         if flight is not None:
@@ -320,10 +320,10 @@ def analyze(
     for rank, record in sorted(waiting.items(), key=lambda item: item[1].issued_at):
         members = _members(record.group, world)
         behind = [m for m in members if m in flights and flights[m].last_seq(record.group) < record.seq]
+        waiters = [r for r, other in waiting.items() if other.group == record.group and other.seq == record.seq]
         if not behind:
             quiet = [m for m in members if m in silent]
             unseen = [m for m in members if m not in flights and m not in exited and m not in silent]
-            waiters = [r for r, other in waiting.items() if other.group == record.group and other.seq == record.seq]
             if quiet:  # every rank that could answer is waiting here: the silent ones are the suspects
                 summary = (
                     f"{_ranks(quiet)} did not answer (stopped, dead, or busy outside slipstream's collectives) while "
@@ -335,7 +335,6 @@ def analyze(
             if unseen:
                 details.append(f"rank {rank} waits in {record.describe()}; {_ranks(unseen)} of the group have no record here")
             continue
-        waiters = [r for r, other in waiting.items() if other.group == record.group and other.seq == record.seq]
         summary = (
             f"{_ranks(behind)} {'is' if len(behind) == 1 else 'are'} behind: {_ranks(waiters)} "
             f"{'waits' if len(waiters) == 1 else 'wait'} in {record.describe()} for {now - record.issued_at:.1f} s, "
@@ -432,7 +431,7 @@ def _exchange(store: Any, rank: int, world: int, ring: bytes, flights: dict[int,
         for other in sorted(missing):
             key = f"{_STORE_PREFIX}{_generation}/{other}"
             if store.check([key]):
-                parsed = _parse(store.get(key), None)
+                parsed = _parse(store.get(key))
                 if parsed is not None:
                     flights[other] = parsed
                 missing.discard(other)

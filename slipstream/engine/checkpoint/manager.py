@@ -91,7 +91,6 @@ class CheckpointManager:
         self.last_write_s = 0.0  # from the save call until this rank's files (and, on rank 0, the commit) are done
         self.resume_s = 0.0  # how long auto_resume took to find and load the checkpoint
         self.in_memory = in_memory
-        self.checksums = not in_memory
         self.memory = _snapshot_manager(config) if config.in_memory_interval else None
         if not in_memory:
             _live.add(self)
@@ -145,7 +144,7 @@ class CheckpointManager:
             self._thread.start()
         else:
             try:
-                _agree(lambda: writer.write_rank(tmp, payload, self.checksums), "writing this rank's checkpoint files")
+                _agree(lambda: writer.write_rank(tmp, payload, checksum=not self.in_memory), "writing this rank's checkpoint files")
                 if rank == 0:
                     _agree(lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest), "committing the checkpoint")
                 else:
@@ -188,7 +187,7 @@ class CheckpointManager:
 
     def _persist(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool, started: float) -> None:
         try:
-            writer.write_rank(tmp, payload, self.checksums)
+            writer.write_rank(tmp, payload, checksum=not self.in_memory)
             if payload.rank == 0:
                 self._commit(payload, save_dir, tag, tmp, world, save_latest)
                 logger.info("saved checkpoint %s (in the background)", save_dir / tag)
