@@ -111,7 +111,7 @@ def main() -> None:
     kinds = ["ddp", *(p for p in args.peers.split(",") if p and p != "ddp")] + [f"slipstream-{s}" for s in stages]
     if deepspeed_python:
         kinds += [f"deepspeed-{s}" for s in stages]
-    results: dict[str, dict[str, list[float]]] = {k: {"times": [], "rss": []} for k in kinds}
+    results: dict[str, dict[str, list[float]]] = {k: {"times": [], "rss": [], "rounds": []} for k in kinds}
     for _ in range(args.rounds):
         for kind in kinds:
             python = deepspeed_python if kind.startswith("deepspeed") else sys.executable
@@ -122,6 +122,7 @@ def main() -> None:
                 subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 data = json.loads(Path(out.name).read_text())
             results[kind]["times"] += data["times"]
+            results[kind]["rounds"].append(statistics.median(data["times"]))
             results[kind]["rss"] = [max(a, b) for a, b in zip(results[kind]["rss"], data["rss"])] or data["rss"]
 
     ddp = statistics.median(results["ddp"]["times"])
@@ -140,6 +141,11 @@ def main() -> None:
             vs_ds = f"{median / (statistics.median(results[peer]['times']) * 1e3):.3f}x"
         vs_fsdp2 = f" {median / (fsdp2 * 1e3):8.3f}x" if fsdp2 and kind.startswith("slipstream") else ""
         print(f"{kind:<14} {median:9.1f} {times[0]:7.1f}-{times[-1]:<7.1f} {rss:>18} {median / (ddp * 1e3):6.3f}x {vs_ds:>13}{vs_fsdp2}")
+    # The machine's speed drifts between rounds; a ratio within one round (neighbouring jobs) drifts less.
+    print("per round, each config's median step over DDP's in the same round (the median of these):")
+    for kind in kinds[1:]:
+        paired = [a / b for a, b in zip(results[kind]["rounds"], results["ddp"]["rounds"])]
+        print(f"  {kind:<14} {' '.join(f'{r:.3f}' for r in paired)}  median {statistics.median(paired):.3f}x")
 
 
 if __name__ == "__main__":

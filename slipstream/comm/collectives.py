@@ -46,6 +46,10 @@ class Work:
         self._start = time.perf_counter()
         self.done = work is None
 
+    def is_completed(self) -> bool:
+        """Whether :meth:`wait` would return at once (it must still be called, to finish the record)."""
+        return self.done or self._work.is_completed()
+
     def wait(self) -> None:
         if self.done:
             return
@@ -195,6 +199,9 @@ class _AllWorks:
             work.wait()
         return True
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
     return _launch("broadcast", tensor, tag, group, lambda: dist.broadcast(tensor, src=src, group=group, async_op=True))
@@ -238,6 +245,9 @@ class _FutureWork:
 
     def wait(self) -> None:
         self.future.result()
+
+    def is_completed(self) -> bool:
+        return self.future.done()
 
 
 def _own_chunk(flat: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

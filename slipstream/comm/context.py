@@ -42,6 +42,11 @@ class Pending:
     def wait(self) -> None:
         self.context.wait(self)
 
+    def ready(self) -> bool:
+        """Whether waiting would not block: the collective completed and its stream passed the event."""
+        finished = self.work is None or self.work.is_completed()
+        return self.waited or (finished and self.done.query())
+
 
 class CommContext:
     def __init__(self, accelerator: Accelerator | None = None) -> None:

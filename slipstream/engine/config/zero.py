@@ -82,7 +82,10 @@ class ZeroConfig(Section):
     offload_param: OffloadParamConfig | None = None
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0, validation_alias=_stage3("max_live_parameters"))
     stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0, validation_alias=_stage3("max_reuse_distance"))
-    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, validation_alias=_stage3("prefetch_bucket_size"))
+    stage3_prefetch_bucket_size: int | None = Field(
+        None, ge=0, validation_alias=_stage3("prefetch_bucket_size"),
+        description="None: the next unit only (see stage3/schedule.py, [Note: how far to gather ahead])",
+    )
     stage3_param_persistence_threshold: int = Field(100_000, ge=0, validation_alias=_stage3("param_persistence_threshold"))
     stage3_model_persistence_threshold: int = Field(sys.maxsize, ge=0, validation_alias=_stage3("model_persistence_threshold"))
     stage3_gather_16bit_weights_on_model_save: bool = Field(

@@ -56,7 +56,7 @@ class UnitHooks:
     def _end_forward_pass(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if self.held:
             return output
-        self.schedule.end_forward()
+        self.schedule.end_forward(backward_follows=torch.is_grad_enabled())
         for root in self.roots:
             if torch.is_grad_enabled():  # backward needs it first thing: keep it (FSDP2 keeps its root too)
                 self._on_output_grad(root, output)
@@ -83,8 +83,9 @@ class UnitHooks:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
             if self.held or is_recomputing():
                 return output  # stays gathered for its backward, which comes next and releases it
-            unit.post_forward()
-            if torch.is_grad_enabled():
+            grad = torch.is_grad_enabled()
+            unit.post_forward(keep=grad and unit is self.schedule.first_in_backward())
+            if grad:
                 self._on_output_grad(unit, output)
             return output
 

@@ -8,7 +8,11 @@ Every micro-step reduces: no rank ever holds a full gradient between micro-steps
 [Note: send-buffer pool] A fresh send buffer costs page faults on every unit; finished ones are
 kept per size for the next unit (at most two per size, ``POOL_NUMEL`` elements in all: with
 billion-parameter models two buffers per unit size held ~1 GB per rank between steps, more than
-the faults they save are worth). Buffers alive at once are bounded by ``reduce_bucket_size``.
+the faults they save are worth). Buffers alive at once are bounded by ``reduce_bucket_size``, and
+a reduction whose collective has finished is completed at the next launch, so its buffer serves
+the next unit: before, with DeepSpeed's 5e8 default every unit of a small model kept its buffer
+until the end of backward, the pool was empty when the next unit asked, and each unit paid a
+fresh mmap'd buffer's page faults (~4 ms per 12.6 MB unit, measured on gpt2-large at 2 ranks).
 """
 
 from __future__ import annotations
@@ -127,13 +131,22 @@ class UnitReducer:
         tag = f"ZeRO-3 gradients of unit {unit.index} ({unit.spec.name})"
         work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=unit.lanes.reduce, tag=tag), tag)
         self.reductions.append(_Reduction(unit, work, send, receive, into))
-        # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one).
+        # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one), and take
+        # back the ones whose reduce-scatter already finished (see [Note: send-buffer pool]).
         while len(self.reductions) > 1 and sum(r.send.numel() for r in self.reductions) > self.options.reduce_bucket_numel:
+            self._complete(self.reductions.pop(0))
+        while self.reductions and self.reductions[0].work.ready():
             self._complete(self.reductions.pop(0))
 
     def _scales(self, unit: ParamUnit) -> tuple[float, float]:
         o = self.options
-        return reduction_scales(unit.lanes.world, o.gradient_predivide_factor, o.prescale_gradients, o.average)
+        pre, post = reduction_scales(unit.lanes.world, o.gradient_predivide_factor, o.prescale_gradients, o.average)
+        world = unit.lanes.world
+        if post == 1.0 and pre == 1.0 / world and world & (world - 1) == 0 and self.communication_dtype is None:
+            # Dividing by 2^k is exact, before the sum or after: after, it scales the 1/world chunk at the
+            # boundary instead of the whole unit at every reduce-scatter (no wire dtype to overflow).
+            return 1.0, pre
+        return pre, post
 
     def _complete(self, reduction: _Reduction) -> None:
         reduction.work.wait()

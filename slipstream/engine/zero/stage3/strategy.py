@@ -45,7 +45,7 @@ logger = get_logger(__name__)
 class Stage3Options:
     unit_classes: list[str] | None = None
     persistence_threshold: int = 100_000  # elements; smaller parameters stay gathered
-    prefetch_numel: int = 50_000_000  # gather ahead while the units ahead hold fewer elements than this
+    prefetch_numel: int | None = None  # gather ahead while the units ahead hold fewer elements; None: the next unit
     max_live_numel: int = 1_000_000_000  # never prefetch beyond this many gathered elements
 
 
@@ -161,9 +161,6 @@ class Stage3Strategy(MastersStrategy):
     def step(self) -> None:
         self.masters.step()
         self._show_masters()
-        # The step's activations and gathered units are gone: give their fragmented heap pages back
-        # (accelerator/cpu.py, [Note: trimming the heap]); this is what makes stage 3's saving show in RSS.
-        get_accelerator().release_freed_memory()
 
     def _show_masters(self) -> None:  # the partitioned units gather the new shards when next needed
         with torch.no_grad():

@@ -269,9 +269,10 @@ class ParamUnit:
         if torch.is_grad_enabled():
             self.pending_backward += 1
 
-    def post_forward(self) -> None:
+    def post_forward(self, keep: bool = False) -> None:
+        """``keep``: stay gathered, the backward needs it first (see [Note: the last unit stays])."""
         self.depth -= 1
-        if self.depth == 0:
+        if self.depth == 0 and not keep:
             self.reshard()
 
     def pre_backward(self) -> None:
