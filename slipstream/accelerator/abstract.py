@@ -81,7 +81,8 @@ class Accelerator(abc.ABC):
         """
 
     def release_freed_memory(self) -> None:
-        """Hand memory the process has freed but still holds back to the system (once per step, not per unit).
+        """After each step: hand memory the process freed but still holds back to the system where it has grown
+        past the steady state (CPU: see ``HeapGuard``); never per unit.
 
         Device caching allocators keep it on purpose for the next step: nothing to do by default.
         """

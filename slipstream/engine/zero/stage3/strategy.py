@@ -161,6 +161,9 @@ class Stage3Strategy(MastersStrategy):
     def step(self) -> None:
         self.masters.step()
         self._show_masters()
+        # Not a trim every step: only once the heap has grown past its steady state
+        # (accelerator/cpu.py, [Note: trimming the heap, rarely]).
+        get_accelerator().release_freed_memory()
 
     def _show_masters(self) -> None:  # the partitioned units gather the new shards when next needed
         with torch.no_grad():
