@@ -1,7 +1,10 @@
 """ZeRO stages 0-3 vs torch DDP, FSDP2 and DeepSpeed (where installed): step time and peak RSS per rank.
 
-    python benchmarks/bench_zero.py [--model gpt2-large] [--steps 20] [--rounds 2] [--stages 0,1,2,3] [--world 2]
+    python benchmarks/bench_zero.py [--model gpt2-large] [--steps 20] [--rounds 2] [--stages 0,1,2,3,3+cpu,3+nvme] [--world 2]
                                     [--peers ddp,fsdp2] [--deepspeed-python /path/to/venv/bin/python]
+
+A stage written ``S+cpu`` / ``S+nvme`` / ``3+nvme+nvme`` offloads as ``bench_offload.py`` names it
+(that script's JSON, optimizer from the config for both frameworks, NVMe under ``--nvme-path``).
 
 FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
 
@@ -59,15 +62,26 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
             optimizer.step()
             optimizer.zero_grad()
     else:
-        framework, stage = kind.split("-")
+        framework, stage = kind.split("-", 1)
+        offloaded = "+" in stage  # bench_offload's JSON: the optimizer comes from the config (CPU Adam offloaded)
+        if offloaded:
+            from benchmarks.bench_offload import config_for
+
+            config = config_for(stage, args.nvme_path)
+        else:
+            config = _config(int(stage))
         if framework == "slipstream":
             import slipstream
 
-            engine = slipstream.initialize(model, _config(int(stage)), optimizer=adamw)
+            engine = slipstream.initialize(model, config, optimizer=None if offloaded else adamw)
+        elif offloaded:
+            import deepspeed
+
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         else:
             import deepspeed
 
-            config = {**_config(int(stage)), "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+            config = {**config, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
             engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
 
         def step(batch: torch.Tensor) -> None:
@@ -97,6 +111,7 @@ def main() -> None:
     parser.add_argument("--stages", default="0,1,2")
     parser.add_argument("--peers", default="ddp", help="torch peers besides DDP: fsdp2")
     parser.add_argument("--deepspeed-python", default=None)
+    parser.add_argument("--nvme-path", default="/tmp")
     parser.add_argument("--thp", choices=("0", "1"), default="1",
                         help="THP_MEM_ALLOC_ENABLE for every framework: 1 as `slipstream run` sets it, 0 as plain torchrun leaves it")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -106,7 +121,7 @@ def main() -> None:
         run_worker(args.worker, args)
         return
 
-    stages = [int(s) for s in args.stages.split(",")]
+    stages = args.stages.split(",")
     deepspeed_python = args.deepspeed_python or (sys.executable if importlib.util.find_spec("deepspeed") else None)
     kinds = ["ddp", *(p for p in args.peers.split(",") if p and p != "ddp")] + [f"slipstream-{s}" for s in stages]
     if deepspeed_python:
@@ -116,7 +131,8 @@ def main() -> None:
         for kind in kinds:
             python = deepspeed_python if kind.startswith("deepspeed") else sys.executable
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps), "--world", str(args.world)]
+                command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps),
+                           "--world", str(args.world), "--nvme-path", args.nvme_path]  # fmt: skip
                 # Huge pages for large CPU tensors (as `slipstream run` sets them) or not, for every framework alike.
                 env = {**os.environ, "THP_MEM_ALLOC_ENABLE": args.thp, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
                 subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
