@@ -293,6 +293,40 @@ def test_ring_collectives_match_the_definition(world: int) -> None:
     run_distributed(world, _ring_body, 1000)
 
 
+def _alone_body() -> None:
+    rank = dist.get_rank()
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes every group
+    alone = groups[rank]
+
+    def launched(*_: object, **__: object) -> None:
+        raise AssertionError("a collective over a group of one rank reached the backend")
+
+    saved = collectives._reduce_scatter_flat, collectives._all_gather_flat, dist.all_reduce
+    collectives._reduce_scatter_flat = collectives._all_gather_flat = dist.all_reduce = launched  # type: ignore[assignment]
+    try:
+        values = torch.arange(6, dtype=torch.float32) + rank
+        out = torch.empty(6)
+        slipstream.comm.reduce_scatter_tensor(out, values.clone(), group=alone, tag="alone").wait()
+        torch.testing.assert_close(out, values)
+        in_place = values.clone()
+        slipstream.comm.reduce_scatter_tensor(in_place, in_place, group=alone, tag="alone").wait()
+        torch.testing.assert_close(in_place, values)
+        gathered = torch.zeros(6)
+        slipstream.comm.all_gather_into_tensor(gathered, values, group=alone, tag="alone").wait()
+        torch.testing.assert_close(gathered, values)
+        summed = values.clone()
+        slipstream.comm.all_reduce(summed, group=alone, tag="alone").wait()
+        torch.testing.assert_close(summed, values)
+    finally:
+        collectives._reduce_scatter_flat, collectives._all_gather_flat, dist.all_reduce = saved
+
+
+def test_a_group_of_one_rank_launches_nothing_and_returns_its_input() -> None:
+    # Expert parallel at ep = world gives each expert a data-parallel group of one (collectives.py,
+    # [Note: groups of one]): its reductions must cost no backend call and no temporary copies.
+    run_distributed(2, _alone_body)
+
+
 def _mixed_dtype_body() -> str:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.float64))
     with pytest.raises(ValueError, match="mixed dtypes"):

@@ -63,7 +63,7 @@ def dispatch_combine(
     for e in range(local):
         rows = (mine == e).nonzero().squeeze(-1)
         if rows.numel():
-            out = out.index_add(0, rows, compute(e, arrived[rows]).to(out.dtype))
+            out.index_add_(0, rows, compute(e, arrived[rows]).to(out.dtype))  # in place: no copy of ``out`` per expert
     back = _AllToAllV.apply(out, recv_l, send_l, group, "expert combine")
     weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
     return torch.zeros_like(hidden_states).index_add(0, token_of, (back * weights).to(hidden_states.dtype))
