@@ -33,6 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 WARMUP = 2
+# The cut slipstream's ZB-V picks with partition "parameters" on gpt2-large (logged "blocks per stage"):
+# torch's ZBV gets the same stages so the comparison is schedule against schedule.
+ZBV_CUT = [2, 2, 3, 1]
 
 
 def _config(kind: str, m: int) -> dict:
@@ -91,6 +94,42 @@ def _deepspeed_pipe(model, m: int):
     return PipelineModule(layers=layers, num_stages=2, loss_fn=loss_fn, partition_method="parameters"), deepspeed
 
 
+def _torch_zbv(model, rank: int, m: int, blocks_per_stage: list[int]):
+    """``torch.distributed.pipelining``'s ZBV on the same GPT-2, batch and cut: stages of ``blocks_per_stage``
+    blocks, rank r holding stages r and 3 - r; the head reuses the embedding's weight (both ends on rank 0)."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+    starts = [sum(blocks_per_stage[:i]) for i in range(len(blocks_per_stage) + 1)]
+    t = model.transformer
+
+    class Stage(torch.nn.Module):
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.first, self.last = index == 0, index == len(blocks_per_stage) - 1
+            self.blocks = torch.nn.ModuleList(t.h[starts[index] : starts[index + 1]])
+            if self.first:
+                self.wte, self.wpe = t.wte, t.wpe
+            if self.last:
+                self.ln_f, self.head = t.ln_f, t.wte  # the tied weight: the same Parameter on rank 0
+
+        def forward(self, x):
+            hidden = self.wte(x) + self.wpe(torch.arange(x.shape[1])) if self.first else x
+            for block in self.blocks:
+                hidden = block(hidden)
+            return self.ln_f(hidden) @ self.head.weight.t() if self.last else hidden
+
+    def loss_fn(logits, labels):
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    n = len(blocks_per_stage)
+    modules = [Stage(rank), Stage(n - 1 - rank)]
+    stages = [PipelineStage(mod, i, n, torch.device("cpu")) for mod, i in zip(modules, (rank, n - 1 - rank))]
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn)
+    params = list({id(p): p for mod in modules for p in mod.parameters()}.values())
+    return schedule, params
+
+
 def _worker(rank: int, kind: str, steps: int, m: int, port: int, out: str) -> None:
     from benchmarks.common import current_rss_mb, peak_rss_mb, setup_rank_env
 
@@ -113,6 +152,22 @@ def _worker(rank: int, kind: str, steps: int, m: int, port: int, out: str) -> No
 
         def step(k: int) -> None:
             engine.train_batch(iter([(b, b) for b in batches[k * m : (k + 1) * m]]))
+    elif kind == "torch-zbv":
+        dist.init_process_group("gloo")
+        schedule, params = _torch_zbv(model, rank, m, ZBV_CUT)
+        optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+        def step(k: int) -> None:
+            batch = torch.cat(batches[k * m : (k + 1) * m])
+            if rank == 0:  # both ends of the V: the input and the loss
+                schedule.step(batch, target=batch)
+            else:
+                schedule.step()
+            squares = torch.stack([p.grad.pow(2).sum() for p in params if p.grad is not None]).sum()
+            dist.all_reduce(squares)  # clipping at 1.0 over the whole model, as the engines do
+            torch.nn.utils.clip_grads_with_norm_(params, 1.0, squares.sqrt())
+            optimizer.step()
+            optimizer.zero_grad()
     else:
         import slipstream
 
@@ -175,7 +230,7 @@ def main() -> None:
 
         mp.start_processes(_worker, args=(args.worker, args.steps, args.micro_batches, free_port(), args.out), nprocs=2, start_method="spawn")
         return
-    kinds = ["pp2-1f1b", "pp2-1f1b-profile", "pp2-zbv", "pp2-zbv-profile", "dp2-zero1"] + (["ds-pipe"] if args.deepspeed_python else [])
+    kinds = ["pp2-1f1b", "pp2-1f1b-profile", "pp2-zbv", "pp2-zbv-profile", "torch-zbv", "dp2-zero1"] + (["ds-pipe"] if args.deepspeed_python else [])
     if args.kinds:
         kinds = [k for k in kinds if k in args.kinds.split(",")]
     python = {k: args.deepspeed_python if k.startswith("ds") else sys.executable for k in kinds}
@@ -207,6 +262,10 @@ def main() -> None:
         ) or "-"
         vs = f"{median / base:.3f}x" if base else ""
         print(f"{kind:<17} {median * 1e3:9.1f} {tokens / median:9.0f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {bubble:>34} {vs:>13}")
+    if all(k in results and results[k]["times"] for k in ("pp2-zbv", "torch-zbv", "pp2-1f1b")):
+        zbv = statistics.median(results["pp2-zbv"]["times"])
+        print(f"pp2-zbv vs torch.distributed.pipelining ZBV (same cut {ZBV_CUT}): {zbv / statistics.median(results['torch-zbv']['times']):.3f}x; "
+              f"vs our 1F1B: {zbv / statistics.median(results['pp2-1f1b']['times']):.3f}x")
     if "ds-pipe" in results and results["ds-pipe"]["times"] and "pp2-1f1b" in results and results["pp2-1f1b"]["times"]:
         ratio = statistics.median(results["pp2-1f1b"]["times"]) / statistics.median(results["ds-pipe"]["times"])
         print(f"pp2-1f1b vs DeepSpeed PipelineModule 1F1B (same tokens per step): {ratio:.3f}x")
