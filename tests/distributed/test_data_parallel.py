@@ -171,12 +171,29 @@ class _Branchy(torch.nn.Module):
         return self.head(h).pow(2).mean()
 
 
-def _unused_body(stage: int = 0, gas: int = 1, **zero: object) -> None:
+class _BranchLast(_Branchy):
+    """The branch registered and called last: under ZeRO-3 with a unit per Linear, the unit kept gathered from forward into backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        branch = self.branch
+        del self.branch
+        self.branch = branch
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(self.frozen(x)))
+        out = self.head(h)
+        if use_branch:
+            out = out + torch.tanh(self.branch(h)).sum(-1, keepdim=True)
+        return out.pow(2).mean()
+
+
+def _unused_body(stage: int = 0, gas: int = 1, model_class: type[_Branchy] = _Branchy, **zero: object) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     config = _config(world, gas, mb=4)
     config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": 80, **zero}  # several buckets, one stalled by the branch
-    engine = slipstream.initialize(_Branchy(), config)
-    reference = _Branchy()
+    engine = slipstream.initialize(model_class(), config)
+    reference = model_class()
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01, fused=True)
     gen = torch.Generator().manual_seed(7)
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import slipstream
 from slipstream.comm import comms_log
 from slipstream.engine.zero.stage3.unit import UnitState
-from tests.distributed.test_data_parallel import _unused_body
+from tests.distributed.test_data_parallel import _BranchLast, _unused_body
 from tests.harness import run_distributed
 from tests.reference import (
     assert_close_trajectory,
@@ -159,6 +159,15 @@ def test_stage3_forward_path_differs_between_ranks(world: int, gas: int) -> None
     # micro-step only), one nobody runs; prefetch small enough to leave units to the cursor.
     zero = {"stage3_unit_modules": ["Linear"], "stage3_prefetch_bucket_size": 100, "stage3_param_persistence_threshold": 0}
     run_distributed(world, _unused_body, 3, gas, **zero)
+
+
+@pytest.mark.parametrize("prefetch", [None, 0])
+def test_stage3_last_unit_run_by_some_ranks_only(prefetch: int | None) -> None:
+    # The last unit stays gathered from the forward into the backward ([Note: the last unit stays]):
+    # here only rank 0 runs it, every other step, so the others gather it at the end of the forward
+    # and must keep it exactly as rank 0 does, or the gathers of backward would no longer pair up.
+    zero = {"stage3_unit_modules": ["Linear"], "stage3_prefetch_bucket_size": prefetch, "stage3_param_persistence_threshold": 0}
+    run_distributed(2, _unused_body, 3, 1, _BranchLast, **zero)
 
 
 # ---------------------------------------------------------------- memory and communication

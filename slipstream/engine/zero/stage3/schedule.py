@@ -58,9 +58,10 @@ class GatherSchedule:
     def end_forward(self, backward_follows: bool) -> None:
         current, self.forward = self.forward, None
         if current is not None:
-            self._participate_in_rest(current)
+            keep = self.first_in_backward() if backward_follows else None
+            self._participate_in_rest(current, keep)
             for unit in current.order:
-                if unit.depth == 0 and not (backward_follows and unit is self.first_in_backward()):
+                if unit.depth == 0 and unit is not keep:
                     unit.reshard()
 
     def first_in_backward(self) -> ParamUnit | None:
@@ -109,14 +110,14 @@ class GatherSchedule:
             current.order[current.cursor].unshard()
             current.cursor += 1
 
-    def _participate_in_rest(self, current: Pass) -> None:
-        """Gather the units this rank did not reach (other ranks may run them), one at a time."""
+    def _participate_in_rest(self, current: Pass, keep: ParamUnit | None = None) -> None:
+        """Gather the units this rank did not reach (other ranks may run them), one at a time; ``keep`` stays gathered."""
         while current.cursor < len(current.order):
             unit = current.order[current.cursor]
             current.cursor += 1
             unit.unshard()
-            if current is self.forward and unit is self.first_in_backward():
-                unit.wait()  # may stay for the backward: end_forward decides
+            if unit is keep:
+                unit.wait()  # the backward needs it first on the ranks that ran it: every rank keeps it alike
             else:
                 unit.reshard()
 
