@@ -51,6 +51,10 @@ class UnitReducer:
         """``order``: the fixed launch order; ``used``/``index``: flags of trainable parameters (by id) that got a gradient."""
         self.options, self.dtype, self.device, self.used, self.index = options, dtype, device, used, index
         self.communication_dtype = options.communication_dtype if options.communication_dtype not in (None, dtype) else None
+        # Dividing by 2^k is exact before the sum or after; after, it scales the 1/world chunk at the boundary
+        # instead of the whole unit at every reduce-scatter. Only where the sum cannot overflow (an fp32/fp64
+        # wire) and the user did not ask for prescaling, which exists to avoid exactly that overflow.
+        self.divide_after_sum = dtype in (torch.float32, torch.float64) and self.communication_dtype is None and not options.prescale_gradients
         # Chunks only for units with trainable parameters: a frozen backbone costs no gradient memory.
         self.chunks = {u.index: new_chunk(u) for u in units if u.trainable}
         self.offsets = {u.index: u.offset for u in units}
@@ -140,11 +144,9 @@ class UnitReducer:
 
     def _scales(self, unit: ParamUnit) -> tuple[float, float]:
         o = self.options
-        pre, post = reduction_scales(unit.lanes.world, o.gradient_predivide_factor, o.prescale_gradients, o.average)
         world = unit.lanes.world
-        if post == 1.0 and pre == 1.0 / world and world & (world - 1) == 0 and self.communication_dtype is None:
-            # Dividing by 2^k is exact, before the sum or after: after, it scales the 1/world chunk at the
-            # boundary instead of the whole unit at every reduce-scatter (no wire dtype to overflow).
+        pre, post = reduction_scales(world, o.gradient_predivide_factor, o.prescale_gradients, o.average)
+        if self.divide_after_sum and post == 1.0 and pre == 1.0 / world and world & (world - 1) == 0:
             return 1.0, pre
         return pre, post
 
