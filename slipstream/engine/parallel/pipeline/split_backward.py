@@ -115,11 +115,10 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: list
                     queue.append(child)
     # Nodes on a path from the output to an input: the input pass runs exactly these.
     on_input_path = _upward({n for n in map(_node, inputs) if n is not None}, parents)
-    weight_nodes = [n for n in map(_node, weights) if n is not None and n in seen]
-    used = [w for w in weights if _node(w) in seen]
+    used = [(w, n) for w in weights if (n := _node(w)) is not None and n in seen]  # each weight with its node, once
     # Where a weight's branch meets the input path: walk up from the weight until the path is reached.
     meets_of: dict[Node, set[Node]] = {}
-    for start in weight_nodes:
+    for _, start in used:
         found_meets: set[Node] = set()
         stack, visited = [start], {start}
         while stack:
@@ -132,9 +131,9 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: list
                     stack.append(parent)
         if found_meets:
             meets_of[start] = found_meets
-    nodes = list({m: None for start in weight_nodes for m in meets_of.get(start, ())})
-    apart = [w for w in used if _node(w) not in meets_of]
-    groups = _groups([w for w in used if _node(w) in meets_of], meets_of, {n: i for i, n in enumerate(nodes)})
+    nodes = list({m: None for _, start in used for m in meets_of.get(start, ())})
+    apart = [w for w, n in used if n not in meets_of]
+    groups = _groups([(w, meets_of[n]) for w, n in used if n in meets_of], {n: i for i, n in enumerate(nodes)})
     captured: list[tuple[torch.Tensor | None, ...] | None] = [None] * len(nodes)
 
     def capture(k: int) -> Any:
@@ -154,8 +153,9 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: list
     return [by_id.get(id(t)) for t in inputs], WeightPass(nodes, captured, groups, apart, (output, grad) if apart else None)
 
 
-def _groups(weights: list[torch.Tensor], meets_of: dict[Node, set[Node]], index: dict[Node, int]) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """Weights joined when their branches share a captured node (see [Note: one autograd call per group])."""
+def _groups(weights: list[tuple[torch.Tensor, set[Node]]], index: dict[Node, int]) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Each weight with the captured nodes its branch meets, joined into groups that share a node
+    (see [Note: one autograd call per group])."""
     parent = list(range(len(index)))
 
     def root(i: int) -> int:
@@ -164,15 +164,15 @@ def _groups(weights: list[torch.Tensor], meets_of: dict[Node, set[Node]], index:
             i = parent[i]
         return i
 
-    for w in weights:
-        first, *rest = (index[m] for m in meets_of[_node(w)])
+    for _, meets in weights:
+        first, *rest = (index[m] for m in meets)
         for other in rest:
             parent[root(other)] = root(first)
     grouped: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
-    for node, i in index.items():
+    for i in index.values():
         grouped.setdefault(root(i), ([], []))[0].append(i)
-    for w in weights:
-        grouped[root(index[next(iter(meets_of[_node(w)]))])][1].append(w)
+    for w, meets in weights:
+        grouped[root(index[next(iter(meets))])][1].append(w)
     return list(grouped.values())
 
 
