@@ -52,6 +52,13 @@ def _config(kind: str, m: int) -> dict:
     return {**base, "gradient_accumulation_steps": m, "pipeline": pipeline, "wall_clock_breakdown": True}
 
 
+def _next_token_loss(logits, labels):
+    """GPT2LMHeadModel's loss, for the peers that compute it outside the model (DeepSpeed's PipelineModule, torch's ZBV)."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
 def _deepspeed_pipe(model, m: int):
     """GPT-2 as DeepSpeed's PipelineModule wants it: embedding, blocks, final norm, tied head, loss."""
     import deepspeed
@@ -85,13 +92,10 @@ def _deepspeed_pipe(model, m: int):
     def head(embed, hidden):
         return hidden @ embed.wte.weight.t()
 
-    def loss_fn(logits, labels):
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-
     layers = [TiedLayerSpec("embed", Embed, tied_weight_attr="wte.weight"),
               *[LayerSpec(Block, i) for i in range(len(model.transformer.h))], LayerSpec(Norm),
               TiedLayerSpec("embed", Embed, forward_fn=head, tied_weight_attr="wte.weight")]  # fmt: skip
-    return PipelineModule(layers=layers, num_stages=2, loss_fn=loss_fn, partition_method="parameters"), deepspeed
+    return PipelineModule(layers=layers, num_stages=2, loss_fn=_next_token_loss, partition_method="parameters"), deepspeed
 
 
 def _torch_zbv(model, rank: int, m: int, blocks_per_stage: list[int]):
@@ -119,13 +123,10 @@ def _torch_zbv(model, rank: int, m: int, blocks_per_stage: list[int]):
                 hidden = block(hidden)
             return self.ln_f(hidden) @ self.head.weight.t() if self.last else hidden
 
-    def loss_fn(logits, labels):
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-
     n = len(blocks_per_stage)
     modules = [Stage(rank), Stage(n - 1 - rank)]
     stages = [PipelineStage(mod, i, n, torch.device("cpu")) for mod, i in zip(modules, (rank, n - 1 - rank))]
-    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn)
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=_next_token_loss)
     params = list({id(p): p for mod in modules for p in mod.parameters()}.values())
     return schedule, params
 

@@ -74,15 +74,14 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
             import slipstream
 
             engine = slipstream.initialize(model, config, optimizer=None if offloaded else adamw)
-        elif offloaded:
-            import deepspeed
-
-            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         else:
             import deepspeed
 
-            config = {**config, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-            engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
+            if offloaded:
+                engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            else:
+                config = {**config, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+                engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
 
         def step(batch: torch.Tensor) -> None:
             loss = engine(input_ids=batch, labels=batch).loss
