@@ -4,7 +4,8 @@
 (``weights.py``); 2. the pipeline cut (this rank's blocks; the rest become pass-throughs);
 3. experts (this rank's experts, dispatch by all-to-all); 4. tensor (+ sequence) parallel, which
 swaps leaves inside the blocks that remain, after which the pipeline finds its tied weights again;
-5. Ulysses / ring attention and the engine's input sharding; 6. activation checkpointing on the
+5. a dropout stream per pipeline stage and sequence shard (``rng.py``, after tp synced its ranks');
+6. Ulysses / ring attention and the engine's input sharding; 7. activation checkpointing on the
 blocks as they now are. Each step is ``(model, mesh, options) -> part | None`` and reads only what
 the steps before it left; the twin checks run inside the steps that cut the model.
 """
@@ -23,6 +24,7 @@ from slipstream.engine.parallel.expert import ExpertPlan, parallelize_experts
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.options import ParallelOptions
 from slipstream.engine.parallel.pipeline import Pipeline, parallelize_pipeline
+from slipstream.engine.parallel.rng import separate_slices
 from slipstream.engine.parallel.sequence import SequenceSharder, parallelize_attention
 from slipstream.engine.parallel.tensor import TensorParallel, parallelize_tensor
 from slipstream.engine.parallel.weights import sync_initial_weights
@@ -99,6 +101,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, options: ParallelOptions) ->
     tensor = parallelize_tensor(model, mesh, options.tensor)
     if pipeline is not None:
         pipeline.settle()  # tied weights and stand-ins found again after tensor parallel swapped modules
+    separate_slices(*(mesh.rank_of(axis) for axis in ("pp", "cp", "sp")))
     sequence = parallelize_attention(model, mesh, options.sequence, pipeline, experts)
     checkpoint_activations(model, mesh, options.activations)
     return Parallelized(model, pipeline, experts, tensor, sequence, original)

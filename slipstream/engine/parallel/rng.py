@@ -8,6 +8,16 @@ head 0's mask on rank 0 equals head 2's on rank 1). On entering such a region a 
 the (replicated) default stream, the generator is re-seeded with that seed and the tp rank, and on
 leaving the default state after the draw is restored.
 
+[Note: one stream per slice] Pipeline stages hold different layers and Ulysses / ring ranks
+different positions of one sequence; in one process every one of them draws fresh dropout masks.
+Seeded alike (the usual ``torch.manual_seed(s)`` on every rank), stage 1's first block would draw
+the masks stage 0's first block drew, and sequence shard 1 the masks of shard 0: correlated
+dropout that no loss comparison at dropout 0 would show. So at ``initialize`` every rank's
+default generator is re-seeded from a draw of its own stream mixed with its pp, cp and sp
+coordinates (the first stage's first shard keeps its stream, so a mesh without pp, cp or sp
+changes nothing). tp ranks keep one stream (same coordinates, same synced state) and data-parallel
+ranks keep the user's seeding, as DDP would.
+
 Activation checkpointing needs no extra state: recomputation restores the default generator to
 where the forward began, so it draws the same seeds and re-creates the same masks (Megatron keeps a
 tracker of named states and saves it with each checkpoint for the same reason).
@@ -34,6 +44,16 @@ def sync_default_rng(group: dist.ProcessGroup, root: int) -> None:
         moved = device_state.to(accelerator.device()) if dist.get_backend(group) == "nccl" else device_state
         dist.broadcast(moved, src=root, group=group)
         accelerator.set_rng_state(moved.cpu())
+
+
+def separate_slices(pp: int, cp: int, sp: int) -> None:
+    """Re-seed the default generator for this rank's pipeline stage and sequence shard ([Note: one stream per slice])."""
+    if pp == cp == sp == 0:
+        return
+    seed = int(torch.randint(0, 2**62, (1,)))  # alike on every rank seeded alike, and on every tp rank (synced)
+    for coordinate in (pp, cp, sp):
+        seed = (seed * _PRIME + 7919 + coordinate) % 2**63
+    get_accelerator().manual_seed(seed)
 
 
 class ShardedRegionRng:
