@@ -161,8 +161,11 @@ def all_reduce(
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
-    """Even all-to-all: chunk ``i`` of ``input`` (split on dim 0) goes to rank ``i``; logged as the bytes this rank sends."""
-    return _launch("all_to_all", input, tag, group, lambda: dist.all_to_all_single(output, input, group=group, async_op=True))
+    """Even all-to-all: chunk ``i`` of ``input`` (split on dim 0) goes to rank ``i``; logged as the bytes that leave
+    for other ranks, ``(n−1)/n`` of the input, as ``all_to_all_v`` logs its rows (a rank's own chunk never moves)."""
+    n = dist.get_world_size(group)
+    nbytes = input.numel() * input.element_size() * (n - 1) // n
+    return _launch("all_to_all", input, tag, group, lambda: dist.all_to_all_single(output, input, group=group, async_op=True), nbytes=nbytes)
 
 
 def all_to_all_v(

@@ -96,10 +96,11 @@ def test_ulysses_matches_one_process_and_counts_its_all_to_alls() -> None:
     for name in ("llama", "llama-kv1", "gpt2"):
         _assert_matches(results[0][name], name, BATCH)
     # Per layer and micro-batch: Q|K|V and output all-to-alls forward, their inverses backward; each
-    # rank's send buffer holds b·(H + 2·Hkv')·(s/u)·d and b·H·(s/u)·d fp32 elements (Hkv' = max(Hkv, u)).
+    # rank's send buffer holds b·(H + 2·Hkv')·(s/u)·d and b·H·(s/u)·d fp32 elements (Hkv' = max(Hkv, u)), of which
+    # (u−1)/u = 1/2 leaves the rank (what is logged).
     b, s_local, d, heads, layers = BATCH, SEQ // 2, 16, 4, 2
     for name, kv in (("llama", 2), ("llama-kv1", 2), ("gpt2", 4)):
-        qkv, out = b * (heads + 2 * kv) * s_local * d * 4, b * heads * s_local * d * 4
+        qkv, out = b * (heads + 2 * kv) * s_local * d * 4 // 2, b * heads * s_local * d * 4 // 2
         a2a = results[0][name]["a2a"]
         assert len(a2a) == 4 * layers, a2a
         assert sorted(n for n, _ in a2a) == sorted([qkv, out, out, qkv] * layers), a2a
