@@ -169,13 +169,13 @@ def train_lm_engine(engine: Any, batches: list[torch.Tensor], micro: int, index:
     return losses
 
 
-def tiny_mixtral(seed: int = 0, hidden: int = 64, intermediate: int = 96, vocab: int = 128, positions: int = 16) -> torch.nn.Module:
-    """A randomly initialised Mixtral (4 experts, top-2, GQA 4/2 heads, sdpa attention), two layers."""
+def tiny_mixtral(seed: int = 0, hidden: int = 64, intermediate: int = 96, vocab: int = 128, positions: int = 16, layers: int = 2) -> torch.nn.Module:
+    """A randomly initialised Mixtral (4 experts, top-2, GQA 4/2 heads, sdpa attention), two layers by default."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
     config = MixtralConfig(
-        num_hidden_layers=2, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=4,
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab,
         max_position_embeddings=positions, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
     )  # fmt: skip

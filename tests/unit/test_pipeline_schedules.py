@@ -119,6 +119,56 @@ def test_communication_pairs() -> None:
         assert len(sends) == 2 * 4 * crossings
 
 
+def _runs_to_the_end(schedule: S.Schedule) -> bool:
+    """Play every rank's plan (transfers included) with asynchronous sends and blocking receives; False on a deadlock."""
+    plans = with_communication([list(a) for a in schedule.compute], schedule.layout, schedule.pairs)
+    cursor, arrived = [0] * len(plans), set()
+    moved = True
+    while moved:
+        moved = False
+        for rank, plan in enumerate(plans):
+            while cursor[rank] < len(plan):
+                a = plan[cursor[rank]]
+                if a.op is Op.RECV_F and (a.stage - 1, "F", a.micro) not in arrived:
+                    break
+                if a.op is Op.RECV_B and (a.stage + 1, "B", a.micro) not in arrived:
+                    break
+                if a.op in (Op.SEND_F, Op.SEND_B):
+                    arrived.add((a.stage, a.op.value[-1], a.micro))
+                cursor[rank] += 1
+                moved = True
+    return all(c == len(plan) for c, plan in zip(cursor, plans))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_dualpipev_pairs_forward_and_backward_and_its_plan_cannot_deadlock(p: int) -> None:
+    """A pair receives both halves' tensors before it starts and sends after both (its halves take turns)."""
+    for m in range(2 * p, 2 * p + 5):
+        schedule = S.build("dualpipev", p, m, 2)
+        assert all(schedule.pairs[r] for r in range(p)), (p, m)
+        for rank in range(p):
+            for f, b in schedule.partners(rank).items():
+                assert f.op is Op.FORWARD and b.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and (f.stage, f.micro) != (b.stage, b.micro)
+        assert _runs_to_the_end(schedule), (p, m)
+    for name, v in CASES:  # the unpaired schedules' plans too
+        assert _runs_to_the_end(S.build(name, 2, 4, v)), name
+    assert S.build("dualpipev", 2, 4, 2).text(0) == "0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1) (3F2;0B0) 3B2 (3F3;0B1) 3B3 0I2 0W2 0I3 0W3"
+    one = S.build("1f1b", 2, 4)
+    early = Action(0, Op.BACKWARD, 0)  # rank 0 waiting for a gradient before it sent the activation: stuck
+    eager = (early, *(a for a in one.compute[0] if a != early))
+    assert not _runs_to_the_end(S.Schedule("1f1b", 4, one.layout, (eager, one.compute[1])))
+
+
+def test_a_pair_that_cannot_overlap_is_refused() -> None:
+    schedule = S.build("1f1b", 2, 4)
+    first = schedule.compute[0]
+    own = first.index(Action(0, Op.FORWARD, 1))
+    assert first[own + 1] == Action(0, Op.BACKWARD, 0)  # 1F1B's steady state: F1 then B0 (independent)
+    S.Schedule("1f1b", 4, schedule.layout, schedule.compute, (frozenset({own}), frozenset()))
+    with pytest.raises(ValueError, match="cannot overlap"):
+        S.Schedule("1f1b", 4, schedule.layout, schedule.compute, (frozenset({own + 1}), frozenset()))
+
+
 def test_layouts_and_text() -> None:
     assert StageLayout(2, 2, "v").stages_of(0) == (0, 3)
     assert StageLayout(2, 2, "loop").stages_of(1) == (1, 3)

@@ -76,6 +76,7 @@ class TrainingMonitor:
         self._profile_tokens = 0
         self.last: dict[str, float] = {}  # the latest step's metrics (tests and examples read them)
         self._bubble: tuple[float | None, float | None] | None = None  # pipeline: (measured, predicted) this rank
+        self._overlapped: int | None = None  # pipeline: collectives overlapped with compute this step (DualPipeV pairs)
 
     # ------------------------------------------------------------------ engine calls
     @contextlib.contextmanager
@@ -110,9 +111,11 @@ class TrainingMonitor:
             mode.__exit__(None, None, None)
             self._finish_profile(mode, engine_step)
 
-    def on_pipeline_step(self, measured: float | None, predicted: float | None, engine_step: int) -> None:
-        """A pipeline schedule ran: this rank's idle time over compute time, and what the schedule predicts for the same costs."""
+    def on_pipeline_step(self, measured: float | None, predicted: float | None, engine_step: int, overlapped: int | None = None) -> None:
+        """A pipeline schedule ran: this rank's idle time over compute time, what the schedule predicts for the same costs,
+        and (schedules that pair micro-batches) how many collectives ran while the pair's other half computed."""
         self._bubble = (measured, predicted)
+        self._overlapped = overlapped
         logger.debug("step %d: pipeline bubble %.3f measured, %.3f predicted (rank %d)", engine_step, measured or 0.0, predicted or 0.0, self.rank)
 
     def on_step(self, step: StepRecord) -> None:
@@ -184,6 +187,8 @@ class TrainingMonitor:
                 metrics["pipeline_bubble"] = measured
             if predicted is not None:
                 metrics["pipeline_bubble_predicted"] = predicted
+        if self._overlapped is not None:
+            metrics["pipeline_overlapped_collectives"] = float(self._overlapped)
         flops = self.flops_per_token()
         if flops and tokens:
             metrics["tflops_per_device"] = flops * tokens / self.world_size / step_time / 1e12

@@ -121,7 +121,9 @@ class PipelineRunner:
         for (_, _, deferred), value in zip(pending, report.losses):
             deferred._resolve(value)
             self.monitor.on_loss(torch.tensor(value), step)
-        self.monitor.on_pipeline_step(report.timing.bubble if report.timing else None, report.predicted_bubble, step)
+        timing = report.timing
+        overlapped = timing.overlapped if timing is not None and self.pipeline.schedule.pairs else None
+        self.monitor.on_pipeline_step(timing.bubble if timing else None, report.predicted_bubble, step, overlapped)
 
     def loss_of(self, output: Any) -> DeferredLoss:
         return output  # type: ignore[no-any-return]

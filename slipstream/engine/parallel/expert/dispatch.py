@@ -8,7 +8,8 @@ rank's input sent once per choice that leaves it), computed by the local experts
 same way and combined with the router weights where they came from. No capacity, no dropped
 token: the result is the unsharded layer's. Both exchanges are differentiable (backward runs the
 reverse exchange). Per layer and micro-batch a rank sends ``Σ(choices routed to other ranks)·h``
-elements to dispatch and receives as many back to combine (plus the counts).
+elements to dispatch and receives as many back to combine (plus the counts). Each exchange is
+waited on through ``overlap.wait``: inside a DualPipeV pair the other micro-batch computes meanwhile.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.comm import overlap
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, tag: str) -> torch.Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    comm.all_to_all_v(out, x.contiguous(), recv, send, group=group, tag=tag).wait()
+    overlap.wait(comm.all_to_all_v(out, x.contiguous(), recv, send, group=group, tag=tag))
     return out
 
 
@@ -54,7 +56,7 @@ def dispatch_combine(
     token_of = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)[order]
     send = torch.bincount(owner, minlength=ep)
     recv = torch.empty_like(send)
-    comm.all_to_all_single(recv, send, group=group, tag="expert token counts").wait()
+    overlap.wait(comm.all_to_all_single(recv, send, group=group, tag="expert token counts"))
     send_l, recv_l = send.tolist(), recv.tolist()
     sent_experts = _exchange(experts[order], send_l, recv_l, group, "expert ids")  # no gradient
     arrived = _AllToAllV.apply(hidden_states[token_of], send_l, recv_l, group, "expert dispatch")

@@ -68,27 +68,48 @@ class StageLayout:
         return tuple(s for s in range(self.num_stages) if self.rank_of(s) == rank)
 
 
-def with_communication(compute: list[list[Action]], layout: StageLayout) -> list[list[Action]]:
+def with_communication(
+    compute: list[list[Action]], layout: StageLayout, pairs: tuple[frozenset[int], ...] | None = None
+) -> list[list[Action]]:
     """Each rank's compute actions with the transfers they need, in an order that cannot deadlock.
 
     A send follows the action that produced its tensor; a receive comes right before the action
     that needs it. Stages on the same rank (the V layouts) hand tensors over without a transfer.
     Sends are asynchronous, so a rank blocks only on receives; as long as the compute order is
-    dependency-valid (``simulate.check``) every receive is eventually matched.
+    dependency-valid (``simulate.check``) every receive is eventually matched. An overlapped pair
+    (``pairs[rank]`` holds the index of its forward) receives what both halves need before either
+    starts and sends after both: its halves take turns on one rank and must not block inside.
+    (A DualPipeV pair receives both halves' tensors from one neighbour and sends both to the other, so
+    receiving early waits for nothing the pair's own sends would unblock.)
     """
     last = layout.num_stages - 1
+
+    def receives(a: Action, rank: int) -> list[Action]:
+        if a.op is Op.FORWARD and a.stage > 0 and layout.rank_of(a.stage - 1) != rank:
+            return [Action(a.stage, Op.RECV_F, a.micro)]
+        if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and a.stage < last and layout.rank_of(a.stage + 1) != rank:
+            return [Action(a.stage, Op.RECV_B, a.micro)]
+        return []
+
+    def sends(a: Action, rank: int) -> list[Action]:
+        if a.op is Op.FORWARD and a.stage < last and layout.rank_of(a.stage + 1) != rank:
+            return [Action(a.stage, Op.SEND_F, a.micro)]
+        if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and a.stage > 0 and layout.rank_of(a.stage - 1) != rank:
+            return [Action(a.stage, Op.SEND_B, a.micro)]
+        return []
+
     out: list[list[Action]] = []
     for rank, actions in enumerate(compute):
+        paired = pairs[rank] if pairs else frozenset()
         plan: list[Action] = []
-        for a in actions:
-            if a.op is Op.FORWARD and a.stage > 0 and layout.rank_of(a.stage - 1) != rank:
-                plan.append(Action(a.stage, Op.RECV_F, a.micro))
-            if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and a.stage < last and layout.rank_of(a.stage + 1) != rank:
-                plan.append(Action(a.stage, Op.RECV_B, a.micro))
-            plan.append(a)
-            if a.op is Op.FORWARD and a.stage < last and layout.rank_of(a.stage + 1) != rank:
-                plan.append(Action(a.stage, Op.SEND_F, a.micro))
-            if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and a.stage > 0 and layout.rank_of(a.stage - 1) != rank:
-                plan.append(Action(a.stage, Op.SEND_B, a.micro))
+        i = 0
+        while i < len(actions):
+            group = actions[i : i + 2] if i in paired else actions[i : i + 1]
+            for a in group:
+                plan += receives(a, rank)
+            plan += group
+            for a in group:
+                plan += sends(a, rank)
+            i += len(group)
         out.append(plan)
     return out

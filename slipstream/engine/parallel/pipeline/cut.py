@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -182,12 +183,32 @@ def _balance_ranks(weights: list[float], ranges: list[range], rank_of: Callable[
 # ----------------------------------------------------------------------------- the gate
 @dataclasses.dataclass
 class StageGate:
-    """Turns the model's forward into one stage's forward (see the module note)."""
+    """Turns the model's forward into one stage's forward (see the module note).
+
+    Which stage runs (``active``) and its received activation are per thread: a DualPipeV pair runs one
+    micro-batch's forward and another's backward on two threads (``comm/overlap.py``), and a block
+    recomputed in that backward (activation checkpointing) must run whole, as outside a forward.
+    """
 
     ranges: dict[int, range]  # local stage -> its block indices
     num_stages: int
-    active: int | None = None
-    received: torch.Tensor | None = None
+    _state: threading.local = dataclasses.field(default_factory=threading.local, repr=False)
+
+    @property
+    def active(self) -> int | None:
+        return getattr(self._state, "active", None)
+
+    @active.setter
+    def active(self, stage: int | None) -> None:
+        self._state.active = stage
+
+    @property
+    def received(self) -> torch.Tensor | None:
+        return getattr(self._state, "received", None)
+
+    @received.setter
+    def received(self, tensor: torch.Tensor | None) -> None:
+        self._state.received = tensor
 
     def hooks(self, blocks: list[torch.nn.Module]) -> list[torch.utils.hooks.RemovableHandle]:
         handles = []

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
-from slipstream.comm import p2p
+from slipstream.comm import overlap, p2p
 from slipstream.comm.collectives import Work
 from slipstream.comm.context import CommContext, Pending
 from slipstream.engine.parallel.calls import call_model, loss_of
@@ -38,6 +38,7 @@ class StepTiming:
     costs: dict[int, Costs]  # each stage's mean pass costs (every stage of the pipeline, gathered)
     in_flight: dict[int, int] = dataclasses.field(default_factory=dict)  # per local stage: most outputs held for their backward
     executed: tuple[Action, ...] = ()  # this rank's compute actions in the order they ran (replayable by simulate)
+    overlapped: int = 0  # collectives (expert all-to-alls) in flight while the other half of a DualPipeV pair computed
 
     @property
     def bubble(self) -> float:
@@ -58,7 +59,9 @@ class Executor:
         # The last stage's model output → what its loss is read from, given the micro-batch index (the
         # sequence sharder's combine under Ulysses / ring attention: runners/pipeline.py). None: as it is.
         self.finish: Callable[[Any, int], Any] | None = None
-        self.actions = with_communication([list(a) for a in schedule.compute], self.layout)[pp_rank]
+        self.actions = with_communication([list(a) for a in schedule.compute], self.layout, schedule.pairs)[pp_rank]
+        self.partners = schedule.partners(pp_rank)  # forward -> the backward it overlaps ("F&B")
+        self.second_halves = frozenset(self.partners.values())
         self.last = self.layout.num_stages - 1
         self.context = CommContext()  # transfers on their own stream, ordered by events (comm/context.py)
 
@@ -78,6 +81,7 @@ class Executor:
         spent: dict[tuple[int, Op], list[float]] = {}
         in_flight: dict[int, int] = {}
         executed: list[Action] = []
+        overlapped = 0
         # [Note: timing a step] Under wall_clock_breakdown the ranks start from one barrier, so each
         # rank's idle time includes its wait for the first activation (the warm-up bubble), and the
         # step lasts until the last rank is done (a MAX all-reduce: the last stage of 1F1B finishes
@@ -101,21 +105,34 @@ class Executor:
             elif a.op is Op.SEND_B:
                 grad = sent_back.pop(key).contiguous()
                 sends.append(self._p2p(lambda: p2p.send(grad, self._peer(a.stage - 1), p2p.channel(a.stage - 1, 2, a.micro), self.group, tag=f"pipeline gradient {a}")))
+            elif a in self.second_halves:
+                continue  # the second half of a pair: ran with its forward
             else:
-                began = time.perf_counter()
-                self._compute(a, batches, inputs, outputs, grads, sent_back, deferred, losses, scale)
-                spent.setdefault((a.stage, a.op), []).append(time.perf_counter() - began)
-                executed.append(a)
-                if a.op is Op.FORWARD:
-                    held = sum(1 for s, _ in outputs if s == a.stage)
-                    in_flight[a.stage] = max(in_flight.get(a.stage, 0), held)
+                state = (batches, inputs, outputs, grads, sent_back, deferred, losses, scale)
+                partner = self.partners.get(a)
+                if partner is None:
+                    began = time.perf_counter()
+                    self._compute(a, *state)
+                    ran = [(a, time.perf_counter() - began)]
+                else:  # [Note: taking turns] in comm/overlap.py
+                    pair = overlap.Pair()
+                    pair.run(lambda: self._compute(a, *state), lambda: self._compute(partner, *state))
+                    overlapped += pair.overlapped
+                    ran = [(a, pair.held[0]), (partner, pair.held[1])]
+                for action, seconds in ran:
+                    spent.setdefault((action.stage, action.op), []).append(seconds)
+                    executed.append(action)
+                    if action.op is Op.FORWARD:
+                        held = sum(1 for s, _ in outputs if s == action.stage)
+                        in_flight[action.stage] = max(in_flight.get(action.stage, 0), held)
         for work in sends:
             work.wait()
         wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         if self.synchronized_timing:
             comm.all_reduce(wall, op=dist.ReduceOp.MAX, group=self.group, tag="pipeline step time").wait()
         compute = sum(sum(v) for v in spent.values())
-        return [losses[i] for i in sorted(losses)], StepTiming(float(wall), compute, self._stage_costs(spent), in_flight, tuple(executed))
+        timing = StepTiming(float(wall), compute, self._stage_costs(spent), in_flight, tuple(executed), overlapped)
+        return [losses[i] for i in sorted(losses)], timing
 
     def _compute(
         self, a: Action, batches: list[Any], inputs: dict, outputs: dict, grads: dict, sent_back: dict, deferred: dict,

@@ -35,10 +35,38 @@ class Schedule:
     micro_batches: int
     layout: StageLayout
     compute: tuple[tuple[Action, ...], ...]  # per rank
+    # Per rank, the indices i where compute[i] (a forward) and compute[i + 1] (another micro-batch's
+    # backward) run as one overlapped pair, DualPipe's "F&B" (executor.py, comm/overlap.py).
+    pairs: tuple[frozenset[int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for rank, indices in enumerate(self.pairs):
+            for i in indices:
+                f, b = self.compute[rank][i], self.compute[rank][i + 1]
+                if f.op is not F or b.op not in (B, I) or (f.stage, f.micro) == (b.stage, b.micro):
+                    raise ValueError(f"pipeline: {f} and {b} on rank {rank} cannot overlap (a forward and another micro-batch's backward can)")
 
     @property
     def split_backward(self) -> bool:
         return any(a.op is I for actions in self.compute for a in actions)
+
+    def partners(self, rank: int) -> dict[Action, Action]:
+        """Rank ``rank``'s paired forwards, each with the backward that overlaps it."""
+        actions = self.compute[rank]
+        return {actions[i]: actions[i + 1] for i in (self.pairs[rank] if self.pairs else ())}
+
+    def text(self, rank: int) -> str:
+        """Rank ``rank``'s compute actions in torch's text form, a pair as ``(F;B)`` (DualPipe's "F&B")."""
+        actions, pairs = self.compute[rank], self.pairs[rank] if self.pairs else frozenset()
+        words, i = [], 0
+        while i < len(actions):
+            if i in pairs:
+                words.append(f"({actions[i]};{actions[i + 1]})")
+                i += 2
+            else:
+                words.append(str(actions[i]))
+                i += 1
+        return " ".join(words)
 
 
 def layout_for(name: str, ranks: int, virtual_stages: int) -> StageLayout:
@@ -78,14 +106,16 @@ def build(name: str, ranks: int, micro_batches: int, virtual_stages: int = 1) ->
     name = ALIASES.get(name, name)
     check(name, ranks, micro_batches, virtual_stages)
     layout = layout_for(name, ranks, virtual_stages)
-    generate: Callable[[int], list[Action]] = {
+    generate: Callable[[int], list[Action]] | None = {
         "afab": lambda r: _afab(r, micro_batches),
         "1f1b": lambda r: _merge(_order(r, ranks, micro_batches, 1), ranks - 1 - r, split=False, lag=0),
         "interleaved_1f1b": lambda r: _interleaved(r, ranks, micro_batches, virtual_stages, zero_bubble=False),
         "zb1p": lambda r: _interleaved(r, ranks, micro_batches, virtual_stages, zero_bubble=True),
         "zbv": lambda r: _zbv(r, ranks, micro_batches),
-        "dualpipev": lambda r: _dualpipev(r, ranks, micro_batches),
-    }[name]
+    }.get(name)
+    if generate is None:  # dualpipev: actions and the pairs that overlap
+        built = [_dualpipev(r, ranks, micro_batches) for r in range(ranks)]
+        return Schedule(name, micro_batches, layout, tuple(tuple(a) for a, _ in built), tuple(pairs for _, pairs in built))
     return Schedule(name, micro_batches, layout, tuple(tuple(generate(r)) for r in range(ranks)))
 
 
@@ -216,12 +246,14 @@ def _zbv(rank: int, p: int, m: int) -> list[Action]:
     return [a for a in c.out + tail if a.micro < m]
 
 
-def _dualpipev(rank: int, p: int, m: int) -> list[Action]:
+def _dualpipev(rank: int, p: int, m: int) -> tuple[list[Action], frozenset[int]]:
     """DualPipeV: after the warm-up each step pairs one chunk's forward with the other's backward."""
     down, up = rank, 2 * p - 1 - rank
     c = _Counters()
+    pairs: set[int] = set()
 
-    def paired(forward_stage: int, backward_stage: int) -> None:  # "F&B": overlapped on a GPU, in turn here
+    def paired(forward_stage: int, backward_stage: int) -> None:  # "F&B": one's all-to-alls overlap the other's compute
+        pairs.add(len(c.out))
         c.forward(forward_stage)
         c.backward(backward_stage, split=False)
 
@@ -257,4 +289,4 @@ def _dualpipev(rank: int, p: int, m: int) -> list[Action]:
         c.backward(down, split=split)
     for _ in range(rank + 1):
         c.weight()
-    return c.out
+    return c.out, frozenset(pairs)
