@@ -10,7 +10,8 @@ medians over rounds and the median of the per-round ratios against the baseline 
 * MoE model (Mixtral-shaped: hidden 256, 8 layers, 8 experts of intermediate 512, top-2, GQA 8/4,
   vocab 4096), **DeepSeek-V3's recipe**: pp 2 × ep 2 × dp 2, ZeRO-1, 4 micro-batches of 1 per dp
   rank, with 1F1B and with DualPipeV (a V of four 2-layer stages, expert all-to-alls overlapped
-  with the paired micro-batch's compute); baseline ``moe-dp4-z3``.
+  with the paired micro-batch's compute; ``-in-turn``: the same pairs with every all-to-all waited on
+  in place, to measure what the overlap buys); baseline ``moe-dp4-z3``.
 * Dense Llama (hidden 256, 8 layers, GQA 8/4, intermediate 688, vocab 4096): **Llama 3's** axes that
   fit 4 ranks, tp 2 × cp 2 (ring attention), micro-batch 8; **USP**, Ulysses 2 × ring 2, micro-batch
   8; baseline ``llama-dp4-z3`` (micro-batch 2 per rank).
@@ -47,6 +48,9 @@ CONFIGS: dict[str, tuple[str, int, int, dict[str, Any]]] = {
                                     "pipeline": {"stages": 2, "schedule": "1f1b"}}),
     "deepseek-dualpipev": ("moe", 1, 4, {**EP2, "zero_optimization": {"stage": 1}, "wall_clock_breakdown": True,
                                          "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2}}),
+    # The same pairs with the all-to-alls waited on in place (no hand-over): what the overlap buys.
+    "deepseek-dualpipev-in-turn": ("moe", 1, 4, {**EP2, "zero_optimization": {"stage": 1}, "wall_clock_breakdown": True,
+                                                 "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2}}),
     "llama-dp4-z3": ("llama", 2, 1, {"zero_optimization": {"stage": 3}}),
     "llama3-tp2-cp2": ("llama", 8, 1, {"tensor_parallel": {"autotp_size": 2}, "context_parallel": {"size": 2},
                                        "zero_optimization": {"stage": 1}}),
@@ -77,6 +81,10 @@ def _worker(rank: int, name: str, steps: int, port: int, out: str) -> None:
     import slipstream
 
     kind, micro, accumulation, extra = CONFIGS[name]
+    if name.endswith("-in-turn"):
+        from slipstream.comm import overlap
+
+        overlap.wait = lambda work: work.wait()  # the expert dispatch's waits no longer hand the turn over
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
               "steps_per_print": 10**9, "optimizer": ADAMW, **extra}  # fmt: skip
     engine = slipstream.initialize(_model(kind), config)
@@ -119,7 +127,7 @@ def main() -> None:
             runs[name].append(ranks)
     tokens = GLOBAL * SEQ
     print(f"world {WORLD} on gloo, {GLOBAL}×{SEQ} tokens per step, {args.rounds} alternating rounds × {args.steps} steps (medians)")
-    print(f"{'config':<20} {'ms/step':>8} {'tokens/s':>9} {'vs dp4 ZeRO-3':>14} {'peak RSS MB (per rank)':>24}")
+    print(f"{'config':<26} {'ms/step':>8} {'tokens/s':>9} {'vs dp4 ZeRO-3':>14} {'peak RSS MB (per rank)':>24}")
     for name in names:
         ms = statistics.median(r[0]["ms"] for r in runs[name])
         rss = [statistics.median(r[k]["rss_mb"] for r in runs[name]) for k in range(WORLD)]
@@ -127,7 +135,7 @@ def main() -> None:
         ratio = ""
         if base in runs and base != name:  # per round: this config's time over the baseline's of the same round
             ratio = f"{statistics.median(a[0]['ms'] / b[0]['ms'] for a, b in zip(runs[name], runs[base])):.3f}x time"
-        print(f"{name:<20} {ms:8.0f} {tokens / ms * 1e3:9.0f} {ratio:>14} {' '.join(f'{x:5.0f}' for x in rss):>24}")
+        print(f"{name:<26} {ms:8.0f} {tokens / ms * 1e3:9.0f} {ratio:>14} {' '.join(f'{x:5.0f}' for x in rss):>24}")
     for name in names:
         if not runs[name][0][0]["bubbles"]:
             continue

@@ -12,7 +12,12 @@ so each half of a pair runs on its own thread, and a turn passes between them:
 * the order in which a pair issues its collectives is fixed by the program, not by timing: every
   rank of an expert group runs the same pairs, so it issues the same collectives in the same order
   (backends match collectives by their order in a group);
-* once a half has finished, the other keeps the turn to its own end.
+* once a half has finished, the other keeps the turn to its own end;
+* the default generators (CPU and device) are process-wide, so each half keeps its own state across
+  hand-overs: a backward recomputing a checkpointed block replays the forward's generator state
+  (``torch.utils.checkpoint``) and must not see the other half's dropout draws in between, nor the
+  forward see the replay's. After the pair the generator is where the forward left it (a
+  backward's replays restore the state they found, so run one after the other it draws nothing).
 
 A hand-over to a half still running is one overlapped collective; :class:`Pair` counts them (on
 CPU, with gloo's worker threads moving the data, this is real overlap; on CUDA the collective runs
@@ -55,6 +60,7 @@ class Pair:
         self._since = 0.0
         self.overlapped = 0  # hand-overs while the other half was still running
         self.held = [0.0, 0.0]  # seconds each half held the turn: its own compute and waits
+        self._rng: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None, None]  # each half's generator states
 
     def run(self, first: Callable[[], None], second: Callable[[], None]) -> None:
         """``first`` on this thread, ``second`` on a helper thread; returns when both are done, raising the first error."""
@@ -74,6 +80,7 @@ class Pair:
         helper.start()
         self._half(0, first, errors)
         helper.join()
+        self._set_rng(self._rng[0])  # where the forward left it
         for error in errors:
             if error is not None:
                 raise error
@@ -102,8 +109,20 @@ class Pair:
                 self._switch(1 - side)
 
     def _switch(self, to: int) -> None:
-        """Pass the turn (the condition's lock is held), charging the time since the last pass to its holder."""
+        """Pass the turn (the condition's lock is held): charge the time since the last pass to its holder,
+        keep its generator states and give the next holder its own."""
         now = time.perf_counter()
         self.held[self._turn] += now - self._since
+        accelerator = get_accelerator()
+        self._rng[self._turn] = (torch.get_rng_state(), accelerator.rng_state())
+        self._set_rng(self._rng[to])
         self._since, self._turn = now, to
         self._cond.notify_all()
+
+    @staticmethod
+    def _set_rng(state: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
+        if state is None:  # a half's first turn: it starts from the state it finds
+            return
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            get_accelerator().set_rng_state(state[1])

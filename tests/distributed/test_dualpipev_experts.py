@@ -1,6 +1,6 @@
 """DualPipeV × expert parallel: each "F&B" pair hides one micro-batch's expert all-to-alls behind the other's compute.
 
-World 4 = pp 2 × dp 2 with ep 2 over the data-parallel ranks, ZeRO-1, a four-layer Mixtral cut into a
+World 4 = pp 2 × dp 2 with ep 2 over the data-parallel ranks, ZeRO-1 and ZeRO-3, a four-layer Mixtral cut into a
 V of four one-layer stages, 4 micro-batches. Against one process on the same global batches: losses
 1e-5 relative per step, weights 1e-4 / 5e-5. The overlap is counted ([Note: taking turns] in
 ``comm/overlap.py``): a pair's forward waits on 4 all-to-alls per MoE layer (counts, expert ids,
@@ -43,10 +43,10 @@ def _expected_overlaps(schedule: Schedule, rank: int, moe_layers: dict[int, int]
     return total
 
 
-def _body() -> dict[str, Any]:
+def _body(stage: int) -> dict[str, Any]:
     config = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M, "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, "zero_optimization": {"stage": stage},
         "expert_parallel": {"enabled": True, "autoep_size": 2}, "steps_per_print": 1,
         "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2},
     }  # fmt: skip
@@ -66,8 +66,9 @@ def _body() -> dict[str, Any]:
             "pairs": len(pipeline.schedule.partners(pipeline.rank)), "layers": layers_per_stage}  # fmt: skip
 
 
-def test_dualpipev_with_experts_overlaps_all_to_alls_and_matches_one_process() -> None:
-    results = run_distributed(4, _body)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dualpipev_with_experts_overlaps_all_to_alls_and_matches_one_process(stage: int) -> None:
+    results = run_distributed(4, _body, stage)
     ours = results[0]
     assert ours["layers"] == {0: 1, 1: 1, 2: 1, 3: 1}, ours["layers"]
     losses, params = train_lm_reference(_mixtral(), _batches(ours["dp"]), LR)

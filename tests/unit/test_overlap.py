@@ -64,3 +64,34 @@ def test_outside_a_pair_wait_is_a_plain_wait() -> None:
     assert seen == [True]  # the first half runs on the caller's thread (its autocast and grad mode)
     overlap.wait(_Work(log, "y"))  # after a pair, this thread is outside one again
     assert log[-1] == "wait y"
+
+
+def test_each_half_keeps_its_own_generator_state() -> None:
+    """A backward replaying a checkpointed forward's generator state must not see the other half's draws."""
+    import torch
+
+    torch.manual_seed(3)
+    alone = [torch.rand(1).item() for _ in range(2)]
+    after = torch.rand(1).item()
+    torch.manual_seed(7)
+    replay = torch.rand(1).item()
+
+    torch.manual_seed(3)
+    draws: dict[str, list[float]] = {"F": [], "B": []}
+
+    def forward() -> None:
+        draws["F"].append(torch.rand(1).item())
+        overlap.wait(_Work([], "F0"))
+        draws["F"].append(torch.rand(1).item())
+        overlap.wait(_Work([], "F1"))
+
+    def backward() -> None:
+        saved = torch.get_rng_state()
+        torch.manual_seed(7)  # as checkpoint's recompute sets the forward's saved state ...
+        overlap.wait(_Work([], "B0"))  # ... and hands over in the middle of the recompute
+        draws["B"].append(torch.rand(1).item())
+        torch.set_rng_state(saved)  # ... and restores what it found
+
+    overlap.Pair().run(forward, backward)
+    assert draws == {"F": alone, "B": [replay]}
+    assert torch.rand(1).item() == after  # the forward's stream goes on
