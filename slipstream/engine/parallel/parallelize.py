@@ -98,7 +98,7 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, options: ParallelOptions) ->
     original = {id(p): n for n, p in model.named_parameters()}
     pipeline = parallelize_pipeline(model, mesh, options.pipeline)
     experts = parallelize_experts(model, mesh, options.experts)
-    tensor = parallelize_tensor(model, mesh, options.tensor)
+    tensor = parallelize_tensor(model, mesh, options.tensor, experts)
     if pipeline is not None:
         pipeline.settle()  # tied weights and stand-ins found again after tensor parallel swapped modules
     separate_slices(*(mesh.rank_of(axis) for axis in ("pp", "cp", "sp")))

@@ -10,11 +10,18 @@ of every rank of that group, so its gradient is the *sum* over the ``ep`` ranks'
 averages dense gradients over dp (the mean of the ranks' losses) and expert gradients over the
 expert-data-parallel group (the ranks holding the same experts, ``dp/ep`` of them); dividing
 expert gradients by ``ep`` first makes both the gradient of the dp-mean loss, as in one process.
+When the ep group spans tensor-parallel ranks, they hold the same tokens and the same loss, so each
+token reaches its expert once per tp rank: the sum counts it ``tp`` times and the division by ``ep``
+still gives the mean. Under Megatron sequence parallelism each of those tp ranks holds a different
+part of the sequence instead (the experts run in the sequence-sharded region), so a token reaches
+its expert once and the parts add up to the whole loss's gradient: the divisor is ``ep / tp``
+(``ExpertPlan.split_tokens``, set by the tensor step, which runs after this one).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +44,13 @@ class ExpertPlan:
     params: list[torch.nn.Parameter]
     group: dist.ProcessGroup  # the expert-data-parallel group: ranks holding the same experts
     modules: list[ExpertParallelExperts]
+    scale: _GradientScale  # the expert gradients' hook (see [Note: expert gradients])
     hooks: list[torch.utils.hooks.RemovableHandle] = dataclasses.field(default_factory=list)
+
+    def split_tokens(self, shards: Callable[[], int]) -> None:
+        """The ep group's ranks hold ``shards()`` different parts of each rank's tokens at the experts (Megatron
+        sequence parallel: the tp ranks' sequence shards; 1 when it is off) — see [Note: expert gradients]."""
+        self.scale.shards = shards
 
     def token_counts(self) -> tuple[tuple[int, ...], ...]:
         """Tokens each local expert received since the last call, per experts module (for the step record)."""
@@ -64,6 +77,18 @@ class ExpertPlan:
         return out
 
 
+class _GradientScale:
+    """Divides each expert gradient by ``ep / shards`` (see [Note: expert gradients]); a gradient hook."""
+
+    def __init__(self, ep: int) -> None:
+        self.ep = ep
+        self.shards: Callable[[], int] = lambda: 1
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        divisor = self.ep // self.shards()
+        return grad if divisor == 1 else grad / divisor
+
+
 def is_fused_experts(module: torch.nn.Module) -> bool:
     n = getattr(module, "num_experts", None)
     params = list(module.parameters(recurse=False))
@@ -87,6 +112,7 @@ def parallelize_experts(model: torch.nn.Module, mesh: Mesh, options: ExpertOptio
         if m.num_experts % ep:
             raise ConfigError(f"expert_parallel.autoep_size: {name} has {m.num_experts} experts, which do not divide by {ep}")
     group = mesh.group("ep")
+    scale = _GradientScale(ep)
     modules, hooks = [], []
     for name, m in found:
         sharded = ExpertParallelExperts(m, group)
@@ -94,17 +120,18 @@ def parallelize_experts(model: torch.nn.Module, mesh: Mesh, options: ExpertOptio
         setattr(model.get_submodule(parent_name) if parent_name else model, child, sharded)
         for pname, p in sharded.named_parameters(recurse=False):
             place(p, sharded.global_shapes[pname], (sharded.first, 0, 0))
-            hooks.append(p.register_hook(lambda g, ep=ep: g / ep))  # see [Note: expert gradients]
+            hooks.append(p.register_hook(scale))  # see [Note: expert gradients]
         modules.append(sharded)
     params = [p for m in modules for p in m.parameters(recurse=False)]
     for name, layer in layers:
-        params += _keep_local_experts(name, layer, group, ep, hooks)
+        params += _keep_local_experts(name, layer, group, ep, hooks, scale)
     log_rank0(logger, "expert parallel %d: %d experts modules, %d expert parameters per rank", ep, len(modules), len(params))
-    return ExpertPlan(params, mesh.across("ep"), modules, hooks)  # the expert-data-parallel group
+    return ExpertPlan(params, mesh.across("ep"), modules, scale, hooks)  # the expert-data-parallel group
 
 
 def _keep_local_experts(
-    name: str, layer: MoE, group: dist.ProcessGroup, ep: int, hooks: list[torch.utils.hooks.RemovableHandle]
+    name: str, layer: MoE, group: dist.ProcessGroup, ep: int, hooks: list[torch.utils.hooks.RemovableHandle],
+    scale: _GradientScale,
 ) -> list[torch.nn.Parameter]:  # fmt: skip
     """A ``slipstream.moe.MoE`` keeps its own experts (their global indices as names) and dispatches by all-to-all."""
     if layer.ep_size not in (1, ep):
@@ -122,5 +149,5 @@ def _keep_local_experts(
     params = [p for p in layer.experts.parameters()]
     for p in params:
         place(p, tuple(p.shape))  # whole tensors under global names: other ranks' experts are other parameters
-        hooks.append(p.register_hook(lambda g, ep=ep: g / ep))  # see [Note: expert gradients]
+        hooks.append(p.register_hook(scale))  # see [Note: expert gradients]
     return params

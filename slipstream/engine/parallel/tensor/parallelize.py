@@ -16,7 +16,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -180,8 +181,26 @@ def _place_all(model: torch.nn.Module, ctx: TPContext) -> None:
             place(param, tuple(param.shape), duplicate=ctx.rank != 0)
 
 
-def parallelize_tensor(model: torch.nn.Module, mesh: Mesh, options: TensorOptions | None) -> TensorParallel | None:
+class ExpertsBeside(Protocol):
+    """What the tensor step needs of expert parallelism (``expert.ExpertPlan``), which ran before it."""
+
+    params: list[torch.nn.Parameter]
+
+    def split_tokens(self, shards: Callable[[], int]) -> None: ...
+
+
+def parallelize_tensor(
+    model: torch.nn.Module, mesh: Mesh, options: TensorOptions | None, experts: ExpertsBeside | None = None
+) -> TensorParallel | None:
     """Tensor (+ sequence) parallelism over ``mesh.group("tp")``; None when tp is 1. Collective over the world.
+
+    [Note: experts in the sequence-parallel region] Routed experts sit outside any column/row pair,
+    so under Megatron sequence parallelism they run on this rank's part of the sequence. Their
+    gradients are then neither replicated over tp (each tp rank of an ep group holds other experts)
+    nor to be summed over it: the tp ranks' parts reach each expert through the dispatch and add up
+    there, so expert parameters are left out of the tp sum and their ep scaling counts the parts
+    (``ExpertPlan.split_tokens``). This needs every tp group inside one ep group (ep a multiple of
+    tp); with a smaller ep, ranks holding the same experts would each hold half the sum.
 
     [Note: packed placement] A packed projection's local piece (this rank's Q, K and V columns) is
     three boxes of the global tensor: it is stored part-major and placed with ``place_parts``, so
@@ -190,6 +209,12 @@ def parallelize_tensor(model: torch.nn.Module, mesh: Mesh, options: TensorOption
     if options is None:
         return None
     t = options.size
+    if experts is not None and options.sequence_parallel and mesh.size("ep") % t:
+        raise ConfigError(
+            f"tensor_parallel.sequence_parallel: expert_parallel.autoep_size {mesh.size('ep')} is not a multiple of "
+            f"tensor_parallel.autotp_size {t}: tp ranks holding the same experts would each see part of the sequence "
+            "(see [Note: experts in the sequence-parallel region]); use an ep that is a multiple of tp"
+        )
     # Sequence parallel switches on after the self-check, which runs blocks on whole sequences.
     ctx = TPContext(mesh.group("tp"), t, mesh.rank_of("tp"), options.sequence_parallel, enabled_sequence=False)
     sync_default_rng(ctx.group, mesh.ranks("tp")[0])  # replicated dropout alike on every tp rank
@@ -230,7 +255,10 @@ def parallelize_tensor(model: torch.nn.Module, mesh: Mesh, options: TensorOption
     tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 3e-2
     selfcheck.verify(probe, blocks.modules, blocks.names, plan, ctx.group, tolerance)
     if ctx.sequence_parallel:  # every replicated block parameter: a superset of the sharded regions' ones
-        hooks = sequence.enable(model, blocks.modules, ctx, shared)
+        own_experts = set() if experts is None else {id(p) for p in experts.params}
+        hooks = sequence.enable(model, blocks.modules, ctx, shared, not_replicated=own_experts)
+        if experts is not None:
+            experts.split_tokens(lambda: t if ctx.sp else 1)
     else:
         hooks = sum_gradients_over_tp(params_in_sharded_regions(blocks.modules, probe.calls[0], ctx), ctx, "tp replicated gradient")
     if expected is not None:

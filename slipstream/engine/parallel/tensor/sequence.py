@@ -16,7 +16,7 @@ summed over tp by ``partial_grads.sum_gradients_over_tp``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -53,8 +53,12 @@ def _gather_at_entry(parent: torch.nn.Module, share: SharedInput, ctx: TPContext
 
 def enable(
     model: torch.nn.Module, blocks: Sequence[torch.nn.Module], ctx: TPContext, shared: dict[str, SharedInput],
+    not_replicated: Collection[int] = frozenset(),
 ) -> list[Any]:  # fmt: skip
     """Install the region edges, the sub-block entries and the gradient reductions; return the handles.
+
+    ``not_replicated``: ids of block parameters that differ between tp ranks though no tp layer holds
+    them (expert parallelism's experts), left out of the replicated gradients' sum over tp.
 
     [Note: where to gather] A sub-block below the block (an attention or MLP module) is gathered at
     its entry: its code may take the sequence length from its input. When the column leaves sit
@@ -98,6 +102,7 @@ def enable(
     ]
     sharded = {id(p) for m in model.modules() if isinstance(m, ShardedLinear) for p in m.parameters()}
     sharded -= {id(m.bias) for m in model.modules() if isinstance(m, ShardedLinear) and m.style == "row" and m.bias is not None}
+    sharded |= set(not_replicated)
 
     seen: set[int] = set()
     replicated = []
