@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from slipstream import comm
+from slipstream.comm import overlap
 from slipstream.engine.parallel.attention import allowed, attend, attention_features
 
 ATTENTION_NAME = "slipstream_ulysses"
@@ -53,7 +54,7 @@ def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.Pr
     u = dist.get_world_size(group)
     send = torch.stack(x.chunk(u, dim=scatter_dim)).contiguous()  # [u, ...]: chunk i goes to rank i
     received = torch.empty_like(send)
-    comm.all_to_all_single(received, send, group=group, tag=tag).wait()
+    overlap.wait(comm.all_to_all_single(received, send, group=group, tag=tag))  # a DualPipeV pair's other half computes meanwhile
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 

@@ -1,4 +1,4 @@
-"""DualPipeV × expert parallel: each "F&B" pair hides one micro-batch's expert all-to-alls behind the other's compute.
+"""DualPipeV: each "F&B" pair hides one micro-batch's all-to-alls (experts, Ulysses) behind the other's compute.
 
 World 4 = pp 2 × dp 2 with ep 2 over the data-parallel ranks, ZeRO-1 and ZeRO-3, a four-layer Mixtral cut into a
 V of four one-layer stages, 4 micro-batches. Against one process on the same global batches: losses
@@ -7,6 +7,8 @@ V of four one-layer stages, 4 micro-batches. Against one process on the same glo
 dispatch, combine), its backward on 2 (combine and dispatch in reverse); the halves hand the turn
 over at each, so with ``nF`` and ``nB`` of them a pair overlaps ``2·nB + 1`` collectives when
 ``nF > nB`` (the forward's last ones run after the backward is done) and ``2·nF`` otherwise.
+Ulysses (pp 2 × sp 2, no experts): 2 all-to-alls per layer each way (packed Q|K|V, output), so
+``2·nF`` = 4 per pair with one layer per stage.
 """
 
 from __future__ import annotations
@@ -34,21 +36,28 @@ def _batches(dp: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (MICRO * dp * M, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _expected_overlaps(schedule: Schedule, rank: int, moe_layers: dict[int, int]) -> int:
+def _expected_overlaps(schedule: Schedule, rank: int, layers: dict[int, int], forward_waits: int, backward_waits: int) -> int:
     total = 0
     for forward, backward in schedule.partners(rank).items():
         assert forward.op is Op.FORWARD
-        n_f, n_b = 4 * moe_layers[forward.stage], 2 * moe_layers[backward.stage]
+        n_f, n_b = forward_waits * layers[forward.stage], backward_waits * layers[backward.stage]
         total += 2 * n_b + 1 if n_f > n_b else 2 * n_f
     return total
 
 
-def _body(stage: int) -> dict[str, Any]:
+# axis -> (config, all-to-alls a forward / a backward waits on per layer)
+AXES = {
+    "experts": ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, 4, 2),
+    "ulysses": ({"sequence_parallel_size": 2}, 2, 2),
+}
+
+
+def _body(stage: int, axis: str) -> dict[str, Any]:
+    extra, forward_waits, backward_waits = AXES[axis]
     config = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M, "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, "zero_optimization": {"stage": stage},
-        "expert_parallel": {"enabled": True, "autoep_size": 2}, "steps_per_print": 1,
-        "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2},
+        "steps_per_print": 1, "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2}, **extra,
     }  # fmt: skip
     engine = slipstream.initialize(_mixtral(), config)
     pipeline = engine.pipeline
@@ -59,16 +68,16 @@ def _body(stage: int) -> dict[str, Any]:
         overlapped.append(pipeline.last_report.timing.overlapped)
     recorded = engine.monitor.last.get("pipeline_overlapped_collectives")  # the step record (rank 0 writes it)
     layers_per_stage = {stage: len(blocks) for stage, blocks in enumerate(pipeline.ranges)}
-    expected = _expected_overlaps(pipeline.schedule, pipeline.rank, layers_per_stage)
+    expected = _expected_overlaps(pipeline.schedule, pipeline.rank, layers_per_stage, forward_waits, backward_waits)
     state = engine.consolidated_state_dict()
     engine.close()
     return {"losses": losses, "state": state, "dp": dp, "overlapped": overlapped, "expected": expected, "recorded": recorded,
             "pairs": len(pipeline.schedule.partners(pipeline.rank)), "layers": layers_per_stage}  # fmt: skip
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_dualpipev_with_experts_overlaps_all_to_alls_and_matches_one_process(stage: int) -> None:
-    results = run_distributed(4, _body, stage)
+@pytest.mark.parametrize("stage,axis", [(1, "experts"), (3, "experts"), (1, "ulysses")])
+def test_dualpipev_overlaps_all_to_alls_and_matches_one_process(stage: int, axis: str) -> None:
+    results = run_distributed(4, _body, stage, axis)
     ours = results[0]
     assert ours["layers"] == {0: 1, 1: 1, 2: 1, 3: 1}, ours["layers"]
     losses, params = train_lm_reference(_mixtral(), _batches(ours["dp"]), LR)
@@ -77,6 +86,6 @@ def test_dualpipev_with_experts_overlaps_all_to_alls_and_matches_one_process(sta
         torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=5e-5, msg=lambda msg: f"{key}: {msg}")
     for rank, r in enumerate(results):
         assert r["pairs"] > 0, rank
-        assert r["expected"] == 5 * r["pairs"]  # one MoE layer per stage: nF 4 > nB 2
+        assert r["expected"] == {"experts": 5, "ulysses": 4}[axis] * r["pairs"]  # one layer per stage
         assert r["overlapped"] == [r["expected"]] * STEPS, (rank, r["overlapped"], r["expected"])
     assert ours["recorded"] == float(ours["expected"])
