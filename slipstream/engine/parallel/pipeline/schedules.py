@@ -50,14 +50,18 @@ class Schedule:
     def split_backward(self) -> bool:
         return any(a.op is I for actions in self.compute for a in actions)
 
+    def paired(self, rank: int) -> frozenset[int]:
+        """Rank ``rank``'s indices of paired forwards (none for a schedule without pairs)."""
+        return self.pairs[rank] if self.pairs else frozenset()
+
     def partners(self, rank: int) -> dict[Action, Action]:
         """Rank ``rank``'s paired forwards, each with the backward that overlaps it."""
         actions = self.compute[rank]
-        return {actions[i]: actions[i + 1] for i in (self.pairs[rank] if self.pairs else ())}
+        return {actions[i]: actions[i + 1] for i in self.paired(rank)}
 
     def text(self, rank: int) -> str:
         """Rank ``rank``'s compute actions in torch's text form, a pair as ``(F;B)`` (DualPipe's "F&B")."""
-        actions, pairs = self.compute[rank], self.pairs[rank] if self.pairs else frozenset()
+        actions, pairs = self.compute[rank], self.paired(rank)
         words, i = [], 0
         while i < len(actions):
             if i in pairs:
