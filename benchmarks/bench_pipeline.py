@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -186,15 +187,17 @@ def _worker(rank: int, kind: str, steps: int, m: int, port: int, out: str) -> No
                 report = engine.pipeline.last_report
                 bubbles.append((report.timing.bubble, report.predicted_bubble))
 
-    times = []
+    times, faults = [], []
     for k in range(WARMUP + steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, faulted = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         step(k)
         dist.barrier()
         if k >= WARMUP:
             times.append(time.perf_counter() - start)
-    Path(f"{out}.{rank}").write_text(json.dumps({"times": times, "peak": peak_rss_mb(), "end": current_rss_mb(), "bubbles": bubbles[WARMUP:]}))
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
+    record = {"times": times, "faults": faults, "peak": peak_rss_mb(), "end": current_rss_mb(), "bubbles": bubbles[WARMUP:]}
+    Path(f"{out}.{rank}").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -235,7 +238,7 @@ def main() -> None:
     if args.kinds:
         kinds = [k for k in kinds if k in args.kinds.split(",")]
     python = {k: args.deepspeed_python if k.startswith("ds") else sys.executable for k in kinds}
-    results: dict[str, dict] = {k: {"times": [], "peak": [0.0, 0.0], "bubbles": [[], []], "error": None} for k in kinds}
+    results: dict[str, dict] = {k: {"times": [], "peak": [0.0, 0.0], "bubbles": [[], []], "faults": [[], []], "error": None} for k in kinds}
     for _ in range(args.rounds):
         for kind in kinds:
             data = _run(python[kind], kind, args.steps, args.micro_batches)
@@ -246,11 +249,12 @@ def main() -> None:
             results[kind]["peak"] = [max(a, d["peak"]) for a, d in zip(results[kind]["peak"], data)]
             for r in range(2):
                 results[kind]["bubbles"][r] += data[r]["bubbles"]
+                results[kind]["faults"][r] += data[r]["faults"]
     m = args.micro_batches
     tokens = m * 4 * 128
     print(f"gpt2-large (8 layers, n_embd 512, vocab 8192), seq 128, {m} micro-batches of 4 per step ({tokens} tokens), fp32, "
           f"2 ranks; {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
-    print(f"{'config':<17} {'median ms':>9} {'tokens/s':>9} {'peak RSS/rank MB':>17} {'bubble measured/predicted r0, r1':>34} {'vs dp2-zero1':>13}")
+    print(f"{'config':<17} {'median ms':>9} {'tokens/s':>9} {'peak RSS/rank MB':>17} {'bubble measured/predicted r0, r1':>34} {'vs dp2-zero1':>13} {'page faults/step r0/r1':>23}")
     base = statistics.median(results["dp2-zero1"]["times"]) if "dp2-zero1" in results and results["dp2-zero1"]["times"] else None
     for kind in kinds:
         r = results[kind]
@@ -262,7 +266,8 @@ def main() -> None:
             f"{statistics.median(b[0] for b in bs):.3f}/{statistics.median(b[1] for b in bs):.3f}" for bs in r["bubbles"] if bs
         ) or "-"
         vs = f"{median / base:.3f}x" if base else ""
-        print(f"{kind:<17} {median * 1e3:9.1f} {tokens / median:9.0f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {bubble:>34} {vs:>13}")
+        faults = "/".join(f"{statistics.median(f):.0f}" for f in r["faults"] if f)
+        print(f"{kind:<17} {median * 1e3:9.1f} {tokens / median:9.0f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {bubble:>34} {vs:>13} {faults:>23}")
     if all(k in results and results[k]["times"] for k in ("pp2-zbv", "torch-zbv", "pp2-1f1b")):
         zbv = statistics.median(results["pp2-zbv"]["times"])
         print(f"pp2-zbv vs torch.distributed.pipelining ZBV (same cut {ZBV_CUT}): {zbv / statistics.median(results['torch-zbv']['times']):.3f}x; "

@@ -3,6 +3,7 @@ pipeline executor and the twin checks)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -30,3 +31,27 @@ def call_model(model: torch.nn.Module, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def accepts_use_cache(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes a ``use_cache`` keyword (transformers models do)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "use_cache" in parameters
+
+
+def without_cache(batch: Any) -> Any:
+    """A keyword batch that does not ask for a cache gets ``use_cache=False``.
+
+    [Note: no cache in a pipeline stage] A transformers model builds its key/value cache whenever
+    ``use_cache`` is unset (the config's default is True), training or not. A pipeline stage hands
+    on only its hidden states, and the user sees only the loss, so the cache is never read: it is
+    per-layer concatenations (measured: 15 ms of a 5.4 s gpt2-large ZB-V step) and references
+    that outlive the stage's forward. A batch that sets ``use_cache`` itself is left as it is.
+    """
+    if isinstance(batch, dict) and "use_cache" not in batch:
+        return {**batch, "use_cache": False}
+    return batch
+

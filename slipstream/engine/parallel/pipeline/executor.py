@@ -21,7 +21,7 @@ from slipstream import comm
 from slipstream.comm import overlap, p2p
 from slipstream.comm.collectives import Work
 from slipstream.comm.context import CommContext, Pending
-from slipstream.engine.parallel.calls import call_model, loss_of
+from slipstream.engine.parallel.calls import accepts_use_cache, call_model, loss_of, without_cache
 from slipstream.engine.parallel.pipeline.actions import Action, Op, with_communication
 from slipstream.engine.parallel.pipeline.cut import StageGate, StageOutput
 from slipstream.engine.parallel.pipeline.schedules import Schedule
@@ -63,6 +63,7 @@ class Executor:
         self.partners = schedule.partners(pp_rank)  # forward -> the backward it overlaps ("F&B")
         self.second_halves = frozenset(self.partners.values())
         self.last = self.layout.num_stages - 1
+        self.cacheless = accepts_use_cache(model)  # [Note: no cache in a pipeline stage]
         self.context = CommContext()  # transfers on their own stream, ordered by events (comm/context.py)
 
     # ------------------------------------------------------------------ training step
@@ -205,7 +206,7 @@ class Executor:
         (of micro-batch ``micro``, through ``finish`` when set)."""
         self.gate.active, self.gate.received = stage, received
         try:
-            output = call_model(self.model, batch)
+            output = call_model(self.model, without_cache(batch) if self.cacheless else batch)
         except StageOutput as done:
             return done.hidden
         finally:
