@@ -90,6 +90,7 @@ def engine_options(
         stage3 = Stage3Options(
             unit_classes=zero.stage3_unit_modules, persistence_threshold=zero.stage3_param_persistence_threshold,
             prefetch_numel=zero.stage3_prefetch_bucket_size, max_live_numel=zero.stage3_max_live_parameters,
+            max_reuse_numel=zero.stage3_max_reuse_distance,
         )  # fmt: skip
     return EngineOptions(cfg, sizes, parallel, sharding, zero.stage, stage3, optimizer)
 

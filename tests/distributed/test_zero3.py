@@ -72,6 +72,14 @@ def test_stage3_matches_single_process(model_name: str, world: int, gas: int, pr
     assert all(r["losses"] == results[0]["losses"] for r in results)
 
 
+@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
+def test_stage3_blocks_kept_into_the_backward_match_single_process(model_name: str) -> None:
+    # [Note: kept from the forward into the backward]: every block stays gathered from its forward
+    # into its backward (DeepSpeed's 1e9 elements covers the tiny models), over accumulated micro-steps.
+    results = run_distributed(2, _parity_body, model_name, 2, None, stage3_max_reuse_distance=1_000_000_000)
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+
+
 def test_stage3_persistent_small_parameters_and_bf16() -> None:
     run_distributed(2, _parity_body, "gpt2", 2, 50_000_000, 100_000)
     run_distributed(2, _parity_body, "llama", 1, 50_000_000, 0, "bf16")
@@ -161,6 +169,17 @@ def test_stage3_forward_path_differs_between_ranks(world: int, gas: int) -> None
     run_distributed(world, _unused_body, 3, gas, **zero)
 
 
+def test_stage3_kept_units_some_ranks_skip() -> None:
+    # Every unit kept into the backward, including the branch only rank 0 runs and the one nobody
+    # runs: the ranks that skipped them gathered them at the forward's cursor and keep them alike,
+    # so no rank gathers them for the backward alone (the gathers would no longer pair up).
+    zero = {
+        "stage3_unit_modules": ["Linear"], "stage3_prefetch_bucket_size": 100, "stage3_param_persistence_threshold": 0,
+        "stage3_max_reuse_distance": 1_000_000_000,
+    }  # fmt: skip
+    run_distributed(2, _unused_body, 3, 2, **zero)
+
+
 @pytest.mark.parametrize("prefetch", [None, 0])
 def test_stage3_last_unit_run_by_some_ranks_only(prefetch: int | None) -> None:
     # The last unit stays gathered from the forward into the backward ([Note: the last unit stays]):
@@ -213,9 +232,9 @@ def test_stage3_memory_is_sixteen_psi_over_n_plus_live_units(world: int, prefetc
         assert held["live_seen"] <= (2 if prefetch == 0 else 3) * held["largest"], held
 
 
-def _comms_body(prefetch: int) -> list[tuple[str, int, str]]:
+def _comms_body(prefetch: int | None, **zero: object) -> list[tuple[str, int, str]]:
     world = dist.get_world_size()
-    engine = slipstream.initialize(tiny_gpt2(seed=0, n_layer=3), _config(world, 1, prefetch=prefetch))
+    engine = slipstream.initialize(tiny_gpt2(seed=0, n_layer=3), _config(world, 1, prefetch=prefetch, **zero))
     tokens = global_batches(2, engine.train_batch_size())
     comms_log.keep_history = 1
     try:
@@ -247,6 +266,26 @@ def test_stage3_moves_three_psi_with_one_gather_per_unit_per_pass(prefetch: int 
     moved = sum(m for op, m, _ in records if op in ("all_gather", "reduce_scatter"))
     assert 3 * psi_bytes - kept <= moved <= (3 * psi_bytes - kept) * 1.02, moved / psi_bytes
     assert {op for op, _, _ in records} <= {"all_gather", "reduce_scatter", "all_reduce"}
+
+
+def _block_numel() -> int:
+    return sum(p.numel() for p in tiny_gpt2(seed=0, n_layer=3).transformer.h[0].parameters())
+
+
+@pytest.mark.parametrize(("blocks_within", "backward_gathers"), [(1, ["unit 1", "unit 2"]), (2, ["unit 1"]), (3, [])])
+def test_stage3_reuse_distance_skips_the_backward_gathers_of_kept_blocks(blocks_within: int, backward_gathers: list[str]) -> None:
+    # Block i's backward comes 2 * (elements of the blocks above it) after its forward. A distance
+    # just above 2 * (k - 1) blocks keeps the top k blocks: their backward gathers are skipped, so at
+    # k = 3 (the whole model) a step moves 2Ψ, as DDP's all-reduce does.
+    distance = 2 * (blocks_within - 1) * _block_numel() + 1
+    records = run_distributed(2, _comms_body, None, stage3_max_reuse_distance=distance)[0]
+    psi_bytes = 4 * sum(p.numel() for p in tiny_gpt2(seed=0, n_layer=3).parameters())
+    gathers = [re.search(r"unit \d+", tag).group() for op, _, tag in records if op == "all_gather"]
+    assert sorted(gathers) == sorted(["unit 0", "unit 1", "unit 2", "unit 3", *backward_gathers]), gathers
+    assert sorted(re.search(r"unit \d+", tag).group() for op, _, tag in records if op == "reduce_scatter") == ["unit 0", "unit 1", "unit 2", "unit 3"]
+    if not backward_gathers:
+        moved = sum(m for op, m, _ in records if op in ("all_gather", "reduce_scatter"))
+        assert 2 * psi_bytes <= moved <= 2 * psi_bytes * 1.02, moved / psi_bytes
 
 
 # ---------------------------------------------------------------- zero.Init and GatheredParameters

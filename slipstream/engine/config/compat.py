@@ -55,7 +55,6 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.offload_param.buffer_count": "one read-ahead unit",
     "zero_optimization.offload_param.buffer_size": "buffers are sized per unit",
     "zero_optimization.offload_param.max_in_cpu": _NOT_YET,
-    "zero_optimization.stage3_max_reuse_distance": "a unit is released after each use",
     "zero_optimization.stage3_model_persistence_threshold": _NOT_YET,
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "engine.consolidated_state_dict() gathers at every stage",
     "zero_optimization.stage3_module_granularity_threshold": "units are chosen by stage3_unit_modules",

@@ -81,7 +81,10 @@ class ZeroConfig(Section):
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0, validation_alias=_stage3("max_live_parameters"))
-    stage3_max_reuse_distance: int = Field(1_000_000_000, ge=0, validation_alias=_stage3("max_reuse_distance"))
+    stage3_max_reuse_distance: int | None = Field(
+        None, ge=0, validation_alias=_stage3("max_reuse_distance"),
+        description="None: only the last block stays gathered into the backward (stage3/schedule.py, [Note: kept from the forward into the backward])",
+    )
     stage3_prefetch_bucket_size: int | None = Field(
         None, ge=0, validation_alias=_stage3("prefetch_bucket_size"),
         description="None: the next unit only (see stage3/schedule.py, [Note: how far to gather ahead])",

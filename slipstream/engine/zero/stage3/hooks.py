@@ -51,12 +51,12 @@ class UnitHooks:
             root.gathered()
             if torch.is_grad_enabled():
                 root.pending_backward += 1
-        self.schedule.begin_forward()
+        self.schedule.begin_forward(backward_follows=torch.is_grad_enabled())
 
     def _end_forward_pass(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if self.held:
             return output
-        self.schedule.end_forward(backward_follows=torch.is_grad_enabled())
+        self.schedule.end_forward()
         for root in self.roots:
             if torch.is_grad_enabled():  # backward needs it first thing: keep it (FSDP2 keeps its root too)
                 self._on_output_grad(root, output)
@@ -84,7 +84,7 @@ class UnitHooks:
             if self.held or is_recomputing():
                 return output  # stays gathered for its backward, which comes next and releases it
             grad = torch.is_grad_enabled()
-            unit.post_forward(keep=grad and unit is self.schedule.first_in_backward())
+            unit.post_forward(keep=self.schedule.keeps(unit))
             if grad:
                 self._on_output_grad(unit, output)
             return output

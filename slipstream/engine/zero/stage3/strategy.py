@@ -47,6 +47,7 @@ class Stage3Options:
     persistence_threshold: int = 100_000  # elements; smaller parameters stay gathered
     prefetch_numel: int | None = None  # gather ahead while the units ahead hold fewer elements; None: the next unit
     max_live_numel: int = 1_000_000_000  # never prefetch beyond this many gathered elements
+    max_reuse_numel: int | None = None  # keep a unit gathered into its backward when reused within this many elements
 
 
 class Stage3Strategy(MastersStrategy):
@@ -98,7 +99,9 @@ class Stage3Strategy(MastersStrategy):
             lambda u: self.masters.gradient_buffer(f"grad_{u.index:05d}", u.chunk),
         )  # fmt: skip
         self.reducer.context = self.comm_context
-        self.schedule = GatherSchedule(self.blocks, self.units, stage3.prefetch_numel, stage3.max_live_numel, self.reducer.unit_done)
+        self.schedule = GatherSchedule(
+            self.blocks, self.units, stage3.prefetch_numel, stage3.max_live_numel, self.reducer.unit_done, stage3.max_reuse_numel
+        )  # fmt: skip
         self.unit_hooks = UnitHooks(self.roots, self.blocks, self.schedule, self.reducer, self)
         self.hooks = self.unit_hooks.register(module)
         self.gathered = PartitionedUnits(self.units, store, self.masters)
