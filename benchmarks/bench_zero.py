@@ -5,6 +5,8 @@
 
 A stage written ``S+cpu`` / ``S+nvme`` / ``3+nvme+nvme`` offloads as ``bench_offload.py`` names it
 (that script's JSON, optimizer from the config for both frameworks, NVMe under ``--nvme-path``).
+``3+reuse`` is stage 3 with ``stage3_max_reuse_distance: 1e9`` (DeepSpeed's default, set explicitly:
+every block stays gathered from its forward into its backward; DeepSpeed's 3 and 3+reuse are alike).
 
 FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
 
@@ -33,8 +35,11 @@ sys.path.insert(0, str(ROOT))
 WARMUP = 5
 
 
-def _config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
+def _config(stage: str) -> dict:
+    zero: dict = {"stage": int(stage.removesuffix("+reuse"))}
+    if stage.endswith("+reuse"):
+        zero["stage3_max_reuse_distance"] = 1_000_000_000
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "zero_optimization": zero}
 
 
 def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespace, out: str) -> None:
@@ -63,13 +68,13 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
             optimizer.zero_grad()
     else:
         framework, stage = kind.split("-", 1)
-        offloaded = "+" in stage  # bench_offload's JSON: the optimizer comes from the config (CPU Adam offloaded)
+        offloaded = "+" in stage.removesuffix("+reuse")  # bench_offload's JSON: the optimizer comes from the config (CPU Adam offloaded)
         if offloaded:
             from benchmarks.bench_offload import config_for
 
             config = config_for(stage, args.nvme_path)
         else:
-            config = _config(int(stage))
+            config = _config(stage)
         if framework == "slipstream":
             import slipstream
 
