@@ -238,7 +238,7 @@ def main() -> None:
     if args.kinds:
         kinds = [k for k in kinds if k in args.kinds.split(",")]
     python = {k: args.deepspeed_python if k.startswith("ds") else sys.executable for k in kinds}
-    results: dict[str, dict] = {k: {"times": [], "peak": [0.0, 0.0], "bubbles": [[], []], "faults": [[], []], "error": None} for k in kinds}
+    results: dict[str, dict] = {k: {"times": [], "peak": [0.0, 0.0], "bubbles": [[], []], "faults": [[], []], "rounds": [], "error": None} for k in kinds}
     for _ in range(args.rounds):
         for kind in kinds:
             data = _run(python[kind], kind, args.steps, args.micro_batches)
@@ -246,6 +246,7 @@ def main() -> None:
                 results[kind]["error"] = data
                 continue
             results[kind]["times"] += data[0]["times"]
+            results[kind]["rounds"].append(statistics.median(data[0]["times"]))
             results[kind]["peak"] = [max(a, d["peak"]) for a, d in zip(results[kind]["peak"], data)]
             for r in range(2):
                 results[kind]["bubbles"][r] += data[r]["bubbles"]
@@ -272,6 +273,10 @@ def main() -> None:
         zbv = statistics.median(results["pp2-zbv"]["times"])
         print(f"pp2-zbv vs torch.distributed.pipelining ZBV (same cut {ZBV_CUT}): {zbv / statistics.median(results['torch-zbv']['times']):.3f}x; "
               f"vs our 1F1B: {zbv / statistics.median(results['pp2-1f1b']['times']):.3f}x")
+        # Neighbouring jobs drift less than the machine does between rounds: each round's ratio too.
+        for peer in ("torch-zbv", "pp2-1f1b"):
+            paired = [a / b for a, b in zip(results["pp2-zbv"]["rounds"], results[peer]["rounds"])]
+            print(f"  per round, pp2-zbv / {peer}: {' '.join(f'{r:.3f}' for r in paired)}  median {statistics.median(paired):.3f}x")
     if "ds-pipe" in results and results["ds-pipe"]["times"] and "pp2-1f1b" in results and results["pp2-1f1b"]["times"]:
         ratio = statistics.median(results["pp2-1f1b"]["times"]) / statistics.median(results["ds-pipe"]["times"])
         print(f"pp2-1f1b vs DeepSpeed PipelineModule 1F1B (same tokens per step): {ratio:.3f}x")

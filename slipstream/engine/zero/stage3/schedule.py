@@ -31,8 +31,9 @@ blocks above it run forward and then backward: ``2 * numel(blocks after i)`` ele
 distance is decided from the static order alone, so every rank keeps the same units, and a rank
 that skipped a kept unit keeps it too (otherwise it would gather it for the backward alone, out of
 step with the ranks that kept it). Unset, only the last block is kept (distance 0; see [Note: the
-last unit stays]): DeepSpeed's default of 1e9 elements would keep any model of up to ~500M
-parameters whole at the start of backward, ZeRO-3's parameter sharding given up at the peak.
+last unit stays]): DeepSpeed's default of 1e9 elements would keep up to ~5e8 elements of blocks
+gathered at the start of backward (a model below that whole): ZeRO-3's parameter sharding given up
+at the peak, when every activation is alive.
 """
 
 from __future__ import annotations
