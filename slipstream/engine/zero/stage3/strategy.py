@@ -133,7 +133,7 @@ class Stage3Strategy(MastersStrategy):
 
     @contextlib.contextmanager
     def accumulation_window(self) -> Iterator[None]:
-        """Every unit gathered once for the whole window, gradients accumulated into the send buffers, one reduce-scatter each on exit."""
+        """Every unit gathered once for the whole window, gradients accumulated over it, one reduce-scatter each on exit."""
         for unit in self.units:
             unit.gathered()
             self.reducer.attach(unit)
