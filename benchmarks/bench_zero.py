@@ -1,7 +1,7 @@
 """ZeRO stages 0-3 vs torch DDP, FSDP2 and DeepSpeed (where installed): step time and peak RSS per rank.
 
     python benchmarks/bench_zero.py [--model gpt2-large] [--steps 20] [--rounds 2] [--stages 0,1,2,3,3+cpu,3+nvme] [--world 2]
-                                    [--peers ddp,fsdp2] [--deepspeed-python /path/to/venv/bin/python]
+                                    [--peers ddp,fsdp2] [--deepspeed-python /path/to/venv/bin/python] [--deepspeed-stages 3]
 
 A stage written ``S+cpu`` / ``S+nvme`` / ``3+nvme+nvme`` offloads as ``bench_offload.py`` names it
 (that script's JSON, optimizer from the config for both frameworks, NVMe under ``--nvme-path``).
@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--stages", default="0,1,2")
     parser.add_argument("--peers", default="ddp", help="torch peers besides DDP: fsdp2")
     parser.add_argument("--deepspeed-python", default=None)
+    parser.add_argument("--deepspeed-stages", default=None, help="the stages DeepSpeed runs (default: --stages)")
     parser.add_argument("--nvme-path", default="/tmp")
     parser.add_argument("--thp", choices=("0", "1"), default="1",
                         help="THP_MEM_ALLOC_ENABLE for every framework: 1 as `slipstream run` sets it, 0 as plain torchrun leaves it")
@@ -129,7 +130,7 @@ def main() -> None:
     deepspeed_python = args.deepspeed_python or (sys.executable if importlib.util.find_spec("deepspeed") else None)
     kinds = ["ddp", *(p for p in args.peers.split(",") if p and p != "ddp")] + [f"slipstream-{s}" for s in stages]
     if deepspeed_python:
-        kinds += [f"deepspeed-{s}" for s in stages]
+        kinds += [f"deepspeed-{s}" for s in (args.deepspeed_stages.split(",") if args.deepspeed_stages else stages)]
     results: dict[str, dict[str, list[float]]] = {k: {"times": [], "rss": [], "rounds": []} for k in kinds}
     for _ in range(args.rounds):
         for kind in kinds:
@@ -155,9 +156,9 @@ def main() -> None:
         times = sorted(t * 1e3 for t in results[kind]["times"])
         median = statistics.median(times)
         rss = "/".join(f"{r:.0f}" for r in results[kind]["rss"])
-        peer = kind.replace("slipstream", "deepspeed")
+        peer = kind.replace("slipstream", "deepspeed").removesuffix("+reuse")  # DeepSpeed's default is the 1e9 reuse distance
         vs_ds = ""
-        if kind.startswith("slipstream") and peer in results:
+        if kind.startswith("slipstream") and peer in results and results[peer]["times"]:
             vs_ds = f"{median / (statistics.median(results[peer]['times']) * 1e3):.3f}x"
         vs_fsdp2 = f" {median / (fsdp2 * 1e3):8.3f}x" if fsdp2 and kind.startswith("slipstream") else ""
         print(f"{kind:<14} {median:9.1f} {times[0]:7.1f}-{times[-1]:<7.1f} {rss:>18} {median / (ddp * 1e3):6.3f}x {vs_ds:>13}{vs_fsdp2}")
