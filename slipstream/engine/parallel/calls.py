@@ -54,4 +54,3 @@ def without_cache(batch: Any) -> Any:
     if isinstance(batch, dict) and "use_cache" not in batch:
         return {**batch, "use_cache": False}
     return batch
-

@@ -166,4 +166,3 @@ def kept_into_backward(blocks: list[ParamUnit], max_reuse_numel: int | None) -> 
             kept.append(unit)
         above += unit.numel
     return kept[::-1]
-
