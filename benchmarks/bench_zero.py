@@ -156,9 +156,11 @@ def main() -> None:
         times = sorted(t * 1e3 for t in results[kind]["times"])
         median = statistics.median(times)
         rss = "/".join(f"{r:.0f}" for r in results[kind]["rss"])
-        peer = kind.replace("slipstream", "deepspeed").removesuffix("+reuse")  # DeepSpeed's default is the 1e9 reuse distance
+        peer = kind.replace("slipstream", "deepspeed")
+        if peer not in results:  # DeepSpeed's stage 3 defaults to the 1e9 reuse distance: its 3 is our 3+reuse
+            peer = peer.removesuffix("+reuse")
         vs_ds = ""
-        if kind.startswith("slipstream") and peer in results and results[peer]["times"]:
+        if kind.startswith("slipstream") and peer in results:
             vs_ds = f"{median / (statistics.median(results[peer]['times']) * 1e3):.3f}x"
         vs_fsdp2 = f" {median / (fsdp2 * 1e3):8.3f}x" if fsdp2 and kind.startswith("slipstream") else ""
         print(f"{kind:<14} {median:9.1f} {times[0]:7.1f}-{times[-1]:<7.1f} {rss:>18} {median / (ddp * 1e3):6.3f}x {vs_ds:>13}{vs_fsdp2}")

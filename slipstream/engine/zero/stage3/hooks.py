@@ -105,7 +105,7 @@ class UnitHooks:
             unit.gathered()
             self.schedule.prefetch(backward=True)
         unit.pre_backward()
-        self.reducer.attach(unit)
+        self.reducer.remember_grads(unit)
 
     def post_backward(self, unit: ParamUnit) -> None:
         if unit.post_backward():

@@ -61,7 +61,7 @@ class UnitReducer:
         self.launcher = OrderedLauncher([[u.index] for u in order], lambda i: self._launch(order[i]))
         self.reductions: list[_Reduction] = []
         self.pool: dict[int, list[torch.Tensor]] = {}  # numel -> reusable send buffers
-        self.attached: dict[int, list[tuple[torch.Tensor, int] | None]] = {}  # unit -> each .grad its backward started from
+        self.grads_before: dict[int, list[tuple[torch.Tensor, int] | None]] = {}  # unit -> each .grad its backward started from
         self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
         self.context = CommContext()  # the strategy's (set by it): reduce-scatters on their own stream
 
@@ -69,7 +69,7 @@ class UnitReducer:
         """The gradient chunks in partition coordinates."""
         return Chunks([self.offsets[i] for i in self.chunks], list(self.chunks.values()))
 
-    def attach(self, unit: ParamUnit) -> None:
+    def remember_grads(self, unit: ParamUnit) -> None:
         """Note each ``.grad`` the unit's backward starts from, to tell later whether a gradient arrived.
 
         [Note: gradients land in autograd's tensors] Autograd computes every weight gradient into a
@@ -79,9 +79,9 @@ class UnitReducer:
         memset alone, ~1.5% of the step). Left unset, autograd hands its tensor over as it is, and
         the launch copies it into the send buffer once: one pass instead of three.
         """
-        if unit.index not in self.chunks or unit.index in self.attached:
+        if unit.index not in self.chunks or unit.index in self.grads_before:
             return
-        self.attached[unit.index] = [None if p.grad is None else (p.grad, p.grad._version) for p, _, _ in unit.ranges()]
+        self.grads_before[unit.index] = [None if p.grad is None else (p.grad, p.grad._version) for p, _, _ in unit.ranges()]
 
     def unit_done(self, unit: ParamUnit) -> None:
         """The unit's gradients for this backward are complete (once per pass; later calls are ignored)."""
@@ -96,11 +96,10 @@ class UnitReducer:
     def _launch(self, unit: ParamUnit) -> None:
         if unit.index not in self.chunks:
             return  # frozen on every rank alike: nothing to reduce
-        before = self.attached.pop(unit.index, None)
+        before = self.grads_before.pop(unit.index, None)
         send = self._take(unit.numel)  # every element is written below: gradients, zeros, padding
-        written = 0
-        for k, (p, begin, end) in sorted(enumerate(unit.ranges()), key=lambda item: item[1][1]):
-            send[written:begin].zero_()  # padding between parameters (and a pooled buffer's old values)
+        end = 0
+        for k, (p, begin, end) in enumerate(unit.ranges()):  # packed in order, padded after the last (layout.py)
             grad, start = p.grad, before[k] if before is not None else None
             if grad is not None:
                 send[begin:end].copy_(grad.reshape(-1))
@@ -111,8 +110,7 @@ class UnitReducer:
             p.grad = None
             if arrived and id(p) in self.index:
                 self.used[self.index[id(p)]] = 1.0
-            written = max(written, end)
-        send[written:].zero_()
+        send[end:].zero_()  # the padding (and a pooled buffer's old values)
         pre_scale, _ = self._scales(unit)
         if pre_scale != 1.0:
             send.mul_(pre_scale)

@@ -136,7 +136,7 @@ class Stage3Strategy(MastersStrategy):
         """Every unit gathered once for the whole window, gradients accumulated over it, one reduce-scatter each on exit."""
         for unit in self.units:
             unit.gathered()
-            self.reducer.attach(unit)
+            self.reducer.remember_grads(unit)
         self.unit_hooks.held = True
         try:
             yield
