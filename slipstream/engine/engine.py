@@ -22,7 +22,7 @@ from slipstream.engine.checkpoint.rng import RngState
 from slipstream.engine.checkpoint.target import CheckpointTarget, Counters, TrainState
 from slipstream.engine.config import SlipstreamConfig
 from slipstream.engine.data import DistributedDataLoader
-from slipstream.engine.model_save import ModelWeights
+from slipstream.engine.model_save import ModelWeights, SavesWeights
 from slipstream.engine.monitor import StepRecord, TrainingMonitor
 from slipstream.engine.no_optimizer import MISSING_OPTIMIZER, NoOptimizer
 from slipstream.engine.optimizer_step import OptimizerStep
@@ -47,7 +47,7 @@ def engine_of(module: torch.nn.Module) -> Engine | None:
     return ref() if ref is not None else None
 
 
-class Engine(torch.nn.Module):
+class Engine(SavesWeights, torch.nn.Module):
     """Wraps ``module``; use ``loss = engine(batch); engine.backward(loss); engine.step()``.
 
     Built by ``initialize`` from what each of its steps made: the parallelized model (``parallel``),
@@ -66,12 +66,11 @@ class Engine(torch.nn.Module):
         self.world_size, self.lr_scheduler, self.training_dataloader = mesh.sizes.world, lr_scheduler, training_dataloader
         self.global_steps = self.micro_steps = self.skipped_steps = 0
         self.global_samples = 0  # counted over dp (ranks that share a dp coordinate see the same samples)
-        self._dtype = DTYPES[config.precision]
         self._no_sync = self._backward_since_step = self._step_applied = False
         self._global_grad_norm: float | None = None
         self._forced_boundary: bool | None = None  # integrations API: set_gradient_accumulation_boundary
         self._window_micro_steps = 0  # micro-steps since the last boundary (forced boundaries included)
-        self.weights = ModelWeights(module, strategy, parallel.spread, self._dtype)
+        self.weights = ModelWeights(module, strategy, parallel.spread, DTYPES[config.precision])
         self.checkpoints = CheckpointManager(config.checkpoint)
         # As DeepSpeed: fp16 always skips steps with non-finite gradients; bf16 unless told not to.
         overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
@@ -303,7 +302,7 @@ class Engine(torch.nn.Module):
     # ------------------------------------------------------------------ integrations API (issue 15)
     # [Note: DeepSpeed's names] The Hugging Face Trainer, Accelerate and Lightning drive a DeepSpeed
     # engine through these calls; they keep DeepSpeed's names and meaning so those loops (and code
-    # written against them) drive this engine unchanged. Saving helpers live in model_save.py.
+    # written against them) drive this engine unchanged. The saving calls live in model_save.py (SavesWeights).
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Force the next ``backward``/``step`` to be (or not be) an accumulation boundary.
 
@@ -327,42 +326,9 @@ class Engine(torch.nn.Module):
         if not self.has_optimizer():
             raise RuntimeError(f"{call}: {MISSING_OPTIMIZER}")
 
-    def consolidated_state_dict(
-        self, dtype: torch.dtype | None = None, exclude_frozen_parameters: bool = False
-    ) -> dict[str, torch.Tensor] | None:
-        """Full weights by parameter name on rank 0, ``None`` on other ranks. Call on every rank.
-
-        ``dtype=None`` gives the fp32 master values; pass the training dtype (``engine.training_dtype``)
-        for what ``save_16bit_model`` writes.
-        """
-        return self.weights.consolidated(dtype, exclude_frozen_parameters)
-
-    @property
-    def training_dtype(self) -> torch.dtype:
-        """The dtype the model computes in: fp16, bf16 or fp32."""
-        return self._dtype
-
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """DeepSpeed's switch: whether saving the model at stage 3 gathers full 16-bit weights."""
         return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
-
-    def gathered_model_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
-        """What ``save_16bit_model`` writes, as a dict on rank 0 (``None`` elsewhere): parameters in the
-        training dtype and persistent buffers, for a host's own ``save_pretrained(state_dict=...)``. Collective."""
-        return self.weights.full_state(exclude_frozen_parameters)
-
-    def save_16bit_model(
-        self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False,
-        sharded: bool | None = None,
-    ) -> bool:
-        """Write the full weights in the training dtype to ``save_dir/save_filename`` (rank 0). Call on every rank.
-
-        A ``.safetensors`` name writes safetensors; any other a ``torch.save`` of a plain tensor dict
-        (readable with ``weights_only=True``), as Hugging Face's ``from_pretrained`` expects. ``sharded``
-        (default: a ``.safetensors`` name at world size > 1): every rank writes its own Hugging Face shard
-        files, ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, and none gathers.
-        """
-        return self.weights.save(save_dir, save_filename, exclude_frozen_parameters, sharded)
 
     def destroy(self) -> None:
         """DeepSpeed's name for :meth:`close`."""

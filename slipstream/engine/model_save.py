@@ -161,3 +161,43 @@ def write_weights(path: Path, state: dict[str, torch.Tensor]) -> None:
     else:
         torch.save(state, part)
     os.replace(part, path)
+
+
+class SavesWeights:
+    """The engine's DeepSpeed-named calls that write or gather the whole model (see [Note: DeepSpeed's names]
+    in engine.py), each delegating to the engine's :class:`ModelWeights`."""
+
+    weights: ModelWeights
+
+    def consolidated_state_dict(
+        self, dtype: torch.dtype | None = None, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """Full weights by parameter name on rank 0, ``None`` on other ranks. Call on every rank.
+
+        ``dtype=None`` gives the fp32 master values; pass the training dtype (``engine.training_dtype``)
+        for what ``save_16bit_model`` writes.
+        """
+        return self.weights.consolidated(dtype, exclude_frozen_parameters)
+
+    @property
+    def training_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: fp16, bf16 or fp32."""
+        return self.weights.dtype
+
+    def gathered_model_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+        """What ``save_16bit_model`` writes, as a dict on rank 0 (``None`` elsewhere): parameters in the
+        training dtype and persistent buffers, for a host's own ``save_pretrained(state_dict=...)``. Collective."""
+        return self.weights.full_state(exclude_frozen_parameters)
+
+    def save_16bit_model(
+        self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False,
+        sharded: bool | None = None,
+    ) -> bool:
+        """Write the full weights in the training dtype to ``save_dir/save_filename`` (rank 0). Call on every rank.
+
+        A ``.safetensors`` name writes safetensors; any other a ``torch.save`` of a plain tensor dict
+        (readable with ``weights_only=True``), as Hugging Face's ``from_pretrained`` expects. ``sharded``
+        (default: a ``.safetensors`` name at world size > 1): every rank writes its own Hugging Face shard
+        files, ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``, and none gathers.
+        """
+        return self.weights.save(save_dir, save_filename, exclude_frozen_parameters, sharded)
