@@ -194,7 +194,7 @@ def _report_failures(failures: dict[int, Any], who: _Describer) -> int:
     # their own: under load a survivor can record its CollectiveError before the agent notices the
     # SIGKILLed peer. Otherwise by time; timestamps have one-second resolution, so ties keep the
     # agent's order, which lists the ranks that failed before the ones it tore down afterwards.
-    ordered = sorted(failures.items(), key=lambda item: (_is_consequence(item[1]), item[1].timestamp))
+    ordered = _root_cause_first(failures)
     root_rank, root = ordered[0]
     stopped: list[int] = []
     for i, (rank, failure) in enumerate(ordered):
@@ -211,6 +211,11 @@ def _report_failures(failures: dict[int, Any], who: _Describer) -> int:
         ranks = ", ".join(str(r) for r in sorted(stopped))
         _say(f"{who.node}stopped the other rank(s) ({ranks}) with SIGTERM after rank {root_rank} failed")
     return 128 - root.exitcode if root.exitcode < 0 else (root.exitcode or 1)
+
+
+def _root_cause_first(failures: dict[int, Any]) -> list[tuple[int, Any]]:
+    """(rank, failure) pairs, the ranks that failed on their own first, then by time (see above)."""
+    return sorted(failures.items(), key=lambda item: (_is_consequence(item[1]), item[1].timestamp))
 
 
 PEER_FAILURE_MARK = "Another rank probably died"  # comm.collectives' wording for a collective a peer broke
@@ -303,17 +308,16 @@ class _RestartNotice(logging.Filter):
     """Turns the agent's restart log into one line of ours and drops every record it sees.
 
     With --max_restarts the agent restarts all ranks after a failure and only says so at INFO,
-    so the user would see the script's output twice with no explanation. The failing ranks come
-    from the "failed (exitcode: C) local_rank: R (pid: P) ..." records logged just before; as in
-    ``_report_failures`` the root cause is named, not a consequence: a rank killed by a signal
-    other than the agent's SIGTERM died on its own, while its peers only raised when their
-    collective lost it (under load the agent may log those first).
+    so the user would see the script's output twice with no explanation. As in
+    ``_report_failures`` the root cause is named, not a consequence (see [Note: every failure of
+    an attempt]).
     """
 
     def __init__(self, who: _Describer, flight_dir: Path | None = None, world: int = 0) -> None:
         super().__init__()
         self._who = who
-        self._failures: list[tuple[int, str]] = []  # (exit code, description) since the last restart
+        self._failures: list[tuple[int, str]] = []  # (exit code, description) logged since the last restart
+        self._attempt_failures: dict[int, Any] = {}  # global rank -> ProcessFailure, from the agent's result
         self._flight_dir, self._world = flight_dir, world
         self._attempt = 0  # restarts so far: the ranks' TORCHELASTIC_RESTART_COUNT
         self._reported = False  # the flight report of this attempt is out
@@ -332,14 +336,24 @@ class _RestartNotice(logging.Filter):
                 self._attempt += 1
                 self._reported = False
                 left, total = int(record.args[2]), int(record.args[3])  # type: ignore[index]
-                killed = [text for code, text in self._failures if code < 0 and code != -signal.SIGTERM]
-                cause = (killed or [text for _, text in self._failures] or ["a rank failed"])[0]
                 ranks = "this node's ranks" if self._who.host else "all ranks"
-                _say(f"{self._who.node}{cause}; restarting {ranks} (restart {total - left + 1} of {total})")
-                self._failures = []
+                _say(f"{self._who.node}{self._cause()}; restarting {ranks} (restart {total - left + 1} of {total})")
+                self._failures, self._attempt_failures = [], {}
         except (AttributeError, IndexError, TypeError, ValueError):
             pass  # another torch version worded it differently; staying quiet is fine
         return False
+
+    def saw_failures(self, failures: dict[int, Any]) -> None:
+        """Every failed rank of the attempt that just ended, as the agent's monitor returned them."""
+        self._attempt_failures = dict(failures)
+
+    def _cause(self) -> str:
+        if self._attempt_failures:
+            rank, failure = _root_cause_first(self._attempt_failures)[0]
+            return self._who.failure(rank, failure.local_rank, failure.exitcode, failure.pid)
+        # Only the agent's log to go by (a torch whose monitor we could not wrap).
+        killed = [text for code, text in self._failures if code < 0 and code != -signal.SIGTERM]
+        return (killed or [text for _, text in self._failures] or ["a rank failed"])[0]
 
     def _report_flight(self, failed: tuple[int, int] | None) -> None:
         """The hang report of this attempt, once, before the agent signals the survivors (see flight_report.py).
@@ -381,12 +395,50 @@ def _quiet_torch_elastic(who: _Describer, flight_dir: Path | None = None, world:
     for name in (_AGENT_LOGGER, _PROCS_LOGGER):
         logging.getLogger(name).addFilter(notice)
     try:
-        yield
+        with _failures_told_to(notice):
+            yield
     finally:
         for name in (_AGENT_LOGGER, _PROCS_LOGGER):
             logging.getLogger(name).removeFilter(notice)
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
+
+
+@contextlib.contextmanager
+def _failures_told_to(notice: _RestartNotice) -> Iterator[None]:
+    """Hand every failed attempt's failures to ``notice`` as the agent's monitor returns them.
+
+    [Note: every failure of an attempt]
+    When an attempt fails, the agent logs one "failed (exitcode ...)" record: the failure with the
+    earliest timestamp, which has one-second resolution. Under load the rank whose collective lost
+    a SIGKILLed peer can exit before the agent polls, carry the same second, and be the one logged,
+    so the restart line named the survivor's CollectiveError, not the killed rank. The monitor's
+    result holds every failure; ``_monitor_workers`` is the method torch elastic's agents
+    override, so we wrap it for the launch and restore it afterwards. A torch without it leaves
+    the log records as the only source.
+    """
+    try:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    except ImportError:
+        yield
+        return
+    original = getattr(LocalElasticAgent, "_monitor_workers", None)
+    if original is None:
+        yield
+        return
+
+    def monitor(agent: Any, worker_group: Any) -> Any:
+        result = original(agent, worker_group)
+        failures = getattr(result, "failures", None)
+        if failures:
+            notice.saw_failures(failures)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
