@@ -9,6 +9,10 @@ N-1 steps, each sending one chunk to the next rank and receiving one from the pr
 A ring needs the previous step's data before the next, so it runs on one background thread (the
 CPU analogue of a communication stream) with its own process group: collectives queue in launch
 order, identical on every rank, and never interleave with the default group's traffic.
+
+When every rank of the group shares one host, the same two collectives go through shared memory
+instead of the sockets (``shm.py``, [Note: shared memory between ranks of one host]), still on
+this thread and in this order.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm.distributed import current_timeout
+from slipstream.comm.shm import shared_slots
 
 RING_BACKENDS = {"gloo"}
 
@@ -39,6 +44,8 @@ class RingContext:
         self.prev_peer = ranks[(self.rank - 1) % self.size]
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-ring")
         self.failure: str | None = None  # the first failed job's error: later jobs are refused (see submit)
+        # Ranks of one host exchange through shared memory instead (see [Note: shared memory between ranks of one host]).
+        self.shared = shared_slots(self.group, self.rank, self.size)
 
     def _exchange(self, send: torch.Tensor, receive: torch.Tensor) -> None:
         ops = [
@@ -50,6 +57,9 @@ class RingContext:
 
     def reduce_scatter(self, buffer: torch.Tensor) -> None:
         """Sum ``buffer`` over ranks in place; afterwards chunk ``rank`` holds the full sum."""
+        if self.shared is not None:
+            self.shared.reduce_scatter(buffer)
+            return
         chunks = buffer.view(self.size, -1)
         incoming = torch.empty_like(chunks[0])
         for step in range(self.size - 1):
@@ -58,6 +68,9 @@ class RingContext:
 
     def all_gather(self, buffer: torch.Tensor) -> None:
         """Fill every chunk of ``buffer`` from its owner; chunk ``rank`` must already hold ours."""
+        if self.shared is not None:
+            self.shared.all_gather(buffer)
+            return
         chunks = buffer.view(self.size, -1)
         for step in range(self.size - 1):
             self._exchange(chunks[(self.rank - step) % self.size], chunks[(self.rank - step - 1) % self.size])

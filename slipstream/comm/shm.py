@@ -1,0 +1,157 @@
+"""Same-host shared memory for the ring's all-gather and reduce-scatter: copies instead of sockets.
+
+[Note: shared memory between ranks of one host]
+gloo moves every byte through a loopback TCP socket: the sender's kernel copies it into a socket
+buffer, the receiver's kernel copies it out, and each message wakes a thread or two. Measured on
+the 2-core dev machine (torch 2.13, a 12.6 MB ZeRO-3 unit, 20 calls each):
+
+    4 ranks   ring all-gather 12.5 ms (5.2 ms CPU, 5.2 of it kernel)   here 7.7 ms (3.2 ms CPU)
+              ring reduce-scatter 18.3 ms (8.5 ms CPU)                 here 12.8 ms (6.2 ms CPU)
+    2 ranks   ring all-gather 6.1 ms, reduce-scatter 8.3 ms            here 3.7 ms, 5.9 ms
+
+ZeRO-3 runs three of these passes over the model per step where DDP's all-reduce runs the
+equivalent of two, so on one host the kernel's share decided most of the distance to DDP.
+
+How: every rank maps one file in ``/dev/shm`` per peer, its own included, each split in two
+halves. A collective goes in pieces of at most ``PIECE_BYTES``: a rank copies its part of the piece
+into the next half of its own file, all ranks meet at a barrier on the ring's group, and each
+reads what it needs from its peers' halves (the reduce-scatter sums its chunk over the ranks in
+rank order, the same order on every rank). The halves alternate, so one barrier per piece is
+enough: a rank writes a half again only after the next barrier, which every peer reaches only
+after it has finished reading that half.
+
+Set-up is collective and all-or-nothing: the files are made under a name rank 0 chose, every rank
+opens every peer's file, and only if all of them could (the same host, one ``/dev/shm``) is the
+shared path used; otherwise the ring stays on sockets. The files are unlinked as soon as every
+rank has mapped them, so a killed job leaves nothing behind. ``SLIPSTREAM_SHM_COLLECTIVES=0`` turns
+the path off (for comparisons).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+PIECE_BYTES = 8 << 20  # one half of a rank's file: a ZeRO-3 unit's reduce-scatter in two pieces
+SHM_DIR = "/dev/shm"
+ENV_SWITCH = "SLIPSTREAM_SHM_COLLECTIVES"
+
+
+class SharedSlots:
+    """Every rank's two halves of ``PIECE_BYTES``, mapped here, and the barrier that orders them."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, maps: list[mmap.mmap]) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        self._maps = maps  # kept open: the tensors below are views of them
+        self._halves = [torch.frombuffer(m, dtype=torch.uint8).view(2, PIECE_BYTES) for m in maps]
+        self._uses = 0  # barriers so far: the half a piece goes to
+
+    def _next_half(self) -> int:
+        half, self._uses = self._uses % 2, self._uses + 1
+        return half
+
+    def _slot(self, peer: int, half: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._halves[peer][half].view(dtype)
+
+    def all_gather(self, buffer: torch.Tensor) -> None:
+        """Fill every chunk of ``buffer`` from its owner; chunk ``rank`` must already hold ours."""
+        chunks = buffer.view(self.size, -1)
+        for start, end in _pieces(chunks.shape[1], PIECE_BYTES // buffer.element_size()):
+            half = self._next_half()
+            self._slot(self.rank, half, buffer.dtype)[: end - start].copy_(chunks[self.rank, start:end])
+            dist.barrier(group=self.group)
+            for peer in range(self.size):
+                if peer != self.rank:
+                    chunks[peer, start:end].copy_(self._slot(peer, half, buffer.dtype)[: end - start])
+
+    def reduce_scatter(self, buffer: torch.Tensor) -> None:
+        """Sum ``buffer`` over ranks; afterwards chunk ``rank`` holds the full sum (the rest is left as is)."""
+        chunks = buffer.view(self.size, -1)
+        for start, end in _pieces(chunks.shape[1], PIECE_BYTES // (buffer.element_size() * self.size)):
+            half = self._next_half()
+            piece = self._slot(self.rank, half, buffer.dtype)[: self.size * (end - start)].view(self.size, -1)
+            piece.copy_(chunks[:, start:end])
+            dist.barrier(group=self.group)
+            parts = [self._slot(peer, half, buffer.dtype)[: piece.numel()].view(self.size, -1)[self.rank] for peer in range(self.size)]
+            total = chunks[self.rank, start:end]
+            torch.add(parts[0], parts[1], out=total)
+            for part in parts[2:]:
+                total.add_(part)
+
+
+def shared_slots(group: dist.ProcessGroup, rank: int, size: int) -> SharedSlots | None:
+    """Map every rank's file in ``/dev/shm`` if all ranks of ``group`` can; else None on every rank.
+
+    Collective over ``group`` (gloo): every member calls it, in the same order as the group's other
+    collectives.
+    """
+    wanted = os.environ.get(ENV_SWITCH, "1") != "0" and os.path.isdir(SHM_DIR)
+    names: list[object] = [None] * size
+    dist.all_gather_object(names, uuid.uuid4().hex if wanted else None, group=group)
+    prefix = names[0]
+    made = _create(_path(prefix, rank)) if wanted and all(n is not None for n in names) else None
+    created: list[object] = [None] * size
+    dist.all_gather_object(created, made is not None, group=group)
+    maps: list[mmap.mmap] = []
+    if all(created):
+        for peer in range(size):
+            mapped = made if peer == rank else _open(_path(prefix, peer))
+            if mapped is None:
+                break
+            maps.append(mapped)
+    opened: list[object] = [None] * size
+    dist.all_gather_object(opened, len(maps) == size, group=group)  # also: every peer has mapped ours
+    if made is not None:
+        os.unlink(_path(prefix, rank))
+    if all(opened):
+        return SharedSlots(group, rank, size, maps)
+    for mapped in maps:
+        mapped.close()
+    if made is not None and made not in maps:
+        made.close()
+    return None
+
+
+def _pieces(length: int, most: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of at most ``most`` covering ``length``, as even as possible (fewer pages touched)."""
+    count = max(1, -(-length // most))
+    width = -(-length // count)
+    return [(start, min(start + width, length)) for start in range(0, length, width)]
+
+
+def _path(prefix: object, rank: int) -> str:
+    return os.path.join(SHM_DIR, f"slipstream-{prefix}-{rank}")
+
+
+def _create(path: str) -> mmap.mmap | None:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        # Allocated now, not on first write: a full /dev/shm (docker's default is 64 MB) is then a
+        # refusal here instead of a SIGBUS in the middle of a step.
+        os.posix_fallocate(fd, 0, 2 * PIECE_BYTES)
+        return mmap.mmap(fd, 2 * PIECE_BYTES)
+    except OSError:
+        os.unlink(path)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _open(path: str) -> mmap.mmap | None:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        return mmap.mmap(fd, 2 * PIECE_BYTES)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
