@@ -7,6 +7,8 @@ A stage written ``S+cpu`` / ``S+nvme`` / ``3+nvme+nvme`` offloads as ``bench_off
 (that script's JSON, optimizer from the config for both frameworks, NVMe under ``--nvme-path``).
 ``3+reuse`` is stage 3 with ``stage3_max_reuse_distance: 1e9`` (DeepSpeed's default, set explicitly:
 every block stays gathered from its forward into its backward; DeepSpeed's 3 and 3+reuse are alike).
+A stage ending in ``+sockets`` (``3+sockets``, ``3+reuse+sockets``) runs with the same-host shared-memory
+collectives off (``SLIPSTREAM_SHM_COLLECTIVES=0``): gloo's loopback sockets, as before they existed.
 
 FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
 
@@ -68,6 +70,9 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
             optimizer.zero_grad()
     else:
         framework, stage = kind.split("-", 1)
+        if stage.endswith("+sockets"):  # the same-host shared-memory collectives off (slipstream/comm/shm.py)
+            os.environ["SLIPSTREAM_SHM_COLLECTIVES"] = "0"
+            stage = stage.removesuffix("+sockets")
         offloaded = "+" in stage.removesuffix("+reuse")  # bench_offload's JSON: the optimizer comes from the config (CPU Adam offloaded)
         if offloaded:
             from benchmarks.bench_offload import config_for
@@ -157,6 +162,7 @@ def main() -> None:
         median = statistics.median(times)
         rss = "/".join(f"{r:.0f}" for r in results[kind]["rss"])
         peer = kind.replace("slipstream", "deepspeed")
+        peer = peer.removesuffix("+sockets")  # DeepSpeed has no such switch
         if peer not in results:  # DeepSpeed's stage 3 defaults to the 1e9 reuse distance: its 3 is our 3+reuse
             peer = peer.removesuffix("+reuse")
         vs_ds = ""
