@@ -74,10 +74,18 @@ class SharedSlots:
         for start, end in _pieces(chunks.shape[1], PIECE_BYTES // (buffer.element_size() * self.size)):
             half = self._next_half()
             piece = self._slot(self.rank, half, buffer.dtype)[: self.size * (end - start)].view(self.size, -1)
-            piece.copy_(chunks[:, start:end])
+            total = chunks[self.rank, start:end]
+            # Our own row is read by us alone. Ranks 0 and 1 sum straight into it (the first add reads
+            # it before writing it); a later rank would overwrite it before its turn, so it copies it too.
+            if self.rank < 2:
+                piece[: self.rank].copy_(chunks[: self.rank, start:end])
+                piece[self.rank + 1 :].copy_(chunks[self.rank + 1 :, start:end])
+            else:
+                piece.copy_(chunks[:, start:end])
             dist.barrier(group=self.group)
             parts = [self._slot(peer, half, buffer.dtype)[: piece.numel()].view(self.size, -1)[self.rank] for peer in range(self.size)]
-            total = chunks[self.rank, start:end]
+            if self.rank < 2:
+                parts[self.rank] = total
             torch.add(parts[0], parts[1], out=total)
             for part in parts[2:]:
                 total.add_(part)
