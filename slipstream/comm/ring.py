@@ -17,6 +17,7 @@ this thread and in this order.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import threading
 
@@ -96,8 +97,32 @@ class RingContext:
         return self.executor.submit(untracked)
 
 
+    def close(self) -> None:
+        """Finish queued jobs and let go of the thread, the shared memory and the group."""
+        self.executor.shutdown(wait=True)
+        self.shared = None
+
+
 _contexts: dict[int, RingContext] = {}
 _lock = threading.Lock()
+
+
+@atexit.register
+def _close_rings() -> None:
+    """[Note: rings closed before the interpreter]
+    A ring holds its twin process group, its thread and its shared-memory views for as long as it
+    lives, so after the user's ``destroy_process_group`` the group's last reference was ours and
+    went only at interpreter finalization. One clean-clone demo run died there ("terminate called
+    without an active exception", SIGABRT after the script had returned); pytorch/pytorch#179291
+    describes the same for gloo objects torn down after the interpreter they call back into. The
+    cause was not confirmed; closing the rings here, while the interpreter is whole, takes our
+    part out of finalization, in a defined order.
+    """
+    with _lock:
+        contexts = list(_contexts.values())
+        _contexts.clear()
+    for context in contexts:
+        context.close()
 
 
 def ring_context(group: dist.ProcessGroup | None) -> RingContext | None:
