@@ -126,7 +126,9 @@ def shared_slots(group: dist.ProcessGroup, rank: int, size: int) -> SharedSlots 
 
 def _pieces(length: int, most: int) -> list[tuple[int, int]]:
     """``[start, end)`` ranges of at most ``most`` covering ``length``, as even as possible (fewer pages touched)."""
-    count = max(1, -(-length // most))
+    if length == 0:
+        return []  # nothing to move (every rank has the same length: no barrier is skipped alone)
+    count = -(-length // most)
     width = -(-length // count)
     return [(start, min(start + width, length)) for start in range(0, length, width)]
 

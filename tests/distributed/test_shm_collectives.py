@@ -65,6 +65,8 @@ def _match_body(piece_bytes: int) -> None:
                     in_rank_order += data[peer]
                 assert torch.equal(reduced, in_rank_order.view(world, -1)[rank]), dtype
                 assert torch.equal(gathered, torch.cat([data[p].view(world, -1)[p] for p in range(world)])), dtype
+            reduced, gathered = _collectives(context, 0, torch.float32)  # empty: no piece, no barrier, on every rank
+            assert reduced.numel() == gathered.numel() == 0
     finally:
         shm.PIECE_BYTES = saved
     assert not glob.glob(LEFT_BEHIND)
