@@ -96,9 +96,8 @@ class RingContext:
 
         return self.executor.submit(untracked)
 
-
     def close(self) -> None:
-        """Finish queued jobs and let go of the thread, the shared memory and the group."""
+        """Finish queued jobs and let go of the thread and the shared memory (the group goes with the context)."""
         self.executor.shutdown(wait=True)
         self.shared = None
 

@@ -77,14 +77,15 @@ class SharedSlots:
             total = chunks[self.rank, start:end]
             # Our own row is read by us alone. Ranks 0 and 1 sum straight into it (the first add reads
             # it before writing it); a later rank would overwrite it before its turn, so it copies it too.
-            if self.rank < 2:
+            in_place = self.rank < 2
+            if in_place:
                 piece[: self.rank].copy_(chunks[: self.rank, start:end])
                 piece[self.rank + 1 :].copy_(chunks[self.rank + 1 :, start:end])
             else:
                 piece.copy_(chunks[:, start:end])
             dist.barrier(group=self.group)
             parts = [self._slot(peer, half, buffer.dtype)[: piece.numel()].view(self.size, -1)[self.rank] for peer in range(self.size)]
-            if self.rank < 2:
+            if in_place:
                 parts[self.rank] = total
             torch.add(parts[0], parts[1], out=total)
             for part in parts[2:]:
@@ -98,21 +99,17 @@ def shared_slots(group: dist.ProcessGroup, rank: int, size: int) -> SharedSlots 
     collectives.
     """
     wanted = os.environ.get(ENV_SWITCH, "1") != "0" and os.path.isdir(SHM_DIR)
-    names: list[object] = [None] * size
-    dist.all_gather_object(names, uuid.uuid4().hex if wanted else None, group=group)
+    names = _from_every_rank(uuid.uuid4().hex if wanted else None, group, size)
     prefix = names[0]
-    made = _create(_path(prefix, rank)) if wanted and all(n is not None for n in names) else None
-    created: list[object] = [None] * size
-    dist.all_gather_object(created, made is not None, group=group)
+    made = _create(_path(prefix, rank)) if all(n is not None for n in names) else None
     maps: list[mmap.mmap] = []
-    if all(created):
+    if all(_from_every_rank(made is not None, group, size)):
         for peer in range(size):
             mapped = made if peer == rank else _open(_path(prefix, peer))
             if mapped is None:
                 break
             maps.append(mapped)
-    opened: list[object] = [None] * size
-    dist.all_gather_object(opened, len(maps) == size, group=group)  # also: every peer has mapped ours
+    opened = _from_every_rank(len(maps) == size, group, size)  # also: every peer has mapped ours
     if made is not None:
         os.unlink(_path(prefix, rank))
     if all(opened):
@@ -122,6 +119,13 @@ def shared_slots(group: dist.ProcessGroup, rank: int, size: int) -> SharedSlots 
     if made is not None and made not in maps:
         made.close()
     return None
+
+
+def _from_every_rank(value: object, group: dist.ProcessGroup, size: int) -> list[object]:
+    """Each member's ``value``, in group rank order (collective)."""
+    values: list[object] = [None] * size
+    dist.all_gather_object(values, value, group=group)
+    return values
 
 
 def _pieces(length: int, most: int) -> list[tuple[int, int]]:
