@@ -14,6 +14,7 @@ from slipstream.version import __version__
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from slipstream.comm.distributed import init_distributed
     from slipstream.engine.config import ConfigError, SlipstreamConfig, load_config
+    from slipstream.errors import SlipstreamError, UsageError
     from slipstream.engine.engine import Engine
     from slipstream.engine.initialize import initialize
     from slipstream.estimator import estimate
@@ -26,6 +27,8 @@ _LAZY = {
     "load_config": ("slipstream.engine.config", "load_config"),
     "init_distributed": ("slipstream.comm.distributed", "init_distributed"),
     "estimate": ("slipstream.estimator", "estimate"),
+    "SlipstreamError": ("slipstream.errors", "SlipstreamError"),
+    "UsageError": ("slipstream.errors", "UsageError"),
 }
 _LAZY_MODULES = {"accelerator", "checkpointing", "comm", "ops", "zero"}
 

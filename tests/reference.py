@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.noise import AdamW, NoiseShadows, assert_weights_close, float64_twin, twin_grads, with_bounds
+
 VOCAB = 256
 SEQ = 16
 
@@ -63,10 +65,17 @@ def train_reference(
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().float().clone().requires_grad_(True) for p in params] if dtype != torch.float32 else params
     optimizer = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay, fused=True)
+    # float32 only: the noise allowance of each weight (tests/noise.py); low precision compares in norm instead
+    twin = float64_twin(model) if dtype == torch.float32 else None
+    shadows = NoiseShadows(model.named_parameters(), AdamW(lr, weight_decay=weight_decay)) if twin is not None else None
     losses, norms = [], []
     for tokens in batches:
         loss = gpt2_loss(model, tokens)
         loss.backward()
+        if shadows is not None:
+            exact = twin_grads(twin, model, lambda m, tokens=tokens: gpt2_loss(m, tokens))
+            total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None])))
+            shadows.observe({n: p.grad for n, p in model.named_parameters()}, exact, min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0)
         if masters is not params:
             for m, p in zip(masters, params):
                 m.grad = None if p.grad is None else p.grad.float()
@@ -85,7 +94,8 @@ def train_reference(
         norms.append(float(norm))
     names = {id(p): n for n, p in model.named_parameters()}
     master_of = dict(zip((id(p) for p in params), masters))
-    return Trajectory(losses, {names[id(p)]: master_of.get(id(p), p).detach().float().clone() for p in model.parameters()}, norms)
+    final = {names[id(p)]: master_of.get(id(p), p).detach().float().clone() for p in model.parameters()}
+    return Trajectory(losses, with_bounds(final, shadows) if shadows is not None else final, norms)
 
 
 def train_engine(engine: Any, batches: list[torch.Tensor]) -> Trajectory:
@@ -109,8 +119,7 @@ def train_engine(engine: Any, batches: list[torch.Tensor]) -> Trajectory:
 
 def assert_weights_match(state: dict[str, torch.Tensor], reference: torch.nn.Module, rtol: float, atol: float) -> None:
     """Every parameter of ``reference`` equals ``state[name]`` (a consolidated state dict) within the tolerances."""
-    for name, value in reference.named_parameters():
-        torch.testing.assert_close(state[name], value.detach(), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+    assert_weights_close(state, {name: value for name, value in reference.named_parameters()}, rtol=rtol, atol=atol)
 
 
 def assert_close_trajectory(
@@ -126,8 +135,7 @@ def assert_close_trajectory(
         norm = torch.sqrt(sum(ref.params[k].pow(2).sum() for k in ref.params))
         assert diff <= param_rel_norm * norm, f"weights differ by {float(diff / norm):.2e} relative (limit {param_rel_norm})"
         return
-    for name, value in ours.params.items():
-        torch.testing.assert_close(value, ref.params[name], atol=param_atol, rtol=param_rtol, msg=lambda m: f"{name}: {m}")
+    assert_weights_close(ours.params, ref.params, rtol=param_rtol, atol=param_atol)
 
 
 def tiny_llama(seed: int = 0, n_layer: int = 2, hidden: int = 64) -> torch.nn.Module:
@@ -143,16 +151,20 @@ def tiny_llama(seed: int = 0, n_layer: int = 2, hidden: int = 64) -> torch.nn.Mo
 
 
 def train_lm_reference(model: torch.nn.Module, batches: list[torch.Tensor], lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process: ``model(input_ids=t, labels=t).loss`` on each whole batch, AdamW without weight decay or clipping."""
+    """One process: ``model(input_ids=t, labels=t).loss`` on each whole batch, AdamW without weight decay or clipping;
+    the weights carry their noise allowance (compare with ``tests.noise.assert_weights_close``)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    twin, shadows = float64_twin(model), NoiseShadows(model.named_parameters(), AdamW(lr))
     losses = []
     for tokens in batches:
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        exact = twin_grads(twin, model, lambda m, tokens=tokens: m(input_ids=tokens, labels=tokens).loss)
+        shadows.observe({n: p.grad for n, p in model.named_parameters()}, exact)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, with_bounds({n: p.detach().clone() for n, p in model.named_parameters()}, shadows)
 
 
 def train_lm_engine(engine: Any, batches: list[torch.Tensor], micro: int, index: int) -> list[float]:

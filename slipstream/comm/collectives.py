@@ -19,11 +19,12 @@ from slipstream.comm import flight
 from slipstream.comm.comms_log import CommRecord, comms_log
 from slipstream.comm.distributed import current_timeout
 from slipstream.comm.ring import ring_context
+from slipstream.errors import SlipstreamError
 
 ReduceOp = dist.ReduceOp
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(SlipstreamError, RuntimeError):
     """A collective failed or timed out; the message names the rank and the operation."""
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from slipstream.accelerator import get_accelerator
 from slipstream.utils.logging import get_logger, set_rank
+from slipstream.errors import SlipstreamError
 
 logger = get_logger(__name__)
 
@@ -21,7 +22,7 @@ _LAUNCHED_BY = "`slipstream run` and torchrun set it for each process"
 _MAX_C10D_INT = 2**31 - 1  # c10d keeps ranks and world sizes in a C int
 
 
-class LaunchEnvError(RuntimeError):
+class LaunchEnvError(SlipstreamError, RuntimeError):
     """A launch variable (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) that is
     missing or malformed; the message names the variable, its value and what is allowed."""
 

@@ -34,6 +34,7 @@ from slipstream.engine.precision import DTYPES, LossScaler
 from slipstream.engine.runners import StepRunner, Windows, mean_over_dp
 from slipstream.engine.zero.strategy import ShardingStrategy
 from slipstream.utils.logging import get_logger
+from slipstream.errors import UsageError
 
 logger = get_logger(__name__)
 
@@ -106,12 +107,12 @@ class Engine(SavesWeights, torch.nn.Module):
         self._require_optimizer("engine.backward")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self._backward_since_step:
-            raise RuntimeError(
+            raise UsageError(
                 "engine.backward: called twice at an accumulation boundary without engine.step() in between; "
                 "call engine.step() after every engine.backward()"
             )
         if boundary and self._no_sync:
-            raise RuntimeError(
+            raise UsageError(
                 "engine.backward: this micro-step completes an accumulation window (gradient_accumulation_steps="
                 f"{self.gradient_accumulation_steps()}), so its gradients must be reduced across ranks; run it "
                 "outside engine.no_sync()"
@@ -141,7 +142,7 @@ class Engine(SavesWeights, torch.nn.Module):
         """Optimizer step at an accumulation boundary; between boundaries only counts the micro-step."""
         self._require_optimizer("engine.step")
         if not self._backward_since_step:
-            raise RuntimeError("engine.step: no engine.backward() since the last step")
+            raise UsageError("engine.step: no engine.backward() since the last step")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:
@@ -324,7 +325,7 @@ class Engine(SavesWeights, torch.nn.Module):
 
     def _require_optimizer(self, call: str) -> None:
         if not self.has_optimizer():
-            raise RuntimeError(f"{call}: {MISSING_OPTIMIZER}")
+            raise UsageError(f"{call}: {MISSING_OPTIMIZER}")
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """DeepSpeed's switch: whether saving the model at stage 3 gathers full 16-bit weights."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from slipstream.errors import UsageError
 
 MISSING_OPTIMIZER = (
     "this engine has no optimizer (initialize() got inference=True, or neither an \"optimizer\" section in the "
@@ -28,4 +29,4 @@ class NoOptimizer(torch.optim.Optimizer):
         super().__init__(groups, {"lr": 0.0})
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        raise RuntimeError(f"optimizer.step: {MISSING_OPTIMIZER}")
+        raise UsageError(f"optimizer.step: {MISSING_OPTIMIZER}")

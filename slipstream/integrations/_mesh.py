@@ -21,6 +21,7 @@ import dataclasses
 from typing import Any
 
 import slipstream
+from slipstream.errors import UsageError
 
 # The config sections that size the mesh (engine/config/parallel.py); nothing else is parsed here, so
 # "auto" values elsewhere (batch sizes, optimizer) are no obstacle before the host fills them.
@@ -77,7 +78,7 @@ def check_engine(layout: DataParallelLayout, engine: Any) -> None:
     if mesh is None:
         return
     if (mesh.size("dp"), mesh.rank_of("dp")) != (layout.size, layout.rank):
-        raise RuntimeError(
+        raise UsageError(
             f"slipstream integrations: the data loader was sharded as dp rank {layout.rank} of {layout.size}, but the "
             f"engine's mesh puts this rank at dp {mesh.rank_of('dp')} of {mesh.size('dp')}; prepare the data loader "
             "with the same config as the model"

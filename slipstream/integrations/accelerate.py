@@ -32,6 +32,7 @@ from slipstream.integrations._mesh import DataParallelLayout, check_engine, data
 from slipstream.integrations._plugin import DummyOptim, DummyScheduler, SlipstreamPlugin
 from slipstream.integrations._wrappers import SlipstreamOptimizer, SlipstreamScheduler
 from slipstream.utils.logging import get_logger
+from slipstream.errors import UsageError
 
 logger = get_logger(__name__)
 
@@ -275,7 +276,7 @@ class SlipstreamAccelerator(Accelerator):
     # ------------------------------------------------------------------ training calls
     def _engine(self) -> Any:
         if not self.engines:
-            raise RuntimeError("SlipstreamAccelerator: call prepare(model, optimizer, ...) before backward()")
+            raise UsageError("SlipstreamAccelerator: call prepare(model, optimizer, ...) before backward()")
         return self.engines[-1]
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

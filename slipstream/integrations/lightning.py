@@ -30,6 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 import slipstream
 from slipstream.integrations._config import apply_mixed_precision, read_config
 from slipstream.integrations._mesh import data_parallel_layout
+from slipstream.errors import UsageError
 
 __all__ = ["SlipstreamPrecision", "SlipstreamStrategy"]
 
@@ -52,7 +53,7 @@ class SlipstreamPrecision(Precision):
         closure_result = closure()
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
-            raise RuntimeError("SlipstreamStrategy: skipping backward by returning None from training_step is not supported")
+            raise UsageError("SlipstreamStrategy: skipping backward by returning None from training_step is not supported")
         model.trainer.strategy.engine.step()
         return closure_result
 

@@ -15,13 +15,14 @@ from collections.abc import Mapping
 
 from slipstream.launcher.textfile import read_small_text
 from slipstream.launcher.usage import shown
+from slipstream.errors import SlipstreamError
 
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "CUDA_", "OMP_", "SLIPSTREAM_", "TORCH_NCCL_", "UCX_", "FI_")
 ENV_FILE = ".slipstream_env"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-class EnvFileError(ValueError):
+class EnvFileError(SlipstreamError, ValueError):
     """A line of ``.slipstream_env`` that is not ``KEY=VALUE``."""
 
 

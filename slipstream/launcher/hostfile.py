@@ -20,6 +20,7 @@ import re
 
 from slipstream.launcher.textfile import read_small_text
 from slipstream.launcher.usage import shown
+from slipstream.errors import SlipstreamError
 
 Resources = dict[str, list[int]]
 # More processes than any node has devices: a typo (slots=80000), refused before it allocates a
@@ -33,7 +34,7 @@ _SLURM_FIX = "run inside salloc/sbatch or pass --hostfile"
 _HOST = re.compile(r"[A-Za-z0-9_.:\[\]%][A-Za-z0-9_.:\[\]%@-]*")
 
 
-class HostfileError(ValueError):
+class HostfileError(SlipstreamError, ValueError):
     """A hostfile, ``--include``/``--exclude`` or node-list mistake (one line, names the problem)."""
 
 

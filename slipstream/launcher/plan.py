@@ -31,6 +31,7 @@ from slipstream.launcher.hostfile import (
 from slipstream.launcher.local import LocalLaunch
 from slipstream.launcher.runners import Job, Node, RunnerError, commands
 from slipstream.launcher.usage import shown
+from slipstream.errors import SlipstreamError
 
 DEFAULT_MULTI_NODE_PORT = 29500
 # Where an agent started by a runner finds its node rank (one agent per node, so the runner's
@@ -41,7 +42,7 @@ NODE_RANK_ENV = {
 }
 
 
-class PlanError(ValueError):
+class PlanError(SlipstreamError, ValueError):
     """An impossible or inconsistent combination of arguments (one line)."""
 
 

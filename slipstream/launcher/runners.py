@@ -25,6 +25,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from slipstream.errors import SlipstreamError
 
 RUNNERS = ("ssh", "pdsh", "slurm", "mpi")
 
@@ -52,7 +53,7 @@ class Job:
     ssh_port: int | None = None
 
 
-class RunnerError(ValueError):
+class RunnerError(SlipstreamError, ValueError):
     """The job cannot be expressed with the chosen runner (one line, says what to do instead)."""
 
 

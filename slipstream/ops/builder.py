@@ -40,6 +40,7 @@ from pathlib import Path
 from types import ModuleType
 
 from slipstream.utils.logging import get_logger
+from slipstream.errors import SlipstreamError
 
 logger = get_logger(__name__)
 
@@ -70,7 +71,7 @@ class OpStatus:
     detail: str
 
 
-class OpBuildError(RuntimeError):
+class OpBuildError(SlipstreamError, RuntimeError):
     pass
 
 

@@ -16,6 +16,7 @@ import torch
 
 import slipstream
 from tests.harness import run_distributed
+from tests.noise import assert_weights_close
 from tests.reference import tiny_mixtral, train_lm_reference, train_step_on_global_batch
 
 SEQ, MICRO, STEPS, VOCAB, LR = 16, 2, 3, 128, 1e-3
@@ -89,8 +90,7 @@ def test_pairs_match_one_process(stage: int) -> None:
         assert sum(by_axis.values()) == pytest.approx(ours["traffic"]["comms_MB"], rel=1e-9), name
         losses, params = train_lm_reference(_mixtral(), _batches(ours["dp"], ours["m"]), LR)
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
-        for key, value in params.items():
-            torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=5e-5, msg=lambda msg: f"{name} {key}: {msg}")
+        assert_weights_close(ours["state"], params, rtol=1e-4, atol=5e-5, label=name)
 
 
 def _refused_body(extra: dict[str, Any]) -> str:
@@ -126,8 +126,7 @@ def test_recipes_at_world_8_match_one_process() -> None:
     for name, ours in results.items():
         losses, params = train_lm_reference(_mixtral(), _batches(ours["dp"], ours["m"]), LR)
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
-        for key, value in params.items():
-            torch.testing.assert_close(ours["state"][key], value, rtol=1e-4, atol=5e-5, msg=lambda msg: f"{name} {key}: {msg}")
+        assert_weights_close(ours["state"], params, rtol=1e-4, atol=5e-5, label=name)
 
 
 GLOBAL_ROWS = 8  # every mesh below trains on the same global batches of 8 sequences

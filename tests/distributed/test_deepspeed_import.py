@@ -116,3 +116,51 @@ _RESHARD = [  # (case, our stage, our world, tp): another world size, stage and 
 def test_resumes_at_another_world_size_stage_and_mesh(case: str, stage: int, world: int, tp: int, tmp_path: Path) -> None:
     """DeepSpeed's world-2 checkpoint at world 1 or 4, another ZeRO stage, or tensor parallel: DeepSpeed's own losses."""
     _check(case, stage, world, tmp_path, tp)
+
+
+class _Trap:
+    """Pickles as a call of ``os.system`` (a booby-trapped checkpoint)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def _refused_body(root: str, marker: str) -> dict[str, Any]:
+    """Rank body: load a DeepSpeed checkpoint holding a pickled callable; every rank must raise slipstream's error."""
+    import torch.distributed as dist
+
+    import slipstream
+    from slipstream.engine.checkpoint.validate import CheckpointError
+
+    if dist.get_rank() == 0:
+        tag = Path(root) / "global_step3"
+        tag.mkdir(parents=True)
+        torch.save({"module": {"weight": torch.ones(2, 2)}, "global_steps": 3, "trap": _Trap(marker)}, tag / "mp_rank_00_model_states.pt")
+        (Path(root) / "latest").write_text("global_step3")
+    dist.barrier()
+    engine = slipstream.initialize(torch.nn.Linear(2, 2), {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    try:
+        engine.load_checkpoint(root)
+    except CheckpointError as err:
+        caught = {"kind": type(err).__name__, "message": str(err)}
+    untouched = all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items()) and engine.global_steps == 0
+    engine.close()
+    return {**caught, "untouched": untouched}
+
+
+def test_a_refused_deepspeed_checkpoint_raises_checkpoint_error_on_every_rank(tmp_path: Path) -> None:
+    """Only the converting rank reads the file; the other must raise the same class (was a bare RuntimeError)."""
+    marker = tmp_path / "ran"
+    results = run_distributed(2, _refused_body, str(tmp_path / "ds"), str(marker))
+    for rank, got in enumerate(results):
+        assert got["kind"] == "CheckpointError", (rank, got)
+        assert "os.system" in got["message"] or "posix.system" in got["message"], (rank, got["message"])
+        assert got["untouched"], rank
+    assert "failed on rank(s) [0]" in results[1]["message"], results[1]["message"]
+    assert not marker.exists()

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import slipstream
 from slipstream.comm import comms_log
 from tests.harness import run_distributed
+from tests.noise import assert_weights_close
 from tests.reference import tiny_mixtral, train_lm_engine, train_lm_reference
 
 SEQ, MICRO, STEPS, VOCAB, LR = 16, 2, 6, 128, 1e-3
@@ -86,8 +87,7 @@ def test_expert_parallel_matches_one_process() -> None:
     for stage in (0, 2):
         ours = results[0][stage]
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), stage
-        for name, value in params.items():
-            torch.testing.assert_close(ours["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"stage {stage} {name}: {m}")
+        assert_weights_close(ours["state"], params, rtol=1e-4, atol=1e-5, label=f"stage {stage}")
         # each rank holds half of every expert tensor (experts 0-1 or 2-3), and so half of their optimizer state
         assert ours["local"] == {"gate_up_proj": 4 * 2 * 96 * 64 // 2, "down_proj": 4 * 64 * 96 // 2}
         if stage == 0:
@@ -119,8 +119,7 @@ def test_expert_parallel_ep2_dp4_zero3() -> None:
     ours = run_distributed(4, _world4_body)[0]
     losses, params = _reference(4)
     assert ours["losses"] == pytest.approx(losses, rel=1e-5)
-    for name, value in params.items():
-        torch.testing.assert_close(ours["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_weights_close(ours["state"], params, rtol=1e-4, atol=1e-5)
 
 
 def _ckpt_run(ep: int, load: str | None, save: str, first: int) -> list[float]:
@@ -227,8 +226,7 @@ def test_moe_layer_for_custom_models_keeps_global_expert_names() -> None:
     losses, params = _custom_reference()
     assert set(results[0]["state"]) == set(params)  # every expert under its global name, on rank 0
     assert results[0]["losses"] == pytest.approx(losses, rel=1e-5)
-    for name, value in params.items():
-        torch.testing.assert_close(results[0]["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_weights_close(results[0]["state"], params, rtol=1e-4, atol=1e-5)
 
 
 def _skipped_step_body(precision: str, stage: int) -> list[tuple[float, bool]]:

@@ -15,6 +15,7 @@ import torch
 import slipstream
 from slipstream.comm import comms_log
 from tests.harness import run_distributed
+from tests.noise import assert_weights_close
 from tests.reference import train_lm_engine, train_lm_reference
 
 SEQ, BATCH, STEPS, VOCAB, LR = 64, 2, 6, 128, 1e-3
@@ -87,8 +88,7 @@ def _world2_body() -> dict[str, Any]:
 def _assert_matches(result: dict[str, Any], name: str, batch: int) -> None:
     losses, params = _reference(name, batch)
     assert result["losses"] == pytest.approx(losses, rel=1e-5)
-    for key, value in params.items():
-        torch.testing.assert_close(result["state"][key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+    assert_weights_close(result["state"], params, rtol=1e-4, atol=1e-5, label=f"{name}")
 
 
 def test_ulysses_matches_one_process_and_counts_its_all_to_alls() -> None:

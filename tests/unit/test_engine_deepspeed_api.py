@@ -100,11 +100,29 @@ def test_an_engine_without_an_optimizer_runs_forward_and_names_the_missing_optim
     loss = engine(_inputs(1)[0])
     assert torch.isfinite(loss)
     assert not engine.has_optimizer() and not engine.optimizer.state and engine.lr_scheduler is None
-    with pytest.raises(RuntimeError, match=r"engine.backward: this engine has no optimizer .*\"optimizer\" section"):
+    # slipstream's own error class (catchable as slipstream.UsageError / SlipstreamError), still a RuntimeError
+    with pytest.raises(slipstream.UsageError, match=r"engine.backward: this engine has no optimizer .*\"optimizer\" section"):
         engine.backward(loss)
-    with pytest.raises(RuntimeError, match="engine.step: this engine has no optimizer"):
+    with pytest.raises(slipstream.UsageError, match="engine.step: this engine has no optimizer"):
         engine.step()
+    with pytest.raises(slipstream.UsageError, match="optimizer.step: this engine has no optimizer"):
+        engine.optimizer.step()
+    assert issubclass(slipstream.UsageError, RuntimeError) and issubclass(slipstream.UsageError, slipstream.SlipstreamError)
     engine.close()
+
+
+def test_every_error_slipstream_raises_on_purpose_is_one_family() -> None:
+    """Config, usage, checkpoint, collective, launch and op-build errors all derive from slipstream.SlipstreamError,
+    and each still from the builtin callers caught before."""
+    from slipstream.comm import CollectiveError, LaunchEnvError
+    from slipstream.engine.checkpoint.validate import CheckpointError
+    from slipstream.launcher.hostfile import HostfileError
+    from slipstream.ops.builder import OpBuildError
+
+    for error, builtin in [(slipstream.ConfigError, ValueError), (CheckpointError, ValueError), (HostfileError, ValueError),
+                           (CollectiveError, RuntimeError), (LaunchEnvError, RuntimeError), (OpBuildError, RuntimeError),
+                           (slipstream.UsageError, RuntimeError)]:  # fmt: skip
+        assert issubclass(error, slipstream.SlipstreamError) and issubclass(error, builtin), error
 
 
 def test_exclude_frozen_parameters_omits_frozen_tensors(tmp_path) -> None:  # noqa: ANN001 - pytest fixture

@@ -19,11 +19,12 @@ import torch
 
 from slipstream.engine.checkpoint.format import key_part
 from slipstream.engine.zero.slices import ParamSlice
+from slipstream.errors import SlipstreamError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-class LayoutError(ValueError):
+class LayoutError(SlipstreamError, ValueError):
     """Pieces that do not tile their parameter exactly (overlap, gap, out of bounds)."""
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from slipstream.engine.checkpoint.format import LATEST
+from slipstream.errors import SlipstreamError
 
 MAX_TAG = 200  # characters; leaves room for the ".tmp-"/".trash-<ns>" prefixes within 255 bytes
 
 
-class TagError(ValueError):
+class TagError(SlipstreamError, ValueError):
     """A tag that cannot name a checkpoint directory."""
 
 

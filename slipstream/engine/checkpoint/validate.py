@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from slipstream.errors import SlipstreamError
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SlipstreamError, ValueError):
     """A checkpoint that is missing, incomplete, corrupt, or does not fit the model; the message says which file or parameter."""
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
+from slipstream.errors import SlipstreamError
 
 AUTO = "auto"
 
 
-class ConfigError(ValueError):
+class ConfigError(SlipstreamError, ValueError):
     """A configuration mistake; the message names the key path, the value and the fix."""
 
 

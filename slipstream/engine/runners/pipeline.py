@@ -21,6 +21,7 @@ from slipstream.engine.parallel.pipeline import Pipeline
 from slipstream.engine.parallel.sequence import SequenceSharder
 from slipstream.engine.runners.base import cast_floats
 from slipstream.engine.zero.strategy import ShardingStrategy
+from slipstream.errors import UsageError
 
 
 class DeferredLoss:
@@ -44,7 +45,7 @@ class DeferredLoss:
 
     def item(self) -> float:
         if self._value is None:
-            raise RuntimeError(
+            raise UsageError(
                 f"pipeline: the loss of micro-batch {self.micro} of step {self.step} is computed when the accumulation "
                 "window's last engine.backward() runs the pipeline schedule; read it after that call"
             )
@@ -89,7 +90,7 @@ class PipelineRunner:
         if self.cast_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.cast_dtype)
         if len(self.window) >= self.pipeline.micro_batches:
-            raise RuntimeError(
+            raise UsageError(
                 f"engine(...): already {len(self.window)} micro-batches in this window (gradient_accumulation_steps); call "
                 "engine.backward() and engine.step() after each forward"
             )
@@ -109,7 +110,7 @@ class PipelineRunner:
         pending, self.window = self.window, []
         m = self.pipeline.micro_batches
         if len(pending) != m:
-            raise RuntimeError(
+            raise UsageError(
                 f"engine.backward: the window holds {len(pending)} micro-batches but gradient_accumulation_steps is {m}; a "
                 "pipeline step needs them all"
             )

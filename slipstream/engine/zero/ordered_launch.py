@@ -9,6 +9,7 @@ lower-indexed bucket has launched; :meth:`flush` launches whatever is left, in o
 from __future__ import annotations
 
 from collections.abc import Callable
+from slipstream.errors import UsageError
 
 
 class OrderedLauncher:
@@ -26,7 +27,7 @@ class OrderedLauncher:
     def mark_ready(self, index: int, launch: bool = True) -> None:
         """Gradient ``index`` is final for this window; launch every bucket that can go."""
         if index in self.ready:
-            raise RuntimeError(
+            raise UsageError(
                 f"gradient of parameter #{index} arrived twice in the micro-step that completes an accumulation "
                 "window: run one backward pass per micro-step (add the losses and call engine.backward once), "
                 "and use non-reentrant activation checkpointing"

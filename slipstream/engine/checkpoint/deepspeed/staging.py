@@ -23,6 +23,7 @@ import torch.distributed as dist
 from slipstream.comm import all_gather_objects
 from slipstream.engine.checkpoint.agree import agree
 from slipstream.engine.checkpoint.deepspeed.convert import convert
+from slipstream.engine.checkpoint.validate import CheckpointError
 
 TAG = "converted"
 
@@ -57,5 +58,5 @@ def _node_path(mine: str | None) -> str:
     every = all_gather_objects((host, mine))
     found = next((path for name, path in every if name == host and path is not None), None)
     if found is None:
-        raise RuntimeError(f"load_checkpoint: no rank with LOCAL_RANK 0 on host {host} converted the DeepSpeed checkpoint")
+        raise CheckpointError(f"load_checkpoint: no rank with LOCAL_RANK 0 on host {host} converted the DeepSpeed checkpoint")
     return found

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.parallel.attention import allowed, attend, attention_features
 from slipstream.engine.parallel.context.layout import Layout
+from slipstream.errors import UsageError
 
 class _GatherKV(torch.autograd.Function):
     @staticmethod
@@ -51,7 +52,7 @@ class AllGatherKVAttention:
         dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
         if not self.active:
-            raise RuntimeError("context_parallel: attention called outside the engine's sharded step (the model's own attention runs there)")
+            raise UsageError("context_parallel: attention called outside the engine's sharded step (the model's own attention runs there)")
         features = attention_features("context_parallel.method: all-gathered K/V attention", module, dropout, scaling, kwargs)
         b, heads, n, d = query.shape
         kv_heads = key.shape[1]

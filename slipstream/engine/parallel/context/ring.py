@@ -30,6 +30,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.parallel.attention import UnsupportedAttention, attention_features
 from slipstream.engine.parallel.context.layout import Layout
+from slipstream.errors import UsageError
 
 class _RingShift(torch.autograd.Function):
     """Forward: send to the next rank, receive from the previous; backward: the reverse."""
@@ -176,7 +177,7 @@ class RingAttention:
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
         # The engine refused padded batches; the causal pattern comes from the global positions below.
         if not self.active:
-            raise RuntimeError("context_parallel: ring attention called outside the engine's sharded step (the model's own attention runs there)")
+            raise UsageError("context_parallel: ring attention called outside the engine's sharded step (the model's own attention runs there)")
         features = attention_features("context_parallel.method: ring attention", module, dropout, scaling, kwargs)
         b, heads, n, d = query.shape
         model = type(module).__name__

@@ -27,6 +27,7 @@ from slipstream.engine.parallel.pipeline.cut import StageGate, StageOutput
 from slipstream.engine.parallel.pipeline.schedules import Schedule
 from slipstream.engine.parallel.pipeline.simulate import Costs, simulate
 from slipstream.engine.parallel.pipeline.split_backward import WeightPass, backward_input
+from slipstream.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +213,7 @@ class Executor:
         finally:
             self.gate.active, self.gate.received = None, None
         if stage != self.last:
-            raise RuntimeError(f"pipeline: stage {stage}'s forward ran to the end of the model without reaching its last block")
+            raise UsageError(f"pipeline: stage {stage}'s forward ran to the end of the model without reaching its last block")
         return loss_of(self.finish(output, micro) if self.finish is not None else output)
 
     def _stage_costs(self, spent: dict[tuple[int, Op], list[float]]) -> dict[int, Costs]:

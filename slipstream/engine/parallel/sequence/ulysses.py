@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from slipstream import comm
 from slipstream.comm import overlap
 from slipstream.engine.parallel.attention import allowed, attend, attention_features
+from slipstream.errors import UsageError
 
 ATTENTION_NAME = "slipstream_ulysses"
 
@@ -93,7 +94,7 @@ class UlyssesAttention:
         dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
         if not self.active:
-            raise RuntimeError("sequence_parallel_size: Ulysses attention called outside the engine's sharded step (the model's own attention runs there)")
+            raise UsageError("sequence_parallel_size: Ulysses attention called outside the engine's sharded step (the model's own attention runs there)")
         features = attention_features("sequence_parallel_size: Ulysses attention", module, dropout, scaling, kwargs)
         # attention_mask: the model built it for the local tokens only; the engine refused padded batches,
         # so the whole-sequence mask is the causal one (plus the window), applied below on the whole sequence.

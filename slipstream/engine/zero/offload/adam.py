@@ -24,6 +24,7 @@ from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.offload.state_store import STATE_NAMES, StateStore
 from slipstream.ops.adam import cpu_adam_step, evaluate_closure
 from slipstream.engine.config.base import ConfigError
+from slipstream.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ class OffloadAdam(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         loss = evaluate_closure(closure)
         if self.grads is None or self.used is None:
-            raise RuntimeError("OffloadAdam.step: no gradients prepared; step through the engine (engine.step())")
+            raise UsageError("OffloadAdam.step: no gradients prepared; step through the engine (engine.step())")
         if self.before_step is not None:
             self.before_step()
         for k, (lo, hi) in enumerate(self.store.subgroups):

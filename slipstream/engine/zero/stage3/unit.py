@@ -32,6 +32,7 @@ from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.storage import alias
 from slipstream.engine.zero.stage3.units import UnitSpec
 from slipstream.utils.logging import get_logger
+from slipstream.errors import UsageError
 
 logger = get_logger(__name__)
 
@@ -80,7 +81,7 @@ class ReleasedParameter(torch.nn.Parameter):
             return args[0]
         if name == "detach" and args and sys._getframe(1).f_code is _SAVE_TO_STATE_DICT:
             return _state_dict_placeholder(args[0])
-        raise RuntimeError(
+        raise UsageError(
             f"ZeRO-3: {name or func} used a partitioned parameter while its unit was not gathered (a parameter used "
             "outside its owning module's forward, a submodule called outside the model's forward, or model.state_dict() "
             "instead of engine.consolidated_state_dict()). Declare outside uses with "
@@ -105,7 +106,7 @@ def _refuse_dtype_change(name: str, param: torch.Tensor, args: tuple[Any, ...], 
         elif isinstance(arg, torch.Tensor):
             wanted = arg.dtype
     if wanted is not None and wanted != param.dtype:
-        raise RuntimeError(
+        raise UsageError(
             f"ZeRO-3: {name}(dtype={wanted}) on a partitioned parameter of dtype {param.dtype}: the engine's precision "
             "section (bf16/fp16) sets the dtype of ZeRO-3 parameters; cast the model before slipstream.initialize()"
         )
