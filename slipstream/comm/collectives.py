@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from slipstream.comm import flight
 from slipstream.comm.comms_log import CommRecord, comms_log
 from slipstream.comm.distributed import current_timeout
 from slipstream.comm.ring import ring_context
+from slipstream.comm.teardown import on_teardown
 from slipstream.errors import SlipstreamError
 
 ReduceOp = dist.ReduceOp
@@ -46,6 +48,8 @@ class Work:
         self._flight_entry = flight_entry  # (the recorder it was issued to, its index there)
         self._start = time.perf_counter()
         self.done = work is None
+        if not self.done:
+            _in_flight.add(self)
 
     def is_completed(self) -> bool:
         """Whether :meth:`wait` would return at once (it must still be called, to finish the record)."""
@@ -57,8 +61,10 @@ class Work:
         try:
             self._work.wait()
         except Exception as err:  # the backend raises RuntimeError/DistBackendError variants
+            _in_flight.discard(self)  # reported: nothing waits for it again at exit
             raise CollectiveError(self._describe(err)) from err
         self.done = True
+        _in_flight.discard(self)
         if self._flight_entry is not None:
             recorder, index = self._flight_entry
             recorder.finish(index)
@@ -94,6 +100,22 @@ class Work:
             f"{reason} after {elapsed:.1f}s{hint}. Another rank probably died or took a different code path "
             f"(e.g. skipped backward or step). Backend said: {_one_line(err)}. Flight record: {_culprit(elapsed)}"
         )
+
+
+_in_flight: weakref.WeakSet[Work] = weakref.WeakSet()  # launched, not yet waited for
+
+
+def _finish_in_flight() -> None:
+    """At exit: wait for every collective launched and not waited for, so no backend thread still holds its tensors
+    when the interpreter finalizes (see [Note: no abort at exit] in teardown.py). A failure no longer matters."""
+    for work in list(_in_flight):
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - the script has returned; its peers may be gone
+            pass
+
+
+on_teardown(_finish_in_flight)
 
 
 def _one_line(err: BaseException) -> str:

@@ -17,7 +17,6 @@ this thread and in this order.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import threading
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from slipstream.comm.distributed import current_timeout
 from slipstream.comm.shm import shared_slots
+from slipstream.comm.teardown import on_teardown
 
 RING_BACKENDS = {"gloo"}
 
@@ -106,22 +106,22 @@ _contexts: dict[int, RingContext] = {}
 _lock = threading.Lock()
 
 
-@atexit.register
 def _close_rings() -> None:
     """[Note: rings closed before the interpreter]
     A ring holds its twin process group, its thread and its shared-memory views for as long as it
     lives, so after the user's ``destroy_process_group`` the group's last reference was ours and
-    went only at interpreter finalization. One clean-clone demo run died there ("terminate called
-    without an active exception", SIGABRT after the script had returned); pytorch/pytorch#179291
-    describes the same for gloo objects torn down after the interpreter they call back into. The
-    cause was not confirmed; closing the rings here, while the interpreter is whole, takes our
-    part out of finalization, in a defined order.
+    went only at interpreter finalization, where a gloo thread freeing a tensor aborts the process
+    (see [Note: no abort at exit] in teardown.py). Closing the rings at exit, while the interpreter
+    is whole, takes our part out of finalization, in a defined order.
     """
     with _lock:
         contexts = list(_contexts.values())
         _contexts.clear()
     for context in contexts:
         context.close()
+
+
+on_teardown(_close_rings)  # at exit, after in-flight collectives and before the groups go (teardown.py)
 
 
 def ring_context(group: dist.ProcessGroup | None) -> RingContext | None:

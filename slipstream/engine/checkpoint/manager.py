@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from slipstream.comm import all_gather_objects
+from slipstream.comm.teardown import before_teardown
 from slipstream.engine.checkpoint import writer
 from slipstream.engine.checkpoint.agree import agree as _agree
 from slipstream.engine.checkpoint.deepspeed.source import locate as locate_deepspeed
@@ -72,6 +73,9 @@ def _wait_all() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+before_teardown(_wait_all)  # also before comm tears the process groups down, whatever the import order
 
 
 class CheckpointManager:
@@ -217,7 +221,7 @@ class CheckpointManager:
         self._guard = None
         error, self._error = self._error, None
         if error is not None and raise_errors:
-            raise RuntimeError(f"the background checkpoint save failed: {error}") from error
+            raise CheckpointError(f"the background checkpoint save failed: {error}") from error
         return error
 
     def _validate_tag(self, tag: str, world: int) -> None:
