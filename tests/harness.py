@@ -56,6 +56,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, sys_path: lis
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
     )
     from slipstream.comm import flight
+    from slipstream.comm.abort import aborted
     from slipstream.utils.logging import set_rank
 
     set_rank(rank)
@@ -70,15 +71,20 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, sys_path: lis
         environment = dict(os.environ)  # hosts edit it (Lightning's DDP set-up writes WORLD_SIZE): the next body gets the pool's
         flight.reset()  # each body's collectives are numbered from 1, as in a fresh job
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            outcome = ("ok", fn(*args, **kwargs))
         except pytest.skip.Exception as err:
-            conn.send(("skip", str(err)))
+            outcome = ("skip", str(err))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
-            conn.send(("error", traceback.format_exc()))
+            outcome = ("error", traceback.format_exc())
+        try:
+            # a rank whose step raised aborted its groups (slipstream/comm/abort.py): the pool cannot serve another body
+            conn.send((*outcome, aborted()))
         finally:
             if os.environ != environment:
                 os.environ.clear()
                 os.environ.update(environment)
+        if aborted():
+            os._exit(0)  # the groups are aborted: nothing to destroy, and the parent starts a fresh pool
     dist.destroy_process_group()
 
 
@@ -113,6 +119,7 @@ class WorkerPool:
         for conn in self.conns:
             conn.send((fn, args, kwargs))
         results: dict[int, tuple[str, Any]] = {}
+        aborted = False
         deadline = time.monotonic() + timeout
         while len(results) < self.world_size:
             waiting = {self.conns[r]: r for r in range(self.world_size) if r not in results}
@@ -120,7 +127,9 @@ class WorkerPool:
             for conn in ready:
                 rank = waiting[conn]
                 try:
-                    results[rank] = conn.recv()
+                    status, payload, rank_aborted = conn.recv()
+                    results[rank] = (status, payload)
+                    aborted = aborted or rank_aborted
                 except EOFError:
                     code = self.procs[rank].exitcode
                     results[rank] = ("error", f"rank {rank} process died (exit code {code})")
@@ -146,6 +155,8 @@ class WorkerPool:
                 + "\n".join(f"--- rank {r}:\n{m}" for r, m in sorted(errors.items())),
                 pytrace=False,
             )
+        if aborted:
+            self.shutdown()  # some rank aborted its process groups after a failed step; the next body gets a fresh pool
         skips = [msg for status, msg in results.values() if status == "skip"]
         if skips:
             pytest.skip(skips[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+from slipstream.comm.abort import mark_raised_on_every_rank
 from slipstream.comm.collectives import all_gather_objects
 from slipstream.errors import SlipstreamError, error_kind, same_kind
 
@@ -29,10 +30,10 @@ def agree(action: Callable[[], T], what: str, fallback: type[SlipstreamError] = 
         error = err
     verdicts = all_gather_objects(None if error is None else (error_kind(error), f"{type(error).__name__}: {error}"))
     if error is not None:
-        raise error
+        raise mark_raised_on_every_rank(error)
     failed = {rank: verdict for rank, verdict in enumerate(verdicts) if verdict is not None}
     if failed:
         first = min(failed)
         kind, text = failed[first]
-        raise same_kind(kind, f"{what} failed on rank(s) {sorted(failed)}: {text}", fallback)
+        raise mark_raised_on_every_rank(same_kind(kind, f"{what} failed on rank(s) {sorted(failed)}: {text}", fallback))
     return result  # type: ignore[return-value]

@@ -8,6 +8,7 @@ the backend's bare "Timed out waiting 1800000ms for recv operation".
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import time
 import weakref
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm import flight
+from slipstream.comm.abort import failure_of_a_peer
 from slipstream.comm.comms_log import CommRecord, comms_log
 from slipstream.comm.distributed import current_timeout
 from slipstream.comm.ring import ring_context
@@ -59,7 +61,8 @@ class Work:
         if self.done:
             return
         try:
-            self._work.wait()
+            # An explicit limit: without one gloo's point-to-point receives wait forever, whatever the group's timeout.
+            self._work.wait(current_timeout())
         except Exception as err:  # the backend raises RuntimeError/DistBackendError variants
             _in_flight.discard(self)  # reported: nothing waits for it again at exit
             raise CollectiveError(self._describe(err)) from err
@@ -94,6 +97,12 @@ class Work:
             return (
                 f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} failed on "
                 f"this rank ({type(err).__name__}, not a communication error): {err}"
+            )
+        failed = failure_of_a_peer()
+        if failed is not None:  # a peer's step raised and it aborted its groups (see abort.py): its error is the news
+            return (
+                f"rank {rank}/{world}: {what} in step {comms_log.step} stopped after {elapsed:.1f}s because another rank "
+                f"failed first — {failed}. Backend said: {_one_line(err)}"
             )
         return (
             f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} "
@@ -222,9 +231,9 @@ class _AllWorks:
     def __init__(self, works: list[dist.Work]) -> None:
         self.works = works
 
-    def wait(self) -> bool:
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         for work in self.works:
-            work.wait()
+            work.wait() if timeout is None else work.wait(timeout)
         return True
 
     def is_completed(self) -> bool:
@@ -282,7 +291,7 @@ class _Alone:
         if destination is not None and source is not None and destination.data_ptr() != source.data_ptr():
             destination.copy_(source)
 
-    def wait(self) -> bool:
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         return True
 
     def is_completed(self) -> bool:
@@ -295,8 +304,11 @@ class _FutureWork:
     def __init__(self, future: concurrent.futures.Future) -> None:
         self.future = future
 
-    def wait(self) -> None:
-        self.future.result()
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        try:
+            self.future.result(None if timeout is None else timeout.total_seconds())
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError(f"timed out after {timeout.total_seconds():g}s waiting for the ring thread") from None
 
     def is_completed(self) -> bool:
         return self.future.done()

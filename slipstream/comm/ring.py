@@ -54,7 +54,7 @@ class RingContext:
             dist.P2POp(dist.irecv, receive, self.prev_peer, group=self.group),
         ]
         for request in dist.batch_isend_irecv(ops):
-            request.wait()
+            request.wait(current_timeout())  # explicit: gloo's receives otherwise wait forever
 
     def reduce_scatter(self, buffer: torch.Tensor) -> None:
         """Sum ``buffer`` over ranks in place; afterwards chunk ``rank`` holds the full sum."""

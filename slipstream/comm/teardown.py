@@ -17,7 +17,8 @@ moment. So, at exit and in this order:
    while gloo's threads drain their queues, so the user's own in-flight ``async_op`` work completes
    and is freed here, not in finalization).
 
-A script that dies of an unhandled exception keeps its groups (step 4 is skipped): its peers may
+A script that dies of an unhandled exception, or whose groups were aborted after a failed step
+(``abort.py``), keeps its groups (step 4 is skipped): its peers may
 never join the work still queued, and destroying would wait for the timeout instead of exiting.
 The handler is registered when ``slipstream.comm`` is first imported, so it runs after every
 ``atexit`` handler registered later (Python runs them last-in, first-out): the user's, and the
@@ -33,6 +34,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from slipstream.comm.abort import aborted
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -65,7 +67,7 @@ def teardown() -> None:
             step()
         except Exception as err:  # noqa: BLE001 - exiting: report and go on with the rest
             logger.warning("at exit: %s failed: %s", getattr(step, "__qualname__", step), err)
-    if dist.is_available() and dist.is_initialized() and not _dying_of_an_exception():
+    if dist.is_available() and dist.is_initialized() and not _dying_of_an_exception() and not aborted():
         try:
             dist.destroy_process_group()
         except Exception as err:  # noqa: BLE001 - exiting

@@ -17,6 +17,7 @@ import torch
 
 from slipstream.accelerator import Accelerator
 from slipstream.comm import comms_log
+from slipstream.comm.abort import tells_peers_on_failure
 from slipstream.engine.checkpoint.manager import CheckpointManager
 from slipstream.engine.checkpoint.rng import RngState
 from slipstream.engine.checkpoint.target import CheckpointTarget, Counters, TrainState
@@ -94,10 +95,12 @@ class Engine(SavesWeights, torch.nn.Module):
         return self.parallel.pipeline
 
     # ------------------------------------------------------------------ training loop
+    @tells_peers_on_failure("engine(...)")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         comms_log.step = self.global_steps  # a timed-out collective names this step (also after a resume)
         return self.runner.forward(args, kwargs, self.global_steps)
 
+    @tells_peers_on_failure("engine.backward")
     def backward(self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True) -> Any:
         """Scale ``loss`` for accumulation and fp16, backpropagate, start gradient communication.
 
@@ -122,6 +125,7 @@ class Engine(SavesWeights, torch.nn.Module):
         self._backward_since_step = True
         return loss
 
+    @tells_peers_on_failure("engine.train_batch")
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:
         """DeepSpeed's call: ``gradient_accumulation_steps`` micro-batches from ``data_iter`` and one step; the global mean loss."""
         losses = []
@@ -132,12 +136,14 @@ class Engine(SavesWeights, torch.nn.Module):
             losses.append(loss)  # a pipeline's are known after the window's last backward
         return mean_over_dp([float(loss.item()) for loss in losses], self.mesh)
 
+    @tells_peers_on_failure("engine.eval_batch")
     def eval_batch(self, data_iter: Any = None) -> torch.Tensor:
         """Forward only over ``gradient_accumulation_steps`` micro-batches; the global mean loss, on every rank."""
         batches = self._windows.draw(data_iter, "eval_batch")
         comms_log.step = self.global_steps
         return mean_over_dp(self.runner.evaluate(batches, self.global_steps), self.mesh)
 
+    @tells_peers_on_failure("engine.step")
     def step(self) -> None:
         """Optimizer step at an accumulation boundary; between boundaries only counts the micro-step."""
         self._require_optimizer("engine.step")
