@@ -160,11 +160,13 @@ def test_a_deepseek_like_checkpoint_resumes_in_one_process_and_under_tensor_para
     assert first + middle + last == pytest.approx(reference, rel=1e-5)
 
 
-def test_a_llama3_like_checkpoint_resumes_under_pipeline_and_data_parallel(tmp_path: Any) -> None:
-    """tp 2 × cp 2 × pp 2 → pp 2 × dp 4 (world 8 both): the trajectory continues as if never interrupted."""
+@pytest.mark.parametrize("method", ["ring", "zigzag", "allgather_kv"])
+def test_a_llama3_like_checkpoint_resumes_under_pipeline_and_data_parallel(method: str, tmp_path: Any) -> None:
+    """tp 2 × cp 2 × pp 2 → pp 2 × dp 4 (world 8 both), every context method: the trajectory continues as if never
+    interrupted."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     reference, _ = train_lm_reference(_mixtral(), _global_batches()[:4], LR)
-    llama3 = {"tensor_parallel": {"autotp_size": 2}, "context_parallel": {"size": 2}, "pipeline": {"stages": 2}}
+    llama3 = {"tensor_parallel": {"autotp_size": 2}, "context_parallel": {"size": 2, "method": method}, "pipeline": {"stages": 2}}
     first = run_distributed(8, _resume_run, llama3, 2, 4, range(0, 2), None, a)[0]
     last = run_distributed(8, _resume_run, {"pipeline": {"stages": 2}}, 2, 1, range(2, 4), a, b)[0]
     assert first + last == pytest.approx(reference, rel=1e-5)
