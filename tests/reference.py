@@ -150,21 +150,26 @@ def tiny_llama(seed: int = 0, n_layer: int = 2, hidden: int = 64) -> torch.nn.Mo
     return LlamaForCausalLM(config)
 
 
-def train_lm_reference(model: torch.nn.Module, batches: list[torch.Tensor], lr: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_lm_reference(
+    model: torch.nn.Module, batches: list[torch.Tensor], lr: float, bounds: bool = True
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process: ``model(input_ids=t, labels=t).loss`` on each whole batch, AdamW without weight decay or clipping;
-    the weights carry their noise allowance (compare with ``tests.noise.assert_weights_close``)."""
+    the weights carry their noise allowance (compare with ``tests.noise.assert_weights_close``); ``bounds=False``
+    skips the float64 twin that measures it, for callers that compare losses only."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    twin, shadows = float64_twin(model), NoiseShadows(model.named_parameters(), AdamW(lr))
+    twin, shadows = (float64_twin(model), NoiseShadows(model.named_parameters(), AdamW(lr))) if bounds else (None, None)
     losses = []
     for tokens in batches:
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
-        exact = twin_grads(twin, model, lambda m, tokens=tokens: m(input_ids=tokens, labels=tokens).loss)
-        shadows.observe({n: p.grad for n, p in model.named_parameters()}, exact)
+        if shadows is not None:
+            exact = twin_grads(twin, model, lambda m, tokens=tokens: m(input_ids=tokens, labels=tokens).loss)
+            shadows.observe({n: p.grad for n, p in model.named_parameters()}, exact)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, with_bounds({n: p.detach().clone() for n, p in model.named_parameters()}, shadows)
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, with_bounds(final, shadows) if shadows is not None else final
 
 
 def train_lm_engine(engine: Any, batches: list[torch.Tensor], micro: int, index: int) -> list[float]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.comm import flight
+from slipstream.comm import flight, watch
 from slipstream.comm.abort import failure_of_a_peer
 from slipstream.comm.comms_log import CommRecord, comms_log
 from slipstream.comm.distributed import current_timeout
@@ -168,7 +168,8 @@ def _launch(
     recorder = flight.recorder(*_rank_and_world())
     entry = (recorder, recorder.issue(op, label, record.nbytes, _shape(tensor), tag, comms_log.step))
     try:
-        work = call()
+        with watch.quiet():  # recorded above, with our tag: the watcher of torch.distributed must not record it again
+            work = call()
     except Exception as err:
         handle = Work(None, record, group, flight_entry=entry)
         raise CollectiveError(handle._describe(err)) from err

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from slipstream.accelerator import get_accelerator
+from slipstream.comm import watch
 from slipstream.utils.logging import get_logger, set_rank
 from slipstream.errors import SlipstreamError
 
@@ -41,6 +42,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
     ``backend`` defaults to the accelerator's (nccl on CUDA, gloo on CPU).
     """
     global _timeout
+    watch.install()  # the flight recorder sees the user's collectives too (watch.py)
     if dist.is_initialized():
         set_rank(dist.get_rank())
         if timeout is not None:

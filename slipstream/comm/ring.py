@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm.distributed import current_timeout
+from slipstream.comm import watch
 from slipstream.comm.shm import shared_slots
 from slipstream.comm.teardown import on_teardown
 
@@ -88,7 +89,7 @@ class RingContext:
             if self.failure is not None:
                 raise RuntimeError(f"not run: an earlier collective on this ring failed ({self.failure})")
             try:
-                with torch.no_grad():
+                with torch.no_grad(), watch.quiet():  # the ring's exchanges are recorded as the collective they make up
                     return fn(*args)
             except Exception as err:
                 self.failure = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"

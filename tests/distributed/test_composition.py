@@ -153,7 +153,7 @@ def _resume_run(extra: dict[str, Any], accumulation: int, micro: int, steps: ran
 def test_a_deepseek_like_checkpoint_resumes_in_one_process_and_under_tensor_parallel(tmp_path: Any) -> None:
     """pp 2 × ep 2 × dp 2 → one process → tp 2 × dp 2: the trajectory continues as if never interrupted."""
     a, b, c = (str(tmp_path / x) for x in "abc")
-    reference, _ = train_lm_reference(_mixtral(), _global_batches(), LR)
+    reference, _ = train_lm_reference(_mixtral(), _global_batches(), LR, bounds=False)
     first = run_distributed(4, _resume_run, {**EP2, "pipeline": {"stages": 2}}, 2, 2, range(0, 2), None, a)[0]
     middle = run_distributed(1, _resume_run, {}, 1, 8, range(2, 4), a, b)[0]
     last = run_distributed(4, _resume_run, {"tensor_parallel": {"autotp_size": 2}}, 1, 4, range(4, 6), b, c)[0]
@@ -165,7 +165,7 @@ def test_a_llama3_like_checkpoint_resumes_under_pipeline_and_data_parallel(metho
     """tp 2 × cp 2 × pp 2 → pp 2 × dp 4 (world 8 both), every context method: the trajectory continues as if never
     interrupted."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    reference, _ = train_lm_reference(_mixtral(), _global_batches()[:4], LR)
+    reference, _ = train_lm_reference(_mixtral(), _global_batches()[:4], LR, bounds=False)
     llama3 = {"tensor_parallel": {"autotp_size": 2}, "context_parallel": {"size": 2, "method": method}, "pipeline": {"stages": 2}}
     first = run_distributed(8, _resume_run, llama3, 2, 4, range(0, 2), None, a)[0]
     last = run_distributed(8, _resume_run, {"pipeline": {"stages": 2}}, 2, 1, range(2, 4), a, b)[0]

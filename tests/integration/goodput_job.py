@@ -6,7 +6,9 @@ The goodput tests and ``benchmarks/bench_goodput.py`` start it. ``--faults`` lis
 
 * ``kill``: SIGKILL after the step's optimizer step (a dead rank);
 * ``stop``: SIGSTOP before the step's forward (a hang: the process is alive and silent);
-* ``diverge``: one extra broadcast before the step's forward (a rank-dependent code path).
+* ``diverge``: one extra broadcast before the step's forward (a rank-dependent code path);
+* ``skipuser``: with ``--user_allreduce 1`` (every rank all-reduces a metric with its own
+  ``dist.all_reduce`` after each step), this rank skips that call in step STEP.
 
 Writes ``events.jsonl`` (one line per attempt from rank 0, one per fault from the faulty rank)
 and rank 0's final fp32 weights (``final.pt``). The data come from the engine's own loader, so the
@@ -69,6 +71,7 @@ def main() -> None:
     parser.add_argument("--in_memory", type=int, default=0, help="in-memory snapshot every N steps")
     parser.add_argument("--comms_timeout", type=float, default=30.0)
     parser.add_argument("--zero_stage", type=int, default=1)
+    parser.add_argument("--user_allreduce", type=int, default=0, help="the script's own dist.all_reduce after each step")
     args = parser.parse_args()
     out = Path(args.out)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -107,6 +110,9 @@ def main() -> None:
             loss = engine(input_ids=tokens, labels=tokens).loss
             engine.backward(loss)
             engine.step()
+            if args.user_allreduce and not (mine and fault[0] == "skipuser"):
+                metric = loss.detach().reshape(1).repeat(4)
+                dist.all_reduce(metric)  # the user's own collective, outside slipstream
             if rank == 0 and not first_step_done:
                 first_step_done = True
                 record(out, event="first_step", attempt=attempt, step=engine.global_steps, at=time.time())

@@ -67,6 +67,20 @@ def test_rank_taking_another_code_path_is_named_at_the_first_divergence(tmp_path
     ) in _flight_line(stderr), (step, rank)
 
 
+def test_rank_skipping_the_users_own_all_reduce_is_named_at_that_call(tmp_path):
+    """The flight recorder sees the script's own ``dist.all_reduce`` (comm/watch.py): the report names the rank, the
+    op, the group and the sequence number of the user's call, and the line of the script that made it."""
+    step, rank = DRAW.randint(2, 5), DRAW.randint(0, 3)
+    code, stderr, _ = _job(tmp_path, "--faults", f"skipuser@{step}:{rank}", "--user_allreduce", "1")
+    assert code == 1, stderr
+    others = ",".join(str(r) for r in range(4) if r != rank)
+    # 5 collectives a step on world: ZeRO-1's 4, then the user's all_reduce (#5s+6) that rank `rank` skips at step `step`
+    line = _flight_line(stderr)
+    assert f"rank {rank} took a different code path: the first divergence is collective #{5 * step + 6} of world" in line, (step, rank, line)
+    assert f"rank {rank} issued reduce_scatter ([29568] float32)" in line, line
+    assert f"ranks {others} issued all_reduce ([4] float32 'goodput_job.py:" in line or f"ranks {others} issued all_reduce ([4] float32)" in line, line
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     tmp = tmp_path_factory.mktemp("uninterrupted")
