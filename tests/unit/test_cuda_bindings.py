@@ -44,6 +44,7 @@ BUILD = textwrap.dedent('''
         spec.loader.exec_module(module)
         return module
     load("slipstream.utils.logging", "slipstream/utils/logging.py")
+    load("slipstream.errors", "slipstream/errors.py")
     builder = load("slipstream.ops.builder", "slipstream/ops/builder.py")
     specs = load("slipstream.ops.specs", "slipstream/ops/specs.py")
     import torch
