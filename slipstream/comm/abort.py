@@ -14,7 +14,7 @@ that says nothing of the real error. So the failing rank, before its exception l
 A peer that stops this way raises a :class:`CollectiveError` in its own step, which aborts its groups
 in turn, so ranks several hops away stop too. Errors raised alike on every rank by agreement
 (``comm.agree``, the twin check's verdict) carry ``raised_on_every_rank`` and abort nothing: no peer
-waits. After an abort this process's groups are unusable; :func:`aborted` says so (the exit sequence
+waits; nor do slipstream's deliberate refusals (see :func:`leaves_peers_waiting`). After an abort this process's groups are unusable; :func:`aborted` says so (the exit sequence
 then leaves them to the OS rather than destroying them).
 """
 
@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from slipstream.errors import SlipstreamError
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -53,9 +54,26 @@ def peers_told_on_failure(call: str) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        if not getattr(err, "raised_on_every_rank", False):
+        if leaves_peers_waiting(err):
             abort_for(err, call)
         raise
+
+
+def leaves_peers_waiting(error: BaseException) -> bool:
+    """Whether ``error`` may have left other ranks in a collective this rank will not join.
+
+    Yes for the user's own errors (the model failed on this rank's data) and for a broken collective
+    (``CollectiveError``: aborting passes the news on to ranks further away). No for an error raised
+    alike on every rank by agreement, and for slipstream's deliberate refusals (``ConfigError``,
+    ``UsageError``: raised from the config, the call sequence or the batch's shape before the step's
+    collectives, the same way on every rank that sees the same input; a rank that alone sees a bad
+    batch leaves its peers to the collective timeout, which names the collective).
+    """
+    if getattr(error, "raised_on_every_rank", False):
+        return False
+    if isinstance(error, SlipstreamError):
+        return bool(getattr(error, "breaks_communication", False))
+    return True
 
 
 def tells_peers_on_failure(call: str) -> Callable[[F], F]:

@@ -31,6 +31,8 @@ ReduceOp = dist.ReduceOp
 class CollectiveError(SlipstreamError, RuntimeError):
     """A collective failed or timed out; the message names the rank and the operation."""
 
+    breaks_communication = True  # the rank's groups are unusable: its peers are told (abort.py)
+
 
 class Work:
     """Handle of an asynchronous collective; :meth:`wait` blocks until the result is usable."""

@@ -335,3 +335,46 @@ def test_mistakes_name_the_key() -> None:
     assert messages[1].startswith("gradient_accumulation_steps: dualpipev needs at least 2 × pipeline.stages = 4")
     assert messages[2].startswith("pipeline.virtual_stages: 2 ranks × 2 virtual stages = 4 stages need at least 4 blocks")  # issue 27 case 18
     assert messages[3].startswith('pipeline.partition: "profile" times the model on synthetic token ids')
+
+
+def _scale_wrt_gas_body(scale_wrt_gas: bool) -> dict[str, Any]:
+    """pp 2, 2 micro-batches, SGD: ``engine.backward(loss, scale_wrt_gas=...)``; the step's gradient norm and weights."""
+    from tests.reference import tiny_gpt2
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"stages": 2}}  # fmt: skip
+    engine = slipstream.initialize(tiny_gpt2(n_layer=2), config)
+    norms = []
+    for tokens in _scale_batches():
+        for micro in tokens.split(2):
+            engine.backward(engine(input_ids=micro, labels=micro).loss, scale_wrt_gas=scale_wrt_gas)
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+    state = engine.consolidated_state_dict()
+    engine.close()
+    return {"norms": norms, "state": state}
+
+
+def _scale_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 256, (4, 16), generator=g) for _ in range(2)]
+
+
+def test_pipeline_honours_scale_wrt_gas_false() -> None:
+    """scale_wrt_gas=False (the HF Trainer's num_items_in_batch style): each micro-batch's loss is not divided by the
+    window, exactly as without a pipeline. Was ignored: gradients 1/gas too small, silently."""
+    from tests.reference import tiny_gpt2
+
+    for scale_wrt_gas, divisor in ((False, 1.0), (True, 2.0)):
+        model = tiny_gpt2(n_layer=2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        norms = []
+        for tokens in _scale_batches():
+            for micro in tokens.split(2):
+                (model(input_ids=micro, labels=micro).loss / divisor).backward()
+            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))))
+            optimizer.step()
+            optimizer.zero_grad()
+        ours = run_distributed(2, _scale_wrt_gas_body, scale_wrt_gas)[0]
+        assert ours["norms"] == pytest.approx(norms, rel=1e-4), (scale_wrt_gas, ours["norms"], norms)
+        assert_weights_close(ours["state"], {n: p.detach() for n, p in model.named_parameters()}, rtol=1e-5, atol=1e-6, label=f"scale_wrt_gas={scale_wrt_gas}")

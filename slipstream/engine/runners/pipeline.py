@@ -84,6 +84,7 @@ class PipelineRunner:
         self.pipeline, self.strategy, self.monitor, self.cast_dtype, self.sharder = pipeline, strategy, monitor, cast_dtype, sharder
         # This window's micro-batches, each with its labelled tokens on this rank (under a sharder) and its deferred loss.
         self.window: list[tuple[Any, torch.Tensor | None, DeferredLoss]] = []
+        self.divisors: list[int] = []  # per micro-batch of the window: what engine.backward divides its loss by
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], step: int) -> DeferredLoss:
         """``engine(batch)``: keep the micro-batch for the window's schedule."""
@@ -102,21 +103,34 @@ class PipelineRunner:
         return loss
 
     def backward(self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int) -> None:
-        """Nothing until the window's last micro-batch, then the schedule (the loss scaled by the window's size)."""
+        """Nothing until the window's last micro-batch, then the schedule.
+
+        Each micro-batch's loss is divided by ``accumulation`` as the direct runner divides it: the window's size
+        by default, 1 under ``engine.backward(loss, scale_wrt_gas=False)`` (the Hugging Face Trainer's
+        ``num_items_in_batch`` style, where the model's loss is already normalised over the window).
+        """
         if not isinstance(loss, DeferredLoss):
             raise TypeError(f"engine.backward: under a pipeline pass the loss engine(batch) returned, got {type(loss).__name__}")
+        self.divisors.append(accumulation)
         if not boundary:
             return
         pending, self.window = self.window, []
+        divisors, self.divisors = self.divisors, []
         m = self.pipeline.micro_batches
         if len(pending) != m:
             raise UsageError(
                 f"engine.backward: the window holds {len(pending)} micro-batches but gradient_accumulation_steps is {m}; a "
                 "pipeline step needs them all"
             )
+        if len(set(divisors)) != 1:
+            raise UsageError(
+                "engine.backward: under a pipeline every micro-batch of a window must be scaled alike (scale_wrt_gas was "
+                f"{[d != 1 or m == 1 for d in divisors]} across the window): the schedule runs them together"
+            )
         with self.monitor.timers("backward"), self._sharded():
             report = self.pipeline.train_step(
-                [b for b, _, _ in pending], loss_scale / m, self.strategy.accumulation_window, self._finish([c for _, c, _ in pending])
+                [b for b, _, _ in pending], loss_scale / divisors[0], self.strategy.accumulation_window,
+                self._finish([c for _, c, _ in pending]),
             )  # fmt: skip
             self.strategy.finish_gradients()
         for (_, _, deferred), value in zip(pending, report.losses):
