@@ -188,14 +188,24 @@ class WorkerPool:
         self.conns = []
 
 
-_pools: dict[int, WorkerPool] = {}
+_pools: dict[int, WorkerPool] = {}  # by world size, least recently used first
+# [Note: idle pools cost] An idle rank is not free: each of its gloo devices keeps a polling thread, ~4% of a
+# core per process measured on the 2-core CI machine, so an idle 8-rank and 4-rank pool took half a core
+# from the tests that ran after them. Pools are kept while their ranks fit under this cap; beyond it the
+# least recently used pool is shut down (a restart costs a few seconds of imports).
+MAX_IDLE_RANKS = 6
 
 
 def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; returns each rank's result."""
-    pool = _pools.get(world_size)
+    pool = _pools.pop(world_size, None)
     if pool is None or not pool.procs or not pool.alive():
-        pool = _pools[world_size] = WorkerPool(world_size)
+        for size in list(_pools):
+            if sum(_pools) + world_size <= max(MAX_IDLE_RANKS, world_size):
+                break
+            _pools.pop(size).shutdown()
+        pool = WorkerPool(world_size)
+    _pools[world_size] = pool  # most recently used last
     return pool.run(fn, *args, timeout=timeout, **kwargs)
 
 

@@ -150,3 +150,52 @@ def test_ulysses_mistakes_are_one_line_errors_naming_the_key() -> None:
     assert "sequence_parallel_size" in found["padding"] and "padded" in found["padding"]
     assert "sequence_parallel_size" in found["heads"] and "3 attention heads" in found["heads"]
     assert found["plain"].startswith("sequence_parallel_size: 2 needs a Hugging Face model"), found["plain"]
+
+
+SHARDING_MODES = {
+    "ulysses": {"sequence_parallel_size": 2},
+    "ring": {"context_parallel": {"size": 2}},
+    "zigzag": {"context_parallel": {"size": 2, "method": "zigzag"}},
+    "allgather_kv": {"context_parallel": {"size": 2, "method": "allgather_kv"}},
+}
+
+
+def _refused_batches_body() -> dict[str, dict[str, str]]:
+    """Per mode: the message each batch one process attends to differently is refused with (at its first step)."""
+    tokens = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))
+    packed = torch.cat([torch.arange(6), torch.arange(10)]).unsqueeze(0)  # two documents in one row (DataCollatorWithFlattening)
+    right = torch.ones(1, 16, dtype=torch.long)
+    right[:, 12:] = 0
+    left = torch.ones(1, 16, dtype=torch.long)
+    left[:, :4] = 0
+    batches = {
+        "packed": {"input_ids": tokens, "labels": tokens, "position_ids": packed},
+        "varlen": {"input_ids": tokens, "labels": tokens, "cu_seq_lens_q": torch.tensor([0, 6, 16]), "cu_seq_lens_k": torch.tensor([0, 6, 16]),
+                   "max_length_q": 10, "max_length_k": 10},
+        "right_padded": {"input_ids": tokens, "labels": tokens, "attention_mask": right},
+        "left_padded": {"input_ids": tokens, "labels": tokens, "attention_mask": left},
+    }  # fmt: skip
+    out: dict[str, dict[str, str]] = {}
+    for mode, extra in SHARDING_MODES.items():
+        config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": LR}}, **extra}
+        engine = slipstream.initialize(_llama(), config)
+        out[mode] = {}
+        for name, batch in batches.items():
+            with pytest.raises(slipstream.ConfigError) as err:
+                engine(**batch)
+            out[mode][name] = str(err.value)
+        engine.close()
+    return out
+
+
+def test_packed_and_padded_batches_are_refused_not_trained_across_documents() -> None:
+    """A packed row (position_ids restarting, or flash-attention varlen keywords) trained under a sequence mode
+    attended across documents, silently (losses 1e-2 off); now refused in one line, like padded batches, whose
+    advice no longer points left-padded batches at an all-ones mask."""
+    for rank_result in run_distributed(2, _refused_batches_body):
+        for mode, messages in rank_result.items():
+            assert "position_ids that restart within a row" in messages["packed"], (mode, messages["packed"])
+            assert "varlen keywords cu_seq_lens_k, cu_seq_lens_q, max_length_k, max_length_q" in messages["varlen"], (mode, messages)
+            for name in ("right_padded", "left_padded"):
+                assert "padded batches (attention_mask with zeros, right or left padding)" in messages[name], (mode, name)
+                assert "all-ones mask" not in messages[name]

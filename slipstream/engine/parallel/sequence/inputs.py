@@ -30,6 +30,7 @@ from slipstream.engine.parallel.attention import attention_configs, set_attentio
 
 IGNORE_INDEX = -100
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "inputs_embeds", "token_type_ids")
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k")
 
 
 class SequenceSharder:
@@ -95,9 +96,11 @@ class SequenceSharder:
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(torch.all(mask != 0)):
             raise ConfigError(
-                f"{self.key}: padded batches (attention_mask with zeros) are not supported with sequence parallelism yet; "
-                "pack sequences without padding or mark padding with labels = -100 and an all-ones mask"
+                f"{self.key}: padded batches (attention_mask with zeros, right or left padding) are not supported with "
+                "sequence sharding yet: the sharded attention would attend to the padding. Train this model without "
+                "sequence sharding, or batch sequences of equal length without padding"
             )
+        self._refuse_packing(kwargs)
         # transformers' num_items_in_batch: the model divides its token sum by the caller's count, not its own
         self.caller_normalizes = kwargs.get("num_items_in_batch") is not None
         out = {k: v for k, v in kwargs.items() if k != "attention_mask"}
@@ -116,6 +119,29 @@ class SequenceSharder:
             out["labels"] = out["shift_labels"]
             count = (out["shift_labels"] != IGNORE_INDEX).sum().to(torch.float32)
         return out, count
+
+    def _refuse_packing(self, kwargs: dict[str, Any]) -> None:
+        """Packed (padding-free) batches are refused: one process attends within each document, our kernels would not.
+
+        [Note: packed batches] transformers' collators for padding-free training (``DataCollatorWithFlattening``,
+        TRL's ``padding_free``) concatenate documents in one row and restart ``position_ids`` at 0 for each, and
+        may add flash-attention's varlen keywords (``cu_seq_lens_q`` …). One process builds a block-diagonal
+        mask from the restarts (``find_packed_sequence_indices``) or runs varlen attention; the sharded kernels
+        attend causally over the whole row, across documents: losses 1e-2 off, silently. Until the kernels
+        honour document boundaries, such a batch is refused at its first step, in one line.
+        """
+        varlen = sorted(k for k in VARLEN_KEYS if kwargs.get(k) is not None)
+        positions = kwargs.get("position_ids")
+        restarts = False
+        if positions is not None and positions.shape[-1] > 1:
+            restarts = bool((torch.diff(positions, dim=-1) != 1).any())
+        if varlen or restarts:
+            what = f"varlen keywords {', '.join(varlen)}" if varlen else "position_ids that restart within a row"
+            raise ConfigError(
+                f"{self.key}: packed batches ({what}: several documents in one row, as DataCollatorWithFlattening or "
+                "TRL's padding_free build them) are not supported with sequence sharding yet: the sharded attention would "
+                "attend across documents. Train this model without sequence sharding, or give each document its own row"
+            )
 
     def combine(self, output: Any, count: torch.Tensor | None) -> Any:
         """Replace the output's local loss by the whole sequence's (value) with the gradient of the note."""
