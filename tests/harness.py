@@ -149,6 +149,7 @@ class WorkerPool:
                 "\n\n".join([head, *(f"--- rank {r} failed:\n{m}" for r, m in errors.items()), stacks]), pytrace=False
             )
         if errors:
+            _pool_event(f"shut down the {self.world_size}-rank pool after {name}: rank(s) {sorted(errors)} failed")
             self.shutdown()  # a failed rank may have left collectives half-done; start clean
             raise pytest.fail.Exception(
                 f"{name} failed on rank(s) {sorted(errors)} of {self.world_size}:\n\n"
@@ -156,6 +157,7 @@ class WorkerPool:
                 pytrace=False,
             )
         if aborted:
+            _pool_event(f"shut down the {self.world_size}-rank pool after {name}: a rank aborted its process groups")
             self.shutdown()  # some rank aborted its process groups after a failed step; the next body gets a fresh pool
         skips = [msg for status, msg in results.values() if status == "skip"]
         if skips:
@@ -193,7 +195,7 @@ _pools: dict[int, WorkerPool] = {}  # by world size, least recently used first
 # core per process measured on the 2-core CI machine, so an idle 8-rank and 4-rank pool took half a core
 # from the tests that ran after them. Pools are kept while their ranks fit under this cap; beyond it the
 # least recently used pool is shut down (a restart costs a few seconds of imports).
-MAX_IDLE_RANKS = 6
+MAX_IDLE_RANKS = 7  # the 1-, 2- and 4-rank pools stay; an 8-rank pool is alone
 
 
 def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
@@ -203,10 +205,20 @@ def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any, timeout
         for size in list(_pools):
             if sum(_pools) + world_size <= max(MAX_IDLE_RANKS, world_size):
                 break
+            _pool_event(f"shut down the idle {size}-rank pool to make room for {world_size} ranks")
             _pools.pop(size).shutdown()
+        _pool_event(f"starting a {world_size}-rank pool for {fn.__module__}.{fn.__qualname__}")
         pool = WorkerPool(world_size)
     _pools[world_size] = pool  # most recently used last
     return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+
+def _pool_event(text: str) -> None:
+    """With SLIPSTREAM_TEST_POOL_LOG=path, one line per pool start and shutdown (where suite time goes)."""
+    path = os.environ.get("SLIPSTREAM_TEST_POOL_LOG")
+    if path:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} {text}\n")
 
 
 @atexit.register
