@@ -199,3 +199,41 @@ def test_packed_and_padded_batches_are_refused_not_trained_across_documents() ->
             for name in ("right_padded", "left_padded"):
                 assert "padded batches (attention_mask with zeros, right or left padding)" in messages[name], (mode, name)
                 assert "all-ones mask" not in messages[name]
+
+
+def _rope_body() -> dict[str, str]:
+    """Per scaling kind under Ulysses: the refusal, or "trains" for the static ones."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = {}
+    for kind, scaling in {"dynamic": {"rope_type": "dynamic", "factor": 2.0}, "longrope": None,
+                          "yarn": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8}}.items():  # fmt: skip
+        torch.manual_seed(0)
+        if kind == "longrope":
+            from transformers import Phi3Config, Phi3ForCausalLM
+
+            half = 64 // 4 // 2  # head_dim / 2 factors
+            config = Phi3Config(num_hidden_layers=1, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                vocab_size=VOCAB, max_position_embeddings=SEQ, original_max_position_embeddings=8, pad_token_id=0,
+                                rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [2.0] * half})  # fmt: skip
+            model = Phi3ForCausalLM(config)
+        else:
+            model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                                                 vocab_size=VOCAB, max_position_embeddings=SEQ, rope_scaling=scaling))  # fmt: skip
+        try:
+            engine = slipstream.initialize(model, {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+                                                   "optimizer": {"type": "AdamW", "params": {"lr": LR}}})  # fmt: skip
+            engine.close()
+            out[kind] = "trains"
+        except slipstream.ConfigError as err:
+            out[kind] = str(err)
+    return out
+
+
+def test_length_dependent_rope_is_refused_at_initialize() -> None:
+    """Dynamic NTK and longrope pick their factors from the length each shard sees: trained 2-3% off, silently;
+    now refused at initialize naming the scaling. YaRN's factors come from the config alone and it trains."""
+    got = run_distributed(2, _rope_body)[0]
+    assert got["yarn"] == "trains", got["yarn"]
+    for kind in ("dynamic", "longrope"):
+        assert got[kind].startswith("sequence_parallel_size: model.rotary_emb uses " + repr(kind) + " rotary scaling"), got[kind]
