@@ -72,16 +72,16 @@ def train_reference(
     for tokens in batches:
         loss = gpt2_loss(model, tokens)
         loss.backward()
-        if shadows is not None:
-            exact = twin_grads(twin, model, lambda m, tokens=tokens: gpt2_loss(m, tokens))
-            total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None])))
-            shadows.observe({n: p.grad for n, p in model.named_parameters()}, exact, min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0)
         if masters is not params:
             for m, p in zip(masters, params):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
         grads = [m.grad for m in masters if m.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        if shadows is not None:  # float32: masters are the parameters; the gradients as they are before clipping
+            exact = twin_grads(twin, model, lambda m, tokens=tokens: gpt2_loss(m, tokens))
+            coef = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
+            shadows.observe({n: p.grad for n, p in model.named_parameters()}, exact, coef)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(masters, clip)
         optimizer.step()

@@ -13,16 +13,17 @@ that says nothing of the real error. So the failing rank, before its exception l
 
 A peer that stops this way raises a :class:`CollectiveError` in its own step, which aborts its groups
 in turn, so ranks several hops away stop too. Errors raised alike on every rank by agreement
-(``comm.agree``, the twin check's verdict) carry ``raised_on_every_rank`` and abort nothing: no peer
-waits; nor do slipstream's deliberate refusals (see :func:`leaves_peers_waiting`). After an abort this process's groups are unusable; :func:`aborted` says so (the exit sequence
-then leaves them to the OS rather than destroying them).
+(``comm.agree``) carry ``raised_on_every_rank`` and abort nothing: no peer waits; nor do
+slipstream's deliberate refusals (see :func:`leaves_peers_waiting`). After an abort this process's
+groups are unusable; :func:`aborted` says so (the exit sequence then leaves them to the OS rather
+than destroying them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -48,17 +49,6 @@ def mark_raised_on_every_rank(error: BaseException) -> BaseException:
     return error
 
 
-@contextlib.contextmanager
-def peers_told_on_failure(call: str) -> Iterator[None]:
-    """Run an engine call; an exception leaving it is published and the groups aborted (see the module's note)."""
-    try:
-        yield
-    except Exception as err:
-        if leaves_peers_waiting(err):
-            abort_for(err, call)
-        raise
-
-
 def leaves_peers_waiting(error: BaseException) -> bool:
     """Whether ``error`` may have left other ranks in a collective this rank will not join.
 
@@ -77,13 +67,18 @@ def leaves_peers_waiting(error: BaseException) -> bool:
 
 
 def tells_peers_on_failure(call: str) -> Callable[[F], F]:
-    """Decorator form of :func:`peers_told_on_failure` for the engine's step calls."""
+    """For the engine's step calls: an exception leaving ``call`` that may leave peers waiting is published and the
+    groups aborted (see the module's note). A plain ``try`` rather than a context manager: this is on every step."""
 
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with peers_told_on_failure(call):
+            try:
                 return fn(*args, **kwargs)
+            except Exception as err:
+                if leaves_peers_waiting(err):
+                    abort_for(err, call)
+                raise
 
         return wrapped  # type: ignore[return-value]
 

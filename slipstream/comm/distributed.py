@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import watch
-from slipstream.utils.logging import get_logger, set_rank
 from slipstream.errors import SlipstreamError
+from slipstream.utils.logging import get_logger, set_rank
 
 logger = get_logger(__name__)
 

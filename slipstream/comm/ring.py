@@ -23,8 +23,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from slipstream.comm.distributed import current_timeout
 from slipstream.comm import watch
+from slipstream.comm.distributed import current_timeout
 from slipstream.comm.shm import shared_slots
 from slipstream.comm.teardown import on_teardown
 

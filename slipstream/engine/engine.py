@@ -34,8 +34,8 @@ from slipstream.engine.parallel.pipeline import Pipeline
 from slipstream.engine.precision import DTYPES, LossScaler
 from slipstream.engine.runners import StepRunner, Windows, mean_over_dp
 from slipstream.engine.zero.strategy import ShardingStrategy
-from slipstream.utils.logging import get_logger
 from slipstream.errors import UsageError
+from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 

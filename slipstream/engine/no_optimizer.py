@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from slipstream.errors import UsageError
 
 MISSING_OPTIMIZER = (

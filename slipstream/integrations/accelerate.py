@@ -25,6 +25,7 @@ from accelerate.data_loader import get_sampler, prepare_data_loader
 from accelerate.utils import broadcast_object_list, gather_object, recursively_apply
 
 import slipstream
+from slipstream.errors import UsageError
 from slipstream.integrations._config import apply_mixed_precision, fill_auto, fill_hidden_size_autos, get, inference_config
 from slipstream.integrations._engine import build_inference_engine, build_training_engine, inference_engine
 from slipstream.integrations._launch import check_host_world_size, host_needs_cpu_flag
@@ -32,7 +33,6 @@ from slipstream.integrations._mesh import DataParallelLayout, check_engine, data
 from slipstream.integrations._plugin import DummyOptim, DummyScheduler, SlipstreamPlugin
 from slipstream.integrations._wrappers import SlipstreamOptimizer, SlipstreamScheduler
 from slipstream.utils.logging import get_logger
-from slipstream.errors import UsageError
 
 logger = get_logger(__name__)
 

@@ -28,9 +28,9 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 import slipstream
+from slipstream.errors import UsageError
 from slipstream.integrations._config import apply_mixed_precision, read_config
 from slipstream.integrations._mesh import data_parallel_layout
-from slipstream.errors import UsageError
 
 __all__ = ["SlipstreamPrecision", "SlipstreamStrategy"]
 

@@ -13,9 +13,9 @@ import os
 import re
 from collections.abc import Mapping
 
+from slipstream.errors import SlipstreamError
 from slipstream.launcher.textfile import read_small_text
 from slipstream.launcher.usage import shown
-from slipstream.errors import SlipstreamError
 
 EXPORT_PREFIXES = ("NCCL_", "PYTHON", "CUDA_", "OMP_", "SLIPSTREAM_", "TORCH_NCCL_", "UCX_", "FI_")
 ENV_FILE = ".slipstream_env"

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import re
 
+from slipstream.errors import SlipstreamError
 from slipstream.launcher.textfile import read_small_text
 from slipstream.launcher.usage import shown
-from slipstream.errors import SlipstreamError
 
 Resources = dict[str, list[int]]
 # More processes than any node has devices: a typo (slots=80000), refused before it allocates a

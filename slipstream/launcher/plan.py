@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from slipstream.errors import SlipstreamError
 from slipstream.launcher.environment import EnvFileError, exported_env
 from slipstream.launcher.hostfile import (
     HostfileError,
@@ -31,7 +32,6 @@ from slipstream.launcher.hostfile import (
 from slipstream.launcher.local import LocalLaunch
 from slipstream.launcher.runners import Job, Node, RunnerError, commands
 from slipstream.launcher.usage import shown
-from slipstream.errors import SlipstreamError
 
 DEFAULT_MULTI_NODE_PORT = 29500
 # Where an agent started by a runner finds its node rank (one agent per node, so the runner's

@@ -25,6 +25,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
 from slipstream.errors import SlipstreamError
 
 RUNNERS = ("ssh", "pdsh", "slurm", "mpi")

@@ -39,8 +39,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from slipstream.utils.logging import get_logger
 from slipstream.errors import SlipstreamError
+from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
 from slipstream.errors import SlipstreamError
 
 

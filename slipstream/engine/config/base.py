@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
+
 from slipstream.errors import SlipstreamError
 
 AUTO = "auto"

@@ -9,6 +9,7 @@ lower-indexed bucket has launched; :meth:`flush` launches whatever is left, in o
 from __future__ import annotations
 
 from collections.abc import Callable
+
 from slipstream.errors import UsageError
 
 

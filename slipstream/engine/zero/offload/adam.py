@@ -22,9 +22,9 @@ import torch
 
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.offload.state_store import STATE_NAMES, StateStore
+from slipstream.errors import UsageError
 from slipstream.ops.adam import cpu_adam_step, evaluate_closure
 from slipstream.engine.config.base import ConfigError
-from slipstream.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)

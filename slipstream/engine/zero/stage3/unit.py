@@ -31,8 +31,8 @@ from slipstream.comm.context import CommContext, Pending
 from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.storage import alias
 from slipstream.engine.zero.stage3.units import UnitSpec
-from slipstream.utils.logging import get_logger
 from slipstream.errors import UsageError
+from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
