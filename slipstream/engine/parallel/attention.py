@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from slipstream.engine.config import ConfigError
+from slipstream.engine.parallel.segments import Segments
 
 # Keywords that carry no arithmetic (bookkeeping transformers threads through every layer).
 _HARMLESS = {
@@ -37,6 +38,8 @@ _HARMLESS = {
     "output_router_logits", "logits_to_keep", "inputs_embeds", "input_ids",
 }  # fmt: skip
 # Keywords that change the result when set; None (or False) means "not used".
+# The varlen keywords never reach a kernel from the engine (the sharder reads them into the kernels' segments,
+# parallel/segments.py): arriving here they describe tokens the kernel does not know.
 _REFUSED_WHEN_SET = ("position_bias", "s_aux", "sinks", "head_mask", "alibi", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k")
 
 
@@ -83,21 +86,26 @@ def attention_features(method: str, module: torch.nn.Module, dropout: float, sca
     )
 
 
-def allowed(features: AttentionFeatures, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
-    """Boolean mask [q, k] of the pairs a query may attend to (None: every pair)."""
-    if not features.causal and features.sliding_window is None:
-        return None
-    distance = q_pos[:, None] - k_pos[None, :]
-    mask = torch.ones_like(distance, dtype=torch.bool)
-    if features.causal:
-        mask &= distance >= 0
-    if features.sliding_window is not None:
-        mask &= distance < features.sliding_window if features.causal else distance.abs() < features.sliding_window
+def allowed(features: AttentionFeatures, q_pos: torch.Tensor, k_pos: torch.Tensor, segments: Segments | None = None) -> torch.Tensor | None:
+    """Boolean mask of the pairs a query may attend to: [q, k], or [b, 1, q, k] with the batch's ``segments``
+    (padding and packed documents, parallel/segments.py); None: every pair."""
+    mask = None
+    if features.causal or features.sliding_window is not None:
+        distance = q_pos[:, None] - k_pos[None, :]
+        mask = torch.ones_like(distance, dtype=torch.bool)
+        if features.causal:
+            mask &= distance >= 0
+        if features.sliding_window is not None:
+            mask &= distance < features.sliding_window if features.causal else distance.abs() < features.sliding_window
+    if segments is not None:
+        pairs = segments.pairs(q_pos, k_pos)
+        mask = pairs if mask is None else pairs & mask
     return mask
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: AttentionFeatures, mask: torch.Tensor | None, training: bool) -> torch.Tensor:
-    """Attention of [b, H, q, d] queries to [b, H, k, d] keys honouring every feature: SDPA, or explicit math for softcap."""
+    """Attention of [b, H, q, d] queries to [b, H, k, d] keys honouring every feature: SDPA, or explicit math for softcap.
+    A query no key may see gets a zero output (what SDPA gives a fully masked row, so one process's left padding)."""
     dropout = features.dropout if training else 0.0
     if features.softcap is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=features.scaling)
@@ -105,8 +113,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: Attentio
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / features.softcap) * features.softcap  # Gemma 2's logit soft-capping
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # finite: a fully masked row stays NaN-free
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if mask is not None:
+        probs = probs * mask.any(-1, keepdim=True)
     if dropout:
         probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
     return probs @ v

@@ -40,6 +40,15 @@ class DeferredLoss:
         return self
 
     @property
+    def logits(self) -> Any:
+        """Refused in one line: a pipeline's logits live on its last stage, inside the schedule."""
+        raise UsageError(
+            "pipeline: engine(batch) returns the micro-batch's loss, not the model's output; the logits exist only on the "
+            "last stage inside the schedule. Compute a logits-based loss in the model's forward (return it as .loss), or "
+            "train without pipeline.stages"
+        )
+
+    @property
     def ready(self) -> bool:
         return self._value is not None
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.parallel.attention import allowed, attend, attention_features
 from slipstream.engine.parallel.context.layout import Layout
+from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
 
 class _GatherKV(torch.autograd.Function):
@@ -38,14 +39,16 @@ class _GatherKV(torch.autograd.Function):
 class AllGatherKVAttention:
     """The attention function registered with transformers for ``context_parallel.method = "allgather_kv"``.
 
-    Queries see the whole sequence's keys, so causality, sliding windows and soft-capping are exact
-    (a mask from the global positions; parallel/attention.py); anything else is refused.
+    Queries see the whole sequence's keys, so causality, sliding windows, soft-capping, padding and packed
+    documents are exact (a mask from the global positions and the step's segments; parallel/attention.py);
+    anything else is refused.
     """
 
     def __init__(self, group: dist.ProcessGroup, layout: Layout) -> None:
         self.group, self.layout = group, layout
         self.rank = dist.get_rank(group)
         self.active = False  # set by the engine's sharder for its steps only
+        self.segments: Segments | None = None  # the step's padding and documents (parallel/segments.py), from the sharder
 
     def __call__(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
@@ -64,5 +67,5 @@ class AllGatherKVAttention:
         length = n * self.layout.size
         q_pos = self.layout.positions(self.rank, length).to(query.device)
         k_pos = torch.cat([self.layout.positions(r, length) for r in range(self.layout.size)]).to(query.device)
-        out = attend(query, k, v, features, allowed(features, q_pos, k_pos), module.training)
+        out = attend(query, k, v, features, allowed(features, q_pos, k_pos, self.segments), module.training)
         return out.transpose(1, 2).contiguous(), None

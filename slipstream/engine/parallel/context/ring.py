@@ -30,6 +30,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.parallel.attention import UnsupportedAttention, attention_features
 from slipstream.engine.parallel.context.layout import Layout
+from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
 
 class _RingShift(torch.autograd.Function):
@@ -49,20 +50,43 @@ class _RingShift(torch.autograd.Function):
         return out, None, None, None
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one (query chunk, key chunk) pair: output and log-sum-exp per query."""
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one (query chunk, key chunk) pair: output and log-sum-exp per query (-inf: no key allowed).
+    ``mask``: [b, 1, n, n] allowed pairs (the batch's segments, parallel/segments.py), in place of ``diagonal``."""
     scores = (q @ k.transpose(-1, -2)) * scale
     if diagonal:
         n = q.shape[-2]
         future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v, lse
+    return torch.exp(scores - _finite(lse)) @ v, lse
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, scale=scale)
-    return out, lse.unsqueeze(-1)
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """A row no key may see has log-sum-exp -inf; 0 in its place keeps ``exp(score - lse)`` at 0, not NaN."""
+    return lse.masked_fill(torch.isinf(lse), 0.0)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial softmax results of the same queries as one (exact; rows empty in both stay 0 with -inf)."""
+    merged = torch.logaddexp(lse, block_lse)
+    base = _finite(merged)
+    return out * torch.exp(lse - base) + o * torch.exp(block_lse - base), merged
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The flash op's mask form: 0 where allowed, -inf where not."""
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, attn_mask=_additive(mask, q.dtype), scale=scale)
+    lse = lse.unsqueeze(-1)
+    if mask is not None:  # the op reports 0 for a row with no allowed key: it must weigh nothing in the merge
+        lse = lse.masked_fill(~mask.any(-1, keepdim=True), float("-inf"))
+    return out, lse
 
 
 class _FlashRing(torch.autograd.Function):
@@ -71,21 +95,24 @@ class _FlashRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention, scale: float, causal: bool) -> torch.Tensor:  # type: ignore[override]
         groups = q.shape[1] // k.shape[1]
-        outs: list[Any] = []
-        lses: list[Any] = []
+        segments = ring.segments  # this micro-batch's (the backward may run after another's forward)
+        outs: list[Any] = [None] * ring.layout.chunks_per_rank
+        lses: list[Any] = [None] * ring.layout.chunks_per_rank
         q_chunks = [c.contiguous() for c in q.chunk(ring.layout.chunks_per_rank, dim=2)]
         for source, k_chunks, v_chunks in ring.travel(torch.cat([k, v], dim=1)):
-            for i, j, diagonal in ring.blocks(source, causal):
-                o, lse = _flash(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal)
-                if len(outs) <= i:
-                    outs.append(o), lses.append(lse)
+            for i, j, diagonal, mask in ring.blocks(source, causal, q_chunks[0].shape[2], segments):
+                o, lse = _flash(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal, mask)
+                if outs[i] is None:
+                    outs[i], lses[i] = o, lse
                 else:
-                    merged = torch.logaddexp(lses[i], lse)
-                    outs[i] = outs[i] * torch.exp(lses[i] - merged) + o * torch.exp(lse - merged)
-                    lses[i] = merged
+                    outs[i], lses[i] = _merge(outs[i], lses[i], o, lse)
+        for i, chunk in enumerate(q_chunks):  # a chunk no key may see at all (the batch's padding): zero output
+            if outs[i] is None:
+                outs[i] = torch.zeros_like(chunk)
+                lses[i] = torch.full((*chunk.shape[:3], 1), float("-inf"), dtype=torch.float32, device=chunk.device)
         out = torch.cat(outs, dim=2).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=2))
-        ctx.ring, ctx.scale, ctx.causal = ring, scale, causal
+        ctx.save_for_backward(q, k, v, out, _finite(torch.cat(lses, dim=2)))
+        ctx.ring, ctx.scale, ctx.causal, ctx.segments = ring, scale, causal, segments
         return out
 
     @staticmethod
@@ -100,10 +127,10 @@ class _FlashRing(torch.autograd.Function):
         for source, carried_now in ring.travel(carried, whole=True):
             carried = carried_now
             kk, vv, dk, dv = (c.chunk(per, dim=2) for c in carried.split(kv_heads, dim=1))
-            for i, j, diagonal in ring.blocks(source, ctx.causal, count=False):
+            for i, j, diagonal, mask in ring.blocks(source, ctx.causal, q_c[0].shape[2], ctx.segments, count=False):
                 gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     g_c[i], q_c[i], _heads(kk[j].contiguous(), groups), _heads(vv[j].contiguous(), groups), o_c[i], l_c[i],
-                    0.0, diagonal, scale=ctx.scale,
+                    0.0, diagonal, attn_mask=_additive(mask, q.dtype), scale=ctx.scale,
                 )  # fmt: skip
                 dq[i] += gq
                 dk[j].add_(_fold(gk, groups))  # views into `carried`
@@ -137,6 +164,7 @@ class RingAttention:
         self.nxt, self.prev = ranks[(self.rank + 1) % layout.size], ranks[(self.rank - 1) % layout.size]
         self.pairs = 0.0  # causal work done by this rank (layout.py's units), for tests and the monitor
         self.active = False  # set by the engine's sharder for its steps only
+        self.segments: Segments | None = None  # the step's padding and documents (parallel/segments.py), from the sharder
 
     def shift(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """One ring step outside autograd: send ``x`` to the next rank, return the previous rank's."""
@@ -158,24 +186,37 @@ class RingAttention:
                 k, v = kv.chunk(2, dim=1)
                 yield source, k.chunk(per, dim=2), v.chunk(per, dim=2)
 
-    def blocks(self, source: int, causal: bool, count: bool = True) -> list[tuple[int, int, bool]]:
-        """``(query chunk, key chunk, diagonal)`` of this rank against ``source``'s keys; skipped blocks left out.
+    def blocks(
+        self, source: int, causal: bool, chunk: int, segments: Segments | None, count: bool = True
+    ) -> list[tuple[int, int, bool, torch.Tensor | None]]:  # fmt: skip
+        """``(query chunk, key chunk, diagonal, mask)`` of this rank against ``source``'s keys, ``chunk`` tokens each;
+        skipped blocks left out. Without the batch's segments a block is full or causal-diagonal (``mask`` None);
+        with them (padding, packed documents) a block no allowed pair spans is skipped too, one all of whose
+        pairs are allowed runs unmasked, and the rest carry their [b, 1, chunk, chunk] mask.
         ``count``: add their work to ``pairs`` (forward only)."""
-        found = []
+        found: list[tuple[int, int, bool, torch.Tensor | None]] = []
         for i, qc in enumerate(self.layout.chunks(self.rank)):
             for j, kc in enumerate(self.layout.chunks(source)):
                 if causal and kc > qc:
                     continue
-                diagonal = causal and kc == qc
-                self.pairs += (0.5 if diagonal else 1.0) if count else 0.0
-                found.append((i, j, diagonal))
+                if segments is not None:
+                    mask = segments.block(qc * chunk, kc * chunk, chunk, causal)
+                    if mask is False:
+                        continue
+                    work = 1.0 if mask is None else float(mask.float().mean())
+                    found.append((i, j, False, mask))  # type: ignore[arg-type]
+                else:
+                    diagonal = causal and kc == qc
+                    work = 0.5 if diagonal else 1.0
+                    found.append((i, j, diagonal, None))
+                self.pairs += work if count else 0.0
         return found
 
     def __call__(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
         dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:  # fmt: skip
-        # The engine refused padded batches; the causal pattern comes from the global positions below.
+        # The causal pattern comes from the global positions, padding and documents from the step's segments.
         if not self.active:
             raise UsageError("context_parallel: ring attention called outside the engine's sharded step (the model's own attention runs there)")
         features = attention_features("context_parallel.method: ring attention", module, dropout, scaling, kwargs)
@@ -198,7 +239,6 @@ class RingAttention:
             out = _FlashRing.apply(query, key, value, self, scale, causal)
             return out.transpose(1, 2).contiguous(), None
         per = self.layout.chunks_per_rank
-        mine = self.layout.chunks(self.rank)
         q_chunks = query.chunk(per, dim=2)
         outs: list[Any] = [None] * per
         lses: list[Any] = [None] * per
@@ -217,21 +257,13 @@ class RingAttention:
                 anchor = touch if anchor is None else anchor + touch
             k_all, v_all = kv.chunk(2, dim=1)
             k_chunks, v_chunks = k_all.chunk(per, dim=2), v_all.chunk(per, dim=2)
-            for i, qc in enumerate(mine):
-                for j, kc in enumerate(self.layout.chunks(source)):
-                    if causal and kc > qc:
-                        continue  # every key follows every query
-                    diagonal = causal and kc == qc
-                    self.pairs += 0.5 if diagonal else 1.0
-                    k = k_chunks[j].repeat_interleave(groups, dim=1) if groups > 1 else k_chunks[j]
-                    v = v_chunks[j].repeat_interleave(groups, dim=1) if groups > 1 else v_chunks[j]
-                    o, lse = _block(q_chunks[i], k, v, scale, diagonal)
-                    if outs[i] is None:
-                        outs[i], lses[i] = o, lse
-                    else:
-                        merged = torch.logaddexp(lses[i], lse)
-                        outs[i] = outs[i] * torch.exp(lses[i] - merged) + o * torch.exp(lse - merged)
-                        lses[i] = merged
+            for i, j, diagonal, mask in self.blocks(source, causal, q_chunks[0].shape[2], self.segments):
+                o, lse = _block(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal, mask)
+                if outs[i] is None:
+                    outs[i], lses[i] = o, lse
+                else:
+                    outs[i], lses[i] = _merge(outs[i], lses[i], o, lse)
+        outs = [o if o is not None else torch.zeros_like(q_chunks[i]) for i, o in enumerate(outs)]  # no key at all: zero
         out = torch.cat(outs, dim=2)  # [b, H, n, d]
         if anchor is not None:
             out = out + anchor

@@ -19,6 +19,8 @@ whole-sequence gradients: exactly the unsharded run's.
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -27,10 +29,29 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.attention import attention_configs, set_attention
+from slipstream.engine.parallel.segments import VARLEN_KEYS, Segments, read_segments, with_fill
+from slipstream.engine.parallel.sequence.logits import gather_logits, with_whole_logits
 
 IGNORE_INDEX = -100
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "inputs_embeds", "token_type_ids")
-VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens_q", "cu_seqlens_k")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What the sharder read from one micro-batch for its forward: segments (None: plain causal rows) and lengths."""
+
+    segments: Segments | None
+    length: int  # the caller's sequence length
+    padded: int  # after the engine's fill (a multiple of the divisor)
+
+
+def _filled(key: str, value: Any, padded: int) -> Any:
+    """A sequence tensor extended to ``padded`` tokens by the engine's fill ([Note: the engine's fill])."""
+    if key not in SEQUENCE_KEYS or not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return value
+    fill = padded - value.shape[1]
+    pad = [0, 0] * (value.dim() - 2) + [0, fill]  # F.pad counts from the last dimension
+    return torch.nn.functional.pad(value, pad, value=IGNORE_INDEX if key in ("labels", "shift_labels") else 0)
 
 
 class SequenceSharder:
@@ -54,6 +75,10 @@ class SequenceSharder:
         if routing is not None:
             self.configs = attention_configs(routing[0])
         self.caller_normalizes = False
+        # by id of the local position ids (tensors compare elementwise, so no WeakKeyDictionary); gone with them
+        self._structure: dict[int, tuple[weakref.ref[torch.Tensor], _Step]] = {}
+        self.current: _Step | None = None  # the micro-batch whose forward runs now (its segments and lengths)
+        self._hook = routing[0].register_forward_pre_hook(self._before_forward, with_kwargs=True) if routing is not None else None
 
     def activate(self) -> None:
         """Switch the model to the sharded kernel for one engine step."""
@@ -68,51 +93,48 @@ class SequenceSharder:
             _, _, previous, kernel = self.routing
             set_attention(self.configs, previous)
             kernel.active = self.active = False
+            kernel.segments = self.current = None
 
     def close(self) -> None:
         """Give the model its own attention back (the engine is discarded; the model may be trained again)."""
         self.deactivate()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         self.routing = None
 
     def positions(self, length: int) -> torch.Tensor:
         """The global positions of this rank's tokens in a sequence of ``length``, in local order."""
-        if self.layout is not None:
-            return self.layout.positions(self.rank, length)
-        chunk = length // self.size
-        return torch.arange(self.rank * chunk, (self.rank + 1) * chunk)
+        return self._positions_of(self.rank, length)
 
     def shard(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
-        """The local keyword arguments, and this rank's count of labelled tokens (None without labels)."""
+        """The local keyword arguments, and this rank's count of labelled tokens (None without labels).
+
+        The batch's padding and packed documents are read from the whole batch first (parallel/segments.py) and
+        reach the kernels with this micro-batch's forward ([Note: structure per micro-batch]); a length that does
+        not divide is filled up to one that does ([Note: the engine's fill])."""
         source = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if source is None:
             raise ConfigError(f"{self.key}: sequence parallel needs the batch as keyword arguments with input_ids (or inputs_embeds)")
         batch, length = source.shape[0], source.shape[1]
-        if length % self.divisor:
-            how = f"{self.key} = {self.size}" + (" × 2 (zig-zag chunks)" if self.divisor != self.size else "")
-            raise ConfigError(
-                f"{self.key}: the sequence length {length} does not divide by {how}; pad or cut sequences to a "
-                f"multiple of {self.divisor}"
-            )
-        mask = kwargs.get("attention_mask")
-        if mask is not None and not bool(torch.all(mask != 0)):
-            raise ConfigError(
-                f"{self.key}: padded batches (attention_mask with zeros, right or left padding) are not supported with "
-                "sequence sharding yet: the sharded attention would attend to the padding. Train this model without "
-                "sequence sharding, or batch sequences of equal length without padding"
-            )
-        self._refuse_packing(kwargs)
+        segments = read_segments(kwargs, self.key, self.routing[0] if self.routing is not None else None)
+        padded = -(-length // self.divisor) * self.divisor
         # transformers' num_items_in_batch: the model divides its token sum by the caller's count, not its own
         self.caller_normalizes = kwargs.get("num_items_in_batch") is not None
-        out = {k: v for k, v in kwargs.items() if k != "attention_mask"}
+        out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", *VARLEN_KEYS)}
         labels = out.pop("labels", None)
         if labels is not None and "shift_labels" not in out:
             out["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-        if "position_ids" not in out:
+        if out.get("position_ids") is None:
             out["position_ids"] = torch.arange(length, device=source.device).unsqueeze(0).expand(batch, length)
-        index = self.positions(length).to(source.device)
+        if padded != length:
+            out = {k: _filled(k, v, padded) for k, v in out.items()}
+        segments = with_fill(segments, batch, length, padded, source.device)
+        index = self.positions(padded).to(source.device)
         for key in SEQUENCE_KEYS:
             if key in out and out[key] is not None:
                 out[key] = out[key].index_select(1, index)
+        self._file(out["position_ids"], _Step(segments, length, padded))
         count = None
         if "shift_labels" in out:
             # transformers' loss only runs when labels are given: hand it the local labels, unused once shifted
@@ -120,31 +142,33 @@ class SequenceSharder:
             count = (out["shift_labels"] != IGNORE_INDEX).sum().to(torch.float32)
         return out, count
 
-    def _refuse_packing(self, kwargs: dict[str, Any]) -> None:
-        """Packed (padding-free) batches are refused: one process attends within each document, our kernels would not.
+    def _file(self, positions: torch.Tensor, step: _Step) -> None:
+        key = id(positions)
+        structure = self._structure
+        self._structure[key] = (weakref.ref(positions, lambda _: structure.pop(key, None)), step)
 
-        [Note: packed batches] transformers' collators for padding-free training (``DataCollatorWithFlattening``,
-        TRL's ``padding_free``) concatenate documents in one row and restart ``position_ids`` at 0 for each, and
-        may add flash-attention's varlen keywords (``cu_seq_lens_q`` …). One process builds a block-diagonal
-        mask from the restarts (``find_packed_sequence_indices``) or runs varlen attention; the sharded kernels
-        attend causally over the whole row, across documents: losses 1e-2 off, silently. Until the kernels
-        honour document boundaries, such a batch is refused at its first step, in one line.
-        """
-        varlen = sorted(k for k in VARLEN_KEYS if kwargs.get(k) is not None)
+    def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Hand the kernel this micro-batch's segments (found by its local position ids, made in ``shard``).
+
+        [Note: structure per micro-batch] A pipeline shards all its micro-batches before the schedule runs
+        them, and runs them interleaved; so the segments travel with the micro-batch, not with the sharder:
+        ``shard`` files them under the local ``position_ids`` tensor it made, and this pre-hook of the model
+        (every stage calls the whole model) sets them on the kernel when that micro-batch's forward starts.
+        Each kernel keeps what its backward needs (masks in the graph, the ring's in its context)."""
+        if not self.active or self.routing is None:
+            return
         positions = kwargs.get("position_ids")
-        restarts = False
-        if positions is not None and positions.shape[-1] > 1:
-            restarts = bool((torch.diff(positions, dim=-1) != 1).any())
-        if varlen or restarts:
-            what = f"varlen keywords {', '.join(varlen)}" if varlen else "position_ids that restart within a row"
-            raise ConfigError(
-                f"{self.key}: packed batches ({what}: several documents in one row, as DataCollatorWithFlattening or "
-                "TRL's padding_free build them) are not supported with sequence sharding yet: the sharded attention would "
-                "attend across documents. Train this model without sequence sharding, or give each document its own row"
-            )
+        filed = self._structure.get(id(positions))
+        step = filed[1] if filed is not None and filed[0]() is positions else None
+        self.routing[3].segments = step.segments if step is not None else None
+        self.current = step
 
     def combine(self, output: Any, count: torch.Tensor | None) -> Any:
-        """Replace the output's local loss by the whole sequence's (value) with the gradient of the note."""
+        """Replace the output's local loss by the whole sequence's (value) with the gradient of the note, and let its
+        logits be read whole (logits.py, [Note: logits on read])."""
+        step = self.current
+        if step is not None:
+            output = with_whole_logits(output, lambda local: gather_logits(local, self.group, self._positions_of, step.length))
         loss = getattr(output, "loss", None)
         if loss is None or count is None:
             return output
@@ -159,3 +183,10 @@ class SequenceSharder:
         comm.all_reduce(reported, group=self.group, tag="sequence-parallel loss").wait()
         output.loss = self.size * local + (reported - self.size * local).detach()
         return output
+
+    def _positions_of(self, rank: int, length: int) -> torch.Tensor:
+        """Any rank's tokens' global positions (``positions`` is this rank's)."""
+        if self.layout is not None:
+            return self.layout.positions(rank, length)
+        chunk = length // self.size
+        return torch.arange(rank * chunk, (rank + 1) * chunk)

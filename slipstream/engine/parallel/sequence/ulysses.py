@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from slipstream import comm
 from slipstream.comm import overlap
 from slipstream.engine.parallel.attention import allowed, attend, attention_features
+from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
 
 ATTENTION_NAME = "slipstream_ulysses"
@@ -77,6 +78,18 @@ class UlyssesAttention:
         self.group, self.inner = group, inner
         self.size = dist.get_world_size(group)
         self._active = False
+        self._segments: Segments | None = None
+
+    @property
+    def segments(self) -> Segments | None:
+        """The step's padding and documents over the whole sequence (parallel/segments.py), set by the sharder."""
+        return self._segments
+
+    @segments.setter
+    def segments(self, value: Segments | None) -> None:
+        self._segments = value
+        if self.inner is not None:
+            self.inner.segments = value
 
     @property
     def active(self) -> bool:
@@ -96,8 +109,8 @@ class UlyssesAttention:
         if not self.active:
             raise UsageError("sequence_parallel_size: Ulysses attention called outside the engine's sharded step (the model's own attention runs there)")
         features = attention_features("sequence_parallel_size: Ulysses attention", module, dropout, scaling, kwargs)
-        # attention_mask: the model built it for the local tokens only; the engine refused padded batches,
-        # so the whole-sequence mask is the causal one (plus the window), applied below on the whole sequence.
+        # attention_mask: the model built it for the local tokens only; the whole sequence's padding and
+        # documents come from the sharder (self.segments), applied below with causality and the window.
         u = self.size
         b, heads, s_local, d = query.shape
         kv_heads = key.shape[1]
@@ -119,10 +132,10 @@ class UlyssesAttention:
             k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
         s = s_local * u
         training = module.training
-        if features.softcap is None and (features.sliding_window is None or features.sliding_window >= s):
+        if self._segments is None and features.softcap is None and (features.sliding_window is None or features.sliding_window >= s):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=features.dropout if training else 0.0, is_causal=features.causal, scale=features.scaling)
         else:
             positions = torch.arange(s, device=q.device)
-            out = attend(q, k, v, features, allowed(features, positions, positions), training)  # [b, hq, s, d]
+            out = attend(q, k, v, features, allowed(features, positions, positions, self._segments), training)  # [b, hq, s, d]
         back = all_to_all(out.unsqueeze(1), 3, 1, self.group, "ulysses output all-to-all")  # [b, u, hq, s/u, d]
         return back.reshape(b, heads, s_local, d).transpose(1, 2).contiguous(), None
