@@ -219,3 +219,33 @@ def test_logits_under_a_pipeline_are_refused_in_one_line() -> None:
     for message in run_distributed(2, _pipeline_logits_body):
         assert message.startswith("pipeline: engine(batch) returns the micro-batch's loss, not the model's output"), message
         assert "\n" not in message
+
+
+def _injected_feature_body(mode: str) -> str:
+    """A batch carrying a feature no kernel implements and no rule names: a 4-D prefix-LM mask (the first 8 tokens
+    see each other both ways), which transformers honours as given and the sharder does not read."""
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **MODES[mode]}
+    engine = slipstream.initialize(_llama(), config)
+    ids = _ids((2, LENGTH), 41)
+    allowed = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril()
+    allowed[:8, :8] = True
+    try:
+        with pytest.raises(slipstream.ConfigError) as err:
+            engine(input_ids=ids, labels=ids, attention_mask=allowed.expand(2, 1, LENGTH, LENGTH))
+        weights = [p.detach().clone() for p in engine.module.parameters()]
+        plain = engine(input_ids=ids, labels=ids)  # the check ran once; the next batch trains
+        engine.backward(plain.loss)
+        engine.step()
+        assert any(not torch.equal(w, p) for w, p in zip(weights, engine.module.parameters()))
+        return str(err.value)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "zigzag"])
+def test_the_first_batch_twin_check_refuses_a_feature_no_rule_names(mode: str) -> None:
+    for message in run_distributed(2, _injected_feature_body, mode):
+        assert "does not reproduce LlamaForCausalLM on the first batch (row 0, tokens 0-32 of 32; keys input_ids[2×32], labels[2×32], attention_mask[2×1×32×32])" in message, message
+        assert "module 'model.layers.0" in message, message
+        assert "\n" not in message

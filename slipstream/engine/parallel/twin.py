@@ -213,31 +213,34 @@ def quiet_model(model: torch.nn.Module) -> Any:
                 p.grad = g
 
 
-def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str, averaging: Mapping[int, dist.ProcessGroup] | None = None) -> None:
-    """Sharded forward/backward vs. the same model's own attention on the whole sequence; raises ValueError naming the first divergence."""
-    tokens = synthetic_tokens(model, sharder.divisor).to(next(model.parameters()).device)
-    batch = {"input_ids": tokens, "labels": tokens.clone()}
+def check_sequence_twin(
+    model: torch.nn.Module, sharder: Any, mode: str, averaging: Mapping[int, dist.ProcessGroup] | None = None,
+    batch: dict[str, Any] | None = None, what: str = "a synthetic batch",
+) -> None:  # fmt: skip
+    """Sharded forward/backward vs. the same model's own attention on the whole sequence; raises ConfigError naming
+    the first divergence. ``batch``: keyword arguments with labels (default: random tokens, ``what`` names it)."""
+    if batch is None:
+        tokens = synthetic_tokens(model, sharder.divisor).to(next(model.parameters()).device)
+        batch = {"input_ids": tokens, "labels": tokens.clone()}
+    source = batch.get("input_ids", batch.get("inputs_embeds"))
+    length = int(source.shape[1])
     name = type(model).__name__
     tolerance = tolerance_for(model)
-    with quiet_model(model):
-        for p in model.parameters():
-            p.grad = None
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with quiet_model(model), torch.enable_grad():
         recorder = _Recorder(model)
         try:
             reference = model(**batch)
             ref_loss = getattr(reference, "loss", None)
             if ref_loss is None:
                 raise ConfigError(f"{sharder.key}: {name} returned no loss for input_ids with labels; sequence sharding needs a model that computes its loss")
-            ref_loss.backward()
+            ref_grads = _gradients(ref_loss, trainable)
             ref_outputs, recorder.outputs = recorder.outputs, []
-            ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}  # taken, not copied
-            for p in model.parameters():
-                p.grad = None
             local, count = sharder.shard(batch)
             sharder.activate()
             try:
                 output = sharder.combine(model(**local), count)
-                (output.loss * 1.0).backward()
+                our_grads = _gradients(output.loss * 1.0, trainable)
             except UnsupportedAttention as err:
                 raise ConfigError(str(err)) from None
             finally:
@@ -245,12 +248,19 @@ def check_sequence_twin(model: torch.nn.Module, sharder: Any, mode: str, averagi
             ours = recorder.outputs
         finally:
             recorder.close()
-        mismatch = _first_mismatch(ref_outputs, ours, sharder, tokens.shape[1], tolerance)
+        mismatch = _first_mismatch(ref_outputs, ours, sharder, length, tolerance)
         if mismatch is None:
             mismatch = loss_mismatch(float(output.loss.detach()), float(ref_loss.detach()), tolerance)
         if mismatch is None:
-            mismatch = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging), ref_grads, tolerance)
-        agree(mismatch, sharder.group, f"{sharder.key}: {mode} does not reproduce {name} on a synthetic batch (twin check)")
+            mismatch = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging, our_grads), ref_grads, tolerance)
+        agree(mismatch, sharder.group, f"{sharder.key}: {mode} does not reproduce {name} on {what} (twin check)")
+
+
+def _gradients(loss: torch.Tensor, trainable: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """The loss's gradients by name, returned rather than accumulated: after ``initialize`` the ZeRO strategy's
+    hooks take every gradient that reaches ``.grad`` (the first-batch check runs then), and must see none here."""
+    found = torch.autograd.grad(loss, [p for _, p in trainable], allow_unused=True)
+    return {n: g for (n, _), g in zip(trainable, found) if g is not None}
 
 
 def check_sequence_pipeline_twin(pipeline: Any, sharder: Any, mode: str, averaging: Mapping[int, dist.ProcessGroup] | None = None) -> None:
@@ -287,8 +297,10 @@ def check_sequence_pipeline_twin(pipeline: Any, sharder: Any, mode: str, averagi
 def _first_mismatch(
     reference: list[tuple[str, torch.Tensor]], ours: list[tuple[str, torch.Tensor]], sharder: Any, length: int, tolerance: float
 ) -> TwinMismatch | None:  # fmt: skip
-    """The first module (in call order) whose output on this rank's tokens differs from the reference's."""
-    index = sharder.positions(length)
+    """The first module (in call order) whose output on this rank's tokens differs from the reference's (the
+    engine's fill beyond ``length``, sequence/inputs.py, left out)."""
+    index = sharder.positions(-(-length // sharder.divisor) * sharder.divisor)
+    real = index < length
     ref_by_call = {}
     for name, tensor in reference:
         ref_by_call.setdefault(name, []).append(tensor)
@@ -302,7 +314,8 @@ def _first_mismatch(
         ref = candidates[k]
         if ref.dim() < 2 or ref.shape[1] != length or tensor.shape[1] != index.numel():
             continue  # not a per-token output (or not on the sequence dimension)
-        ref_local = ref.index_select(1, index.to(ref.device))
+        ref_local = ref.index_select(1, index[real].to(ref.device))
+        tensor = tensor[:, real.to(tensor.device)]
         if ref_local.shape != tensor.shape:
             continue
         difference = relative_difference(tensor, ref_local)
@@ -313,7 +326,7 @@ def _first_mismatch(
 
 def _group_mean_pairs(
     model: torch.nn.Module, reference: dict[str, torch.Tensor], group: dist.ProcessGroup,
-    averaging: Mapping[int, dist.ProcessGroup] | None = None,
+    averaging: Mapping[int, dist.ProcessGroup] | None = None, grads: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:  # fmt: skip
     """The group-mean gradients (one flat all-reduce per group) beside the reference's, parameter by parameter.
 
@@ -329,13 +342,15 @@ def _group_mean_pairs(
         by_group.setdefault(id(own), (own, []))[1].append((name, p))
     means: dict[str, torch.Tensor] = {}
     for own, members in by_group.values():  # the same groups in the same order on every rank: one model, one walk
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float() for _, p in members])
+        held = [(grads.get(name) if grads is not None else p.grad) for name, p in members]  # ``grads``: by name, else .grad
+        flat = torch.cat([(g if g is not None else torch.zeros_like(reference[name])).detach().reshape(-1).float() for (name, _), g in zip(members, held)])
         comm.all_reduce(flat, group=own, tag="twin check gradients").wait()
         flat /= dist.get_world_size(own)
         offset = 0
-        for name, p in members:
-            means[name] = flat[offset : offset + p.numel()].view(p.shape)
-            offset += p.numel()
+        for name, _ in members:
+            shape = reference[name].shape
+            means[name] = flat[offset : offset + reference[name].numel()].view(shape)
+            offset += reference[name].numel()
     for name, _ in named:
         yield name, means[name], reference[name]
 

@@ -37,6 +37,10 @@ class DirectRunner:
         """This rank's share of the sequence through the model, the whole sequence's loss out (parallel/sequence/inputs.py)."""
         if args:
             raise TypeError(f"engine(...): with {sharder.key} > 1 pass the batch as keyword arguments (input_ids=..., labels=...)")
+        check = sharder.take_first_batch_check() if torch.is_grad_enabled() else None
+        if check is not None:  # the first training batch, before it trains (parallel/sequence/first_batch.py)
+            with self.strategy.set_aside():
+                check(kwargs)
         local, count = sharder.shard(kwargs)
         sharder.activate()  # the model's own attention again after this step (parallel/attention.py)
         try:

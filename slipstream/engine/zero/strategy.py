@@ -120,6 +120,13 @@ class ShardingStrategy(abc.ABC):
             self.end_backward()
         self.adopt_gradients()
 
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """A forward and backward the strategy takes no part in (the first-batch twin check, whose gradients
+        ``torch.autograd.grad`` returns and never accumulates in ``.grad``): stages 0-2 see nothing then, as
+        their hooks fire on accumulation only; ZeRO-3 overrides this to gather its units once and stand aside."""
+        yield
+
     def adopt_gradients(self) -> None:
         """Take in gradients that reached ``.grad`` without the strategy's hooks (stages 0-2)."""
         for param in getattr(self, "trainable", ()):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -75,6 +76,8 @@ class SequenceSharder:
         if routing is not None:
             self.configs = attention_configs(routing[0])
         self.caller_normalizes = False
+        # The twin check on the first training batch (first_batch.py), set once the synthetic one passed.
+        self.first_batch: Callable[[dict[str, Any]], None] | None = None
         # by id of the local position ids (tensors compare elementwise, so no WeakKeyDictionary); gone with them
         self._structure: dict[int, tuple[weakref.ref[torch.Tensor], _Step]] = {}
         self.current: _Step | None = None  # the micro-batch whose forward runs now (its segments and lengths)
@@ -141,6 +144,11 @@ class SequenceSharder:
             out["labels"] = out["shift_labels"]
             count = (out["shift_labels"] != IGNORE_INDEX).sum().to(torch.float32)
         return out, count
+
+    def take_first_batch_check(self) -> Callable[[dict[str, Any]], None] | None:
+        """The twin check for the first training batch (first_batch.py's note), handed out once."""
+        check, self.first_batch = self.first_batch, None
+        return check
 
     def _file(self, positions: torch.Tensor, step: _Step) -> None:
         key = id(positions)

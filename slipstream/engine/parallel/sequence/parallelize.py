@@ -10,6 +10,7 @@ from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, Rin
 from slipstream.engine.parallel.expert import ExpertPlan
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.pipeline import Pipeline
+from slipstream.engine.parallel.sequence.first_batch import first_batch_check
 from slipstream.engine.parallel.sequence.inputs import SequenceSharder
 from slipstream.engine.parallel.sequence.options import SequenceOptions
 from slipstream.engine.parallel.sequence.ulysses import ATTENTION_NAME, UlyssesAttention
@@ -67,6 +68,10 @@ def parallelize_attention(
         except BaseException:
             sharder.close()
             raise
+        if pipeline is None:  # and again on the first training batch (first_batch.py's note)
+            sharder.first_batch = first_batch_check(
+                model, sharder, lambda batch, what: check_sequence_twin(model, sharder, mode, averaging, batch, what)
+            )
     return sharder
 
 

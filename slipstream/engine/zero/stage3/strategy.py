@@ -149,6 +149,22 @@ class Stage3Strategy(MastersStrategy):
             for unit in self.units:
                 unit.reshard()
 
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Every unit gathered, the hooks standing aside, nothing reduced: the base class's contract for ZeRO-3
+        (the whole model on every rank for the duration, as before sharding at ``initialize``)."""
+        for unit in self.units:
+            unit.gathered()
+        self.unit_hooks.held = True
+        try:
+            yield
+        finally:
+            self.unit_hooks.held = False
+            for unit in self.units:
+                unit.pending_backward = 0
+                unit.depth = 0
+                unit.reshard()
+
     def finish_gradients(self) -> None:
         self.reducer.finish(self.units)
         flags = {id(g.lanes): (g.lanes.group, []) for g in self.groups}
