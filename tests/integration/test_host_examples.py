@@ -239,6 +239,31 @@ def test_trl_trainer_finishes_and_matches_plain(trainer: str, stage: int, data: 
     assert_losses_match(got["losses"], trl_plain[trainer]["losses"])
 
 
+def _trl_one_process(argv: list[str]) -> Any:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    return importlib.import_module("tests.integration.hosts.trl_trainers").main(argv)
+
+
+@pytest.mark.parametrize("batches", ["padding_free", "packing"])
+@pytest.mark.parametrize("mesh", ["ulysses", "zigzag"])
+def test_trl_sft_with_packed_documents_under_sequence_modes_matches_one_process(
+    batches: str, mesh: str, data: dict[str, str], tmp_path: Path
+) -> None:  # fmt: skip
+    """TRL's padding-free and packed SFT batches (documents in one row, position ids restarting) under Ulysses and
+    zig-zag on 2 ranks (dp 1: both read every batch) log the losses of the same SFTTrainer in one process."""
+    pytest.importorskip("trl")
+    argv = [*_trl_argv("sft", data, tmp_path / "plain"), f"--{batches}"]
+    plain = run_distributed(1, _trl_one_process, argv)[0]
+    extra = {"sequence_parallel_size": 2} if mesh == "ulysses" else {"context_parallel": {"size": 2, "method": "zigzag"}}
+    config = ds_config(tmp_path / "ds.json", 1, gradient_clipping="auto", **extra)
+    got = run_host("trl_trainers", [*_trl_argv("sft", data, tmp_path / "out"), f"--{batches}", "--slipstream", "--deepspeed", config])
+    assert_losses_match(got["losses"], plain["losses"])
+
+
 # ---------------------------------------------------------------------- as a user launches it
 def test_accelerate_example_at_zero3_exits_0_under_slipstream_run(data: dict[str, str], tmp_path: Path) -> None:
     """The run that used to train, save on rank 0 and then exit 1 (get_state_dict was None on rank 1)."""

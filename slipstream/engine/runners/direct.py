@@ -41,6 +41,11 @@ class DirectRunner:
         if check is not None:  # the first training batch, before it trains (parallel/sequence/first_batch.py)
             with self.strategy.set_aside():
                 check(kwargs)
+        # A forward without gradients between a training forward and its backward (TRL's metrics forward) must
+        # leave that backward's sharded attention and segments in place: its recomputation (activation
+        # checkpointing) runs the same kernels on the same structure.
+        pending = sharder.current if sharder.active else None
+        was_active = sharder.active
         local, count = sharder.shard(kwargs)
         sharder.activate()  # the model's own attention again after this step (parallel/attention.py)
         try:
@@ -49,8 +54,11 @@ class DirectRunner:
             sharder.deactivate()
             raise
         finally:
-            if not torch.is_grad_enabled():  # no backward follows
-                sharder.deactivate()
+            if not torch.is_grad_enabled():  # no backward follows this forward
+                if was_active:
+                    sharder.resume(pending)
+                else:
+                    sharder.deactivate()
 
     def backward(self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -26,6 +26,8 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--deepspeed", default=None)
     parser.add_argument("--slipstream", action="store_true")
+    parser.add_argument("--padding_free", action="store_true", help="SFT: documents flattened into one row (DataCollatorWithFlattening)")
+    parser.add_argument("--packing", action="store_true", help="SFT: documents packed into max_length rows")
     args = parser.parse_args(argv)
     if args.trainer == "sft":
         from trl import SFTConfig as Config, SFTTrainer as Trainer
@@ -46,7 +48,8 @@ def main(argv: list[str]) -> dict:
         seed=0, data_seed=0, bf16=False,  # TRL defaults to bf16; fp32 keeps the comparison with the plain run exact
     )  # fmt: skip
     if args.trainer == "sft":
-        config = Config(**common, max_length=32)
+        # padding-free without packing does not cut rows (TRL refuses a max_length then): the corpus lines are short
+        config = Config(**common, max_length=None if args.padding_free and not args.packing else 32, padding_free=args.padding_free, packing=args.packing)
         trainer = Trainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
     else:
         reference = copy.deepcopy(model).eval()

@@ -31,7 +31,7 @@ from slipstream import comm
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.attention import attention_configs, set_attention
 from slipstream.engine.parallel.segments import VARLEN_KEYS, Segments, read_segments, with_fill
-from slipstream.engine.parallel.sequence.logits import gather_logits, with_whole_logits
+from slipstream.engine.parallel.sequence.logits import gather_sequence, with_whole_sequence
 
 IGNORE_INDEX = -100
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "inputs_embeds", "token_type_ids")
@@ -97,6 +97,12 @@ class SequenceSharder:
             set_attention(self.configs, previous)
             kernel.active = self.active = False
             kernel.segments = self.current = None
+
+    def resume(self, step: _Step | None) -> None:
+        """Hand the kernel an earlier micro-batch's segments again (its backward is still to run)."""
+        self.current = step
+        if self.routing is not None:
+            self.routing[3].segments = step.segments if step is not None else None
 
     def close(self) -> None:
         """Give the model its own attention back (the engine is discarded; the model may be trained again)."""
@@ -173,10 +179,11 @@ class SequenceSharder:
 
     def combine(self, output: Any, count: torch.Tensor | None) -> Any:
         """Replace the output's local loss by the whole sequence's (value) with the gradient of the note, and let its
-        logits be read whole (logits.py, [Note: logits on read])."""
+        logits and other per-token outputs be read whole (logits.py, [Note: logits on read])."""
         step = self.current
         if step is not None:
-            output = with_whole_logits(output, lambda local: gather_logits(local, self.group, self._positions_of, step.length))
+            local_length = step.padded // self.size
+            output = with_whole_sequence(output, local_length, lambda local: gather_sequence(local, self.group, self._positions_of, step.length))
         loss = getattr(output, "loss", None)
         if loss is None or count is None:
             return output
