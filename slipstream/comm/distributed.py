@@ -28,6 +28,9 @@ class LaunchEnvError(SlipstreamError, RuntimeError):
     missing or malformed; the message names the variable, its value and what is allowed."""
 
 
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)  # the slowest rank's start ([Note: joining is not a collective])
+
+
 def current_timeout() -> datetime.timedelta:
     """The collective timeout the default group was created with (groups we add inherit it)."""
     return _timeout
@@ -62,15 +65,24 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
                 f"{devices} process(es) per node (--nproc_per_node) or check CUDA_VISIBLE_DEVICES"
             )
         accelerator.set_device(local_rank)
+    # [Note: joining is not a collective] Ranks start apart: imports (torch, transformers), a model
+    # built before initialize, a loaded machine. The configured timeout is for a collective a peer never
+    # joins; the rendezvous waits up to RENDEZVOUS_TIMEOUT for the slowest starter (with a 5 s comms
+    # timeout, 4 ranks on a busy 2-core machine failed in init_process_group's store wait), then the
+    # group gets the configured timeout.
+    joining = max(timeout, RENDEZVOUS_TIMEOUT)
     if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        store = _attempt_store(timeout)
+        store = _attempt_store(joining)
         if store is None:
-            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+            dist.init_process_group(backend, init_method="env://", timeout=joining)
         else:
             rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=joining)
+        if joining != timeout:
+            _apply_timeout(timeout)
+            dist.distributed_c10d._get_default_store().set_timeout(timeout)  # store waits are the job's too
     set_rank(dist.get_rank())
     logger.debug("joined process group: rank %d of %d, backend %s", dist.get_rank(), dist.get_world_size(), backend)
 
