@@ -2,9 +2,10 @@
 flash-attention varlen keywords), lengths that do not divide, logits-based losses, against one process.
 
 Each case is one micro-batch on 2 gloo ranks: the engine's loss (every rank's) within 1e-5 relative of one
-process's on the same batch, its global gradient norm within 1e-4 (AdamW at lr 1e-12: below float32 resolution, so nothing moves
-between cases), for several architectures (Llama, Qwen2, Mistral, Phi-3, GPT-2) and modes (Ulysses, ring,
-zig-zag, all-gathered K/V, tensor parallel with sequence parallel, pipeline).
+process's on the same batch, its global gradient norm within 1e-4 (AdamW at lr 1e-12: below float32
+resolution, so nothing moves between cases), for several architectures (Llama, Llama with YaRN above its
+original length, Qwen2, Mistral, Phi-3, GPT-2) and modes (Ulysses, ring, zig-zag, all-gathered K/V, tensor
+parallel with sequence parallel, pipeline).
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def _llama() -> torch.nn.Module:
     return LlamaForCausalLM(_config("LlamaConfig"))
 
 
+def _llama_yarn() -> torch.nn.Module:
+    """YaRN scaling from an original length of 8: every batch here runs above it (static factors: trains)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(_config("LlamaConfig", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}))
+
+
 def _qwen2() -> torch.nn.Module:
     from transformers import Qwen2ForCausalLM
 
@@ -63,7 +71,7 @@ def _gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-ARCHITECTURES: dict[str, Callable[[], torch.nn.Module]] = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "phi3": _phi3, "gpt2": _gpt2}
+ARCHITECTURES: dict[str, Callable[[], torch.nn.Module]] = {"llama": _llama, "llama_yarn": _llama_yarn, "qwen2": _qwen2, "mistral": _mistral, "phi3": _phi3, "gpt2": _gpt2}
 MODES = {
     "ulysses": {"sequence_parallel_size": 2},
     "ring": {"context_parallel": {"size": 2}},

@@ -4,7 +4,8 @@
 no padding, no documents, no keyword a data collator adds, the model's short length. Real batches
 carry all of those, and a feature nobody wrote a rule for (a 4-D mask, a new collator keyword, a
 length-dependent position scheme) would train wrong silently. So the first training micro-batch
-is checked too, before it trains: one row of it, cut to a window of ``FIRST_BATCH_TOKENS`` tokens
+is checked too, before it trains: one row of it (rank 0's, [Note: one window for the world]), cut to a
+window of ``FIRST_BATCH_TOKENS`` tokens
 around the row's first boundary (padding edge or document start), with every key the batch
 carries sliced alike (its positions kept, varlen offsets recomputed for the window), runs through
 the model's own attention and through the sharded step, and any difference refuses the batch in one
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from slipstream.engine.parallel.segments import VARLEN_KEYS, read_segments
 
@@ -85,11 +87,28 @@ def _describe(name: str, value: Any) -> str:
 
 
 def first_batch_check(model: torch.nn.Module, sharder: Any, run: Callable[[dict[str, Any], str], None]) -> Callable[[dict[str, Any]], None]:
-    """What the sharder calls with its first training batch: the window, then ``run(window, what)`` (the twin check)."""
+    """What the runner calls with its first training batch: rank 0's window on every rank, then ``run(window, what)``.
+
+    [Note: one window for the world] Every rank runs the check at once, and a rank's reference can depend on
+    other ranks' batches (expert parallel sends its tokens to experts on ranks of other data-parallel
+    replicas, whose batches differ). As with the synthetic batch at ``initialize``, every rank checks the
+    same window: rank 0's, broadcast (one small object; the window is a few dozen tokens of one row)."""
 
     def check(batch: dict[str, Any]) -> None:
         found = first_batch_window(batch, sharder.key, model, sharder.divisor)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = next(model.parameters()).device
+            shared = [_on(found, torch.device("cpu"))]
+            dist.broadcast_object_list(shared, src=0)
+            found = _on(shared[0], device)
         if found is not None:
             run(*found)
 
     return check
+
+
+def _on(found: tuple[dict[str, Any], str] | None, device: torch.device) -> tuple[dict[str, Any], str] | None:
+    if found is None:
+        return None
+    window, what = found
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in window.items()}, what
