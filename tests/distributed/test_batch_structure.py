@@ -257,3 +257,30 @@ def test_the_first_batch_twin_check_refuses_a_feature_no_rule_names(mode: str) -
         assert "does not reproduce LlamaForCausalLM on the first batch (row 0, tokens 0-32 of 32; keys input_ids[2×32], labels[2×32], attention_mask[2×1×32×32])" in message, message
         assert "module 'model.layers.0" in message, message
         assert "\n" not in message
+
+
+def _ring_work_body(mode: str) -> dict[str, float]:
+    """The ring's causal work (layout.py's block units, summed over layers) on one packed row and on the same row
+    read as one document (its position ids counting on): blocks no document spans are skipped or masked."""
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **MODES[mode]}
+    engine = slipstream.initialize(_llama(), config)
+    kernel = engine.runner.sharder.routing[3]
+    packed = _packed(flash_keywords=False)
+    plain = {**packed, "position_ids": torch.arange(packed["input_ids"].shape[1]).unsqueeze(0)}
+    work = {}
+    try:
+        for name, batch in (("plain", plain), ("packed", packed)):
+            before = kernel.pairs
+            with torch.no_grad():
+                engine(**batch)
+            work[name] = kernel.pairs - before
+    finally:
+        engine.close()
+    return work
+
+
+@pytest.mark.parametrize("mode", ["ring", "zigzag"])
+def test_ring_skips_the_blocks_no_document_spans(mode: str) -> None:
+    for work in run_distributed(2, _ring_work_body, mode):
+        assert 0 < work["packed"] < 0.75 * work["plain"], work
