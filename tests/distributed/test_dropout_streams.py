@@ -35,8 +35,9 @@ def _first_masks(model: torch.nn.Module, engine: Any, micro_batches: int) -> dic
     masks: dict[int, torch.Tensor] = {}
 
     def record(index: int) -> Any:
-        def hook(_module: torch.nn.Module, _inputs: Any, out: torch.Tensor) -> None:
-            masks.setdefault(index, (out == 0).flatten())
+        def hook(module: torch.nn.Module, _inputs: Any, out: torch.Tensor) -> None:
+            if module.training:  # the first-batch twin check runs the model in eval mode first: no masks there
+                masks.setdefault(index, (out == 0).flatten())
 
         return hook
 
