@@ -15,6 +15,14 @@ all-reduce of the counts). The engine reports ``L`` (the value every rank of the
 backpropagates ``u·n_r·l_r / N`` on rank ``r``: ZeRO averages gradients over dp·sp, and the mean
 over the ``u`` ranks of a group of ``∇(u·n_r·l_r/N)`` is ``∇L``, so the result is the dp-mean of
 whole-sequence gradients: exactly the unsharded run's.
+
+[Note: the engine's fill] A length that does not divide by the group's shard count (``u``, or
+``2c`` chunks for zig-zag) is extended at the end to the next multiple: input ids and token types
+0, labels -100, positions 0 (inside any position table), embeddings zero. The fill tokens are
+invalid keys in a document of their own (segments.py's ``with_fill``), so no real token attends
+to them, and their labels are ignored, so the loss, its token count and every gradient are one
+process's on the unfilled batch; per-token outputs read whole are cut back to the caller's
+length (logits.py).
 """
 
 from __future__ import annotations
