@@ -5,9 +5,11 @@ queries may see by log-sum-exp.
 computes its queries against the K/V it holds, then passes K|V (one packed tensor, ``Hkv`` heads)
 to rank ``r+1`` and receives rank ``r-1``'s, on the group's own process-group lane. Blocks are
 (query chunk, key chunk) pairs: full (all keys precede the queries), diagonal (causal mask inside)
-or skipped (all keys follow). Each block yields its output and log-sum-exp; outputs merge as
-``o = Σ exp(lse_i − lse) o_i`` with ``lse = logsumexp_i lse_i``, which is exact softmax over the
-whole sequence. The exchange is differentiable (backward passes dK|dV the other way round the
+or skipped (all keys follow). With the batch's segments (padding, packed documents:
+parallel/segments.py) a block is skipped when no allowed pair spans it, runs unmasked when every
+pair is allowed, and carries its own mask otherwise. Each block yields its output and log-sum-exp;
+outputs merge as ``o = Σ exp(lse_i − lse) o_i`` with ``lse = logsumexp_i lse_i``, which is exact
+softmax over the whole sequence (a query no key may see keeps lse −inf and a zero output). The exchange is differentiable (backward passes dK|dV the other way round the
 ring), so per layer and micro-batch: ``c−1`` sends forward and ``c−1`` backward, each of
 ``b·2·Hkv·(s/c)·d`` elements.
 
