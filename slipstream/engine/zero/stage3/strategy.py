@@ -134,27 +134,24 @@ class Stage3Strategy(MastersStrategy):
     @contextlib.contextmanager
     def accumulation_window(self) -> Iterator[None]:
         """Every unit gathered once for the whole window, gradients accumulated over it, one reduce-scatter each on exit."""
-        for unit in self.units:
-            unit.gathered()
-            self.reducer.remember_grads(unit)
-        self.unit_hooks.held = True
-        try:
+        with self._all_gathered(reduce=True):
             yield
-        finally:
-            self.unit_hooks.held = False
-            for unit in self.units:
-                unit.pending_backward = 0
-                unit.depth = 0
-            self.reducer.end_backward(self.units)
-            for unit in self.units:
-                unit.reshard()
 
     @contextlib.contextmanager
     def set_aside(self) -> Iterator[None]:
         """Every unit gathered, the hooks standing aside, nothing reduced: the base class's contract for ZeRO-3
         (the whole model on every rank for the duration, as before sharding at ``initialize``)."""
+        with self._all_gathered(reduce=False):
+            yield
+
+    @contextlib.contextmanager
+    def _all_gathered(self, reduce: bool) -> Iterator[None]:
+        """Every unit gathered and the unit hooks standing aside; on exit (``reduce``: the accumulated gradients
+        reduce-scattered first) every unit's bookkeeping reset and its parameters freed."""
         for unit in self.units:
             unit.gathered()
+            if reduce:
+                self.reducer.remember_grads(unit)
         self.unit_hooks.held = True
         try:
             yield
@@ -163,6 +160,9 @@ class Stage3Strategy(MastersStrategy):
             for unit in self.units:
                 unit.pending_backward = 0
                 unit.depth = 0
+            if reduce:
+                self.reducer.end_backward(self.units)
+            for unit in self.units:
                 unit.reshard()
 
     def finish_gradients(self) -> None:
