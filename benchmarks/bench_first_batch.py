@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import setup_rank_env, spawn_ranks  # noqa: E402
+from benchmarks.common import alternate_on_off, setup_rank_env  # noqa: E402
 
 MODES = {"ulysses": {"sequence_parallel_size": 2}, "zigzag": {"context_parallel": {"size": 2, "method": "zigzag"}}}
 
@@ -74,11 +74,7 @@ def main() -> None:
     parser.add_argument("--modes", default="ulysses,zigzag")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    found: dict[tuple[str, bool], list[dict]] = {}
-    for _ in range(args.rounds):
-        for mode in modes:
-            for check in (True, False):
-                found.setdefault((mode, check), []).extend(spawn_ranks(_worker, mode, check, args.tokens))
+    found = alternate_on_off(_worker, modes, args.rounds, args.tokens)
     print(f"Llama 3.9M, 1 × {args.tokens} tokens (10% padding), 2 ranks, medians of {args.rounds} alternating rounds (fresh jobs)")
     print(f"{'mode':<10}{'first-batch check':<19}{'first step s':>14}{'second step s':>15}{'check / first step':>20}")
     for mode in modes:

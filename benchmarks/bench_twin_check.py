@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import build_gpt2, random_batches, setup_rank_env, spawn_ranks  # noqa: E402
+from benchmarks.common import alternate_on_off, build_gpt2, random_batches, setup_rank_env  # noqa: E402
 
 MODES = {
     "ulysses": ({"sequence_parallel_size": 2}, 1),
@@ -64,11 +64,7 @@ def main() -> None:
     parser.add_argument("--modes", default="ulysses,pp")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    found: dict[tuple[str, bool], list[dict]] = {}
-    for _ in range(args.rounds):
-        for mode in modes:
-            for twin in (True, False):
-                found.setdefault((mode, twin), []).extend(spawn_ranks(_worker, mode, twin))
+    found = alternate_on_off(_worker, modes, args.rounds)
     print(f"gpt2-large, 2 ranks, medians of {args.rounds} alternating rounds (fresh jobs)")
     print(f"{'mode':<10}{'twin_check':<12}{'initialize s':>14}{'first loss s':>14}{'ratio on/off':>14}")
     for mode in modes:

@@ -116,3 +116,14 @@ def spawn_ranks(worker: Callable[..., None], *args: object, world: int = 2) -> l
                 with open(path) as f:
                     found.append(json.load(f))
         return found
+
+
+def alternate_on_off(worker: Callable[..., None], modes: list[str], rounds: int, *args: object) -> dict[tuple[str, bool], list[dict]]:
+    """Fresh 2-rank jobs ``worker(rank, mode, on, *args, port, out)`` for every mode with a feature on, then off,
+    round after round (A B A B ...); what rank 0 wrote, by ``(mode, on)``."""
+    found: dict[tuple[str, bool], list[dict]] = {}
+    for _ in range(rounds):
+        for mode in modes:
+            for on in (True, False):
+                found.setdefault((mode, on), []).extend(spawn_ranks(worker, mode, on, *args))
+    return found
