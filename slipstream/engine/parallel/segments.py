@@ -37,11 +37,7 @@ class Segments:
     def __init__(self, documents: torch.Tensor, valid: torch.Tensor) -> None:
         self.documents = documents  # [b, L] int64: equal numbers attend to each other (causally)
         self.valid = valid  # [b, L] bool: False hides the token as a key (padding, the engine's own fill)
-        self._blocks: dict[tuple[int, int, int, int, bool], torch.Tensor | None] = {}  # the ring's per-layer reuse
-
-    @property
-    def length(self) -> int:
-        return int(self.documents.shape[1])
+        self._blocks: dict[tuple[int, int, int, bool], tuple[torch.Tensor | None | bool, float]] = {}  # the ring's per-layer reuse
 
     def pairs(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """[b, 1, q, k] bool: same document and the key valid (causality is the caller's, attention.allowed)."""
@@ -50,20 +46,19 @@ class Segments:
         k_ok = self.valid.index_select(1, k_pos.to(self.valid.device))
         return ((q_doc[:, :, None] == k_doc[:, None, :]) & k_ok[:, None, :]).unsqueeze(1)
 
-    def block(self, q_start: int, k_start: int, size: int, causal: bool, window: int | None = None) -> torch.Tensor | None | bool:
-        """The mask of one (query chunk, key chunk) block of ``size`` tokens each, cached for the step's layers:
-        a [b, 1, size, size] bool tensor, ``None`` when every pair is allowed, ``False`` when none is (skip it)."""
-        key = (q_start, k_start, size, window or 0, causal)
+    def block(self, q_start: int, k_start: int, size: int, causal: bool) -> tuple[torch.Tensor | None | bool, float]:
+        """One (query chunk, key chunk) block of ``size`` tokens each, worked out once per step (every layer asks):
+        its mask, a [b, 1, size, size] bool tensor, ``None`` when every pair is allowed, ``False`` when none is
+        (skip it); and the share of its pairs allowed (the ring's work count)."""
+        key = (q_start, k_start, size, causal)
         if key not in self._blocks:
             q = torch.arange(q_start, q_start + size, device=self.documents.device)
             k = torch.arange(k_start, k_start + size, device=self.documents.device)
             mask = self.pairs(q, k)
-            distance = q[:, None] - k[None, :]
             if causal:
-                mask = mask & (distance >= 0)
-            if window is not None:
-                mask = mask & ((distance < window) if causal else (distance.abs() < window))
-            self._blocks[key] = False if not bool(mask.any()) else None if bool(mask.all()) else mask  # type: ignore[assignment]
+                mask = mask & (q[:, None] >= k[None, :])
+            share = float(mask.float().mean())
+            self._blocks[key] = (False if share == 0.0 else None if share == 1.0 else mask, share)
         return self._blocks[key]
 
 

@@ -202,10 +202,9 @@ class RingAttention:
                 if causal and kc > qc:
                     continue
                 if segments is not None:
-                    mask = segments.block(qc * chunk, kc * chunk, chunk, causal)
+                    mask, work = segments.block(qc * chunk, kc * chunk, chunk, causal)
                     if mask is False:
                         continue
-                    work = 1.0 if mask is None else float(mask.float().mean())
                     found.append((i, j, False, mask))  # type: ignore[arg-type]
                 else:
                     diagonal = causal and kc == qc
