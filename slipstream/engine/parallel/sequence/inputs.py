@@ -38,6 +38,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.attention import attention_configs, set_attention
+from slipstream.engine.parallel.context.layout import Layout
 from slipstream.engine.parallel.segments import VARLEN_KEYS, Segments, read_segments, with_fill
 from slipstream.engine.parallel.sequence.logits import gather_sequence, with_whole_sequence
 
@@ -67,15 +68,16 @@ class SequenceSharder:
     """Cuts keyword-argument batches on the sequence for one rank of a sequence group of size ``u``."""
 
     def __init__(
-        self, group: dist.ProcessGroup, key: str = "sequence_parallel_size", layout: Any = None,
+        self, group: dist.ProcessGroup, key: str = "sequence_parallel_size", layout: Layout | None = None,
         routing: tuple[torch.nn.Module, str, str, Any] | None = None,
     ) -> None:  # fmt: skip
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.key = key
-        self.layout = layout  # context parallel's chunk layout (context/layout.py); None: contiguous shards
-        self.divisor = layout.divisor if layout is not None else self.size
+        # which tokens each rank holds (context/layout.py): context parallel's chunks, else contiguous shards
+        self.layout: Layout = layout if layout is not None else Layout(self.size, zigzag=False)
+        self.divisor = self.layout.divisor
         # (model, our attention's name, the model's own, our kernel): see parallel/attention.py's notes
         self.routing = routing
         self.active = False
@@ -122,7 +124,7 @@ class SequenceSharder:
 
     def positions(self, length: int) -> torch.Tensor:
         """The global positions of this rank's tokens in a sequence of ``length``, in local order."""
-        return self._positions_of(self.rank, length)
+        return self.layout.positions(self.rank, length)
 
     def shard(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
         """The local keyword arguments, and this rank's count of labelled tokens (None without labels).
@@ -191,7 +193,7 @@ class SequenceSharder:
         step = self.current
         if step is not None:
             local_length = step.padded // self.size
-            output = with_whole_sequence(output, local_length, lambda local: gather_sequence(local, self.group, self._positions_of, step.length))
+            output = with_whole_sequence(output, local_length, lambda local: gather_sequence(local, self.group, self.layout.positions, step.length))
         loss = getattr(output, "loss", None)
         if loss is None or count is None:
             return output
@@ -206,10 +208,3 @@ class SequenceSharder:
         comm.all_reduce(reported, group=self.group, tag="sequence-parallel loss").wait()
         output.loss = self.size * local + (reported - self.size * local).detach()
         return output
-
-    def _positions_of(self, rank: int, length: int) -> torch.Tensor:
-        """Any rank's tokens' global positions (``positions`` is this rank's)."""
-        if self.layout is not None:
-            return self.layout.positions(rank, length)
-        chunk = length // self.size
-        return torch.arange(rank * chunk, (rank + 1) * chunk)
