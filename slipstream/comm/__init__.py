@@ -11,6 +11,7 @@ from slipstream.comm.collectives import (
     all_to_all_v,
     barrier,
     broadcast,
+    broadcast_object,
     reduce_scatter_tensor,
     shift_ring,
 )

@@ -378,6 +378,16 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return every
 
 
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """Global rank ``src``'s ``obj`` (picklable, small: a verdict, a few dozen tokens) on every rank of ``group``;
+    ``obj`` itself without a process group or alone in it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 def barrier(group: dist.ProcessGroup | None = None, tag: str = "") -> None:
     from slipstream.accelerator import get_accelerator
 

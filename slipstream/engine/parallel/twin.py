@@ -362,11 +362,11 @@ def agree(mismatch: TwinMismatch | None, group: dist.ProcessGroup, headline: str
     first = int(flag.item())
     if first == dist.get_world_size(group):
         return
-    found = [None]
+    found = None
     if dist.get_rank(group) == first:
-        found = [mismatch.what + (f" differs by {mismatch.difference:.2e} (relative)" if mismatch.difference != float("inf") else "")]
-    dist.broadcast_object_list(found, src=dist.get_global_rank(group, first), group=group)
+        found = mismatch.what + (f" differs by {mismatch.difference:.2e} (relative)" if mismatch.difference != float("inf") else "")
+    found = comm.broadcast_object(found, src=dist.get_global_rank(group, first), group=group)
     raise ConfigError(
-        f"{headline}: {found[0]} on rank {first} of the group, against {against}; the model uses something this mode "
+        f"{headline}: {found} on rank {first} of the group, against {against}; the model uses something this mode "
         "does not implement. Train it without this mode, or set twin_check: false to train anyway at your own risk"
     )

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from slipstream import comm
 from slipstream.engine.parallel.segments import VARLEN_KEYS, read_segments
 
 FIRST_BATCH_TOKENS = 64
@@ -96,11 +96,7 @@ def first_batch_check(model: torch.nn.Module, sharder: Any, run: Callable[[dict[
 
     def check(batch: dict[str, Any]) -> None:
         found = first_batch_window(batch, sharder.key, model, sharder.divisor)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            device = next(model.parameters()).device
-            shared = [_on(found, torch.device("cpu"))]
-            dist.broadcast_object_list(shared, src=0)
-            found = _on(shared[0], device)
+        found = _on(comm.broadcast_object(_on(found, torch.device("cpu"))), next(model.parameters()).device)
         if found is not None:
             run(*found)
 
