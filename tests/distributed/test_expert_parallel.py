@@ -229,33 +229,75 @@ def test_moe_layer_for_custom_models_keeps_global_expert_names() -> None:
     assert_weights_close(results[0]["state"], params, rtol=1e-4, atol=1e-5)
 
 
-def _skipped_step_body(precision: str, stage: int) -> list[tuple[float, bool]]:
-    """A non-finite loss on one rank (NaN activations there) skips the step everywhere; the next step is normal."""
+def _skipped_step_body(precision: str, stage: int, stages: int) -> list[tuple[float, bool]]:
+    """A non-finite loss (NaN activations on rank 0, or on the whole first stage) skips the step everywhere;
+    the next step is normal."""
     config = {**_config(stage), precision: {"enabled": True}, "comms_timeout_seconds": 60}
+    if stages > 1:
+        config.update(pipeline={"stages": stages}, gradient_accumulation_steps=stages)
     engine = slipstream.initialize(_mixtral(), config)
     state = {"poison": False}
 
     def poison(module: torch.nn.Module, args: Any, output: torch.Tensor) -> Any:
-        return output * float("nan") if state["poison"] and dist.get_rank() == 0 else None
+        return output * float("nan") if state["poison"] and (dist.get_rank() == 0 or stages > 1) else None
 
-    engine.module.model.embed_tokens.register_forward_hook(poison)
+    for name, module in engine.module.named_modules():  # under a pipeline only the first stage embeds
+        if name.endswith("embed_tokens"):
+            module.register_forward_hook(poison)
     tokens = _batches(1)[0]
     seen = []
     for step in range(3):
         state["poison"] = step == 1
-        loss = engine(input_ids=tokens, labels=tokens).loss
-        engine.backward(loss)
-        engine.step()
+        for _ in range(engine.gradient_accumulation_steps()):
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
         seen.append((float(loss), engine.was_step_applied()))
     engine.close()
     return seen
 
 
-@pytest.mark.parametrize("precision,stage", [("bf16", 0), ("fp16", 2)])
-def test_a_skipped_step_is_followed_by_a_normal_step_on_every_rank(precision: str, stage: int) -> None:
-    """Issue 27 case 12 (a hang in the expert all-to-all after a skipped step was reported; not reproduced here)."""
-    results = run_distributed(2, _skipped_step_body, precision, stage, timeout=240)
+@pytest.mark.parametrize("precision,stage,stages", [("bf16", 0, 1), ("fp16", 2, 1), ("bf16", 1, 2), ("fp16", 3, 2)])
+def test_a_skipped_step_is_followed_by_a_normal_step_on_every_rank(precision: str, stage: int, stages: int) -> None:
+    """Issue 47 case 3, directly (NaN activations on rank 0) and under pp 2 × ep 2 (on the first stage): there
+    the NaN reaches the last stage, whose routers then send every token to one rank's experts, and the
+    other rank waited in its backward all-to-all ([Note: a rank no token reached]) before the fix."""
+    world = 2 * stages
+    results = run_distributed(world, _skipped_step_body, precision, stage, stages, timeout=240)
     for seen in results:
         assert [applied for _, applied in seen] == [True, False, True]
         assert all(loss == loss for loss, _ in (seen[0], seen[2]))  # finite steps around the skipped one
-    assert results[0][2][0] == pytest.approx(results[1][2][0], rel=1e-6)
+    last = results[world - 2 :]  # the last stage's ranks read the losses
+    assert last[0][2][0] == pytest.approx(last[1][2][0], rel=1e-6)
+
+
+def _collapse(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A router that picks experts 0 and 1 for every token: ep rank 1's experts receive nothing."""
+    logits, scores, index = output
+    return logits, scores, torch.stack([torch.zeros_like(index[:, 0]), torch.ones_like(index[:, 1])], dim=-1)
+
+
+def _collapsed_mixtral() -> torch.nn.Module:
+    model = _mixtral()
+    model.model.layers[0].mlp.gate.register_forward_hook(_collapse)
+    return model
+
+
+def _collapsed_body() -> dict[int, Any]:
+    results = {}
+    for stage in (0, 3):
+        engine = slipstream.initialize(_collapsed_mixtral(), {**_config(stage), "comms_timeout_seconds": 60})
+        losses = train_lm_engine(engine, _batches(2)[:3], MICRO, dist.get_rank())
+        results[stage] = {"losses": losses, "state": engine.consolidated_state_dict()}
+        engine.close()
+    return results
+
+
+def test_a_rank_whose_experts_no_token_reaches_trains_like_one_process() -> None:
+    """[Note: a rank no token reached]: before, that rank skipped the reverse exchanges and the other waited
+    in its backward all-to-all until the timeout."""
+    results = run_distributed(2, _collapsed_body, timeout=240)
+    losses, params = train_lm_reference(_collapsed_mixtral(), _batches(2)[:3], LR)
+    for stage in (0, 3):
+        assert results[0][stage]["losses"] == pytest.approx(losses, rel=1e-5), stage
+        assert_weights_close(results[0][stage]["state"], params, rtol=1e-4, atol=1e-5)

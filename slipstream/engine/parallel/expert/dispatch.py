@@ -10,6 +10,13 @@ token: the result is the unsharded layer's. Both exchanges are differentiable (b
 reverse exchange). Per layer and micro-batch a rank sends ``Σ(choices routed to other ranks)·h``
 elements to dispatch and receives as many back to combine (plus the counts). Each exchange is
 waited on through ``overlap.wait``: inside a DualPipeV pair the other micro-batch computes meanwhile.
+
+[Note: a rank no token reached] When the router sends no (token, choice) to any of a rank's experts
+(a collapsed router, a NaN step, a tiny micro-batch at large ``ep``), that rank receives zero rows and
+computes nothing. Its combine input would then be a fresh zero tensor outside the autograd graph, so
+its backward would skip both reverse exchanges while every other rank waits in them: a hang until the
+timeout. The empty ``arrived`` is therefore cloned (an empty tensor that keeps its grad_fn), so every
+rank runs the same exchanges in backward, whatever the routing.
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ def dispatch_combine(
     sent_experts = _exchange(experts[order], send_l, recv_l, group, "expert ids")  # no gradient
     arrived = _AllToAllV.apply(hidden_states[token_of], send_l, recv_l, group, "expert dispatch")
     mine = sent_experts - rank * local
-    out = torch.zeros_like(arrived)
+    # an empty ``arrived`` stays in the graph (see [Note: a rank no token reached])
+    out = arrived.clone() if not arrived.shape[0] else torch.zeros_like(arrived)
     for e in range(local):
         rows = (mine == e).nonzero().squeeze(-1)
         if rows.numel():
