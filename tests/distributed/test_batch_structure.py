@@ -225,18 +225,22 @@ def _pipeline_logits_body() -> str:
     engine = slipstream.initialize(_llama(), config)
     try:
         out = engine(**_batches()["right_padded"])
-        with pytest.raises(slipstream.UsageError) as err:
+        with pytest.raises(slipstream.UsageError) as logits:
             out.logits  # noqa: B018 - reading it is the test
-        return str(err.value)
+        with pytest.raises(slipstream.UsageError) as scaled:
+            engine.backward(out.loss * 0.5)
+        return [str(logits.value), str(scaled.value)]
     finally:
         engine.close()
 
 
 def test_logits_under_a_pipeline_are_refused_in_one_line() -> None:
-    """Under a pipeline engine(batch) returns the loss; reading .logits said nothing useful (AttributeError)."""
-    for message in run_distributed(2, _pipeline_logits_body):
-        assert message.startswith("pipeline: engine(batch) returns the micro-batch's loss, not the model's output"), message
-        assert "\n" not in message
+    """Under a pipeline engine(batch) returns the loss; reading .logits said nothing useful (AttributeError) and
+    scaling it was a bare TypeError."""
+    for logits, scaled in run_distributed(2, _pipeline_logits_body):
+        assert logits.startswith("pipeline: engine(batch) returns the micro-batch's loss, not the model's output"), logits
+        assert scaled.startswith("pipeline: the loss engine(batch) returns is computed inside the schedule"), scaled
+        assert "\n" not in logits + scaled
 
 
 def _injected_feature_body(mode: str) -> str:

@@ -72,6 +72,15 @@ class DeferredLoss:
     def __repr__(self) -> str:
         return f"DeferredLoss(micro={self.micro}, step={self.step}, value={self._value})"
 
+    def _arithmetic(self, *_: Any) -> Any:
+        raise UsageError(
+            "pipeline: the loss engine(batch) returns is computed inside the schedule, so arithmetic on it (loss * x, "
+            "loss + aux) cannot be back-propagated; compute the whole loss in the model's forward (return it as .loss) "
+            "and pass engine.backward the loss engine(batch) returned"
+        )
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = __neg__ = _arithmetic
+
 
 def as_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if args and kwargs:
