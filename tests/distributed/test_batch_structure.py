@@ -71,7 +71,22 @@ def _gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(config)
 
 
-ARCHITECTURES: dict[str, Callable[[], torch.nn.Module]] = {"llama": _llama, "llama_yarn": _llama_yarn, "qwen2": _qwen2, "mistral": _mistral, "phi3": _phi3, "gpt2": _gpt2}
+def _mixtral_aux() -> torch.nn.Module:
+    """Mixtral training with its load-balancing loss (coefficient 0.02), as MoE models are trained."""
+    from transformers import MixtralForCausalLM
+
+    return MixtralForCausalLM(_config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                      router_aux_loss_coef=0.02))  # fmt: skip
+
+
+def _qwen3_moe_aux() -> torch.nn.Module:
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(_config("Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       output_router_logits=True, router_aux_loss_coef=0.02, head_dim=8))  # fmt: skip
+
+
+ARCHITECTURES: dict[str, Callable[[], torch.nn.Module]] = {"mixtral_aux": _mixtral_aux, "qwen3_moe_aux": _qwen3_moe_aux, "llama": _llama, "llama_yarn": _llama_yarn, "qwen2": _qwen2, "mistral": _mistral, "phi3": _phi3, "gpt2": _gpt2}
 MODES = {
     "ulysses": {"sequence_parallel_size": 2},
     "ring": {"context_parallel": {"size": 2}},
@@ -120,6 +135,8 @@ def _batches() -> dict[str, dict[str, Any]]:
         "packed_with_cache": _packed(flash_keywords=False, use_cache=True),
         "odd_length": {"input_ids": odd, "labels": odd},
         "odd_padded": _padded(left=False, length=LENGTH - 3),
+        # as the transformers Trainer calls the model: the loss divides by the caller's count of labels
+        "counted": {**_padded(left=False), "num_items_in_batch": (_padded(left=False)["labels"][:, 1:] != -100).sum()},
     }
 
 
@@ -158,7 +175,8 @@ def _engine_body(modes: list[str], architectures: list[str]) -> dict[str, tuple[
                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-12, "weight_decay": 0.0}}, **MODES[mode]}  # fmt: skip
             engine = slipstream.initialize(model, config)
             try:
-                cases = [(name, batch, False) for name, batch in _batches().items()]
+                # a pipeline's window: the caller's num_items_in_batch counts every micro-batch of it (not tested here)
+                cases = [(name, batch, False) for name, batch in _batches().items() if not (mode == "pp" and name == "counted")]
                 if mode != "pp":  # under a pipeline the output is the loss: test_logits_under_a_pipeline_are_refused_in_one_line
                     cases += [(name, _batches()[name], True) for name in LOGITS_CASES]
                 for name, batch, from_logits in cases:
@@ -199,9 +217,12 @@ def _check(results: list[dict[str, tuple[float, float]]]) -> None:
 # Every architecture under Ulysses and zig-zag; ring (zig-zag's kernel on contiguous shards) and all-gathered K/V
 # (Ulysses' masks on gathered keys) on the three whose attention differs most (YaRN, Phi-3's fused projections,
 # GPT-2's learned positions), to keep the suite's time.
+# MoE models with their balancing loss (router.py's note): Mixtral under Ulysses and ring, Qwen3-MoE under zig-zag
+# and all-gathered K/V.
+DENSE = [name for name in ARCHITECTURES if not name.endswith("_aux")]
 SEQUENCE_CASES = {
-    "ulysses": list(ARCHITECTURES), "zigzag": list(ARCHITECTURES),
-    "ring": ["llama_yarn", "phi3", "gpt2"], "allgather_kv": ["llama_yarn", "phi3", "gpt2"],
+    "ulysses": DENSE + ["mixtral_aux"], "zigzag": DENSE + ["qwen3_moe_aux"],
+    "ring": ["llama_yarn", "phi3", "gpt2", "mixtral_aux"], "allgather_kv": ["llama_yarn", "phi3", "gpt2", "qwen3_moe_aux"],
 }
 
 

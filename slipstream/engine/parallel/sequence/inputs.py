@@ -41,6 +41,7 @@ from slipstream.engine.parallel.attention import attention_configs, set_attentio
 from slipstream.engine.parallel.context.layout import Layout
 from slipstream.engine.parallel.segments import VARLEN_KEYS, Segments, read_segments, with_fill
 from slipstream.engine.parallel.sequence.logits import gather_sequence, with_whole_sequence
+from slipstream.engine.parallel.sequence.router import WholeRouterLogits
 
 IGNORE_INDEX = -100
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "inputs_embeds", "token_type_ids")
@@ -51,8 +52,16 @@ class _Step:
     """What the sharder read from one micro-batch for its forward: segments (None: plain causal rows) and lengths."""
 
     segments: Segments | None
+    rows: int  # the micro-batch's
     length: int  # the caller's sequence length
     padded: int  # after the engine's fill (a multiple of the divisor)
+
+    def valid(self) -> torch.Tensor | None:
+        """[rows, length] bool: the caller's tokens that count (not padding); None when all do."""
+        if self.segments is None:
+            return None
+        valid = self.segments.valid[:, : self.length]
+        return None if bool(valid.all()) else valid
 
 
 def _filled(key: str, value: Any, padded: int) -> Any:
@@ -92,6 +101,8 @@ class SequenceSharder:
         self._structure: dict[int, tuple[weakref.ref[torch.Tensor], _Step]] = {}
         self.current: _Step | None = None  # the micro-batch whose forward runs now (its segments and lengths)
         self._hook = routing[0].register_forward_pre_hook(self._before_forward, with_kwargs=True) if routing is not None else None
+        # a mixture of experts' balancing loss over the whole micro-batch (router.py's note)
+        self.router = WholeRouterLogits(routing[0], group, self.layout.positions, self._router_step) if routing is not None else None
 
     def activate(self) -> None:
         """Switch the model to the sharded kernel for one engine step."""
@@ -120,6 +131,8 @@ class SequenceSharder:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self.router is not None:
+            self.router.close()
         self.routing = None
 
     def positions(self, length: int) -> torch.Tensor:
@@ -153,7 +166,7 @@ class SequenceSharder:
         for key in SEQUENCE_KEYS:
             if key in out and out[key] is not None:
                 out[key] = out[key].index_select(1, index)
-        self._file(out["position_ids"], _Step(segments, length, padded))
+        self._file(out["position_ids"], _Step(segments, batch, length, padded))
         count = None
         if "shift_labels" in out:
             # transformers' loss only runs when labels are given: hand it the local labels, unused once shifted
@@ -187,10 +200,16 @@ class SequenceSharder:
         self.routing[3].segments = step.segments if step is not None else None
         self.current = step
 
+    def _router_step(self) -> tuple[int, int, int, torch.Tensor | None] | None:
+        step = self.current if self.active else None
+        return None if step is None else (step.rows, step.length, step.padded, step.valid())
+
     def combine(self, output: Any, count: torch.Tensor | None) -> Any:
         """Replace the output's local loss by the whole sequence's (value) with the gradient of the note, and let its
-        logits and other per-token outputs be read whole (logits.py, [Note: logits on read])."""
+        logits and other per-token outputs be read whole (logits.py, [Note: logits on read]); router logits are the
+        whole micro-batch's (router.py's note)."""
         step = self.current
+        routed = self.router is not None and self.router.apply(output)
         if step is not None:
             local_length = step.padded // self.size
             output = with_whole_sequence(output, local_length, lambda local: gather_sequence(local, self.group, self.layout.positions, step.length))
@@ -199,6 +218,15 @@ class SequenceSharder:
             return output
         if self.caller_normalizes:
             local = loss  # already (shard's token sum) / (the caller's count for the whole batch): shards add up
+            aux = getattr(output, "aux_loss", None)
+            if routed and isinstance(aux, torch.Tensor):  # the balancing term is whole on every rank: count it once
+                if self.router.coefficient is None:  # type: ignore[union-attr]
+                    raise ConfigError(
+                        f"{self.key}: the model returns aux_loss from whole-micro-batch router logits but has no "
+                        "router_aux_loss_coef, so its share of the loss cannot be counted once across shards summed "
+                        "for num_items_in_batch; train without num_items_in_batch or give the model router_aux_loss_coef"
+                    )
+                local = loss - (self.size - 1) / self.size * self.router.coefficient * aux  # type: ignore[union-attr]
         else:
             total = count.detach().clone()
             comm.all_reduce(total, group=self.group, tag="sequence-parallel token count").wait()

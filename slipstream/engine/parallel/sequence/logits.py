@@ -31,20 +31,32 @@ from slipstream import comm
 _WITH_WHOLE_SEQUENCE: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
+def gather_in_order(local: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor, tag: str) -> torch.Tensor:
+    """[b, u·n, ...] in global token order (the engine's fill included) from every rank's [b, n, ...]; ``order``:
+    the global position of every gathered token (rank after rank, each in its local order)."""
+    size = dist.get_world_size(group)
+    wire = local.to(torch.uint8) if local.dtype == torch.bool else local  # gloo gathers no bool
+    flat = torch.empty(size * local.numel(), dtype=wire.dtype, device=local.device)
+    comm.all_gather_into_tensor(flat, wire.contiguous().view(-1), group=group, tag=tag).wait()
+    pieces = flat.view(size, *local.shape).to(local.dtype)  # [u, b, n, ...]
+    gathered = torch.cat(pieces.unbind(0), dim=1)  # [b, u·n, ...], rank after rank
+    whole = torch.empty_like(gathered)
+    whole[:, order] = gathered
+    return whole
+
+
+def group_positions(group: dist.ProcessGroup, positions: Callable[[int, int], torch.Tensor], padded: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every rank's tokens' global positions, rank after rank; this rank's) for a sequence of ``padded`` tokens."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return torch.cat([positions(r, padded) for r in range(size)]).to(device), positions(rank, padded).to(device)
+
+
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor, mine: torch.Tensor, length: int) -> torch.Tensor:  # type: ignore[override]
-        """``order``: the global position of every gathered token (rank after rank, each in its local order);
-        ``mine``: this rank's tokens' global positions; ``length``: the caller's (before the engine's fill)."""
-        size = dist.get_world_size(group)
-        wire = local.to(torch.uint8) if local.dtype == torch.bool else local  # gloo gathers no bool
-        flat = torch.empty(size * local.numel(), dtype=wire.dtype, device=local.device)
-        comm.all_gather_into_tensor(flat, wire.contiguous().view(-1), group=group, tag="sequence-parallel outputs all-gather").wait()
-        pieces = flat.view(size, *local.shape).to(local.dtype)  # [u, b, n, ...]
-        gathered = torch.cat(pieces.unbind(0), dim=1)  # [b, u·n, V], rank after rank
-        whole = torch.empty_like(gathered)
-        whole[:, order] = gathered
-        ctx.group_size, ctx.mine, ctx.padded = size, mine, whole.shape[1]
+        """``mine``: this rank's tokens' global positions; ``length``: the caller's (before the engine's fill)."""
+        whole = gather_in_order(local, group, order, "sequence-parallel outputs all-gather")
+        ctx.group_size, ctx.mine, ctx.padded = dist.get_world_size(group), mine, whole.shape[1]
         return whole[:, :length]
 
     @staticmethod
@@ -57,10 +69,8 @@ class _GatherSequence(torch.autograd.Function):
 def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup, positions: Callable[[int, int], torch.Tensor], length: int) -> torch.Tensor:
     """The whole sequence's values [b, length, ...] from this rank's [b, n, ...]; ``positions(rank, padded)``: a
     rank's tokens' global positions in its local order (the sharder's layout)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    padded = local.shape[1] * size
-    order = torch.cat([positions(r, padded) for r in range(size)]).to(local.device)
-    return _GatherSequence.apply(local, group, order, positions(rank, padded).to(local.device), length)
+    order, mine = group_positions(group, positions, local.shape[1] * dist.get_world_size(group), local.device)
+    return _GatherSequence.apply(local, group, order, mine, length)
 
 
 def with_whole_sequence(output: Any, local_length: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> Any:
