@@ -151,19 +151,26 @@ def tiny_llama(seed: int = 0, n_layer: int = 2, hidden: int = 64) -> torch.nn.Mo
 
 
 def train_lm_reference(
-    model: torch.nn.Module, batches: list[torch.Tensor], lr: float, bounds: bool = True
+    model: torch.nn.Module, batches: list[torch.Tensor], lr: float, bounds: bool = True, micro_batches: int = 1
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process: ``model(input_ids=t, labels=t).loss`` on each whole batch, AdamW without weight decay or clipping;
     the weights carry their noise allowance (compare with ``tests.noise.assert_weights_close``); ``bounds=False``
-    skips the float64 twin that measures it, for callers that compare losses only."""
+    skips the float64 twin that measures it, for callers that compare losses only. ``micro_batches``: the batch's
+    rows cut into that many equal micro-batches and their losses averaged, as data parallel averages its ranks'
+    (for a loss that is not a mean over rows, such as an MoE's balancing loss over each micro-batch)."""
+
+    def step_loss(m: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        chunks = tokens.chunk(micro_batches)
+        return sum(m(input_ids=c, labels=c).loss for c in chunks) / len(chunks)  # type: ignore[return-value]
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     twin, shadows = (float64_twin(model), NoiseShadows(model.named_parameters(), AdamW(lr))) if bounds else (None, None)
     losses = []
     for tokens in batches:
-        loss = model(input_ids=tokens, labels=tokens).loss
+        loss = step_loss(model, tokens)
         loss.backward()
         if shadows is not None:
-            exact = twin_grads(twin, model, lambda m, tokens=tokens: m(input_ids=tokens, labels=tokens).loss)
+            exact = twin_grads(twin, model, lambda m, tokens=tokens: step_loss(m, tokens))
             shadows.observe({n: p.grad for n, p in model.named_parameters()}, exact)
         optimizer.step()
         optimizer.zero_grad()

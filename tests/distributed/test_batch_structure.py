@@ -153,18 +153,25 @@ def _loss(output: Any, name: str, batch: dict[str, Any], from_logits: bool) -> t
     return logits_loss(output.logits, batch["labels"]) if from_logits else output.loss
 
 
-def _reference(build: Callable[[], torch.nn.Module], batch: dict[str, torch.Tensor], from_logits: bool = False) -> tuple[float, float]:
+def _router_norm(model: torch.nn.Module) -> float | None:
+    """The routers' gradient norm (a balancing loss counted wrong hides in the global norm: it is a small share)."""
+    grads = [p.grad for name, p in model.named_parameters() if name.endswith("mlp.gate.weight") and p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else None
+
+
+def _reference(build: Callable[[], torch.nn.Module], batch: dict[str, torch.Tensor], from_logits: bool = False) -> tuple[float, float, float | None]:
     torch.manual_seed(0)
     model = build()
     loss = _loss(model(**batch), "", batch, from_logits)
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None]))
-    return float(loss.detach()), float(norm)
+    return float(loss.detach()), float(norm), _router_norm(model)
 
 
-def _engine_body(modes: list[str], architectures: list[str]) -> dict[str, tuple[float, float]]:
-    """Per "mode/architecture/batch": the engine's loss and gradient norm for that one micro-batch."""
-    out: dict[str, tuple[float, float]] = {}
+def _engine_body(modes: list[str], architectures: list[str]) -> dict[str, tuple[float, float, float | None]]:
+    """Per "mode/architecture/batch": the engine's loss, gradient norm and routers' gradient norm (MoE models;
+    read after backward, before the step: replicated routers hold the averaged gradient) for that micro-batch."""
+    out: dict[str, tuple[float, float, float | None]] = {}
     for mode in modes:
         for arch in architectures:
             torch.manual_seed(0)
@@ -190,27 +197,30 @@ def _engine_body(modes: list[str], architectures: list[str]) -> dict[str, tuple[
                     for _ in range(repeats):
                         losses.append(_loss(engine(**batch), name, batch, from_logits))
                         engine.backward(losses[-1])
+                        router = _router_norm(engine.module) if arch.endswith("_aux") else None
                         engine.step()
                     assert len({float(loss.detach()) for loss in losses}) == 1, losses
-                    out[f"{mode}/{arch}/{name}"] = (float(losses[0].detach()), float(engine.get_global_grad_norm()))
+                    out[f"{mode}/{arch}/{name}"] = (float(losses[0].detach()), float(engine.get_global_grad_norm()), router)
             finally:
                 engine.close()
     return out
 
 
-def _check(results: list[dict[str, tuple[float, float]]]) -> None:
+def _check(results: list[dict[str, tuple[float, float, float | None]]]) -> None:
     batches = _batches()
-    references: dict[tuple[str, str], tuple[float, float]] = {}
+    references: dict[tuple[str, str], tuple[float, float, float | None]] = {}
     failures = []
     for rank, result in enumerate(results):
-        for case, (loss, norm) in result.items():
+        for case, (loss, norm, router) in result.items():
             _, arch, name = case.split("/")
             if (arch, name) not in references:
                 plain, _, logits = name.partition("+")
                 references[(arch, name)] = _reference(ARCHITECTURES[arch], batches[plain], from_logits=bool(logits))
-            ref_loss, ref_norm = references[(arch, name)]
+            ref_loss, ref_norm, ref_router = references[(arch, name)]
             if abs(loss - ref_loss) > 1e-5 * abs(ref_loss) or abs(norm - ref_norm) > 1e-4 * ref_norm:
                 failures.append(f"rank {rank} {case}: loss {loss:.7f} vs {ref_loss:.7f}, grad norm {norm:.6f} vs {ref_norm:.6f}")
+            if router is not None and (ref_router is None or abs(router - ref_router) > 1e-4 * ref_router):
+                failures.append(f"rank {rank} {case}: routers' grad norm {router:.7f} vs {ref_router}")
     assert not failures, "\n".join(failures)
 
 

@@ -93,6 +93,38 @@ def test_pairs_match_one_process(stage: int) -> None:
         assert_weights_close(ours["state"], params, rtol=1e-4, atol=5e-5, label=name)
 
 
+def _routed_mixtral() -> torch.nn.Module:
+    """Mixtral trained with its load-balancing loss (coefficient 0.02), as MoE models are trained."""
+    model = _mixtral()
+    model.config.output_router_logits, model.router_aux_loss_coef = True, 0.02
+    return model
+
+
+ROUTED = {"ep2_sp2": PAIRS["ep2_sp2"], "ep2_cp2": PAIRS["ep2_cp2"], "ep2_zigzag2": {**EP2, "context_parallel": {"size": 2, "method": "zigzag"}}}
+
+
+def _routed_body() -> dict[str, Any]:
+    results = {}
+    for stage in (1, 3):
+        for name, extra in ROUTED.items():
+            engine = slipstream.initialize(_routed_mixtral(), _config(extra, stage))
+            losses = [train_step_on_global_batch(engine, tokens, MICRO) for tokens in _batches(engine.mesh.size("dp"), 1)]
+            results[f"{name}/zero{stage}"] = {"losses": losses, "state": engine.consolidated_state_dict(), "dp": engine.mesh.size("dp")}
+            engine.close()
+    return results
+
+
+def test_the_router_loss_under_expert_with_sequence_and_context_parallel_matches_one_process() -> None:
+    """Issue 47: the balancing loss over the whole micro-batch (sequence/router.py's note) with ep × Ulysses / ring /
+    zig-zag × dp at ZeRO 1 and 3; before, the twin check refused it."""
+    results = run_distributed(4, _routed_body)[0]
+    for name, ours in results.items():
+        # data parallel averages its ranks' balancing losses, each over its own micro-batch (as DDP would)
+        losses, params = train_lm_reference(_routed_mixtral(), _batches(ours["dp"], 1), LR, micro_batches=ours["dp"])
+        assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
+        assert_weights_close(ours["state"], params, rtol=1e-4, atol=5e-5, label=name)
+
+
 def _refused_body(extra: dict[str, Any]) -> str:
     with pytest.raises(slipstream.ConfigError) as err:
         slipstream.initialize(_mixtral(), _config(extra, 1))
