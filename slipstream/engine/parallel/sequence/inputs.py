@@ -41,7 +41,7 @@ from slipstream.engine.parallel.attention import attention_configs, set_attentio
 from slipstream.engine.parallel.context.layout import Layout
 from slipstream.engine.parallel.segments import VARLEN_KEYS, Segments, read_segments, with_fill
 from slipstream.engine.parallel.sequence.logits import gather_sequence, with_whole_sequence
-from slipstream.engine.parallel.sequence.router import WholeRouterLogits
+from slipstream.engine.parallel.sequence.router import whole_router_logits
 
 IGNORE_INDEX = -100
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "inputs_embeds", "token_type_ids")
@@ -102,7 +102,7 @@ class SequenceSharder:
         self.current: _Step | None = None  # the micro-batch whose forward runs now (its segments and lengths)
         self._hook = routing[0].register_forward_pre_hook(self._before_forward, with_kwargs=True) if routing is not None else None
         # a mixture of experts' balancing loss over the whole micro-batch (router.py's note)
-        self.router = WholeRouterLogits(routing[0], group, self.layout.positions, self._router_step) if routing is not None else None
+        self.router = whole_router_logits(routing[0], group, self.layout.positions, self._router_step) if routing is not None else None
 
     def activate(self) -> None:
         """Switch the model to the sharded kernel for one engine step."""
@@ -200,16 +200,16 @@ class SequenceSharder:
         self.routing[3].segments = step.segments if step is not None else None
         self.current = step
 
-    def _router_step(self) -> tuple[int, int, int, torch.Tensor | None] | None:
+    def _router_step(self) -> tuple[int, int, torch.Tensor | None] | None:
         step = self.current if self.active else None
-        return None if step is None else (step.rows, step.length, step.padded, step.valid())
+        return None if step is None else (step.length, step.padded, step.valid())
 
     def combine(self, output: Any, count: torch.Tensor | None) -> Any:
         """Replace the output's local loss by the whole sequence's (value) with the gradient of the note, and let its
         logits and other per-token outputs be read whole (logits.py, [Note: logits on read]); router logits are the
         whole micro-batch's (router.py's note)."""
         step = self.current
-        routed = self.router is not None and self.router.apply(output)
+        routed = self.router is not None and step is not None and self.router.apply(output, step.rows)
         if step is not None:
             local_length = step.padded // self.size
             output = with_whole_sequence(output, local_length, lambda local: gather_sequence(local, self.group, self.layout.positions, step.length))

@@ -9,8 +9,8 @@ means is not a sum over tokens, so a sequence shard's own value is not a share o
 computed per shard it trains wrong (the twin check refused it). So the router logits the model's
 loss reads are the whole micro-batch's:
 
-- a forward hook on the model's base model (the module whose output carries ``router_logits``, which
-  the causal-LM head passes to its loss function) replaces each layer's local logits ``[b·n, E]`` by
+- a forward hook on the model's base model (``parallel/router_logits.py``: the module whose output
+  carries ``router_logits``, which the causal-LM head passes to its loss function) replaces each layer's local logits ``[b·n, E]`` by
   the group's, gathered in global token order with the engine's fill cut off and, where the batch
   has padding, only its valid tokens: the masked means one process takes are the plain means over
   those tokens, and under sharding the model sees no mask (the sharder hands it to the kernels).
@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.engine.parallel.router_logits import RouterLogitsHook
 from slipstream.engine.parallel.sequence.logits import gather_in_order, group_positions
-
-ROUTER_FIELD = "router_logits"
 
 
 class _GatherRouterLogits(torch.autograd.Function):
@@ -68,48 +67,19 @@ class _GatherRouterLogits(torch.autograd.Function):
         return full[:, mine].reshape(ctx.shape), None, None, None, None, None, None
 
 
-class WholeRouterLogits:
-    """Makes the router logits of a sharded micro-batch the whole micro-batch's (the note).
+def whole_router_logits(model: torch.nn.Module, group: dist.ProcessGroup, positions: Callable[[int, int], torch.Tensor], step: Callable[[], tuple[int, int, torch.Tensor | None] | None]) -> RouterLogitsHook:  # fmt: skip
+    """The hook of the note for a sequence group: ``positions(rank, padded)`` its layout; ``step()`` the running
+    micro-batch's (caller's length, padded length, valid tokens or None), None when no sharded forward runs."""
 
-    ``step()`` answers the running micro-batch's (batch rows, caller's length, padded length, valid tokens or None),
-    or None when no sharded forward runs."""
+    def whole(local: torch.Tensor, rows: int) -> torch.Tensor | None:
+        running = step()
+        if running is None:
+            return None
+        length, padded, keep = running
+        tokens = local.shape[0] * (local.shape[1] if local.dim() == 3 else 1)
+        if tokens * dist.get_world_size(group) != rows * padded:
+            return None  # not per token of this micro-batch: left as it is
+        order, mine = group_positions(group, positions, padded, local.device)
+        return _GatherRouterLogits.apply(local, group, order, mine, rows, length, keep)  # type: ignore[no-any-return]
 
-    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup, positions: Callable[[int, int], torch.Tensor], step: Callable[[], tuple[int, int, int, torch.Tensor | None] | None]) -> None:  # fmt: skip
-        self.group, self.positions, self.step = group, positions, step
-        self.coefficient: float | None = getattr(model, "router_aux_loss_coef", None)
-        base = getattr(model, "base_model", None)
-        target = base if isinstance(base, torch.nn.Module) and base is not model else None
-        self._hook = target.register_forward_hook(self._made_whole) if target is not None else None
-
-    def close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-
-    def _made_whole(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self.apply(output)
-
-    def apply(self, output: Any) -> bool:
-        """Replace ``output.router_logits`` (a tensor per layer) by the whole micro-batch's; True if it had any."""
-        logits = getattr(output, ROUTER_FIELD, None) if hasattr(output, "keys") else None
-        step = self.step()
-        if logits is None or step is None:
-            return False
-        layers = logits if isinstance(logits, (tuple, list)) else (logits,)
-        if not layers or not all(isinstance(t, torch.Tensor) for t in layers):
-            return False
-        batch, length, padded, keep = step
-        made = []
-        for local in layers:
-            if getattr(local, "_slipstream_whole", False):  # made whole already (the hook's, passed on by the head)
-                made.append(local)
-                continue
-            tokens = local.shape[0] * (local.shape[1] if local.dim() == 3 else 1)
-            if local.dim() not in (2, 3) or tokens * dist.get_world_size(self.group) != batch * padded:
-                return False  # not per token of this micro-batch: left as it is
-            order, mine = group_positions(self.group, self.positions, padded, local.device)
-            whole = _GatherRouterLogits.apply(local, self.group, order, mine, batch, length, keep)
-            whole._slipstream_whole = True  # type: ignore[attr-defined]
-            made.append(whole)
-        setattr(output, ROUTER_FIELD, type(logits)(made) if isinstance(logits, (tuple, list)) else made[0])
-        return True
+    return RouterLogitsHook(model, whole)

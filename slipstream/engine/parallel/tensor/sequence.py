@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.engine.config import ConfigError
+from slipstream.engine.parallel.router_logits import RouterLogitsHook
 from slipstream.engine.parallel.tensor import ops
 from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext
 from slipstream.engine.parallel.tensor.partial_grads import sum_gradients_over_tp
@@ -95,10 +96,23 @@ def enable(
         first = ops.gather_keep(output[0], ctx.seq_dim, ctx.group, "sp gather (region end)")
         return (first, *output[1:])
 
+    def whole_router_logits(local: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """[Note: router logits in the region] A router inside the region sees this rank's part of the sequence;
+        the model's balancing loss (a product of two means over the micro-batch's tokens) needs all of them, so
+        each layer's logits are gathered along the sequence like the region's end, and their backward keeps this
+        rank's part: every tp rank computes the same loss, as for the head (the routers' partial gradients are
+        summed over tp with the other replicated ones)."""
+        if not ctx.sp:
+            return None
+        gathered = ops.gather_keep(local.reshape(rows, -1, local.shape[-1]), 1, ctx.group, "sp router logits gather")
+        return gathered if local.dim() == 3 else gathered.reshape(-1, local.shape[-1])
+
     ctx.enabled_sequence = True
+    router = RouterLogitsHook(model, whole_router_logits)
     handles += [
         blocks[0].register_forward_pre_hook(enter, with_kwargs=True),
         blocks[-1].register_forward_hook(leave),
+        *([router.handle] if router.handle is not None else []),
     ]
     sharded = {id(p) for m in model.modules() if isinstance(m, ShardedLinear) for p in m.parameters()}
     sharded -= {id(m.bias) for m in model.modules() if isinstance(m, ShardedLinear) and m.style == "row" and m.bias is not None}
