@@ -100,7 +100,8 @@ def _routed_mixtral() -> torch.nn.Module:
     return model
 
 
-ROUTED = {"ep2_sp2": PAIRS["ep2_sp2"], "ep2_cp2": PAIRS["ep2_cp2"], "ep2_zigzag2": {**EP2, "context_parallel": {"size": 2, "method": "zigzag"}}}
+ROUTED = {"ep2_sp2": PAIRS["ep2_sp2"], "ep2_cp2": PAIRS["ep2_cp2"], "ep2_zigzag2": {**EP2, "context_parallel": {"size": 2, "method": "zigzag"}},
+          "ep2_tpsp2": PAIRS["ep2_tpsp2"]}
 
 
 def _routed_body() -> dict[str, Any]:
@@ -116,7 +117,7 @@ def _routed_body() -> dict[str, Any]:
 
 def test_the_router_loss_under_expert_with_sequence_and_context_parallel_matches_one_process() -> None:
     """Issue 47: the balancing loss over the whole micro-batch (sequence/router.py's note) with ep × Ulysses / ring /
-    zig-zag × dp at ZeRO 1 and 3; before, the twin check refused it."""
+    zig-zag / tp+sp × dp at ZeRO 1 and 3; before, the twin check refused it."""
     results = run_distributed(4, _routed_body)[0]
     for name, ours in results.items():
         # data parallel averages its ranks' balancing losses, each over its own micro-batch (as DDP would)
