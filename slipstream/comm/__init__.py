@@ -21,7 +21,7 @@ from slipstream.comm.lanes import lane_group
 from slipstream.comm.ring import ring_context
 
 __all__ = [
-    "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_gather_objects", "all_reduce", "all_to_all_single", "all_to_all_v",
+    "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_gather_objects", "all_reduce", "broadcast_object", "all_to_all_single", "all_to_all_v",
     "barrier", "broadcast", "comms_log", "reduce_scatter_tensor", "ring_context", "shift_ring", "get_rank", "get_world_size", "init_distributed", "LaunchEnvError",
     "lane_group",
 ]  # fmt: skip

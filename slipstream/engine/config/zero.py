@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
 from slipstream.engine.config.base import Section, refuse
 from slipstream.utils.logging import get_logger

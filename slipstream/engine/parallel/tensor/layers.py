@@ -36,6 +36,7 @@ class TPContext:
     sequence_parallel: bool = False
     seq_dim: int = 1  # batch-first activations [batch, sequence, hidden]
     enabled_sequence: bool = True  # off while the self-check runs blocks on whole sequences
+    sp_length: int | None = None  # the running region's whole sequence (ops.py's [Note: a length that does not divide])
     rng: ShardedRegionRng | None = None  # dropout between a sub-block's column and row layers (parallel/rng.py)
 
     @property
@@ -61,7 +62,7 @@ class SharedInput:
         if self.ctx.sp and self.gathered_by_parent:
             return x
         if self.ctx.sp:
-            wrapped = ops.gather_sequence(x, self.ctx.seq_dim, self.ctx.group)
+            wrapped = ops.gather_sequence(x, self.ctx.seq_dim, self.ctx.group, length=self.ctx.sp_length)
         else:
             wrapped = ops.copy_to_tp(x, self.ctx.group)
         self._source, self._wrapped = x, wrapped

@@ -11,6 +11,14 @@ row-parallel layer leaves a partial sum, so each sub-block (attention, MLP) is b
 * ``split``/``gather_keep`` at the edges of the sequence-parallel region (first block in, last
   block out) and ``gather_last`` for vocabulary-sharded logits (backward: keep this rank's chunk).
 
+[Note: a length that does not divide] The region holds ``ceil(s / t)`` tokens per rank: ``split`` and
+``reduce_scatter`` extend a whole sequence of ``s`` tokens with zero rows to a multiple of ``t``
+before cutting it, and every gather back to the whole sequence (``gather`` at a sub-block's entry,
+``gather_keep`` at the region's end, given the region's ``length``) cuts those rows off again. So
+attention, MLPs and the head only ever see the caller's ``s`` tokens; the zero rows pass through
+norms and residual adds on their own (each row is its own) and no output reads them, so their
+gradient is zero and the replicated parameters' gradients are one process's.
+
 Every collective goes through ``slipstream.comm`` so the comms log counts it (tests pin the
 bytes per block). On CUDA these run on the backend's stream and the next matmul waits only on the
 collective it consumes; nothing here synchronizes the host.
@@ -52,6 +60,23 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: st
     return out.movedim(0, dim)
 
 
+def _fit(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """``x`` cut or extended with zeros along ``dim`` to ``length`` (see [Note: a length that does not divide])."""
+    have = x.shape[dim]
+    if have == length:
+        return x
+    if have > length:
+        return x.narrow(dim, 0, length)
+    shape = list(x.shape)
+    shape[dim] = length - have
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def _divisible(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    return _fit(x, dim, -(-x.shape[dim] // size) * size)
+
+
 def _chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[dim] % size:
@@ -82,48 +107,50 @@ class _Reduce(torch.autograd.Function):
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.tag = dim, group, tag
-        return _gather(x, dim, group, tag)
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None) -> torch.Tensor:
+        whole = _gather(x, dim, group, tag)
+        ctx.dim, ctx.group, ctx.tag, ctx.padded = dim, group, tag, whole.shape[dim]
+        return whole if length is None else _fit(whole, dim, length)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _reduce_scatter(grad, ctx.dim, ctx.group, f"{ctx.tag} (backward)"), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return _reduce_scatter(_fit(grad, ctx.dim, ctx.padded), ctx.dim, ctx.group, f"{ctx.tag} (backward)"), None, None, None, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.tag = dim, group, tag
-        return _reduce_scatter(x, dim, group, tag)
+        ctx.dim, ctx.group, ctx.tag, ctx.length = dim, group, tag, x.shape[dim]
+        return _reduce_scatter(_divisible(x, dim, group), dim, group, tag)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _gather(grad, ctx.dim, ctx.group, f"{ctx.tag} (backward)"), None, None, None
+        return _fit(_gather(grad, ctx.dim, ctx.group, f"{ctx.tag} (backward)"), ctx.dim, ctx.length), None, None, None
 
 
 class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _chunk(x, dim, group)
+        ctx.dim, ctx.group, ctx.length = dim, group, x.shape[dim]
+        return _chunk(_divisible(x, dim, group), dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(grad, ctx.dim, ctx.group, "sp split (backward)"), None, None
+        return _fit(_gather(grad, ctx.dim, ctx.group, "sp split (backward)"), ctx.dim, ctx.length), None, None
 
 
 class _GatherKeep(torch.autograd.Function):
     """Forward all-gather; backward keeps this rank's chunk (the gradient is already whole on every rank)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group, tag)
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None) -> torch.Tensor:
+        whole = _gather(x, dim, group, tag)
+        ctx.dim, ctx.group, ctx.padded = dim, group, whole.shape[dim]
+        return whole if length is None else _fit(whole, dim, length)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _chunk(grad, ctx.dim, ctx.group), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return _chunk(_fit(grad, ctx.dim, ctx.padded), ctx.dim, ctx.group), None, None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -134,8 +161,9 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _Reduce.apply(x, group)
 
 
-def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp gather") -> torch.Tensor:
-    return _GatherSeq.apply(x, dim, group, tag)
+def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp gather", length: int | None = None) -> torch.Tensor:
+    """``length``: the region's whole sequence (the rows past it are the region's extension, cut off)."""
+    return _GatherSeq.apply(x, dim, group, tag, length)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp reduce-scatter") -> torch.Tensor:
@@ -146,5 +174,5 @@ def split_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch
     return _Split.apply(x, dim, group)
 
 
-def gather_keep(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
-    return _GatherKeep.apply(x, dim, group, tag)
+def gather_keep(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None = None) -> torch.Tensor:
+    return _GatherKeep.apply(x, dim, group, tag, length)

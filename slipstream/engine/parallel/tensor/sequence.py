@@ -20,9 +20,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.router_logits import RouterLogitsHook
 from slipstream.engine.parallel.tensor import ops
 from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext
@@ -46,8 +44,8 @@ def _gather_at_entry(parent: torch.nn.Module, share: SharedInput, ctx: TPContext
             return None
         kind, key = _first_tensor(args, kwargs)
         if kind == "arg":
-            return (ops.gather_sequence(args[0], ctx.seq_dim, ctx.group), *args[1:]), kwargs
-        return args, {**kwargs, key: ops.gather_sequence(kwargs[key], ctx.seq_dim, ctx.group)}
+            return (ops.gather_sequence(args[0], ctx.seq_dim, ctx.group, length=ctx.sp_length), *args[1:]), kwargs
+        return args, {**kwargs, key: ops.gather_sequence(kwargs[key], ctx.seq_dim, ctx.group, length=ctx.sp_length)}
 
     return parent.register_forward_pre_hook(gather, with_kwargs=True)
 
@@ -78,12 +76,7 @@ def enable(
             return None
         kind, key = _first_tensor(args, kwargs)
         hidden = args[0] if kind == "arg" else kwargs[key]
-        size = dist.get_world_size(ctx.group)
-        if hidden.shape[ctx.seq_dim] % size:
-            raise ConfigError(
-                f"tensor_parallel.sequence_parallel: the sequence length {hidden.shape[ctx.seq_dim]} does not divide by "
-                f"tensor_parallel.autotp_size = {size}; pad or cut sequences to a multiple of {size}"
-            )
+        ctx.sp_length = hidden.shape[ctx.seq_dim]  # a length that does not divide is extended (ops.py's note)
         if kind == "arg":
             return (ops.split_sequence(args[0], ctx.seq_dim, ctx.group), *args[1:]), kwargs
         return args, {**kwargs, key: ops.split_sequence(kwargs[key], ctx.seq_dim, ctx.group)}
@@ -92,8 +85,8 @@ def enable(
         if not ctx.sp:
             return None
         if isinstance(output, torch.Tensor):
-            return ops.gather_keep(output, ctx.seq_dim, ctx.group, "sp gather (region end)")
-        first = ops.gather_keep(output[0], ctx.seq_dim, ctx.group, "sp gather (region end)")
+            return ops.gather_keep(output, ctx.seq_dim, ctx.group, "sp gather (region end)", ctx.sp_length)
+        first = ops.gather_keep(output[0], ctx.seq_dim, ctx.group, "sp gather (region end)", ctx.sp_length)
         return (first, *output[1:])
 
     def whole_router_logits(local: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -104,7 +97,7 @@ def enable(
         summed over tp with the other replicated ones)."""
         if not ctx.sp:
             return None
-        gathered = ops.gather_keep(local.reshape(rows, -1, local.shape[-1]), 1, ctx.group, "sp router logits gather")
+        gathered = ops.gather_keep(local.reshape(rows, -1, local.shape[-1]), 1, ctx.group, "sp router logits gather", ctx.sp_length)
         return gathered if local.dim() == 3 else gathered.reshape(-1, local.shape[-1])
 
     ctx.enabled_sequence = True
