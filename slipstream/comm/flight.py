@@ -320,6 +320,11 @@ def analyze(
     for rank, record in sorted(waiting.items(), key=lambda item: item[1].issued_at):
         members = _members(record.group, world)
         behind = [m for m in members if m in flights and flights[m].last_seq(record.group) < record.seq]
+        # [Note: gone before slow] On a loaded machine a live rank may simply not have reached the collective yet
+        # when the rings are read; if some of the ranks behind are gone or stopped, they are the cause, and the
+        # ones still working are listed among the details, not blamed.
+        held = [m for m in behind if m in exited or process_state(flights[m].pid).startswith(("exited", "stopped"))]
+        behind = held or behind
         waiters = [r for r, other in waiting.items() if other.group == record.group and other.seq == record.seq]
         if not behind:
             quiet = [m for m in members if m in silent]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,8 @@ def test_stopped_rank_is_named_as_behind_with_its_last_collective(tmp_path):
     # flags, gradient norm, weight all-gather) after the initial broadcast: step s's reduce-scatter is #4s+2.
     assert f"rank {rank} is behind: ranks {waiters} wait in reduce_scatter #{4 * step + 2} of world ([29568] float32 'gradient bucket 0', step {step})" in line, (step, rank, line)
     assert f"(rank {rank}: stopped (SIGSTOP); last collective all_gather #{4 * step + 1} of world" in line, line
-    assert f"timed out after {TIMEOUT_S}.0s" in stderr
+    # the wait is measured: on a loaded machine the first rank to give up reports a little more than the limit
+    assert re.search(rf"timed out after \d+\.\ds \(the limit is comms_timeout_seconds = {TIMEOUT_S};", stderr), stderr[-3000:]
     assert [e["step"] for e in events if e["event"] == "fault"] == [step]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -257,5 +258,6 @@ def test_rank_skipping_a_collective_fails_the_others_within_the_timeout(tmp_path
     # Rank 1 sleeps 300 s instead of stepping; rank 0 gives up when its 3 s collective timeout fires.
     line = next(line for line in done.stderr.splitlines() if line.startswith("slipstream run: rank 0 (local rank 0)"))
     assert "exited with code 1: CollectiveError: rank 0/2: all_reduce of gradient bucket 0" in line
-    assert "in step 2 timed out after 3." in line and "comms_timeout_seconds = 3" in line
+    # the wait it reports is measured: on a loaded machine it ends a little after the limit
+    assert re.search(r"in step 2 timed out after \d+\.\ds \(the limit is comms_timeout_seconds = 3;", line), line
     assert "stopped the other rank(s) (1) with SIGTERM after rank 0 failed" in done.stderr
