@@ -3,8 +3,9 @@ flash-attention varlen keywords), lengths that do not divide, logits-based losse
 
 Each case is one micro-batch on 2 gloo ranks: the engine's loss (every rank's) within 1e-5 relative of one
 process's on the same batch, its global gradient norm within 1e-4 (AdamW at lr 1e-12: below float32
-resolution, so nothing moves between cases), for several architectures (Llama, Llama with YaRN above its
-original length, Qwen2, Mistral, Phi-3, GPT-2) and modes (Ulysses, ring, zig-zag, all-gathered K/V, tensor
+resolution, so nothing moves between cases), for several architectures (Llama, Llama with YaRN or dynamic NTK
+above its original length, Qwen2, Mistral, Phi-3 also with longrope, GPT-2, Mixtral and Qwen3-MoE with their
+balancing loss) and modes (Ulysses, ring, zig-zag, all-gathered K/V, tensor
 parallel with sequence parallel, pipeline).
 """
 
@@ -43,6 +44,23 @@ def _llama_yarn() -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM(_config("LlamaConfig", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}))
+
+
+def _llama_dynamic() -> torch.nn.Module:
+    """Dynamic NTK scaling from an original length of 20: its factors depend on the length the rotary module sees
+    (a first shard of these batches stays below 20, the whole sequence does not: the rotary note)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(_config("LlamaConfig", max_position_embeddings=20, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+
+
+def _phi3_longrope() -> torch.nn.Module:
+    """Phi-3's longrope: short factors up to the original length 20, long ones above it (every whole batch here)."""
+    from transformers import Phi3ForCausalLM
+
+    half = 32 // 4 // 2  # head_dim / 2 factors
+    return Phi3ForCausalLM(_config("Phi3Config", resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, original_max_position_embeddings=20,
+                                   rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [1.0 + i / half for i in range(half)]}))  # fmt: skip
 
 
 def _qwen2() -> torch.nn.Module:
@@ -86,7 +104,7 @@ def _qwen3_moe_aux() -> torch.nn.Module:
                                        output_router_logits=True, router_aux_loss_coef=0.02, head_dim=8))  # fmt: skip
 
 
-ARCHITECTURES: dict[str, Callable[[], torch.nn.Module]] = {"mixtral_aux": _mixtral_aux, "qwen3_moe_aux": _qwen3_moe_aux, "llama": _llama, "llama_yarn": _llama_yarn, "qwen2": _qwen2, "mistral": _mistral, "phi3": _phi3, "gpt2": _gpt2}
+ARCHITECTURES: dict[str, Callable[[], torch.nn.Module]] = {"mixtral_aux": _mixtral_aux, "qwen3_moe_aux": _qwen3_moe_aux, "llama": _llama, "llama_dynamic": _llama_dynamic, "phi3_longrope": _phi3_longrope, "llama_yarn": _llama_yarn, "qwen2": _qwen2, "mistral": _mistral, "phi3": _phi3, "gpt2": _gpt2}
 MODES = {
     "ulysses": {"sequence_parallel_size": 2},
     "ring": {"context_parallel": {"size": 2}},
@@ -228,7 +246,7 @@ def _check(results: list[dict[str, tuple[float, float, float | None]]]) -> None:
 DENSE = [name for name in ARCHITECTURES if not name.endswith("_aux")]
 SEQUENCE_CASES = {
     "ulysses": DENSE + ["mixtral_aux"], "zigzag": DENSE + ["qwen3_moe_aux"],
-    "ring": ["llama_yarn", "phi3", "gpt2", "mixtral_aux"], "allgather_kv": ["llama_yarn", "phi3", "gpt2", "qwen3_moe_aux"],
+    "ring": ["llama_yarn", "phi3_longrope", "gpt2", "mixtral_aux"], "allgather_kv": ["llama_dynamic", "phi3", "gpt2", "qwen3_moe_aux"],
 }
 
 

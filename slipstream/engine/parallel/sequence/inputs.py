@@ -16,6 +16,14 @@ backpropagates ``u·n_r·l_r / N`` on rank ``r``: ZeRO averages gradients over d
 over the ``u`` ranks of a group of ``∇(u·n_r·l_r/N)`` is ``∇L``, so the result is the dp-mean of
 whole-sequence gradients: exactly the unsharded run's.
 
+[Note: rotary tables of the whole sequence] The model's rotary module turns position ids into
+cos/sin tables. Length-dependent scalings (dynamic NTK, Phi-3's "longrope") pick their factors from
+``max(position_ids) + 1``, which on a shard is that shard's last position, so shards would rotate
+with different frequencies (2-3% off above the original length, silently). So every rotary module
+(a module with a ``rope_type``, called with ``(x, position_ids)``) runs on the whole micro-batch's
+positions and each rank keeps its own tokens' rows of the tables: the factors come from the whole
+length whatever the scaling, for the cost of ``b·s·d`` table entries instead of ``b·s/u·d``.
+
 [Note: the engine's fill] A length that does not divide by the group's shard count (``u``, or
 ``2c`` chunks for zig-zag) is extended at the end to the next multiple: input ids and token types
 0, labels -100, positions 0 (inside any position table), embeddings zero. The fill tokens are
@@ -52,6 +60,7 @@ class _Step:
     """What the sharder read from one micro-batch for its forward: segments (None: plain causal rows) and lengths."""
 
     segments: Segments | None
+    positions: torch.Tensor  # [rows, padded]: the whole micro-batch's position ids (the rotary note)
     rows: int  # the micro-batch's
     length: int  # the caller's sequence length
     padded: int  # after the engine's fill (a multiple of the divisor)
@@ -101,6 +110,11 @@ class SequenceSharder:
         self._structure: dict[int, tuple[weakref.ref[torch.Tensor], _Step]] = {}
         self.current: _Step | None = None  # the micro-batch whose forward runs now (its segments and lengths)
         self._hook = routing[0].register_forward_pre_hook(self._before_forward, with_kwargs=True) if routing is not None else None
+        # rotary tables from the whole sequence's positions ([Note: rotary tables of the whole sequence])
+        self._rotary = [
+            handle for module in (routing[0].modules() if routing is not None else ()) if getattr(module, "rope_type", None) is not None
+            for handle in (module.register_forward_pre_hook(self._whole_positions, with_kwargs=True), module.register_forward_hook(self._own_rows))
+        ]  # fmt: skip
         # a mixture of experts' balancing loss over the whole micro-batch (router.py's note)
         self.router = whole_router_logits(routing[0], group, self.layout.positions, self._router_step) if routing is not None else None
 
@@ -133,6 +147,9 @@ class SequenceSharder:
             self._hook = None
         if self.router is not None:
             self.router.close()
+        for handle in self._rotary:
+            handle.remove()
+        self._rotary = []
         self.routing = None
 
     def positions(self, length: int) -> torch.Tensor:
@@ -163,10 +180,11 @@ class SequenceSharder:
             out = {k: _filled(k, v, padded) for k, v in out.items()}
         segments = with_fill(segments, batch, length, padded, source.device)
         index = self.positions(padded).to(source.device)
+        whole_positions = out["position_ids"]
         for key in SEQUENCE_KEYS:
             if key in out and out[key] is not None:
                 out[key] = out[key].index_select(1, index)
-        self._file(out["position_ids"], _Step(segments, batch, length, padded))
+        self._file(out["position_ids"], _Step(segments, whole_positions, batch, length, padded))
         count = None
         if "shift_labels" in out:
             # transformers' loss only runs when labels are given: hand it the local labels, unused once shifted
@@ -199,6 +217,31 @@ class SequenceSharder:
         step = filed[1] if filed is not None and filed[0]() is positions else None
         self.routing[3].segments = step.segments if step is not None else None
         self.current = step
+
+    def _rotary_step(self, position_ids: Any) -> _Step | None:
+        """The running micro-batch, if ``position_ids`` are its local ones (not a call of the model's own)."""
+        step = self.current if self.active else None
+        if step is None or not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
+            return None
+        return step if position_ids.shape[1] * self.size == step.padded else None
+
+    def _whole_positions(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if len(args) >= 2 and self._rotary_step(args[1]) is not None:
+            step = self._rotary_step(args[1])
+            return (args[0], step.positions, *args[2:]), kwargs  # type: ignore[union-attr]
+        if "position_ids" in kwargs and self._rotary_step(kwargs["position_ids"]) is not None:
+            step = self._rotary_step(kwargs["position_ids"])
+            return args, {**kwargs, "position_ids": step.positions}  # type: ignore[union-attr]
+        return None
+
+    def _own_rows(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        step = self.current if self.active else None
+        tables = output if isinstance(output, tuple) else (output,)
+        if step is None or not all(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == step.padded for t in tables):
+            return None  # not the whole sequence's tables (the pre-hook left this call alone)
+        index = self.positions(step.padded).to(tables[0].device)
+        own = tuple(t.index_select(1, index) for t in tables)
+        return own if isinstance(output, tuple) else own[0]
 
     def _router_step(self) -> tuple[int, int, torch.Tensor | None] | None:
         step = self.current if self.active else None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.attention import route_attention
 from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
 from slipstream.engine.parallel.expert import ExpertPlan
@@ -33,7 +32,6 @@ def parallelize_attention(
     """
     if options is None:
         return None
-    _refuse_length_dependent_rope(model, "sequence_parallel_size" if options.ulysses > 1 else "context_parallel.size")
     if options.ulysses > 1 and options.context > 1:  # USP: see ulysses.py, [Note: Ulysses × ring]
         method = options.method
         kernel = UlyssesAttention(mesh.group("sp"), _context_attention(mesh, method, zigzag=False))
@@ -73,29 +71,6 @@ def parallelize_attention(
                 model, sharder, lambda batch, what: check_sequence_twin(model, sharder, mode, averaging, batch, what)
             )
     return sharder
-
-
-LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-def _refuse_length_dependent_rope(model: torch.nn.Module, key: str) -> None:
-    """Rotary embeddings whose frequencies depend on the sequence length are refused under sequence sharding.
-
-    [Note: length-dependent RoPE] Dynamic NTK scaling and Phi-3's "longrope" choose their factors from
-    the length the rotary module sees (``max(position_ids) + 1``). Each shard computes them from its own
-    global positions, so above the model's original length shards rotate with different frequencies and
-    every loss is 2-3% off, silently; the twin check's short batch never crosses the threshold. Static
-    scalings (linear, YaRN, Llama 3's) depend on the config alone and train.
-    """
-    for name, module in model.named_modules():
-        kind = getattr(module, "rope_type", None)
-        if kind in LENGTH_DEPENDENT_ROPE:
-            raise ConfigError(
-                f"{key}: {name or type(model).__name__} uses {kind!r} rotary scaling, whose frequencies depend on the "
-                "sequence length each shard sees, so shards would rotate differently; not supported with sequence "
-                "sharding yet. Train this model without sequence sharding (tensor or pipeline parallel), or with a "
-                "static rope scaling (linear, yarn, llama3)"
-            )
 
 
 def _context_attention(mesh: Mesh, method: str, zigzag: bool) -> AllGatherKVAttention | RingAttention:
