@@ -66,14 +66,9 @@ def parallelize_attention(
         except BaseException:
             sharder.close()
             raise
-        # and again on the first training batch (first_batch.py's note)
-        if pipeline is None:
+        if pipeline is None:  # and again on the first training batch (first_batch.py's note)
             sharder.first_batch = first_batch_check(
                 model, sharder, lambda batch, what: check_sequence_twin(model, sharder, mode, averaging, batch, what)
-            )
-        else:
-            sharder.first_batch = first_batch_check(
-                model, sharder, lambda batch, what: check_sequence_pipeline_twin(pipeline, sharder, mode, averaging, batch, what)
             )
     return sharder
 
