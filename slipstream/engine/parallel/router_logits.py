@@ -34,7 +34,6 @@ class RouterLogitsHook:
         self.coefficient: float | None = getattr(model, "router_aux_loss_coef", None)
         base = getattr(model, "base_model", None)
         target = base if isinstance(base, torch.nn.Module) and base is not model else None
-        self.rows: int | None = None  # the base model's last input rows (for the head's output, read after it)
         self.handle = target.register_forward_hook(self._made_whole, with_kwargs=True) if target is not None else None
 
     def close(self) -> None:
@@ -43,8 +42,7 @@ class RouterLogitsHook:
             self.handle = None
 
     def _made_whole(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        self.rows = _rows(args, kwargs)
-        self.apply(output, self.rows)
+        self.apply(output, _rows(args, kwargs))
 
     def apply(self, output: Any, rows: int | None) -> bool:
         """Replace ``output.router_logits`` (a tensor per layer) by the whole micro-batch's; True if they are whole."""

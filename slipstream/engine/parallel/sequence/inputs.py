@@ -36,6 +36,7 @@ length (logits.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -65,8 +66,10 @@ class _Step:
     length: int  # the caller's sequence length
     padded: int  # after the engine's fill (a multiple of the divisor)
 
+    @functools.cached_property
     def valid(self) -> torch.Tensor | None:
-        """[rows, length] bool: the caller's tokens that count (not padding); None when all do."""
+        """[rows, length] bool: the caller's tokens that count (not padding); None when all do (worked out once per
+        micro-batch: every MoE layer asks)."""
         if self.segments is None:
             return None
         valid = self.segments.valid[:, : self.length]
@@ -226,13 +229,13 @@ class SequenceSharder:
         return step if position_ids.shape[1] * self.size == step.padded else None
 
     def _whole_positions(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if len(args) >= 2 and self._rotary_step(args[1]) is not None:
-            step = self._rotary_step(args[1])
-            return (args[0], step.positions, *args[2:]), kwargs  # type: ignore[union-attr]
-        if "position_ids" in kwargs and self._rotary_step(kwargs["position_ids"]) is not None:
-            step = self._rotary_step(kwargs["position_ids"])
-            return args, {**kwargs, "position_ids": step.positions}  # type: ignore[union-attr]
-        return None
+        positional = len(args) >= 2
+        step = self._rotary_step(args[1] if positional else kwargs.get("position_ids"))
+        if step is None:
+            return None
+        if positional:
+            return (args[0], step.positions, *args[2:]), kwargs
+        return args, {**kwargs, "position_ids": step.positions}
 
     def _own_rows(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         step = self.current if self.active else None
@@ -245,7 +248,7 @@ class SequenceSharder:
 
     def _router_step(self) -> tuple[int, int, torch.Tensor | None] | None:
         step = self.current if self.active else None
-        return None if step is None else (step.length, step.padded, step.valid())
+        return None if step is None else (step.length, step.padded, step.valid)
 
     def combine(self, output: Any, count: torch.Tensor | None) -> Any:
         """Replace the output's local loss by the whole sequence's (value) with the gradient of the note, and let its
