@@ -36,6 +36,7 @@ from slipstream.engine.checkpoint.reader import CheckpointReader, resolve
 from slipstream.engine.checkpoint.verify import verify
 
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its first construction imports torch._dynamo (seconds)
+_ = slipstream.initialize  # import the engine here, once, not in each forked child (a second per kill point)
 
 SCENARIOS = {  # name: (tag exists already, async, atomic exchange available)
     "new-sync": (False, False, True),
