@@ -31,9 +31,15 @@ def recv(tensor: torch.Tensor, source: int, channel: int, group: dist.ProcessGro
     return _launch(op, tensor, tag, group, lambda: dist.irecv(tensor, source, group=group, tag=channel), route=f"{source}->{dist.get_rank()}")
 
 
-def channel(stage: int, kind: int, micro: int) -> int:
-    """A distinct channel per (receiving stage, kind of message, micro-batch); kinds: 0 shape, 1 activation, 2 gradient."""
-    return (stage * 3 + kind) * 100_000 + micro
+PARTS = 2  # tensors one pipeline transfer may carry: the hidden state and what a carry hands on (router logits)
+
+
+def channel(stage: int, kind: int, micro: int, part: int = 0) -> int:
+    """A distinct channel per (receiving stage, part of the handoff, kind of message, micro-batch); kinds: 0 shape,
+    1 activation, 2 gradient; part 0 is the hidden state."""
+    if not 0 <= part < PARTS:
+        raise ValueError(f"pipeline: a transfer carries at most {PARTS} tensors (part {part})")
+    return ((stage * PARTS + part) * 3 + kind) * 100_000 + micro
 
 
 def header(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ parallel inside pipeline stages, Ulysses / ring attention inside pipeline stages
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -58,8 +59,8 @@ def _config(extra: dict[str, Any], stage: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _train(extra: dict[str, Any], stage: int = 1) -> dict[str, Any]:
-    engine = slipstream.initialize(_mixtral(), _config(extra, stage))
+def _train(extra: dict[str, Any], stage: int = 1, build: Callable[[], torch.nn.Module] | None = None) -> dict[str, Any]:
+    engine = slipstream.initialize((build or _mixtral)(), _config(extra, stage))
     dp, m = engine.mesh.size("dp"), engine.gradient_accumulation_steps()
     losses = [train_step_on_global_batch(engine, tokens, MICRO) for tokens in _batches(dp, m)]
     traffic = {k: v for k, v in engine.monitor.last.items() if k.startswith("comms_MB")}  # the last step's, by axis
@@ -126,6 +127,44 @@ def test_the_router_loss_under_expert_with_sequence_and_context_parallel_matches
         assert_weights_close(ours["state"], params, rtol=1e-4, atol=5e-5, label=name)
 
 
+def _routed_deep_mixtral() -> torch.nn.Module:
+    """Four layers with the balancing loss: a V schedule's 4 stages on 2 pipeline ranks need one block each."""
+    model = tiny_mixtral(vocab=VOCAB, positions=SEQ, layers=4)
+    model.config.output_router_logits, model.router_aux_loss_coef = True, 0.02
+    return model
+
+
+# DeepSeek-V3's layout at world 4: pp 2 × ep 2 over dp 2, every stage's router logits carried to the last
+# (pipeline/carry.py), under 1F1B, the zero-bubble V (split backward, two stages per rank) and DualPipeV.
+ROUTED_PIPELINES = {
+    "pp2_ep2_1f1b/zero3": ({**EP2, "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}, 3),
+    "pp2_ep2_zbv/zero1": ({**EP2, "pipeline": {"stages": 2, "schedule": "zbv"}, "gradient_accumulation_steps": 2}, 1),
+}  # at ZeRO-1, 1F1B and DualPipeV: the DeepSeek recipes at world 8 below
+
+
+def _routed_pipeline_body() -> dict[str, Any]:
+    results = {}
+    for name, (extra, stage) in ROUTED_PIPELINES.items():
+        engine = slipstream.initialize(_routed_deep_mixtral(), _config(extra, stage))
+        dp, m = engine.mesh.size("dp"), engine.gradient_accumulation_steps()
+        losses = [train_step_on_global_batch(engine, tokens, MICRO) for tokens in _batches(dp, m)[:2]]
+        results[name] = {"losses": losses, "state": engine.consolidated_state_dict(), "dp": dp, "m": m}
+        engine.close()
+    return results
+
+
+def test_the_router_loss_under_pipeline_and_expert_parallel_matches_one_process() -> None:
+    """Issue 47: pp × ep × dp with the balancing loss of every layer, on 1F1B and ZB-V; before, the pipeline's twin
+    check refused it (the last stage saw only its own layers' router logits)."""
+    results = run_distributed(4, _routed_pipeline_body)[0]
+    for name, ours in results.items():
+        # each micro-batch's balancing loss over its own tokens, averaged over the window and dp (as DDP would)
+        count = ours["dp"] * ours["m"]
+        losses, params = train_lm_reference(_routed_deep_mixtral(), _batches(ours["dp"], ours["m"])[:2], LR, micro_batches=count)
+        assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
+        assert_weights_close(ours["state"], params, rtol=1e-4, atol=5e-5, label=name)
+
+
 def _refused_body(extra: dict[str, Any]) -> str:
     with pytest.raises(slipstream.ConfigError) as err:
         slipstream.initialize(_mixtral(), _config(extra, 1))
@@ -150,14 +189,29 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
+# DeepSeek-V3 trains with its balancing loss: its recipe's model has it on (every stage's router logits reach the
+# last stage: pipeline/carry.py), on 1F1B and on DualPipeV (four layers: two stages per pipeline rank).
+ROUTED_RECIPES: dict[str, tuple[dict[str, Any], Callable[[], torch.nn.Module]]] = {
+    "deepseek_pp2_ep2_dp4": (RECIPES["deepseek_pp2_ep2_dp4"], _routed_mixtral),
+    "deepseek_dualpipev_pp2_ep2_dp4": (
+        {**EP2, "pipeline": {"stages": 2, "schedule": "dualpipev"}, "gradient_accumulation_steps": 4}, _routed_deep_mixtral,
+    ),
+}
+
+
 def _recipes_body() -> dict[str, Any]:
-    return {name: _train(extra) for name, extra in RECIPES.items()}
+    results = {name: _train(extra) for name, extra in RECIPES.items() if name not in ROUTED_RECIPES}
+    return {**results, **{name: _train(extra, build=build) for name, (extra, build) in ROUTED_RECIPES.items()}}
 
 
 def test_recipes_at_world_8_match_one_process() -> None:
     results = run_distributed(8, _recipes_body)[0]
+    assert set(results) == set(RECIPES) | set(ROUTED_RECIPES)
     for name, ours in results.items():
-        losses, params = train_lm_reference(_mixtral(), _batches(ours["dp"], ours["m"]), LR)
+        build = ROUTED_RECIPES[name][1] if name in ROUTED_RECIPES else _mixtral
+        # a balancing loss is each micro-batch's own: the reference averages them as the window and dp do
+        count = ours["dp"] * ours["m"] if name in ROUTED_RECIPES else 1
+        losses, params = train_lm_reference(build(), _batches(ours["dp"], ours["m"]), LR, micro_batches=count)
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
         assert_weights_close(ours["state"], params, rtol=1e-4, atol=5e-5, label=name)
 
@@ -170,10 +224,13 @@ def _global_batches() -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ), generator=g) for _ in range(6)]
 
 
-def _resume_run(extra: dict[str, Any], accumulation: int, micro: int, steps: range, load: str | None, save: str) -> list[float]:
+def _resume_run(
+    extra: dict[str, Any], accumulation: int, micro: int, steps: range, load: str | None, save: str,
+    build: Callable[[], torch.nn.Module] = _mixtral,
+) -> list[float]:  # fmt: skip
     """Train ``steps`` of the global batches on this mesh (resuming from ``load``), save to ``save``."""
     config = {**_config(extra, 1), "gradient_accumulation_steps": accumulation, "train_micro_batch_size_per_gpu": micro}
-    engine = slipstream.initialize(_mixtral(), config)
+    engine = slipstream.initialize(build(), config)
     assert engine.mesh.size("dp") * accumulation * micro == GLOBAL_ROWS
     if load is not None:
         engine.load_checkpoint(load, tag="t")
@@ -184,12 +241,14 @@ def _resume_run(extra: dict[str, Any], accumulation: int, micro: int, steps: ran
 
 
 def test_a_deepseek_like_checkpoint_resumes_in_one_process_and_under_tensor_parallel(tmp_path: Any) -> None:
-    """pp 2 × ep 2 × dp 2 → one process → tp 2 × dp 2: the trajectory continues as if never interrupted."""
+    """pp 2 × ep 2 × dp 2 → one process → tp 2 × dp 2, with the balancing loss on: the trajectory continues as if
+    never interrupted. Every mesh cuts the global batch into the same four micro-batches of two rows (a balancing
+    loss is each micro-batch's own), so one process accumulates four."""
     a, b, c = (str(tmp_path / x) for x in "abc")
-    reference, _ = train_lm_reference(_mixtral(), _global_batches(), LR, bounds=False)
-    first = run_distributed(4, _resume_run, {**EP2, "pipeline": {"stages": 2}}, 2, 2, range(0, 2), None, a)[0]
-    middle = run_distributed(1, _resume_run, {}, 1, 8, range(2, 4), a, b)[0]
-    last = run_distributed(4, _resume_run, {"tensor_parallel": {"autotp_size": 2}}, 1, 4, range(4, 6), b, c)[0]
+    reference, _ = train_lm_reference(_routed_mixtral(), _global_batches(), LR, bounds=False, micro_batches=4)
+    first = run_distributed(4, _resume_run, {**EP2, "pipeline": {"stages": 2}}, 2, 2, range(0, 2), None, a, _routed_mixtral)[0]
+    middle = run_distributed(1, _resume_run, {}, 4, 2, range(2, 4), a, b, _routed_mixtral)[0]
+    last = run_distributed(4, _resume_run, {"tensor_parallel": {"autotp_size": 2}}, 2, 2, range(4, 6), b, c, _routed_mixtral)[0]
     assert first + middle + last == pytest.approx(reference, rel=1e-5)
 
 

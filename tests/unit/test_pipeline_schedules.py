@@ -223,8 +223,35 @@ def test_split_backward_equals_full_backward() -> None:
     for w in weights:
         w.grad = None
     x2 = x.detach().clone().requires_grad_()
-    found, weight_pass = backward_input(f(x2), seed, [x2], weights)
+    found, weight_pass = backward_input([f(x2)], [seed], [x2], weights)
     torch.testing.assert_close(found[0], expected_x)
+    assert all(w.grad is None for w in weights)
+    weight_pass.run()
+    for w, e in zip(weights, expected):
+        torch.testing.assert_close(w.grad, e)
+
+
+def test_split_backward_of_a_stage_handing_on_two_tensors_matches_one_backward() -> None:
+    """A stage that hands on its hidden state and the router logits it carries (pipeline/carry.py): two outputs,
+    two received inputs (the carried one passes through and grows), one of them unused downstream of a weight."""
+    torch.manual_seed(0)
+    net, router = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+    def stage(x: torch.Tensor, carried: torch.Tensor) -> list[torch.Tensor]:
+        hidden = torch.tanh(net(x))
+        return [hidden, torch.cat([carried, router(hidden).unsqueeze(0)])]
+
+    weights = [*net.parameters(), *router.parameters()]
+    x, carried = torch.randn(4, 8, requires_grad=True), torch.randn(1, 4, 3, requires_grad=True)
+    seeds = [torch.randn(4, 8), torch.randn(2, 4, 3)]
+    torch.autograd.backward(stage(x, carried), seeds)
+    expected, expected_in = [w.grad.clone() for w in weights], [x.grad.clone(), carried.grad.clone()]
+    for w in weights:
+        w.grad = None
+    inputs = [x.detach().clone().requires_grad_(), carried.detach().clone().requires_grad_()]
+    found, weight_pass = backward_input(stage(*inputs), seeds, inputs, weights)
+    for got, want in zip(found, expected_in):
+        torch.testing.assert_close(got, want)
     assert all(w.grad is None for w in weights)
     weight_pass.run()
     for w, e in zip(weights, expected):

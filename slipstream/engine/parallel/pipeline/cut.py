@@ -32,14 +32,20 @@ import torch
 
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import Blocks
+from slipstream.engine.parallel.pipeline.carry import RouterCarry
 
 
 class StageOutput(Exception):
-    """Raised inside the model's forward at the end of a non-last stage, carrying its output."""
+    """Raised inside the model's forward at the end of a non-last stage, carrying its output: the hidden state,
+    and with a carry (carry.py) the router logits collected so far."""
 
-    def __init__(self, hidden: torch.Tensor) -> None:
+    def __init__(self, hidden: torch.Tensor, carried: torch.Tensor | None = None) -> None:
         super().__init__("pipeline stage output")
-        self.hidden = hidden
+        self.hidden, self.carried = hidden, carried
+
+    @property
+    def outputs(self) -> list[torch.Tensor]:
+        return [self.hidden] if self.carried is None else [self.hidden, self.carried]
 
 
 class Passthrough(torch.nn.Module):
@@ -192,6 +198,7 @@ class StageGate:
 
     ranges: dict[int, range]  # local stage -> its block indices
     num_stages: int
+    carry: RouterCarry | None = None  # what a stage hands on besides its hidden state (carry.py)
     _state: threading.local = dataclasses.field(default_factory=threading.local, repr=False)
 
     @property
@@ -209,6 +216,14 @@ class StageGate:
     @received.setter
     def received(self, tensor: torch.Tensor | None) -> None:
         self._state.received = tensor
+
+    @property
+    def received_carried(self) -> torch.Tensor | None:
+        return getattr(self._state, "received_carried", None)
+
+    @received_carried.setter
+    def received_carried(self, tensor: torch.Tensor | None) -> None:
+        self._state.received_carried = tensor
 
     def hooks(self, blocks: list[torch.nn.Module]) -> list[torch.utils.hooks.RemovableHandle]:
         handles = []
@@ -233,9 +248,12 @@ class StageGate:
                 return None
             span = self.ranges[self.active]
             if index == span.stop and self.active < self.num_stages - 1:
-                raise StageOutput(_hidden_of(args, kwargs))
+                hidden = _hidden_of(args, kwargs)
+                raise StageOutput(hidden, self.carry.take(hidden) if self.carry is not None else None)
             if index == span.start and self.active > 0:
                 assert self.received is not None, "pipeline: no activation received for this stage"
+                if self.carry is not None and self.received_carried is not None:
+                    self.carry.give(self.received_carried)
                 return _with_hidden(args, kwargs, self.received)
             return None
 

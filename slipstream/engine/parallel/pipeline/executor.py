@@ -54,6 +54,8 @@ class Executor:
         """``peers``: global rank of each pipeline rank; ``weights``: this rank's trainable parameters;
         ``synchronized_timing`` (``wall_clock_breakdown``): see [Note: timing a step]."""
         self.model, self.gate, self.schedule = model, gate, schedule
+        # Tensors a stage hands the next: its hidden state, and with a carry the router logits (carry.py).
+        self.parts = 1 if gate.carry is None else 2
         self.layout = schedule.layout
         self.rank, self.peers, self.group, self.weights = pp_rank, peers, group, weights
         self.synchronized_timing = synchronized_timing
@@ -73,11 +75,12 @@ class Executor:
 
         Returns the last stage's unscaled losses (empty on other ranks) and the step's timing.
         """
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        grads: dict[tuple[int, int], torch.Tensor] = {}
-        sent_back: dict[tuple[int, int], torch.Tensor] = {}
-        deferred: dict[tuple[int, int], WeightPass | tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # A stage's input, output and their gradients are lists: the hidden state, then what a carry hands on.
+        inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        outputs: dict[tuple[int, int], list[torch.Tensor]] = {}
+        grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        sent_back: dict[tuple[int, int], list[torch.Tensor]] = {}
+        deferred: dict[tuple[int, int], WeightPass | tuple[list[torch.Tensor], list[torch.Tensor] | None]] = {}
         losses: dict[int, torch.Tensor] = {}
         sends: list[Pending] = []
         spent: dict[tuple[int, Op], list[float]] = {}
@@ -95,18 +98,14 @@ class Executor:
         for a in self.actions:
             key = (a.stage, a.micro)
             if a.op is Op.RECV_F:
-                inputs[key] = self._receive_activation(a).requires_grad_()
+                inputs[key] = [t.requires_grad_() for t in self._receive_activation(a)]
             elif a.op is Op.RECV_B:
-                # Contiguous whatever the output's strides (a Megatron sequence-parallel stage hands on a
-                # transposed view): the sender sends a contiguous gradient and gloo receives into one.
-                buf = torch.empty_like(outputs[key], memory_format=torch.contiguous_format)
-                self._p2p(lambda: p2p.recv(buf, self._peer(a.stage + 1), p2p.channel(a.stage, 2, a.micro), self.group, tag=f"pipeline gradient {a}")).wait()
-                grads[key] = buf
+                grads[key] = self._receive_gradient(a, outputs[key])
             elif a.op is Op.SEND_F:
-                sends += self._send_activation(a, outputs[key].detach().contiguous())
+                sends += self._send_activation(a, [t.detach().contiguous() for t in outputs[key]])
             elif a.op is Op.SEND_B:
-                grad = sent_back.pop(key).contiguous()
-                sends.append(self._p2p(lambda: p2p.send(grad, self._peer(a.stage - 1), p2p.channel(a.stage - 1, 2, a.micro), self.group, tag=f"pipeline gradient {a}")))
+                for part, grad in enumerate(sent_back.pop(key)):
+                    sends.append(self._send_gradient(a, part, grad.contiguous()))
             elif a in self.second_halves:
                 continue  # the second half of a pair: ran with its forward
             else:
@@ -145,38 +144,38 @@ class Executor:
             out = self.forward(a.stage, batches[a.micro], inputs.get(key), a.micro)
             if a.stage == self.last:
                 losses[a.micro] = out.detach()
-                out = out.float() * scale
-            elif self.layout.rank_of(a.stage + 1) == self.rank:  # the next stage is here: no transfer
-                inputs[(a.stage + 1, a.micro)] = out.detach().requires_grad_()
-            outputs[key] = out
+                outputs[key] = [out.float() * scale]
+                return
+            parts = self._parts(out)
+            if self.layout.rank_of(a.stage + 1) == self.rank:  # the next stage is here: no transfer
+                inputs[(a.stage + 1, a.micro)] = [t.detach().requires_grad_() for t in parts]
+            outputs[key] = parts
             return
         if a.op is Op.BACKWARD_WEIGHT:
             work = deferred.pop(key)
             if isinstance(work, WeightPass):
                 work.run()
             else:
-                torch.autograd.backward([work[0]], [work[1]] if work[1] is not None else None)
+                _backward(*work)
             return
-        out, seed = outputs.pop(key), grads.pop(key, None)
+        outs, seeds = outputs.pop(key), grads.pop(key, None)
         received = inputs.pop(key, None)
         if a.op is Op.BACKWARD:
-            torch.autograd.backward([out], [seed] if seed is not None else None)
-            input_grad = received.grad if received is not None else None
+            _backward(outs, seeds)
+            input_grads = [t.grad for t in received] if received is not None else None
         elif received is None:  # stage 0 has no input to differentiate: its whole backward is the weight pass
-            deferred[key] = (out, seed)
+            deferred[key] = (outs, seeds)
             return
         else:
-            found, deferred[key] = backward_input(out, seed, [received], self.weights())
-            input_grad = found[0]
+            input_grads, deferred[key] = backward_input(outs, seeds, received, self.weights())
         if a.stage == 0:
             return
-        if input_grad is None:
-            assert received is not None
-            input_grad = torch.zeros_like(received)
+        assert received is not None and input_grads is not None
+        input_grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(input_grads, received, strict=True)]
         if self.layout.rank_of(a.stage - 1) == self.rank:
-            grads[(a.stage - 1, a.micro)] = input_grad
+            grads[(a.stage - 1, a.micro)] = input_grads
         else:
-            sent_back[key] = input_grad
+            sent_back[key] = input_grads
 
     # ------------------------------------------------------------------ forward only
     def evaluate(self, batches: list[Any]) -> list[torch.Tensor]:
@@ -185,7 +184,7 @@ class Executor:
         sends: list[Pending] = []
         with torch.no_grad():
             for i, batch in enumerate(batches):
-                handed: torch.Tensor | None = None
+                handed: list[torch.Tensor] | None = None
                 for stage in self.layout.stages_of(self.rank):
                     received = handed
                     if stage > 0 and self.layout.rank_of(stage - 1) != self.rank:
@@ -194,24 +193,28 @@ class Executor:
                     if stage == self.last:
                         losses.append(out.detach())
                     elif self.layout.rank_of(stage + 1) != self.rank:
-                        sends += self._send_activation(Action(stage, Op.SEND_F, i), out.contiguous())
+                        sends += self._send_activation(Action(stage, Op.SEND_F, i), [t.contiguous() for t in self._parts(out)])
                     else:
-                        handed = out
+                        handed = self._parts(out)
         for work in sends:
             work.wait()
         return losses
 
     # ------------------------------------------------------------------ pieces
-    def forward(self, stage: int, batch: Any, received: torch.Tensor | None, micro: int = 0) -> torch.Tensor:
-        """The model's forward made stage ``stage``'s: its output activation, or its loss on the last stage
-        (of micro-batch ``micro``, through ``finish`` when set)."""
-        self.gate.active, self.gate.received = stage, received
+    def forward(self, stage: int, batch: Any, received: list[torch.Tensor] | torch.Tensor | None, micro: int = 0) -> Any:
+        """The model's forward made stage ``stage``'s: what it hands on (the hidden state, or the list of it and
+        what the carry takes), or its loss on the last stage (of micro-batch ``micro``, through ``finish`` when set).
+        ``received``: the previous stage's handoff (a bare hidden state: nothing carried with it)."""
+        parts = [received] if isinstance(received, torch.Tensor) else received
+        self.gate.active = stage
+        self.gate.received = parts[0] if parts else None
+        self.gate.received_carried = parts[1] if parts and len(parts) > 1 else None
         try:
             output = call_model(self.model, without_cache(batch) if self.cacheless else batch)
         except StageOutput as done:
-            return done.hidden
+            return done.hidden if done.carried is None else done.outputs
         finally:
-            self.gate.active, self.gate.received = None, None
+            self.gate.active, self.gate.received, self.gate.received_carried = None, None, None
         if stage != self.last:
             raise UsageError(f"pipeline: stage {stage}'s forward ran to the end of the model without reaching its last block")
         return loss_of(self.finish(output, micro) if self.finish is not None else output)
@@ -236,20 +239,51 @@ class Executor:
     def _peer(self, stage: int) -> int:
         return self.peers[self.layout.rank_of(stage)]
 
-    def _receive_activation(self, a: Action) -> torch.Tensor:
-        source = self._peer(a.stage - 1)
-        head = torch.empty(p2p.HEADER, dtype=torch.int64)
-        self._p2p(lambda: p2p.recv(head, source, p2p.channel(a.stage, 0, a.micro), self.group, tag=f"pipeline shape {a}", op="p2p_meta")).wait()
-        buf = p2p.empty_from(head, _device_of(self.model))
-        self._p2p(lambda: p2p.recv(buf, source, p2p.channel(a.stage, 1, a.micro), self.group, tag=f"pipeline activation {a}")).wait()
-        return buf
+    def _parts(self, out: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+        parts = [out] if isinstance(out, torch.Tensor) else list(out)
+        if len(parts) != self.parts:
+            raise UsageError(f"pipeline: a stage handed on {len(parts)} tensors where the pipeline carries {self.parts}")
+        return parts
 
-    def _send_activation(self, a: Action, tensor: torch.Tensor) -> list[Pending]:
-        to, head = self._peer(a.stage + 1), p2p.header(tensor)
-        return [
-            self._p2p(lambda: p2p.send(head, to, p2p.channel(a.stage + 1, 0, a.micro), self.group, tag=f"pipeline shape {a}", op="p2p_meta")),
-            self._p2p(lambda: p2p.send(tensor, to, p2p.channel(a.stage + 1, 1, a.micro), self.group, tag=f"pipeline activation {a}")),
-        ]
+    def _receive_activation(self, a: Action) -> list[torch.Tensor]:
+        source, received = self._peer(a.stage - 1), []
+        for part in range(self.parts):
+            what = "activation" if part == 0 else "router logits"
+            head = torch.empty(p2p.HEADER, dtype=torch.int64)
+            self._p2p(lambda: p2p.recv(head, source, p2p.channel(a.stage, 0, a.micro, part), self.group, tag=f"pipeline shape {a}", op="p2p_meta")).wait()
+            buf = p2p.empty_from(head, _device_of(self.model))
+            self._p2p(lambda: p2p.recv(buf, source, p2p.channel(a.stage, 1, a.micro, part), self.group, tag=f"pipeline {what} {a}")).wait()
+            received.append(buf)
+        return received
+
+    def _send_activation(self, a: Action, tensors: list[torch.Tensor]) -> list[Pending]:
+        to, pending = self._peer(a.stage + 1), []
+        for part, tensor in enumerate(tensors):
+            what, head = "activation" if part == 0 else "router logits", p2p.header(tensor)
+            pending.append(self._p2p(lambda: p2p.send(head, to, p2p.channel(a.stage + 1, 0, a.micro, part), self.group, tag=f"pipeline shape {a}", op="p2p_meta")))
+            pending.append(self._p2p(lambda: p2p.send(tensor, to, p2p.channel(a.stage + 1, 1, a.micro, part), self.group, tag=f"pipeline {what} {a}")))
+        return pending
+
+    def _receive_gradient(self, a: Action, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        grads = []
+        for part, out in enumerate(outputs):
+            # Contiguous whatever the output's strides (a Megatron sequence-parallel stage hands on a
+            # transposed view): the sender sends a contiguous gradient and gloo receives into one.
+            buf = torch.empty_like(out, memory_format=torch.contiguous_format)
+            self._p2p(lambda: p2p.recv(buf, self._peer(a.stage + 1), p2p.channel(a.stage, 2, a.micro, part), self.group, tag=f"pipeline gradient {a}")).wait()
+            grads.append(buf)
+        return grads
+
+    def _send_gradient(self, a: Action, part: int, grad: torch.Tensor) -> Pending:
+        return self._p2p(lambda: p2p.send(grad, self._peer(a.stage - 1), p2p.channel(a.stage - 1, 2, a.micro, part), self.group, tag=f"pipeline gradient {a}"))
+
+
+def _backward(outputs: list[torch.Tensor], seeds: list[torch.Tensor] | None) -> None:
+    """Backward from a stage's outputs (seeded with the gradients received for them; a scalar loss needs none),
+    skipping an output nothing differentiable produced (an empty carry)."""
+    pairs = [(out, seeds[i] if seeds is not None else None) for i, out in enumerate(outputs) if out.requires_grad]
+    if pairs:
+        torch.autograd.backward([out for out, _ in pairs], [seed for _, seed in pairs] if seeds is not None else None)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -22,6 +22,7 @@ from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.pipeline import cut, profile, twin
+from slipstream.engine.parallel.pipeline.carry import RouterCarry
 from slipstream.engine.parallel.pipeline.executor import Executor, StepTiming, predicted_bubble
 from slipstream.engine.parallel.pipeline.options import PipelineOptions
 from slipstream.engine.parallel.pipeline.schedules import Schedule, build
@@ -225,7 +226,7 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
     if not last:
         for name in epilogue:
             cut.set_submodule(model, name, torch.nn.Identity())
-    gate = cut.StageGate({s: ranges[s] for s in local}, layout.num_stages)
+    gate = cut.StageGate({s: ranges[s] for s in local}, layout.num_stages, carry=RouterCarry.of(model))
     container = [model.get_submodule(n) for n in blocks.names]
     handles = gate.hooks(container)
     ties = _tie_ends(model, mesh, layout.rank_of(0), layout.rank_of(layout.num_stages - 1), shared, first)

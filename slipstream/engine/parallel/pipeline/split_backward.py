@@ -43,9 +43,9 @@ class WeightPass:
     nodes: list[Node]
     grads: list[tuple[torch.Tensor | None, ...] | None]
     groups: list[tuple[list[int], list[torch.Tensor]]]  # (indices into ``nodes``, the weights their branches reach)
-    # weights whose branch never meets the input path (nothing to capture): from the output itself
+    # weights whose branch never meets the input path (nothing to capture): from the outputs themselves
     apart: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    output: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    output: tuple[list[torch.Tensor], list[torch.Tensor | None] | None] | None = None
 
     def run(self) -> None:
         """Add each weight's gradient to ``.grad`` and free the graph.
@@ -71,8 +71,8 @@ class WeightPass:
             if edges and weights:
                 calls.append((edges, seeds, weights))
         if self.apart and self.output is not None:
-            out, seed = self.output
-            _accumulate(self.apart, torch.autograd.grad([out], self.apart, [seed] if seed is not None else None, retain_graph=bool(calls), allow_unused=True))
+            outs, seeds = self.output
+            _accumulate(self.apart, torch.autograd.grad(outs, self.apart, seeds, retain_graph=bool(calls), allow_unused=True))
         self.output = None
         if not calls:
             return
@@ -99,12 +99,18 @@ def _accumulate(weights: list[torch.Tensor], grads: tuple[torch.Tensor | None, .
                 w.grad.add_(g)
 
 
-def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: list[torch.Tensor], weights: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightPass]:
-    """The input gradients of ``output`` (seeded with ``grad``; a scalar loss needs none) and the weight pass to run later."""
-    root = _node(output)
-    assert root is not None, "pipeline: a stage's output does not require grad"
+def backward_input(
+    outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor], weights: list[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightPass]:  # fmt: skip
+    """The input gradients of ``outputs`` (seeded with ``grads``; a scalar loss needs none) and the weight pass to run
+    later. An output that does not require grad (an empty carry) is left out."""
+    kept = [i for i, out in enumerate(outputs) if out.requires_grad]
+    assert kept, "pipeline: a stage's output does not require grad"
+    outs = [outputs[i] for i in kept]
+    seeds = [grads[i] for i in kept] if grads is not None else None
+    roots = {n for n in map(_node, outs) if n is not None}
     parents: dict[Node, list[Node]] = collections.defaultdict(list)
-    seen, queue = {root}, collections.deque([root])
+    seen, queue = set(roots), collections.deque(roots)
     while queue:
         node = queue.popleft()
         for child, _ in node.next_functions:
@@ -145,12 +151,12 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: list
     handles = [node.register_prehook(capture(k)) for k, node in enumerate(nodes)]
     try:
         wanted = [t for t in inputs if t.requires_grad]
-        found = torch.autograd.grad([output], wanted, grad_outputs=[grad] if grad is not None else None, retain_graph=True, allow_unused=True) if wanted else ()
+        found = torch.autograd.grad(outs, wanted, grad_outputs=seeds, retain_graph=True, allow_unused=True) if wanted else ()
     finally:
         for handle in handles:
             handle.remove()
     by_id = {id(t): g for t, g in zip(wanted, found)}
-    return [by_id.get(id(t)) for t in inputs], WeightPass(nodes, captured, groups, apart, (output, grad) if apart else None)
+    return [by_id.get(id(t)) for t in inputs], WeightPass(nodes, captured, groups, apart, (outs, seeds) if apart else None)
 
 
 def _groups(weights: list[tuple[torch.Tensor, set[Node]]], index: dict[Node, int]) -> list[tuple[list[int], list[torch.Tensor]]]:

@@ -96,20 +96,20 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
     return Probe(None, order, inputs)
 
 
-def _concatenated(batches: list[Any]) -> Any:
-    """The micro-batches as one batch (rows stacked): equal-length micro-batches of a mean loss give the mean of
-    their losses and the same accumulated gradient, in one forward and backward instead of ``m``."""
-    first = batches[0]
-    if isinstance(first, dict):
-        return {k: torch.cat([b[k] for b in batches]) for k in first}
-    if isinstance(first, (tuple, list)):
-        return type(first)(torch.cat(parts) for parts in zip(*batches, strict=True))
-    return torch.cat(batches)
-
-
 def reference(model: torch.nn.Module, batches: list[Any]) -> tuple[float, dict[str, torch.Tensor]]:
-    """The whole model's mean loss and gradients over the micro-batches, in eval mode."""
-    return whole_model_reference(model, _concatenated(batches))
+    """The whole model's mean loss and gradients over the micro-batches, in eval mode.
+
+    Each micro-batch runs on its own, as the schedule runs it: stacking them into one batch gives the mean of
+    their losses only for a loss that is a mean over rows, and a balancing loss (a product of means over the
+    batch's tokens) is not one.
+    """
+    losses, total = [], {}
+    for batch in batches:
+        loss, grads = whole_model_reference(model, batch)
+        losses.append(loss)
+        for name, grad in grads.items():
+            total[name] = grad / len(batches) if name not in total else total[name].add_(grad, alpha=1 / len(batches))
+    return sum(losses) / len(losses), total
 
 
 def dry_run(pipeline: Any, batch: Any, probe: Probe, headline: str) -> None:
