@@ -284,6 +284,30 @@ def _pipeline_logits_body() -> str:
         engine.close()
 
 
+def _per_call_router_logits_body() -> str:
+    """Mixtral with output_router_logits off in its config, asked for them per call under a pipeline."""
+    from transformers import MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "pipeline": {"stages": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
+    engine = slipstream.initialize(MixtralForCausalLM(_config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2)), config)
+    try:
+        with pytest.raises(slipstream.UsageError) as refused:
+            engine(**_batches()["right_padded"], output_router_logits=True)
+        return str(refused.value)
+    finally:
+        engine.close()
+
+
+def test_router_logits_asked_per_call_that_the_stages_do_not_carry_are_refused_on_every_rank() -> None:
+    """The stages hand router logits on only where the config asks for them at initialize (pipeline/carry.py): a
+    balancing loss asked for per call would see the last stage's layers alone, so engine(batch) refuses it."""
+    for message in run_distributed(2, _per_call_router_logits_body):
+        assert message.startswith("pipeline: this forward records router logits (output_router_logits passed per call)"), message
+        assert "set config.output_router_logits = True before initialize" in message
+
+
 def test_logits_under_a_pipeline_are_refused_in_one_line() -> None:
     """Under a pipeline engine(batch) returns the loss; reading .logits said nothing useful (AttributeError) and
     scaling it was a bare TypeError."""

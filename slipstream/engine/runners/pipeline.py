@@ -114,6 +114,7 @@ class PipelineRunner:
                 "engine.backward() and engine.step() after each forward"
             )
         batch, count = as_batch(args, kwargs), None
+        self.pipeline.check_batch(batch)
         if self.sharder is not None:
             batch, count = self._shard(batch)
         loss = DeferredLoss(len(self.window), step)

@@ -20,10 +20,13 @@ logits on with its hidden state:
 * the received tensor is an input of the stage like the hidden state: its gradient goes back with
   the hidden state's, so every stage's routers receive the balancing loss's gradient.
 
-Nothing here knows a model: only the collector transformers fills. Where the model records no
-router logits (a dense model, or ``output_router_logits`` off) nothing is carried; an empty tensor
-keeps the message count fixed for a model that can record them. A model whose balancing loss is
-computed some other way is still compared by the twin check.
+Nothing here knows a model: only the collector transformers fills. What is carried is decided
+once, the same on every rank: a model that can record router logits and has
+``config.output_router_logits`` on hands them on (an empty tensor from a stage whose layers have
+no router, such as DeepSeek's first dense layers, keeps the message count fixed); otherwise
+nothing more is sent, and a forward that records them anyway (``output_router_logits=True`` passed
+per call) is refused at the stage's end rather than trained on the last stage's layers alone. A
+model whose balancing loss is computed some other way is still compared by the twin check.
 """
 
 from __future__ import annotations
@@ -46,28 +49,43 @@ def _collector_variable() -> Any | None:
     return _active_collector
 
 
-def _records_router_logits(model: torch.nn.Module) -> bool:
-    """Some transformers model inside ``model`` declares router logits among the outputs it can record."""
+def _router_recorder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The (outermost) transformers model inside ``model`` that declares router logits among the outputs it can record."""
     for module in model.modules():
         recordable = getattr(type(module), "_can_record_outputs", None)
         if isinstance(recordable, dict) and ROUTER_KEY in recordable:
-            return True
-    return False
+            return module
+    return None
 
 
 class RouterCarry:
-    """Takes a stage's collected router logits at its end and gives them to the next stage's collector."""
+    """Takes a stage's collected router logits at its end and gives them to the next stage's collector.
 
-    def __init__(self, collector: Any) -> None:
-        self._collector = collector
+    ``sends``: the model's config asks for router logits, so every hand-over carries them; without it
+    the carry only refuses a forward that recorded some (see the module note).
+    """
+
+    def __init__(self, collector: Any, sends: bool) -> None:
+        self._collector, self.sends = collector, sends
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> RouterCarry | None:
-        """A carry for ``model``, or None where it records no router logits (every rank decides the same)."""
-        collector = _collector_variable()
-        if collector is None or not _records_router_logits(model):
+        """A carry for ``model``, or None where it cannot record router logits (every rank decides the same)."""
+        collector, recorder = _collector_variable(), _router_recorder(model)
+        if collector is None or recorder is None:
             return None
-        return cls(collector)
+        return cls(collector, bool(getattr(getattr(recorder, "config", None), "output_router_logits", False)))
+
+    def check_batch(self, batch: Any) -> None:
+        """Refuse, on every rank alike at ``engine(batch)``, a batch asking for router logits the stages do not carry."""
+        if not self.sends and isinstance(batch, dict) and batch.get("output_router_logits"):
+            raise UsageError(self._not_carried)
+
+    _not_carried = (
+        "pipeline: this forward records router logits (output_router_logits passed per call), but the model's "
+        "config.output_router_logits was off at initialize, so the stages do not hand them on and the balancing "
+        "loss would see the last stage's layers only; set config.output_router_logits = True before initialize"
+    )
 
     def _collected(self) -> list[torch.Tensor] | None:
         collected = self._collector.get()
@@ -76,9 +94,14 @@ class RouterCarry:
         found = collected.get(ROUTER_KEY)
         return found if isinstance(found, list) else None
 
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """The router logits this forward has collected so far, stacked (an empty tensor on ``like``'s device if none)."""
+    def take(self, like: torch.Tensor) -> torch.Tensor | None:
+        """The router logits this forward has collected so far, stacked (an empty tensor on ``like``'s device if none);
+        None where the pipeline carries none (UsageError if this forward recorded some anyway)."""
         layers = self._collected()
+        if not self.sends:
+            if layers:
+                raise UsageError(self._not_carried)
+            return None
         if not layers:
             return torch.empty(0, device=like.device)
         shapes = {tuple(t.shape) for t in layers}

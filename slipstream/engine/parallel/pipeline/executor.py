@@ -55,7 +55,7 @@ class Executor:
         ``synchronized_timing`` (``wall_clock_breakdown``): see [Note: timing a step]."""
         self.model, self.gate, self.schedule = model, gate, schedule
         # Tensors a stage hands the next: its hidden state, and with a carry the router logits (carry.py).
-        self.parts = 1 if gate.carry is None else 2
+        self.parts = 2 if gate.carry is not None and gate.carry.sends else 1
         self.layout = schedule.layout
         self.rank, self.peers, self.group, self.weights = pp_rank, peers, group, weights
         self.synchronized_timing = synchronized_timing

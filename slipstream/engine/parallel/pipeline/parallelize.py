@@ -67,6 +67,11 @@ class Pipeline:
     def micro_batches(self) -> int:
         return self.schedule.micro_batches
 
+    def check_batch(self, batch: Any) -> None:
+        """At ``engine(batch)``, before the schedule: what the stages cannot hand on is refused on every rank alike."""
+        if self.gate.carry is not None:
+            self.gate.carry.check_batch(batch)
+
     def train_step(
         self, batches: list[Any], scale: float, window: Callable[[], contextlib.AbstractContextManager[None]],
         finish: Callable[[Any, int], Any] | None = None,
