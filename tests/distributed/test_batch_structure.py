@@ -181,26 +181,32 @@ def _router_norm(model: torch.nn.Module, over_stages: bool = False) -> float | N
     return float(square.sqrt()) if grads or over_stages else None
 
 
-def _reference(build: Callable[[], torch.nn.Module], batch: dict[str, torch.Tensor], from_logits: bool = False) -> tuple[float, float, float | None]:
+Result = tuple[float, float, float | None, float | None]  # loss, gradient norm, routers' gradient norm, balancing loss
+
+
+def _reference(build: Callable[[], torch.nn.Module], batch: dict[str, torch.Tensor], from_logits: bool = False) -> Result:
     torch.manual_seed(0)
     model = build()
-    loss = _loss(model(**batch), "", batch, from_logits)
+    output = model(**batch)
+    loss = _loss(output, "", batch, from_logits)
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None]))
-    return float(loss.detach()), float(norm), _router_norm(model)
+    aux = getattr(output, "aux_loss", None)
+    return float(loss.detach()), float(norm), _router_norm(model), float(aux.detach()) if aux is not None else None
 
 
-def _engine_body(modes: list[str], architectures: list[str]) -> dict[str, tuple[float, float, float | None]]:
+def _engine_body(modes: list[str], architectures: list[str]) -> dict[str, Result]:
     """Per "mode/architecture/batch": the engine's loss, gradient norm and routers' gradient norm (MoE models;
-    read after backward, before the step: replicated routers hold the averaged gradient) for that micro-batch."""
-    out: dict[str, tuple[float, float, float | None]] = {}
+    read after backward, before the step: replicated routers hold the averaged gradient) for that micro-batch, and
+    the balancing loss the step record reports (rank 0's monitor)."""
+    out: dict[str, Result] = {}
     for mode in modes:
         for arch in architectures:
             torch.manual_seed(0)
             model = ARCHITECTURES[arch]()
             # a pipeline needs a micro-batch per stage: the same batch twice (their mean gradient is one batch's)
             repeats = 2 if mode == "pp" else 1
-            config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "gradient_accumulation_steps": repeats,
+            config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "gradient_accumulation_steps": repeats, "steps_per_print": 1,
                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-12, "weight_decay": 0.0}}, **MODES[mode]}  # fmt: skip
             engine = slipstream.initialize(model, config)
             try:
@@ -218,23 +224,26 @@ def _engine_body(modes: list[str], architectures: list[str]) -> dict[str, tuple[
                         router = _router_norm(engine.module, over_stages=mode == "pp") if arch.endswith("_aux") else None
                         engine.step()
                     assert len({float(loss.detach()) for loss in losses}) == 1, losses
-                    out[f"{mode}/{arch}/{name}"] = (float(losses[0].detach()), float(engine.get_global_grad_norm()), router)
+                    reported = engine.monitor.last.get("router_loss") if torch.distributed.get_rank() == 0 else None
+                    out[f"{mode}/{arch}/{name}"] = (float(losses[0].detach()), float(engine.get_global_grad_norm()), router, reported)
             finally:
                 engine.close()
     return out
 
 
-def _check(results: list[dict[str, tuple[float, float, float | None]]]) -> None:
+def _check(results: list[dict[str, Result]]) -> None:
     batches = _batches()
-    references: dict[tuple[str, str], tuple[float, float, float | None]] = {}
+    references: dict[tuple[str, str], Result] = {}
     failures = []
     for rank, result in enumerate(results):
-        for case, (loss, norm, router) in result.items():
+        for case, (loss, norm, router, reported) in result.items():
             _, arch, name = case.split("/")
             if (arch, name) not in references:
                 plain, _, logits = name.partition("+")
                 references[(arch, name)] = _reference(ARCHITECTURES[arch], batches[plain], from_logits=bool(logits))
-            ref_loss, ref_norm, ref_router = references[(arch, name)]
+            ref_loss, ref_norm, ref_router, ref_aux = references[(arch, name)]
+            if (rank == 0 and (reported is None) != (ref_aux is None)) or (reported is not None and abs(reported - ref_aux) > 1e-5 * ref_aux):
+                failures.append(f"rank {rank} {case}: the step record's router_loss {reported} vs the model's aux_loss {ref_aux}")
             if abs(loss - ref_loss) > 1e-5 * abs(ref_loss) or abs(norm - ref_norm) > 1e-4 * ref_norm:
                 failures.append(f"rank {rank} {case}: loss {loss:.7f} vs {ref_loss:.7f}, grad norm {norm:.6f} vs {ref_norm:.6f}")
             if router is not None and (ref_router is None or abs(router - ref_router) > 1e-4 * ref_router):

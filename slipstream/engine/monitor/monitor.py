@@ -67,6 +67,8 @@ class TrainingMonitor:
         self.measured_flops_per_token: float | None = None  # from the counter, for models without a config
         self._loss_sum: torch.Tensor | None = None
         self._losses = 0
+        self._router_sum: torch.Tensor | None = None  # an MoE's balancing loss (the model's aux_loss) over the step
+        self._routers = 0
         self._tokens = 0  # this rank's tokens since the last optimizer step
         self._seq_len: int | None = None
         self._step_start = time.perf_counter()
@@ -111,6 +113,17 @@ class TrainingMonitor:
             mode.__exit__(None, None, None)
             self._finish_profile(mode, engine_step)
 
+    def on_router_loss(self, value: torch.Tensor) -> None:
+        """A training forward's balancing loss (the model's ``aux_loss``, before its coefficient), summed on the device."""
+        value = value.detach().float()
+        self._router_sum = value if self._router_sum is None else self._router_sum + value
+        self._routers += 1
+
+    def _take_router_loss(self) -> float | None:
+        value = float(self._router_sum) / self._routers if self._router_sum is not None and self._routers else None
+        self._router_sum, self._routers = None, 0
+        return value
+
     def on_pipeline_step(self, measured: float | None, predicted: float | None, engine_step: int, overlapped: int | None = None) -> None:
         """A pipeline schedule ran: this rank's idle time over compute time, what the schedule predicts for the same costs,
         and (schedules that pair micro-batches) how many collectives ran while the pair's other half computed."""
@@ -134,12 +147,16 @@ class TrainingMonitor:
         verdicts = self.health.exchange(step.global_steps) if printing else []  # every rank; rank 0 logs them below
         if self.rank != 0 or not (self.writers or printing):
             self._loss_sum, self._losses = None, 0
+            self._router_sum, self._routers = None, 0
             if printing:
                 self._window = _Window()
             return
         loss = float(self._loss_sum) / self._losses if self._loss_sum is not None and self._losses else math.nan
         self._loss_sum, self._losses = None, 0
         metrics = self._metrics(step, loss, step_time, samples, tokens, timers)
+        router = self._take_router_loss()
+        if router is not None:
+            metrics["router_loss"] = router
         self.last = metrics
         if self.writers:
             events = [(f"Train/Samples/{name}", value, step.global_samples) for name, value in metrics.items()]
@@ -147,7 +164,7 @@ class TrainingMonitor:
                 writer.write(events)
                 writer.flush()  # as DeepSpeed: a crashed run keeps its curves up to the last step
         if printing:
-            logger.info(self._line(step, loss))
+            logger.info(self._line(step, loss, router))
             for level, line in verdicts:
                 logger.log(level, "%s", line)
             self._window = _Window()
@@ -205,9 +222,12 @@ class TrainingMonitor:
             metrics[f"time_{name}_ms"] = seconds * 1e3
         return metrics
 
-    def _line(self, step: StepRecord, loss: float) -> str:
+    def _line(self, step: StepRecord, loss: float, router: float | None = None) -> str:
         w = self._window
-        parts = [f"step {step.global_steps}", f"loss {loss:.4f}", f"lr {step.lr if step.lr is not None else math.nan:.3g}"]
+        parts = [f"step {step.global_steps}", f"loss {loss:.4f}"]
+        if router is not None:
+            parts.append(f"router loss {router:.4f}")
+        parts.append(f"lr {step.lr if step.lr is not None else math.nan:.3g}")
         if step.grad_norm is not None:
             parts.append(f"grad norm {step.grad_norm:.3f}")
         if step.dynamic_loss_scale:

@@ -24,6 +24,12 @@ def loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
+def router_loss_of(output: Any) -> torch.Tensor | None:
+    """The mixture-of-experts balancing loss a model reports beside its loss (transformers' ``aux_loss``), if any."""
+    value = output.get("aux_loss") if isinstance(output, dict) else getattr(output, "aux_loss", None)
+    return value if isinstance(value, torch.Tensor) and value.numel() == 1 else None
+
+
 def call_model(model: torch.nn.Module, batch: Any) -> Any:
     """A micro-batch as the model's forward takes it: keyword arguments, positional ones, or one tensor."""
     if isinstance(batch, dict):

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from slipstream.engine.monitor import TrainingMonitor
-from slipstream.engine.parallel.calls import call_model, loss_of
+from slipstream.engine.parallel.calls import call_model, loss_of, router_loss_of
 from slipstream.engine.parallel.sequence import SequenceSharder
 from slipstream.engine.runners.base import cast_floats
 from slipstream.engine.zero.strategy import ShardingStrategy
@@ -29,9 +29,11 @@ class DirectRunner:
         if self.cast_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.cast_dtype)
         with self.monitor.forward(args, kwargs, step):
-            if self.sharder is None:
-                return self.module(*args, **kwargs)
-            return self._forward_sharded(self.sharder, args, kwargs)
+            output = self.module(*args, **kwargs) if self.sharder is None else self._forward_sharded(self.sharder, args, kwargs)
+        router = router_loss_of(output) if torch.is_grad_enabled() else None
+        if router is not None:
+            self.monitor.on_router_loss(router)
+        return output
 
     def _forward_sharded(self, sharder: SequenceSharder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """This rank's share of the sequence through the model, the whole sequence's loss out (parallel/sequence/inputs.py)."""

@@ -11,6 +11,7 @@ error that says when it becomes available.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -155,6 +156,9 @@ class PipelineRunner:
         for (_, _, deferred), value in zip(pending, report.losses):
             deferred._resolve(value)
             self.monitor.on_loss(torch.tensor(value), step)
+        for router in report.router_losses or ():
+            if not math.isnan(router):
+                self.monitor.on_router_loss(torch.tensor(router))
         timing = report.timing
         overlapped = timing.overlapped if timing is not None and self.pipeline.schedule.pairs else None
         self.monitor.on_pipeline_step(timing.bubble if timing else None, report.predicted_bubble, step, overlapped)

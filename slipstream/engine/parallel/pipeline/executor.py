@@ -21,7 +21,7 @@ from slipstream import comm
 from slipstream.comm import overlap, p2p
 from slipstream.comm.collectives import Work
 from slipstream.comm.context import CommContext, Pending
-from slipstream.engine.parallel.calls import accepts_use_cache, call_model, loss_of, without_cache
+from slipstream.engine.parallel.calls import accepts_use_cache, call_model, loss_of, router_loss_of, without_cache
 from slipstream.engine.parallel.pipeline.actions import Action, Op, with_communication
 from slipstream.engine.parallel.pipeline.cut import StageGate, StageOutput
 from slipstream.engine.parallel.pipeline.schedules import Schedule
@@ -68,6 +68,7 @@ class Executor:
         self.last = self.layout.num_stages - 1
         self.cacheless = accepts_use_cache(model)  # [Note: no cache in a pipeline stage]
         self.context = CommContext()  # transfers on their own stream, ordered by events (comm/context.py)
+        self.router_losses: dict[int, torch.Tensor] = {}  # last stage: each micro-batch's balancing loss (aux_loss), if any
 
     # ------------------------------------------------------------------ training step
     def train(self, batches: list[Any], scale: float) -> tuple[list[torch.Tensor], StepTiming]:
@@ -217,7 +218,11 @@ class Executor:
             self.gate.active, self.gate.received, self.gate.received_carried = None, None, None
         if stage != self.last:
             raise UsageError(f"pipeline: stage {stage}'s forward ran to the end of the model without reaching its last block")
-        return loss_of(self.finish(output, micro) if self.finish is not None else output)
+        finished = self.finish(output, micro) if self.finish is not None else output
+        router = router_loss_of(finished)
+        if router is not None:
+            self.router_losses[micro] = router.detach()
+        return loss_of(finished)
 
     def _stage_costs(self, spent: dict[tuple[int, Op], list[float]]) -> dict[int, Costs]:
         """Every stage's mean forward / input-gradient / weight-gradient time, shared over the pipeline (one all-reduce)."""

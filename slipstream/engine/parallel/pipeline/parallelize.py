@@ -39,6 +39,7 @@ class StepReport:
     losses: list[float]  # every micro-batch's loss, on every rank
     timing: StepTiming | None
     predicted_bubble: float | None
+    router_losses: list[float] | None = None  # every micro-batch's balancing loss, where the stages carry router logits
 
 
 class Pipeline:
@@ -86,19 +87,21 @@ class Pipeline:
             raise ValueError(f"pipeline: {len(batches)} micro-batches for a schedule of {self.micro_batches} (gradient_accumulation_steps)")
         with self._finishing(finish), window():
             self._stash, self._collecting = {}, True
+            self.executor.router_losses = {}
             try:
                 losses, timing = self.executor.train(batches, scale)
             finally:
                 self._collecting = False
             for param in self.tied:
                 self._sum_tied(param)
-        report = StepReport(self._share_losses(losses, len(batches)), timing, predicted_bubble(self.schedule, timing.costs, self.rank))
+        shared, routers = self._share_losses(losses, len(batches))
+        report = StepReport(shared, timing, predicted_bubble(self.schedule, timing.costs, self.rank), routers)
         self.last_report = report
         return report
 
     def evaluate(self, batches: list[Any], finish: Callable[[Any, int], Any] | None = None) -> list[float]:
         with self._finishing(finish):
-            return self._share_losses(self.executor.evaluate(batches), len(batches))
+            return self._share_losses(self.executor.evaluate(batches), len(batches))[0]
 
     @contextlib.contextmanager
     def _finishing(self, finish: Callable[[Any, int], Any] | None) -> Iterator[None]:
@@ -109,13 +112,19 @@ class Pipeline:
         finally:
             self.executor.finish = None
 
-    def _share_losses(self, losses: list[torch.Tensor], count: int) -> list[float]:
-        """The last stage's per-micro-batch losses, on every pipeline rank (one small broadcast)."""
-        values = torch.zeros(count, dtype=torch.float64)
+    def _share_losses(self, losses: list[torch.Tensor], count: int) -> tuple[list[float], list[float] | None]:
+        """The last stage's per-micro-batch losses, on every pipeline rank (one small broadcast); with router logits
+        carried, each micro-batch's balancing loss too (NaN where the model reported none), in the same message."""
+        carried = self.gate.carry is not None and self.gate.carry.sends
+        values = torch.zeros((2 if carried else 1) * count, dtype=torch.float64)
         if self.rank == self.last_rank:
-            values.copy_(torch.stack([loss.double() for loss in losses]))
+            values[:count].copy_(torch.stack([loss.double() for loss in losses]))
+            if carried:
+                routers = self.executor.router_losses
+                values[count:].copy_(torch.tensor([float(routers[i]) if i in routers else float("nan") for i in range(count)]))
         comm.broadcast(values, src=self.peers[self.last_rank], group=self.group, tag="pipeline losses").wait()
-        return values.tolist()
+        shared = values.tolist()
+        return shared[:count], shared[count:] if carried else None
 
     # [Note: tied gradients bypass the strategy's hooks] A strategy may move a gradient out of
     # ``.grad`` as autograd accumulates it (bf16 models at ZeRO 0-2 add it into fp32 buffers), so a
