@@ -69,6 +69,14 @@ class Absent(torch.nn.Module):
         return torch.zeros(*shape, self.features, dtype=self.dtype, device=x.device)
 
 
+class HandsOn(torch.nn.Module):
+    """A prologue module that keeps its input's shape (a norm or scaling after the embeddings), on a stage that does
+    not run it: hands its input (the stand-ins' zeros) on, which the first block's substitution discards."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
 def _hidden_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[0] if args else kwargs["hidden_states"]
 
@@ -299,21 +307,29 @@ def set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) ->
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def absent_for(module: torch.nn.Module, name: str) -> Absent:
+def absent_for(module: torch.nn.Module, name: str, shape_keeping: frozenset[str] = frozenset()) -> torch.nn.Module:
+    """The parameter-free stand-in for prologue module ``name`` on a stage that does not run it.
+
+    ``shape_keeping``: the modules the probe forward saw return their input's shape and dtype (twin.probe_blocks);
+    a weighted one of those (BERT's and Bloom's LayerNorm after the embeddings) hands its input on.
+    """
     if isinstance(module, torch.nn.Embedding):
         return Absent(module.embedding_dim, module.weight.dtype, from_ids=True)
     if isinstance(module, torch.nn.Linear):
         return Absent(module.out_features, module.weight.dtype, from_ids=False)
+    if name in shape_keeping:
+        return HandsOn()
     raise ConfigError(
-        f"pipeline.stages: cannot cut the model: its prologue module {name} ({type(module).__name__}) has weights and runs "
-        "before the first block, and only embeddings and linear layers can be left out of later stages"
+        f"pipeline.stages: cannot cut the model: its prologue module {name} ({type(module).__name__}) has weights, runs "
+        "before the first block and changes its input's shape, and only embeddings, linear layers and shape-keeping "
+        "modules (norms, seen by the twin check's probe forward) can be left out of later stages"
     )
 
 
-def check_prologue(model: torch.nn.Module, prologue: list[str]) -> None:
+def check_prologue(model: torch.nn.Module, prologue: list[str], shape_keeping: frozenset[str] = frozenset()) -> None:
     """Every rank refuses a prologue a later stage could not stand in for, before any rank cuts (no rank left waiting)."""
     for name in prologue:
-        absent_for(model.get_submodule(name), name)
+        absent_for(model.get_submodule(name), name, shape_keeping)
 
 
 def silence(module: torch.nn.Module) -> None:

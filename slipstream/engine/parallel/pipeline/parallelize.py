@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.comm.agree import agree
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
@@ -213,7 +214,8 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
             order = probe.order
             expected = twin.reference(model, twin_batches)
     prologue, epilogue = cut.outer_modules(model, blocks, order)
-    cut.check_prologue(model, prologue)
+    keeping = probe.shape_keeping if probe is not None else frozenset()
+    cut.check_prologue(model, prologue, keeping)
     numel = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters(recurse=False))  # noqa: E731
     method = options.partition
     measured = profile.block_times(model, blocks, prologue, epilogue, options.micro_batch_size, mesh.group("pp")) if method == "profile" else None
@@ -226,23 +228,33 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
     first, last = 0 in local, layout.num_stages - 1 in local
     ids = lambda names: {id(p) for n in names for p in model.get_submodule(n).parameters()}  # noqa: E731
     shared = ids(prologue) & ids(epilogue)  # a head tied to the embedding
-    for i, name in enumerate(blocks.names):
-        if i not in owned:
-            cut.set_submodule(model, name, cut.Passthrough())
-    silenced = []
-    if not first:
-        for name in prologue:
-            module = model.get_submodule(name)
-            if last and ids([name]) & shared:
-                silenced.append(name)
-            else:
-                cut.set_submodule(model, name, cut.absent_for(module, name))
-    if not last:
-        for name in epilogue:
-            cut.set_submodule(model, name, torch.nn.Identity())
-    gate = cut.StageGate({s: ranges[s] for s in local}, layout.num_stages, carry=RouterCarry.of(model))
-    container = [model.get_submodule(n) for n in blocks.names]
-    handles = gate.hooks(container)
+
+    def surgery() -> tuple[cut.StageGate, list[torch.utils.hooks.RemovableHandle], list[str]]:
+        try:
+            for i, name in enumerate(blocks.names):
+                if i not in owned:
+                    cut.set_submodule(model, name, cut.Passthrough())
+            silenced = []
+            if not first:
+                for name in _outermost(prologue):
+                    module = model.get_submodule(name)
+                    if last and ids([name]) & shared:
+                        silenced.append(name)
+                    else:
+                        cut.set_submodule(model, name, cut.absent_for(module, name, keeping))
+            if not last:
+                for name in _outermost(epilogue):
+                    cut.set_submodule(model, name, torch.nn.Identity())
+            gate = cut.StageGate({s: ranges[s] for s in local}, layout.num_stages, carry=RouterCarry.of(model))
+            return gate, gate.hooks([model.get_submodule(n) for n in blocks.names]), silenced
+        except ConfigError:
+            raise
+        except Exception as err:
+            first_line = str(err).splitlines()[0] if str(err) else ""
+            raise ConfigError(f"pipeline.stages: cannot cut {type(model).__name__} into stages ({type(err).__name__}: {first_line})") from err
+
+    # Each rank cuts its own stages: one that fails must not leave the others waiting in the next collective.
+    gate, handles, silenced = agree(surgery, "pipeline.stages: cutting the model", ConfigError)
     ties = _tie_ends(model, mesh, layout.rank_of(0), layout.rank_of(layout.num_stages - 1), shared, first)
     ties.silenced = silenced
     log_rank0(
@@ -257,6 +269,12 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
         twin.check(pipeline, twin_batches, expected, headline)
         pipeline.last_report = None
     return pipeline
+
+
+def _outermost(names: list[str]) -> list[str]:
+    """``names`` without those inside another of them: a module with weights of its own and weighted children (BERT's
+    ``cls.predictions`` with its bias and ``transform``) is replaced whole, its children with it."""
+    return [n for n in names if not any(n.startswith(other + ".") for other in names)]
 
 
 @dataclasses.dataclass

@@ -37,6 +37,8 @@ class Probe:
     problem: str | None
     order: list[str]  # modules by first call
     inputs: dict[int, tuple[torch.Size, torch.dtype]]  # each block's hidden-state input
+    # modules whose first call returned a tensor of its first input's shape and dtype (a norm after the embeddings)
+    shape_keeping: frozenset[str] = frozenset()
 
 
 def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
@@ -49,11 +51,22 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
     order: list[str] = []
     seen: set[str] = set()
 
+    keeping: dict[str, bool] = {}
+
     def first_call(name: str) -> Any:
         def record(module: torch.nn.Module, args: Any) -> None:
             if name not in seen:
                 seen.add(name)
                 order.append(name)
+
+        return record
+
+    def first_output(name: str) -> Any:
+        def record(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if name not in keeping:
+                given = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                keeping[name] = (given is not None and isinstance(output, torch.Tensor) and output.shape == given.shape
+                                 and output.dtype == given.dtype)  # fmt: skip
 
         return record
 
@@ -74,6 +87,7 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
 
     handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(blocks.modules)]
     handles += [m.register_forward_pre_hook(first_call(name)) for name, m in model.named_modules() if name]
+    handles += [m.register_forward_hook(first_output(name)) for name, m in model.named_modules() if name]
     try:
         with quiet_model(model):
             call_model(model, batch)
@@ -93,7 +107,7 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
             "gradients computed by another module: an embedding output, a learned position bias); a pipeline cut "
             "carries only the hidden state between stages", order, inputs,
         )  # fmt: skip
-    return Probe(None, order, inputs)
+    return Probe(None, order, inputs, frozenset(n for n, kept in keeping.items() if kept))
 
 
 def reference(model: torch.nn.Module, batches: list[Any]) -> tuple[float, dict[str, torch.Tensor]]:
