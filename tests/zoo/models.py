@@ -103,6 +103,36 @@ class LoopedLM(_BlockLM):
         return x
 
 
+class _KeywordBlock(torch.nn.Module):
+    """A pre-norm MLP block that takes an extra keyword tensor (a per-position gate computed once by the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.up, self.down = torch.nn.Linear(HIDDEN, 2 * HIDDEN), torch.nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor, *, gate: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x)))) * gate
+
+
+class SkippingKeywordLM(_BlockLM):
+    """Custom: blocks called with an extra keyword tensor (``gate``, from positions), and the forward skips block 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([_KeywordBlock() for _ in range(4)])
+
+    def hidden(self, x0: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x0.shape[1], device=x0.device, dtype=x0.dtype)
+        gate = (1.0 + positions / x0.shape[1])[None, :, None]  # [1, s, 1]: read per position by every block
+        x = x0
+        for i, layer in enumerate(self.layers):
+            if i != 1:
+                x = layer(x, gate=gate)
+        return x
+
+
 class EncoderLM(torch.nn.Module):
     """Custom: an LM on ``nn.TransformerEncoder`` with a causal mask."""
 
@@ -179,5 +209,6 @@ ZOO: dict[str, Callable[[], torch.nn.Module]] = {
     "torch-encoder": EncoderLM,
     "value-residual": ValueResidualLM,
     "looped": LoopedLM,
+    "skip-keyword": SkippingKeywordLM,
 }
 MOE = ("mixtral", "qwen2-moe", "deepseek-v3")
