@@ -52,10 +52,16 @@ class _RingShift(torch.autograd.Function):
         return out, None, None, None
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attention of one (query chunk, key chunk) pair: output and log-sum-exp per query (-inf: no key allowed).
-    ``mask``: [b, 1, n, n] allowed pairs (the batch's segments, parallel/segments.py), in place of ``diagonal``."""
+    ``mask``: [b, 1, n, n] or [n, n] allowed pairs (the batch's segments, parallel/segments.py, and a sliding window),
+    in place of ``diagonal``; ``softcap``: Gemma 2's ``tanh(score / cap) · cap`` on the block's logits."""
     scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if diagonal:
         n = q.shape[-2]
         future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
@@ -64,6 +70,26 @@ def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diag
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return torch.exp(scores - _finite(lse)) @ v, lse
+
+
+def _window_mask(q0: int, k0: int, n: int, window: int, causal: bool, device: torch.device | None) -> torch.Tensor | bool | None:
+    """What a sliding window leaves of the block of queries ``q0…q0+n`` against keys ``k0…k0+n``: False (no pair
+    within the window: the block is skipped), None (every pair within it: the window changes nothing) or the
+    [n, n] mask of allowed pairs (with causality: ``0 ≤ i − j < window``; without: ``|i − j| < window``)."""
+    low, high = q0 - (k0 + n - 1), q0 + n - 1 - k0  # the block's smallest and largest distance i − j
+    if causal:
+        if low >= window or high < 0:
+            return False
+        if high < window and low >= 0:
+            return None
+    else:
+        nearest = low if low > 0 else (-high if high < 0 else 0)
+        if nearest >= window:
+            return False
+        if max(abs(low), abs(high)) < window:
+            return None
+    distance = (torch.arange(n, device=device)[:, None] + q0) - (torch.arange(n, device=device)[None, :] + k0)
+    return (distance >= 0) & (distance < window) if causal else distance.abs() < window
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -95,14 +121,14 @@ class _FlashRing(torch.autograd.Function):
     """The whole ring for one layer as one autograd node: see [Note: flash blocks]."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention, scale: float, causal: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention, scale: float, causal: bool, window: int | None) -> torch.Tensor:  # type: ignore[override]
         groups = q.shape[1] // k.shape[1]
         segments = ring.segments  # this micro-batch's (the backward may run after another's forward)
         outs: list[Any] = [None] * ring.layout.chunks_per_rank
         lses: list[Any] = [None] * ring.layout.chunks_per_rank
         q_chunks = [c.contiguous() for c in q.chunk(ring.layout.chunks_per_rank, dim=2)]
         for source, k_chunks, v_chunks in ring.travel(torch.cat([k, v], dim=1)):
-            for i, j, diagonal, mask in ring.blocks(source, causal, q_chunks[0].shape[2], segments):
+            for i, j, diagonal, mask in ring.blocks(source, causal, q_chunks[0].shape[2], segments, window=window, device=q.device):
                 o, lse = _flash(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal, mask)
                 if outs[i] is None:
                     outs[i], lses[i] = o, lse
@@ -114,7 +140,7 @@ class _FlashRing(torch.autograd.Function):
                 lses[i] = torch.full((*chunk.shape[:3], 1), float("-inf"), dtype=torch.float32, device=chunk.device)
         out = torch.cat(outs, dim=2).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, _finite(torch.cat(lses, dim=2)))
-        ctx.ring, ctx.scale, ctx.causal, ctx.segments = ring, scale, causal, segments
+        ctx.ring, ctx.scale, ctx.causal, ctx.segments, ctx.window = ring, scale, causal, segments, window
         return out
 
     @staticmethod
@@ -129,7 +155,7 @@ class _FlashRing(torch.autograd.Function):
         for source, carried_now in ring.travel(carried, whole=True):
             carried = carried_now
             kk, vv, dk, dv = (c.chunk(per, dim=2) for c in carried.split(kv_heads, dim=1))
-            for i, j, diagonal, mask in ring.blocks(source, ctx.causal, q_c[0].shape[2], ctx.segments, count=False):
+            for i, j, diagonal, mask in ring.blocks(source, ctx.causal, q_c[0].shape[2], ctx.segments, count=False, window=ctx.window, device=q.device):
                 gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     g_c[i], q_c[i], _heads(kk[j].contiguous(), groups), _heads(vv[j].contiguous(), groups), o_c[i], l_c[i],
                     0.0, diagonal, attn_mask=_additive(mask, q.dtype), scale=ctx.scale,
@@ -139,7 +165,7 @@ class _FlashRing(torch.autograd.Function):
                 dv[j].add_(_fold(gv, groups))
         home = ring.shift(carried[:, 2 * kv_heads :].contiguous(), "ring dk|dv home (backward)")  # see the note
         dk, dv = home.split(kv_heads, dim=1)
-        return torch.cat(dq, dim=2), dk, dv, None, None, None
+        return torch.cat(dq, dim=2), dk, dv, None, None, None, None
 
 
 def _heads(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -189,23 +215,34 @@ class RingAttention:
                 yield source, k.chunk(per, dim=2), v.chunk(per, dim=2)
 
     def blocks(
-        self, source: int, causal: bool, chunk: int, segments: Segments | None, count: bool = True
+        self, source: int, causal: bool, chunk: int, segments: Segments | None, count: bool = True, window: int | None = None,
+        device: torch.device | None = None,
     ) -> list[tuple[int, int, bool, torch.Tensor | None]]:  # fmt: skip
         """``(query chunk, key chunk, diagonal, mask)`` of this rank against ``source``'s keys, ``chunk`` tokens each;
         skipped blocks left out. Without the batch's segments a block is full or causal-diagonal (``mask`` None);
         with them (padding, packed documents) a block no allowed pair spans is skipped too, one all of whose
-        pairs are allowed runs unmasked, and the rest carry their [b, 1, chunk, chunk] mask.
+        pairs are allowed runs unmasked, and the rest carry their [b, 1, chunk, chunk] mask. A sliding ``window``
+        (tokens) skips the blocks wholly outside it and masks the ones it cuts ([Note: windows on the ring]).
         ``count``: add their work to ``pairs`` (forward only)."""
         found: list[tuple[int, int, bool, torch.Tensor | None]] = []
         for i, qc in enumerate(self.layout.chunks(self.rank)):
             for j, kc in enumerate(self.layout.chunks(source)):
                 if causal and kc > qc:
                     continue
+                near = _window_mask(qc * chunk, kc * chunk, chunk, window, causal, device) if window is not None else None
+                if near is False:
+                    continue
                 if segments is not None:
                     mask, work = segments.block(qc * chunk, kc * chunk, chunk, causal)
                     if mask is False:
                         continue
+                    if isinstance(near, torch.Tensor):
+                        mask = near if mask is None else mask & near.to(mask.device)
+                        work = float(mask.float().mean())
                     found.append((i, j, False, mask))  # type: ignore[arg-type]
+                elif isinstance(near, torch.Tensor):
+                    work = float(near.float().mean())
+                    found.append((i, j, False, near))
                 else:
                     diagonal = causal and kc == qc
                     work = 0.5 if diagonal else 1.0
@@ -225,19 +262,17 @@ class RingAttention:
         model = type(module).__name__
         if features.dropout:
             raise UnsupportedAttention(f"context_parallel.method: {model} uses attention dropout {features.dropout}, which ring attention does not implement; set the model's attention dropout to 0")
-        if features.softcap is not None:
-            raise UnsupportedAttention(f"context_parallel.method: {model} soft-caps attention logits (softcap={features.softcap}), which ring attention does not implement; use context_parallel.method \"allgather_kv\" or sequence_parallel_size")
-        if features.sliding_window is not None and features.sliding_window < n * self.layout.size:
-            raise UnsupportedAttention(
-                f"context_parallel.method: {model} attends within a sliding window of {features.sliding_window} tokens, "
-                f"shorter than the sequence ({n * self.layout.size}), which ring attention does not implement; use "
-                "context_parallel.method \"allgather_kv\" or sequence_parallel_size"
-            )
+        # [Note: windows on the ring] A sliding window shorter than the sequence skips every block wholly
+        # outside it (a query chunk meets only the key chunks within ``window`` tokens: the ring's work per
+        # rank falls from ~s²/2c to ~s·window/c) and masks the blocks it cuts; soft-capping is elementwise on
+        # a block's logits, before its log-sum-exp, so the merge stays exact. The fused CPU op takes masks but
+        # not soft-capping: soft-capped models run the ring with autograd through plain block attention.
+        window = features.sliding_window if features.sliding_window is not None and features.sliding_window < n * self.layout.size else None
         groups = heads // key.shape[1]
         scale = features.scaling if features.scaling is not None else d**-0.5
         causal = features.causal
-        if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            out = _FlashRing.apply(query, key, value, self, scale, causal)
+        if features.softcap is None and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            out = _FlashRing.apply(query, key, value, self, scale, causal, window)
             return out.transpose(1, 2).contiguous(), None
         per = self.layout.chunks_per_rank
         q_chunks = query.chunk(per, dim=2)
@@ -258,8 +293,8 @@ class RingAttention:
                 anchor = touch if anchor is None else anchor + touch
             k_all, v_all = kv.chunk(2, dim=1)
             k_chunks, v_chunks = k_all.chunk(per, dim=2), v_all.chunk(per, dim=2)
-            for i, j, diagonal, mask in self.blocks(source, causal, q_chunks[0].shape[2], self.segments):
-                o, lse = _block(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal, mask)
+            for i, j, diagonal, mask in self.blocks(source, causal, q_chunks[0].shape[2], self.segments, window=window, device=query.device):
+                o, lse = _block(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal, mask, features.softcap)
                 if outs[i] is None:
                     outs[i], lses[i] = o, lse
                 else:
