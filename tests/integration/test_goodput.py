@@ -31,7 +31,7 @@ def _job(tmp_path: Path, *extra: str, restarts: int = 0) -> tuple[int, str, list
     out.mkdir()
     done = _slipstream(
         "run", "--nproc_per_node", "4", "--max_restarts", str(restarts), JOB, "--out", str(out), "--steps", str(STEPS),
-        "--comms_timeout", str(TIMEOUT_S), *extra, timeout=240,
+        "--comms_timeout", str(TIMEOUT_S), *extra, timeout=900,  # a hang guard: a loaded machine (two suites at once) is slow, not hung
     )  # fmt: skip
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()] if (out / "events.jsonl").exists() else []
     return done.returncode, done.stderr, events
