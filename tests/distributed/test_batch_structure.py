@@ -272,8 +272,8 @@ def test_padded_packed_and_odd_batches_match_one_process_under_sequence_modes(mo
 def test_padded_packed_and_odd_batches_match_one_process_under_tensor_and_pipeline_parallel(mode: str) -> None:
     # Attention sees whole sequences in both: three architectures suffice. Phi-3's packed qkv_proj / gate_up_proj
     # are refused by tensor parallel's self-check (issue 48), not trained wrong, so tp+sp takes Mistral instead.
-    # Under the pipeline the balancing loss reads every stage's router logits (pipeline/carry.py): Mixtral's.
-    architectures = ["llama_yarn", "mistral", "gpt2", "qwen3_moe_aux"] if mode == "tp_sp" else ["llama_yarn", "phi3", "gpt2", "mixtral_aux"]
+    # Under the pipeline the balancing loss reads every stage's router logits (pipeline/carry.py): both MoE models.
+    architectures = ["llama_yarn", "mistral", "gpt2", "qwen3_moe_aux"] if mode == "tp_sp" else ["llama_yarn", "phi3", "gpt2", "mixtral_aux", "qwen3_moe_aux"]
     _check(run_distributed(2, _engine_body, [mode], architectures))
 
 
