@@ -97,6 +97,7 @@ def _window_body() -> dict[str, Any]:
                 lq, lk, lv = (t.index_select(2, index).clone().requires_grad_(True) for t in (q, k, v))
                 ring = RingAttention(dist.group.WORLD, layout)
                 ring.active = True
+                ring.window_tile = 4  # tiles of 4 queries inside the 8- and 16-token chunks: several per block
                 out, _ = ring(_Windowed(causal), lq, lk, lv, None, sliding_window=window, softcap=softcap)
                 (out * upstream.index_select(1, index)).sum().backward()
                 pairs = [

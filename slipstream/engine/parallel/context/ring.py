@@ -72,11 +72,15 @@ def _block(
     return torch.exp(scores - _finite(lse)) @ v, lse
 
 
-def _window_mask(q0: int, k0: int, n: int, window: int, causal: bool, device: torch.device | None) -> torch.Tensor | bool | None:
-    """What a sliding window leaves of the block of queries ``q0…q0+n`` against keys ``k0…k0+n``: False (no pair
-    within the window: the block is skipped), None (every pair within it: the window changes nothing) or the
-    [n, n] mask of allowed pairs (with causality: ``0 ≤ i − j < window``; without: ``|i − j| < window``)."""
-    low, high = q0 - (k0 + n - 1), q0 + n - 1 - k0  # the block's smallest and largest distance i − j
+def _window_mask(
+    q0: int, k0: int, n: int, window: int, causal: bool, device: torch.device | None, keys: int | None = None,
+) -> torch.Tensor | bool | None:  # fmt: skip
+    """What a sliding window leaves of the block of queries ``q0…q0+n`` against keys ``k0…k0+keys`` (``keys``: n by
+    default): False (no pair within the window: the block is skipped), None (every pair within it: the window
+    changes nothing) or the [n, keys] mask of allowed pairs (with causality: ``0 ≤ i − j < window``; without:
+    ``|i − j| < window``)."""
+    keys = n if keys is None else keys
+    low, high = q0 - (k0 + keys - 1), q0 + n - 1 - k0  # the block's smallest and largest distance i − j
     if causal:
         if low >= window or high < 0:
             return False
@@ -88,8 +92,27 @@ def _window_mask(q0: int, k0: int, n: int, window: int, causal: bool, device: to
             return False
         if max(abs(low), abs(high)) < window:
             return None
-    distance = (torch.arange(n, device=device)[:, None] + q0) - (torch.arange(n, device=device)[None, :] + k0)
+    distance = (torch.arange(n, device=device)[:, None] + q0) - (torch.arange(keys, device=device)[None, :] + k0)
     return (distance >= 0) & (distance < window) if causal else distance.abs() < window
+
+
+def _window_tiles(q0: int, k0: int, n: int, window: int, causal: bool, tile: int, device: torch.device | None) -> list[tuple[slice, slice, torch.Tensor | None]]:
+    """A block the window cuts, as query tiles of ``tile`` tokens, each against the contiguous run of keys the
+    window lets it see: ``(query slice, key slice, mask or None)`` within the block, tiles that see nothing left
+    out ([Note: windows on the ring])."""
+    found = []
+    for a in range(0, n, tile):
+        b = min(n, a + tile)
+        first = q0 + a - (window - 1)  # the earliest key a query of the tile may see
+        last = q0 + b - 1 + (0 if causal else window - 1)
+        start, stop = max(0, first - k0), min(n, last - k0 + 1)
+        if start >= stop:
+            continue
+        mask = _window_mask(q0 + a, k0 + start, b - a, window, causal, device, keys=stop - start)
+        if mask is False:
+            continue
+        found.append((slice(a, b), slice(start, stop), mask if isinstance(mask, torch.Tensor) else None))
+    return found
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -124,20 +147,15 @@ class _FlashRing(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention, scale: float, causal: bool, window: int | None) -> torch.Tensor:  # type: ignore[override]
         groups = q.shape[1] // k.shape[1]
         segments = ring.segments  # this micro-batch's (the backward may run after another's forward)
-        outs: list[Any] = [None] * ring.layout.chunks_per_rank
-        lses: list[Any] = [None] * ring.layout.chunks_per_rank
         q_chunks = [c.contiguous() for c in q.chunk(ring.layout.chunks_per_rank, dim=2)]
+        # a query no key may see (the batch's padding) keeps a zero output and log-sum-exp -inf
+        outs = [torch.zeros_like(c) for c in q_chunks]
+        lses = [torch.full((*c.shape[:3], 1), float("-inf"), dtype=torch.float32, device=c.device) for c in q_chunks]
         for source, k_chunks, v_chunks in ring.travel(torch.cat([k, v], dim=1)):
-            for i, j, diagonal, mask in ring.blocks(source, causal, q_chunks[0].shape[2], segments, window=window, device=q.device):
-                o, lse = _flash(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal, mask)
-                if outs[i] is None:
-                    outs[i], lses[i] = o, lse
-                else:
-                    outs[i], lses[i] = _merge(outs[i], lses[i], o, lse)
-        for i, chunk in enumerate(q_chunks):  # a chunk no key may see at all (the batch's padding): zero output
-            if outs[i] is None:
-                outs[i] = torch.zeros_like(chunk)
-                lses[i] = torch.full((*chunk.shape[:3], 1), float("-inf"), dtype=torch.float32, device=chunk.device)
+            for i, j, diagonal, mask, qs, ks in ring.tiles(source, causal, q_chunks[0].shape[2], segments, window, q.device):
+                keys, values = _heads(k_chunks[j][:, :, ks], groups).contiguous(), _heads(v_chunks[j][:, :, ks], groups).contiguous()
+                o, lse = _flash(q_chunks[i][:, :, qs].contiguous(), keys, values, scale, diagonal, mask)
+                outs[i][:, :, qs], lses[i][:, :, qs] = _merge(outs[i][:, :, qs], lses[i][:, :, qs], o, lse)
         out = torch.cat(outs, dim=2).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, _finite(torch.cat(lses, dim=2)))
         ctx.ring, ctx.scale, ctx.causal, ctx.segments, ctx.window = ring, scale, causal, segments, window
@@ -155,14 +173,15 @@ class _FlashRing(torch.autograd.Function):
         for source, carried_now in ring.travel(carried, whole=True):
             carried = carried_now
             kk, vv, dk, dv = (c.chunk(per, dim=2) for c in carried.split(kv_heads, dim=1))
-            for i, j, diagonal, mask in ring.blocks(source, ctx.causal, q_c[0].shape[2], ctx.segments, count=False, window=ctx.window, device=q.device):
+            for i, j, diagonal, mask, qs, ks in ring.tiles(source, ctx.causal, q_c[0].shape[2], ctx.segments, ctx.window, q.device, count=False):
                 gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    g_c[i], q_c[i], _heads(kk[j].contiguous(), groups), _heads(vv[j].contiguous(), groups), o_c[i], l_c[i],
+                    g_c[i][:, :, qs].contiguous(), q_c[i][:, :, qs].contiguous(), _heads(kk[j][:, :, ks], groups).contiguous(),
+                    _heads(vv[j][:, :, ks], groups).contiguous(), o_c[i][:, :, qs].contiguous(), l_c[i][:, :, qs].contiguous(),
                     0.0, diagonal, attn_mask=_additive(mask, q.dtype), scale=ctx.scale,
                 )  # fmt: skip
-                dq[i] += gq
-                dk[j].add_(_fold(gk, groups))  # views into `carried`
-                dv[j].add_(_fold(gv, groups))
+                dq[i][:, :, qs] += gq
+                dk[j][:, :, ks].add_(_fold(gk, groups))  # views into `carried`
+                dv[j][:, :, ks].add_(_fold(gv, groups))
         home = ring.shift(carried[:, 2 * kv_heads :].contiguous(), "ring dk|dv home (backward)")  # see the note
         dk, dv = home.split(kv_heads, dim=1)
         return torch.cat(dq, dim=2), dk, dv, None, None, None, None
@@ -193,6 +212,7 @@ class RingAttention:
         self.pairs = 0.0  # causal work done by this rank (layout.py's units), for tests and the monitor
         self.active = False  # set by the engine's sharder for its steps only
         self.segments: Segments | None = None  # the step's padding and documents (parallel/segments.py), from the sharder
+        self.window_tile = 32  # the fewest queries per tile of a block a sliding window cuts ([Note: windows on the ring])
 
     def shift(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """One ring step outside autograd: send ``x`` to the next rank, return the previous rank's."""
@@ -250,6 +270,23 @@ class RingAttention:
                 self.pairs += work if count else 0.0
         return found
 
+    def tiles(
+        self, source: int, causal: bool, chunk: int, segments: Segments | None, window: int | None, device: torch.device,
+        count: bool = True,
+    ) -> list[tuple[int, int, bool, torch.Tensor | None, slice, slice]]:  # fmt: skip
+        """:meth:`blocks` with the slices of each block's queries and keys it runs on: a block a sliding window cuts
+        (without the batch's segments) as query tiles against the keys each can see; the others whole."""
+        whole = slice(None)
+        found = []
+        for i, j, diagonal, mask in self.blocks(source, causal, chunk, segments, count, window, device):
+            if window is None or segments is not None or mask is None:
+                found.append((i, j, diagonal, mask, whole, whole))
+                continue
+            q0, k0 = self.layout.chunks(self.rank)[i] * chunk, self.layout.chunks(source)[j] * chunk
+            tile = min(chunk, max(self.window_tile, window // 4))
+            found += [(i, j, False, m, qs, ks) for qs, ks, m in _window_tiles(q0, k0, chunk, window, causal, tile, device)]
+        return found
+
     def __call__(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
         dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
@@ -263,10 +300,12 @@ class RingAttention:
         if features.dropout:
             raise UnsupportedAttention(f"context_parallel.method: {model} uses attention dropout {features.dropout}, which ring attention does not implement; set the model's attention dropout to 0")
         # [Note: windows on the ring] A sliding window shorter than the sequence skips every block wholly
-        # outside it (a query chunk meets only the key chunks within ``window`` tokens: the ring's work per
-        # rank falls from ~s²/2c to ~s·window/c) and masks the blocks it cuts; soft-capping is elementwise on
-        # a block's logits, before its log-sum-exp, so the merge stays exact. The fused CPU op takes masks but
-        # not soft-capping: soft-capped models run the ring with autograd through plain block attention.
+        # outside it (a query chunk meets only the key chunks within ``window`` tokens) and, on the fused CPU
+        # op, cuts each block it crosses into query tiles of max(window/4, window_tile) tokens, each run
+        # against the contiguous run of keys its queries may see (masked at the band's edges), so the ring's
+        # work per rank falls from ~s²/2c to ~s·(window + tile)/c pairs. Soft-capping is elementwise on a
+        # block's logits, before its log-sum-exp, so the merge stays exact; the fused op takes masks but not
+        # soft-capping, so soft-capped models run the ring with autograd through plain (masked) block attention.
         window = features.sliding_window if features.sliding_window is not None and features.sliding_window < n * self.layout.size else None
         groups = heads // key.shape[1]
         scale = features.scaling if features.scaling is not None else d**-0.5
