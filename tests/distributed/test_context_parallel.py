@@ -3,6 +3,7 @@ SDPA, the models against one process, the causal balance and the ring traffic co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,6 +33,26 @@ class _Stub(torch.nn.Module):
         self.is_causal = causal
 
 
+def _worst_error(
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    reference: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upstream: torch.Tensor, index: torch.Tensor,
+) -> float:  # fmt: skip
+    """``kernel(local q, k, v) -> [b, s, H, d]`` on this rank's tokens ``index`` against ``reference(q, k, v with the KV
+    heads repeated) -> [b, H, S, d]`` on the whole sequence: the largest relative error of the output, dQ, dK and dV."""
+    ref_q, ref_k, ref_v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref = reference(ref_q, ref_k.repeat_interleave(H // KV, 1), ref_v.repeat_interleave(H // KV, 1)).transpose(1, 2)
+    (ref * upstream).sum().backward()
+    lq, lk, lv = (t.index_select(2, index).clone().requires_grad_(True) for t in (q, k, v))
+    out = kernel(lq, lk, lv)
+    (out * upstream.index_select(1, index)).sum().backward()
+    pairs = [
+        (out, ref.index_select(1, index)), (lq.grad, ref_q.grad.index_select(2, index)),
+        (lk.grad, ref_k.grad.index_select(2, index)), (lv.grad, ref_v.grad.index_select(2, index)),
+    ]  # fmt: skip
+    return max(float((a - b).detach().abs().max() / b.abs().max()) for a, b in pairs)
+
+
 def _kernel_body() -> dict[str, Any]:
     c, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(3)
@@ -41,22 +62,14 @@ def _kernel_body() -> dict[str, Any]:
     cases = [(z, causal, k) for z in (False, True) for causal in (False, True) for k in (RingAttention, AllGatherKVAttention)]
     cases += [(False, causal, _ulysses) for causal in (False, True)]  # Ulysses: contiguous shards only
     for zigzag, causal, kernel in cases:
-        ref_q, ref_k, ref_v = (t.clone().requires_grad_(True) for t in (q, k, v))
-        ref = F.scaled_dot_product_attention(ref_q, ref_k.repeat_interleave(H // KV, 1), ref_v.repeat_interleave(H // KV, 1), is_causal=causal)
-        ref = ref.transpose(1, 2)
-        (ref * upstream).sum().backward()
         layout = Layout(c, zigzag)
-        index = layout.positions(rank, S)
-        lq, lk, lv = (t.index_select(2, index).clone().requires_grad_(True) for t in (q, k, v))
         fn = kernel(dist.group.WORLD, layout)
         fn.active = True  # the engine's sharder sets this for its steps
-        out, _ = fn(_Stub(causal), lq, lk, lv, None)
-        (out * upstream.index_select(1, index)).sum().backward()
-        pairs = [
-            (out, ref.index_select(1, index)), (lq.grad, ref_q.grad.index_select(2, index)),
-            (lk.grad, ref_k.grad.index_select(2, index)), (lv.grad, ref_v.grad.index_select(2, index)),
-        ]  # fmt: skip
-        errors[(zigzag, causal, kernel.__name__)] = max(float((a - b).detach().abs().max() / b.abs().max()) for a, b in pairs)
+        errors[(zigzag, causal, kernel.__name__)] = _worst_error(
+            lambda lq, lk, lv: fn(_Stub(causal), lq, lk, lv, None)[0],
+            lambda rq, rk, rv: F.scaled_dot_product_attention(rq, rk, rv, is_causal=causal),
+            q, k, v, upstream, layout.positions(rank, S),
+        )  # fmt: skip
     return errors
 
 
@@ -66,10 +79,6 @@ def test_ring_kernel_matches_whole_sequence_sdpa_forward_and_backward(world: int
     for ring, all-gathered K/V and Ulysses (at 4 ranks Ulysses repeats the 2 KV heads)."""
     for errors in run_distributed(world, _kernel_body):
         assert max(errors.values()) < 1e-5, errors
-
-
-class _Windowed(_Stub):
-    """An attention module as transformers calls the kernel for Mistral / Gemma 2: a window and a soft-cap."""
 
 
 def _window_body() -> dict[str, Any]:
@@ -86,26 +95,17 @@ def _window_body() -> dict[str, Any]:
         for causal in (True, False):
             for window, softcap in ((3, None), (11, None), (20, None), (6, 2.0)):
                 features = AttentionFeatures(causal, None, 0.0, window, softcap)
-                ref_q, ref_k, ref_v = (t.clone().requires_grad_(True) for t in (q, k, v))
-                positions = torch.arange(S)
-                mask = allowed(features, positions, positions)
-                ref = attend(ref_q, ref_k.repeat_interleave(H // KV, 1), ref_v.repeat_interleave(H // KV, 1), features, mask, False)
-                ref = ref.transpose(1, 2)
-                (ref * upstream).sum().backward()
+                mask = allowed(features, torch.arange(S), torch.arange(S))
                 layout = Layout(c, zigzag)
-                index = layout.positions(rank, S)
-                lq, lk, lv = (t.index_select(2, index).clone().requires_grad_(True) for t in (q, k, v))
                 ring = RingAttention(dist.group.WORLD, layout)
                 ring.active = True
                 ring.window_tile = 4  # tiles of 4 queries inside the 8- and 16-token chunks: several per block
-                out, _ = ring(_Windowed(causal), lq, lk, lv, None, sliding_window=window, softcap=softcap)
-                (out * upstream.index_select(1, index)).sum().backward()
-                pairs = [
-                    (out, ref.index_select(1, index)), (lq.grad, ref_q.grad.index_select(2, index)),
-                    (lk.grad, ref_k.grad.index_select(2, index)), (lv.grad, ref_v.grad.index_select(2, index)),
-                ]  # fmt: skip
                 case = (zigzag, causal, window, softcap)
-                errors[case] = max(float((a - b).detach().abs().max() / b.abs().max()) for a, b in pairs)
+                errors[case] = _worst_error(
+                    lambda lq, lk, lv: ring(_Stub(causal), lq, lk, lv, None, sliding_window=window, softcap=softcap)[0],
+                    lambda rq, rk, rv: attend(rq, rk, rv, features, mask, False),
+                    q, k, v, upstream, layout.positions(rank, S),
+                )  # fmt: skip
                 skipped[case] = ring.pairs
     return {"errors": errors, "pairs": skipped}
 

@@ -35,9 +35,14 @@ from typing import Any
 
 import torch
 
+from slipstream.engine.parallel.router_logits import ROUTER_FIELD
 from slipstream.errors import UsageError
 
-ROUTER_KEY = "router_logits"
+_NOT_CARRIED = (
+    "pipeline: this forward records router logits (output_router_logits passed per call), but the model's "
+    "config.output_router_logits was off at initialize, so the stages do not hand them on and the balancing "
+    "loss would see the last stage's layers only; set config.output_router_logits = True before initialize"
+)
 
 
 def _collector_variable() -> Any | None:
@@ -53,7 +58,7 @@ def _router_recorder(model: torch.nn.Module) -> torch.nn.Module | None:
     """The (outermost) transformers model inside ``model`` that declares router logits among the outputs it can record."""
     for module in model.modules():
         recordable = getattr(type(module), "_can_record_outputs", None)
-        if isinstance(recordable, dict) and ROUTER_KEY in recordable:
+        if isinstance(recordable, dict) and ROUTER_FIELD in recordable:
             return module
     return None
 
@@ -79,19 +84,13 @@ class RouterCarry:
     def check_batch(self, batch: Any) -> None:
         """Refuse, on every rank alike at ``engine(batch)``, a batch asking for router logits the stages do not carry."""
         if not self.sends and isinstance(batch, dict) and batch.get("output_router_logits"):
-            raise UsageError(self._not_carried)
-
-    _not_carried = (
-        "pipeline: this forward records router logits (output_router_logits passed per call), but the model's "
-        "config.output_router_logits was off at initialize, so the stages do not hand them on and the balancing "
-        "loss would see the last stage's layers only; set config.output_router_logits = True before initialize"
-    )
+            raise UsageError(_NOT_CARRIED)
 
     def _collected(self) -> list[torch.Tensor] | None:
         collected = self._collector.get()
         if not isinstance(collected, dict):
             return None
-        found = collected.get(ROUTER_KEY)
+        found = collected.get(ROUTER_FIELD)
         return found if isinstance(found, list) else None
 
     def take(self, like: torch.Tensor) -> torch.Tensor | None:
@@ -100,7 +99,7 @@ class RouterCarry:
         layers = self._collected()
         if not self.sends:
             if layers:
-                raise UsageError(self._not_carried)
+                raise UsageError(_NOT_CARRIED)
             return None
         if not layers:
             return torch.empty(0, device=like.device)

@@ -45,6 +45,7 @@ class StageOutput(Exception):
 
     @property
     def outputs(self) -> list[torch.Tensor]:
+        """What the stage hands on: the hidden state, then what the carry took."""
         return [self.hidden] if self.carried is None else [self.hidden, self.carried]
 
 
@@ -218,20 +219,13 @@ class StageGate:
         self._state.active = stage
 
     @property
-    def received(self) -> torch.Tensor | None:
+    def received(self) -> list[torch.Tensor] | None:
+        """The previous stage's hand-over: its hidden state, then (with a carry) the router logits it carried."""
         return getattr(self._state, "received", None)
 
     @received.setter
-    def received(self, tensor: torch.Tensor | None) -> None:
-        self._state.received = tensor
-
-    @property
-    def received_carried(self) -> torch.Tensor | None:
-        return getattr(self._state, "received_carried", None)
-
-    @received_carried.setter
-    def received_carried(self, tensor: torch.Tensor | None) -> None:
-        self._state.received_carried = tensor
+    def received(self, parts: list[torch.Tensor] | None) -> None:
+        self._state.received = parts
 
     def hooks(self, blocks: list[torch.nn.Module]) -> list[torch.utils.hooks.RemovableHandle]:
         handles = []
@@ -259,10 +253,11 @@ class StageGate:
                 hidden = _hidden_of(args, kwargs)
                 raise StageOutput(hidden, self.carry.take(hidden) if self.carry is not None else None)
             if index == span.start and self.active > 0:
-                assert self.received is not None, "pipeline: no activation received for this stage"
-                if self.carry is not None and self.received_carried is not None:
-                    self.carry.give(self.received_carried)
-                return _with_hidden(args, kwargs, self.received)
+                assert self.received, "pipeline: no activation received for this stage"
+                hidden, *carried = self.received
+                if self.carry is not None and carried:
+                    self.carry.give(carried[0])
+                return _with_hidden(args, kwargs, hidden)
             return None
 
         return hook

@@ -147,10 +147,9 @@ class Executor:
                 losses[a.micro] = out.detach()
                 outputs[key] = [out.float() * scale]
                 return
-            parts = self._parts(out)
             if self.layout.rank_of(a.stage + 1) == self.rank:  # the next stage is here: no transfer
-                inputs[(a.stage + 1, a.micro)] = [t.detach().requires_grad_() for t in parts]
-            outputs[key] = parts
+                inputs[(a.stage + 1, a.micro)] = [t.detach().requires_grad_() for t in out]
+            outputs[key] = out
             return
         if a.op is Op.BACKWARD_WEIGHT:
             work = deferred.pop(key)
@@ -194,28 +193,25 @@ class Executor:
                     if stage == self.last:
                         losses.append(out.detach())
                     elif self.layout.rank_of(stage + 1) != self.rank:
-                        sends += self._send_activation(Action(stage, Op.SEND_F, i), [t.contiguous() for t in self._parts(out)])
+                        sends += self._send_activation(Action(stage, Op.SEND_F, i), [t.contiguous() for t in out])
                     else:
-                        handed = self._parts(out)
+                        handed = out
         for work in sends:
             work.wait()
         return losses
 
     # ------------------------------------------------------------------ pieces
-    def forward(self, stage: int, batch: Any, received: list[torch.Tensor] | torch.Tensor | None, micro: int = 0) -> Any:
-        """The model's forward made stage ``stage``'s: what it hands on (the hidden state, or the list of it and
-        what the carry takes), or its loss on the last stage (of micro-batch ``micro``, through ``finish`` when set).
-        ``received``: the previous stage's handoff (a bare hidden state: nothing carried with it)."""
-        parts = [received] if isinstance(received, torch.Tensor) else received
-        self.gate.active = stage
-        self.gate.received = parts[0] if parts else None
-        self.gate.received_carried = parts[1] if parts and len(parts) > 1 else None
+    def forward(self, stage: int, batch: Any, received: list[torch.Tensor] | None, micro: int = 0) -> Any:
+        """The model's forward made stage ``stage``'s: what it hands on (the hidden state, then what the carry takes),
+        or its loss on the last stage (of micro-batch ``micro``, through ``finish`` when set). ``received``: the
+        previous stage's hand-over in the same form."""
+        self.gate.active, self.gate.received = stage, received
         try:
             output = call_model(self.model, without_cache(batch) if self.cacheless else batch)
         except StageOutput as done:
-            return done.hidden if done.carried is None else done.outputs
+            return self._parts(done.outputs)
         finally:
-            self.gate.active, self.gate.received, self.gate.received_carried = None, None, None
+            self.gate.active, self.gate.received = None, None
         if stage != self.last:
             raise UsageError(f"pipeline: stage {stage}'s forward ran to the end of the model without reaching its last block")
         finished = self.finish(output, micro) if self.finish is not None else output
@@ -244,8 +240,7 @@ class Executor:
     def _peer(self, stage: int) -> int:
         return self.peers[self.layout.rank_of(stage)]
 
-    def _parts(self, out: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
-        parts = [out] if isinstance(out, torch.Tensor) else list(out)
+    def _parts(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         if len(parts) != self.parts:
             raise UsageError(f"pipeline: a stage handed on {len(parts)} tensors where the pipeline carries {self.parts}")
         return parts

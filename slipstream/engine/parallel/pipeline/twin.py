@@ -139,7 +139,7 @@ def dry_run(pipeline: Any, batch: Any, probe: Probe, headline: str) -> None:
                 shape, dtype = probe.inputs[start]
                 received = torch.zeros(shape, dtype=dtype, device=next(pipeline.model.parameters()).device)
             try:
-                executor.forward(stage, batch, received)
+                executor.forward(stage, batch, [received] if received is not None else None)
             except Exception as err:  # noqa: BLE001 - any failure of the cut stage is the finding
                 problem = TwinMismatch(f"stage {stage} fails on its own ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})", float("inf"))
                 break
