@@ -177,6 +177,19 @@ def test_run_clm_finishes_and_matches_plain(stage: int, data: dict[str, str], tr
     assert got["eval_loss"] == pytest.approx(trainer_clm_plain["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.parametrize("mesh", ["ulysses", "zigzag"])
+def test_run_clm_with_flattened_documents_under_sequence_modes_matches_one_process(mesh: str, data: dict[str, str], tmp_path: Path) -> None:
+    """``SlipstreamTrainer`` given ``DataCollatorWithFlattening``'s rows (documents end to end, position ids
+    restarting, lengths that do not divide by 2) outside TRL: the logged losses and the evaluation loss of the
+    same Trainer in one process."""
+    flat = ["--flatten", "true", "--max_steps", "6"]
+    plain = run_distributed(1, _one_process, "trainer_clm", [*_trainer_clm_argv(data, tmp_path / "plain"), *flat])[0]
+    config = ds_config(tmp_path / "ds.json", 1, gradient_clipping="auto", **_sequence_mode(mesh))
+    got = run_host("trainer_clm", [*_trainer_clm_argv(data, tmp_path / "out"), *flat, "--slipstream", "--deepspeed", config])
+    assert_losses_match(got["losses"], plain["losses"])
+    assert got["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
+
+
 # ---------------------------------------------------------------------- Lightning: basics/transformer.py
 @pytest.fixture(scope="module")
 def lightning_plain() -> dict[str, Any]:
@@ -239,13 +252,18 @@ def test_trl_trainer_finishes_and_matches_plain(trainer: str, stage: int, data: 
     assert_losses_match(got["losses"], trl_plain[trainer]["losses"])
 
 
-def _trl_one_process(argv: list[str]) -> Any:
+def _one_process(module: str, argv: list[str]) -> Any:
+    """The host's ``main(argv)`` in a process of its own (world 1): the plain run on the whole global batch."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
-    return importlib.import_module("tests.integration.hosts.trl_trainers").main(argv)
+    return importlib.import_module(f"tests.integration.hosts.{module}").main(argv)
+
+
+def _sequence_mode(mesh: str) -> dict[str, Any]:
+    return {"sequence_parallel_size": 2} if mesh == "ulysses" else {"context_parallel": {"size": 2, "method": "zigzag"}}
 
 
 @pytest.mark.parametrize("batches", ["padding_free", "packing"])
@@ -257,9 +275,8 @@ def test_trl_sft_with_packed_documents_under_sequence_modes_matches_one_process(
     zig-zag on 2 ranks (dp 1: both read every batch) log the losses of the same SFTTrainer in one process."""
     pytest.importorskip("trl")
     argv = [*_trl_argv("sft", data, tmp_path / "plain"), f"--{batches}"]
-    plain = run_distributed(1, _trl_one_process, argv)[0]
-    extra = {"sequence_parallel_size": 2} if mesh == "ulysses" else {"context_parallel": {"size": 2, "method": "zigzag"}}
-    config = ds_config(tmp_path / "ds.json", 1, gradient_clipping="auto", **extra)
+    plain = run_distributed(1, _one_process, "trl_trainers", argv)[0]
+    config = ds_config(tmp_path / "ds.json", 1, gradient_clipping="auto", **_sequence_mode(mesh))
     got = run_host("trl_trainers", [*_trl_argv("sft", data, tmp_path / "out"), f"--{batches}", "--slipstream", "--deepspeed", config])
     assert_losses_match(got["losses"], plain["losses"])
 

@@ -21,9 +21,10 @@ as a bias we do not understand and refused too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.segments import Segments
 
+RECORDER = "slipstream_recorder"  # the name ``recording_attention_callers`` registers
 # Keywords that carry no arithmetic (bookkeeping transformers threads through every layer).
 _HARMLESS = {
     "position_ids", "cache_position", "use_cache", "output_hidden_states", "return_dict", "layer_idx",
@@ -139,6 +141,40 @@ def route_attention(model: torch.nn.Module, name: str, kernel: Callable[..., obj
     AttentionInterface.register(name, kernel)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)  # the local mask is ignored: the kernel knows the positions
     return config._attn_implementation
+
+
+@contextlib.contextmanager
+def recording_attention_callers(model: torch.nn.Module) -> Iterator[list[torch.nn.Module]]:
+    """While open, the model's attention runs through a recorder that lists each module calling it (the attention
+    interface's first argument: the attention module, whatever its class is called), then the model's own
+    function (SDPA for eager, which the interface does not hold). Empty for a model without the interface."""
+    configs = attention_configs(model)
+    found: list[torch.nn.Module] = []
+    if not configs:
+        yield found
+        return
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    previous = configs[0]._attn_implementation
+    own = ALL_ATTENTION_FUNCTIONS.get(previous, sdpa_attention_forward)
+
+    def record(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not any(m is module for m in found):
+            found.append(module)
+        return own(module, *args, **kwargs)
+
+    AttentionInterface.register(RECORDER, record)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(RECORDER, sdpa_mask)
+    saved = [c._attn_implementation for c in configs]
+    set_attention(configs, RECORDER)
+    try:
+        yield found
+    finally:
+        for config, name in zip(configs, saved):
+            config._attn_implementation = name
 
 
 def attention_configs(model: torch.nn.Module) -> list[Any]:

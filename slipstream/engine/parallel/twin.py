@@ -263,15 +263,22 @@ def _gradients(loss: torch.Tensor, trainable: list[tuple[str, torch.nn.Parameter
     return {n: g for (n, _), g in zip(trainable, found) if g is not None}
 
 
-def check_sequence_pipeline_twin(pipeline: Any, sharder: Any, mode: str, averaging: Mapping[int, dist.ProcessGroup] | None = None) -> None:
+def check_sequence_pipeline_twin(
+    pipeline: Any, sharder: Any, mode: str, averaging: Mapping[int, dist.ProcessGroup] | None = None,
+    batch: dict[str, Any] | None = None, what: str = "a synthetic batch",
+) -> None:  # fmt: skip
     """Under a pipeline: one schedule on whole sequences with the model's own attention against one on this
     rank's shards with the sharded attention; the loss, then this stage's group-mean gradients. Every rank
-    of the world raises together (the stages' verdicts differ, and none may go on while another stops)."""
+    of the world raises together (the stages' verdicts differ, and none may go on while another stops).
+    ``batch``: keyword arguments with labels, run as every micro-batch of the schedule (default: random tokens)."""
     model = pipeline.model
     name, tolerance = type(model).__name__, tolerance_for(model)
     device = next(model.parameters()).device
-    tokens = [synthetic_tokens(model, sharder.divisor, seed=k).to(device) for k in range(pipeline.micro_batches)]
-    batches = [{"input_ids": t, "labels": t.clone()} for t in tokens]
+    if batch is None:
+        tokens = [synthetic_tokens(model, sharder.divisor, seed=k).to(device) for k in range(pipeline.micro_batches)]
+        batches = [{"input_ids": t, "labels": t.clone()} for t in tokens]
+    else:
+        batches = [dict(batch) for _ in range(pipeline.micro_batches)]
     scale = 1.0 / len(batches)
     with quiet_model(model):
         for p in model.parameters():
@@ -290,7 +297,7 @@ def check_sequence_pipeline_twin(pipeline: Any, sharder: Any, mode: str, averagi
         if mismatch is None:
             mismatch = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging), ref_grads, tolerance)
         pipeline.last_report = None
-    agree(mismatch, dist.group.WORLD, f"{sharder.key}: {mode} inside the pipeline's stages does not reproduce {name} (twin check)",
+    agree(mismatch, dist.group.WORLD, f"{sharder.key}: {mode} inside the pipeline's stages does not reproduce {name} on {what} (twin check)",
           "the same pipeline with the model's own attention on whole sequences")  # fmt: skip
 
 

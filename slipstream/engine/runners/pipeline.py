@@ -117,6 +117,10 @@ class PipelineRunner:
         batch, count = as_batch(args, kwargs), None
         self.pipeline.check_batch(batch)
         if self.sharder is not None:
+            check = self.sharder.take_first_batch_check() if torch.is_grad_enabled() and isinstance(batch, dict) else None
+            if check is not None:  # the first training micro-batch, before it trains (parallel/sequence/first_batch.py)
+                with self.strategy.set_aside():
+                    check(batch)
             batch, count = self._shard(batch)
         loss = DeferredLoss(len(self.window), step)
         self.window.append((batch, count, loss))

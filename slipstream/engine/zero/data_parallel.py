@@ -80,6 +80,8 @@ class DataParallelStrategy(ShardingStrategy):
         self.sync = sync
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if self.aside:
+            return  # set_aside: the gradient is the check's, not the step's
         i = self.index[id(param)]
         view = self.reducer.views[i]
         if self.low_precision:

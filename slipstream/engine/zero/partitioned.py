@@ -102,6 +102,8 @@ class PartitionedStrategy(MastersStrategy):
         self.sync = sync
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if self.aside:
+            return  # set_aside: the gradient is the check's, not the step's
         i = self.index[id(param)]
         part = self.part_of.get(i)
         if part is None:

@@ -95,6 +95,7 @@ class ShardingStrategy(abc.ABC):
 
     optimizer: torch.optim.Optimizer
     hooks: list[torch.utils.hooks.RemovableHandle]
+    aside = False  # inside ``set_aside``: the gradient hooks let every accumulation pass
 
     @abc.abstractmethod
     def begin_backward(self, sync: bool) -> None:
@@ -122,10 +123,15 @@ class ShardingStrategy(abc.ABC):
 
     @contextlib.contextmanager
     def set_aside(self) -> Iterator[None]:
-        """A forward and backward the strategy takes no part in (the first-batch twin check, whose gradients
-        ``torch.autograd.grad`` returns and never accumulates in ``.grad``): stages 0-2 see nothing then, as
-        their hooks fire on accumulation only; ZeRO-3 overrides this to gather its units once and stand aside."""
-        yield
+        """A forward and backward the strategy takes no part in (the first-batch twin check): its gradients
+        stay where autograd leaves them (returned by ``torch.autograd.grad``, or accumulated in ``.grad`` by a
+        pipeline schedule, which the check restores afterwards), nothing is reduced or adopted. Stages 0-2
+        hold their accumulation hooks; ZeRO-3 overrides this to gather its units once and stand aside."""
+        self.aside = True
+        try:
+            yield
+        finally:
+            self.aside = False
 
     def adopt_gradients(self) -> None:
         """Take in gradients that reached ``.grad`` without the strategy's hooks (stages 0-2)."""

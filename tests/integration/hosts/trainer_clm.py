@@ -18,7 +18,7 @@ from itertools import chain
 import torch
 from datasets import load_dataset
 from transformers import (
-    AutoConfig, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments, default_data_collator,
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, HfArgumentParser, Trainer, TrainingArguments, default_data_collator,
     set_seed,
 )  # fmt: skip
 
@@ -36,6 +36,7 @@ class DataTrainingArguments:
     train_file: str = ""
     validation_file: str = ""
     block_size: int = 16
+    flatten: bool = False  # each line one document, flattened into one row per batch (DataCollatorWithFlattening)
 
 
 def main(argv: list[str]) -> dict:
@@ -71,9 +72,6 @@ def main(argv: list[str]) -> dict:
         result["labels"] = result["input_ids"].copy()
         return result
 
-    with training_args.main_process_first(desc="grouping texts together"):
-        lm_datasets = tokenized.map(group_texts, batched=True)
-
     def preprocess_logits_for_metrics(logits, labels):
         return logits.argmax(dim=-1)
 
@@ -82,10 +80,17 @@ def main(argv: list[str]) -> dict:
         labels, preds = labels[:, 1:].reshape(-1), preds[:, :-1].reshape(-1)
         return {"accuracy": float((preds == labels).mean())}
 
+    collator, metrics = default_data_collator, {"compute_metrics": compute_metrics, "preprocess_logits_for_metrics": preprocess_logits_for_metrics}
+    if data_args.flatten:  # padding-free SFT's batches: documents end to end, position ids restarting at each
+        lm_datasets = tokenized.remove_columns([c for c in tokenized["train"].column_names if c != "input_ids"])
+        collator, metrics = DataCollatorWithFlattening(), {}
+    else:
+        with training_args.main_process_first(desc="grouping texts together"):
+            lm_datasets = tokenized.map(group_texts, batched=True)
+
     trainer = trainer_cls(
         model=model, args=training_args, train_dataset=lm_datasets["train"], eval_dataset=lm_datasets["validation"],
-        processing_class=tokenizer, data_collator=default_data_collator, compute_metrics=compute_metrics,
-        preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        processing_class=tokenizer, data_collator=collator, **metrics,
     )  # fmt: skip
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
@@ -99,7 +104,7 @@ def main(argv: list[str]) -> dict:
     trainer.log_metrics("eval", eval_metrics)
     trainer.save_metrics("eval", eval_metrics)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"losses": losses, "eval_loss": eval_metrics["eval_loss"], "accuracy": eval_metrics["eval_accuracy"]}
+    return {"losses": losses, "eval_loss": eval_metrics["eval_loss"], "accuracy": eval_metrics.get("eval_accuracy")}
 
 
 if __name__ == "__main__":

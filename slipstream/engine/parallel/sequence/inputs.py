@@ -7,7 +7,9 @@ boundary and pair each shard's last token with nothing. So the engine shifts fir
 with -100 at the end, passed as ``shift_labels``, which transformers' loss uses unshifted), then
 cuts ``input_ids``, ``shift_labels`` and ``position_ids`` (the *global* positions of the local
 tokens, so rotary and learned positions are right) into ``u`` contiguous chunks; rank ``r`` of the
-sequence group keeps chunk ``r``. Every rank of the group received the same micro-batch.
+sequence group keeps chunk ``r``. Every rank of the group received the same micro-batch. A model
+whose loss pairs token ``i``'s logits with label ``i`` (transformers' masked-LM and token
+classification losses, ``UNSHIFTED_LOSSES``) gets its labels cut as they are.
 
 [Note: the loss and its gradient] Rank ``r``'s model returns ``l_r``, the mean over its ``n_r``
 labelled tokens. The whole sequence's loss is ``L = Σ n_r·l_r / N`` with ``N = Σ n_r`` (one
@@ -53,6 +55,8 @@ from slipstream.engine.parallel.sequence.logits import gather_sequence, with_who
 from slipstream.engine.parallel.sequence.router import whole_router_logits
 
 IGNORE_INDEX = -100
+# transformers' per-token losses that pair logits and labels at the same position (``model.loss_type``)
+UNSHIFTED_LOSSES = ("ForMaskedLM", "ForTokenClassification")
 SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "inputs_embeds", "token_type_ids")
 
 
@@ -107,6 +111,7 @@ class SequenceSharder:
         if routing is not None:
             self.configs = attention_configs(routing[0])
         self.caller_normalizes = False
+        self.shifts = routing is None or getattr(routing[0], "loss_type", None) not in UNSHIFTED_LOSSES
         # The twin check on the first training batch (first_batch.py), set once the synthetic one passed.
         self.first_batch: Callable[[dict[str, Any]], None] | None = None
         # by id of the local position ids (tensors compare elementwise, so no WeakKeyDictionary); gone with them
@@ -175,7 +180,9 @@ class SequenceSharder:
         self.caller_normalizes = kwargs.get("num_items_in_batch") is not None
         out = {k: v for k, v in kwargs.items() if k not in ("attention_mask", *VARLEN_KEYS)}
         labels = out.pop("labels", None)
-        if labels is not None and "shift_labels" not in out:
+        if labels is not None and not self.shifts:
+            out["labels"] = labels  # cut as they are (the module note)
+        elif labels is not None and "shift_labels" not in out:
             out["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
         if out.get("position_ids") is None:
             out["position_ids"] = torch.arange(length, device=source.device).unsqueeze(0).expand(batch, length)
@@ -193,6 +200,8 @@ class SequenceSharder:
             # transformers' loss only runs when labels are given: hand it the local labels, unused once shifted
             out["labels"] = out["shift_labels"]
             count = (out["shift_labels"] != IGNORE_INDEX).sum().to(torch.float32)
+        elif out.get("labels") is not None:
+            count = (out["labels"] != IGNORE_INDEX).sum().to(torch.float32)
         return out, count
 
     def take_first_batch_check(self) -> Callable[[dict[str, Any]], None] | None:

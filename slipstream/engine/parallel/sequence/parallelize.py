@@ -66,7 +66,13 @@ def parallelize_attention(
         except BaseException:
             sharder.close()
             raise
-        if pipeline is None:  # and again on the first training batch (first_batch.py's note)
+        # and again on the first training batch (first_batch.py's note)
+        if pipeline is not None:
+            staged = pipeline
+            sharder.first_batch = first_batch_check(
+                staged.model, sharder, lambda batch, what: check_sequence_pipeline_twin(staged, sharder, mode, averaging, batch, what)
+            )
+        else:
             sharder.first_batch = first_batch_check(
                 model, sharder, lambda batch, what: check_sequence_twin(model, sharder, mode, averaging, batch, what)
             )

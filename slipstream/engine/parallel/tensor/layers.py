@@ -37,6 +37,7 @@ class TPContext:
     seq_dim: int = 1  # batch-first activations [batch, sequence, hidden]
     enabled_sequence: bool = True  # off while the self-check runs blocks on whole sequences
     sp_length: int | None = None  # the running region's whole sequence (ops.py's [Note: a length that does not divide])
+    sp_rows: int | None = None  # the running region's batch rows (ops.py's [Note: flattened tokens])
     rng: ShardedRegionRng | None = None  # dropout between a sub-block's column and row layers (parallel/rng.py)
 
     @property
@@ -62,7 +63,8 @@ class SharedInput:
         if self.ctx.sp and self.gathered_by_parent:
             return x
         if self.ctx.sp:
-            wrapped = ops.gather_sequence(x, self.ctx.seq_dim, self.ctx.group, length=self.ctx.sp_length)
+            ctx = self.ctx
+            wrapped = ops.on_tokens(x, ctx.sp_rows, lambda t: ops.gather_sequence(t, ctx.seq_dim, ctx.group, length=ctx.sp_length))
         else:
             wrapped = ops.copy_to_tp(x, self.ctx.group)
         self._source, self._wrapped = x, wrapped
@@ -170,7 +172,7 @@ class ShardedLinear(torch.nn.Module):
             ctx.rng.leave()
         partial = self._matmul(x, None)
         if ctx.sp:
-            y = ops.reduce_scatter_sequence(partial, ctx.seq_dim, ctx.group)
+            y = ops.on_tokens(partial, ctx.sp_rows, lambda t: ops.reduce_scatter_sequence(t, ctx.seq_dim, ctx.group))
         else:
             y = ops.reduce_from_tp(partial, ctx.group)
         return y + self.bias if self.bias is not None else y

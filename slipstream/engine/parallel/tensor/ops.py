@@ -9,7 +9,9 @@ row-parallel layer leaves a partial sum, so each sub-block (attention, MLP) is b
   ``reduce_scatter`` (forward reduce-scatter on the sequence, backward all-gather): the same bytes,
   but the norm and dropout regions between the pairs hold only ``s / t`` of the sequence;
 * ``split``/``gather_keep`` at the edges of the sequence-parallel region (first block in, last
-  block out) and ``gather_last`` for vocabulary-sharded logits (backward: keep this rank's chunk).
+  block out) and ``gather_last`` for vocabulary-sharded logits (backward: keep this rank's chunk);
+* ``gather``/``keep_chunk`` around a replicated attention inside the region (sequence.py's
+  [Note: replicated attention]): whole sequences in, this rank's chunk out, partial gradients.
 
 [Note: a length that does not divide] The region holds ``ceil(s / t)`` tokens per rank: ``split`` and
 ``reduce_scatter`` extend a whole sequence of ``s`` tokens with zero rows to a multiple of ``t``
@@ -19,6 +21,12 @@ attention, MLPs and the head only ever see the caller's ``s`` tokens; the zero r
 norms and residual adds on their own (each row is its own) and no output reads them, so their
 gradient is zero and the replicated parameters' gradients are one process's.
 
+[Note: flattened tokens] Some blocks flatten their tokens before the MLP (OPT: ``[b, s, h]`` to
+``[b·s, h]``). Inside the region that is ``[b·s/t, h]``, whose first dimension mixes the batch and
+this rank's part of the sequence. A 2-D activation reaching a gather or a reduce-scatter is viewed
+as ``[rows, s/t, h]`` with the region's batch rows (recorded at its entry), exchanged on the
+sequence, and flattened back, so the ranks' tokens interleave as the unflattened ones do.
+
 Every collective goes through ``slipstream.comm`` so the comms log counts it (tests pin the
 bytes per block). On CUDA these run on the backend's stream and the next matmul waits only on the
 collective it consumes; nothing here synchronizes the host.
@@ -26,6 +34,7 @@ collective it consumes; nothing here synchronizes the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -151,6 +160,39 @@ class _GatherKeep(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         return _chunk(_fit(grad, ctx.dim, ctx.padded), ctx.dim, ctx.group), None, None, None, None
+
+
+class _KeepChunk(torch.autograd.Function):
+    """Forward: this rank's chunk of a whole sequence every rank computed alike; backward: that chunk's gradient in
+    its place and zeros elsewhere, so what computed the whole sequence holds a partial gradient on each rank (summed
+    by a ``gather``'s reduce-scatter before it, and by the replicated parameters' sum over tp)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.length = dim, group, x.shape[dim]
+        return _chunk(_divisible(x, dim, group), dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        size, rank, local = dist.get_world_size(ctx.group), dist.get_rank(ctx.group), grad.shape[ctx.dim]
+        shape = list(grad.shape)
+        shape[ctx.dim] = local * size
+        whole = grad.new_zeros(shape)
+        whole.narrow(ctx.dim, rank * local, local).copy_(grad)
+        return _fit(whole, ctx.dim, ctx.length), None, None
+
+
+def keep_chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    return _KeepChunk.apply(x, dim, group)
+
+
+def on_tokens(x: torch.Tensor, rows: int | None, exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``exchange`` on batch-first tokens, a flattened ``[rows·s, h]`` activation viewed as ``[rows, s, h]`` for it
+    ([Note: flattened tokens])."""
+    if x.dim() != 2 or not rows:
+        return exchange(x)
+    y = exchange(x.reshape(rows, -1, x.shape[-1]))
+    return y.reshape(-1, y.shape[-1])
 
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -233,6 +233,8 @@ def parallelize_tensor(
         if found is not None:
             twin_batch, expected = found[0], twin.whole_model_reference(model, found[0])
     probe = selfcheck.capture(model, blocks.modules, leaves)
+    # the modules that call the attention function, found on the unsharded model (sequence.py's [Note: replicated attention])
+    attention = selfcheck.attention_modules(model, blocks.modules, leaves) if options.sequence_parallel else []
     order = probe.order + [n for n in leaves if n not in probe.order]
     plan = build_plan(model, leaves, order, options.partition_config)
     plan = _check_divides(plan, leaves, model, t)
@@ -256,7 +258,7 @@ def parallelize_tensor(
     selfcheck.verify(probe, blocks.modules, blocks.names, plan, ctx.group, tolerance)
     if ctx.sequence_parallel:  # every replicated block parameter: a superset of the sharded regions' ones
         own_experts = set() if experts is None else {id(p) for p in experts.params}
-        hooks = sequence.enable(model, blocks.modules, ctx, shared, not_replicated=own_experts)
+        hooks = sequence.enable(model, blocks.modules, ctx, shared, not_replicated=own_experts, attention=attention)
         if experts is not None:
             experts.split_tokens(lambda: t if ctx.sp else 1)
     else:

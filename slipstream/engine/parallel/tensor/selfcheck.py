@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.engine.config import ConfigError
+from slipstream.engine.parallel.attention import recording_attention_callers
 from slipstream.engine.parallel.calls import call_model
 from slipstream.engine.parallel.tensor.plan import PlanEntry, in_features
 from slipstream.engine.parallel.twin import synthetic_batches
@@ -113,6 +114,19 @@ def capture(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: d
         for module, mode in modes.items():
             module.training = mode
     return probe
+
+
+def attention_modules(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules that call transformers' attention function on the probe batch (parallel/attention.py's recorder)."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad(), recording_attention_callers(model) as found:
+            _run_model(model, blocks, leaves)
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+    return found
 
 
 def verify(

@@ -50,14 +50,43 @@ def _gather_at_entry(parent: torch.nn.Module, share: SharedInput, ctx: TPContext
     return parent.register_forward_pre_hook(gather, with_kwargs=True)
 
 
+def _whole_sequence_around(module: torch.nn.Module, ctx: TPContext) -> list[Any]:
+    """[Note: replicated attention] An attention the plan leaves replicated (no sharded layer inside it: DeepSeek's
+    multi-head latent attention under transformers' plan, which shards the MLPs only) mixes tokens, so inside the
+    region it must see the whole sequence, not this rank's part. It is gathered at its entry (backward:
+    reduce-scatter) and only this rank's chunk of its output goes on (backward: that chunk's gradient, zeros
+    elsewhere). Every tp rank computes the same whole-sequence attention, as tp without sp does; each holds the
+    part of the gradients its own chunk contributes, which the gather's reduce-scatter sums for the input and the
+    replicated parameters' sum over tp sums for the weights."""
+
+    def enter(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not ctx.sp:
+            return None
+        kind, key = _first_tensor(args, kwargs)
+        if kind == "arg":
+            return (ops.gather_sequence(args[0], ctx.seq_dim, ctx.group, "sp gather (replicated attention)", ctx.sp_length), *args[1:]), kwargs
+        return args, {**kwargs, key: ops.gather_sequence(kwargs[key], ctx.seq_dim, ctx.group, "sp gather (replicated attention)", ctx.sp_length)}
+
+    def leave(_: torch.nn.Module, args: Any, output: Any) -> Any:
+        if not ctx.sp:
+            return None
+        if isinstance(output, torch.Tensor):
+            return ops.keep_chunk(output, ctx.seq_dim, ctx.group)
+        return (ops.keep_chunk(output[0], ctx.seq_dim, ctx.group), *output[1:])
+
+    return [module.register_forward_pre_hook(enter, with_kwargs=True), module.register_forward_hook(leave)]
+
+
 def enable(
     model: torch.nn.Module, blocks: Sequence[torch.nn.Module], ctx: TPContext, shared: dict[str, SharedInput],
-    not_replicated: Collection[int] = frozenset(),
+    not_replicated: Collection[int] = frozenset(), attention: Sequence[torch.nn.Module] = (),
 ) -> list[Any]:  # fmt: skip
     """Install the region edges, the sub-block entries and the gradient reductions; return the handles.
 
     ``not_replicated``: ids of block parameters that differ between tp ranks though no tp layer holds
-    them (expert parallelism's experts), left out of the replicated gradients' sum over tp.
+    them (expert parallelism's experts), left out of the replicated gradients' sum over tp. ``attention``: the
+    modules that call the model's attention function; those with no sharded layer inside see whole sequences
+    ([Note: replicated attention]).
 
     [Note: where to gather] A sub-block below the block (an attention or MLP module) is gathered at
     its entry: its code may take the sequence length from its input. When the column leaves sit
@@ -77,6 +106,7 @@ def enable(
         kind, key = _first_tensor(args, kwargs)
         hidden = args[0] if kind == "arg" else kwargs[key]
         ctx.sp_length = hidden.shape[ctx.seq_dim]  # a length that does not divide is extended (ops.py's note)
+        ctx.sp_rows = hidden.shape[0] if ctx.seq_dim == 1 else None  # for flattened tokens (ops.py's note)
         if kind == "arg":
             return (ops.split_sequence(args[0], ctx.seq_dim, ctx.group), *args[1:]), kwargs
         return args, {**kwargs, key: ops.split_sequence(kwargs[key], ctx.seq_dim, ctx.group)}
@@ -100,6 +130,10 @@ def enable(
         gathered = ops.gather_keep(local.reshape(rows, -1, local.shape[-1]), 1, ctx.group, "sp router logits gather", ctx.sp_length)
         return gathered if local.dim() == 3 else gathered.reshape(-1, local.shape[-1])
 
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    for module in attention:
+        if id(module) in in_blocks and id(module) not in block_ids and not any(isinstance(m, ShardedLinear) for m in module.modules()):
+            handles += _whole_sequence_around(module, ctx)
     ctx.enabled_sequence = True
     router = RouterLogitsHook(model, whole_router_logits)
     handles += [
