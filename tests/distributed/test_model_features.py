@@ -52,7 +52,36 @@ def _bert_mlm() -> torch.nn.Module:
     ))  # fmt: skip
 
 
-BUILDERS = {"mistral": _mistral, "gemma2": _gemma2, "bert": _bert_mlm}
+def distance_biased_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """A user's attention function (registered with transformers, no rule in the engine names it): causal softmax
+    attention plus a bias that falls with the distance between the positions it is given (ALiBi-like, one slope
+    for every head), masking by itself (registered without a mask function, it gets no mask)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    positions = kwargs["position_ids"][0].to(query.dtype)
+    distance = positions[:, None] - positions[None, :]
+    scores = query @ key.transpose(-1, -2) * (scaling or query.shape[-1] ** -0.5) - 0.25 * distance.abs()
+    scores = scores.masked_fill(distance < 0, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ value).transpose(1, 2).contiguous(), None
+
+
+def _biased_llama() -> torch.nn.Module:
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    AttentionInterface.register("distance_bias", distance_biased_attention)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0,
+    ))  # fmt: skip
+    model.config._attn_implementation = "distance_bias"
+    return model
+
+
+BUILDERS = {"mistral": _mistral, "gemma2": _gemma2, "bert": _bert_mlm, "biased": _biased_llama}
 MODES = {
     "ulysses": {"sequence_parallel_size": 2},
     "ring": {"context_parallel": {"size": 2, "method": "ring"}},
@@ -88,6 +117,8 @@ CASES = [
     ("mistral", "ring", "trains"), ("mistral", "zigzag", "trains"),  # windows on the ring (context/ring.py)
     ("gemma2", "ulysses", "trains"), ("gemma2", "allgather_kv", "trains"), ("gemma2", "ring", "trains"),
     ("bert", "ulysses", "trains"), ("bert", "ring", "trains"), ("bert", "zigzag", "trains"),  # bidirectional, unshifted labels
+    # a user's attention function: run as it is on whole sequences under Ulysses; the ring cannot, and the twin check sees it
+    ("biased", "ulysses", "trains"), ("biased", "ring", "twin check"),
 ]  # fmt: skip
 
 
@@ -97,7 +128,8 @@ def _cases_body() -> list[dict[str, Any]]:
 
 def test_every_attention_keyword_is_honoured_or_refused_at_initialize() -> None:
     """Cases 1-3: sliding windows and soft-capping train to one process under every kernel (ring and zig-zag
-    included, issue 48); a masked LM (bidirectional attention, labels at their own positions) trains too."""
+    included, issue 48); a masked LM (bidirectional attention, labels at their own positions) trains too, and so
+    does a user's own attention function under Ulysses (ulysses.py, [Note: the model's own attention function])."""
     references = {name: train_lm_reference(BUILDERS[name](), _batches(), LR, bounds=False)[0] for name in BUILDERS}
     results = run_distributed(2, _cases_body)
     for rank_results in results:

@@ -145,7 +145,10 @@ class SequenceSharder:
         """Hand the kernel an earlier micro-batch's segments again (its backward is still to run)."""
         self.current = step
         if self.routing is not None:
-            self.routing[3].segments = step.segments if step is not None else None
+            kernel = self.routing[3]
+            kernel.segments = step.segments if step is not None else None
+            if hasattr(kernel, "whole_positions"):  # Ulysses running the model's own function (ulysses.py)
+                kernel.whole_positions = step.positions if step is not None else None
 
     def close(self) -> None:
         """Give the model its own attention back (the engine is discarded; the model may be trained again)."""
@@ -227,8 +230,7 @@ class SequenceSharder:
         positions = kwargs.get("position_ids")
         filed = self._structure.get(id(positions))
         step = filed[1] if filed is not None and filed[0]() is positions else None
-        self.routing[3].segments = step.segments if step is not None else None
-        self.current = step
+        self.resume(step)
 
     def _rotary_step(self, position_ids: Any) -> _Step | None:
         """The running micro-batch, if ``position_ids`` are its local ones (not a call of the model's own)."""

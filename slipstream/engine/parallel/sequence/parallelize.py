@@ -41,8 +41,10 @@ def parallelize_attention(
         mode = f"Ulysses ({options.ulysses}) × {method} context parallel ({options.context})"
     elif options.ulysses > 1:
         group = mesh.group("sp")
-        kernel: object = UlyssesAttention(group)
-        previous = route_attention(model, ATTENTION_NAME, kernel, "sequence_parallel_size")
+        ulysses = UlyssesAttention(group)
+        kernel: object = ulysses
+        previous = route_attention(model, ATTENTION_NAME, ulysses, "sequence_parallel_size")
+        ulysses.use_own(previous)  # a function the user registered runs on whole sequences ([Note: the model's own attention function])
         log_rank0(logger, "sequence parallel (Ulysses) %d: attention %r replaced in each step; batches sharded on the sequence", options.ulysses, previous)
         sharder = SequenceSharder(group, routing=(model, ATTENTION_NAME, previous, kernel))
         mode = f"Ulysses sequence parallel ({options.ulysses})"

@@ -31,11 +31,13 @@ import torch.nn.functional as F
 
 from slipstream import comm
 from slipstream.comm import overlap
-from slipstream.engine.parallel.attention import allowed, attend, attention_features
+from slipstream.engine.parallel.attention import UnsupportedAttention, allowed, attend, attention_features
 from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
 
 ATTENTION_NAME = "slipstream_ulysses"
+# transformers' own kernels (their names contain these): the built-in Ulysses kernel reproduces them
+BUILT_IN_KERNELS = ("eager", "sdpa", "flash", "flex", "paged", "slipstream")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -79,6 +81,19 @@ class UlyssesAttention:
         self.size = dist.get_world_size(group)
         self._active = False
         self._segments: Segments | None = None
+        # [Note: the model's own attention function] set by ``use_own`` for an attention function the user registered
+        self.own: tuple[str, Any] | None = None
+        self.whole_positions: torch.Tensor | None = None  # the running micro-batch's [rows, s] positions (the sharder's)
+
+    def use_own(self, name: str) -> None:
+        """Run the function registered as ``name`` (the model's own) on this rank's heads of the whole sequence,
+        instead of the built-in kernel, when it is not one of transformers' own kernels."""
+        if self.inner is not None or any(part in name for part in BUILT_IN_KERNELS):
+            return
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if name in ALL_ATTENTION_FUNCTIONS:
+            self.own = (name, ALL_ATTENTION_FUNCTIONS[name])
 
     @property
     def segments(self) -> Segments | None:
@@ -128,6 +143,10 @@ class UlyssesAttention:
             out, _ = self.inner(module, q, k, v, attention_mask, dropout, scaling, **kwargs)  # [b, s/c, hq, d]
             back = all_to_all(out.transpose(1, 2).unsqueeze(1), 3, 1, self.group, "ulysses output all-to-all")
             return back.reshape(b, heads, s_local, d).transpose(1, 2).contiguous(), None
+        if self.own is not None:
+            out, _ = self._own_attention(module, q, k, v, features, dropout, scaling, kwargs)  # [b, s, hq, d]
+            back = all_to_all(out.transpose(1, 2).unsqueeze(1), 3, 1, self.group, "ulysses output all-to-all")
+            return back.reshape(b, heads, s_local, d).transpose(1, 2).contiguous(), None
         if hk != hq:
             k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
         s = s_local * u
@@ -139,3 +158,35 @@ class UlyssesAttention:
             out = attend(q, k, v, features, allowed(features, positions, positions, self._segments), training)  # [b, hq, s, d]
         back = all_to_all(out.unsqueeze(1), 3, 1, self.group, "ulysses output all-to-all")  # [b, u, hq, s/u, d]
         return back.reshape(b, heads, s_local, d).transpose(1, 2).contiguous(), None
+
+    def _own_attention(
+        self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: Any, dropout: float,
+        scaling: float | None, kwargs: dict[str, Any],
+    ) -> Any:  # fmt: skip
+        """[Note: the model's own attention function] After the all-to-all this rank holds whole sequences of its
+        heads, so an attention function the user registered with transformers can run unchanged on them, with no
+        rule written for what it computes (a bias from positions, its own masking). It gets what one process would
+        give it: the whole sequence's mask in the form its mask function builds (none without one: the function
+        masks by itself, as in one process) and the whole sequence's ``position_ids``. What it computes per head
+        from the model's head count would see this rank's heads only; the twin check refuses such a function."""
+        name, function = self.own  # type: ignore[misc]
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+        s = q.shape[2]
+        mask: Any = None
+        if name in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            builder = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name]
+            if builder not in (sdpa_mask, eager_mask):
+                raise UnsupportedAttention(
+                    f"sequence_parallel_size: attention {name!r} builds its mask with {getattr(builder, '__name__', builder)!r}, "
+                    "which Ulysses cannot rebuild for the whole sequence; register it with sdpa_mask or eager_mask, or none"
+                )
+            positions = torch.arange(s, device=q.device)
+            allowed_pairs = allowed(features, positions, positions, self._segments)
+            allowed_pairs = torch.ones(s, s, dtype=torch.bool, device=q.device) if allowed_pairs is None else allowed_pairs
+            allowed_pairs = allowed_pairs.expand(q.shape[0], 1, s, s)
+            mask = allowed_pairs if builder is sdpa_mask else torch.zeros(allowed_pairs.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed_pairs, torch.finfo(q.dtype).min)
+        extra = dict(kwargs)
+        if self.whole_positions is not None and extra.get("position_ids") is not None:
+            extra["position_ids"] = self.whole_positions
+        return function(module, q, k, v, mask, dropout=dropout, scaling=scaling, **extra)
