@@ -206,6 +206,29 @@ ZOO: dict[str, Callable[[], torch.nn.Module]] = {
         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64,
         attention_dropout=0.0,
     ),
+    "gemma3": _hf(
+        "Gemma3TextConfig", "Gemma3ForCausalLM", **_DECODER, head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+    "starcoder2": _hf(
+        "Starcoder2Config", "Starcoder2ForCausalLM", **_DECODER, sliding_window=WINDOW, residual_dropout=0.0, embedding_dropout=0.0,
+    ),
+    "olmo2": _hf("Olmo2Config", "Olmo2ForCausalLM", **_DECODER),
+    "stablelm": _hf("StableLmConfig", "StableLmForCausalLM", **_DECODER, qk_layernorm=True, hidden_dropout=0.0),
+    "gpt-bigcode": _hf(
+        "GPTBigCodeConfig", "GPTBigCodeForCausalLM", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=4, n_head=4, n_positions=64,
+        multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ),
+    "gpt-j": _hf(
+        "GPTJConfig", "GPTJForCausalLM", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=4, n_head=4, n_positions=64, rotary_dim=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    ),
+    "modernbert-mlm": _hf(
+        "ModernBertConfig", "ModernBertForMaskedLM", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, global_attn_every_n_layers=2, local_attention=WINDOW,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+        attention_dropout=0.0, embedding_dropout=0.0, mlp_dropout=0.0,
+    ),
     "torch-encoder": EncoderLM,
     "value-residual": ValueResidualLM,
     "looped": LoopedLM,

@@ -145,26 +145,21 @@ def route_attention(model: torch.nn.Module, name: str, kernel: Callable[..., obj
 
 @contextlib.contextmanager
 def recording_attention_callers(model: torch.nn.Module) -> Iterator[list[torch.nn.Module]]:
-    """While open, the model's attention runs through a recorder that lists each module calling it (the attention
-    interface's first argument: the attention module, whatever its class is called), then the model's own
-    function (SDPA for eager, which the interface does not hold). Empty for a model without the interface."""
+    """While open, the model's attention function is a recorder that lists each module calling it (the attention
+    interface's first argument: the attention module, whatever its class is called) and returns zeros of the
+    output's shape: what the forward computes is not used, only who calls. Empty for a model without the interface."""
     configs = attention_configs(model)
     found: list[torch.nn.Module] = []
     if not configs:
         yield found
         return
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    previous = configs[0]._attn_implementation
-    own = ALL_ATTENTION_FUNCTIONS.get(previous, sdpa_attention_forward)
-
-    def record(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any, **__: Any) -> Any:
         if not any(m is module for m in found):
             found.append(module)
-        return own(module, *args, **kwargs)
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None  # [b, s, H, d_v]
 
     AttentionInterface.register(RECORDER, record)
     ALL_MASK_ATTENTION_FUNCTIONS.register(RECORDER, sdpa_mask)
