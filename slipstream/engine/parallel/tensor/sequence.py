@@ -40,14 +40,17 @@ def _gather_at_entry(parent: torch.nn.Module, share: SharedInput, ctx: TPContext
     share.gathered_by_parent = True
 
     def gather(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not ctx.sp:
-            return None
-        kind, key = _first_tensor(args, kwargs)
-        if kind == "arg":
-            return (ops.gather_sequence(args[0], ctx.seq_dim, ctx.group, length=ctx.sp_length), *args[1:]), kwargs
-        return args, {**kwargs, key: ops.gather_sequence(kwargs[key], ctx.seq_dim, ctx.group, length=ctx.sp_length)}
+        return _gathered_hidden(args, kwargs, ctx, "sp gather") if ctx.sp else None
 
     return parent.register_forward_pre_hook(gather, with_kwargs=True)
+
+
+def _gathered_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], ctx: TPContext, tag: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A module's call with its hidden state (first argument or ``hidden_states=``) gathered on the sequence."""
+    kind, key = _first_tensor(args, kwargs)
+    if kind == "arg":
+        return (ops.gather_sequence(args[0], ctx.seq_dim, ctx.group, tag, ctx.sp_length), *args[1:]), kwargs
+    return args, {**kwargs, key: ops.gather_sequence(kwargs[key], ctx.seq_dim, ctx.group, tag, ctx.sp_length)}
 
 
 def _whole_sequence_around(module: torch.nn.Module, ctx: TPContext) -> list[Any]:
@@ -60,12 +63,7 @@ def _whole_sequence_around(module: torch.nn.Module, ctx: TPContext) -> list[Any]
     replicated parameters' sum over tp sums for the weights."""
 
     def enter(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not ctx.sp:
-            return None
-        kind, key = _first_tensor(args, kwargs)
-        if kind == "arg":
-            return (ops.gather_sequence(args[0], ctx.seq_dim, ctx.group, "sp gather (replicated attention)", ctx.sp_length), *args[1:]), kwargs
-        return args, {**kwargs, key: ops.gather_sequence(kwargs[key], ctx.seq_dim, ctx.group, "sp gather (replicated attention)", ctx.sp_length)}
+        return _gathered_hidden(args, kwargs, ctx, "sp gather (replicated attention)") if ctx.sp else None
 
     def leave(_: torch.nn.Module, args: Any, output: Any) -> Any:
         if not ctx.sp:
