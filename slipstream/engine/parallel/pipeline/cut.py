@@ -50,9 +50,18 @@ class StageOutput(Exception):
 
 
 class Passthrough(torch.nn.Module):
-    """A block this rank does not own: returns its hidden-state input unchanged."""
+    """A block this rank does not own: returns its hidden-state input unchanged.
+
+    It keeps the block's plain settings (strings, numbers, flags: ModernBERT's ``attention_type``, a layer index),
+    which the model's forward may read off each block to choose its mask or positions; no tensor or module."""
 
     is_block_stand_in = True  # anatomy.BLOCK_STAND_IN: still a slot of the run of blocks
+
+    def __init__(self, block: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        for name, value in (vars(block).items() if block is not None else ()):
+            if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool, type(None))):
+                setattr(self, name, value)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _hidden_of(args, kwargs)

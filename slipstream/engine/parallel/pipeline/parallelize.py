@@ -233,7 +233,7 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
         try:
             for i, name in enumerate(blocks.names):
                 if i not in owned:
-                    cut.set_submodule(model, name, cut.Passthrough())
+                    cut.set_submodule(model, name, cut.Passthrough(model.get_submodule(name)))
             silenced = []
             if not first:
                 for name in _outermost(prologue):
