@@ -71,3 +71,27 @@ def test_plan_sources() -> None:
     strict = {"use_default_specs": False, "strict_mode": True, "layer_specs": MLP_PARTITION["layer_specs"][:1]}
     with pytest.raises(ConfigError, match=r"strict_mode: 3 linear layer\(s\) match no layer spec \(first: blocks.0.fc_out\)"):
         build_plan(model, leaves, list(leaves), strict)
+
+
+def test_inference_follows_the_data_flow_across_sibling_modules() -> None:
+    """BERT spreads its attention over ``attention.self`` (Q, K, V) and ``attention.output`` (the output projection),
+    and its MLP over two sibling modules: grouped by parent module, V would be the attention's row and the MLP
+    unsharded; traced through the probe's autograd graph, each group ends at the first leaf reading its outputs."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from slipstream.engine.parallel.tensor.selfcheck import leaf_inputs
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4))
+    blocks = find_blocks(model)
+    assert blocks is not None
+    leaves = _leaves(model)
+    inputs = leaf_inputs(model, blocks.modules, leaves)
+    prefix = "bert.encoder.layer.0."
+    plan = {e.name[len(prefix):]: e.style for e in build_plan(model, leaves, list(leaves), None, inputs) if e.name.startswith(prefix)}
+    assert plan == {
+        "attention.self.query": "column", "attention.self.key": "column", "attention.self.value": "column",
+        "attention.output.dense": "row", "intermediate.dense": "column", "output.dense": "row",
+    }  # fmt: skip
+    assert inputs[prefix + "attention.output.dense"] == {prefix + f"attention.self.{n}" for n in ("query", "key", "value")}
+    assert inputs[prefix + "attention.self.query"] == set()  # the block's input, traced no further

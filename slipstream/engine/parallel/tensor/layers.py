@@ -54,6 +54,7 @@ class SharedInput:
         self._wrapped: torch.Tensor | None = None
         self.gathered_by_parent = False  # sequence parallel: the sub-block's entry hook gathers (sequence.py)
         self.closed_by_row = False  # a row layer ends the sharded region (only then is its RNG forked)
+        self.opens = False  # column (or kv) layers read this input: a sharded region starts here
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         if self._source is x and self._wrapped is not None:

@@ -236,18 +236,24 @@ def parallelize_tensor(
     # the modules that call the attention function, found on the unsharded model (sequence.py's [Note: replicated attention])
     attention = selfcheck.attention_modules(model, blocks.modules, leaves) if options.sequence_parallel else []
     order = probe.order + [n for n in leaves if n not in probe.order]
-    plan = build_plan(model, leaves, order, options.partition_config)
+    plan = build_plan(model, leaves, order, options.partition_config, selfcheck.leaf_inputs(model, blocks.modules, leaves))
     plan = _check_divides(plan, leaves, model, t)
     shared: dict[str, SharedInput] = {}
     part_sizes: dict[str, set[int]] = {}
+    opened: list[SharedInput] = []  # the column inputs of the group the next row closes (in another module, for BERT)
     for entry in plan:
         parent = entry.name.rpartition(".")[0]
         share = shared.setdefault(parent, SharedInput(ctx))
         leaf = leaves[entry.name]
+        if entry.style in ("column", "kv"):
+            share.opens = True
+            opened.append(share)
         if entry.style == "column":
             part_sizes.setdefault(parent, set()).add(out_features(leaf) // entry.parts)
         elif entry.style == "row":
-            share.closed_by_row = True
+            for closed in (*opened, share):
+                closed.closed_by_row = True
+            opened = []
         _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts, kv_heads=entry.kv_heads))
     rewritten = {p: _rewrite_attributes(model.get_submodule(p), sizes, t) for p, sizes in part_sizes.items()}
     _rewrite_kv_groups(model, plan, part_sizes, rewritten)

@@ -8,9 +8,14 @@ inference. With ``use_default_specs`` (the default) the later sources fill in wh
 ones leave unmatched.
 
 [Note: inference] Within each repeated block, the linear-like leaves (``nn.Linear``,
-transformers' ``Conv1D``) are grouped by their parent module (the attention, the MLP) and taken
-in execution order: the last of a group is row-parallel, the ones before it column-parallel, so
-the activation between them stays sharded and the group costs one all-reduce each way. A group
+transformers' ``Conv1D``) are taken in execution order and grouped by data flow (traced once through
+the autograd graph of the probe batch, ``selfcheck.leaf_inputs``): leaves that read none of the
+open group's outputs are column-parallel, and the first leaf that reads one is the group's
+row-parallel end, so the activation between them stays sharded and the group costs one all-reduce
+each way. Leaves that no row closes stay replicated. This does not depend on module nesting: BERT's
+attention spreads its projections over ``attention.self`` and ``attention.output``, and its MLP over
+two sibling modules. Without a trace (no gradients reach the leaves), leaves are grouped by their
+parent module, the last of each group being the row. A group
 with one column leaf whose output is ``k`` times the row leaf's input (GPT-2's ``c_attn`` = Q|K|V,
 ``k`` = 3; a fused gate|up, ``k`` = 2) is a packed projection, sharded per part so each rank keeps
 whole heads of Q, K and V. A parent with a single leaf stays replicated.
@@ -152,11 +157,28 @@ def _from_hf(plan: dict[str, str], leaves: dict[str, torch.nn.Module]) -> dict[s
     return found
 
 
-def _inferred(order: Sequence[str], leaves: dict[str, torch.nn.Module]) -> dict[str, PlanEntry]:
+def _groups_by_data_flow(order: Sequence[str], inputs: dict[str, set[str]]) -> list[list[str]]:
+    """Column leaves until one reads an open column's output: that one is the group's row ([Note: inference])."""
+    groups, open_columns = [], []
+    for name in order:
+        if name not in inputs:
+            continue
+        if inputs[name] & set(open_columns):
+            groups.append([*open_columns, name])
+            open_columns = []
+        else:
+            open_columns.append(name)
+    return groups
+
+
+def _inferred(order: Sequence[str], leaves: dict[str, torch.nn.Module], inputs: dict[str, set[str]] | None = None) -> dict[str, PlanEntry]:
     """See [Note: inference]."""
     groups: dict[str, list[str]] = {}
-    for name in order:
-        groups.setdefault(name.rpartition(".")[0], []).append(name)
+    if inputs:
+        groups = {members[-1]: members for members in _groups_by_data_flow(order, inputs)}
+    else:
+        for name in order:
+            groups.setdefault(name.rpartition(".")[0], []).append(name)
     found: dict[str, PlanEntry] = {}
     for members in groups.values():
         if len(members) < 2:
@@ -174,9 +196,10 @@ def _inferred(order: Sequence[str], leaves: dict[str, torch.nn.Module]) -> dict[
 
 def build_plan(
     model: torch.nn.Module, block_leaves: dict[str, torch.nn.Module], order: Sequence[str],
-    partition_config: dict[str, Any] | None,
+    partition_config: dict[str, Any] | None, inputs: dict[str, set[str]] | None = None,
 ) -> list[PlanEntry]:  # fmt: skip
-    """The entries for the leaves of the blocks (``order``: execution order), first source that matches wins."""
+    """The entries for the leaves of the blocks (``order``: execution order), first source that matches wins.
+    ``inputs``: each leaf's source leaves in its block (selfcheck.leaf_inputs), for the inference."""
     chosen: dict[str, PlanEntry | None] = {}
     use_defaults = True
     if partition_config is not None:
@@ -191,7 +214,7 @@ def build_plan(
             )
     if use_defaults:
         hf = _from_hf(hf_tp_plan(model), block_leaves)
-        inferred = {} if hf else _inferred(order, block_leaves)
+        inferred = {} if hf else _inferred(order, block_leaves, inputs)
         for source in (hf, inferred):
             for name, entry in source.items():
                 chosen.setdefault(name, entry)

@@ -116,6 +116,62 @@ def capture(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: d
     return probe
 
 
+def leaf_inputs(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]) -> dict[str, set[str]]:
+    """For each leaf, the leaves of its block whose outputs its input is computed from (plan.py's [Note: inference]):
+    one forward with gradients on the probe batch, each leaf's input traced back through the autograd graph to
+    the outputs of earlier leaves, stopping at them and at the block's own input."""
+    produced: dict[Any, str] = {}  # a leaf output's grad_fn -> the leaf
+    stops: set[Any] = set()  # the blocks' inputs
+    found: dict[str, set[str]] = {}
+
+    def enter_block(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.grad_fn is not None:
+            stops.add(hidden.grad_fn)
+
+    def leaf_hook(name: str) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if name not in found and args and isinstance(args[0], torch.Tensor):
+                found[name] = _reached(args[0].grad_fn, produced, stops)
+            if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+                produced[output.grad_fn] = name
+
+        return hook
+
+    handles = [b.register_forward_pre_hook(enter_block, with_kwargs=True) for b in blocks]
+    handles += [leaf.register_forward_hook(leaf_hook(name)) for name, leaf in leaves.items()]
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.enable_grad():
+            _run_model(model, blocks, leaves)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in modes.items():
+            module.training = mode
+    return found
+
+
+def _reached(node: Any, produced: dict[Any, str], stops: set[Any], budget: int = 20000) -> set[str]:
+    """The leaves whose outputs ``node`` (an autograd node) is computed from, not looking past them or ``stops``."""
+    reached: set[str] = set()
+    seen: set[Any] = set()
+    frontier = [node] if node is not None else []
+    while frontier and len(seen) < budget:
+        current = frontier.pop()
+        if current is None or current in seen:
+            continue
+        seen.add(current)
+        if current in produced:
+            reached.add(produced[current])
+            continue
+        if current in stops:
+            continue
+        frontier.extend(next_node for next_node, _ in current.next_functions)
+    return reached
+
+
 def attention_modules(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]) -> list[torch.nn.Module]:
     """The modules that call transformers' attention function on the probe batch (parallel/attention.py's recorder)."""
     modes = {m: m.training for m in model.modules()}

@@ -95,7 +95,7 @@ def enable(
     handles = [
         _gather_at_entry(model.get_submodule(name), share, ctx)
         for name, share in shared.items()
-        if id(model.get_submodule(name)) not in block_ids
+        if share.opens and id(model.get_submodule(name)) not in block_ids  # a module holding only a row reads sharded input
     ]
 
     def enter(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
