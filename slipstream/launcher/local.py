@@ -215,15 +215,20 @@ def _report_failures(failures: dict[int, Any], who: _Describer) -> int:
 
 def _root_cause_first(failures: dict[int, Any]) -> list[tuple[int, Any]]:
     """(rank, failure) pairs, the ranks that failed on their own first, then by time (see above)."""
-    return sorted(failures.items(), key=lambda item: (_is_consequence(item[1]), item[1].timestamp))
+    return sorted(failures.items(), key=lambda item: (_consequence_order(item[1]), item[1].timestamp))
 
 
 PEER_FAILURE_MARK = "Another rank probably died"  # comm.collectives' wording for a collective a peer broke
 
 
-def _is_consequence(failure: Any) -> bool:
-    """Stopped by the agent, or a collective that failed because a peer went away."""
-    return failure.exitcode == -signal.SIGTERM or PEER_FAILURE_MARK in _error_file_message(failure)
+def _consequence_order(failure: Any) -> int:
+    """0: failed on its own; 1: a collective that failed because a peer went away (or took another path); 2: stopped
+    by the agent (SIGTERM). A rank stopped by the agent is never the root: when every rank's error is a peer's
+    (a rank that took another code path breaks the collective for all), a stopped rank recorded in the same second
+    as the first to time out must not be reported as the failure, nor give the job its exit status 143."""
+    if failure.exitcode == -signal.SIGTERM:
+        return 2
+    return 1 if PEER_FAILURE_MARK in _error_file_message(failure) else 0
 
 
 def _error_file_message(failure: Any) -> str:

@@ -246,3 +246,23 @@ def test_root_cause_is_the_rank_that_failed_on_its_own(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert "rank 1 (local rank 1) was killed by signal SIGKILL" in lines[0]
     assert "stopped the other rank(s) (0)" in lines[-1]
+
+
+def test_a_rank_the_agent_stopped_is_never_the_root_cause(capsys):
+    # Seen with two suites at once: a rank took another code path, so every rank's error is a timed-out collective
+    # (a peer's fault) and rank 0, stopped by the agent, was recorded in the same second as the rank that timed out.
+    # The report must name the rank whose collective failed, exit 1 (not 143), and list rank 0 among the stopped.
+    from types import SimpleNamespace
+
+    from slipstream.launcher.local import _report_failures
+
+    timed_out = "CollectiveError: rank 3/4: reduce_scatter of gradient bucket 0 timed out after 5.0s. Another rank probably died"
+    failures = {
+        0: SimpleNamespace(exitcode=-signal.SIGTERM, local_rank=0, pid=None, timestamp=100, error_file_data={"message": timed_out}),
+        3: SimpleNamespace(exitcode=1, local_rank=3, pid=None, timestamp=100, error_file_data={"message": timed_out}),
+    }  # fmt: skip
+    who = SimpleNamespace(node="", failure=lambda rank, local, code, pid: describe_failure(rank, local, code))
+    assert _report_failures(failures, who) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert "rank 3 (local rank 3) exited with code 1" in lines[0]
+    assert "stopped the other rank(s) (0) with SIGTERM after rank 3 failed" in lines[-1]
