@@ -88,7 +88,7 @@ def test_inference_follows_the_data_flow_across_sibling_modules() -> None:
     leaves = _leaves(model)
     inputs = leaf_inputs(model, blocks.modules, leaves)
     prefix = "bert.encoder.layer.0."
-    plan = {e.name[len(prefix):]: e.style for e in build_plan(model, leaves, list(leaves), None, inputs) if e.name.startswith(prefix)}
+    plan = {e.name[len(prefix):]: e.style for e in build_plan(model, leaves, list(leaves), None, lambda: inputs) if e.name.startswith(prefix)}
     assert plan == {
         "attention.self.query": "column", "attention.self.key": "column", "attention.self.value": "column",
         "attention.output.dense": "row", "intermediate.dense": "column", "output.dense": "row",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from slipstream.engine.parallel.attention import route_attention
@@ -69,15 +72,12 @@ def parallelize_attention(
             sharder.close()
             raise
         # and again on the first training batch (first_batch.py's note)
-        if pipeline is not None:
-            staged = pipeline
-            sharder.first_batch = first_batch_check(
-                staged.model, sharder, lambda batch, what: check_sequence_pipeline_twin(staged, sharder, mode, averaging, batch, what)
-            )
-        else:
-            sharder.first_batch = first_batch_check(
-                model, sharder, lambda batch, what: check_sequence_twin(model, sharder, mode, averaging, batch, what)
-            )
+        staged = pipeline
+        run: Callable[[dict[str, Any], str], None] = (
+            (lambda batch, what: check_sequence_twin(model, sharder, mode, averaging, batch, what)) if staged is None
+            else (lambda batch, what: check_sequence_pipeline_twin(staged, sharder, mode, averaging, batch, what))
+        )  # fmt: skip
+        sharder.first_batch = first_batch_check(staged.model if staged is not None else model, sharder, run)
     return sharder
 
 

@@ -162,15 +162,10 @@ class _GatherKeep(torch.autograd.Function):
         return _chunk(_fit(grad, ctx.dim, ctx.padded), ctx.dim, ctx.group), None, None, None, None
 
 
-class _KeepChunk(torch.autograd.Function):
-    """Forward: this rank's chunk of a whole sequence every rank computed alike; backward: that chunk's gradient in
-    its place and zeros elsewhere, so what computed the whole sequence holds a partial gradient on each rank (summed
-    by a ``gather``'s reduce-scatter before it, and by the replicated parameters' sum over tp)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.dim, ctx.group, ctx.length = dim, group, x.shape[dim]
-        return _chunk(_divisible(x, dim, group), dim, group)
+class _KeepChunk(_Split):
+    """Forward: ``split``'s (this rank's chunk of a whole sequence every rank computed alike); backward: that chunk's
+    gradient in its place and zeros elsewhere, so what computed the whole sequence holds a partial gradient on each
+    rank (summed by a ``gather``'s reduce-scatter before it, and by the replicated parameters' sum over tp)."""
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:

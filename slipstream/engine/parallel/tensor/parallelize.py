@@ -236,7 +236,7 @@ def parallelize_tensor(
     # the modules that call the attention function, found on the unsharded model (sequence.py's [Note: replicated attention])
     attention = selfcheck.attention_modules(model, blocks.modules, leaves) if options.sequence_parallel else []
     order = probe.order + [n for n in leaves if n not in probe.order]
-    plan = build_plan(model, leaves, order, options.partition_config, selfcheck.leaf_inputs(model, blocks.modules, leaves))
+    plan = build_plan(model, leaves, order, options.partition_config, lambda: selfcheck.leaf_inputs(model, blocks.modules, leaves))
     plan = _check_divides(plan, leaves, model, t)
     shared: dict[str, SharedInput] = {}
     part_sizes: dict[str, set[int]] = {}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -196,10 +196,11 @@ def _inferred(order: Sequence[str], leaves: dict[str, torch.nn.Module], inputs: 
 
 def build_plan(
     model: torch.nn.Module, block_leaves: dict[str, torch.nn.Module], order: Sequence[str],
-    partition_config: dict[str, Any] | None, inputs: dict[str, set[str]] | None = None,
+    partition_config: dict[str, Any] | None, inputs: Callable[[], dict[str, set[str]]] | None = None,
 ) -> list[PlanEntry]:  # fmt: skip
     """The entries for the leaves of the blocks (``order``: execution order), first source that matches wins.
-    ``inputs``: each leaf's source leaves in its block (selfcheck.leaf_inputs), for the inference."""
+    ``inputs``: traces each leaf's source leaves in its block (selfcheck.leaf_inputs), called only when the plan
+    is inferred (a forward with gradients that a model's own plan makes unnecessary)."""
     chosen: dict[str, PlanEntry | None] = {}
     use_defaults = True
     if partition_config is not None:
@@ -214,7 +215,7 @@ def build_plan(
             )
     if use_defaults:
         hf = _from_hf(hf_tp_plan(model), block_leaves)
-        inferred = {} if hf else _inferred(order, block_leaves, inputs)
+        inferred = {} if hf else _inferred(order, block_leaves, inputs() if inputs is not None else None)
         for source in (hf, inferred):
             for name, entry in source.items():
                 chosen.setdefault(name, entry)

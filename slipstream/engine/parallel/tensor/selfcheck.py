@@ -12,6 +12,7 @@ agreed over the tp group so all ranks raise together (none is left waiting in a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -103,17 +104,26 @@ def capture(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: d
                 probe.outputs[i] = _detach(output)
 
         handles.append(block.register_forward_hook(record, with_kwargs=True))
+    _probe_run(model, blocks, leaves, handles, torch.no_grad())
+    return probe
+
+
+def _probe_run(
+    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module],
+    handles: Sequence[Any], context: contextlib.AbstractContextManager[Any],
+) -> None:  # fmt: skip
+    """The probe batch through the model in eval mode inside ``context``; the hooks removed and each module's mode
+    restored afterwards, even on an error."""
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        with torch.no_grad():
+        with context:
             _run_model(model, blocks, leaves)
     finally:
         for handle in handles:
             handle.remove()
         for module, mode in modes.items():
             module.training = mode
-    return probe
 
 
 def leaf_inputs(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]) -> dict[str, set[str]]:
@@ -140,16 +150,7 @@ def leaf_inputs(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leave
 
     handles = [b.register_forward_pre_hook(enter_block, with_kwargs=True) for b in blocks]
     handles += [leaf.register_forward_hook(leaf_hook(name)) for name, leaf in leaves.items()]
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with torch.enable_grad():
-            _run_model(model, blocks, leaves)
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, mode in modes.items():
-            module.training = mode
+    _probe_run(model, blocks, leaves, handles, torch.enable_grad())
     return found
 
 
@@ -174,14 +175,8 @@ def _reached(node: Any, produced: dict[Any, str], stops: set[Any], budget: int =
 
 def attention_modules(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]) -> list[torch.nn.Module]:
     """The modules that call transformers' attention function on the probe batch (parallel/attention.py's recorder)."""
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad(), recording_attention_callers(model) as found:
-            _run_model(model, blocks, leaves)
-    finally:
-        for module, mode in modes.items():
-            module.training = mode
+    with recording_attention_callers(model) as found:
+        _probe_run(model, blocks, leaves, (), torch.no_grad())
     return found
 
 
