@@ -59,11 +59,20 @@ def _write_error_file(message: str, extra: dict[str, str]) -> None:
     if not path:
         return
     data = {"message": {"message": message, "extraInfo": {**extra, "timestamp": str(int(time.time()))}}}
+    # [Note: the error file appears whole or not at all]
+    # The agent reads this file as soon as any rank fails, while this rank may still be writing
+    # it (it failed in the same collective a moment later) or be stopped mid-write by the agent's
+    # SIGTERM. torch elastic parses whatever it finds; a half-written file made the whole report
+    # fail with a JSONDecodeError ("could not start the job") instead of naming the killed rank.
+    # Writing a sibling and renaming it over the path is atomic on POSIX.
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w", encoding="utf-8") as file:
+        with open(partial, "w", encoding="utf-8") as file:
             json.dump(data, file)
-    except OSError:
-        pass  # the report loses its traceback, the rank still fails with its own exit code
+        os.replace(partial, path)
+    except OSError:  # the report loses its traceback, the rank still fails with its own exit code
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def main() -> None:

@@ -266,3 +266,31 @@ def test_a_rank_the_agent_stopped_is_never_the_root_cause(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert "rank 3 (local rank 3) exited with code 1" in lines[0]
     assert "stopped the other rank(s) (0) with SIGTERM after rank 3 failed" in lines[-1]
+
+
+def test_the_error_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A rank stopped while writing its error file must never leave half a JSON document: the
+    agent parses the file as soon as another rank fails, and a partial one made the whole report
+    fail ("could not start the job: JSONDecodeError") instead of naming the killed rank."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from slipstream.launcher import worker
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def stopped_mid_write(data, file):
+        file.write('{"message": {"mess')
+        file.flush()
+        raise OSError("stopped while writing")
+
+    monkeypatch.setattr(worker.json, "dump", stopped_mid_write)
+    worker.record_exception(RuntimeError("boom"), "train.py")
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    worker.record_exception(RuntimeError("boom"), "train.py")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert failure.message["message"] == "RuntimeError: boom"
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
