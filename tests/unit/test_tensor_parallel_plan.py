@@ -73,6 +73,21 @@ def test_plan_sources() -> None:
         build_plan(model, leaves, list(leaves), strict)
 
 
+def test_a_gathered_pair_in_the_models_plan_is_kept() -> None:
+    """transformers' colwise_gather_output / rowwise_split_input (Phi-3's packed qkv_proj, sliced by the global
+    head count) mark the pair gathered: the attention between them sees whole heads."""
+    import transformers
+
+    config = transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.Phi3ForCausalLM(config)
+    leaves = _leaves(model)
+    plan = {e.name.rpartition(".")[2]: (e.style, e.gathered) for e in build_plan(model, leaves, list(leaves), None) if ".0." in e.name}
+    assert plan == {"qkv_proj": ("column", True), "o_proj": ("row", True), "gate_up_proj": ("column", True), "down_proj": ("row", True)}
+
+
 def test_inference_follows_the_data_flow_across_sibling_modules() -> None:
     """BERT spreads its attention over ``attention.self`` (Q, K, V) and ``attention.output`` (the output projection),
     and its MLP over two sibling modules: grouped by parent module, V would be the attention's row and the MLP

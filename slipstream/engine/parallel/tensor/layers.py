@@ -88,11 +88,14 @@ class ShardedLinear(torch.nn.Module):
 
     def __init__(
         self, source: torch.nn.Module, style: str, ctx: TPContext, share: SharedInput, parts: int = 1, kv_heads: int = 0,
+        gathered: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         if style not in ("column", "row", "kv"):
             raise ValueError(f"tensor parallel: unknown style {style!r}")
-        self.style, self.ctx, self.share, self.parts = style, ctx, share, parts
+        if gathered and (style == "kv" or parts > 1):
+            raise ValueError("tensor parallel: a gathered column is one contiguous piece (no packed parts, no kv style)")
+        self.style, self.ctx, self.share, self.parts, self.gathered = style, ctx, share, parts, gathered
         self.duplicate = False
         self.transposed = not isinstance(source, torch.nn.Linear)
         weight = source.weight.detach()
@@ -165,12 +168,23 @@ class ShardedLinear(torch.nn.Module):
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[Note: gathered groups] transformers' ``colwise_gather_output`` / ``rowwise_split_input`` (Phi-3's packed
+        ``qkv_proj`` sliced by the global head count, OLMo 2's q/k norm over the whole projection): the column's
+        output is gathered along its last dimension, so what runs between the two sees whole tensors, computed
+        alike on every rank; the row keeps this rank's slice of its input. The weights and the projections'
+        compute stay sharded, the attention between them is not. The slice's backward is its gradient in place
+        and zeros elsewhere (``keep_chunk``), so each rank holds a partial gradient of the region, as inside a
+        sharded region: the gather's backward (a reduce-scatter) sums it for the input, and the region's
+        replicated parameters are summed over tp with the sharded regions' ones (partial_grads.py)."""
         ctx = self.ctx
         if self.style in ("column", "kv"):
-            return self._matmul(self.share.enter(x), self.bias)
+            y = self._matmul(self.share.enter(x), self.bias)
+            return ops.gather_sequence(y, -1, ctx.group, "tp gather output") if self.gathered else y
         self.share.reset()
         if ctx.rng is not None:
             ctx.rng.leave()
+        if self.gathered:
+            x = ops.keep_chunk(x, -1, ctx.group)
         partial = self._matmul(x, None)
         if ctx.sp:
             y = ops.on_tokens(partial, ctx.sp_rows, lambda t: ops.reduce_scatter_sequence(t, ctx.seq_dim, ctx.group))
@@ -180,6 +194,7 @@ class ShardedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         parts = f", packed {self.parts}" if self.parts > 1 else ""
+        parts += (", output gathered" if self.style == "column" else ", input split") if self.gathered else ""
         return f"{self.style}-parallel, weight {tuple(self.weight.shape)} of {self.global_weight_shape}{parts}"
 
 

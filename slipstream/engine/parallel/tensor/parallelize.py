@@ -72,6 +72,11 @@ def _check_divides(plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], mo
     for entry in plan:
         leaf = leaves[entry.name]
         size = out_features(leaf) // entry.parts if entry.style == "column" else in_features(leaf)
+        if entry.gathered:  # whole tensors between the pair: only the weight's cut must divide
+            if size % t or entry.parts > 1:
+                raise ConfigError(f"tensor_parallel.autotp_size: {entry.name} ({entry.style}, gathered) has size {size}, which does not divide by {t}")
+            checked.append(entry)
+            continue
         parent = model.get_submodule(entry.name.rpartition(".")[0])
         head_dim = getattr(parent, "head_dim", None)
         heads = size // head_dim if isinstance(head_dim, int) and head_dim > 0 and size % head_dim == 0 else 0
@@ -248,13 +253,13 @@ def parallelize_tensor(
         if entry.style in ("column", "kv"):
             share.opens = True
             opened.append(share)
-        if entry.style == "column":
+        if entry.style == "column" and not entry.gathered:  # a gathered group's heads stay whole: nothing to rewrite
             part_sizes.setdefault(parent, set()).add(out_features(leaf) // entry.parts)
         elif entry.style == "row":
             for closed in (*opened, share):
                 closed.closed_by_row = True
             opened = []
-        _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts, kv_heads=entry.kv_heads))
+        _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts, kv_heads=entry.kv_heads, gathered=entry.gathered))
     rewritten = {p: _rewrite_attributes(model.get_submodule(p), sizes, t) for p, sizes in part_sizes.items()}
     _rewrite_kv_groups(model, plan, part_sizes, rewritten)
     vocab = _shard_vocab(model, ctx)

@@ -54,11 +54,13 @@ class PlanEntry:
     parts: int = 1
     source: str = "inferred"
     kv_heads: int = 0  # style kv: the projection's heads, each kept whole by t / kv_heads ranks
+    gathered: bool = False  # column: output all-gathered; row: input split ([Note: gathered groups] in layers.py)
 
     def describe(self) -> str:
         packed = f" (packed {self.parts})" if self.parts > 1 else ""
         kv = f" ({self.kv_heads} KV head(s), each replicated on t/{self.kv_heads} ranks)" if self.kv_heads else ""
-        return f"{self.name}: {self.style}{packed}{kv} [{self.source}]"
+        gathered = (" (output gathered)" if self.style == "column" else " (input split)") if self.gathered else ""
+        return f"{self.name}: {self.style}{packed}{kv}{gathered} [{self.source}]"
 
 
 def is_linear_like(module: torch.nn.Module) -> bool:
@@ -150,10 +152,12 @@ def _from_hf(plan: dict[str, str], leaves: dict[str, torch.nn.Module]) -> dict[s
         style = "column" if "colwise" in kind else "row" if "rowwise" in kind else None
         if style is None:
             continue
+        # transformers' colwise_gather_output / rowwise_split_input: what runs between them sees whole tensors
+        gathered = kind in ("colwise_gather_output", "rowwise_split_input")
         regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
         for name in leaves:
             if regex.fullmatch(name) and name not in found:
-                found[name] = PlanEntry(name, style, 1, f"base_model_tp_plan[{pattern!r}]")
+                found[name] = PlanEntry(name, style, 1, f"base_model_tp_plan[{pattern!r}]", gathered=gathered)
     return found
 
 
