@@ -43,6 +43,14 @@ import torch.distributed as dist
 from slipstream.comm import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
 
 
+def _owned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a tensor of its own, not a view: a custom Function's output that is a view cannot be modified in
+    place by the model (Falcon adds its attention output to its MLP output with ``+=``)."""
+    if x._base is None:
+        return x
+    return x.contiguous() if not x.is_contiguous() else x.clone()
+
+
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
     out = x.contiguous().clone()
     all_reduce(out, group=group, tag=tag).wait()
@@ -119,7 +127,7 @@ class _GatherSeq(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None) -> torch.Tensor:
         whole = _gather(x, dim, group, tag)
         ctx.dim, ctx.group, ctx.tag, ctx.padded = dim, group, tag, whole.shape[dim]
-        return whole if length is None else _fit(whole, dim, length)
+        return _owned(whole if length is None else _fit(whole, dim, length))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
@@ -130,7 +138,7 @@ class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.tag, ctx.length = dim, group, tag, x.shape[dim]
-        return _reduce_scatter(_divisible(x, dim, group), dim, group, tag)
+        return _owned(_reduce_scatter(_divisible(x, dim, group), dim, group, tag))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -141,7 +149,7 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.length = dim, group, x.shape[dim]
-        return _chunk(_divisible(x, dim, group), dim, group)
+        return _owned(_chunk(_divisible(x, dim, group), dim, group))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -155,7 +163,7 @@ class _GatherKeep(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None) -> torch.Tensor:
         whole = _gather(x, dim, group, tag)
         ctx.dim, ctx.group, ctx.padded = dim, group, whole.shape[dim]
-        return whole if length is None else _fit(whole, dim, length)
+        return _owned(whole if length is None else _fit(whole, dim, length))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:

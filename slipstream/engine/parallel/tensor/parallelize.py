@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -27,10 +27,25 @@ from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.rng import ShardedRegionRng, sync_default_rng
 from slipstream.engine.parallel.tensor import selfcheck, sequence
-from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext, VocabEmbedding, VocabHead
+from slipstream.engine.parallel.tensor.layers import (
+    ShardedLinear,
+    SharedInput,
+    TPContext,
+    VocabEmbedding,
+    VocabHead,
+)
 from slipstream.engine.parallel.tensor.options import TensorOptions
-from slipstream.engine.parallel.tensor.partial_grads import params_in_sharded_regions, sum_gradients_over_tp
-from slipstream.engine.parallel.tensor.plan import PlanEntry, build_plan, in_features, is_linear_like, out_features
+from slipstream.engine.parallel.tensor.partial_grads import (
+    params_in_sharded_regions,
+    sum_gradients_over_tp,
+)
+from slipstream.engine.parallel.tensor.plan import (
+    PlanEntry,
+    build_plan,
+    in_features,
+    is_linear_like,
+    out_features,
+)
 from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.placement import place, place_parts, placement_of
 
@@ -186,6 +201,104 @@ def _place_all(model: torch.nn.Module, ctx: TPContext) -> None:
             place(param, tuple(param.shape), duplicate=ctx.rank != 0)
 
 
+@dataclasses.dataclass
+class _Shards:
+    """The blocks as sharded by one plan, and how to put them back (``_gathered_fallback``)."""
+
+    shared: dict[str, SharedInput]
+    rewritten: dict[str, list[str]]
+    originals: list[tuple[str, torch.nn.Module]]  # (leaf name, unsharded leaf)
+    attributes: list[tuple[torch.nn.Module, dict[str, Any]]]  # parents' attributes before the rewrite
+
+    def undo(self, model: torch.nn.Module) -> None:
+        for name, leaf in self.originals:
+            _replace(model, name, leaf)
+        for parent, values in self.attributes:
+            parent.__dict__.update(values)
+
+
+def _shard_blocks(model: torch.nn.Module, plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], ctx: TPContext, t: int) -> _Shards:
+    """Replace the planned leaves by sharded ones and rewrite their parents' sharded sizes and head counts."""
+    shared: dict[str, SharedInput] = {}
+    part_sizes: dict[str, set[int]] = {}
+    opened: list[SharedInput] = []  # the column inputs of the group the next row closes (in another module, for BERT)
+    parents = {entry.name.rpartition(".")[0] for entry in plan}
+    watched = (*SIZE_ATTRIBUTES, *HEAD_ATTRIBUTES, "num_key_value_groups")
+    attributes = [(m, {a: m.__dict__[a] for a in watched if a in m.__dict__}) for m in map(model.get_submodule, sorted(parents))]
+    for entry in plan:
+        parent = entry.name.rpartition(".")[0]
+        share = shared.setdefault(parent, SharedInput(ctx))
+        leaf = leaves[entry.name]
+        if entry.style in ("column", "kv"):
+            share.opens = True
+            opened.append(share)
+        if entry.style == "column" and not entry.gathered:  # a gathered group's heads stay whole: nothing to rewrite
+            part_sizes.setdefault(parent, set()).add(out_features(leaf) // entry.parts)
+        elif entry.style == "row":
+            for closed in (*opened, share):
+                closed.closed_by_row = True
+            opened = []
+        _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts, kv_heads=entry.kv_heads, gathered=entry.gathered))
+    rewritten = {p: _rewrite_attributes(model.get_submodule(p), sizes, t) for p, sizes in part_sizes.items()}
+    _rewrite_kv_groups(model, plan, part_sizes, rewritten)
+    ctx.rng = ShardedRegionRng(ctx.rank)  # after the plan: the self-check and training fork it per sub-block
+    return _Shards(shared, rewritten, [(e.name, leaves[e.name]) for e in plan], attributes)
+
+
+def _group_index(plan: list[PlanEntry], block_names: Sequence[str]) -> dict[str, int]:
+    """Each entry's column…row group, numbered within its block in execution order (blocks are alike)."""
+    index: dict[str, int] = {}
+    for block in block_names:
+        group = 0
+        for entry in (e for e in plan if e.name.startswith(block + ".")):
+            index[entry.name] = group
+            group += entry.style == "row"
+    return index
+
+
+def _gathered_fallback(
+    model: torch.nn.Module, plan: list[PlanEntry], shards: _Shards, leaves: dict[str, torch.nn.Module], ctx: TPContext,
+    t: int, block_names: Sequence[str], accept: Callable[[list[PlanEntry], _Shards], list[Any]],
+) -> tuple[list[PlanEntry], _Shards, list[Any]]:  # fmt: skip
+    """[Note: gathered fallback] An inferred plan shards each group's heads, which needs the code between a column
+    and its row to work on this rank's heads: it does not for Falcon's or GPT-BigCode's fused Q|K|V split by the
+    global head counts, Bloom's ALiBi slopes for every head, StableLM's per-head norms. When the self-check refuses
+    (or the twin check, when the per-head pieces start out equal: StableLM's norms) the inferred plan, the same
+    groups are tried gathered ([Note: gathered groups] in layers.py: the projections'
+    weights and compute stay sharded, what runs between them sees whole tensors), one group of every block at a
+    time and then all of them; the first plan the self-check and the twin check accept is kept. A plan from the
+    config or the model is never changed. Called while the first refusal is being handled; re-raises it when no
+    attempt passes."""
+    if any(e.source != "inferred" for e in plan):
+        raise  # noqa: PLE0704 - the first refusal, unchanged
+    index = _group_index(plan, block_names)
+    groups = sorted(set(index.values()))
+    tries = [{g} for g in groups] + ([set(groups)] if len(groups) > 1 else [])
+    for gathered in tries:
+        candidate = [
+            dataclasses.replace(e, style="row" if e.style == "row" else "column", parts=1, kv_heads=0, gathered=True)
+            if index.get(e.name) in gathered else e
+            for e in plan
+        ]  # fmt: skip
+        cut = {e.name: out_features(leaves[e.name]) if e.style == "column" else in_features(leaves[e.name]) for e in candidate if e.gathered}
+        if any(size % t for size in cut.values()):
+            continue
+        shards.undo(model)
+        shards = _shard_blocks(model, candidate, leaves, ctx, t)
+        try:
+            hooks = accept(candidate, shards)
+        except ConfigError:
+            continue
+        log_rank0(
+            logger, "tensor parallel: this model's heads do not shard as inferred; group(s) %s of each block run gathered "
+            "(weights sharded, attention whole: [Note: gathered fallback])", sorted(gathered),
+        )  # fmt: skip
+        return candidate, shards, hooks
+    shards.undo(model)
+    _shard_blocks(model, plan, leaves, ctx, t)  # the refused plan back in place, as the refusal describes it
+    raise  # noqa: PLE0704
+
+
 class ExpertsBeside(Protocol):
     """What the tensor step needs of expert parallelism (``expert.ExpertPlan``), which ran before it."""
 
@@ -243,38 +356,20 @@ def parallelize_tensor(
     order = probe.order + [n for n in leaves if n not in probe.order]
     plan = build_plan(model, leaves, order, options.partition_config, lambda: selfcheck.leaf_inputs(model, blocks.modules, leaves))
     plan = _check_divides(plan, leaves, model, t)
-    shared: dict[str, SharedInput] = {}
-    part_sizes: dict[str, set[int]] = {}
-    opened: list[SharedInput] = []  # the column inputs of the group the next row closes (in another module, for BERT)
-    for entry in plan:
-        parent = entry.name.rpartition(".")[0]
-        share = shared.setdefault(parent, SharedInput(ctx))
-        leaf = leaves[entry.name]
-        if entry.style in ("column", "kv"):
-            share.opens = True
-            opened.append(share)
-        if entry.style == "column" and not entry.gathered:  # a gathered group's heads stay whole: nothing to rewrite
-            part_sizes.setdefault(parent, set()).add(out_features(leaf) // entry.parts)
-        elif entry.style == "row":
-            for closed in (*opened, share):
-                closed.closed_by_row = True
-            opened = []
-        _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts, kv_heads=entry.kv_heads, gathered=entry.gathered))
-    rewritten = {p: _rewrite_attributes(model.get_submodule(p), sizes, t) for p, sizes in part_sizes.items()}
-    _rewrite_kv_groups(model, plan, part_sizes, rewritten)
-    vocab = _shard_vocab(model, ctx)
-    _place_all(model, ctx)
-    ctx.rng = ShardedRegionRng(ctx.rank)  # after the plan: the self-check and training fork it per sub-block
     tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 3e-2
-    selfcheck.verify(probe, blocks.modules, blocks.names, plan, ctx.group, tolerance)
-    if ctx.sequence_parallel:  # every replicated block parameter: a superset of the sharded regions' ones
-        own_experts = set() if experts is None else {id(p) for p in experts.params}
-        hooks = sequence.enable(model, blocks.modules, ctx, shared, not_replicated=own_experts, attention=attention)
-        if experts is not None:
-            experts.split_tokens(lambda: t if ctx.sp else 1)
-    else:
-        hooks = sum_gradients_over_tp(params_in_sharded_regions(blocks.modules, probe.calls[0], ctx), ctx, "tp replicated gradient")
-    if expected is not None:
+    own_experts = set() if experts is None else {id(p) for p in experts.params}
+    vocab: list[str] = []
+
+    def accept(candidate: list[PlanEntry], shards: _Shards) -> list[Any]:
+        """The self-check, the gradient hooks and the twin check of one plan; its hooks, or ConfigError (none left)."""
+        selfcheck.verify(probe, blocks.modules, blocks.names, candidate, ctx.group, tolerance)
+        _place_all(model, ctx)
+        if ctx.sequence_parallel:  # every replicated block parameter: a superset of the sharded regions' ones
+            hooks = sequence.enable(model, blocks.modules, ctx, shards.shared, not_replicated=own_experts, attention=attention)
+        else:
+            hooks = sum_gradients_over_tp(params_in_sharded_regions(blocks.modules, probe.calls[0], ctx), ctx, "tp replicated gradient")
+        if expected is None:
+            return hooks
         name = type(model).__name__ + (" with sequence parallel" if ctx.sequence_parallel else "")
         try:
             twin.check_whole_model(
@@ -283,7 +378,21 @@ def parallelize_tensor(
                 "the unsharded model on the same batch",
             )  # fmt: skip
         except ValueError as err:
+            for handle in hooks:
+                handle.remove()
+            ctx.enabled_sequence = False
             raise ConfigError(str(err)) from None
+        return hooks
+
+    shards = _shard_blocks(model, plan, leaves, ctx, t)
+    vocab = _shard_vocab(model, ctx)
+    try:
+        hooks = accept(plan, shards)
+    except ConfigError:
+        plan, shards, hooks = _gathered_fallback(model, plan, shards, leaves, ctx, t, blocks.names, accept)
+    if experts is not None and ctx.sequence_parallel:
+        experts.split_tokens(lambda: t if ctx.sp else 1)
+    rewritten = shards.rewritten
     columns = sum(e.style != "row" for e in plan)
     log_rank0(
         logger, "tensor parallel %d%s: %d column + %d row leaves in %d blocks (%s)%s%s", t,

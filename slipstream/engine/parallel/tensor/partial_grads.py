@@ -46,8 +46,9 @@ def params_in_sharded_regions(blocks: Sequence[torch.nn.Module], call: tuple[Any
         ctx.rng.leave()
     found = []
     for block in blocks:
-        for name in sorted(inside):
-            found += [p for p in block.get_submodule(name).parameters(recurse=False) if p.requires_grad]
+        held = dict(block.named_modules())  # a module only the first block has (T5's relative bias) is in no other
+        for name in sorted(inside & held.keys()):
+            found += [p for p in held[name].parameters(recurse=False) if p.requires_grad]
     return found
 
 
