@@ -110,21 +110,31 @@ def _t5() -> torch.nn.Module:
     ))  # fmt: skip
 
 
-MODELS.update({"opt": _opt, "t5": _t5, "encoder": EncoderLM})
+class FirstWeightLM(PlainLM):
+    """Custom: the forward reads the first block's weight (its dtype), which only the first stage holds."""
+
+    def hidden(self, x0: torch.Tensor) -> torch.Tensor:
+        return super().hidden(x0.to(self.layers[0].linear.weight.dtype))
 
 
-def test_opt_final_norm_registered_before_its_layers_trains() -> None:
-    """Case 14: prologue and epilogue by execution order (OPT registers final_layer_norm before its layers)."""
-    for message in run_distributed(2, _refusal, "opt"):
+MODELS.update({"opt": _opt, "t5": _t5, "encoder": EncoderLM, "first-weight": FirstWeightLM})
+
+
+@pytest.mark.parametrize("name", ["opt", "encoder"])
+def test_models_that_read_the_blocks_settings_train(name: str) -> None:
+    """Case 14: prologue and epilogue by execution order (OPT registers final_layer_norm before its layers);
+    nn.TransformerEncoder reads ``layers[0].self_attn.batch_first``, which the stand-ins keep as a shell."""
+    for message in run_distributed(2, _refusal, name):
         assert message == "accepted", message
 
 
 @pytest.mark.parametrize("name,expected", [
     ("t5", "block 'encoder.block.1' reads an activation besides its hidden state"),
-    ("encoder", "stage 1 fails on its own (AttributeError: 'Passthrough' object has no attribute 'self_attn')"),
+    ("first-weight", "stage 1 fails on its own (AttributeError: '_Shell' object has no attribute 'weight')"),
 ])  # fmt: skip
 def test_models_a_cut_breaks_are_refused_on_every_rank(name: str, expected: str) -> None:
-    """Case 15: T5 and an nn.TransformerEncoder LM are refused at initialize on every rank (no crash, no rank left waiting)."""
+    """Case 15: T5 and a model reading another stage's weight are refused at initialize on every rank (no crash, no
+    rank left waiting)."""
     for message in run_distributed(2, _refusal, name, timeout=120):
         assert message.startswith("pipeline.stages:") and expected in message and "\n" not in message, message
 

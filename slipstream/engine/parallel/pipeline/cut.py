@@ -53,18 +53,38 @@ class Passthrough(torch.nn.Module):
     """A block this rank does not own: returns its hidden-state input unchanged.
 
     It keeps the block's plain settings (strings, numbers, flags: ModernBERT's ``attention_type``, a layer index),
-    which the model's forward may read off each block to choose its mask or positions; no tensor or module."""
+    which the model's forward may read off each block to choose its mask or positions, and those of its
+    sub-modules as parameter-free shells (``nn.TransformerEncoder`` reads ``layers[0].self_attn.batch_first``);
+    no tensor."""
 
     is_block_stand_in = True  # anatomy.BLOCK_STAND_IN: still a slot of the run of blocks
 
     def __init__(self, block: torch.nn.Module | None = None) -> None:
         super().__init__()
-        for name, value in (vars(block).items() if block is not None else ()):
-            if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool, type(None))):
-                setattr(self, name, value)
+        if block is not None:
+            _copy_settings(block, self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return _hidden_of(args, kwargs)
+
+
+class _Shell(torch.nn.Module):
+    """A sub-module of a block this rank does not own: its plain settings only, never called."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        _copy_settings(module, self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("pipeline: a sub-module of a block another stage owns was called")
+
+
+def _copy_settings(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    for name, value in vars(source).items():
+        if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool, type(None))):
+            setattr(target, name, value)
+    for name, child in source.named_children():
+        setattr(target, name, _Shell(child))
 
 
 class Absent(torch.nn.Module):
