@@ -205,6 +205,11 @@ def test_partition_methods() -> None:
         partition(blocks, 2, "type:Linear")
     with pytest.raises(ValueError, match="^pipeline.stages: 8 stages need at least 8 blocks"):
         partition(blocks, 8, "uniform")
+    # blocks the forward skips never start a stage; each goes with the stage of the block before it
+    assert partition(blocks, 3, "uniform", skipped=frozenset({2, 3})) == [range(0, 1), range(1, 4), range(4, 6)]
+    assert partition(blocks, 2, "uniform", skipped=frozenset({0})) == [range(0, 3), range(3, 6)]
+    with pytest.raises(ValueError, match=r"^pipeline.stages: 4 stages need at least 4 blocks; the model has 3 \(transformer.h, 3 of which run\)"):
+        partition(blocks, 4, "uniform", skipped=frozenset({0, 1, 5}))
 
 
 def test_split_backward_equals_full_backward() -> None:

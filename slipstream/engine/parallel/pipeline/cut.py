@@ -120,9 +120,14 @@ def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Te
 # ----------------------------------------------------------------------------- partition
 def partition(
     blocks: Blocks, stages: int, method: str, prologue_numel: int = 0, epilogue_numel: int = 0, measured: list[float] | None = None,
-    rank_of: Callable[[int], int] | None = None,
+    rank_of: Callable[[int], int] | None = None, skipped: frozenset[int] = frozenset(),
 ) -> list[range]:  # fmt: skip
     """Contiguous block ranges, one per stage, by ``pipeline.partition``.
+
+    [Note: blocks the forward skips] ``skipped``: blocks the model's forward does not call (twin.probe_blocks). A
+    stage hands its output on at the next stage's first block and takes its input there, so every stage must start
+    at a block that runs: the stages are balanced over the blocks that run, and each skipped block goes with the
+    stage of the block before it (it holds its parameters, which get no gradient, as in one process).
 
     ``uniform``: equal block counts; ``parameters`` (DeepSpeed's default): balanced parameter
     counts, the embeddings counted on the first stage and the head on the last;
@@ -154,10 +159,28 @@ def partition(
             raise ConfigError(f"pipeline.partition: {method!r} matches {int(sum(weights))} blocks ({type(blocks.modules[0]).__name__}); need at least {stages}")
     else:
         raise ConfigError(f"pipeline.partition: {method!r} is not a method; use parameters, uniform, profile or type:<regex>")
+    if skipped:
+        running = [i for i in range(n) if i not in skipped]
+        inner = partition(_Running(blocks, running), stages, method, prologue_numel, epilogue_numel,
+                          [measured[i] for i in running] if measured is not None else None, rank_of)  # fmt: skip
+        starts = [0] + [running[r.start] for r in inner[1:]]
+        return [range(start, stop) for start, stop in zip(starts, [*starts[1:], n])]
     ranges = _balanced(weights, stages)
     if rank_of is not None and method != "uniform":
         ranges = _balance_ranks(weights, ranges, rank_of)
     return ranges
+
+
+class _Running:
+    """The blocks a forward runs, as ``Blocks`` for ``partition`` (see [Note: blocks the forward skips])."""
+
+    def __init__(self, blocks: Blocks, running: list[int]) -> None:
+        self.modules = [blocks.modules[i] for i in running]
+        self.names = [blocks.names[i] for i in running]
+        self.container = f"{blocks.container or 'model'}, {len(running)} of which run"
+
+    def __len__(self) -> int:
+        return len(self.modules)
 
 
 def _balanced(weights: list[float], stages: int) -> list[range]:

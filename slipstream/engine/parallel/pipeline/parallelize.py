@@ -219,7 +219,8 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
     numel = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters(recurse=False))  # noqa: E731
     method = options.partition
     measured = profile.block_times(model, blocks, prologue, epilogue, options.micro_batch_size, mesh.group("pp")) if method == "profile" else None
-    ranges = cut.partition(blocks, layout.num_stages, method, numel(prologue), numel(epilogue), measured, layout.rank_of)
+    skipped = probe.skipped if probe is not None else frozenset()
+    ranges = cut.partition(blocks, layout.num_stages, method, numel(prologue), numel(epilogue), measured, layout.rank_of, skipped)
     if measured is not None:
         log_rank0(logger, "pipeline: profiled stages: %s forward each", profile.describe(measured, ranges))
     rank = mesh.rank_of("pp")

@@ -39,6 +39,7 @@ class Probe:
     inputs: dict[int, tuple[torch.Size, torch.dtype]]  # each block's hidden-state input
     # modules whose first call returned a tensor of its first input's shape and dtype (a norm after the embeddings)
     shape_keeping: frozenset[str] = frozenset()
+    skipped: frozenset[int] = frozenset()  # blocks the forward did not call (cut.partition's [Note: blocks the forward skips])
 
 
 def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
@@ -94,9 +95,12 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
     finally:
         for handle in handles:
             handle.remove()
-    if calls != list(range(len(blocks))):
+    skipped = frozenset(range(len(blocks))) - set(calls)
+    if not calls:
+        return Probe("the forward runs none of its blocks; a pipeline cut runs them in order", order, inputs)
+    if calls != sorted(set(calls)):
         counted = {i: calls.count(i) for i in range(len(blocks))}
-        odd = next((i for i, n in counted.items() if n != 1), None)
+        odd = next((i for i, n in counted.items() if n > 1), None)
         if odd is not None:
             return Probe(f"block {blocks.names[odd]!r} runs {counted[odd]} times per forward; a pipeline cut runs each block once, in order", order, inputs)
         return Probe("the blocks run out of their registration order; a pipeline cut runs them in order", order, inputs)
@@ -107,7 +111,7 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
             "gradients computed by another module: an embedding output, a learned position bias); a pipeline cut "
             "carries only the hidden state between stages", order, inputs,
         )  # fmt: skip
-    return Probe(None, order, inputs, frozenset(n for n, kept in keeping.items() if kept))
+    return Probe(None, order, inputs, frozenset(n for n, kept in keeping.items() if kept), skipped)
 
 
 def reference(model: torch.nn.Module, batches: list[Any]) -> tuple[float, dict[str, torch.Tensor]]:
