@@ -12,6 +12,8 @@ _NEEDS_HF = (
     "needs a Hugging Face model that dispatches attention through transformers' attention interface (Llama, GPT-2, "
     "Mistral, Qwen...)"
 )
+# what the refusal offers instead: these modes do not depend on how the model attends or computes its loss
+_OTHERS = " (ZeRO-3, tensor parallel and pipeline parallel do not depend on how a model attends)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,7 @@ class SequenceOptions:
         config = getattr(model, "config", None)
         dispatches = hasattr(config, "_attn_implementation")
         if c > 1 and not dispatches:
-            raise ConfigError(f"context_parallel.size: {c} {_NEEDS_HF}; {type(model).__name__} does not")
+            raise ConfigError(f"context_parallel.size: {c} {_NEEDS_HF}; {type(model).__name__} does not{_OTHERS}")
         if u > 1:
             _check_heads(config, dispatches, u, sizes.size("tp"), type(model).__name__)
         if u == 1 and c == 1:
@@ -49,7 +51,7 @@ def _check_heads(config: object, dispatches: bool, u: int, tp: int, name: str) -
     """Ulysses splits attention heads over ``u`` ranks: the model's heads (after tensor parallel) must allow it."""
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     if not dispatches or heads is None:
-        raise ConfigError(f"sequence_parallel_size: {u} {_NEEDS_HF}; {name} does not")
+        raise ConfigError(f"sequence_parallel_size: {u} {_NEEDS_HF}; {name} does not{_OTHERS}")
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % (u * tp):
         raise ConfigError(f"sequence_parallel_size: the model's {heads} attention heads do not divide by {u}{f' × tensor parallel {tp}' if tp > 1 else ''}")
