@@ -24,6 +24,9 @@ class SequenceOptions:
     context: int
     method: str  # context_parallel.method
     twin_check: bool
+    # the model does not attend through transformers' interface: its blocks run on shards (blockwise.py's note)
+    blockwise: bool = False
+    refusal: str = ""  # what the kernels' route says of such a model (raised if the blockwise route is refused too)
 
     @classmethod
     def from_config(cls, cfg: SlipstreamConfig, sizes: MeshSizes, model: torch.nn.Module) -> SequenceOptions | None:
@@ -36,14 +39,21 @@ class SequenceOptions:
                 "rank) are not contiguous after Ulysses' all-to-all gathers a sequence group's shards; use \"ring\" or "
                 "\"allgather_kv\""
             )
-        config = getattr(model, "config", None)
-        dispatches = hasattr(config, "_attn_implementation")
-        if c > 1 and not dispatches:
-            raise ConfigError(f"context_parallel.size: {c} {_NEEDS_HF}; {type(model).__name__} does not{_OTHERS}")
-        if u > 1:
-            _check_heads(config, dispatches, u, sizes.size("tp"), type(model).__name__)
         if u == 1 and c == 1:
             return None
+        config = getattr(model, "config", None)
+        dispatches = hasattr(config, "_attn_implementation")
+        try:
+            if c > 1 and not dispatches:
+                raise ConfigError(f"context_parallel.size: {c} {_NEEDS_HF}; {type(model).__name__} does not{_OTHERS}")
+            if u > 1:
+                _check_heads(config, dispatches, u, sizes.size("tp"), type(model).__name__)
+        except ConfigError as err:
+            # blockwise sequence parallel needs the twin check (it decides), and runs alone on its group's axis
+            alone = all(sizes.size(axis) == 1 for axis in ("tp", "pp", "ep"))
+            if not cfg.twin_check or not alone:
+                raise
+            return cls(u, c, method, cfg.twin_check, blockwise=True, refusal=str(err))
         return cls(u, c, method, cfg.twin_check)
 
 

@@ -7,11 +7,14 @@ from typing import Any
 
 import torch
 
+from slipstream.engine.config import ConfigError
+from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.attention import route_attention
 from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
 from slipstream.engine.parallel.expert import ExpertPlan
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.pipeline import Pipeline
+from slipstream.engine.parallel.sequence.blockwise import BlockwiseSharder, position_mixers
 from slipstream.engine.parallel.sequence.first_batch import first_batch_check
 from slipstream.engine.parallel.sequence.inputs import SequenceSharder
 from slipstream.engine.parallel.sequence.options import SequenceOptions
@@ -24,7 +27,7 @@ logger = get_logger(__name__)
 def parallelize_attention(
     model: torch.nn.Module, mesh: Mesh, options: SequenceOptions | None, pipeline: Pipeline | None = None,
     experts: ExpertPlan | None = None,
-) -> SequenceSharder | None:  # fmt: skip
+) -> SequenceSharder | BlockwiseSharder | None:  # fmt: skip
     """Ulysses over ``mesh.group("sp")`` or ring attention over ``mesh.group("cp")``; None when neither is on.
 
     The sharder switches the model to the registered kernel for each step and shards each batch on
@@ -35,6 +38,8 @@ def parallelize_attention(
     """
     if options is None:
         return None
+    if options.blockwise:
+        return _blockwise(model, mesh, options, options.refusal)
     if options.ulysses > 1 and options.context > 1:  # USP: see ulysses.py, [Note: Ulysses × ring]
         method = options.method
         kernel = UlyssesAttention(mesh.group("sp"), _context_attention(mesh, method, zigzag=False))
@@ -68,6 +73,12 @@ def parallelize_attention(
                 check_sequence_pipeline_twin(pipeline, sharder, mode, averaging)
             else:
                 check_sequence_twin(model, sharder, mode, averaging)
+        except ConfigError as refusal:
+            sharder.close()
+            alone = pipeline is None and experts is None and all(mesh.size(axis) == 1 for axis in ("tp", "pp", "ep"))
+            if not alone:
+                raise
+            return _blockwise(model, mesh, options, str(refusal))  # the kernel does not reproduce it: blockwise.py's note
         except BaseException:
             sharder.close()
             raise
@@ -78,6 +89,41 @@ def parallelize_attention(
             else (lambda batch, what: check_sequence_pipeline_twin(staged, sharder, mode, averaging, batch, what))
         )  # fmt: skip
         sharder.first_batch = first_batch_check(staged.model if staged is not None else model, sharder, run)
+    return sharder
+
+
+def _blockwise(model: torch.nn.Module, mesh: Mesh, options: SequenceOptions, refusal: str) -> BlockwiseSharder:
+    """The blocks on sequence shards, the rest of the model whole ([Note: blockwise sequence parallel]), if its twin
+    check passes; else ``refusal`` (what the kernels' route said) as the ConfigError."""
+    from slipstream.engine.parallel.twin import check_sequence_twin, quiet_model, synthetic_batches
+
+    axes = tuple(axis for axis, size in (("cp", options.context), ("sp", options.ulysses)) if size > 1)
+    key = "sequence_parallel_size" if options.ulysses > 1 else "context_parallel.size"
+    blocks = find_blocks(model)
+    batches = synthetic_batches(model, 1, divisor=options.ulysses * options.context)
+    if blocks is None or batches is None or not isinstance(batches[0], dict):
+        raise ConfigError(refusal)
+    with quiet_model(model):
+        mixers, calls = position_mixers(model, blocks, batches[0])
+    if not calls:
+        raise ConfigError(refusal)
+    sharder = BlockwiseSharder(model, blocks, mesh.group(*axes), key, mixers, calls)
+    size = sharder.size
+    mode = f"blockwise sequence parallel ({size})"
+    try:
+        check_sequence_twin(model, sharder, mode, None, batches[0])
+    except ConfigError as err:
+        sharder.close()
+        log_rank0(logger, "%s: %s", mode, err)
+        raise ConfigError(refusal) from None
+    except BaseException:
+        sharder.close()
+        raise
+    log_rank0(
+        logger, "%s: %s runs its blocks on 1/%d of the sequence each (attention %s whole on every rank; embeddings, "
+        "head and loss whole): its attention does not go through a Slipstream kernel", mode, type(model).__name__, size,
+        ", ".join(repr(m or "the whole block") for m in mixers) or "(none found)",
+    )  # fmt: skip
     return sharder
 
 
