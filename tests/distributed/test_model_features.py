@@ -117,8 +117,9 @@ CASES = [
     ("mistral", "ring", "trains"), ("mistral", "zigzag", "trains"),  # windows on the ring (context/ring.py)
     ("gemma2", "ulysses", "trains"), ("gemma2", "allgather_kv", "trains"), ("gemma2", "ring", "trains"),
     ("bert", "ulysses", "trains"), ("bert", "ring", "trains"), ("bert", "zigzag", "trains"),  # bidirectional, unshifted labels
-    # a user's attention function: run as it is on whole sequences under Ulysses; the ring cannot, and the twin check sees it
-    ("biased", "ulysses", "trains"), ("biased", "ring", "twin check"),
+    # a user's attention function: run as it is on whole sequences under Ulysses; the ring cannot, the twin check sees
+    # it, and the blocks run on shards with that attention whole (sequence/blockwise.py)
+    ("biased", "ulysses", "trains"), ("biased", "ring", "trains"),
 ]  # fmt: skip
 
 
@@ -155,13 +156,17 @@ def _dropping_body(mode: str) -> str:
     for module in targets:
         module.attention_features = drop_window
     try:
-        slipstream.initialize(_mistral(), _config(mode))
+        engine = slipstream.initialize(_mistral(), _config(mode))
     except slipstream.ConfigError as err:
         return str(err)
     finally:
         for module in targets:
             module.attention_features = original
-    return "trained"
+    from slipstream.engine.parallel.sequence.blockwise import BlockwiseSharder
+
+    used = type(engine.parallel.sequence).__name__
+    engine.close()
+    return "blockwise" if isinstance(engine.parallel.sequence, BlockwiseSharder) else f"trained with {used}"
 
 
 def _kernel_modules() -> list[Any]:
@@ -173,8 +178,9 @@ def _kernel_modules() -> list[Any]:
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring", "zigzag", "allgather_kv"])
 def test_twin_check_refuses_a_kernel_that_drops_a_keyword(mode: str) -> None:
+    """The kernel is never used: the twin check refuses it, and the model trains blockwise (its attention whole)."""
     for message in run_distributed(2, _dropping_body, mode):
-        assert "twin check" in message and "module 'model.layers.0.self_attn" in message, message
+        assert message == "blockwise", message
 
 
 def _prompt_masked_body() -> dict[str, Any]:

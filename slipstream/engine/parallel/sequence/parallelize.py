@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -78,7 +79,9 @@ def parallelize_attention(
             alone = pipeline is None and experts is None and all(mesh.size(axis) == 1 for axis in ("tp", "pp", "ep"))
             if not alone:
                 raise
-            return _blockwise(model, mesh, options, str(refusal))  # the kernel does not reproduce it: blockwise.py's note
+            sharder = _blockwise(model, mesh, options, str(refusal))  # the kernel does not reproduce it: blockwise.py's note
+            log_rank0(logger, "%s; the model trains blockwise instead (attention whole on every rank)", refusal, level=logging.WARNING)
+            return sharder
         except BaseException:
             sharder.close()
             raise
