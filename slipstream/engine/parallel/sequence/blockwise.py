@@ -153,6 +153,9 @@ class BlockwiseSharder:
         self.first_batch: Callable[[dict[str, Any]], None] | None = None
         self.mixers = mixers
         self._length: int | None = None  # the whole sequence while a run of blocks is open
+        # the step's whole sequence until its backward is done: a block recomputed in backward (activation
+        # checkpointing runs its forward again, without the block's hooks) still gathers around its attention
+        self._whole: int | None = None
         last = calls[-1] if calls else len(blocks.modules) - 1
         self._handles = []
         for index, block in enumerate(blocks.modules):
@@ -183,7 +186,7 @@ class BlockwiseSharder:
 
     def deactivate(self) -> None:
         self.active = False
-        self._length = None
+        self._length = self._whole = None
 
     def resume(self, step: Any) -> None:
         self.active = True
@@ -219,13 +222,13 @@ class BlockwiseSharder:
             hidden = _first_tensor(args, kwargs)
             if hidden is None:
                 return None
-            self._length = int(hidden.shape[SEQ_DIM])
+            self._length = self._whole = int(hidden.shape[SEQ_DIM])
         return tuple(self._cut_whole(a) for a in args), {k: self._cut_whole(v) for k, v in kwargs.items()}
 
     def _enter_mixer(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not self.active or self._length is None:
+        if not self.active or self._whole is None:
             return None
-        length, local = self._length, -(-self._length // self.size)
+        length, local = self._whole, -(-self._whole // self.size)
 
         def gather(t: torch.Tensor) -> torch.Tensor:
             if t.dim() >= 3 and t.shape[SEQ_DIM] == local and local != length:
@@ -235,9 +238,9 @@ class BlockwiseSharder:
         return tuple(_map_tensors(a, gather) for a in args), {k: _map_tensors(v, gather) for k, v in kwargs.items()}
 
     def _leave_mixer(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        if not self.active or self._length is None:
+        if not self.active or self._whole is None:
             return None
-        length = self._length
+        length = self._whole
         return _map_tensors(output, lambda t: ops.keep_chunk(t, SEQ_DIM, self.group) if t.dim() >= 3 and t.shape[SEQ_DIM] == length else t)
 
     def _leave_blocks(self, module: torch.nn.Module, args: Any, output: Any) -> Any:

@@ -1,0 +1,73 @@
+"""Blockwise sequence parallel (sequence/blockwise.py): a model no attention kernel reaches trains like one process
+under Ulysses and context parallel, its blocks on sequence shards, its position-mixing modules whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import slipstream
+from slipstream.engine.parallel.anatomy import find_blocks
+from slipstream.engine.parallel.sequence.blockwise import position_mixers
+from tests.harness import run_distributed
+from tests.noise import assert_weights_close
+from tests.reference import train_lm_engine, train_lm_reference
+from tests.zoo.models import SEQ, VOCAB, ZOO
+
+LR, ROWS, STEPS = 1e-3, 2, 3
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB, (ROWS, SEQ + 3), generator=g) for _ in range(STEPS)]  # 19 tokens: not a multiple of 2
+
+
+@pytest.mark.parametrize("arch,expected", [
+    ("torch-encoder", ["self_attn"]),  # nn.MultiheadAttention, found by what it computes
+    ("value-residual", []),  # position-wise blocks
+    ("bloom-alibi", ["self_attention"]),  # ALiBi added inline, no attention interface
+])  # fmt: skip
+def test_the_modules_that_mix_positions_are_found(arch: str, expected: list[str]) -> None:
+    model = ZOO[arch]().eval()
+    blocks = find_blocks(model)
+    assert blocks is not None
+    tokens = _batches()[0]
+    mixers, calls = position_mixers(model, blocks, {"input_ids": tokens, "labels": tokens})
+    assert mixers == expected
+    assert calls == list(range(len(blocks)))
+
+
+def _config(mode: str, checkpointing: bool) -> dict[str, Any]:
+    modes = {"ulysses": {"sequence_parallel_size": 2}, "ring": {"context_parallel": {"size": 2, "method": "ring"}}}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+        "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, **modes[mode],
+    }  # fmt: skip
+    if checkpointing:
+        config["activation_checkpointing"] = {"module_classes": ["TransformerEncoderLayer"]}
+    return config
+
+
+def _train(arch: str, mode: str, checkpointing: bool) -> dict[str, Any]:
+    from slipstream.engine.parallel.sequence.blockwise import BlockwiseSharder
+
+    engine = slipstream.initialize(ZOO[arch](), _config(mode, checkpointing))
+    try:
+        assert isinstance(engine.parallel.sequence, BlockwiseSharder)
+        losses = train_lm_engine(engine, _batches(), ROWS, 0)
+        return {"losses": losses, "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("arch,mode,checkpointing", [
+    ("value-residual", "ulysses", False),  # its own loss from labels, every block reads the embedding output
+    ("torch-encoder", "ring", True),  # attention whole inside the shards, recomputed in backward
+])  # fmt: skip
+def test_a_model_no_kernel_reaches_trains_like_one_process(arch: str, mode: str, checkpointing: bool) -> None:
+    losses, weights = train_lm_reference(ZOO[arch](), _batches(), LR)
+    for result in run_distributed(2, _train, arch, mode, checkpointing):
+        assert result["losses"] == pytest.approx(losses, rel=1e-5)
+        assert_weights_close(result["weights"], weights, label=f"{arch} {mode}")
