@@ -19,9 +19,24 @@ from tests.zoo.models import SEQ, VOCAB, ZOO
 LR, ROWS, STEPS = 1e-3, 2, 3
 
 
-def _batches() -> list[torch.Tensor]:
+def _t5_heads_as_shard() -> torch.nn.Module:
+    """T5 with 8 heads at 16 tokens over 2 ranks: its [b, heads, s, s] relative bias has as many heads as a rank has
+    tokens, which a mixer must not take for a shard to gather (it reaches the blocks whole, and stays so)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=4, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=8, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0,
+    ))  # fmt: skip
+
+
+BUILDERS = {**ZOO, "t5-8-heads": _t5_heads_as_shard}
+
+
+def _batches(length: int = SEQ + 3) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(11)
-    return [torch.randint(0, VOCAB, (ROWS, SEQ + 3), generator=g) for _ in range(STEPS)]  # 19 tokens: not a multiple of 2
+    return [torch.randint(1, VOCAB, (ROWS, length), generator=g) for _ in range(STEPS)]  # 19 tokens: not a multiple of 2
 
 
 @pytest.mark.parametrize("arch,expected", [
@@ -50,24 +65,25 @@ def _config(mode: str, checkpointing: bool) -> dict[str, Any]:
     return config
 
 
-def _train(arch: str, mode: str, checkpointing: bool) -> dict[str, Any]:
+def _train(arch: str, mode: str, checkpointing: bool, length: int) -> dict[str, Any]:
     from slipstream.engine.parallel.sequence.blockwise import BlockwiseSharder
 
-    engine = slipstream.initialize(ZOO[arch](), _config(mode, checkpointing))
+    engine = slipstream.initialize(BUILDERS[arch](), _config(mode, checkpointing))
     try:
         assert isinstance(engine.parallel.sequence, BlockwiseSharder)
-        losses = train_lm_engine(engine, _batches(), ROWS, 0)
+        losses = train_lm_engine(engine, _batches(length), ROWS, 0)
         return {"losses": losses, "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
     finally:
         engine.close()
 
 
-@pytest.mark.parametrize("arch,mode,checkpointing", [
-    ("value-residual", "ulysses", False),  # its own loss from labels, every block reads the embedding output
-    ("torch-encoder", "ring", True),  # attention whole inside the shards, recomputed in backward
+@pytest.mark.parametrize("arch,mode,checkpointing,length", [
+    ("value-residual", "ulysses", False, SEQ + 3),  # its own loss from labels, every block reads the embedding output
+    ("torch-encoder", "ring", True, SEQ + 3),  # attention whole inside the shards, recomputed in backward
+    ("t5-8-heads", "ulysses", False, 16),  # an encoder-decoder whose bias has as many heads as a shard has tokens
 ])  # fmt: skip
-def test_a_model_no_kernel_reaches_trains_like_one_process(arch: str, mode: str, checkpointing: bool) -> None:
-    losses, weights = train_lm_reference(ZOO[arch](), _batches(), LR)
-    for result in run_distributed(2, _train, arch, mode, checkpointing):
+def test_a_model_no_kernel_reaches_trains_like_one_process(arch: str, mode: str, checkpointing: bool, length: int) -> None:
+    losses, weights = train_lm_reference(BUILDERS[arch](), _batches(length), LR)
+    for result in run_distributed(2, _train, arch, mode, checkpointing, length):
         assert result["losses"] == pytest.approx(losses, rel=1e-5)
         assert_weights_close(result["weights"], weights, label=f"{arch} {mode}")

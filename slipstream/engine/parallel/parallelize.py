@@ -25,7 +25,7 @@ from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.options import ParallelOptions
 from slipstream.engine.parallel.pipeline import Pipeline, parallelize_pipeline
 from slipstream.engine.parallel.rng import separate_slices
-from slipstream.engine.parallel.sequence import SequenceSharder, parallelize_attention
+from slipstream.engine.parallel.sequence import Sharder, parallelize_attention
 from slipstream.engine.parallel.tensor import TensorParallel, parallelize_tensor
 from slipstream.engine.parallel.weights import sync_initial_weights
 from slipstream.utils.placement import placement_of
@@ -39,7 +39,7 @@ class Parallelized:
     pipeline: Pipeline | None
     experts: ExpertPlan | None
     tensor: TensorParallel | None
-    sequence: SequenceSharder | None
+    sequence: Sharder | None
     original_names: Mapping[int, str]  # id of each parameter before any cut -> its name
 
     @property

@@ -12,14 +12,14 @@ import torch
 
 from slipstream.engine.monitor import TrainingMonitor
 from slipstream.engine.parallel.calls import call_model, loss_of, router_loss_of
-from slipstream.engine.parallel.sequence import SequenceSharder
+from slipstream.engine.parallel.sequence import Sharder
 from slipstream.engine.runners.base import cast_floats
 from slipstream.engine.zero.strategy import ShardingStrategy
 
 
 class DirectRunner:
     def __init__(
-        self, module: torch.nn.Module, strategy: ShardingStrategy, monitor: TrainingMonitor, sharder: SequenceSharder | None,
+        self, module: torch.nn.Module, strategy: ShardingStrategy, monitor: TrainingMonitor, sharder: Sharder | None,
         cast_dtype: torch.dtype | None,
     ) -> None:  # fmt: skip
         """``cast_dtype``: floating-point inputs are cast to it (``auto_cast``); ``sharder``: Ulysses / ring attention."""
@@ -35,7 +35,7 @@ class DirectRunner:
             self.monitor.on_router_loss(router)
         return output
 
-    def _forward_sharded(self, sharder: SequenceSharder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _forward_sharded(self, sharder: Sharder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """This rank's share of the sequence through the model, the whole sequence's loss out (parallel/sequence/inputs.py)."""
         if args:
             raise TypeError(f"engine(...): with {sharder.key} > 1 pass the batch as keyword arguments (input_ids=..., labels=...)")

@@ -19,7 +19,7 @@ import torch
 
 from slipstream.engine.monitor import TrainingMonitor
 from slipstream.engine.parallel.pipeline import Pipeline
-from slipstream.engine.parallel.sequence import SequenceSharder
+from slipstream.engine.parallel.sequence import Sharder
 from slipstream.engine.runners.base import cast_floats
 from slipstream.engine.zero.strategy import ShardingStrategy
 from slipstream.errors import UsageError
@@ -98,7 +98,7 @@ class PipelineRunner:
 
     def __init__(
         self, pipeline: Pipeline, strategy: ShardingStrategy, monitor: TrainingMonitor, cast_dtype: torch.dtype | None,
-        sharder: SequenceSharder | None = None,
+        sharder: Sharder | None = None,
     ) -> None:  # fmt: skip
         self.pipeline, self.strategy, self.monitor, self.cast_dtype, self.sharder = pipeline, strategy, monitor, cast_dtype, sharder
         # This window's micro-batches, each with its labelled tokens on this rank (under a sharder) and its deferred loss.

@@ -29,6 +29,7 @@ The twin check compares it with the whole model, as for the kernels, and refuses
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -156,6 +157,8 @@ class BlockwiseSharder:
         # the step's whole sequence until its backward is done: a block recomputed in backward (activation
         # checkpointing runs its forward again, without the block's hooks) still gathers around its attention
         self._whole: int | None = None
+        # the step's block inputs left whole (weakly, by id: ids of freed tensors are reused): a mixer never gathers those
+        self._uncut: dict[int, weakref.ref[torch.Tensor]] = {}
         last = calls[-1] if calls else len(blocks.modules) - 1
         self._handles = []
         for index, block in enumerate(blocks.modules):
@@ -187,6 +190,7 @@ class BlockwiseSharder:
     def deactivate(self) -> None:
         self.active = False
         self._length = self._whole = None
+        self._uncut = {}
 
     def resume(self, step: Any) -> None:
         self.active = True
@@ -209,21 +213,31 @@ class BlockwiseSharder:
     def _share(self, grad: torch.Tensor) -> torch.Tensor:
         return grad * self.size if self.active else grad
 
-    def _cut_whole(self, value: Any) -> Any:
+    def _cut_whole(self, value: Any, hidden: torch.Tensor | None) -> Any:
         length = self._length
-        return _map_tensors(
-            value, lambda t: ops.split_sequence(t, SEQ_DIM, self.group) if t.dim() >= 3 and t.shape[SEQ_DIM] == length else t
-        )  # fmt: skip
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() >= 3 and t.shape[SEQ_DIM] == length:
+                return ops.split_sequence(t, SEQ_DIM, self.group)
+            if t is not hidden:  # e.g. a [b, heads, s, s] bias whose heads happen to equal the local length
+                self._uncut[id(t)] = weakref.ref(t)
+            return t
+
+        return _map_tensors(value, cut)
 
     def _enter_block(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.active:
             return None
+        hidden = _first_tensor(args, kwargs)
         if self._length is None:  # a run of blocks opens: its hidden state is the whole sequence
-            hidden = _first_tensor(args, kwargs)
             if hidden is None:
                 return None
             self._length = self._whole = int(hidden.shape[SEQ_DIM])
-        return tuple(self._cut_whole(a) for a in args), {k: self._cut_whole(v) for k, v in kwargs.items()}
+        return tuple(self._cut_whole(a, hidden) for a in args), {k: self._cut_whole(v, hidden) for k, v in kwargs.items()}
+
+    def _left_whole(self, t: torch.Tensor) -> bool:
+        ref = self._uncut.get(id(t))
+        return ref is not None and ref() is t
 
     def _enter_mixer(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.active or self._whole is None:
@@ -231,7 +245,7 @@ class BlockwiseSharder:
         length, local = self._whole, -(-self._whole // self.size)
 
         def gather(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() >= 3 and t.shape[SEQ_DIM] == local and local != length:
+            if t.dim() >= 3 and t.shape[SEQ_DIM] == local and local != length and not self._left_whole(t):
                 return ops.gather_sequence(t, SEQ_DIM, self.group, "blockwise sp gather (mixer)", length=length)
             return t
 
