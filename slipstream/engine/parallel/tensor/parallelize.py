@@ -384,14 +384,14 @@ def parallelize_tensor(
             raise ConfigError(str(err)) from None
         return hooks
 
+    if experts is not None and ctx.sequence_parallel:  # before the twin check, which trains the experts too
+        experts.split_tokens(lambda: t if ctx.sp else 1)
     shards = _shard_blocks(model, plan, leaves, ctx, t)
     vocab = _shard_vocab(model, ctx)
     try:
         hooks = accept(plan, shards)
     except ConfigError:
         plan, shards, hooks = _gathered_fallback(model, plan, shards, leaves, ctx, t, blocks.names, accept)
-    if experts is not None and ctx.sequence_parallel:
-        experts.split_tokens(lambda: t if ctx.sp else 1)
     rewritten = shards.rewritten
     columns = sum(e.style != "row" for e in plan)
     log_rank0(
