@@ -65,7 +65,8 @@ def render(table: list[tuple[str, dict[str, tuple[str, str]]]]) -> str:
                 continue
             kind, detail = row[mode]
             if kind == "refused":
-                text = short(detail)
+                trains = [m for m in modes if row.get(m, ("",))[0] == "trains"]
+                text = short(detail) + f" → {arch} trains under {', '.join(trains) or 'no mode here'}"
                 if text not in notes:
                     notes.append(text)
                 cells.append(f"refused [{notes.index(text) + 1}]")

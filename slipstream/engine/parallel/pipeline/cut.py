@@ -39,14 +39,14 @@ class StageOutput(Exception):
     """Raised inside the model's forward at the end of a non-last stage, carrying its output: the hidden state,
     and with a carry (carry.py) the router logits collected so far."""
 
-    def __init__(self, hidden: torch.Tensor, carried: torch.Tensor | None = None) -> None:
+    def __init__(self, hidden: torch.Tensor, carried: torch.Tensor | None = None, extras: list[torch.Tensor] | None = None) -> None:
         super().__init__("pipeline stage output")
-        self.hidden, self.carried = hidden, carried
+        self.hidden, self.carried, self.extras = hidden, carried, extras or []
 
     @property
     def outputs(self) -> list[torch.Tensor]:
-        """What the stage hands on: the hidden state, then what the carry took."""
-        return [self.hidden] if self.carried is None else [self.hidden, self.carried]
+        """What the stage hands on: the hidden state, what the carry took, the blocks' other activations."""
+        return [self.hidden, *([] if self.carried is None else [self.carried]), *self.extras]
 
 
 class Passthrough(torch.nn.Module):
@@ -260,6 +260,8 @@ class StageGate:
     ranges: dict[int, range]  # local stage -> its block indices
     num_stages: int
     carry: RouterCarry | None = None  # what a stage hands on besides its hidden state (carry.py)
+    # the blocks' other activation arguments (positional index or keyword: twin.Probe.carried), see the note below
+    extras: tuple[int | str, ...] = ()
     _state: threading.local = dataclasses.field(default_factory=threading.local, repr=False)
 
     @property
@@ -296,21 +298,45 @@ class StageGate:
 
         return forward
 
+    def _unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor] | None]:
+        """The received hand-over: hidden state, router logits (when the carry sends them), the other activations
+        (None when they did not come: the dry run hands on the hidden state alone)."""
+        assert self.received, "pipeline: no activation received for this stage"
+        hidden, *rest = self.received
+        router = rest.pop(0) if self.carry is not None and self.carry.sends and rest else None
+        return hidden, router, (rest if self.extras and len(rest) == len(self.extras) else None)
+
     def _pre_hook(self, index: int) -> Any:
+        """[Note: activations carried beside the hidden state] A block that reads another activation besides its
+        hidden state, the same tensor for every block (a value-residual model's embedding output, ``block(x, x0)``),
+        would get the stand-in's zeros on a later stage. The stage that computed it hands it on with the hidden
+        state (each later stage hands on what it received), and every block the receiving stage runs reads the
+        received tensor in its place; its gradient, summed over that stage's blocks and the stages after it, goes
+        back with the hidden state's. An activation computed between blocks is not carried (twin.probe_blocks)."""
+
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if self.active is None:
                 return None
             span = self.ranges[self.active]
             if index == span.stop and self.active < self.num_stages - 1:
                 hidden = _hidden_of(args, kwargs)
-                raise StageOutput(hidden, self.carry.take(hidden) if self.carry is not None else None)
-            if index == span.start and self.active > 0:
-                assert self.received, "pipeline: no activation received for this stage"
-                hidden, *carried = self.received
-                if self.carry is not None and carried:
-                    self.carry.give(carried[0])
-                return _with_hidden(args, kwargs, hidden)
-            return None
+                extras = self._unpacked()[2] if self.active > 0 and self.received else None
+                if extras is None:
+                    extras = [kwargs[k] if isinstance(k, str) else args[k] for k in self.extras]
+                raise StageOutput(hidden, self.carry.take(hidden) if self.carry is not None else None, extras)
+            if index not in span or self.active == 0:
+                return None
+            hidden, router, extras = self._unpacked()
+            if index == span.start:
+                if router is not None:
+                    self.carry.give(router)  # type: ignore[union-attr]
+                args, kwargs = _with_hidden(args, kwargs, hidden)
+            for key, value in zip(self.extras, extras or (), strict=False):
+                if isinstance(key, str):
+                    kwargs = {**kwargs, key: value}
+                else:
+                    args = (*args[:key], value, *args[key + 1 :])
+            return args, kwargs
 
         return hook
 

@@ -55,7 +55,7 @@ class Executor:
         ``synchronized_timing`` (``wall_clock_breakdown``): see [Note: timing a step]."""
         self.model, self.gate, self.schedule = model, gate, schedule
         # Tensors a stage hands the next: its hidden state, and with a carry the router logits (carry.py).
-        self.parts = 2 if gate.carry is not None and gate.carry.sends else 1
+        self.parts = (2 if gate.carry is not None and gate.carry.sends else 1) + len(gate.extras)
         self.layout = schedule.layout
         self.rank, self.peers, self.group, self.weights = pp_rank, peers, group, weights
         self.synchronized_timing = synchronized_timing
@@ -248,7 +248,7 @@ class Executor:
     def _receive_activation(self, a: Action) -> list[torch.Tensor]:
         source, received = self._peer(a.stage - 1), []
         for part in range(self.parts):
-            what = "activation" if part == 0 else "router logits"
+            what = "activation" if part == 0 else "carried activation"
             head = torch.empty(p2p.HEADER, dtype=torch.int64)
             self._p2p(lambda: p2p.recv(head, source, p2p.channel(a.stage, 0, a.micro, part), self.group, tag=f"pipeline shape {a}", op="p2p_meta")).wait()
             buf = p2p.empty_from(head, _device_of(self.model))
@@ -259,7 +259,7 @@ class Executor:
     def _send_activation(self, a: Action, tensors: list[torch.Tensor]) -> list[Pending]:
         to, pending = self._peer(a.stage + 1), []
         for part, tensor in enumerate(tensors):
-            what, head = "activation" if part == 0 else "router logits", p2p.header(tensor)
+            what, head = "activation" if part == 0 else "carried activation", p2p.header(tensor)
             pending.append(self._p2p(lambda: p2p.send(head, to, p2p.channel(a.stage + 1, 0, a.micro, part), self.group, tag=f"pipeline shape {a}", op="p2p_meta")))
             pending.append(self._p2p(lambda: p2p.send(tensor, to, p2p.channel(a.stage + 1, 1, a.micro, part), self.group, tag=f"pipeline {what} {a}")))
         return pending

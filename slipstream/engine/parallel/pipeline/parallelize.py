@@ -246,7 +246,8 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
             if not last:
                 for name in _outermost(epilogue):
                     cut.set_submodule(model, name, torch.nn.Identity())
-            gate = cut.StageGate({s: ranges[s] for s in local}, layout.num_stages, carry=RouterCarry.of(model))
+            carried = probe.carried if probe is not None else ()
+            gate = cut.StageGate({s: ranges[s] for s in local}, layout.num_stages, carry=RouterCarry.of(model), extras=carried)
             return gate, gate.hooks([model.get_submodule(n) for n in blocks.names]), silenced
         except ConfigError:
             raise

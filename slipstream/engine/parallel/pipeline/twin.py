@@ -5,11 +5,11 @@ weights), so each computes the reference itself: the window's ``m`` synthetic mi
 through the unchanged model, losses and accumulated gradients. After the cut the same
 micro-batches run through the real schedule across the pipeline ranks (P2P, tied-weight sums and
 all). The step's losses and every parameter's gradient on this rank must match the reference's.
-Whatever the cut cannot see, a block that reads more than the hidden state (``block(x, x0)``), a
-block list run twice, weights shared across more than the two ends, a block the gate skips,
+Whatever the cut cannot see, a block that reads an activation computed between blocks, a block
+list run twice, weights shared across more than the two ends, a block the gate skips,
 shows up as a loss or gradient that differs, and ``initialize`` refuses, naming the module of
 the first parameter that differs. Before the cut, one forward of the whole model with hooks on the blocks refuses
-what no cut can carry in words (a block called twice, a block reading a second activation). The
+what no cut can carry in words (a block called twice, a block reading an activation computed between blocks). The
 synthetic batch is random token ids in the model's first call convention that returns a loss
 (``input_ids=/labels=``, ``(tokens, labels)``, ``(tokens)``); a model taking none of them trains
 unchecked, and the log says so.
@@ -40,6 +40,10 @@ class Probe:
     # modules whose first call returned a tensor of its first input's shape and dtype (a norm after the embeddings)
     shape_keeping: frozenset[str] = frozenset()
     skipped: frozenset[int] = frozenset()  # blocks the forward did not call (cut.partition's [Note: blocks the forward skips])
+    # the blocks' other activation arguments (a positional index or a keyword), one tensor for every block, carried
+    # between stages with the hidden state (cut.StageGate's [Note: activations carried beside the hidden state])
+    carried: tuple[int | str, ...] = ()
+    carried_inputs: tuple[tuple[torch.Size, torch.dtype], ...] = ()
 
 
 def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
@@ -48,6 +52,7 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
     qualified names of the modules in the order they first ran (prologue and epilogue by execution, not registration)."""
     calls: list[int] = []
     extra: dict[int, str] = {}
+    extras: dict[int, dict[int | str, torch.Tensor]] = {}  # per block: its other activation arguments
     inputs: dict[int, tuple[torch.Size, torch.dtype]] = {}
     order: list[str] = []
     seen: set[str] = set()
@@ -81,8 +86,10 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
             if not args and "hidden_states" in kwargs:
                 values = [(k, v) for k, v in kwargs.items() if k != "hidden_states"]
             for key, value in values:
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad and index not in extra:
-                    extra[index] = f"argument {key!r}" if isinstance(key, str) else f"positional argument {key}"
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
+                    extras.setdefault(index, {}).setdefault(key, value)
+                    if index not in extra:
+                        extra[index] = f"argument {key!r}" if isinstance(key, str) else f"positional argument {key}"
 
         return record
 
@@ -104,14 +111,32 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
         if odd is not None:
             return Probe(f"block {blocks.names[odd]!r} runs {counted[odd]} times per forward; a pipeline cut runs each block once, in order", order, inputs)
         return Probe("the blocks run out of their registration order; a pipeline cut runs them in order", order, inputs)
-    if extra:
+    carried = _one_tensor_for_every_block(extras, calls)
+    if extra and carried is None:
         index = min(extra)
         return Probe(
             f"block {blocks.names[index]!r} reads an activation besides its hidden state ({extra[index]}, a tensor with "
-            "gradients computed by another module: an embedding output, a learned position bias); a pipeline cut "
-            "carries only the hidden state between stages", order, inputs,
+            "gradients computed by another module) that is not the same tensor for every block (computed between "
+            "blocks, such as a position bias the first block returns); a pipeline cut carries the hidden state and "
+            "the activations every block shares", order, inputs,
         )  # fmt: skip
-    return Probe(None, order, inputs, frozenset(n for n, kept in keeping.items() if kept), skipped)
+    keys = tuple(carried or {})
+    shapes = tuple((carried[k].shape, carried[k].dtype) for k in keys) if carried else ()
+    return Probe(None, order, inputs, frozenset(n for n, kept in keeping.items() if kept), skipped, keys, shapes)
+
+
+def _one_tensor_for_every_block(extras: dict[int, dict[int | str, torch.Tensor]], calls: list[int]) -> dict[int | str, torch.Tensor] | None:
+    """The other activation arguments when every block that runs gets the same ones, each one tensor (the embedding
+    output a value-residual model hands every block): those a stage can carry on. None when they differ (an
+    activation computed between blocks, such as a bias the first block returns): no cut carries those."""
+    if not extras:
+        return {}
+    first = extras.get(calls[0], {})
+    for index in calls:
+        mine = extras.get(index, {})
+        if mine.keys() != first.keys() or any(mine[k] is not first[k] for k in first):
+            return None
+    return dict(first)
 
 
 def reference(model: torch.nn.Module, batches: list[Any]) -> tuple[float, dict[str, torch.Tensor]]:
