@@ -69,15 +69,15 @@ def _first_output(output: Any) -> torch.Tensor | None:
 
 
 def position_mixers(model: torch.nn.Module, blocks: Blocks, batch: Any) -> tuple[list[str], list[int]]:
-    """The modules of the first block that mix positions (relative names; "" for the block itself), the innermost
-    ones; and the indices of the blocks one forward calls, in call order. See the module note."""
+    """The modules of the first block that runs that mix positions (relative names; "" for the block itself), the
+    innermost ones; and the indices of the blocks one forward calls, in call order. See the module note."""
     recorded: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
     calls: list[int] = []
 
     def record(index: int) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             calls.append(index)
-            if index == 0 and not recorded:
+            if not recorded:  # the first block that runs (a forward may skip the first)
                 recorded.append((args, kwargs))
 
         return hook
@@ -93,7 +93,7 @@ def position_mixers(model: torch.nn.Module, blocks: Blocks, batch: Any) -> tuple
     if not recorded:
         return [], calls
     args, kwargs = recorded[0]
-    first = blocks.modules[0]
+    first = blocks.modules[calls[0]]
     hidden = _first_tensor(args, kwargs)
     if hidden is None or hidden.shape[SEQ_DIM] < 2:
         return [""], calls
