@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream import comm
 from slipstream.engine.hf_shards import ShardReport, write_sharded
 from slipstream.engine.zero.strategy import ShardingStrategy
 
@@ -128,7 +129,7 @@ class ModelWeights:
         if state is not None:
             write_weights(Path(save_dir) / filename, state)
         if dist.is_initialized():
-            dist.barrier()
+            comm.barrier(tag="save_16bit_model: written")
         return True
 
     def save_sharded(

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream
+from slipstream import comm
 from slipstream.integrations._config import inference_config, read_config
 from slipstream.integrations._engine import attach_inference_engine
 from slipstream.utils.logging import get_logger
@@ -91,11 +92,11 @@ def from_pretrained(cls: Any, path: str | os.PathLike[str], config: dict[str, An
             value = state.get(name) if rank0 else None
             flag = torch.tensor([value is not None], dtype=torch.uint8)
             if dist.is_initialized():
-                dist.broadcast(flag, 0)
+                comm.broadcast(flag, 0, tag=f"from_pretrained: buffer {name} present").wait()
             if flag.item():
                 source = value.to(buffer.dtype) if value is not None else torch.empty_like(buffer)
                 if dist.is_initialized():
-                    dist.broadcast(source, 0)
+                    comm.broadcast(source, 0, tag=f"from_pretrained: buffer {name}").wait()
                 buffer.copy_(source)
     if missing:
         logger.warning("from_pretrained: not in %s, kept as initialised: %s", path, ", ".join(missing[:8]))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from slipstream import comm
 from slipstream.accelerator import get_accelerator
 
 _PRIME = 1_000_003
@@ -37,12 +38,12 @@ def sync_default_rng(group: dist.ProcessGroup, root: int) -> None:
     """Give every rank of ``group`` the default (CPU and device) generator state of global rank ``root``. Collective."""
     accelerator = get_accelerator()
     state = torch.get_rng_state()
-    dist.broadcast(state, src=root, group=group)
+    comm.broadcast(state, src=root, group=group, tag="default generator state").wait()
     torch.set_rng_state(state)
     device_state = accelerator.rng_state()
     if device_state is not None:
         moved = device_state.to(accelerator.device()) if dist.get_backend(group) == "nccl" else device_state
-        dist.broadcast(moved, src=root, group=group)
+        comm.broadcast(moved, src=root, group=group, tag="device generator state").wait()
         accelerator.set_rng_state(moved.cpu())
 
 

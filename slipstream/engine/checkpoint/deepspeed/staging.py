@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from slipstream import comm
 from slipstream.comm import all_gather_objects
 from slipstream.engine.checkpoint.agree import agree
 from slipstream.engine.checkpoint.deepspeed.convert import convert
@@ -47,7 +48,7 @@ def staged(source: Path) -> Iterator[Path]:
         yield Path(path)
     finally:
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+            comm.barrier(tag="DeepSpeed checkpoint conversion: done")
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
 

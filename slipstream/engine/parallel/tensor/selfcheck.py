@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream import comm
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.attention import recording_attention_callers
 from slipstream.engine.parallel.calls import call_model
@@ -208,7 +209,7 @@ def verify(
             for module, mode in modes.items():
                 module.training = mode
         verdict = torch.tensor([1.0 if problem else 0.0])
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce(verdict, op=comm.ReduceOp.MAX, group=group, tag="tp self-check verdict").wait()
         if verdict.item():
             entries = [e.describe() for e in plan if e.name.startswith(names[i] + ".")]
             raise ConfigError(
