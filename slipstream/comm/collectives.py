@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import pickle
 import time
 import weakref
 from collections.abc import Callable
@@ -369,23 +370,69 @@ def _is_unsupported(err: BaseException) -> bool:
     return "not supported" in text or "unsupported" in text or "not implemented" in text
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (picklable, small: metadata, error texts), in rank order; ``[obj]`` without a process group."""
+# [Note: objects on the recorded path] Small Python objects (checkpoint agreements, error texts, a manifest's
+# entries) cross ranks as pickled bytes in two recorded collectives, their sizes then the bytes padded to the
+# largest, so the flight recorder names them like every tensor collective: the checkpoint agreements are where
+# ranks that took different paths most often meet. The peers are this job's own ranks.
+def _object_bytes(obj: Any, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.device]:
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        from slipstream.accelerator import get_accelerator
+
+        device = get_accelerator().device()
+    data = pickle.dumps(obj)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), device
+
+
+def _object_of(data: torch.Tensor, size: int) -> Any:
+    return pickle.loads(data[:size].cpu().numpy().tobytes())
+
+
+def _sizes(data: torch.Tensor, group: dist.ProcessGroup | None, tag: str) -> list[int]:
+    world = dist.get_world_size(group)
+    sizes = torch.zeros(world, dtype=torch.int64, device=data.device)
+    all_gather_into_tensor(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=data.device), group, f"{tag} (sizes)").wait()
+    return [int(n) for n in sizes.tolist()]
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None, tag: str = "objects") -> list[Any]:
+    """Every rank's ``obj`` (picklable, small: metadata, error texts), in rank order; ``[obj]`` without a process group.
+    See [Note: objects on the recorded path]."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    data, device = _object_bytes(obj, group)
+    sizes = _sizes(data, group, tag)
+    longest = max(sizes)
+    every = torch.zeros(len(sizes) * longest, dtype=torch.uint8, device=device)
+    all_gather_into_tensor(every, torch.nn.functional.pad(data, (0, longest - data.numel())), group, tag).wait()
+    return [_object_of(every[i * longest : (i + 1) * longest], n) for i, n in enumerate(sizes)]
+
+
+def gather_objects(obj: Any, dst: int = 0, tag: str = "objects") -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on global rank ``dst`` (None elsewhere): for objects too large to give every
+    rank (a model's weights for ``consolidated_state_dict``). ``[obj]`` without a process group."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, obj)
-    return every
+    data, device = _object_bytes(obj, None)
+    sizes = _sizes(data, None, tag)
+    longest, here = max(sizes), dist.get_rank() == dst
+    padded = torch.nn.functional.pad(data, (0, longest - data.numel()))
+    slots = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in sizes] if here else None
+    _launch("gather", padded, tag, None, lambda: dist.gather(padded, slots, dst=dst, async_op=True), nbytes=padded.numel()).wait()
+    return [_object_of(slot, n) for slot, n in zip(slots, sizes, strict=True)] if slots is not None else None
 
 
-def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None, tag: str = "object") -> Any:
     """Global rank ``src``'s ``obj`` (picklable, small: a verdict, a few dozen tokens) on every rank of ``group``;
-    ``obj`` itself without a process group or alone in it."""
+    ``obj`` itself without a process group or alone in it. See [Note: objects on the recorded path]."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    data, device = _object_bytes(obj if dist.get_rank() == src else None, group)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    broadcast(size, src, group, f"{tag} (size)").wait()
+    buffer = data if dist.get_rank() == src else torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    broadcast(buffer, src, group, tag).wait()
+    return obj if dist.get_rank() == src else _object_of(buffer, int(size.item()))
 
 
 def barrier(group: dist.ProcessGroup | None = None, tag: str = "") -> None:

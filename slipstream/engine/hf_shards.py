@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.comm import all_gather_objects, p2p
+from slipstream.comm import all_gather_objects, broadcast_object, p2p
 from slipstream.engine.checkpoint.format import safetensors_header
 from slipstream.engine.zero.slices import OwnedSlice
 
@@ -287,11 +287,7 @@ def write_sharded(
 
 
 def _broadcast(obj: Any, world: int) -> Any:
-    if world == 1:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
+    return obj if world == 1 else broadcast_object(obj, src=0, tag="sharded save plan")
 
 
 class _Walk:

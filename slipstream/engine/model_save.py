@@ -73,9 +73,8 @@ class ModelWeights:
                                 "box": {"offsets": list(s.offsets), "sizes": list(s.sizes)}})  # fmt: skip
                 values.append(value[lo:hi])
         mine = (entries, torch.cat(values) if values else torch.zeros(0))
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-        if dist.get_rank() != 0:
+        gathered = comm.gather_objects(mine, dst=0, tag="consolidated weights")
+        if gathered is None:
             return None
         pieces: dict[str, list[Any]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
@@ -105,9 +104,8 @@ class ModelWeights:
         from slipstream.engine.checkpoint.capture import persistent_buffers
 
         mine = {name: b.detach().cpu() for name, b in persistent_buffers(self.module).items()}
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-        dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-        if dist.get_rank() != 0:
+        gathered = comm.gather_objects(mine, dst=0, tag="persistent buffers")
+        if gathered is None:
             return None
         buffers: dict[str, torch.Tensor] = {}
         for found in gathered:

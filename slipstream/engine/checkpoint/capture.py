@@ -161,7 +161,7 @@ def merge_spread_manifest(payload: Payload, target: CheckpointTarget, exclude_fr
     Persistent buffers are rank 0's only (it alone saves buffer values); the models this serves
     (transformers' GPT-2, Llama, Mixtral) keep no persistent buffers outside the first stage.
     """
-    import torch.distributed as dist
+    from slipstream import comm
 
     module = target.module
     names = {id(p): n for n, p in module.named_parameters()}
@@ -171,9 +171,8 @@ def merge_spread_manifest(payload: Payload, target: CheckpointTarget, exclude_fr
         "parameters": {n: v for n, v in body["parameters"].items() if n not in frozen},
         "state_dict_keys": {k: v for k, v in body["state_dict_keys"].items() if "param" in v and v["param"] not in frozen},
     }
-    gathered: list[Any] = [None] * dist.get_world_size() if payload.rank == 0 else []
-    dist.gather_object(mine, gathered if payload.rank == 0 else None, dst=0)
-    if payload.manifest is None:
+    gathered = comm.gather_objects(mine, dst=0, tag="checkpoint manifest entries")
+    if payload.manifest is None or gathered is None:
         return
     for part in gathered:
         for field in ("parameters", "state_dict_keys"):

@@ -124,8 +124,10 @@ def shared_job_id(group: object) -> str:
     """One job id for every rank of ``group`` (a process group; rank 0's), so swap directories sit side by side."""
     import torch.distributed as dist
 
-    box = [new_job_id()]
+    from slipstream import comm
+
+    job = new_job_id()
     if dist.get_world_size(group) > 1:  # type: ignore[arg-type]
         src = dist.get_global_rank(group, 0) if group is not None else 0  # type: ignore[arg-type]
-        dist.broadcast_object_list(box, src=src, group=group)  # type: ignore[arg-type]
-    return box[0]
+        job = comm.broadcast_object(job, src=src, group=group, tag="swap directory job id")  # type: ignore[arg-type]
+    return job
