@@ -43,7 +43,6 @@ class Probe:
     # the blocks' other activation arguments (a positional index or a keyword), one tensor for every block, carried
     # between stages with the hidden state (cut.StageGate's [Note: activations carried beside the hidden state])
     carried: tuple[int | str, ...] = ()
-    carried_inputs: tuple[tuple[torch.Size, torch.dtype], ...] = ()
 
 
 def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
@@ -51,7 +50,6 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
     block reading an activation with gradients besides its hidden state; None: nothing found), and the
     qualified names of the modules in the order they first ran (prologue and epilogue by execution, not registration)."""
     calls: list[int] = []
-    extra: dict[int, str] = {}
     extras: dict[int, dict[int | str, torch.Tensor]] = {}  # per block: its other activation arguments
     inputs: dict[int, tuple[torch.Size, torch.dtype]] = {}
     order: list[str] = []
@@ -88,8 +86,6 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
             for key, value in values:
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
                     extras.setdefault(index, {}).setdefault(key, value)
-                    if index not in extra:
-                        extra[index] = f"argument {key!r}" if isinstance(key, str) else f"positional argument {key}"
 
         return record
 
@@ -112,17 +108,17 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
             return Probe(f"block {blocks.names[odd]!r} runs {counted[odd]} times per forward; a pipeline cut runs each block once, in order", order, inputs)
         return Probe("the blocks run out of their registration order; a pipeline cut runs them in order", order, inputs)
     carried = _one_tensor_for_every_block(extras, calls)
-    if extra and carried is None:
-        index = min(extra)
+    if carried is None:
+        index = min(extras)
+        key = next(iter(extras[index]))
+        argument = f"argument {key!r}" if isinstance(key, str) else f"positional argument {key}"
         return Probe(
-            f"block {blocks.names[index]!r} reads an activation besides its hidden state ({extra[index]}, a tensor with "
+            f"block {blocks.names[index]!r} reads an activation besides its hidden state ({argument}, a tensor with "
             "gradients computed by another module) that is not the same tensor for every block (computed between "
             "blocks, such as a position bias the first block returns); a pipeline cut carries the hidden state and "
             "the activations every block shares", order, inputs,
         )  # fmt: skip
-    keys = tuple(carried or {})
-    shapes = tuple((carried[k].shape, carried[k].dtype) for k in keys) if carried else ()
-    return Probe(None, order, inputs, frozenset(n for n, kept in keeping.items() if kept), skipped, keys, shapes)
+    return Probe(None, order, inputs, frozenset(n for n, kept in keeping.items() if kept), skipped, tuple(carried))
 
 
 def _one_tensor_for_every_block(extras: dict[int, dict[int | str, torch.Tensor]], calls: list[int]) -> dict[int | str, torch.Tensor] | None:

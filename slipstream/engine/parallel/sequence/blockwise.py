@@ -152,8 +152,7 @@ class BlockwiseSharder:
         self.active = False
         self.current = None
         self.first_batch: Callable[[dict[str, Any]], None] | None = None
-        self.mixers = mixers
-        self._length: int | None = None  # the whole sequence while a run of blocks is open
+        self._open = False  # a run of blocks is open: the hidden state between blocks is cut
         # the step's whole sequence until its backward is done: a block recomputed in backward (activation
         # checkpointing runs its forward again, without the block's hooks) still gathers around its attention
         self._whole: int | None = None
@@ -188,8 +187,8 @@ class BlockwiseSharder:
         self.active = True
 
     def deactivate(self) -> None:
-        self.active = False
-        self._length = self._whole = None
+        self.active = self._open = False
+        self._whole = None
         self._uncut = {}
 
     def resume(self, step: Any) -> None:
@@ -214,7 +213,7 @@ class BlockwiseSharder:
         return grad * self.size if self.active else grad
 
     def _cut_whole(self, value: Any, hidden: torch.Tensor | None) -> Any:
-        length = self._length
+        length = self._whole
 
         def cut(t: torch.Tensor) -> torch.Tensor:
             if t.dim() >= 3 and t.shape[SEQ_DIM] == length:
@@ -229,10 +228,10 @@ class BlockwiseSharder:
         if not self.active:
             return None
         hidden = _first_tensor(args, kwargs)
-        if self._length is None:  # a run of blocks opens: its hidden state is the whole sequence
+        if not self._open:  # a run of blocks opens: its hidden state is the whole sequence
             if hidden is None:
                 return None
-            self._length = self._whole = int(hidden.shape[SEQ_DIM])
+            self._open, self._whole = True, int(hidden.shape[SEQ_DIM])
         return tuple(self._cut_whole(a, hidden) for a in args), {k: self._cut_whole(v, hidden) for k, v in kwargs.items()}
 
     def _left_whole(self, t: torch.Tensor) -> bool:
@@ -258,10 +257,10 @@ class BlockwiseSharder:
         return _map_tensors(output, lambda t: ops.keep_chunk(t, SEQ_DIM, self.group) if t.dim() >= 3 and t.shape[SEQ_DIM] == length else t)
 
     def _leave_blocks(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        if not self.active or self._length is None:
+        if not self.active or not self._open or self._whole is None:
             return None
-        length, local = self._length, -(-self._length // self.size)
-        self._length = None
+        length, local = self._whole, -(-self._whole // self.size)
+        self._open = False
         if local == length:
             return None
         return _map_tensors(

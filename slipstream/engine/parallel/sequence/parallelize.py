@@ -11,18 +11,11 @@ import torch
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.attention import route_attention
-from slipstream.engine.parallel.context import (
-    AllGatherKVAttention,
-    Layout,
-    RingAttention,
-)
+from slipstream.engine.parallel.context import AllGatherKVAttention, Layout, RingAttention
 from slipstream.engine.parallel.expert import ExpertPlan
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.pipeline import Pipeline
-from slipstream.engine.parallel.sequence.blockwise import (
-    BlockwiseSharder,
-    position_mixers,
-)
+from slipstream.engine.parallel.sequence.blockwise import BlockwiseSharder, position_mixers
 from slipstream.engine.parallel.sequence.first_batch import first_batch_check
 from slipstream.engine.parallel.sequence.inputs import SequenceSharder
 from slipstream.engine.parallel.sequence.options import SequenceOptions
@@ -73,10 +66,7 @@ def parallelize_attention(
         sharder = SequenceSharder(mesh.group("cp"), "context_parallel.size", layout, routing=(model, f"slipstream_{method}", previous, kernel))
         mode = f"context parallel ({method}, {layout.size})"
     if options.twin_check:
-        from slipstream.engine.parallel.twin import (
-            check_sequence_pipeline_twin,
-            check_sequence_twin,
-        )
+        from slipstream.engine.parallel.twin import check_sequence_pipeline_twin, check_sequence_twin
 
         averaging = {id(p): experts.group for p in experts.params} if experts is not None else None
         try:
@@ -108,11 +98,7 @@ def parallelize_attention(
 def _blockwise(model: torch.nn.Module, mesh: Mesh, options: SequenceOptions, refusal: str) -> BlockwiseSharder:
     """The blocks on sequence shards, the rest of the model whole ([Note: blockwise sequence parallel]), if its twin
     check passes; else ``refusal`` (what the kernels' route said) as the ConfigError."""
-    from slipstream.engine.parallel.twin import (
-        check_sequence_twin,
-        quiet_model,
-        synthetic_batches,
-    )
+    from slipstream.engine.parallel.twin import check_sequence_twin, quiet_model, synthetic_batches
 
     axes = tuple(axis for axis, size in (("cp", options.context), ("sp", options.ulysses)) if size > 1)
     key = "sequence_parallel_size" if options.ulysses > 1 else "context_parallel.size"

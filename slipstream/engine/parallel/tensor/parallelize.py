@@ -27,25 +27,10 @@ from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.rng import ShardedRegionRng, sync_default_rng
 from slipstream.engine.parallel.tensor import selfcheck, sequence
-from slipstream.engine.parallel.tensor.layers import (
-    ShardedLinear,
-    SharedInput,
-    TPContext,
-    VocabEmbedding,
-    VocabHead,
-)
+from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext, VocabEmbedding, VocabHead
 from slipstream.engine.parallel.tensor.options import TensorOptions
-from slipstream.engine.parallel.tensor.partial_grads import (
-    params_in_sharded_regions,
-    sum_gradients_over_tp,
-)
-from slipstream.engine.parallel.tensor.plan import (
-    PlanEntry,
-    build_plan,
-    in_features,
-    is_linear_like,
-    out_features,
-)
+from slipstream.engine.parallel.tensor.partial_grads import params_in_sharded_regions, sum_gradients_over_tp
+from slipstream.engine.parallel.tensor.plan import PlanEntry, build_plan, in_features, is_linear_like, out_features
 from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.placement import place, place_parts, placement_of
 
@@ -280,8 +265,9 @@ def _gathered_fallback(
             if index.get(e.name) in gathered else e
             for e in plan
         ]  # fmt: skip
-        cut = {e.name: out_features(leaves[e.name]) if e.style == "column" else in_features(leaves[e.name]) for e in candidate if e.gathered}
-        if any(size % t for size in cut.values()):
+        try:
+            _check_divides([e for e in candidate if e.gathered], leaves, model, t)
+        except ConfigError:  # a gathered weight that does not divide by t
             continue
         shards.undo(model)
         shards = _shard_blocks(model, candidate, leaves, ctx, t)
@@ -358,7 +344,6 @@ def parallelize_tensor(
     plan = _check_divides(plan, leaves, model, t)
     tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 3e-2
     own_experts = set() if experts is None else {id(p) for p in experts.params}
-    vocab: list[str] = []
 
     def accept(candidate: list[PlanEntry], shards: _Shards) -> list[Any]:
         """The self-check, the gradient hooks and the twin check of one plan; its hooks, or ConfigError (none left)."""
