@@ -64,6 +64,10 @@ class Accelerator(abc.ABC):
     @abc.abstractmethod
     def reset_peak_memory_stats(self) -> None: ...
 
+    @abc.abstractmethod
+    def free_memory(self) -> int:
+        """Bytes this device could still give a new allocation now (the host's available memory on CPU)."""
+
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 

@@ -146,6 +146,9 @@ class CPUAccelerator(Accelerator):
     def reset_peak_memory_stats(self) -> None:
         self._peak_baseline = self.memory_allocated()
 
+    def free_memory(self) -> int:
+        return int(psutil.virtual_memory().available)
+
     def return_freed_memory(self, block_bytes: int) -> None:
         # [Note: glibc and freed units] glibc raises its mmap threshold each time a large block is
         # freed, so later blocks of that size come from the heap, where alignment slack keeps a freed

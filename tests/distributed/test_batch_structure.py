@@ -361,6 +361,42 @@ def test_the_first_batch_twin_check_refuses_a_feature_no_rule_names(mode: str) -
         assert "\n" not in message
 
 
+def _dropped_window_body(mode: str) -> str:
+    """An injected kernel fault only a long batch shows: the kernels' feature reader loses Mistral's 80-token
+    sliding window. The synthetic batch at ``initialize`` (32 tokens) never reaches the window; a 64-token first
+    window would not either; the window sized by the model's declared range does (first_batch.py's note)."""
+    import dataclasses
+
+    from transformers import MistralForCausalLM
+
+    from slipstream.engine.parallel import attention
+    from slipstream.engine.parallel.context import ring
+    from slipstream.engine.parallel.sequence import ulysses
+
+    real = attention.attention_features
+    for module in (ring, ulysses):
+        module.attention_features = lambda *a, **k: dataclasses.replace(real(*a, **k), sliding_window=None)  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    model = MistralForCausalLM(_config("MistralConfig", sliding_window=80, max_position_embeddings=256))
+    engine = slipstream.initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **MODES[mode]})
+    ids = _ids((1, 160), 43)
+    try:
+        with pytest.raises(slipstream.ConfigError) as err:
+            engine(input_ids=ids, labels=ids)
+        return str(err.value)
+    finally:
+        engine.close()
+        for module in (ring, ulysses):
+            module.attention_features = real  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "zigzag"])
+def test_the_first_batch_window_crosses_the_models_sliding_window(mode: str) -> None:
+    for message in run_distributed(2, _dropped_window_body, mode):
+        assert "does not reproduce MistralForCausalLM on the first batch (row 0, tokens 0-160 of 160;" in message, message
+        assert "\n" not in message
+
+
 def _ring_work_body(mode: str) -> dict[str, float]:
     """The ring's causal work (layout.py's block units, summed over layers) on one packed row and on the same row
     read as one document (its position ids counting on): blocks no document spans are skipped or masked."""

@@ -248,11 +248,11 @@ def check_sequence_twin(
             ours = recorder.outputs
         finally:
             recorder.close()
-        mismatch = _first_mismatch(ref_outputs, ours, sharder, length, tolerance)
-        if mismatch is None:
-            mismatch = loss_mismatch(float(output.loss.detach()), float(ref_loss.detach()), tolerance)
-        if mismatch is None:
-            mismatch = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging, our_grads), ref_grads, tolerance)
+        gradients = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging, our_grads), ref_grads, tolerance)
+        mismatch = (
+            _first_mismatch(ref_outputs, ours, sharder, length, tolerance)
+            or loss_mismatch(float(output.loss.detach()), float(ref_loss.detach()), tolerance) or gradients
+        )  # fmt: skip
         agree(mismatch, sharder.group, f"{sharder.key}: {mode} does not reproduce {name} on {what} (twin check)")
 
 
@@ -293,9 +293,8 @@ def check_sequence_pipeline_twin(
             ours = pipeline.train_step([b for b, _ in local], scale, contextlib.nullcontext, lambda out, i: sharder.combine(out, local[i][1]))
         finally:
             sharder.deactivate()
-        mismatch = loss_mismatch(sum(ours.losses) / len(ours.losses), sum(reference.losses) / len(reference.losses), tolerance, "the step's loss")
-        if mismatch is None:
-            mismatch = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging), ref_grads, tolerance)
+        gradients = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging), ref_grads, tolerance)
+        mismatch = loss_mismatch(sum(ours.losses) / len(ours.losses), sum(reference.losses) / len(reference.losses), tolerance, "the step's loss") or gradients
         pipeline.last_report = None
     agree(mismatch, dist.group.WORLD, f"{sharder.key}: {mode} inside the pipeline's stages does not reproduce {name} on {what} (twin check)",
           "the same pipeline with the model's own attention on whole sequences")  # fmt: skip
@@ -336,6 +335,8 @@ def _group_mean_pairs(
     averaging: Mapping[int, dist.ProcessGroup] | None = None, grads: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:  # fmt: skip
     """The group-mean gradients (one flat all-reduce per group) beside the reference's, parameter by parameter.
+    Collective: every rank of ``group`` computes them, whatever it found before (a rank whose module outputs
+    already differ still takes part, or its peers' all-reduce meets the verdict's and gloo aborts).
 
     [Note: which ranks to average] The ranks of ``group`` hold the same parameters and saw different parts of
     the batch, so their mean is the whole batch's gradient. A parameter in ``averaging`` (an expert, by ``id``)
