@@ -17,6 +17,8 @@ source with ``ast``; nothing is imported, so it takes a fraction of a second).
   answers instantly; the launcher never imports ``slipstream.engine`` (the dispatcher may, inside
   the ``checkpoint`` subcommand).
 * No file under ``slipstream/`` is longer than 600 lines.
+* Only ``slipstream.comm`` calls ``torch.distributed``'s collectives and point-to-point transfers: every
+  other module goes through comm, so the comms log, the flight recorder and the timeouts see each call.
 
 [Note: the graph's conventions] ``from a.b import c`` is an edge to ``a.b.c`` when that is a module,
 else to ``a.b``; ``import a.b.c`` is an edge to ``a.b.c`` only (for cycles, importing a submodule
@@ -347,6 +349,51 @@ def long_files(g: Graph) -> list[str]:
     return found
 
 
+COLLECTIVES = frozenset({
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+    "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv", "isend",
+    "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
+    "send", "recv_object_list", "send_object_list", "P2POp",
+})  # fmt: skip
+
+
+def collective_calls(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, name) of each call to a torch.distributed collective: through an alias of the module (``import
+    torch.distributed as dist``, ``from torch import distributed``), the full path, or a name imported from it."""
+    modules, names = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "torch.distributed" and alias.asname:
+                    modules.add(alias.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module in ("torch", "torch.distributed"):
+            for alias in node.names:
+                if node.module == "torch" and alias.name == "distributed":
+                    modules.add(alias.asname or alias.name)
+                elif node.module == "torch.distributed" and alias.name in COLLECTIVES:
+                    names[alias.asname or alias.name] = alias.name
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in names:
+            found.append((node.lineno, names[func.id]))
+        elif isinstance(func, ast.Attribute) and func.attr in COLLECTIVES:
+            owner = ast.unparse(func.value)
+            if owner in modules or owner == "torch.distributed":
+                found.append((node.lineno, func.attr))
+    return found
+
+
+def collectives_outside_comm(g: Graph) -> list[str]:
+    comm = g.under("slipstream.comm")
+    return [
+        f"{g.where(module, line)}: torch.distributed.{name} outside slipstream.comm (call it through comm: logged, recorded, timed out)"
+        for module in sorted(set(g.files) - comm) for line, name in collective_calls(g.trees[module])
+    ]
+
+
 def test_no_import_cycle() -> None:
     cycles = import_cycles(graph())
     assert not cycles, "\n".join(cycles)
@@ -401,6 +448,11 @@ def test_no_file_over_600_lines() -> None:
     assert not found, "\n".join(found)
 
 
+def test_only_comm_calls_collectives() -> None:
+    found = collectives_outside_comm(graph())
+    assert not found, "\n".join(found)
+
+
 def test_the_checks_see_what_they_check() -> None:
     # A scan that silently found nothing would pass every test above.
     g = graph()
@@ -422,3 +474,7 @@ def test_the_checks_see_what_they_check() -> None:
     alias = "if TYPE_CHECKING:\n    pass\nelse:\n    Engine = Any\nEngine: TypeAlias = Any\na, *Engine = b\n"
     inside = "def f():\n    Engine = Any\nclass C:\n    Engine = Any\nx.Engine = Any\nEngines = Any\n"
     assert engine_aliases(ast.parse(alias)) == [4, 5, 6] and engine_aliases(ast.parse(inside)) == []
+    assert any(m.startswith("slipstream.comm") and collective_calls(g.trees[m]) for m in g.files)  # comm's own calls are seen
+    calls = "import torch.distributed as d\nfrom torch import distributed\nfrom torch.distributed import barrier as b\n" \
+        "d.all_reduce(x)\ndistributed.send(x, 1)\ntorch.distributed.broadcast(x, 0)\nb()\nd.get_rank()\nother.all_reduce(x)\n"
+    assert collective_calls(ast.parse(calls)) == [(4, "all_reduce"), (5, "send"), (6, "broadcast"), (7, "barrier")]

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from slipstream import comm
 from slipstream.engine.monitor.timers import Timers
 
 # A rank is slow when its own mean step time over a progress-line window exceeds the median of the
@@ -151,9 +152,9 @@ class RankHealth:
         first = self._loss_first if self._loss_first is not None else torch.full((2,), math.nan, dtype=torch.float64)
         payload = torch.cat((torch.tensor([own], dtype=torch.float64, device=self.device), first.to(self.device)))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, payload)
-            rows = [t.tolist() for t in gathered]
+            gathered = payload.new_empty(dist.get_world_size() * payload.numel())
+            comm.all_gather_into_tensor(gathered, payload, tag="rank health").wait()
+            rows = gathered.view(-1, payload.numel()).tolist()
         else:
             rows = [payload.tolist()]
         verdicts = [*self._judge_speed([row[0] for row in rows]), *self._judge_numerics(rows, step)]
