@@ -26,9 +26,10 @@ from slipstream.engine.zero.params import (
     slice_state,
 )
 from slipstream import comm
-from slipstream.engine.zero.sharding_groups import first_of, model_spread, reduce_flags
+from slipstream.engine.zero.sharding_groups import first_of, model_spread
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice, slice_of
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
+from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.utils.logging import get_logger
 from slipstream.utils.placement import is_duplicate, placement_of
 
@@ -69,7 +70,7 @@ class DataParallelStrategy(ShardingStrategy):
         else:
             self.masters = self.trainable
         self.optimizer = bind_optimizer(optimizer, groups, self.index, lambda i: [self.masters[i]])
-        self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=self.reducer.buffer.device)
+        self.used = UsedFlags(len(self.trainable), self.reducer.buffer.device)  # [Note: flags on the host]
         self.spread = model_spread(list(module.parameters()), self.group)
         self.sync = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
@@ -89,7 +90,7 @@ class DataParallelStrategy(ShardingStrategy):
             param.grad = None
         else:
             adopt_grad(param, view)
-        self.used[i] = 1.0
+        self.used.mark(i)
         if self.sync:
             self.reducer.mark_ready(i, launch=self.options.overlap_comm)
 
@@ -99,9 +100,9 @@ class DataParallelStrategy(ShardingStrategy):
         members: dict[int, tuple[dist.ProcessGroup | None, list[int]]] = {}
         for bucket in self.reducer.buckets:
             members.setdefault(id(bucket.group), (bucket.group, []))[1].extend(bucket.members)
-        reduce_flags(self.used, list(members.values()) or [(self.group, [])])
-        for i, master in enumerate(self.masters):
-            master.grad = self.reducer.views[i] if self.used[i] else None
+        used = self.used.reduce(list(members.values()) or [(self.group, [])])
+        for master, view, got in zip(self.masters, self.reducer.views, used):
+            master.grad = view if got else None
         self.sync = False
 
     # ------------------------------------------------------------------ step
@@ -132,7 +133,7 @@ class DataParallelStrategy(ShardingStrategy):
     def zero_grad(self) -> None:
         self.reducer.buffer.zero_()
         self.reducer.reset()
-        self.used.zero_()
+        self.used.reset()
         if not self.low_precision:
             for p, view in zip(self.trainable, self.reducer.views):
                 p.grad = view

@@ -38,7 +38,7 @@ class MasterWeights(abc.ABC):
         self.spec = spec
 
     @abc.abstractmethod
-    def gradients_ready(self, used: torch.Tensor) -> None:
+    def gradients_ready(self, used: list[bool]) -> None:
         """The reduced gradients are final; ``used[i]`` says whether trainable parameter i got one on any rank."""
 
     @abc.abstractmethod
@@ -126,6 +126,8 @@ class DeviceMasters(MasterWeights):
             targets.setdefault(p.param, []).append(self.views[p.offset])
         self.optimizer = bind_optimizer(optimizer, groups, index, lambda i: targets.get(i, []))
         self.grad32: torch.Tensor | None = None
+        self._views_of: tuple[tuple[int, int], ...] | None = None
+        self._cached_views: dict[int, torch.Tensor] = {}
 
     def _view(self, offset: int, numel: int) -> torch.Tensor:
         if self.flat is not None:
@@ -133,14 +135,24 @@ class DeviceMasters(MasterWeights):
         assert self.params is not None
         return self.params.slice(offset, numel)
 
-    def gradients_ready(self, used: torch.Tensor) -> None:
+    def gradients_ready(self, used: list[bool]) -> None:
         grads = self.spec.grads()
         if self.low_precision:  # the optimizer steps fp32 masters: give it fp32 gradients
             self.grad32 = torch.zeros(self.spec.numel, dtype=torch.float32, device=self.spec.device)
             copy_out(grads, self.grad32, 0)
             grads = Chunks.flat(self.grad32)
+        views = self._grad_views(grads)
         for p in self.spec.pieces:
-            self.views[p.offset].grad = grads.slice(p.offset, p.numel) if used[p.param] else None
+            self.views[p.offset].grad = views[p.offset] if used[p.param] else None
+
+    def _grad_views(self, grads: Chunks) -> dict[int, torch.Tensor]:
+        """Each piece's view of ``grads``, made again only when the buffers behind them change (they persist from
+        step to step: a view per piece per step is Python work that grows with the parameter count)."""
+        key = tuple((t.data_ptr(), t.numel()) for t in grads.tensors)
+        if key != self._views_of:
+            self._views_of = key
+            self._cached_views = {p.offset: grads.slice(p.offset, p.numel) for p in self.spec.pieces}
+        return self._cached_views
 
     def _reduced_grads(self) -> Chunks:
         return Chunks.flat(self.grad32) if self.grad32 is not None else self.spec.grads()
@@ -216,7 +228,7 @@ class OffloadedMasters(MasterWeights):
         self.offload = PartitionOffload(options, spec, optimizer, groups, index)
         self.optimizer = self.offload.optimizer
 
-    def gradients_ready(self, used: torch.Tensor) -> None:
+    def gradients_ready(self, used: list[bool]) -> None:
         self.offload.gradients_ready(used)
 
     def _reduced_grads(self) -> Chunks:

@@ -30,10 +30,11 @@ from slipstream.engine.zero.offload.swap_dir import shared_job_id
 from slipstream.engine.zero.params import TrainableParams, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
 from slipstream.engine.zero.masters_strategy import MastersStrategy, Piece
-from slipstream.engine.zero.sharding_groups import first_of, reduce_flags, split_by_group
+from slipstream.engine.zero.sharding_groups import first_of, split_by_group
 from slipstream.utils.placement import is_duplicate
 from slipstream.engine.zero.slices import OwnedSlice, slice_of
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions
+from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -83,7 +84,7 @@ class PartitionedStrategy(MastersStrategy):
         )  # fmt: skip
         self.masters = build_masters(spec, options.offload, optimizer, groups, self.index)
         self.optimizer = self.masters.optimizer
-        self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=device)
+        self.used = UsedFlags(len(self.trainable), device)  # [Note: flags on the host]
         self.sync = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
         logger.debug(
@@ -108,14 +109,13 @@ class PartitionedStrategy(MastersStrategy):
         part = self.part_of.get(i)
         if part is None:
             return  # in no optimizer group: never updated
-        self.used[i] = 1.0
+        self.used.mark(i)
         part.on_grad(i, param, self.sync)
 
     def finish_gradients(self) -> None:
         for part in self.parts:
             part.finish()
-        reduce_flags(self.used, [(part.group, part.indices) for part in self.parts])
-        self.masters.gradients_ready(self.used)
+        self.masters.gradients_ready(self.used.reduce([(part.group, part.indices) for part in self.parts]))
         self.sync = False
 
     # ------------------------------------------------------------------ step
@@ -137,7 +137,7 @@ class PartitionedStrategy(MastersStrategy):
         for part in self.parts:
             part.zero_grad()
         self.masters.zero_grad()
-        self.used.zero_()
+        self.used.reset()
 
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -1,5 +1,5 @@
 """Parameter groups sharded over different process groups: which goes where, and the two reductions
-that must count every parameter once (used-parameter flags and the gradient norm).
+that must count every parameter once (the gradient norm here; used-parameter flags in used_flags.py).
 
 [Note: collectives per group] Each distinct sharding group gets its own partition, in the order in
 which the user's parameter groups first name it (the same position on every rank, although the
@@ -40,20 +40,6 @@ def split_by_group(specs: list[ParamGroupSpec], default: dist.ProcessGroup | Non
     if with_default or not shares:
         shares.setdefault(id(default), GroupShare(default, []))
     return list(shares.values())
-
-
-def reduce_flags(used: torch.Tensor, members: list[tuple[dist.ProcessGroup | None, list[int]]]) -> None:
-    """``used[i]`` = 1 where parameter ``i`` got a gradient on any rank of its group (MAX, in place)."""
-    if len(members) == 1:
-        comm.all_reduce(used, op=dist.ReduceOp.MAX, group=members[0][0], tag="used-parameter flags").wait()
-        return
-    for group, indices in members:
-        if not indices:  # the same on every rank of the group: its ranks share their parameter groups
-            continue
-        mine = torch.tensor(indices, dtype=torch.long, device=used.device)
-        flags = used.index_select(0, mine)
-        comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, tag="used-parameter flags").wait()
-        used.index_copy_(0, mine, flags)
 
 
 def sum_over_groups(partials: list[tuple[dist.ProcessGroup | None, torch.Tensor]]) -> torch.Tensor:

@@ -129,7 +129,7 @@ class PartitionOffload:
     def grad_scale(self, value: float) -> None:
         self.optimizer.grad_scale = value
 
-    def gradients_ready(self, used: torch.Tensor) -> None:
+    def gradients_ready(self, used: list[bool]) -> None:
         """The strategy's reduced gradients are final: bring them to CPU memory (CUDA) and arm the step."""
         if self.grads is not None:
             # The copy runs while the device computes the gradient norm; step() waits for it.
@@ -137,7 +137,7 @@ class PartitionOffload:
             self.copy = self.context.issue("copy", lambda: copy_out(device_grads, host, 0), "offloaded gradients to host")
         if isinstance(self.store, NVMeStateStore):
             self.store.prefetch_first()  # the first read overlaps with the norm and the clipping
-        self.optimizer.prepare(self.grads or self._device_grads(), [bool(u) for u in used.tolist()])
+        self.optimizer.prepare(self.grads or self._device_grads(), used)
 
     def _wait_for_gradients(self) -> None:
         if self.copy is not None:

@@ -29,6 +29,7 @@ from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
 from slipstream.engine.zero.stage3.unit import ParamUnit, TrainingState
+from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.engine.zero.strategy import ShardingOptions
 
 POOL_NUMEL = 64 * 2**20  # elements of reduce-scatter send buffers kept between units and steps
@@ -46,7 +47,7 @@ class _Reduction:
 class UnitReducer:
     def __init__(
         self, units: list[ParamUnit], order: list[ParamUnit], options: ShardingOptions, dtype: torch.dtype,
-        device: torch.device, used: torch.Tensor, index: dict[int, int], new_chunk: Callable[[ParamUnit], torch.Tensor],
+        device: torch.device, used: UsedFlags, index: dict[int, int], new_chunk: Callable[[ParamUnit], torch.Tensor],
     ) -> None:  # fmt: skip
         """``order``: the fixed launch order; ``used``/``index``: flags of trainable parameters (by id) that got a gradient."""
         self.options, self.dtype, self.device, self.used, self.index = options, dtype, device, used, index
@@ -109,7 +110,7 @@ class UnitReducer:
             arrived = grad is not None and (start is None or grad is not start[0] or grad._version != start[1])
             p.grad = None
             if arrived and id(p) in self.index:
-                self.used[self.index[id(p)]] = 1.0
+                self.used.mark(self.index[id(p)])
         send[end:].zero_()  # the padding (and a pooled buffer's old values)
         pre_scale, _ = self._scales(unit)
         if pre_scale != 1.0:

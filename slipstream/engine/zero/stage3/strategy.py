@@ -26,12 +26,12 @@ from slipstream.engine.zero.offload.swap_dir import shared_job_id
 from slipstream.engine.zero.params import check_groups, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
 from slipstream.engine.zero.masters_strategy import MastersStrategy, Piece
-from slipstream.engine.zero.sharding_groups import reduce_flags
 from slipstream.engine.zero.slices import OwnedSlice, slice_of
 from slipstream.engine.zero.stage3.gathered import PartitionedUnits
 from slipstream.engine.zero.stage3.hooks import UnitHooks
 from slipstream.engine.zero.stage3.reducer import UnitReducer
 from slipstream.engine.zero.stage3.schedule import GatherSchedule
+from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.engine.zero.stage3.sharding import shard_units, split_units
 from slipstream.engine.zero.stage3.unit import UnitState
 from slipstream.engine.zero.stage3.units import find_units
@@ -92,7 +92,7 @@ class Stage3Strategy(MastersStrategy):
         self.masters = build_masters(spec, offload, optimizer, groups, self.index)
         self.optimizer = self.masters.optimizer
         store.drop_initial()
-        self.used = torch.zeros(len(self.trainable), dtype=torch.float32, device=device)
+        self.used = UsedFlags(len(self.trainable), device)  # [Note: flags on the host]
         reduce_order = [*reversed(self.blocks), *self.roots, *self.persistent]
         self.reducer = UnitReducer(
             self.units, reduce_order, options, self.dtype, device, self.used, self.index,
@@ -170,8 +170,7 @@ class Stage3Strategy(MastersStrategy):
         flags = {id(g.lanes): (g.lanes.group, []) for g in self.groups}
         for unit in self.units:
             flags[id(unit.lanes)][1].extend(self.index[id(p)] for p in unit.params if id(p) in self.index)
-        reduce_flags(self.used, list(flags.values()))
-        self.masters.gradients_ready(self.used)
+        self.masters.gradients_ready(self.used.reduce(list(flags.values())))
 
     # ------------------------------------------------------------------ step
     def _ranges(self) -> list[tuple[dist.ProcessGroup | None, int, int]]:
@@ -194,7 +193,7 @@ class Stage3Strategy(MastersStrategy):
         self.masters.zero_grad()
         for p in self.managed:
             p.grad = None
-        self.used.zero_()
+        self.used.reset()
 
     # ------------------------------------------------------------------ state
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:

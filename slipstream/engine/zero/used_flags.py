@@ -1,0 +1,55 @@
+"""Which trainable parameters got a gradient in an accumulation window, on any rank of their group.
+
+[Note: flags on the host] The gradient hooks run once per parameter per backward, so marking a parameter must
+cost a byte store: a tensor element write is a dispatcher call (microseconds; a kernel launch on CUDA), paid per
+parameter per step. The flags cross to the device once per step for the MAX reduction over each group and come
+back once as a list of bools, which the masters read: one host synchronisation per step, where reading a device
+tensor's element per parameter (``if used[i]``) waited for the device once per parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from slipstream import comm
+
+
+class UsedFlags:
+    def __init__(self, count: int, device: torch.device) -> None:
+        self.device = device
+        self.local = bytearray(count)  # this rank's, set by the hooks
+        self.reduced: list[bool] = [False] * count  # any rank's, after reduce()
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def mark(self, index: int) -> None:
+        self.local[index] = 1
+
+    def reduce(self, members: list[tuple[dist.ProcessGroup | None, list[int]]]) -> list[bool]:
+        """Any rank's flags (MAX over each parameter's group: reduce_flags); collective."""
+        flags = torch.zeros(len(self.local), dtype=torch.float32, device=self.device)
+        if self.local:  # one copy of the bytes (frombuffer shares them): no Python work per parameter
+            flags.copy_(torch.frombuffer(self.local, dtype=torch.uint8))
+        reduce_flags(flags, members)
+        self.reduced = flags.bool().tolist()
+        return self.reduced
+
+    def reset(self) -> None:
+        self.local[:] = bytes(len(self.local))
+        self.reduced = [False] * len(self.local)
+
+
+def reduce_flags(used: torch.Tensor, members: list[tuple[dist.ProcessGroup | None, list[int]]]) -> None:
+    """``used[i]`` = 1 where parameter ``i`` got a gradient on any rank of its group (MAX, in place)."""
+    if len(members) == 1:
+        comm.all_reduce(used, op=dist.ReduceOp.MAX, group=members[0][0], tag="used-parameter flags").wait()
+        return
+    for group, indices in members:
+        if not indices:  # the same on every rank of the group: its ranks share their parameter groups
+            continue
+        mine = torch.tensor(indices, dtype=torch.long, device=used.device)
+        flags = used.index_select(0, mine)
+        comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, tag="used-parameter flags").wait()
+        used.index_copy_(0, mine, flags)
