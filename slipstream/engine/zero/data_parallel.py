@@ -63,6 +63,7 @@ class DataParallelStrategy(ShardingStrategy):
             average=options.average,
             groups=[group_of.get(id(p), self.group) for p in self.trainable],
             context=self.comm_context,
+            tail=len(self.trainable),  # the used-parameter flags ride the last bucket ([Note: a tail on the last bucket])
         )
         logger.debug("stage 0: %d gradient buckets", len(self.reducer.buckets))
         if self.low_precision:
@@ -71,6 +72,7 @@ class DataParallelStrategy(ShardingStrategy):
             self.masters = self.trainable
         self.optimizer = bind_optimizer(optimizer, groups, self.index, lambda i: [self.masters[i]])
         self.used = UsedFlags(len(self.trainable), self.reducer.buffer.device)  # [Note: flags on the host]
+        self.reducer.fill_tail = self.used.write
         self.spread = model_spread(list(module.parameters()), self.group)
         self.sync = False
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
@@ -97,10 +99,13 @@ class DataParallelStrategy(ShardingStrategy):
     def finish_gradients(self) -> None:
         self.reducer.finish()
         # Parameters no rank used keep grad None, as in plain PyTorch, so the optimizer skips them.
-        members: dict[int, tuple[dist.ProcessGroup | None, list[int]]] = {}
-        for bucket in self.reducer.buckets:
-            members.setdefault(id(bucket.group), (bucket.group, []))[1].extend(bucket.members)
-        used = self.used.reduce(list(members.values()) or [(self.group, [])])
+        if self.reducer.tail is not None:  # summed with the last bucket
+            used = self.used.read(self.reducer.tail)
+        else:
+            members: dict[int, tuple[dist.ProcessGroup | None, list[int]]] = {}
+            for bucket in self.reducer.buckets:
+                members.setdefault(id(bucket.group), (bucket.group, []))[1].extend(bucket.members)
+            used = self.used.reduce(list(members.values()) or [(self.group, [])])
         for master, view, got in zip(self.masters, self.reducer.views, used):
             master.grad = view if got else None
         self.sync = False

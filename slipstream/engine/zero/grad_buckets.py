@@ -6,6 +6,7 @@ Buckets launch in index order on every rank (see ``ordered_launch``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,7 @@ class BucketedAllReduce:
         average: bool = True,
         groups: list[dist.ProcessGroup | None] | None = None,
         context: CommContext | None = None,
+        tail: int = 0,
     ) -> None:
         self.group = group
         self.context = context if context is not None else CommContext()  # the strategy's: all-reduces on their stream
@@ -69,7 +71,15 @@ class BucketedAllReduce:
         groups = groups if groups is not None else [group] * len(params)
         total = sum(p.numel() for p in params)
         device = params[0].device if params else torch.device("cpu")
-        self.buffer = torch.zeros(total, dtype=dtype, device=device)
+        # [Note: a tail on the last bucket] ``tail`` extra elements after the gradients ride the last bucket's
+        # all-reduce (it launches when every gradient of the window has arrived, so whatever the owner writes there
+        # just before, through ``fill_tail``, is final): the used-parameter flags, one collective fewer per step.
+        # Only where every bucket shares one group; ``self.tail`` is None otherwise and the owner reduces its own.
+        one_group = len({id(g) for g in groups}) == 1
+        self._storage = torch.zeros(total + (tail if tail and one_group and params else 0), dtype=dtype, device=device)
+        self.buffer = self._storage[:total]  # the gradients alone (norms, scaling, zeroing read this)
+        self.tail: torch.Tensor | None = self._storage[total:] if tail and one_group and params else None
+        self.fill_tail: Callable[[torch.Tensor], None] | None = None
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(params)
         self.buckets: list[Bucket] = []
         offset = 0
@@ -96,9 +106,17 @@ class BucketedAllReduce:
     def mark_ready(self, index: int, launch: bool) -> None:
         self.launcher.mark_ready(index, launch)
 
+    def _flat(self, bucket: Bucket) -> torch.Tensor:
+        """What the bucket all-reduces: its gradients, and the tail after the last bucket's."""
+        last = self.tail is not None and bucket.index == len(self.buckets) - 1
+        return self._storage[bucket.start : bucket.end + (self.tail.numel() if last else 0)]  # type: ignore[union-attr]
+
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
-        flat = self.buffer[bucket.start : bucket.end]
+        if self.tail is not None and index == len(self.buckets) - 1:
+            assert self.fill_tail is not None, "a reducer with a tail needs fill_tail"
+            self.fill_tail(self.tail)
+        flat = self._flat(bucket)
         pre_scale, _ = self.scales(bucket.group)
         if pre_scale != 1.0:
             flat.mul_(pre_scale)
@@ -116,7 +134,7 @@ class BucketedAllReduce:
         self.launcher.flush()
         for bucket in self.buckets:
             bucket.work.wait()
-            flat = self.buffer[bucket.start : bucket.end]
+            flat = self._flat(bucket)
             if bucket.staging is not None:
                 flat.copy_(bucket.staging)
             _, post_scale = self.scales(bucket.group)

@@ -36,6 +36,15 @@ class UsedFlags:
         self.reduced = flags.bool().tolist()
         return self.reduced
 
+    def write(self, into: torch.Tensor) -> None:
+        """This rank's flags into ``into`` (a tensor another collective sums: grad_buckets' tail)."""
+        into.copy_(torch.frombuffer(self.local, dtype=torch.uint8))
+
+    def read(self, summed: torch.Tensor) -> list[bool]:
+        """Any rank's flags from what :meth:`write` wrote after a sum (any positive scaling of it)."""
+        self.reduced = (summed > 0).tolist()
+        return self.reduced
+
     def reset(self) -> None:
         self.local[:] = bytes(len(self.local))
         self.reduced = [False] * len(self.local)
