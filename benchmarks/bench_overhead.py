@@ -1,34 +1,38 @@
 """Host overhead per step: a launch-bound model swept over its number of parameter tensors, Slipstream's ZeRO
-stages against torch DDP (issue 50).
+stages against torch DDP and DeepSpeed (issue 50).
 
     python benchmarks/bench_overhead.py [--tensors 10 100 1000 10000] [--worlds 1 2] [--stages 0 1 2 3]
-                                        [--rounds 2] [--steps 10] [--profile]
+                                        [--rounds 2] [--steps 10] [--profile] [--deepspeed-python /tmp/dsvenv/bin/python]
 
 The model is a chain of ``Linear(8, 8)`` layers (two tensors each) on a 4 × 8 batch: its arithmetic is nothing,
 so a step is what the host does around it — autograd's nodes (the same for everyone), per-parameter hooks,
-bookkeeping, copies and optimizer launches. Every framework uses AdamW (fused where torch has it), gradient
-clipping at 1.0, one thread per rank, gloo. In the same processes the frameworks alternate, round after round
-(DDP, stage 0, DDP, stage 1, ...), fresh engines each time; medians of each framework's steps over the rounds and
-the ratio to DDP's median of the same round set. ``--profile`` adds Python calls per step (cProfile, rank 0,
-after warm-up) for every run: host work that grows with the tensor count shows as calls that grow with it.
-
-DeepSpeed is not run here: it needs its own venv (``deepspeed==0.19.8``); see benchmarks/README.md.
+bookkeeping, copies, collectives and optimizer launches. Every framework uses torch's AdamW (fused), gradient
+clipping at 1.0, one thread per rank, gloo. Each round runs one job of DDP and Slipstream's stages alternating in the
+same processes (DDP, stage 0, ..., fresh engines each time, for every size), then one job of DeepSpeed's stages in
+its own interpreter (``--deepspeed-python``: its venv; skipped without one); medians of each framework's steps over
+the rounds, and ratios to DDP's and to DeepSpeed's same stage. ``--profile`` adds Python calls per step (cProfile,
+rank 0, after warm-up) for every run: host work that grows with the tensor count shows as calls that grow with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
+import os
 import pstats
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 from benchmarks.common import free_port, setup_rank_env, time_steps  # noqa: E402
 
 WARMUP, WIDTH, ROWS = 3, 8, 4
@@ -63,15 +67,23 @@ def _ddp(tensors: int) -> tuple[object, object]:
     return step, None
 
 
-def _slipstream(tensors: int, stage: int) -> tuple[object, object]:
-    import slipstream
+def _engine(framework: str, tensors: int, stage: int) -> tuple[object, object]:
+    """Slipstream's or DeepSpeed's engine at ``stage``, with torch's fused AdamW and clipping at 1.0, and its step."""
+    model = Chain(tensors)
+    config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
 
-    config = {
-        "train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 1.0, "steps_per_print": 0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage},
-    }  # fmt: skip
-    engine = slipstream.initialize(Chain(tensors), config)
+    def adamw(params: object) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)  # type: ignore[arg-type]
+
+    if framework == "zero":
+        import slipstream
+
+        engine = slipstream.initialize(model, {**config, "steps_per_print": 0}, optimizer=adamw)
+    else:
+        import deepspeed
+
+        config = {**config, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
 
     def step(batch: torch.Tensor) -> None:
         loss = engine(batch)
@@ -90,7 +102,8 @@ def _calls(step: object, batches: list[torch.Tensor]) -> float:
     return sum(entry[1] for entry in pstats.Stats(profile).stats.values()) / len(batches)  # type: ignore[attr-defined]
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, results: dict) -> None:
+def worker(rank: int, world: int, port: int, kinds: list[str], args: argparse.Namespace) -> None:
+    """One job: every size, the ``kinds`` ("ddp", "zero<s>", "deepspeed<s>") alternating; rank 0 writes the JSON."""
     setup_rank_env(rank, world, port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -98,17 +111,26 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, results: 
     batches = [torch.randn(ROWS, WIDTH, generator=generator) for _ in range(WARMUP + args.steps)]
     found: dict[str, list[float]] = {}
     for tensors in args.tensors:
-        for _ in range(args.rounds):
-            for name in ["ddp", *(f"zero{s}" for s in args.stages)]:
-                step, engine = _ddp(tensors) if name == "ddp" else _slipstream(tensors, int(name[4:]))
-                found.setdefault(f"{tensors}/{name}", []).extend(time_steps(step, batches, WARMUP))  # type: ignore[arg-type]
-                if args.profile:
-                    found.setdefault(f"{tensors}/{name}/calls", []).append(_calls(step, batches[:3]))
-                if engine is not None:
-                    engine.close()
+        for kind in kinds:
+            framework = kind.rstrip("0123456789")
+            step, engine = _ddp(tensors) if kind == "ddp" else _engine(framework, tensors, int(kind[len(framework):]))
+            found[f"{tensors}/{kind}"] = time_steps(step, batches, WARMUP)  # type: ignore[arg-type]
+            if args.profile:
+                found[f"{tensors}/{kind}/calls"] = [_calls(step, batches[:3])]
+            if engine is not None and hasattr(engine, "close"):
+                engine.close()
     if rank == 0:
-        results.update(found)
+        Path(args.out).write_text(json.dumps(found))
     dist.destroy_process_group()
+
+
+def _job(python: str, world: int, kinds: list[str], args: argparse.Namespace) -> dict[str, list[float]]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [python, __file__, "--worker", ",".join(kinds), "--world", str(world), "--out", out.name, "--steps", str(args.steps),
+                   "--tensors", *map(str, args.tensors), *(["--profile"] if args.profile else [])]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+        subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(Path(out.name).read_text())
 
 
 def main() -> None:
@@ -119,23 +141,39 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
+    default_ds = "/tmp/dsvenv/bin/python" if Path("/tmp/dsvenv/bin/python").exists() else None
+    parser.add_argument("--deepspeed-python", default=default_ds, help="DeepSpeed's venv interpreter (none: DeepSpeed is skipped)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    print(f"Chain of Linear({WIDTH}, {WIDTH}), batch {ROWS} × {WIDTH}, AdamW, clip 1.0, gloo, 1 thread per rank; "
-          f"{args.rounds} alternating rounds × {args.steps} steps (after {WARMUP} warm-up)")  # fmt: skip
-    print("| ranks | tensors | DDP ms | " + " | ".join(f"ZeRO-{s} ms (×DDP)" for s in args.stages) + (" | calls/step DDP, " + ", ".join(f"Z{s}" for s in args.stages) if args.profile else "") + " |")
-    print("|---|---|---|" + "---|" * len(args.stages) + ("---|" if args.profile else ""))
+    if args.worker:
+        mp.spawn(worker, args=(args.world, free_port(), args.worker.split(","), args), nprocs=args.world)
+        return
+    ours = ["ddp", *(f"zero{s}" for s in args.stages)]
+    theirs = [f"deepspeed{s}" for s in args.stages] if args.deepspeed_python else []
+    print(f"Chain of Linear({WIDTH}, {WIDTH}), batch {ROWS} × {WIDTH}, AdamW(fused), clip 1.0, gloo, 1 thread per rank; "
+          f"{args.rounds} rounds × {args.steps} steps (after {WARMUP} warm-up), DDP and Slipstream alternating in one job, "
+          f"DeepSpeed's job after it{'' if theirs else ' (not run: no --deepspeed-python)'}")  # fmt: skip
+    head = "| ranks | tensors | DDP ms | " + " | ".join(f"ZeRO-{s} ms (×DDP{', ×DeepSpeed' if theirs else ''})" for s in args.stages)
+    print(head + (" | " + " | ".join(f"DeepSpeed-{s} ms" for s in args.stages) if theirs else "") + (" | calls/step DDP, Z0.. | " if args.profile else " |"))
     for world in args.worlds:
-        with mp.Manager() as manager:
-            results = manager.dict()
-            mp.spawn(worker, args=(world, free_port(), args, results), nprocs=world)
-            results = dict(results)
-        for tensors in args.tensors:
-            ddp = statistics.median(results[f"{tensors}/ddp"])
-            cells = [f"{statistics.median(results[f'{tensors}/zero{s}']) * 1e3:.2f} ({statistics.median(results[f'{tensors}/zero{s}']) / ddp:.2f}×)" for s in args.stages]
-            calls = ""
-            if args.profile:
-                calls = " | " + ", ".join(f"{statistics.median(results[f'{tensors}/{n}/calls']):.0f}" for n in ["ddp", *(f"zero{s}" for s in args.stages)])
-            print(f"| {world} | {tensors} | {ddp * 1e3:.2f} | " + " | ".join(cells) + calls + " |")
+        results: dict[str, list[float]] = {}
+        for _ in range(args.rounds):
+            for python, kinds in ((sys.executable, ours), (args.deepspeed_python, theirs)):
+                if kinds:
+                    for key, values in _job(python, world, kinds, args).items():
+                        results.setdefault(key, []).extend(values)
+        median = {key: statistics.median(values) for key, values in results.items()}
+        for n in args.tensors:
+            ddp = median[f"{n}/ddp"]
+            cells = []
+            for s in args.stages:
+                ours_ms, peer = median[f"{n}/zero{s}"], median.get(f"{n}/deepspeed{s}")
+                cells.append(f"{ours_ms * 1e3:.2f} ({ours_ms / ddp:.2f}×" + (f", {ours_ms / peer:.2f}×)" if peer else ")"))
+            cells += [f"{median[f'{n}/deepspeed{s}'] * 1e3:.2f}" for s in args.stages if theirs]
+            calls = " | " + ", ".join(f"{median[f'{n}/{k}/calls']:.0f}" for k in ours + theirs) if args.profile else ""
+            print(f"| {world} | {n} | {ddp * 1e3:.2f} | " + " | ".join(cells) + calls + " |")
 
 
 if __name__ == "__main__":

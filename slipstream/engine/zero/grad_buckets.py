@@ -95,6 +95,7 @@ class BucketedAllReduce:
             current.end = offset + n
             offset += n
         self.launcher = OrderedLauncher([b.members for b in self.buckets], self._launch)
+        self.mark_ready = self.launcher.mark_ready  # (index, launch): gradient ``index`` is final; one frame per hook
 
     def reset(self) -> None:
         """Start a new reduction window (does not zero the buffer)."""
@@ -102,9 +103,6 @@ class BucketedAllReduce:
             bucket.work = None
             bucket.staging = None
         self.launcher.reset()
-
-    def mark_ready(self, index: int, launch: bool) -> None:
-        self.launcher.mark_ready(index, launch)
 
     def _flat(self, bucket: Bucket) -> torch.Tensor:
         """What the bucket all-reduces: its gradients, and the tail after the last bucket's."""

@@ -34,8 +34,9 @@ class OrderedLauncher:
                 "and use non-reentrant activation checkpointing"
             )
         self.ready.add(index)
-        self.pending[self.bucket_of[index]] -= 1
-        if launch:
+        bucket = self.bucket_of[index]
+        self.pending[bucket] -= 1
+        if launch and bucket == self.next and not self.pending[bucket]:  # only the next bucket can open the way
             self._advance(force=False)
 
     def flush(self) -> None:
