@@ -1,6 +1,6 @@
 """What the twin check on the first real batch costs: the first step with it and without it, at 4k tokens.
 
-    python benchmarks/bench_first_batch.py [--rounds 3] [--tokens 4096] [--modes ulysses,zigzag]
+    python benchmarks/bench_first_batch.py [--rounds 3] [--tokens 4096] [--modes ulysses,zigzag] [--sliding-window N]
 
 Model: a Llama from a config (4 layers, hidden 256, 8 heads, 4 KV heads, vocabulary 8192, 3.9M
 parameters), fp32, AdamW, one micro-batch of 1 × ``tokens`` tokens, right-padded by 10% (an SFT
@@ -9,7 +9,9 @@ row: attention_mask and labels -100 at the padding), 2 ranks on gloo, one thread
 job is a fresh pair of processes; the first step is timed from ``engine(batch)`` to the end of
 ``engine.step()``, with the first-batch check (A) or with it switched off after ``initialize``
 (B, the synthetic check at ``initialize`` runs in both). Jobs alternate A B A B; the table gives
-medians and the check's share of the first step, (A − B) / B.
+medians and the check's share of the first step, (A − B) / B. ``--sliding-window N``: the same shape as a Mistral
+with an N-token sliding window, where the check's window grows to N + 96 tokens to cross it (first_batch.py,
+[Note: a window that crosses the model's ranges]).
 """
 
 from __future__ import annotations
@@ -28,20 +30,19 @@ from benchmarks.common import alternate_on_off, setup_rank_env  # noqa: E402
 MODES = {"ulysses": {"sequence_parallel_size": 2}, "zigzag": {"context_parallel": {"size": 2, "method": "zigzag"}}}
 
 
-def _worker(rank: int, mode: str, check: bool, tokens: int, port: int, out: str) -> None:
+def _worker(rank: int, mode: str, check: bool, tokens: int, window: int, port: int, out: str) -> None:
     import torch
 
     setup_rank_env(rank, 2, port)
     torch.set_num_threads(1)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     import slipstream
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=tokens, attn_implementation="sdpa",
-    ))  # fmt: skip
+    shape = dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, max_position_embeddings=tokens, attn_implementation="sdpa")  # fmt: skip
+    model = MistralForCausalLM(MistralConfig(**shape, sliding_window=window)) if window else LlamaForCausalLM(LlamaConfig(**shape))
     ids = torch.randint(0, 8192, (1, tokens), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[:, tokens - tokens // 10 :] = 0
@@ -72,10 +73,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--modes", default="ulysses,zigzag")
+    parser.add_argument("--sliding-window", type=int, default=0, help="a Mistral with this window instead of the Llama")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    found = alternate_on_off(_worker, modes, args.rounds, args.tokens)
-    print(f"Llama 3.9M, 1 × {args.tokens} tokens (10% padding), 2 ranks, medians of {args.rounds} alternating rounds (fresh jobs)")
+    found = alternate_on_off(_worker, modes, args.rounds, args.tokens, args.sliding_window)
+    model = f"Mistral 3.9M (sliding window {args.sliding_window})" if args.sliding_window else "Llama 3.9M"
+    print(f"{model}, 1 × {args.tokens} tokens (10% padding), 2 ranks, medians of {args.rounds} alternating rounds (fresh jobs)")
     print(f"{'mode':<10}{'first-batch check':<19}{'first step s':>14}{'second step s':>15}{'check / first step':>20}")
     for mode in modes:
         first = {c: statistics.median(r["first"] for r in found[(mode, c)]) for c in (True, False)}

@@ -119,3 +119,22 @@ def test_ranges_are_read_from_modules_and_per_layer_lists() -> None:
             self.proj = torch.nn.Linear(4, 4)
 
     assert model_ranges(Local()) == (48, [])
+
+
+def test_a_window_the_config_switches_off_is_no_range() -> None:
+    from transformers import Qwen2ForCausalLM
+
+    assert model_ranges(Qwen2ForCausalLM(_config("Qwen2Config", sliding_window=100, use_sliding_window=False)))[0] == 0
+    assert model_ranges(Qwen2ForCausalLM(_config("Qwen2Config", sliding_window=100, use_sliding_window=True)))[0] == 100
+
+
+def test_sub_configs_are_read() -> None:
+    import transformers
+
+    config = transformers.Gemma3Config(text_config=dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=40),
+                                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                                          image_size=28, patch_size=14))  # fmt: skip
+    model = torch.nn.Linear(2, 2)
+    model.config = config  # type: ignore[assignment]
+    assert model_ranges(model)[0] == 40

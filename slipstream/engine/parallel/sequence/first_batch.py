@@ -18,7 +18,7 @@ than one rank's share of the step itself (``benchmarks/bench_first_batch.py`` me
 [Note: a window that crosses the model's ranges] A fixed window cannot see what happens beyond it: a kernel that
 dropped a 4096-token sliding window, or computed a length-dependent rotary factor from its shard's positions, gives
 the same numbers as the reference on any 64 tokens. So the window is as long as the longest attention range the
-model declares (a ``*window*`` or ``*chunk_size*`` length on its config or modules: sliding windows, chunked
+model declares (a ``*window``, ``*window_size`` or ``*chunk_size`` length on its config or modules: sliding windows, chunked
 attention) plus ``FIRST_BATCH_TOKENS``, where the row is longer than that range, and it spans the first token whose
 position reaches a length-dependent rotary module's threshold (dynamic NTK, longrope), placed so the window's first
 shard stays below it. Its length is capped by the estimator (``slipstream.estimator.activation_bytes``): the whole-
@@ -44,7 +44,7 @@ logger = get_logger(__name__)
 
 FIRST_BATCH_TOKENS = 64  # the least window: a boundary with a few dozen tokens on each side
 FREE_MEMORY_SHARE = 0.5  # of the device's free memory, the most a window's activations may plan for
-_RANGE_NAMES = ("window", "chunk_size")  # sliding_window, attention_window, attention_chunk_size, ...
+_RANGE_NAMES = ("window", "window_size", "chunk_size")  # name endings: sliding_window, attention_window, attention_chunk_size
 
 
 def first_batch_window(
@@ -93,15 +93,18 @@ def model_ranges(model: torch.nn.Module) -> tuple[int, list[int]]:
     module changes its factors ([Note: a window that crosses the model's ranges])."""
     reach, thresholds = 0, set()
     sources: list[Any] = list(model.modules())
-    seen: set[int] = set()
-    for config in [getattr(m, "config", None) for m in sources]:
-        while config is not None and id(config) not in seen:  # a model's config and the sub-configs it holds
-            seen.add(id(config))
-            sources.append(config)
-            config = next((v for v in vars(config).values() if hasattr(v, "to_dict") and id(v) not in seen), None)
+    stack, seen = [getattr(m, "config", None) for m in sources], set()
+    while stack:  # the configs the modules read and every sub-config they hold (text_config, vision_config, ...)
+        config = stack.pop()
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        sources.append(config)
+        stack.extend(v for v in vars(config).values() if hasattr(v, "to_dict"))
     for source in sources:
-        for name, value in vars(source).items():
-            if any(part in name for part in _RANGE_NAMES):
+        fields = vars(source)
+        for name, value in fields.items():
+            if name.endswith(_RANGE_NAMES) and fields.get(f"use_{name}") is not False:  # Qwen2's use_sliding_window
                 reach = max([reach, *_lengths(value)])
         rope_type = getattr(source, "rope_type", None)
         if isinstance(source, torch.nn.Module) and isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope"):
