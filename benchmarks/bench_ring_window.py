@@ -4,7 +4,7 @@
 
 Issue 48's claim: under ring / zig-zag a window shorter than the sequence is where the ring gains, since
 the blocks wholly outside the window are skipped ([Note: windows on the ring] in
-``parallel/context/ring.py``). Two gloo ranks (one thread each) run the ring kernel itself, forward and
+``parallel/context/ring_attention.py``). Two gloo ranks (one thread each) run the ring kernel itself, forward and
 backward, on one sequence of ``tokens`` tokens (batch 1, ``heads`` query heads, ``heads/2`` KV heads,
 head dim ``dim``, fp32, causal), contiguous and zig-zag layouts, with a window of ``tokens/4`` (A) and
 without one (B), alternating A B A B in the same processes after a warm-up of each. The table gives the

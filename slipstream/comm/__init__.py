@@ -19,7 +19,7 @@ from slipstream.comm.collectives import (
 from slipstream.comm.comms_log import CommRecord, CommsLog, comms_log
 from slipstream.comm.distributed import LaunchEnvError, get_rank, get_world_size, init_distributed
 from slipstream.comm.lanes import lane_group
-from slipstream.comm.ring import ring_context
+from slipstream.comm.ring_collectives import ring_context
 
 __all__ = [
     "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_gather_objects", "all_reduce", "broadcast_object", "gather_objects", "all_to_all_single", "all_to_all_v",

@@ -22,7 +22,7 @@ from slipstream.comm import flight, watch
 from slipstream.comm.abort import failure_of_a_peer
 from slipstream.comm.comms_log import CommRecord, comms_log
 from slipstream.comm.distributed import current_timeout
-from slipstream.comm.ring import ring_context
+from slipstream.comm.ring_collectives import ring_context
 from slipstream.comm.teardown import on_teardown
 from slipstream.errors import SlipstreamError
 

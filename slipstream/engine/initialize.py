@@ -18,7 +18,7 @@ from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.parallelize import Parallelized, parallelize
 from slipstream.engine.precision import DTYPES, build_loss_scaler
 from slipstream.engine.runners import DirectRunner, PipelineRunner, StepRunner
-from slipstream.engine.schedules import scheduler_for
+from slipstream.engine.lr_schedules import scheduler_for
 from slipstream.engine.sharding import shard
 from slipstream.engine.zero.init import is_presharded, prepare_presharded
 from slipstream.engine.zero.strategy import ShardingStrategy

@@ -60,7 +60,7 @@ class ModelWeights:
         the values; rank 0 assembles every parameter as the checkpoint reader does. Names keep the
         order of the ranks (pipeline stages in order), each rank's in its model order. Collective.
         """
-        from slipstream.engine.checkpoint.layout import assemble
+        from slipstream.engine.checkpoint.pieces import assemble
 
         frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
         entries, values = [], []

@@ -152,7 +152,7 @@ def _check_optimizer_and_schedule(cfg: SlipstreamConfig, optimizer: Any, lr_sche
     if cfg.optimizer is not None:
         validate_optimizer_config(cfg.optimizer)
     if cfg.scheduler is not None:
-        from slipstream.engine.schedules import SCHEDULER_PARAMS
+        from slipstream.engine.lr_schedules import SCHEDULER_PARAMS
 
         if cfg.scheduler.type not in SCHEDULER_PARAMS:
             raise ConfigError(f"scheduler.type: {cfg.scheduler.type!r} is not available; use one of {', '.join(SCHEDULER_PARAMS)}")

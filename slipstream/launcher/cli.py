@@ -113,14 +113,14 @@ def _add_multi_node_arguments(run_parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``slipstream run``; returns the exit status (a usage error exits with 2 itself)."""
     _check_script(args.script)
-    from slipstream.launcher.plan import PlanError, home_directory, make_plan
+    from slipstream.launcher.launch_plan import PlanError, home_directory, make_plan
 
     try:
         plan = make_plan(args, os.environ, os.getcwd(), home_directory())
     except PlanError as err:
         fail("slipstream run", str(err))
     if plan.local is not None:
-        from slipstream.launcher.local import agent_command_line, launch
+        from slipstream.launcher.agent import agent_command_line, launch
 
         if args.dry_run:
             print(agent_command_line(plan.local, plan.env))

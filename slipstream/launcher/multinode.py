@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from slipstream.launcher.local import PREFIX
+from slipstream.launcher.agent import PREFIX
 
 STOP_GRACE_S = 20.0  # for the other nodes' agents to stop their ranks after their stdin closed
 POLL_S = 0.1

@@ -1,7 +1,7 @@
 """The command each multi-node runner executes: one per-node agent on every node.
 
 Every runner starts the same thing on each node: ``python -m slipstream.launcher.cli run
---launcher local --num_nodes N --node_rank R ...``, the per-node agent (``local.py``) that starts
+--launcher local --num_nodes N --node_rank R ...``, the per-node agent (``agent.py``) that starts
 that node's ranks. The runners only differ in how they reach the nodes and how a node learns its
 rank:
 

@@ -370,11 +370,11 @@ def _dropped_window_body(mode: str) -> str:
     from transformers import MistralForCausalLM
 
     from slipstream.engine.parallel import attention
-    from slipstream.engine.parallel.context import ring
+    from slipstream.engine.parallel.context import ring_attention
     from slipstream.engine.parallel.sequence import ulysses
 
     real = attention.attention_features
-    for module in (ring, ulysses):
+    for module in (ring_attention, ulysses):
         module.attention_features = lambda *a, **k: dataclasses.replace(real(*a, **k), sliding_window=None)  # type: ignore[attr-defined]
     torch.manual_seed(0)
     model = MistralForCausalLM(_config("MistralConfig", sliding_window=80, max_position_embeddings=256))
@@ -386,7 +386,7 @@ def _dropped_window_body(mode: str) -> str:
         return str(err.value)
     finally:
         engine.close()
-        for module in (ring, ulysses):
+        for module in (ring_attention, ulysses):
             module.attention_features = real  # type: ignore[attr-defined]
 
 
@@ -398,7 +398,7 @@ def test_the_first_batch_window_crosses_the_models_sliding_window(mode: str) -> 
 
 
 def _ring_work_body(mode: str) -> dict[str, float]:
-    """The ring's causal work (layout.py's block units, summed over layers) on one packed row and on the same row
+    """The ring's causal work (token_layout.py's block units, summed over layers) on one packed row and on the same row
     read as one document (its position ids counting on): blocks no document spans are skipped or masked."""
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **MODES[mode]}

@@ -108,7 +108,7 @@ def _model_shapes() -> dict[str, Any]:
 
 
 def _padded(numel: int, ranks: int) -> int:
-    quantum = ranks * 8  # zero/layout.py: a bucket is padded to a multiple of group size × ALIGN (8 elements)
+    quantum = ranks * 8  # zero/flat_layout.py: a bucket is padded to a multiple of group size × ALIGN (8 elements)
     return -(-numel // quantum) * quantum
 
 
@@ -164,7 +164,7 @@ def _expected(results: list[dict[str, Any]], name: str, rank: int, shapes: dict[
         # forward the head's logits all-gathered (1×). Mixtral's fused experts and router stay replicated: no traffic.
         expect[(lab["tp"], "tp")] = m * (2 * act * (layers + first) + 2 * act * (layers + last) + last * MICRO * tokens * vocab * F32)
     if c > 1:
-        # Ring attention (context/ring.py, [Note: the ring] and [Note: flash blocks]): per layer and micro-batch c−1
+        # Ring attention (context/ring_attention.py, [Note: the ring] and [Note: flash blocks]): per layer and micro-batch c−1
         # sends of K|V forward, c−1 of K|V|dK|dV backward and one of dK|dV home; K|V = b·2·Hkv'·(s/c)·d with this
         # rank's KV heads Hkv' (Hkv/t under tp; max(Hkv, u)/u after Ulysses) and its context shard's s/c tokens.
         kv_bytes = MICRO * 2 * (max(kv, u) // u // t) * (SEQ // c) * d * F32
@@ -199,7 +199,7 @@ def _expected(results: list[dict[str, Any]], name: str, rank: int, shapes: dict[
         expect[(lab["ep"], "expert counts")] = m * layers * (ep - 1) * I64
         expect[(lab["ep"], "expert ids")] = out * I64
         expect[(lab["ep"], "expert rows")] = 2 * (out + arrived) * h * F32
-    # ZeRO-1 (zero/layout.py, partitioned.py): per step one reduce-scatter of the gradients and one all-gather of the
+    # ZeRO-1 (zero/flat_layout.py, partitioned.py): per step one reduce-scatter of the gradients and one all-gather of the
     # updated weights of each sharding group's bucket (one bucket: the model is far below reduce_bucket_size), of
     # the group's parameters on this rank padded to group × 8 elements; one all-reduce of an fp32 used-flag per
     # parameter tensor (sharding_groups.py). Dense parameters over dp·cp·sp, experts over the stage's ranks holding

@@ -176,7 +176,7 @@ def test_ring_and_zigzag_match_one_process_and_count_their_traffic() -> None:
         _assert_matches(results[0][key], name, BATCH)
     # bf16 (the flash blocks in bf16, merged in fp32): the fp32 reference within the bf16 tolerance used elsewhere
     assert results[0]["zigzag-llama-bf16"]["losses"] == pytest.approx(_reference_losses(), rel=1e-3)
-    # Per layer and micro-batch (ring.py, [Note: flash blocks]): c − 1 = 1 send of K|V forward; backward
+    # Per layer and micro-batch (ring_attention.py, [Note: flash blocks]): c − 1 = 1 send of K|V forward; backward
     # c − 1 sends of K|V|dK|dV and one of dK|dV home. K|V = b·2·Hkv·(s/c)·d fp32 elements.
     layers, d = 2, 16
     for key, kv in (("ring-llama", 2), ("zigzag-gpt2", 4)):

@@ -114,7 +114,7 @@ def _train_or_refuse(name: str, mode: str) -> dict[str, Any]:
 
 CASES = [
     ("mistral", "ulysses", "trains"), ("mistral", "allgather_kv", "trains"),
-    ("mistral", "ring", "trains"), ("mistral", "zigzag", "trains"),  # windows on the ring (context/ring.py)
+    ("mistral", "ring", "trains"), ("mistral", "zigzag", "trains"),  # windows on the ring (context/ring_attention.py)
     ("gemma2", "ulysses", "trains"), ("gemma2", "allgather_kv", "trains"), ("gemma2", "ring", "trains"),
     ("bert", "ulysses", "trains"), ("bert", "ring", "trains"), ("bert", "zigzag", "trains"),  # bidirectional, unshifted labels
     # a user's attention function: run as it is on whole sequences under Ulysses; the ring cannot, the twin check sees
@@ -170,10 +170,10 @@ def _dropping_body(mode: str) -> str:
 
 
 def _kernel_modules() -> list[Any]:
-    from slipstream.engine.parallel.context import allgather, ring
+    from slipstream.engine.parallel.context import allgather, ring_attention
     from slipstream.engine.parallel.sequence import ulysses
 
-    return [ulysses, ring, allgather]
+    return [ulysses, ring_attention, allgather]
 
 
 @pytest.mark.parametrize("mode", ["ulysses", "ring", "zigzag", "allgather_kv"])

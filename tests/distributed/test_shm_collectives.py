@@ -17,28 +17,28 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
-from slipstream.comm import ring, shm
+from slipstream.comm import ring_collectives, shm
 from tests.harness import run_distributed
 
 LEFT_BEHIND = os.path.join(shm.SHM_DIR, "slipstream-*")
 
 
 @contextmanager
-def _fresh_ring() -> Iterator[ring.RingContext]:
+def _fresh_ring() -> Iterator[ring_collectives.RingContext]:
     """A ring (and its shared memory, if any) set up now on a new group of every rank, removed afterwards."""
     group = dist.new_group(ranks=list(range(dist.get_world_size())))
-    context = ring.ring_context(group)
+    context = ring_collectives.ring_context(group)
     assert context is not None
     try:
         yield context
     finally:
         context.executor.shutdown()
-        del ring._contexts[id(group)]
+        del ring_collectives._contexts[id(group)]
         dist.destroy_process_group(context.group)
         dist.destroy_process_group(group)
 
 
-def _collectives(context: ring.RingContext, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _collectives(context: ring_collectives.RingContext, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's reduce-scatter chunk and all-gather result, data drawn the same on every rank."""
     world, rank = context.size, context.rank
     data = torch.randn(world, numel * world, generator=torch.Generator().manual_seed(5)).to(dtype)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream
-from slipstream.comm import collectives, comms_log, ring
+from slipstream.comm import collectives, comms_log, ring_collectives
 from tests.distributed.test_data_parallel import _overflow_body, _unused_body
 from tests.harness import run_distributed
 from tests.reference import (
@@ -250,7 +250,7 @@ def test_memory_per_rank_follows_zero_formulas(world: int, stage: int, precision
 def _backend_path_body(stage: int, reduce_scatter_missing: bool) -> list[float]:
     """Train with gloo's own collectives instead of the ring (the path nccl takes), optionally
     pretending the backend has no reduce-scatter at all."""
-    ring.RING_BACKENDS.discard("gloo")
+    ring_collectives.RING_BACKENDS.discard("gloo")
     if reduce_scatter_missing:
         collectives._reduce_scatter_unsupported.add("gloo")
     try:
@@ -260,7 +260,7 @@ def _backend_path_body(stage: int, reduce_scatter_missing: bool) -> list[float]:
         assert ("reduce_scatter" not in ops) == reduce_scatter_missing, ops
         return result["losses"]
     finally:
-        ring.RING_BACKENDS.add("gloo")
+        ring_collectives.RING_BACKENDS.add("gloo")
         collectives._reduce_scatter_unsupported.discard("gloo")
         comms_log.keep_history = 0
         comms_log.history.clear()
@@ -276,7 +276,7 @@ def test_backend_collectives_and_fallback_train_the_same(stage: int, reduce_scat
 
 def _ring_body(numel: int) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
-    context = ring.ring_context(None)
+    context = ring_collectives.ring_context(None)
     assert context is not None
     data = torch.randn(world, numel * world, generator=torch.Generator().manual_seed(3))
     buffer = data[rank].clone()

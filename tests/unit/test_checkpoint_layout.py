@@ -17,7 +17,7 @@ import torch
 
 from slipstream.engine.checkpoint import writer
 from slipstream.engine.checkpoint.capture import capture
-from slipstream.engine.checkpoint.layout import LayoutError, check_tiling
+from slipstream.engine.checkpoint.pieces import LayoutError, check_tiling
 from slipstream.engine.checkpoint.reader import CheckpointReader
 from slipstream.engine.checkpoint.restore import restore
 from slipstream.engine.checkpoint.rng import RngState

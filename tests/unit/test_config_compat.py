@@ -125,7 +125,7 @@ def test_auto_batch_sizes_without_a_trainer_say_so() -> None:
 
 def test_pydantic_type_names_never_appear_in_a_key_path() -> None:
     from slipstream.engine.config import format_validation_error
-    from slipstream.engine.schedules import SCHEDULER_PARAMS
+    from slipstream.engine.lr_schedules import SCHEDULER_PARAMS
 
     model = SCHEDULER_PARAMS["WarmupLR"]
     with pytest.raises(Exception) as info:

@@ -17,7 +17,7 @@ from pydantic import AliasChoices, BaseModel
 
 from slipstream.engine.config import IGNORED_SECTIONS, SlipstreamConfig
 from slipstream.engine.optimizers import OPTIMIZER_PARAMS
-from slipstream.engine.schedules import SCHEDULER_PARAMS
+from slipstream.engine.lr_schedules import SCHEDULER_PARAMS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 

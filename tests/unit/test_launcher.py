@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from slipstream.cli import main
-from slipstream.launcher.local import describe_failure
+from slipstream.launcher.agent import describe_failure
 
 RANK_DUMP = textwrap.dedent(
     """
@@ -232,7 +232,7 @@ def test_root_cause_is_the_rank_that_failed_on_its_own(capsys):
     # record of the SIGKILLed peer; the report must still name the killed rank first and exit 137.
     from types import SimpleNamespace
 
-    from slipstream.launcher.local import _report_failures
+    from slipstream.launcher.agent import _report_failures
 
     collective = "CollectiveError: rank 0/2: all_reduce of gradient bucket 0 failed after 0.1s. Another rank probably died"
     failures = {
@@ -254,7 +254,7 @@ def test_a_rank_the_agent_stopped_is_never_the_root_cause(capsys):
     # The report must name the rank whose collective failed, exit 1 (not 143), and list rank 0 among the stopped.
     from types import SimpleNamespace
 
-    from slipstream.launcher.local import _report_failures
+    from slipstream.launcher.agent import _report_failures
 
     timed_out = "CollectiveError: rank 3/4: reduce_scatter of gradient bucket 0 timed out after 5.0s. Another rank probably died"
     failures = {

@@ -147,15 +147,15 @@ def test_bad_input_is_one_line_without_traceback(outcomes, case: str) -> None:
 
 
 def _restart_notice():  # a _RestartNotice with _Describer's interface, no launch spec
-    from slipstream.launcher import local
+    from slipstream.launcher import agent
 
     class Who:
         node, host = "", None
 
         def failure(self, rank: int | None, local_rank: int, exitcode: int, pid: int | None) -> str:
-            return local.describe_failure(local_rank, local_rank, exitcode)
+            return agent.describe_failure(local_rank, local_rank, exitcode)
 
-    return local._RestartNotice(Who())  # type: ignore[arg-type]
+    return agent._RestartNotice(Who())  # type: ignore[arg-type]
 
 
 def _log(notice, name: str, msg: str, args: tuple) -> None:
@@ -173,7 +173,7 @@ def test_the_restart_notice_names_the_killed_rank_not_the_peer_that_failed_after
     # can be the survivor whose collective lost the SIGKILLed rank. The monitor's result has both.
     from types import SimpleNamespace
 
-    from slipstream.launcher import local
+    from slipstream.launcher import agent
 
     notice = _restart_notice()
     collective = "CollectiveError: rank 0/2: all_reduce failed after 0.1s. Another rank probably died"
@@ -181,20 +181,20 @@ def test_the_restart_notice_names_the_killed_rank_not_the_peer_that_failed_after
         0: SimpleNamespace(exitcode=1, local_rank=0, pid=11, timestamp=100, error_file_data={"message": collective}),
         1: SimpleNamespace(exitcode=-signal.SIGKILL, local_rank=1, pid=12, timestamp=100, error_file_data={}),
     })  # fmt: skip
-    _log(notice, local._PROCS_LOGGER, FAILED, (1, 0, 11))
-    _log(notice, local._AGENT_LOGGER, RESTART, ("default", "FAILED", 1, 1))
+    _log(notice, agent._PROCS_LOGGER, FAILED, (1, 0, 11))
+    _log(notice, agent._AGENT_LOGGER, RESTART, ("default", "FAILED", 1, 1))
     said = capsys.readouterr().err
     assert "rank 1 (local rank 1) was killed by signal SIGKILL" in said and "restarting all ranks (restart 1 of 1)" in said, said
     assert "rank 0" not in said, said
 
 
 def test_without_the_monitor_result_the_restart_notice_goes_by_the_logged_failures(capsys: pytest.CaptureFixture[str]) -> None:
-    from slipstream.launcher import local
+    from slipstream.launcher import agent
 
     notice = _restart_notice()
-    _log(notice, local._PROCS_LOGGER, FAILED, (-9, 1, 12))
-    _log(notice, local._PROCS_LOGGER, FAILED, (1, 0, 11))
-    _log(notice, local._AGENT_LOGGER, RESTART, ("default", "FAILED", 1, 1))
+    _log(notice, agent._PROCS_LOGGER, FAILED, (-9, 1, 12))
+    _log(notice, agent._PROCS_LOGGER, FAILED, (1, 0, 11))
+    _log(notice, agent._AGENT_LOGGER, RESTART, ("default", "FAILED", 1, 1))
     said = capsys.readouterr().err
     assert "rank 1 (local rank 1) was killed by signal SIGKILL" in said and "rank 0" not in said, said
 
@@ -204,12 +204,12 @@ def test_the_agent_monitor_hands_every_failure_to_the_notice_and_is_restored(mon
 
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from slipstream.launcher import local
+    from slipstream.launcher import agent
 
     failed = SimpleNamespace(failures={0: "survivor", 1: "killed"})
     monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda agent, result: result)  # the group is the result
     seen: list[dict] = []
-    with local._failures_told_to(SimpleNamespace(saw_failures=seen.append)):  # type: ignore[arg-type]
+    with agent._failures_told_to(SimpleNamespace(saw_failures=seen.append)):  # type: ignore[arg-type]
         assert LocalElasticAgent._monitor_workers(object(), failed) is failed  # type: ignore[arg-type]
         LocalElasticAgent._monitor_workers(object(), SimpleNamespace(failures={}))  # type: ignore[arg-type]  # healthy
     assert seen == [{0: "survivor", 1: "killed"}]

@@ -15,7 +15,7 @@ import pytest
 from slipstream.launcher.cli import main
 from slipstream.launcher.environment import EXPORT_PREFIXES, EnvFileError, exported_env, parse_env_file
 from slipstream.launcher.hostfile import HostfileError, expand_nodelist, parse_hostfile_text, select
-from slipstream.launcher.plan import PlanError, node_rank_from
+from slipstream.launcher.launch_plan import PlanError, node_rank_from
 from slipstream.launcher.runners import Job, Node, pdsh_command, pdsh_escape, remote_shell_command
 
 HOSTFILE = """

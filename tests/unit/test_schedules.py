@@ -16,7 +16,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from slipstream.engine.schedules import (
+from slipstream.engine.lr_schedules import (
     SCHEDULER_PARAMS,
     OneCycle,
     OneCycleParams,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from slipstream.engine.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, encode_tree, key_part
-from slipstream.engine.checkpoint.layout import piece_key
+from slipstream.engine.checkpoint.pieces import piece_key
 from slipstream.engine.checkpoint.target import CheckpointTarget
 from slipstream.engine.zero.slices import OwnedSlice
 from slipstream.utils.placement import global_shape_and_box

@@ -31,7 +31,7 @@ from slipstream.engine.checkpoint.format import (
     file_crc32,
     rank_stem,
 )
-from slipstream.engine.checkpoint.layout import LayoutError, assemble, check_keys, check_tiling, cut, entry_box, is_whole
+from slipstream.engine.checkpoint.pieces import LayoutError, assemble, check_keys, check_tiling, cut, entry_box, is_whole
 from slipstream.engine.checkpoint.tags import TagError, check_load_tag, tag_problem
 from slipstream.engine.checkpoint.validate import CheckpointError, check_manifest, check_rank_meta
 from slipstream.engine.zero.slices import ParamSlice

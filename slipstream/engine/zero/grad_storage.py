@@ -17,7 +17,7 @@ import torch
 
 from slipstream import comm
 from slipstream.comm.context import Pending
-from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
+from slipstream.engine.zero.flat_layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.params import adopt_grad
 

@@ -18,7 +18,7 @@ from slipstream import comm
 from slipstream.comm.context import CommContext
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.grad_storage import GradientStorage, InFlight
-from slipstream.engine.zero.layout import FlatLayout
+from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
 from slipstream.engine.zero.strategy import ShardingOptions

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from slipstream.accelerator import get_accelerator
-from slipstream.engine.zero.layout import FlatLayout
+from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.storage import alias, copy_pieces, hollow
 from slipstream.utils.logging import get_logger
 from slipstream.engine.config.base import ConfigError

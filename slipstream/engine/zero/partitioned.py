@@ -23,7 +23,7 @@ import torch.distributed as dist
 from slipstream.comm.context import CommContext
 from slipstream.engine.zero.grad_storage import FullGradients, ShardedGradients
 from slipstream.engine.zero.group_partition import GroupPartition, StorageFactory
-from slipstream.engine.zero.layout import FlatLayout
+from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.masters import build_masters
 from slipstream.engine.zero.offload.chunks import join
 from slipstream.engine.zero.offload.swap_dir import shared_job_id

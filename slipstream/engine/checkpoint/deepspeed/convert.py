@@ -25,7 +25,7 @@ from slipstream.engine.checkpoint.deepspeed.partitions import Share, zero3_share
 from slipstream.engine.checkpoint.deepspeed.source import DeepSpeedCheckpoint, describe
 from slipstream.engine.checkpoint.deepspeed.unpickle import load_pickle
 from slipstream.engine.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, encode_tree, key_part
-from slipstream.engine.checkpoint.layout import piece_key
+from slipstream.engine.checkpoint.pieces import piece_key
 from slipstream.engine.checkpoint.validate import CheckpointError
 from slipstream.version import __version__
 

@@ -2,7 +2,7 @@
 
 [Note: all-gather K/V] Each rank all-gathers every rank's K|V (one packed all-gather per layer
 forward; its backward is one reduce-scatter of dK|dV) and attends its own queries to the whole
-sequence with a mask built from the global positions (layout.py), so contiguous and zig-zag shards
+sequence with a mask built from the global positions (token_layout.py), so contiguous and zig-zag shards
 both work. Simpler and with fewer, larger messages than the ring, at the cost of holding the whole
 sequence's K/V on every rank during the layer.
 """
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.parallel.attention import allowed, attend, attention_features
-from slipstream.engine.parallel.context.layout import Layout
+from slipstream.engine.parallel.context.token_layout import Layout
 from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from slipstream.engine.parallel.anatomy import Blocks
 from slipstream.engine.parallel.calls import call_model
-from slipstream.engine.parallel.context.layout import Layout
+from slipstream.engine.parallel.context.token_layout import Layout
 from slipstream.engine.parallel.tensor import ops
 
 SEQ_DIM = 1  # batch-first activations

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.attention import attention_configs, set_attention
-from slipstream.engine.parallel.context.layout import Layout
+from slipstream.engine.parallel.context.token_layout import Layout
 from slipstream.engine.parallel.segments import VARLEN_KEYS, Segments, read_segments, with_fill
 from slipstream.engine.parallel.sequence.logits import gather_sequence, with_whole_sequence
 from slipstream.engine.parallel.sequence.router import whole_router_logits
@@ -100,7 +100,7 @@ class SequenceSharder:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.key = key
-        # which tokens each rank holds (context/layout.py): context parallel's chunks, else contiguous shards
+        # which tokens each rank holds (context/token_layout.py): context parallel's chunks, else contiguous shards
         self.layout: Layout = layout if layout is not None else Layout(self.size, zigzag=False)
         self.divisor = self.layout.divisor
         # (model, our attention's name, the model's own, our kernel): see parallel/attention.py's notes

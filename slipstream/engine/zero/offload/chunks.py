@@ -1,6 +1,6 @@
 """A rank's flat partition held as a few separate tensors, addressed in partition coordinates.
 
-[Note: partition coordinates] A rank owns chunk r of every bucket (layout.py); concatenated, the
+[Note: partition coordinates] A rank owns chunk r of every bucket (flat_layout.py); concatenated, the
 chunks form its partition, ``shard_numel`` elements long, and every optimizer piece has a
 ``shard_offset`` in it. Stage 2 keeps its gradients and stage 3 its parameters in exactly these
 coordinates, but stage 1's gradients and stages 1/2's parameters are chunks of full-size flat

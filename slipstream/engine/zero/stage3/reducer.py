@@ -100,7 +100,7 @@ class UnitReducer:
         before = self.grads_before.pop(unit.index, None)
         send = self._take(unit.numel)  # every element is written below: gradients, zeros, padding
         end = 0
-        for k, (p, begin, end) in enumerate(unit.ranges()):  # packed in order, padded after the last (layout.py)
+        for k, (p, begin, end) in enumerate(unit.ranges()):  # packed in order, padded after the last (flat_layout.py)
             grad, start = p.grad, before[k] if before is not None else None
             if grad is not None:
                 send[begin:end].copy_(grad.reshape(-1))

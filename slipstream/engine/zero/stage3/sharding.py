@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from slipstream.engine.zero.layout import FlatLayout
+from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.stage3.unit import GroupLanes, ParamUnit
 from slipstream.engine.zero.stage3.units import UnitSpec
 from slipstream.engine.zero.storage import copy_pieces

@@ -19,7 +19,7 @@ from slipstream import comm
 from slipstream.comm.context import CommContext
 from slipstream.accelerator import get_accelerator
 from slipstream.engine.zero.init import leave_presharded
-from slipstream.engine.zero.layout import FlatLayout
+from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.masters import build_masters
 from slipstream.engine.zero.offload.param_store import open_param_store
 from slipstream.engine.zero.offload.swap_dir import shared_job_id

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.comm.context import CommContext, Pending
-from slipstream.engine.zero.layout import FlatLayout, LayoutBucket
+from slipstream.engine.zero.flat_layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.storage import alias
 from slipstream.engine.zero.stage3.units import UnitSpec
 from slipstream.errors import UsageError

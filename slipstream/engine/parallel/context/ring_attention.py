@@ -1,7 +1,7 @@
 """Ring attention: K/V travel around the context-parallel group; each rank merges the blocks its
 queries may see by log-sum-exp.
 
-[Note: the ring] Rank ``r`` holds the Q, K and V of its tokens (see layout.py). In ``c`` steps it
+[Note: the ring] Rank ``r`` holds the Q, K and V of its tokens (see token_layout.py). In ``c`` steps it
 computes its queries against the K/V it holds, then passes K|V (one packed tensor, ``Hkv`` heads)
 to rank ``r+1`` and receives rank ``r-1``'s, on the group's own process-group lane. Blocks are
 (query chunk, key chunk) pairs: full (all keys precede the queries), diagonal (causal mask inside)
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.parallel.attention import UnsupportedAttention, attention_features
-from slipstream.engine.parallel.context.layout import Layout
+from slipstream.engine.parallel.context.token_layout import Layout
 from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
 
@@ -209,7 +209,7 @@ class RingAttention:
         self.rank = dist.get_rank(self.group)
         ranks = dist.get_process_group_ranks(self.group)
         self.nxt, self.prev = ranks[(self.rank + 1) % layout.size], ranks[(self.rank - 1) % layout.size]
-        self.pairs = 0.0  # causal work done by this rank (layout.py's units), for tests and the monitor
+        self.pairs = 0.0  # causal work done by this rank (token_layout.py's units), for tests and the monitor
         self.active = False  # set by the engine's sharder for its steps only
         self.segments: Segments | None = None  # the step's padding and documents (parallel/segments.py), from the sharder
         self.window_tile = 32  # the fewest queries per tile of a block a sliding window cuts ([Note: windows on the ring])

@@ -29,7 +29,7 @@ from slipstream.launcher.hostfile import (
     parse_hostfile,
     select,
 )
-from slipstream.launcher.local import LocalLaunch
+from slipstream.launcher.agent import LocalLaunch
 from slipstream.launcher.runners import Job, Node, RunnerError, commands
 from slipstream.launcher.usage import shown
 
@@ -86,7 +86,7 @@ def _this_node(args: Any, environ: Mapping[str, str]) -> Plan:
     env: dict[str, str] = {}
     if args.include is not None or args.exclude is not None:
         # No hostfile: this machine alone, its slots being its devices ("localhost:1" picks GPU 1).
-        from slipstream.launcher.local import default_nproc_per_node
+        from slipstream.launcher.agent import default_nproc_per_node
 
         pool = {"localhost": nproc or default_nproc_per_node()}
         include, exclude = _local_spec(args.include, "--include"), _local_spec(args.exclude, "--exclude")
