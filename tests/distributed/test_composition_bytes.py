@@ -28,7 +28,7 @@ from tests.distributed.test_composition import MICRO, RECIPES, SEQ, _batches, _c
 from tests.harness import run_distributed
 from tests.reference import train_step_on_global_batch
 
-F32, I64 = 4, 8
+F32, F64, I64 = 4, 8, 8
 AXES = ("pp", "dp", "cp", "sp", "tp", "ep")
 
 # Which step-record label carries each formula's bytes: the label of the group's ranks (Mesh.traffic).
@@ -47,7 +47,7 @@ KINDS = (  # tag prefix -> what it carries
     ("pipeline stage costs", "pipeline bookkeeping"), ("pipeline losses", "pipeline bookkeeping"),
     ("expert token counts", "expert counts"), ("expert ids", "expert ids"), ("expert dispatch", "expert rows"),
     ("expert combine", "expert rows"), ("gradient bucket", "zero"), ("updated weights", "zero"),
-    ("used-parameter flags", "zero flags"), ("gradient norm", "gradient norm"),
+    ("used-parameter flags", "zero flags"), ("gradient norm", "gradient norm"), ("rank health", "rank health"),
 )  # fmt: skip
 
 
@@ -211,6 +211,9 @@ def _expected(results: list[dict[str, Any]], name: str, rank: int, shapes: dict[
         expect[(lab["experts"], "zero")] = 2 * _padded(experts, dp * c * u * t // ep) * F32
         expect[(lab["experts"], "zero flags")] = 2 * expert_tensors * F32
     expect[(lab["world"], "gradient norm")] = 2 * F32
+    # The monitor's rank-health exchange at each progress line (steps_per_print 1; engine/monitor/health.py): one
+    # all-gather over the world of three float64 per rank (its seconds per step, its first non-finite step and loss).
+    expect[(lab["world"], "rank health")] = 3 * F64 * p * dp * c * u * t  # ep sits inside dp · cp · sp · tp
     return expect
 
 
