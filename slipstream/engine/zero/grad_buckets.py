@@ -75,10 +75,10 @@ class BucketedAllReduce:
         # all-reduce (it launches when every gradient of the window has arrived, so whatever the owner writes there
         # just before, through ``fill_tail``, is final): the used-parameter flags, one collective fewer per step.
         # Only where every bucket shares one group; ``self.tail`` is None otherwise and the owner reduces its own.
-        one_group = len({id(g) for g in groups}) == 1
-        self._storage = torch.zeros(total + (tail if tail and one_group and params else 0), dtype=dtype, device=device)
+        carried = tail if params and len({id(g) for g in groups}) == 1 else 0
+        self._storage = torch.zeros(total + carried, dtype=dtype, device=device)
         self.buffer = self._storage[:total]  # the gradients alone (norms, scaling, zeroing read this)
-        self.tail: torch.Tensor | None = self._storage[total:] if tail and one_group and params else None
+        self.tail: torch.Tensor | None = self._storage[total:] if carried else None
         self.fill_tail: Callable[[torch.Tensor], None] | None = None
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(params)
         self.buckets: list[Bucket] = []

@@ -19,10 +19,6 @@ class UsedFlags:
     def __init__(self, count: int, device: torch.device) -> None:
         self.device = device
         self.local = bytearray(count)  # this rank's, set by the hooks
-        self.reduced: list[bool] = [False] * count  # any rank's, after reduce()
-
-    def __len__(self) -> int:
-        return len(self.local)
 
     def mark(self, index: int) -> None:
         self.local[index] = 1
@@ -30,24 +26,22 @@ class UsedFlags:
     def reduce(self, members: list[tuple[dist.ProcessGroup | None, list[int]]]) -> list[bool]:
         """Any rank's flags (MAX over each parameter's group: reduce_flags); collective."""
         flags = torch.zeros(len(self.local), dtype=torch.float32, device=self.device)
-        if self.local:  # one copy of the bytes (frombuffer shares them): no Python work per parameter
-            flags.copy_(torch.frombuffer(self.local, dtype=torch.uint8))
+        self.write(flags)
         reduce_flags(flags, members)
-        self.reduced = flags.bool().tolist()
-        return self.reduced
+        return flags.bool().tolist()
 
     def write(self, into: torch.Tensor) -> None:
-        """This rank's flags into ``into`` (a tensor another collective sums: grad_buckets' tail)."""
-        into.copy_(torch.frombuffer(self.local, dtype=torch.uint8))
+        """This rank's flags into ``into`` (for a sum: reduce_flags', or grad_buckets' tail)."""
+        if self.local:  # one copy of the bytes (frombuffer shares them, and refuses none): no Python work per parameter
+            into.copy_(torch.frombuffer(self.local, dtype=torch.uint8))
 
-    def read(self, summed: torch.Tensor) -> list[bool]:
+    @staticmethod
+    def read(summed: torch.Tensor) -> list[bool]:
         """Any rank's flags from what :meth:`write` wrote after a sum (any positive scaling of it)."""
-        self.reduced = (summed > 0).tolist()
-        return self.reduced
+        return (summed > 0).tolist()
 
     def reset(self) -> None:
         self.local[:] = bytes(len(self.local))
-        self.reduced = [False] * len(self.local)
 
 
 def reduce_flags(used: torch.Tensor, members: list[tuple[dist.ProcessGroup | None, list[int]]]) -> None:

@@ -48,7 +48,7 @@ _RANGE_NAMES = ("window", "window_size", "chunk_size")  # name endings: sliding_
 
 
 def first_batch_window(
-    batch: dict[str, Any], key: str, model: torch.nn.Module, divisor: int, size: int = 1
+    batch: dict[str, Any], key: str, model: torch.nn.Module, divisor: int, size: int
 ) -> tuple[dict[str, Any], str] | None:  # fmt: skip
     """One row and a window of the batch, every key sliced alike, and a phrase naming it; None when the batch has
     no token ids to make labels from (nothing to compare then). ``size``: the ranks the step's sequence is split over."""
@@ -150,7 +150,8 @@ def _place(length: int, divisor: int, reach: int, edges: list[int], crossing: in
     """(window length, first token) for a row with document/padding ``edges`` (the first two), an attention
     ``reach`` and a rotary ``crossing`` token: the first edge with ``FIRST_BATCH_TOKENS // 2`` tokens on one side and
     the longer of its runs on the other, long enough to cross ``reach`` where the row is longer, spanning the crossing
-    too (placed in the window's last quarter: its first shard below the threshold), all capped by ``affordable``."""
+    too where both fit (alone, the crossing goes in the window's last quarter: its first shard below the threshold),
+    all capped by ``affordable``."""
     side = FIRST_BATCH_TOKENS // 2
     least = min(length, max(FIRST_BATCH_TOKENS, 2 * divisor))
     wanted = reach + FIRST_BATCH_TOKENS + side if 0 < reach < length else least
@@ -162,7 +163,7 @@ def _place(length: int, divisor: int, reach: int, edges: list[int], crossing: in
     window = min(length, max(least, min(wanted, affordable)))
     if window < min(length, wanted) and 0 < reach < length:
         logger.warning("the first-batch twin check's window (%d tokens) does not cross the model's attention range of %d tokens: "
-                       "one rank's share of the step's memory allows no more", window, reach)  # fmt: skip
+                       "the memory cap (one rank's share of the step, or half the free memory) allows no more", window, reach)  # fmt: skip
     if boundary is None:
         start = 0 if crossing is None else crossing - 3 * window // 4
     elif crossing is not None:
