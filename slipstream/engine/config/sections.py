@@ -76,6 +76,26 @@ class ActivationCheckpointingConfig(Section):
     _no_profile = refuse("profile", allowed=False, what="activation_checkpointing.profile (use wall_clock_breakdown: recomputation shows in the backward time)")
 
 
+class TilingConfig(Section):
+    """One of ``long_context``'s tilings: on or off, and how many tokens one tile holds."""
+
+    enabled: bool = False
+    tile_tokens: int = Field(2048, ge=1, description="tokens per tile (over the micro-batch's rows and positions together)")
+
+
+class TiledMLPConfig(TilingConfig):
+    """``long_context.tiled_mlp``; ``module_classes`` names the MLP classes (default: found in each block)."""
+
+    module_classes: list[str] | None = None
+
+
+class LongContextConfig(Section):
+    """``long_context`` (Slipstream's): what bounds the sequence once attention is sharded (parallel/tiling/)."""
+
+    tiled_logits: TilingConfig = Field(default_factory=TilingConfig)
+    tiled_mlp: TiledMLPConfig = Field(default_factory=TiledMLPConfig)
+
+
 class AioConfig(Section):
     block_size: int = Field(1_048_576, ge=4096)
     queue_depth: int = Field(8, ge=1)

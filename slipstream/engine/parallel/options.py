@@ -1,7 +1,7 @@
 """Every parallelism's options, built from the config once, before anything is built.
 
 Each parallelism owns a frozen options class next to its code (``pipeline/options.py``,
-``expert/options.py``, ``tensor/options.py``, ``sequence/options.py``, ``activations.py``) whose
+``expert/options.py``, ``tensor/options.py``, ``sequence/options.py``, ``activations.py``, ``tiling/``) whose
 ``from_config`` raises :class:`ConfigError` naming the key itself; this record only gathers them.
 """
 
@@ -17,6 +17,7 @@ from slipstream.engine.parallel.expert.options import ExpertOptions
 from slipstream.engine.parallel.pipeline.options import PipelineOptions
 from slipstream.engine.parallel.sequence.options import SequenceOptions
 from slipstream.engine.parallel.tensor.options import TensorOptions
+from slipstream.engine.parallel.tiling import TilingOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ParallelOptions:
     tensor: TensorOptions | None
     sequence: SequenceOptions | None
     activations: ActivationOptions
+    tiling: TilingOptions | None = None
 
     @classmethod
     def from_config(
@@ -42,4 +44,5 @@ class ParallelOptions:
             sequence=SequenceOptions.from_config(cfg, sizes, model),
             experts=ExpertOptions.from_config(sizes, optimizer_built),
             activations=ActivationOptions.from_config(cfg, model, device_type),
+            tiling=TilingOptions.from_config(cfg, sizes, model, presharded),
         )

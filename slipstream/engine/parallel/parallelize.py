@@ -5,8 +5,9 @@
 3. experts (this rank's experts, dispatch by all-to-all); 4. tensor (+ sequence) parallel, which
 swaps leaves inside the blocks that remain, after which the pipeline finds its tied weights again;
 5. a dropout stream per pipeline stage and sequence shard (``rng.py``, after tp synced its ranks');
-6. Ulysses / ring attention and the engine's input sharding; 7. activation checkpointing on the
-blocks as they now are. Each step is ``(model, mesh, options) -> part | None`` and reads only what
+6. Ulysses / ring attention and the engine's input sharding; 7. the long-context tilings (the LM
+head + loss and the MLPs over token tiles, ``tiling/``) on the modules as they now are;
+8. activation checkpointing on the blocks as they now are. Each step is ``(model, mesh, options) -> part | None`` and reads only what
 the steps before it left; the twin checks run inside the steps that cut the model.
 """
 
@@ -27,6 +28,7 @@ from slipstream.engine.parallel.pipeline import Pipeline, parallelize_pipeline
 from slipstream.engine.parallel.rng import separate_slices
 from slipstream.engine.parallel.sequence import Sharder, parallelize_attention
 from slipstream.engine.parallel.tensor import TensorParallel, parallelize_tensor
+from slipstream.engine.parallel.tiling import Tiling, parallelize_tiling
 from slipstream.engine.parallel.weights import sync_initial_weights
 from slipstream.utils.placement import placement_of
 
@@ -40,6 +42,7 @@ class Parallelized:
     experts: ExpertPlan | None
     tensor: TensorParallel | None
     sequence: Sharder | None
+    tiling: Tiling | None
     original_names: Mapping[int, str]  # id of each parameter before any cut -> its name
 
     @property
@@ -87,7 +90,7 @@ class Parallelized:
 
     def close(self) -> None:
         """Every part's hooks off; the model's own attention back. The cut itself stays."""
-        for part in (self.sequence, self.pipeline, self.tensor, self.experts):
+        for part in (self.tiling, self.sequence, self.pipeline, self.tensor, self.experts):
             if part is not None:
                 part.close()
 
@@ -103,8 +106,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, options: ParallelOptions) ->
         pipeline.settle()  # tied weights and stand-ins found again after tensor parallel swapped modules
     separate_slices(*(mesh.rank_of(axis) for axis in ("pp", "cp", "sp")))
     sequence = parallelize_attention(model, mesh, options.sequence, pipeline, experts)
+    tiling = parallelize_tiling(model, mesh, options.tiling)
     checkpoint_activations(model, mesh, options.activations)
-    return Parallelized(model, pipeline, experts, tensor, sequence, original)
+    return Parallelized(model, pipeline, experts, tensor, sequence, tiling, original)
 
 
 def _remap(params: list[Any], original: Mapping[int, str], model: torch.nn.Module) -> list[Any]:

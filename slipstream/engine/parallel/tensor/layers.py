@@ -249,6 +249,7 @@ class VocabHead(torch.nn.Module):
         self.ctx = ctx
         self.global_weight_shape = tuple(source.weight.shape)
         self.vocab = self.global_weight_shape[0]
+        self.out_features = self.vocab  # the logits' width, as nn.Linear names it (tiled logits read it)
         self.start, end, self.chunk = vocab_rows(self.vocab, ctx)
         if weight is None:  # untied: a slice of the head's own weight
             weight = torch.nn.Parameter(source.weight.detach()[self.start : end].clone(), requires_grad=source.weight.requires_grad)
