@@ -125,7 +125,7 @@ def _real(value: Any) -> Any:
 def _record(func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DeferredLogits | None:
     """A new ``DeferredLogits`` with ``func`` appended to its ops, or None when ``func`` is not a replayable
     elementwise op on it with constant other arguments."""
-    if name not in _RECORDABLE or not (func is getattr(torch._C.TensorBase, name, None) or func is getattr(torch, name, None)):
+    if name not in _RECORDABLE or not any(func is getattr(home, name, None) for home in (torch.Tensor, torch._C.TensorBase, torch)):
         return None
     mine = [i for i, a in enumerate(args) if isinstance(a, DeferredLogits)]
     if len(mine) != 1 or any(isinstance(v, DeferredLogits) for v in kwargs.values()):
@@ -160,9 +160,16 @@ class TiledLogits:
         self._own_forward = head.__dict__.get("forward")  # an instance-level forward someone set before us
         self._head_forward = self._own_forward if self._own_forward is not None else type(head).forward.__get__(head)
         head.forward = self._deferring_forward
-        self._own_loss = model.__dict__.get("_loss_function")
+        # transformers keeps a set loss_function in ``_loss_function`` (a property); a plain module in the attribute
+        self._own_loss = {k: model.__dict__[k] for k in ("loss_function", "_loss_function") if k in model.__dict__}
         loss = model.loss_function
         model.loss_function = functools.partial(self._loss, loss, inspect.signature(loss))
+        try:
+            names = list(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            names = []
+        # where labels may come positionally (by the forward's signature), besides as keywords
+        self._label_positions = [(names.index(k), k) for k in ("labels", "shift_labels") if k in names]
         self._hooks = [
             model.register_forward_pre_hook(self._arm, with_kwargs=True),
             model.register_forward_hook(self._disarm, always_call=True),
@@ -170,7 +177,9 @@ class TiledLogits:
 
     # ------------------------------------------------------------------ the forward
     def _arm(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._armed = torch.is_grad_enabled() and any(kwargs.get(k) is not None for k in ("labels", "shift_labels"))
+        given = any(kwargs.get(k) is not None for k in ("labels", "shift_labels"))
+        given = given or any(i < len(args) and args[i] is not None for i, _ in self._label_positions)
+        self._armed = torch.is_grad_enabled() and given
 
     def _disarm(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self._armed = False
@@ -243,7 +252,6 @@ class TiledLogits:
             self.head.forward = self._own_forward
         else:
             self.head.__dict__.pop("forward", None)
-        if self._own_loss is not None:
-            self.model.loss_function = self._own_loss
-        else:
-            self.model.__dict__.pop("_loss_function", None)
+        for key in ("loss_function", "_loss_function"):
+            self.model.__dict__.pop(key, None)
+        self.model.__dict__.update(self._own_loss)
