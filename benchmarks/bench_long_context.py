@@ -1,0 +1,139 @@
+"""The longest sequence that trains within a peak-RSS cap per rank: plain vs tiled logits vs tiled MLP vs both.
+
+    python benchmarks/bench_long_context.py [--cap-mb 1200] [--variants plain,logits,mlp,both] [--start 2048]
+    python benchmarks/bench_long_context.py --curve 2048,4096,8192 [--variants plain,both]
+
+Model: a Llama from a config whose vocabulary is large beside its width, as real ones are (32,000
+tokens, hidden 256, intermediate 1024, 2 layers, 4 heads, 2 KV heads: 9.5M parameters of which
+8.2M in the embedding and head), fp32, AdamW, one row of ``seq`` tokens, Ulysses
+(``sequence_parallel_size`` 2) on 2 ranks (gloo, one thread each), ZeRO ``--stage`` (default 0).
+Each job is a fresh pair of processes running two full steps; its peak RSS per rank
+(``ru_maxrss``, the larger rank's) is the high-water mark of the whole job, RSS after
+``initialize`` is reported beside it.
+
+Search: per variant, the sequence doubles from ``--start`` while the peak stays under the cap,
+then bisects (to a multiple of 256 tokens) between the last fit and the first miss. ``--curve``
+measures the listed lengths instead (peak against length) for each variant, in alternating order
+(A B A B) so a drifting machine affects all variants alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import current_rss_mb, peak_rss_mb, setup_rank_env, spawn_ranks  # noqa: E402
+
+VOCAB = 32000
+TILE = 512
+VARIANTS = {
+    "plain": {},
+    "logits": {"tiled_logits": {"enabled": True, "tile_tokens": TILE}},
+    "mlp": {"tiled_mlp": {"enabled": True, "tile_tokens": TILE}},
+    "both": {"tiled_logits": {"enabled": True, "tile_tokens": TILE}, "tiled_mlp": {"enabled": True, "tile_tokens": TILE}},
+}
+
+
+def _worker(rank: int, variant: str, seq: int, stage: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    setup_rank_env(rank, 2, port)
+    torch.set_num_threads(1)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import slipstream
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=seq, attn_implementation="sdpa",
+    ))  # fmt: skip
+    engine = slipstream.initialize(model, {
+        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "steps_per_print": 10**9, "twin_check": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "sequence_parallel_size": 2,
+        "zero_optimization": {"stage": stage}, "long_context": VARIANTS[variant],
+        # every variant checkpoints its blocks, as long-context training does: what is left is the head and the MLPs
+        "activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]},
+    })  # fmt: skip
+    after_init = current_rss_mb()
+    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - start)
+    peaks = [None, None]
+    dist.all_gather_object(peaks, (peak_rss_mb(), after_init))
+    engine.destroy()
+    if rank == 0:
+        Path(f"{out}.{rank}").write_text(json.dumps({"peak": max(p for p, _ in peaks), "init": max(i for _, i in peaks), "step": times[-1], "loss": float(loss)}))
+
+
+def measure(variant: str, seq: int, stage: int) -> dict:
+    found = spawn_ranks(_worker, variant, seq, stage)
+    if not found:
+        raise RuntimeError(f"{variant} at {seq} tokens wrote no result")
+    result = found[0]
+    print(f"  {variant:<7} {seq:>7} tokens: peak {result['peak']:7.0f} MB (after initialize {result['init']:5.0f}), second step {result['step']:6.2f} s", flush=True)
+    return result
+
+
+def longest(variant: str, cap: float, start: int, stage: int) -> tuple[int, int]:
+    """(longest fitting length, first length found not to fit) under ``cap`` MB."""
+    fit, miss = 0, 0
+    seq = start
+    while miss == 0:
+        if measure(variant, seq, stage)["peak"] <= cap:
+            fit, seq = seq, seq * 2
+        else:
+            miss = seq
+    if fit == 0:
+        return 0, miss
+    while miss - fit > 256 * max(1, fit // 4096):
+        mid = (fit + miss) // 2 // 256 * 256
+        if measure(variant, mid, stage)["peak"] <= cap:
+            fit = mid
+        else:
+            miss = mid
+    return fit, miss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cap-mb", type=float, default=1200.0)
+    parser.add_argument("--variants", default="plain,logits,mlp,both")
+    parser.add_argument("--start", type=int, default=2048)
+    parser.add_argument("--stage", type=int, default=0)
+    parser.add_argument("--curve", default="", help="comma-separated lengths: measure these instead of searching")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    if args.curve:
+        lengths = [int(x) for x in args.curve.split(",")]
+        rows = {(v, n): measure(v, n, args.stage) for n in lengths for v in variants}
+        print(f"\npeak RSS per rank (MB) against sequence length, Ulysses 2, ZeRO {args.stage}")
+        print(f"{'tokens':>8}" + "".join(f"{v:>10}" for v in variants))
+        for n in lengths:
+            print(f"{n:>8}" + "".join(f"{rows[(v, n)]['peak']:>10.0f}" for v in variants))
+        return
+    found = {}
+    for variant in variants:
+        print(f"{variant}: searching under {args.cap_mb:.0f} MB per rank", flush=True)
+        found[variant] = longest(variant, args.cap_mb, args.start, args.stage)
+    base = found.get("plain", (0, 0))[0]
+    print(f"\nlongest sequence under {args.cap_mb:.0f} MB peak RSS per rank (Ulysses 2 on 2 ranks, ZeRO {args.stage}, tiles of {TILE} tokens)")
+    print(f"{'variant':<10}{'fits':>10}{'first miss':>12}{'vs plain':>10}")
+    for variant, (fit, miss) in found.items():
+        ratio = f"{fit / base:.2f}x" if base else ""
+        print(f"{variant:<10}{fit:>10}{miss:>12}{ratio:>10}")
+
+
+if __name__ == "__main__":
+    main()
