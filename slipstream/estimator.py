@@ -21,6 +21,14 @@ b = micro-batch, h = hidden size, a = attention heads; the 5·a·s/h term is the
 matrices, which memory-efficient attention (SDPA/flash) does not keep. fp32 doubles it. With
 activation checkpointing each layer keeps only its input (2·s·b·h bytes at 16 bit) and one layer's
 activations exist at a time during recomputation. The loss adds 4·s·b·V bytes (fp32 logits).
+
+[Note: sequence shards and tiles] Ulysses and ring attention (``seq_shards`` = u·c) divide every
+term by the shard count: each rank holds s/(u·c) tokens of every layer (Ulysses' attention holds the
+whole sequence for a u-th of the heads: the same bytes). Of the 34 (16-bit bytes per token per
+hidden unit), the MLP's are ``3·h + 4·I`` per token (its input, the up projection's output and the
+activation's, a dropout mask; 19·h at I = 4h). ``long_context.tiled_mlp`` keeps only the MLP's
+input (2·h) per token and per layer, plus one tile's ``(3·h + 4·I)·t`` while an MLP runs;
+``long_context.tiled_logits`` keeps one tile's fp32 logits ``4·t·V`` instead of ``4·s·b·V``.
 """
 
 from __future__ import annotations
@@ -41,6 +49,15 @@ HEADROOM = 0.9  # fraction of device memory a recommendation may plan for (alloc
 
 
 @dataclasses.dataclass(frozen=True)
+class Tiling:
+    """``long_context``'s tiles as the estimate sees them: tokens per tile (None: untiled), and the sequence shards."""
+
+    logits_tile: int | None = None
+    mlp_tile: int | None = None
+    seq_shards: int = 1  # Ulysses × ring ranks the sequence is cut over
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelShape:
     """What the activation estimate needs; ``None`` fields make it skip activations."""
 
@@ -49,6 +66,7 @@ class ModelShape:
     hidden: int | None = None
     heads: int | None = None
     vocab: int | None = None
+    intermediate: int | None = None  # the MLP's width (None: 4 × hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +98,27 @@ class Estimate:
     activation_checkpointing: bool
     stages: list[StageEstimate]
     recommendation: str | None = None
+    tiling: Tiling = Tiling()
+    flash: bool = True
 
     def stage(self, stage: int) -> StageEstimate:
         return self.stages[stage]
+
+    def tiling_line(self) -> str | None:
+        """Activations with and without each of ``long_context``'s tilings (tiles of the given size, else 2048)."""
+        if not (self.seq_len and self.shape.vocab and self.shape.layers and self.shape.hidden):
+            return None
+        t = self.tiling
+        logits, mlp = t.logits_tile or 2048, t.mlp_tile or 2048
+        variants = {
+            "untiled": Tiling(None, None, t.seq_shards), "tiled logits": Tiling(logits, None, t.seq_shards),
+            "tiled MLP": Tiling(None, mlp, t.seq_shards), "both": Tiling(logits, mlp, t.seq_shards),
+        }  # fmt: skip
+        parts = [
+            f"{name} {_gb(activation_bytes(self.shape, self.seq_len, self.micro_batch, self.precision, self.activation_checkpointing, self.flash, v) or 0.0)}"
+            for name, v in variants.items()
+        ]  # fmt: skip
+        return f"activations by long_context tiling (GB per device): {', '.join(parts)}"
 
     def table(self) -> str:
         """The per-stage table ``slipstream estimate`` prints."""
@@ -95,6 +131,9 @@ class Estimate:
             head += (
                 f"; activations for micro-batch {self.micro_batch} × sequence {self.seq_len}, {s.layers} layers, hidden {s.hidden}"
                 + (", checkpointed" if self.activation_checkpointing else "")
+                + (f", sequence over {self.tiling.seq_shards} ranks" if self.tiling.seq_shards > 1 else "")
+                + (f", logits tiled by {self.tiling.logits_tile}" if self.tiling.logits_tile else "")
+                + (f", MLP tiled by {self.tiling.mlp_tile}" if self.tiling.mlp_tile else "")
             )
         lines = [head, f"{'stage':<6}{'params':>10}{'grads':>10}{'optimizer':>11}{'model states':>14}{'activations':>13}{'total':>10}"
                  + ("   offloaded/rank" if self.offload != "none" else "")]  # fmt: skip
@@ -105,6 +144,9 @@ class Estimate:
                 line += f"   {_gb(e.offloaded) if e.stage else 'n/a (offload needs stage 1-3)'}"
             lines.append(line)
         lines.append("(GB = 1e9 bytes per device; ZeRO paper formulas, see docs/monitoring.md#memory-estimator)")
+        tiles = self.tiling_line()
+        if tiles:
+            lines.append(tiles)
         if self.recommendation:
             lines.append(self.recommendation)
         return "\n".join(lines)
@@ -137,19 +179,49 @@ def model_state_bytes(
 
 
 def activation_bytes(
-    shape: ModelShape, seq_len: int, micro_batch: int, precision: str = "bf16", checkpointing: bool = False, flash: bool = True
-) -> float | None:
-    """Peak activation bytes per device for one micro-batch (None without layers/hidden); see [Note: the formulas]."""
+    shape: ModelShape, seq_len: int, micro_batch: int, precision: str = "bf16", checkpointing: bool = False, flash: bool = True,
+    tiling: Tiling = Tiling(),
+) -> float | None:  # fmt: skip
+    """Peak activation bytes per device for one micro-batch (None without layers/hidden); see [Note: the formulas]
+    and [Note: sequence shards and tiles]."""
     if not (shape.layers and shape.hidden):
         return None
-    s, b, h, layers = seq_len, micro_batch, shape.hidden, shape.layers
+    b, h, layers = micro_batch, shape.hidden, shape.layers
+    s = -(-seq_len // tiling.seq_shards)  # this rank's tokens per row
+    n = s * b
     a = shape.heads or max(1, h // 64)
+    inter = shape.intermediate or 4 * h
     scale = 2.0 if precision == "fp32" else 1.0
-    per_layer = s * b * h * (34 + (0 if flash else 5 * a * s / h)) * scale
-    logits = 4 * s * b * (shape.vocab or 0)
+    mlp = n * (3 * h + 4 * inter)
+    mlp_kept, mlp_tile = mlp, 0.0
+    if tiling.mlp_tile is not None:
+        mlp_kept, mlp_tile = 2 * n * h, min(n, tiling.mlp_tile) * (3 * h + 4 * inter)
+    per_layer = (n * h * (15 + (0 if flash else 5 * a * s / h)) + mlp_kept) * scale
+    tokens_with_logits = n if tiling.logits_tile is None else min(n, tiling.logits_tile)
+    logits = 4 * tokens_with_logits * (shape.vocab or 0)
+    transient = mlp_tile * scale
     if checkpointing:
-        return layers * 2 * s * b * h * scale + per_layer + logits
-    return layers * per_layer + logits
+        return layers * 2 * n * h * scale + per_layer + transient + logits
+    return layers * per_layer + transient + logits
+
+
+def longest_sequence(
+    shape: ModelShape, budget: float, micro_batch: int, precision: str, checkpointing: bool, flash: bool, tiling: Tiling, step: int = 256
+) -> int:  # fmt: skip
+    """The longest sequence (a multiple of ``step``) whose activations fit in ``budget`` bytes; 0 if none does."""
+    def fits(seq: int) -> bool:
+        return (activation_bytes(shape, seq, micro_batch, precision, checkpointing, flash, tiling) or 0.0) <= budget
+
+    if budget <= 0 or not fits(step):
+        return 0
+    high = step
+    while fits(high) and high < MAX_COUNT:
+        high *= 2
+    low = high // 2  # fits(low); not fits(high) (or the cap)
+    while high - low > step:
+        middle = (low + high) // 2 // step * step
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def training_flops_per_token(matmul_params: float, layers: int, attention_dim: int, seq_len: int) -> float:
@@ -180,6 +252,8 @@ def estimate(
     vocab: int | None = None,
     flash_attention: bool = True,
     fp32_grads: bool = False,
+    intermediate: int | None = None,
+    tiling: Tiling = Tiling(),
 ) -> Estimate:
     """Per-device memory for every ZeRO stage; ``model`` is a parameter count, an ``nn.Module`` or a config dict.
 
@@ -196,25 +270,27 @@ def estimate(
         params=int(found.get("params", 0)),
         layers=layers or found.get("layers"), hidden=hidden or found.get("hidden"),
         heads=heads or found.get("heads"), vocab=vocab or found.get("vocab"),
+        intermediate=intermediate or found.get("intermediate"),
     )  # fmt: skip
     if shape.params <= 0:
         raise ValueError("the parameter count is unknown: pass a number of parameters, a model or a config with one")
     seq = seq_len or found.get("seq_len")
-    result = _estimate(shape, dp, seq, micro_batch, precision, offload, activation_checkpointing, flash_attention, fp32_grads)
+    result = _estimate(shape, dp, seq, micro_batch, precision, offload, activation_checkpointing, flash_attention, fp32_grads, tiling)
     if device_memory:
         result = dataclasses.replace(result, recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention))
     return result
 
 
 def _estimate(
-    shape: ModelShape, dp: int, seq: int | None, mb: int, precision: str, offload: str, ac: bool, flash: bool, fp32_grads: bool
-) -> Estimate:
-    act = activation_bytes(shape, seq, mb, precision, ac, flash) if seq else None
+    shape: ModelShape, dp: int, seq: int | None, mb: int, precision: str, offload: str, ac: bool, flash: bool, fp32_grads: bool,
+    tiling: Tiling = Tiling(),
+) -> Estimate:  # fmt: skip
+    act = activation_bytes(shape, seq, mb, precision, ac, flash, tiling) if seq else None
     stages = []
     for stage in STAGES:
         p, g, o, off = model_state_bytes(shape.params, dp, stage, precision, offload, fp32_grads)
         stages.append(StageEstimate(stage, p, g, o, off, act))
-    return Estimate(shape, dp, precision, offload, seq, mb, ac, stages)
+    return Estimate(shape, dp, precision, offload, seq, mb, ac, stages, tiling=tiling, flash=flash)
 
 
 def recommend(shape: ModelShape, dp: int, seq: int | None, micro_batch: int, precision: str, device_memory: float, flash: bool = True) -> str:
@@ -260,6 +336,7 @@ _CONFIG_KEYS = {
     "hidden": ("hidden_size", "n_embd", "d_model"),
     "heads": ("num_attention_heads", "n_head"),
     "vocab": ("vocab_size",),
+    "intermediate": ("intermediate_size", "n_inner", "ffn_dim"),
     "seq_len": ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"),
 }
 
@@ -439,6 +516,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-flash-attention", action="store_true", help="attention keeps the s×s score matrices")
     parser.add_argument("--fp32-grads", action="store_true", help="gradients accumulate in fp32 with bf16/fp16 weights (slipstream's stage 0)")
     parser.add_argument("--device-memory", type=parse_device_memory, metavar="GB", help="memory per device in GB (1e9 bytes): adds a recommendation")
+    parser.add_argument("--intermediate", type=whole_number("the MLP's width"), metavar="I", help="the MLP's intermediate size (default 4 × hidden)")
+    parser.add_argument("--seq-shards", type=whole_number("ranks the sequence is cut over"), default=1, metavar="N", help="Ulysses × context-parallel ranks the sequence is cut over (default 1)")
+    parser.add_argument("--tiled-logits", type=whole_number("tokens per tile"), metavar="T", help="long_context.tiled_logits with tiles of T tokens")
+    parser.add_argument("--tiled-mlp", type=whole_number("tokens per tile"), metavar="T", help="long_context.tiled_mlp with tiles of T tokens")
+    parser.add_argument("--max-seq", action="store_true", help="the longest sequence that fits in --device-memory, by stage, with and without the tilings")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -455,9 +537,12 @@ def main(args: argparse.Namespace) -> int:
             fail(prog, f"--model-config {args.model_config.path}: {why}; give --params")
     if source is None:
         fail(prog, f"give --params N (e.g. 7e9 or 7B) or --model-config config.json; see '{prog} --help'")
+    if args.max_seq and not args.device_memory:
+        fail(prog, "--max-seq needs --device-memory GB (the memory the sequence must fit in)")
+    tiling = Tiling(args.tiled_logits, args.tiled_mlp, args.seq_shards)
     try:
         result = estimate(
-            source, args.dp, seq_len=args.seq_len, micro_batch=args.micro_batch, precision=args.precision,
+            source, args.dp, seq_len=args.seq_len, tiling=tiling, intermediate=args.intermediate, micro_batch=args.micro_batch, precision=args.precision,
             offload=args.offload, activation_checkpointing=args.activation_checkpointing,
             device_memory=args.device_memory * GB if args.device_memory else None, layers=args.layers,
             hidden=args.hidden, heads=args.heads, vocab=args.vocab, flash_attention=not args.no_flash_attention,
@@ -465,8 +550,38 @@ def main(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except (ValueError, TypeError) as err:
         fail(prog, str(err))
+    if args.max_seq:
+        if not (result.shape.layers and result.shape.hidden):
+            fail(prog, "--max-seq needs the model's layers and hidden size (--layers/--hidden or --model-config)")
+        print(max_sequence_table(result, args.device_memory * GB))
+        return 0
     print(result.table())
     return 0
+
+
+def max_sequence_table(result: Estimate, device_memory: float) -> str:
+    """``--max-seq``: per stage, the longest sequence whose activations fit beside the model states in ``HEADROOM``
+    of ``device_memory``, untiled and with each tiling (the given tile sizes, else 2048)."""
+    t = result.tiling
+    logits, mlp = t.logits_tile or 2048, t.mlp_tile or 2048
+    variants = {
+        "untiled": Tiling(None, None, t.seq_shards), "tiled logits": Tiling(logits, None, t.seq_shards),
+        "tiled MLP": Tiling(None, mlp, t.seq_shards), "both": Tiling(logits, mlp, t.seq_shards),
+    }  # fmt: skip
+    lines = [
+        f"longest sequence in {HEADROOM:.0%} of {_gb(device_memory)} GB per device: {_count(result.shape.params)} parameters, "
+        f"micro-batch {result.micro_batch}, {result.precision}, sequence over {t.seq_shards} rank(s)"
+        + (", checkpointed" if result.activation_checkpointing else ""),
+        f"{'stage':<6}{'model states':>14}" + "".join(f"{name:>14}" for name in variants),
+    ]
+    for e in result.stages:
+        budget = HEADROOM * device_memory - e.model_states
+        cells = [
+            longest_sequence(result.shape, budget, result.micro_batch, result.precision, result.activation_checkpointing, result.flash, v)
+            for v in variants.values()
+        ]  # fmt: skip
+        lines.append(f"{e.stage:<6}{_gb(e.model_states):>14}" + "".join(f"{c:>14,}" if c else f"{'none':>14}" for c in cells))
+    return "\n".join(lines)
 
 
 def _gb(nbytes: float) -> str:

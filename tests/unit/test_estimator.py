@@ -80,3 +80,44 @@ def test_estimate_from_a_model_reads_its_config() -> None:
     assert result.shape.params == sum(p.numel() for p in model.parameters())
     assert (result.shape.layers, result.shape.hidden, result.shape.vocab, result.seq_len) == (2, 64, 256, 32)
     assert result.stage(0).activations is not None
+
+
+def test_tiles_and_sequence_shards_in_the_activation_estimate() -> None:
+    """The terms of [Note: sequence shards and tiles], each checked by its own arithmetic."""
+    from slipstream.estimator import ModelShape, Tiling, activation_bytes, longest_sequence
+
+    shape = ModelShape(10**6, layers=2, hidden=64, heads=4, vocab=1000, intermediate=128)
+    n = 4096
+    plain = activation_bytes(shape, n, 1, "bf16")
+    assert plain == 2 * n * (15 * 64 + 3 * 64 + 4 * 128) + 4 * n * 1000
+    # sequence over 4 ranks: a quarter of every term
+    assert activation_bytes(shape, n, 1, "bf16", tiling=Tiling(seq_shards=4)) == activation_bytes(shape, n // 4, 1, "bf16")
+    logits = activation_bytes(shape, n, 1, "bf16", tiling=Tiling(logits_tile=256))
+    assert plain - logits == 4 * (n - 256) * 1000
+    mlp = activation_bytes(shape, n, 1, "bf16", tiling=Tiling(mlp_tile=256))
+    assert plain - mlp == 2 * n * (3 * 64 + 4 * 128) - 2 * 2 * n * 64 - 256 * (3 * 64 + 4 * 128)
+    # the longest sequence: fits at its value, not one step beyond, and grows with the tiles
+    budget = 50e6
+    for tiling in (Tiling(), Tiling(256, 256)):
+        seq = longest_sequence(shape, budget, 1, "bf16", True, True, tiling)
+        assert activation_bytes(shape, seq, 1, "bf16", True, True, tiling) <= budget < activation_bytes(shape, seq + 256, 1, "bf16", True, True, tiling)
+    assert longest_sequence(shape, budget, 1, "bf16", True, True, Tiling(256, 256)) > 4 * longest_sequence(shape, budget, 1, "bf16", True, True, Tiling())
+    assert longest_sequence(shape, 10.0, 1, "bf16", True, True, Tiling()) == 0
+
+
+def test_cli_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from slipstream.cli import main
+
+    args = ["estimate", "--params", "8e9", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "128256",
+            "--intermediate", "14336", "--activation-checkpointing", "--seq-shards", "8", "--dp", "8", "--max-seq",
+            "--device-memory", "80", "--tiled-logits", "4096"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["stage", "model", "states", "untiled", "tiled", "logits", "tiled", "MLP", "both"]
+    stage0, stage3 = out[2].split(), out[5].split()
+    assert stage0[2:] == ["none"] * 4  # 128 GB of model states alone exceed 72 GB
+    longest = [int(x.replace(",", "")) for x in stage3[2:]]
+    assert longest[0] < longest[2] < longest[1] < longest[3]
+    with pytest.raises(SystemExit):
+        main(["estimate", "--params", "8e9", "--max-seq"])
+    assert "--max-seq needs --device-memory" in capsys.readouterr().err
