@@ -74,12 +74,19 @@ def _worker(rank: int, variant: str, seq: int, stage: int, port: int, out: str) 
     dist.all_gather_object(peaks, (peak_rss_mb(), after_init))
     engine.destroy()
     if rank == 0:
-        Path(f"{out}.{rank}").write_text(json.dumps({"peak": max(p for p, _ in peaks), "init": max(i for _, i in peaks), "step": times[-1], "loss": float(loss)}))
+        Path(f"{out}.{rank}").write_text(json.dumps({"peak": max(p for p, _ in peaks), "init": max(i for _, i in peaks), "step": times[-1], "loss": float(loss.detach())}))
 
 
 def measure(variant: str, seq: int, stage: int) -> dict:
-    found = spawn_ranks(_worker, variant, seq, stage)
-    if not found:
+    for attempt in range(2):  # a job whose rank dies (a port taken between choosing and binding it) runs once more
+        try:
+            found = spawn_ranks(_worker, variant, seq, stage)
+        except Exception as err:  # noqa: BLE001 - the job's own failure, reported and retried once
+            print(f"  {variant} at {seq} tokens: job failed ({type(err).__name__}: {err}); attempt {attempt + 1} of 2", flush=True)
+            found = []
+        if found:
+            break
+    else:
         raise RuntimeError(f"{variant} at {seq} tokens wrote no result")
     result = found[0]
     print(f"  {variant:<7} {seq:>7} tokens: peak {result['peak']:7.0f} MB (after initialize {result['init']:5.0f}), second step {result['step']:6.2f} s", flush=True)

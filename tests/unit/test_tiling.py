@@ -250,3 +250,20 @@ def test_tiled_mlp_recomputes_with_the_forwards_dropout_masks() -> None:
     (looped * torch.arange(8.0)).sum().backward()
     for got, want in zip(tiled_grads, [x.grad] + [p.grad for p in params]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_tiles_inside_checkpointed_blocks_equal_the_untiled_model() -> None:
+    """Activation checkpointing recomputes each block, tiled MLP inside, and the tiled loss after it: still exact."""
+    from slipstream.checkpointing import apply_activation_checkpointing
+
+    plain = _llama()
+    tiled = copy.deepcopy(plain)
+    apply_activation_checkpointing(tiled, ["LlamaDecoderLayer"])
+    tile_mlps(tiled, None, 6, probe=True)
+    TiledLogits(tiled, tiled.get_output_embeddings(), 11)
+    ids, labels = _batch(rows=2)
+    a = plain(input_ids=ids, labels=labels).loss
+    a.backward()
+    b = tiled(input_ids=ids, labels=labels).loss
+    b.backward()
+    _assert_same(plain, tiled, a, b)
