@@ -13,10 +13,13 @@ graph that is never backpropagated. Stage 3 asks :func:`is_recomputing` and then
 the unit is gathered — no second post-backward registration, hence no second reduce.
 
 [Note: cpu_checkpointing] With ``cpu_checkpointing`` the region's saved inputs (the only tensors a
-checkpointed region keeps) are copied to pinned host memory when saved and copied back when the
-recomputation needs them. That lowers *device* memory on an accelerator. On a CPU-only machine the
-activations already live in host memory: offloading would copy a tensor to where it is, so the
-tensors are kept as they are and nothing changes (measured, see docs/activation_checkpointing.md).
+checkpointed region keeps) are copied to pinned host memory when saved and copied back, the next
+one ahead of time, when the recomputation needs them (``saved_tensor_offload.HostOffload``). That
+lowers *device* memory on an accelerator. On a CPU-only machine the activations already live in
+host memory: offloading would copy a tensor to where it is, so the tensors are kept as they are
+and nothing changes (measured, see docs/activation_checkpointing.md). With ``offload_path`` they go
+to files in that directory instead, on any device, read back ahead of their backward
+(``saved_tensor_offload.FileOffload``): for when host memory is the limit.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+
+from slipstream.saved_tensor_offload import FileOffload, HostOffload
 
 __all__ = [
     "CheckpointOptions",
@@ -50,10 +55,19 @@ class CheckpointOptions:
     cpu_checkpointing: bool = False
     use_reentrant: bool = False
     synchronize_checkpoint_boundary: bool = False
+    offload_path: str | None = None  # checkpointed inputs to files in this directory (any device)
 
 
 _defaults = CheckpointOptions()
 _state = threading.local()
+_offloads: dict[str | None, HostOffload | FileOffload] = {}  # by path (None: pinned host memory)
+
+
+def _offload(path: str | None) -> HostOffload | FileOffload:
+    """The one offload per destination: its order of saved tensors spans every checkpointed region."""
+    if path not in _offloads:
+        _offloads[path] = FileOffload(path) if path is not None else HostOffload()
+    return _offloads[path]
 
 
 def configure(options: CheckpointOptions | None = None, **changes: Any) -> CheckpointOptions:
@@ -103,7 +117,12 @@ def checkpoint(
     extra: dict[str, Any] = {} if reentrant else {"context_fn": _context_fn}
     if reentrant and kwargs:  # torch's reentrant variant takes positional inputs only
         function, kwargs = functools.partial(function, **kwargs), {}
-    with offload_saved_tensors() if offload else contextlib.nullcontext():
+    if _defaults.offload_path is not None:
+        where = _offload(_defaults.offload_path)
+        hooks: contextlib.AbstractContextManager[Any] = torch.autograd.graph.saved_tensors_hooks(where.pack, where.unpack)
+    else:
+        hooks = offload_saved_tensors() if offload else contextlib.nullcontext()
+    with hooks:
         out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=reentrant, **extra, **kwargs)
     if _defaults.synchronize_checkpoint_boundary:
         from slipstream.accelerator import get_accelerator
@@ -116,26 +135,12 @@ def checkpoint(
 
 
 def offload_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:
-    """Saved tensors on an accelerator go to pinned host memory, and come back when unpacked.
+    """Saved tensors on an accelerator go to pinned host memory, and come back (the next one ahead) when unpacked.
 
     Tensors already on the CPU are kept as they are (see [Note: cpu_checkpointing]).
     """
-    return torch.autograd.graph.saved_tensors_hooks(_pack_to_host, _unpack_from_host)
-
-
-def _pack_to_host(tensor: torch.Tensor) -> Any:
-    if tensor.device.type == "cpu":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return tensor.device, host
-
-
-def _unpack_from_host(packed: Any) -> torch.Tensor:
-    if isinstance(packed, torch.Tensor):
-        return packed
-    device, host = packed
-    return host.to(device, non_blocking=True)
+    host = _offload(None)
+    return torch.autograd.graph.saved_tensors_hooks(host.pack, host.unpack)
 
 
 # --------------------------------------------------------------------------- modules by class

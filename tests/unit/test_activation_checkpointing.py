@@ -86,6 +86,23 @@ def test_cpu_checkpointing_lowers_device_memory_on_cuda() -> None:
     assert retained(True) < retained(False) - (LAYERS - 1) * BATCH * SEQ * 64 * 4
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the prefetch runs on a side stream")
+def test_cpu_checkpointing_prefetch_gives_the_same_gradients_on_cuda() -> None:
+    """The copy back of the next layer's inputs runs on a side stream during this layer's backward: same gradients."""
+
+    def grads(cpu: bool) -> dict[str, torch.Tensor]:
+        model = tiny_gpt2(n_layer=LAYERS).cuda()
+        checkpointing.apply_activation_checkpointing(model, ["GPT2Block"], cpu_checkpointing=cpu)
+        tokens = _tokens().cuda()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        return {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+    plain, offloaded = grads(False), grads(True)
+    for name, grad in plain.items():
+        torch.testing.assert_close(offloaded[name], grad, rtol=0, atol=0, msg=name)
+
+
 def test_checkpoint_function_non_reentrant_and_reentrant() -> None:
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
@@ -154,3 +171,53 @@ def test_reentrant_variant_by_class_binds_keyword_arguments() -> None:
     assert ours["loss"] == plain["loss"]
     for name, grad in plain["grads"].items():
         assert torch.equal(ours["grads"][name], grad), name
+
+
+def test_offload_path_keeps_checkpointed_inputs_in_files_until_their_backward(tmp_path) -> None:
+    """``offload_path``: the checkpointed inputs wait in files (on the CPU too), gradients unchanged, files gone after."""
+    model = tiny_gpt2(n_layer=LAYERS)
+    checkpointing.apply_activation_checkpointing(model, ["GPT2Block"])
+    in_memory = _measure(model)
+    filed = tiny_gpt2(n_layer=LAYERS)
+    checkpointing.apply_activation_checkpointing(filed, ["GPT2Block"])
+    checkpointing.configure(offload_path=str(tmp_path))
+    try:
+        tokens = _tokens()
+        with LiveTensorMeter() as meter:
+            loss = filed(input_ids=tokens, labels=tokens).loss
+            retained = meter.live()["cpu"]
+            sizes = [f.stat().st_size for f in tmp_path.rglob("*.bin")]
+            loss.backward()
+        grads = {n: p.grad for n, p in filed.named_parameters()}
+        del loss
+    finally:
+        checkpointing.configure(offload_path=None)
+    # each block's input, 16 × 32 tokens × 64 × 4 bytes = 128 KiB, waited in a file
+    assert sizes == [BATCH * SEQ * 64 * 4] * LAYERS, sizes
+    assert retained <= in_memory["retained"] - (LAYERS - 1) * BATCH * SEQ * 64 * 4, (retained, in_memory["retained"])
+    for name, grad in in_memory["grads"].items():
+        assert torch.equal(grads[name], grad), name
+    import gc
+
+    gc.collect()
+    assert not list(tmp_path.rglob("*.bin"))  # deleted once autograd let go of them
+
+
+def test_file_offload_reads_ahead_and_survives_a_second_backward(tmp_path) -> None:
+    from slipstream.saved_tensor_offload import FileOffload
+
+    offload = FileOffload(tmp_path, min_bytes=0)
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(32, 32, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(offload.pack, offload.unpack):
+        y = torch.tanh(x @ w) @ w
+    assert len(list(tmp_path.rglob("*.bin"))) >= 3
+    y.sum().backward(retain_graph=True)
+    first = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    y.sum().backward()  # unpacked a second time: the files are still there
+    assert torch.equal(x.grad, first[0]) and torch.equal(w.grad, first[1])
+    x.grad = w.grad = None
+    plain = torch.tanh(x @ w) @ w
+    plain.sum().backward()
+    assert torch.equal(x.grad, first[0]) and torch.equal(w.grad, first[1])

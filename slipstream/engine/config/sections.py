@@ -68,6 +68,7 @@ class ActivationCheckpointingConfig(Section):
     profile: bool = False
     module_classes: list[str] | None = None
     use_reentrant: bool = False
+    offload_path: str | None = Field(None, description="checkpointed inputs go to files in this directory (host memory the limit)")
 
     _no_partitioning = refuse("partition_activations", allowed=False, what="partitioning activations across tensor-parallel ranks (not implemented for slipstream's tensor parallelism; tensor_parallel.sequence_parallel shards the norm/dropout activations instead)")
 
