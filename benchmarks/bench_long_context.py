@@ -1,7 +1,7 @@
 """The longest sequence that trains within a peak-RSS cap per rank: plain vs tiled logits vs tiled MLP vs both.
 
     python benchmarks/bench_long_context.py [--cap-mb 1200] [--variants plain,logits,mlp,both] [--start 2048]
-    python benchmarks/bench_long_context.py --curve 2048,4096,8192 [--variants plain,both]
+    python benchmarks/bench_long_context.py --curve 2048,4096,8192 [--variants plain,both] [--plot peak.svg]
 
 Model: a Llama from a config whose vocabulary is large beside its width, as real ones are (32,000
 tokens, hidden 256, intermediate 1024, 2 layers, 4 heads, 2 KV heads: 9.5M parameters of which
@@ -14,7 +14,9 @@ Each job is a fresh pair of processes running two full steps; its peak RSS per r
 Search: per variant, the sequence doubles from ``--start`` while the peak stays under the cap,
 then bisects (to a multiple of 256 tokens) between the last fit and the first miss. ``--curve``
 measures the listed lengths instead (peak against length) for each variant, in alternating order
-(A B A B) so a drifting machine affects all variants alike.
+(A B A B) so a drifting machine affects all variants alike; ``--plot`` draws them (SVG) beside the
+estimator's prediction: the job's RSS after ``initialize`` plus the gradients and AdamW's states
+(12 bytes per parameter in fp32) plus ``slipstream.estimator.activation_bytes`` for the variant.
 """
 
 from __future__ import annotations
@@ -74,7 +76,11 @@ def _worker(rank: int, variant: str, seq: int, stage: int, port: int, out: str) 
     dist.all_gather_object(peaks, (peak_rss_mb(), after_init))
     engine.destroy()
     if rank == 0:
-        Path(f"{out}.{rank}").write_text(json.dumps({"peak": max(p for p, _ in peaks), "init": max(i for _, i in peaks), "step": times[-1], "loss": float(loss.detach())}))
+        params = sum(p.numel() for p in model.parameters())
+        Path(f"{out}.{rank}").write_text(json.dumps({
+            "peak": max(p for p, _ in peaks), "init": max(i for _, i in peaks), "step": times[-1], "loss": float(loss.detach()),
+            "params": params,
+        }))  # fmt: skip
 
 
 def measure(variant: str, seq: int, stage: int) -> dict:
@@ -113,6 +119,31 @@ def longest(variant: str, cap: float, start: int, stage: int) -> tuple[int, int]
     return fit, miss
 
 
+def predicted(row: dict, variant: str, seq: int) -> float:
+    """The estimate of a job's peak RSS per rank (MB), see the module docstring."""
+    from slipstream.estimator import ModelShape, Tiling, activation_bytes
+
+    shape = ModelShape(row["params"], layers=2, hidden=256, heads=4, vocab=VOCAB, intermediate=1024)
+    section = VARIANTS[variant]
+    tiling = Tiling(
+        section["tiled_logits"]["tile_tokens"] if "tiled_logits" in section else None,
+        section["tiled_mlp"]["tile_tokens"] if "tiled_mlp" in section else None, seq_shards=2,
+    )  # fmt: skip
+    acts = activation_bytes(shape, seq, 1, "fp32", checkpointing=True, flash=True, tiling=tiling) or 0.0
+    return row["init"] + (12 * row["params"] + acts) / 2**20
+
+
+def plot(rows: dict, variants: list[str], lengths: list[int], path: str, stage: int) -> None:
+    from benchmarks.svg_plot import COLORS, Series, line_plot
+
+    series = []
+    for color, v in zip(COLORS, variants):
+        series.append(Series(f"{v} measured", lengths, [rows[(v, n)]["peak"] for n in lengths], color))
+        series.append(Series(f"{v} estimated", lengths, [predicted(rows[(v, n)], v, n) for n in lengths], color, dashed=True))
+    line_plot(series, path, f"Peak RSS per rank, Ulysses 2 on 2 ranks, ZeRO {stage}, fp32, checkpointed blocks", "sequence length (tokens)", "MB per rank")
+    print(f"plot: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cap-mb", type=float, default=1200.0)
@@ -120,6 +151,7 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=2048)
     parser.add_argument("--stage", type=int, default=0)
     parser.add_argument("--curve", default="", help="comma-separated lengths: measure these instead of searching")
+    parser.add_argument("--plot", default="", help="with --curve: an SVG of peak RSS against length beside the estimate")
     args = parser.parse_args()
     variants = args.variants.split(",")
     if args.curve:
@@ -129,6 +161,12 @@ def main() -> None:
         print(f"{'tokens':>8}" + "".join(f"{v:>10}" for v in variants))
         for n in lengths:
             print(f"{n:>8}" + "".join(f"{rows[(v, n)]['peak']:>10.0f}" for v in variants))
+        print("estimated (MB): RSS after initialize + gradients and AdamW states + the estimator's activations")
+        print(f"{'tokens':>8}" + "".join(f"{v:>10}" for v in variants))
+        for n in lengths:
+            print(f"{n:>8}" + "".join(f"{predicted(rows[(v, n)], v, n):>10.0f}" for v in variants))
+        if args.plot:
+            plot(rows, variants, lengths, args.plot, args.stage)
         return
     found = {}
     for variant in variants:
