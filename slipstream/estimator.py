@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -63,6 +64,11 @@ class Tiling:
     logits_tile: int | None = None
     mlp_tile: int | None = None
     seq_shards: int = 1  # Ulysses × ring ranks the sequence is cut over
+
+    def variants(self) -> dict[str, Tiling]:
+        """Untiled, each tiling and both, over the same shards (tiles of this size, else 2048)."""
+        logits, mlp, u = self.logits_tile or 2048, self.mlp_tile or 2048, self.seq_shards
+        return {"untiled": Tiling(None, None, u), "tiled logits": Tiling(logits, None, u), "tiled MLP": Tiling(None, mlp, u), "both": Tiling(logits, mlp, u)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,16 +122,8 @@ class Estimate:
         """Activations with and without each of ``long_context``'s tilings (tiles of the given size, else 2048)."""
         if not (self.seq_len and self.shape.vocab and self.shape.layers and self.shape.hidden):
             return None
-        t = self.tiling
-        logits, mlp = t.logits_tile or 2048, t.mlp_tile or 2048
-        variants = {
-            "untiled": Tiling(None, None, t.seq_shards), "tiled logits": Tiling(logits, None, t.seq_shards),
-            "tiled MLP": Tiling(None, mlp, t.seq_shards), "both": Tiling(logits, mlp, t.seq_shards),
-        }  # fmt: skip
-        parts = [
-            f"{name} {_gb(activation_bytes(self.shape, self.seq_len, self.micro_batch, self.precision, self.activation_checkpointing, self.flash, v) or 0.0)}"
-            for name, v in variants.items()
-        ]  # fmt: skip
+        act = functools.partial(activation_bytes, self.shape, self.seq_len, self.micro_batch, self.precision, self.activation_checkpointing, self.flash)
+        parts = [f"{name} {_gb(act(tiling=v) or 0.0)}" for name, v in self.tiling.variants().items()]
         return f"activations by long_context tiling (GB per device): {', '.join(parts)}"
 
     def table(self) -> str:
@@ -571,11 +569,7 @@ def max_sequence_table(result: Estimate, device_memory: float) -> str:
     """``--max-seq``: per stage, the longest sequence whose activations fit beside the model states in ``HEADROOM``
     of ``device_memory``, untiled and with each tiling (the given tile sizes, else 2048)."""
     t = result.tiling
-    logits, mlp = t.logits_tile or 2048, t.mlp_tile or 2048
-    variants = {
-        "untiled": Tiling(None, None, t.seq_shards), "tiled logits": Tiling(logits, None, t.seq_shards),
-        "tiled MLP": Tiling(None, mlp, t.seq_shards), "both": Tiling(logits, mlp, t.seq_shards),
-    }  # fmt: skip
+    variants = t.variants()
     lines = [
         f"longest sequence in {HEADROOM:.0%} of {_gb(device_memory)} GB per device: {_count(result.shape.params)} parameters, "
         f"micro-batch {result.micro_batch}, {result.precision}, sequence over {t.seq_shards} rank(s)"
