@@ -166,7 +166,7 @@ class FileOffload:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < self.min_bytes or tensor.layout != torch.strided:
+        if nbytes == 0 or nbytes < self.min_bytes or tensor.layout != torch.strided:
             return tensor
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         path = self.directory / f"{next(self._names)}.bin"
