@@ -7,7 +7,9 @@ Model: a Llama from a config whose vocabulary is large beside its width, as real
 tokens, hidden 256, intermediate 1024, 2 layers, 4 heads, 2 KV heads: 9.5M parameters of which
 8.2M in the embedding and head), fp32, AdamW, one row of ``seq`` tokens, Ulysses
 (``sequence_parallel_size`` 2) on 2 ranks (gloo, one thread each), ZeRO ``--stage`` (default 0).
-Each job is a fresh pair of processes running two full steps; its peak RSS per rank
+Variants: ``plain``, ``logits`` (tiled logits), ``mlp`` (tiled MLP), ``both``, and ``all`` (both, and
+the checkpointed inputs in files: ``activation_checkpointing.offload_path``); ``--layers`` sets the
+depth (the checkpointed inputs grow with it). Each job is a fresh pair of processes running two full steps; its peak RSS per rank
 (``ru_maxrss``, the larger rank's) is the high-water mark of the whole job, RSS after
 ``initialize`` is reported beside it.
 
@@ -39,9 +41,12 @@ VARIANTS = {
     "mlp": {"tiled_mlp": {"enabled": True, "tile_tokens": TILE}},
     "both": {"tiled_logits": {"enabled": True, "tile_tokens": TILE}, "tiled_mlp": {"enabled": True, "tile_tokens": TILE}},
 }
+# "all": both tilings, and the checkpointed inputs in files (activation_checkpointing.offload_path)
+VARIANTS["all"] = VARIANTS["both"]
+OFFLOADED = {"all"}
 
 
-def _worker(rank: int, variant: str, seq: int, stage: int, port: int, out: str) -> None:
+def _worker(rank: int, variant: str, seq: int, stage: int, layers: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -53,7 +58,7 @@ def _worker(rank: int, variant: str, seq: int, stage: int, port: int, out: str) 
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=seq, attn_implementation="sdpa",
     ))  # fmt: skip
     engine = slipstream.initialize(model, {
@@ -61,7 +66,9 @@ def _worker(rank: int, variant: str, seq: int, stage: int, port: int, out: str) 
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "sequence_parallel_size": 2,
         "zero_optimization": {"stage": stage}, "long_context": VARIANTS[variant],
         # every variant checkpoints its blocks, as long-context training does: what is left is the head and the MLPs
-        "activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]},
+        "activation_checkpointing": {
+            "module_classes": ["LlamaDecoderLayer"], "offload_path": str(Path(out).parent / "activations") if variant in OFFLOADED else None,
+        },
     })  # fmt: skip
     after_init = current_rss_mb()
     ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
@@ -79,14 +86,14 @@ def _worker(rank: int, variant: str, seq: int, stage: int, port: int, out: str) 
         params = sum(p.numel() for p in model.parameters())
         Path(f"{out}.{rank}").write_text(json.dumps({
             "peak": max(p for p, _ in peaks), "init": max(i for _, i in peaks), "step": times[-1], "loss": float(loss.detach()),
-            "params": params,
+            "params": params, "layers": layers,
         }))  # fmt: skip
 
 
-def measure(variant: str, seq: int, stage: int) -> dict:
+def measure(variant: str, seq: int, stage: int, layers: int = 2) -> dict:
     for attempt in range(2):  # a job whose rank dies (a port taken between choosing and binding it) runs once more
         try:
-            found = spawn_ranks(_worker, variant, seq, stage)
+            found = spawn_ranks(_worker, variant, seq, stage, layers)
         except Exception as err:  # noqa: BLE001 - the job's own failure, reported and retried once
             print(f"  {variant} at {seq} tokens: job failed ({type(err).__name__}: {err}); attempt {attempt + 1} of 2", flush=True)
             found = []
@@ -99,12 +106,12 @@ def measure(variant: str, seq: int, stage: int) -> dict:
     return result
 
 
-def longest(variant: str, cap: float, start: int, stage: int) -> tuple[int, int]:
+def longest(variant: str, cap: float, start: int, stage: int, layers: int) -> tuple[int, int]:
     """(longest fitting length, first length found not to fit) under ``cap`` MB."""
     fit, miss = 0, 0
     seq = start
     while miss == 0:
-        if measure(variant, seq, stage)["peak"] <= cap:
+        if measure(variant, seq, stage, layers)["peak"] <= cap:
             fit, seq = seq, seq * 2
         else:
             miss = seq
@@ -112,7 +119,7 @@ def longest(variant: str, cap: float, start: int, stage: int) -> tuple[int, int]
         return 0, miss
     while miss - fit > 256 * max(1, fit // 4096):
         mid = (fit + miss) // 2 // 256 * 256
-        if measure(variant, mid, stage)["peak"] <= cap:
+        if measure(variant, mid, stage, layers)["peak"] <= cap:
             fit = mid
         else:
             miss = mid
@@ -123,7 +130,7 @@ def predicted(row: dict, variant: str, seq: int) -> float:
     """The estimate of a job's peak RSS per rank (MB), see the module docstring."""
     from slipstream.estimator import ModelShape, Tiling, activation_bytes
 
-    shape = ModelShape(row["params"], layers=2, hidden=256, heads=4, vocab=VOCAB, intermediate=1024)
+    shape = ModelShape(row["params"], layers=row.get("layers", 2), hidden=256, heads=4, vocab=VOCAB, intermediate=1024)
     section = VARIANTS[variant]
     tiling = Tiling(
         section["tiled_logits"]["tile_tokens"] if "tiled_logits" in section else None,
@@ -150,13 +157,14 @@ def main() -> None:
     parser.add_argument("--variants", default="plain,logits,mlp,both")
     parser.add_argument("--start", type=int, default=2048)
     parser.add_argument("--stage", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (more: more checkpointed inputs per token)")
     parser.add_argument("--curve", default="", help="comma-separated lengths: measure these instead of searching")
     parser.add_argument("--plot", default="", help="with --curve: an SVG of peak RSS against length beside the estimate")
     args = parser.parse_args()
     variants = args.variants.split(",")
     if args.curve:
         lengths = [int(x) for x in args.curve.split(",")]
-        rows = {(v, n): measure(v, n, args.stage) for n in lengths for v in variants}
+        rows = {(v, n): measure(v, n, args.stage, args.layers) for n in lengths for v in variants}
         print(f"\npeak RSS per rank (MB) against sequence length, Ulysses 2, ZeRO {args.stage}")
         print(f"{'tokens':>8}" + "".join(f"{v:>10}" for v in variants))
         for n in lengths:
@@ -171,9 +179,9 @@ def main() -> None:
     found = {}
     for variant in variants:
         print(f"{variant}: searching under {args.cap_mb:.0f} MB per rank", flush=True)
-        found[variant] = longest(variant, args.cap_mb, args.start, args.stage)
+        found[variant] = longest(variant, args.cap_mb, args.start, args.stage, args.layers)
     base = found.get("plain", (0, 0))[0]
-    print(f"\nlongest sequence under {args.cap_mb:.0f} MB peak RSS per rank (Ulysses 2 on 2 ranks, ZeRO {args.stage}, tiles of {TILE} tokens)")
+    print(f"\nlongest sequence under {args.cap_mb:.0f} MB peak RSS per rank (Ulysses 2 on 2 ranks, ZeRO {args.stage}, {args.layers} layers, tiles of {TILE} tokens)")
     print(f"{'variant':<10}{'fits':>10}{'first miss':>12}{'vs plain':>10}")
     for variant, (fit, miss) in found.items():
         ratio = f"{fit / base:.2f}x" if base else ""
