@@ -1,8 +1,9 @@
 """The long-context tilings in one process: tiled logits + loss and tiled MLPs against the untiled model.
 
 Every comparison is the same model (a deep copy) run untiled and tiled on the same batch: the loss
-within 1e-6 relative and each gradient within 1e-5 of its own scale (the tiles only change the
-summation order), which a dropped tile, a wrong shift or a twice-counted gradient cannot meet.
+within 1e-5 relative and each gradient within 1e-4 of its tensor's largest (measured on this
+machine: at most 9e-8 and 7e-7 — the tiles only change the summation order), which a dropped tile,
+a wrong shift or a twice-counted gradient (1e-3 and more) cannot meet.
 """
 
 from __future__ import annotations
@@ -92,12 +93,12 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _assert_same(plain: torch.nn.Module, tiled: torch.nn.Module, loss_a: torch.Tensor, loss_b: torch.Tensor) -> None:
     a_value, b_value = float(loss_a.detach()), float(loss_b.detach())
-    assert abs(a_value - b_value) <= 1e-6 * abs(a_value), (a_value, b_value)
+    assert abs(a_value - b_value) <= 1e-5 * abs(a_value), (a_value, b_value)
     a, b = _grads(plain), _grads(tiled)
     assert a.keys() == b.keys()
     for name in a:
         scale = float(a[name].abs().max())
-        assert float((a[name] - b[name]).abs().max()) <= 1e-5 * scale + 1e-12, name
+        assert float((a[name] - b[name]).abs().max()) <= 1e-4 * scale + 1e-12, name
 
 
 def _pair(build: Callable[[], torch.nn.Module], tile: int = 9) -> tuple[torch.nn.Module, torch.nn.Module, TiledLogits]:
