@@ -117,12 +117,8 @@ def checkpoint(
     extra: dict[str, Any] = {} if reentrant else {"context_fn": _context_fn}
     if reentrant and kwargs:  # torch's reentrant variant takes positional inputs only
         function, kwargs = functools.partial(function, **kwargs), {}
-    if _defaults.offload_path is not None:
-        where = _offload(_defaults.offload_path)
-        hooks: contextlib.AbstractContextManager[Any] = torch.autograd.graph.saved_tensors_hooks(where.pack, where.unpack)
-    else:
-        hooks = offload_saved_tensors() if offload else contextlib.nullcontext()
-    with hooks:
+    path = _defaults.offload_path
+    with offload_saved_tensors(path) if offload or path is not None else contextlib.nullcontext():
         out = torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=reentrant, **extra, **kwargs)
     if _defaults.synchronize_checkpoint_boundary:
         from slipstream.accelerator import get_accelerator
@@ -134,13 +130,14 @@ def checkpoint(
 # --------------------------------------------------------------------------- host offload
 
 
-def offload_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:
-    """Saved tensors on an accelerator go to pinned host memory, and come back (the next one ahead) when unpacked.
+def offload_saved_tensors(path: str | None = None) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved tensors on an accelerator go to pinned host memory, and come back (the next one ahead) when unpacked;
+    with ``path``, each saved tensor of 64 KiB or more goes to a file in that directory instead.
 
-    Tensors already on the CPU are kept as they are (see [Note: cpu_checkpointing]).
+    Tensors already on the CPU are kept as they are by the host offload (see [Note: cpu_checkpointing]).
     """
-    host = _offload(None)
-    return torch.autograd.graph.saved_tensors_hooks(host.pack, host.unpack)
+    where = _offload(path)
+    return torch.autograd.graph.saved_tensors_hooks(where.pack, where.unpack)
 
 
 # --------------------------------------------------------------------------- modules by class

@@ -30,7 +30,7 @@ class ParallelOptions:
     tensor: TensorOptions | None
     sequence: SequenceOptions | None
     activations: ActivationOptions
-    tiling: TilingOptions | None = None
+    tiling: TilingOptions | None
 
     @classmethod
     def from_config(

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from slipstream.engine.parallel.tiling.tiles import call_with, tiled
+from slipstream.engine.parallel.tiling.tiles import call_with, replace_forward, tiled
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -157,9 +157,8 @@ class TiledLogits:
         self.names = [n for n, _ in head.named_parameters()]
         self._armed = False
         self._warned = False
-        self._own_forward = head.__dict__.get("forward")  # an instance-level forward someone set before us
-        self._head_forward = self._own_forward if self._own_forward is not None else type(head).forward.__get__(head)
-        head.forward = self._deferring_forward
+        self._head_forward = head.forward  # its own (or an instance-level one someone set before us)
+        self._restore_head = replace_forward(head, self._deferring_forward)
         # transformers keeps a set loss_function in ``_loss_function`` (a property); a plain module in the attribute
         self._own_loss = {k: model.__dict__[k] for k in ("loss_function", "_loss_function") if k in model.__dict__}
         loss = model.loss_function
@@ -248,10 +247,7 @@ class TiledLogits:
         """The head's and the loss's own back."""
         for hook in self._hooks:
             hook.remove()
-        if self._own_forward is not None:
-            self.head.forward = self._own_forward
-        else:
-            self.head.__dict__.pop("forward", None)
+        self._restore_head()
         for key in ("loss_function", "_loss_function"):
             self.model.__dict__.pop(key, None)
         self.model.__dict__.update(self._own_loss)

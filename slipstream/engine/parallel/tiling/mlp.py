@@ -23,7 +23,7 @@ import torch
 
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import find_blocks
-from slipstream.engine.parallel.tiling.tiles import call_with, tiled
+from slipstream.engine.parallel.tiling.tiles import call_with, replace_forward, tiled
 
 _PROBE_ROWS, _PROBE_TOKENS, _PROBE_TILE = 2, 6, 4
 
@@ -76,8 +76,11 @@ def _hidden_size(model: torch.nn.Module, module: torch.nn.Module) -> int | None:
     return first.in_features if first is not None else None
 
 
-def token_wise(module: torch.nn.Module, hidden: int) -> bool:
-    """Whether ``module`` computes each token from that token alone: whole equals tiled on random tokens (eval mode)."""
+def token_wise(module: torch.nn.Module, hidden: int | None) -> bool:
+    """Whether ``module`` computes each token from that token alone: whole equals tiled on random tokens (eval mode);
+    False when its input width (``hidden``) is unknown."""
+    if hidden is None:
+        return False
     param = next(module.parameters())
     # the same tokens on every rank: a tensor-parallel MLP's collectives see consistent shapes and values
     x = torch.randn(_PROBE_ROWS, _PROBE_TOKENS, hidden, generator=torch.Generator().manual_seed(0)).to(param.device, param.dtype)
@@ -106,12 +109,7 @@ class TiledMLP:
     def __init__(self, modules: Sequence[tuple[str, torch.nn.Module]], tile_tokens: int) -> None:
         self.tile = tile_tokens
         self.names = [name for name, _ in modules]
-        self._modules: list[tuple[torch.nn.Module, Any]] = []
-        for _, module in modules:
-            own = module.__dict__.get("forward")
-            forward = own if own is not None else type(module).forward.__get__(module)
-            module.forward = self._tiling(module, forward)
-            self._modules.append((module, own))
+        self._undo = [replace_forward(module, self._tiling(module, module.forward)) for _, module in modules]
 
     def _tiling(self, module: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         names = [n for n, _ in module.named_parameters()]
@@ -131,11 +129,8 @@ class TiledMLP:
 
     def close(self) -> None:
         """Each module's own forward back."""
-        for module, own in self._modules:
-            if own is not None:
-                module.forward = own
-            else:
-                module.__dict__.pop("forward", None)
+        for undo in self._undo:
+            undo()
 
 
 def tile_mlps(model: torch.nn.Module, classes: Sequence[str] | None, tile_tokens: int, probe: bool) -> TiledMLP:
@@ -144,8 +139,7 @@ def tile_mlps(model: torch.nn.Module, classes: Sequence[str] | None, tile_tokens
     found = candidates(model, classes)
     kept = []
     for name, module in found:
-        hidden = _hidden_size(model, module)
-        if probe and (hidden is None or not token_wise(module, hidden)):
+        if probe and not token_wise(module, _hidden_size(model, module)):
             if classes:
                 raise ConfigError(
                     f"long_context.tiled_mlp.module_classes: {type(module).__name__} ({name}) does not compute each token from "

@@ -31,6 +31,21 @@ from torch.nn.utils.stateless import _reparametrize_module
 TileFn = Callable[[int, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
 
 
+def replace_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:
+    """Set ``module.forward`` on the instance; returns the undo, which puts back what was there (an instance-level
+    forward someone set before us, or the class's)."""
+    own = module.__dict__.get("forward")
+    module.forward = forward
+
+    def undo() -> None:
+        if own is not None:
+            module.forward = own
+        else:
+            module.__dict__.pop("forward", None)
+
+    return undo
+
+
 def call_with(module: torch.nn.Module, forward: Callable[..., Any], names: Sequence[str], params: Sequence[torch.Tensor], *args: Any) -> Any:
     """``forward(*args)`` with ``module``'s parameters ``names`` replaced by ``params`` for the call."""
     with _reparametrize_module(module, dict(zip(names, params)), tie_weights=True):
