@@ -183,9 +183,17 @@ def apply_activation_checkpointing(
 def remove_activation_checkpointing(model: torch.nn.Module) -> None:
     """Undo :func:`apply_activation_checkpointing`: every module runs its own forward again."""
     for module in model.modules():
-        if getattr(module, _WRAPPED, None) is not None:
-            del module.forward
-            delattr(module, _WRAPPED)
+        if _WRAPPED in module.__dict__:
+            _unwrap(module)
+
+
+def _unwrap(module: torch.nn.Module) -> None:
+    """The forward the module had before :func:`_wrap`: its class's, or what was on the instance (a compiled one)."""
+    previous = module.__dict__.pop(_WRAPPED)
+    if previous is None:
+        del module.forward
+    else:
+        module.forward = previous
 
 
 # [Note: no cache under recomputation] A layer that writes a key/value cache in its forward would
@@ -202,7 +210,7 @@ def _is_cache(value: Any) -> bool:
     return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
-def _without_caches(signature: inspect.Signature | None, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+def without_caches(signature: inspect.Signature | None, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """The call's arguments with every cache argument set to its no-cache value."""
     if signature is not None:
         try:
@@ -213,9 +221,9 @@ def _without_caches(signature: inspect.Signature | None, args: tuple, kwargs: di
             for name, value in list(bound.arguments.items()):
                 kind = signature.parameters[name].kind
                 if kind is inspect.Parameter.VAR_KEYWORD:
-                    bound.arguments[name] = _without_caches(None, (), value)[1]
+                    bound.arguments[name] = without_caches(None, (), value)[1]
                 elif kind is inspect.Parameter.VAR_POSITIONAL:
-                    bound.arguments[name] = _without_caches(None, value, {})[0]
+                    bound.arguments[name] = without_caches(None, value, {})[0]
                 elif name in _CACHE_ARGUMENTS and value not in (None, False):
                     bound.arguments[name] = _CACHE_ARGUMENTS[name]
                 elif _is_cache(value):
@@ -230,8 +238,9 @@ def _without_caches(signature: inspect.Signature | None, args: tuple, kwargs: di
 
 
 def _wrap(module: torch.nn.Module, cpu_checkpointing: bool | None) -> None:
-    if getattr(module, _WRAPPED, None) is not None:
-        del module.forward  # wrapped by an earlier initialize(): wrap the class's forward afresh
+    if _WRAPPED in module.__dict__:
+        _unwrap(module)  # wrapped before: wrap what it had then afresh
+    previous = module.__dict__.get("forward")
     original = module.forward
     try:
         signature: inspect.Signature | None = inspect.signature(original)
@@ -241,8 +250,8 @@ def _wrap(module: torch.nn.Module, cpu_checkpointing: bool | None) -> None:
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():  # see [Note: no cache under recomputation]
-            args, kwargs = _without_caches(signature, args, kwargs)
+            args, kwargs = without_caches(signature, args, kwargs)
         return checkpoint(original, *args, cpu_checkpointing=cpu_checkpointing, **kwargs)
 
     module.forward = forward
-    setattr(module, _WRAPPED, original)
+    module.__dict__[_WRAPPED] = previous

@@ -29,6 +29,7 @@ from slipstream.engine.no_optimizer import MISSING_OPTIMIZER, NoOptimizer
 from slipstream.engine.optimizer_step import OptimizerStep
 from slipstream.engine.parallel.calls import call_model
 from slipstream.engine.parallel.mesh import Mesh
+from slipstream.engine.parallel.compiling import CompileOptions
 from slipstream.engine.parallel.parallelize import Parallelized
 from slipstream.engine.parallel.pipeline import Pipeline
 from slipstream.engine.precision import DTYPES, LossScaler
@@ -195,7 +196,23 @@ class Engine(SavesWeights, torch.nn.Module):
             lr=lrs[0] if lrs else None, grad_norm=self._global_grad_norm, loss_scale=self.loss_scale(),
             dynamic_loss_scale=self.loss_scaler.dynamic,
             expert_tokens=self.parallel.expert_tokens(),
+            compile=self.parallel.compiled.on_step() if self.parallel.compiled is not None else None,
         ))  # fmt: skip
+
+    def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None, module_classes: list[str] | None = None) -> None:
+        """``torch.compile`` each repeated block now (DeepSpeed's ``engine.compile``), as the ``compile`` section does
+        at ``initialize``: the engine's hooks stay outside the graphs (parallel/compiling.py). Unset arguments take
+        the section's values; a second call recompiles with the new ones. :class:`ConfigError` on a bad backend."""
+        section = self.config.compile
+        options = CompileOptions.build(
+            backend or section.backend, section.kwargs if compile_kwargs is None else compile_kwargs,
+            tuple(section.module_classes or ()) if module_classes is None else tuple(module_classes), self.module, "engine.compile",
+        )  # fmt: skip
+        self.parallel.compile(options)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.parallel.compiled is not None
 
     # ------------------------------------------------------------------ accessors
     def is_gradient_accumulation_boundary(self) -> bool:

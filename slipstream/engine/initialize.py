@@ -51,10 +51,11 @@ def initialize(
     model on its device → mesh → ``parallelize`` → the ZeRO strategy over what remains → the step
     runner of the mode → Engine. Each step reads only the options and what the steps before it made.
     """
+    model, compiled_before = _uncompiled(model)
     previous = engine_of(model)
     if previous is not None:  # a model loaded into ZeRO-3 shards keeps them (Engine.close)
         previous.close(for_new_engine=True)
-    options = engine_options(model, config, optimizer, lr_scheduler, inference)  # 1. options: every check, nothing built
+    options = engine_options(model, config, optimizer, lr_scheduler, inference, compiled_before)  # 1. options: every check, nothing built
     accelerator = get_accelerator()
     cfg = options.config
     groups = list(model_parameters) if model_parameters is not None else None  # on the parameters as they are now
@@ -77,6 +78,19 @@ def initialize(
         model, cfg, mesh, parallel, strategy, runner, monitor, build_loss_scaler(cfg.precision, cfg.fp16), accelerator,
         lr_scheduler=scheduler_for(cfg.scheduler, lr_scheduler, strategy.optimizer), training_dataloader=loader,
     )  # fmt: skip
+
+
+def _uncompiled(model: Any) -> tuple[Any, bool]:
+    """The module inside a ``torch.compile``d model, and whether it was compiled.
+
+    [Note: compiled before initialize] Compiling the whole model would trace the engine's hooks
+    (ZeRO-3's gathers, the pipeline's boundaries) into its graphs, and its parameters would be named
+    ``_orig_mod.*`` in every checkpoint. So the engine takes the module inside and compiles its
+    blocks itself, with the ``compile`` section's backend (parallel/compiling.py).
+    """
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod, True
+    return model, False
 
 
 def _place_model(model: torch.nn.Module, precision: str, accelerator: Accelerator) -> None:

@@ -51,14 +51,21 @@ class EngineOptions:
 
 
 def engine_options(
-    model: torch.nn.Module, config: ConfigSource, optimizer: OptimizerSource, lr_scheduler: Any, inference: bool
+    model: torch.nn.Module, config: ConfigSource, optimizer: OptimizerSource, lr_scheduler: Any, inference: bool,
+    compiled_before: bool = False,
 ) -> EngineOptions:  # fmt: skip
-    """Read and check everything; join the process group (the world size decides the mesh and the batch triad)."""
+    """Read and check everything; join the process group (the world size decides the mesh and the batch triad).
+
+    ``compiled_before``: the user passed a ``torch.compile``d model, so compiling is on (initialize's
+    [Note: compiled before initialize])."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = SlipstreamConfig.load(config, world_size=None)  # the triad needs the world size: below
     if cfg.log_level:
         get_logger().setLevel(cfg.log_level.upper())
+    if compiled_before and not cfg.compile.on:
+        cfg.compile.enabled = True
+        get_logger(__name__).info("compile: the model was compiled before initialize; slipstream compiles its blocks instead (backend %s)", cfg.compile.backend)
     # An explicit comms_timeout_seconds also re-times a process group the user created; the default does not.
     init_distributed(timeout=cfg.comms_timeout_seconds if "comms_timeout_seconds" in cfg.model_fields_set else None)
     world_size = dist.get_world_size()

@@ -24,7 +24,7 @@ logger = get_logger(__name__)
 IGNORED_SECTIONS = (
     "autotuning", "elasticity", "compression_training", "data_efficiency",
     "curriculum_learning", "progressive_layer_drop", "eigenvalue", "quantize_training", "nebula",
-    "hybrid_engine", "weight_quantization", "compile", "timers", "data_types",
+    "hybrid_engine", "weight_quantization", "timers", "data_types",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "dump_state",
     "sparse_gradients", "seq_parallel_communication_data_type", "graph_harvesting",
     "use_data_before_expert_parallelism", "disable_allgather",
@@ -80,6 +80,11 @@ NO_EFFECT: dict[str, str] = {
     **{f"tensor_parallel.{key}": _MESH for key in (
         "tp_overlap_comm", "preset_model", "keep_module_on_host",
         "replace_with_kernel_inject", "dtype", "tp", "injection_policy_tuple",
+    )},
+    **{f"compile.{key}": "DeepCompile's passes are not slipstream's: compile.deepcompile compiles each block (docs/compile.md)" for key in (
+        "free_activation", "free_activation_threshold", "offload_activation", "offload_opt_states", "offload_parameters",
+        "double_buffer", "symmetric_memory", "dump_graphs", "debug_log", "sync_before_reduce", "sync_after_reduce",
+        "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors",
     )},
     "pipeline.seed_layers": "stages are cut from the model as built; layers are not re-initialised per stage",
     "pipeline.activation_checkpoint_interval": "use the activation_checkpointing section; it applies to every stage",

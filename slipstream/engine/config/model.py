@@ -78,6 +78,7 @@ class SlipstreamConfig(Section):
     flops_profiler: sections.FlopsProfilerConfig = Field(default_factory=sections.FlopsProfilerConfig)
     comms_timeout_seconds: float = Field(1800.0, gt=0.0, le=MAX_TIMEOUT_S, description="a collective waiting longer is an error")
     long_context: sections.LongContextConfig = Field(default_factory=sections.LongContextConfig)
+    compile: sections.CompileConfig = Field(default_factory=sections.CompileConfig)
     twin_check: bool = Field(True, description="run the parallelized model next to its unparallelized twin at initialize (parallel/twin.py)")
     # The mesh (engine/parallel/mesh.py): world = pp · dp · cp · sp · tp.
     tensor_parallel: parallel.TensorParallelConfig = Field(default_factory=parallel.TensorParallelConfig)

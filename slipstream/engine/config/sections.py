@@ -97,6 +97,49 @@ class LongContextConfig(Section):
     tiled_mlp: TiledMLPConfig = Field(default_factory=TiledMLPConfig)
 
 
+class CompileConfig(Section):
+    """``compile``: ``torch.compile`` on each repeated block (parallel/compiling.py).
+
+    ``enabled``/``backend``/``kwargs`` are DeepSpeed's older keys (newer DeepSpeed takes them in
+    ``engine.compile(backend=..., compile_kwargs=...)``, which slipstream's engine has too);
+    ``deepcompile`` turns compiling on as well. DeepCompile's own passes are not slipstream's: its
+    knobs parse and are listed as having no effect (config/compat.py).
+    """
+
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to torch.compile: fullgraph, dynamic, mode, options")
+    module_classes: list[str] | None = Field(None, description="the classes to compile (default: the repeated blocks)")
+    deepcompile: bool = False
+    free_activation: bool = False
+    free_activation_threshold: int = 10 * 1024 * 1024
+    offload_activation: bool = False
+    offload_opt_states: bool = False
+    offload_parameters: bool = False
+    double_buffer: bool = True
+    symmetric_memory: bool = False
+    dump_graphs: bool = False
+    debug_log: bool = False
+    sync_before_reduce: bool = False
+    sync_after_reduce: bool = False
+    sync_before_allgather: bool = False
+    sync_after_allgather: bool = False
+    keep_int_input_tensors: bool = True
+    keep_all_input_tensors: bool = False
+
+    @property
+    def on(self) -> bool:
+        return self.enabled or self.deepcompile
+
+    @field_validator("kwargs")
+    @classmethod
+    def _known_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - {"fullgraph", "dynamic", "mode", "options"})
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a torch.compile argument (fullgraph, dynamic, mode, options)")
+        return value
+
+
 class AioConfig(Section):
     block_size: int = Field(1_048_576, ge=4096)
     queue_depth: int = Field(8, ge=1)

@@ -198,6 +198,8 @@ class TrainingMonitor:
                 metrics[f"expert_tokens/layer{layer}/expert{expert}"] = float(n)
             mean = sum(counts) / len(counts) if counts else 0.0
             metrics[f"expert_balance/layer{layer}"] = max(counts) / mean if mean else math.nan
+        for name, value in (step.compile or {}).items():  # cumulative: a rise in graph_breaks or recompiles is news
+            metrics[f"compile/{name}"] = value
         if self._bubble is not None:
             measured, predicted = self._bubble
             if measured is not None:
@@ -244,6 +246,9 @@ class TrainingMonitor:
             if self.peak_tflops and self._recompute:
                 parts.append(f"HFU {tflops / self.peak_tflops * (3 + self._recompute) / 3:.1%}")
         parts.append(f"peak mem {self.accelerator.max_memory_allocated() / 2**20:.0f} MB")
+        if step.compile:
+            c = step.compile
+            parts.append(f"compiled {c['graphs']:.0f} graphs ({c['graph_breaks']:.0f} breaks, {c['recompiles']:.0f} recompiles) in {c['seconds']:.1f} s")
         if w.timers:
             parts.append("time/step " + " ".join(f"{n} {s / w.steps * 1e3:.1f}" for n, s in w.timers.items()) + " ms")
         if comms_log.last:

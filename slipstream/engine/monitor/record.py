@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,3 +19,5 @@ class StepRecord:
     dynamic_loss_scale: bool
     # per MoE layer, the choices this rank's tokens made of each expert over the step (expert parallel)
     expert_tokens: tuple[tuple[int, ...], ...] = ()
+    # the compiled blocks' counts so far (graphs, graph_breaks, recompiles, seconds); None: nothing compiled
+    compile: Mapping[str, float] | None = None

@@ -1,7 +1,7 @@
 """Every parallelism's options, built from the config once, before anything is built.
 
 Each parallelism owns a frozen options class next to its code (``pipeline/options.py``,
-``expert/options.py``, ``tensor/options.py``, ``sequence/options.py``, ``activations.py``, ``tiling/``) whose
+``expert/options.py``, ``tensor/options.py``, ``sequence/options.py``, ``activations.py``, ``tiling/``, ``compiling.py``) whose
 ``from_config`` raises :class:`ConfigError` naming the key itself; this record only gathers them.
 """
 
@@ -13,6 +13,7 @@ import torch
 
 from slipstream.engine.config import MeshSizes, SlipstreamConfig
 from slipstream.engine.parallel.activations import ActivationOptions
+from slipstream.engine.parallel.compiling import CompileOptions
 from slipstream.engine.parallel.expert.options import ExpertOptions
 from slipstream.engine.parallel.pipeline.options import PipelineOptions
 from slipstream.engine.parallel.sequence.options import SequenceOptions
@@ -31,6 +32,7 @@ class ParallelOptions:
     sequence: SequenceOptions | None
     activations: ActivationOptions
     tiling: TilingOptions | None
+    compile: CompileOptions | None
 
     @classmethod
     def from_config(
@@ -45,4 +47,5 @@ class ParallelOptions:
             experts=ExpertOptions.from_config(sizes, optimizer_built),
             activations=ActivationOptions.from_config(cfg, model, device_type),
             tiling=TilingOptions.from_config(cfg, sizes, model, presharded),
+            compile=CompileOptions.from_config(cfg, model),
         )

@@ -7,7 +7,8 @@ swaps leaves inside the blocks that remain, after which the pipeline finds its t
 5. a dropout stream per pipeline stage and sequence shard (``rng.py``, after tp synced its ranks');
 6. Ulysses / ring attention and the engine's input sharding; 7. the long-context tilings (the LM
 head + loss and the MLPs over token tiles, ``tiling/``) on the modules as they now are;
-8. activation checkpointing on the blocks as they now are. Each step is ``(model, mesh, options) -> part | None`` and reads only what
+8. ``torch.compile`` on each block's forward as it now is (``compiling.py``); 9. activation
+checkpointing on the blocks as they now are, around their compiled forwards. Each step is ``(model, mesh, options) -> part | None`` and reads only what
 the steps before it left; the twin checks run inside the steps that cut the model.
 """
 
@@ -19,8 +20,10 @@ from typing import Any
 
 import torch
 
+from slipstream.checkpointing import remove_activation_checkpointing
 from slipstream.engine.config.base import ConfigError
 from slipstream.engine.parallel.activations import checkpoint_activations
+from slipstream.engine.parallel.compiling import CompiledBlocks, CompileOptions, compile_blocks
 from slipstream.engine.parallel.expert import ExpertPlan, parallelize_experts
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.options import ParallelOptions
@@ -44,6 +47,9 @@ class Parallelized:
     sequence: Sharder | None
     tiling: Tiling | None
     original_names: Mapping[int, str]  # id of each parameter before any cut -> its name
+    mesh: Mesh
+    options: ParallelOptions
+    compiled: CompiledBlocks | None = None
 
     @property
     def spread(self) -> bool:
@@ -88,9 +94,21 @@ class Parallelized:
         """Per experts module, the tokens each local expert received since the last call (for the step record)."""
         return self.experts.token_counts() if self.experts is not None else ()
 
+    def compile(self, options: CompileOptions) -> CompiledBlocks | None:
+        """Compile the blocks now (``engine.compile``): checkpointing comes off and goes back on around the
+        compiled forwards, the order ``parallelize`` gives them. A second call recompiles with ``options``."""
+        remove_activation_checkpointing(self.model)
+        if self.compiled is not None:
+            self.compiled.close()
+        self.compiled = compile_blocks(self.model, options)
+        checkpoint_activations(self.model, self.mesh, self.options.activations)
+        return self.compiled
+
     def close(self) -> None:
-        """Every part's hooks off; the model's own attention back. The cut itself stays."""
-        for part in (self.tiling, self.sequence, self.pipeline, self.tensor, self.experts):
+        """Every part's hooks off; the model's own attention and forwards back (checkpointing first, the last
+        applied). The cut itself stays."""
+        remove_activation_checkpointing(self.model)
+        for part in (self.compiled, self.tiling, self.sequence, self.pipeline, self.tensor, self.experts):
             if part is not None:
                 part.close()
 
@@ -107,8 +125,9 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, options: ParallelOptions) ->
     separate_slices(*(mesh.rank_of(axis) for axis in ("pp", "cp", "sp")))
     sequence = parallelize_attention(model, mesh, options.sequence, pipeline, experts)
     tiling = parallelize_tiling(model, mesh, options.tiling)
+    compiled = compile_blocks(model, options.compile)
     checkpoint_activations(model, mesh, options.activations)
-    return Parallelized(model, pipeline, experts, tensor, sequence, tiling, original)
+    return Parallelized(model, pipeline, experts, tensor, sequence, tiling, original, mesh, options, compiled)
 
 
 def _remap(params: list[Any], original: Mapping[int, str], model: torch.nn.Module) -> list[Any]:

@@ -1,0 +1,193 @@
+"""``compile``: ``torch.compile`` on each repeated block this rank runs, with the engine's hooks outside the graphs.
+
+[Note: what is compiled] torchtitan's shape: each block (``anatomy.find_blocks``, or the classes in
+``compile.module_classes``) gets its ``forward`` replaced on the instance by a compiled one. Only
+the forward *body* is compiled, not ``Module.__call__``: the module hooks every parallelism hangs
+on a block (ZeRO-3's gather and release, the pipeline's stage boundary, tensor parallel's sequence
+region, the twin check's recorders) run eagerly around the compiled graph, so dynamo never traces
+a collective, a storage resize or a Python-side counter. Gradients leave a compiled graph through
+ordinary ``AccumulateGrad`` nodes, so stages 0-2's post-accumulate hooks fire as in eager. One
+compiled code object serves every block of a class: the blocks differ only in their parameters,
+which dynamo lifts to graph inputs, so twenty-four layers are one graph, not twenty-four.
+
+[Note: caches recompile] A decoder layer handed a key/value cache writes its layer's slot, and
+dynamo guards on which slots exist: every layer, and every step, would be a new graph (and past
+``recompile_limit`` dynamo silently runs the rest eagerly). Training never reads the cache, so a
+compiled block gets none while gradients are on, as a checkpointed one does
+(``checkpointing.without_caches``). A forward without gradients (evaluation, generation) keeps it.
+
+[Note: counted, never silent] Each call records how many graphs dynamo made and how many graph
+breaks it took (dynamo's own counters, read around the call, so they are this block's). The first
+break warns once with dynamo's reasons, naming the class; the monitor reports graphs, breaks,
+graphs made after the first optimizer step (recompiles) and compile seconds each step.
+``compile.kwargs.fullgraph`` turns a break into an error instead.
+
+Compiling comes before activation checkpointing (``parallelize``'s order), so a checkpointed block
+runs its compiled forward, and again when backward recomputes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from slipstream.checkpointing import without_caches
+from slipstream.engine.config import ConfigError, SlipstreamConfig
+from slipstream.engine.parallel.anatomy import find_blocks
+from slipstream.utils.logging import get_logger, log_rank0
+
+logger = get_logger(__name__)
+
+_ORIGINAL = "_slipstream_uncompiled_forward"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """``compile``: the backend, ``torch.compile``'s arguments and the classes to compile (empty: the blocks)."""
+
+    backend: str
+    kwargs: Mapping[str, Any]
+    module_classes: tuple[str, ...]
+
+    @classmethod
+    def from_config(cls, cfg: SlipstreamConfig, model: torch.nn.Module) -> CompileOptions | None:
+        section = cfg.compile
+        if not section.on:
+            return None
+        return cls.build(section.backend, section.kwargs, tuple(section.module_classes or ()), model, "compile")
+
+    @classmethod
+    def build(cls, backend: str, kwargs: Mapping[str, Any], classes: tuple[str, ...], model: torch.nn.Module, key: str) -> CompileOptions:
+        """:class:`ConfigError` naming ``key``'s field: an unknown backend, or a class the model does not have."""
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise ConfigError(f"{key}.backend: {backend!r} is not a torch.compile backend (these are: {', '.join(sorted(known))})")
+        missing = set(classes) - {type(m).__name__ for m in model.modules()}
+        if missing:
+            raise ConfigError(f"{key}.module_classes: no module of class {', '.join(sorted(missing))} in the model")
+        if not classes and find_blocks(model) is None:
+            raise ConfigError(f"{key}: the model has no repeated blocks to compile; name the classes in {key}.module_classes")
+        return cls(backend, dict(kwargs), classes)
+
+
+@dataclasses.dataclass
+class CompileCounts:
+    """What dynamo did in the compiled blocks so far (cumulative, this rank)."""
+
+    graphs: int = 0  # graphs dynamo made (one per block class without breaks; more per break or recompile)
+    graph_breaks: int = 0
+    recompiles: int = 0  # graphs made after the first optimizer step
+    seconds: float = 0.0  # dynamo's compile time in this process (forward and backward graphs)
+
+
+class CompiledBlocks:
+    """The compiled forwards of this rank's blocks: counted per call, undone by :meth:`close`."""
+
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]], options: CompileOptions) -> None:
+        self.options = options
+        self.names = [name for name, _ in modules]
+        self.modules = [module for _, module in modules]
+        self.counts = CompileCounts()
+        self._settled = False  # after the first optimizer step, every new graph is a recompile
+        self._warned: set[str] = set()
+        self._compiled: dict[Any, Any] = {}  # a class's forward function -> its compiled form
+        self._seconds_at_start = _compile_seconds()
+        for module in self.modules:
+            self._compile(module)
+
+    def _compile(self, module: torch.nn.Module) -> None:
+        original = module.forward  # the class's, or what an earlier step put on the instance
+        function = getattr(original, "__func__", None)
+        if function is not None and getattr(original, "__self__", None) is module:
+            # One compiled function per class forward, shared by its blocks (one graph for all of them), in a
+            # region of its own: another engine's graphs in this process count against neither's recompile limit.
+            if function not in self._compiled:
+                self._compiled[function] = torch.compile(
+                    function, backend=self.options.backend, isolate_recompiles=True, **self.options.kwargs
+                )  # fmt: skip
+            compiled = functools.partial(self._compiled[function], module)
+        else:
+            compiled = torch.compile(original, backend=self.options.backend, isolate_recompiles=True, **self.options.kwargs)
+        try:
+            signature: inspect.Signature | None = inspect.signature(original)
+        except (TypeError, ValueError):
+            signature = None
+        name = type(module).__name__
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled():  # see [Note: caches recompile]
+                args, kwargs = without_caches(signature, args, kwargs)
+            graphs, breaks = _dynamo_totals()
+            out = compiled(*args, **kwargs)
+            made, broke = _dynamo_totals()
+            if made != graphs or broke != breaks:
+                self._record(name, made - graphs, broke - breaks)
+            return out
+
+        module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
+        module.forward = forward
+
+    def _record(self, name: str, graphs: int, breaks: int) -> None:
+        self.counts.graphs += graphs
+        self.counts.graph_breaks += breaks
+        if self._settled:
+            self.counts.recompiles += graphs
+        if breaks and name not in self._warned:
+            self._warned.add(name)
+            reasons = "; ".join(sorted(torch._dynamo.utils.counters["graph_break"]))[:600]
+            logger.warning(
+                "compile: %s breaks its graph (%d break(s); the parts between run eagerly, correct but slower): %s",
+                name, breaks, reasons or "see TORCH_LOGS=graph_breaks",
+            )  # fmt: skip
+
+    def on_step(self) -> dict[str, float]:
+        """At each optimizer step: the counts so far, by name, for the step record (later graphs are recompiles)."""
+        self._settled = True
+        self.counts.seconds = _compile_seconds() - self._seconds_at_start
+        return {k: float(v) for k, v in dataclasses.asdict(self.counts).items()}
+
+    def close(self) -> None:
+        """Every block runs the forward it had before compiling."""
+        for module in self.modules:
+            if _ORIGINAL not in module.__dict__:
+                continue
+            previous = module.__dict__.pop(_ORIGINAL)
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+
+
+def compile_blocks(model: torch.nn.Module, options: CompileOptions | None) -> CompiledBlocks | None:
+    """Compile the forward of each block this rank runs (see [Note: what is compiled]); None when off."""
+    if options is None:
+        return None
+    if options.module_classes:
+        wanted = set(options.module_classes)
+        modules: list[tuple[str, torch.nn.Module]] = []
+        for name, module in model.named_modules():
+            if type(module).__name__ in wanted and not any(name.startswith(outer + ".") for outer, _ in modules):
+                modules.append((name, module))
+    else:
+        blocks = find_blocks(model)
+        modules = list(zip(blocks.names, blocks.modules)) if blocks is not None else []
+    if not modules:  # a pipeline stage without blocks of its own
+        return None
+    compiled = CompiledBlocks(modules, options)
+    log_rank0(logger, "compile: %d modules with backend %s (%s%s)", len(modules), options.backend, ", ".join(compiled.names[:3]), ", ..." if len(modules) > 3 else "")
+    return compiled
+
+
+def _dynamo_totals() -> tuple[int, int]:
+    counters = torch._dynamo.utils.counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def _compile_seconds() -> float:
+    return float(torch._dynamo.utils.calculate_time_spent().get("total_wall_time", 0.0))
