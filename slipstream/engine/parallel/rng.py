@@ -21,6 +21,9 @@ ranks keep the user's seeding, as DDP would.
 Activation checkpointing needs no extra state: recomputation restores the default generator to
 where the forward began, so it draws the same seeds and re-creates the same masks (Megatron keeps a
 tracker of named states and saves it with each checkpoint for the same reason).
+
+A compiled block draws its random numbers from one seed per graph, so the fork cannot happen inside
+it: compiling with tensor parallelism is refused while the model has dropout (parallel/compiling.py).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class ShardedRegionRng:
         return self._saved is not None
 
     def enter(self) -> None:
-        if self._saved is not None:
+        if self._saved is not None or torch.compiler.is_compiling():  # compiled: refused with dropout (compiling.py)
             return
         accelerator = get_accelerator()
         seed = int(torch.randint(0, 2**31 - 1, (1,)))  # the same on every tp rank: the stream is replicated
@@ -77,7 +80,7 @@ class ShardedRegionRng:
         accelerator.manual_seed((seed * _PRIME + 2718 + self.tp_rank) % 2**63)
 
     def leave(self) -> None:
-        if self._saved is None:
+        if self._saved is None or torch.compiler.is_compiling():
             return
         cpu, device = self._saved
         self._saved = None

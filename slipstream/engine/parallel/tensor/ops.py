@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm import all_gather_into_tensor, all_reduce, reduce_scatter_tensor
+from slipstream.utils.eager_island import declare, island
 
 
 def _owned(x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +187,7 @@ class _KeepChunk(_Split):
 
 
 def keep_chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    return _KeepChunk.apply(x, dim, group)
+    return island(_KeepChunk, (x,), (dim, group))
 
 
 def on_tokens(x: torch.Tensor, rows: int | None, exchange: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -198,26 +199,52 @@ def on_tokens(x: torch.Tensor, rows: int | None, exchange: Callable[[torch.Tenso
     return y.reshape(-1, y.shape[-1])
 
 
+# Each pair is one eager island inside a compiled block (utils/eager_island.py); these give its output's shape.
+def _same_meta(x: torch.Tensor, *_: Any) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _resized(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = length
+    return x.new_empty(shape)
+
+
+def _gather_meta(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None) -> torch.Tensor:
+    return _resized(x, dim, length if length is not None else x.shape[dim] * dist.get_world_size(group))
+
+
+def _chunk_meta(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *_: Any) -> torch.Tensor:
+    return _resized(x, dim, -(-x.shape[dim] // dist.get_world_size(group)))
+
+
+for _fn, _meta in (
+    (_Copy, _same_meta), (_Reduce, _same_meta), (_GatherSeq, _gather_meta), (_ReduceScatterSeq, _chunk_meta),
+    (_Split, _chunk_meta), (_GatherKeep, _gather_meta), (_KeepChunk, _chunk_meta),
+):  # fmt: skip
+    declare(_fn, _meta)
+
+
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _Copy.apply(x, group)
+    return island(_Copy, (x,), (group,))
 
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _Reduce.apply(x, group)
+    return island(_Reduce, (x,), (group,))
 
 
 def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp gather", length: int | None = None) -> torch.Tensor:
     """``length``: the region's whole sequence (the rows past it are the region's extension, cut off)."""
-    return _GatherSeq.apply(x, dim, group, tag, length)
+    return island(_GatherSeq, (x,), (dim, group, tag, length))
 
 
 def reduce_scatter_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp reduce-scatter") -> torch.Tensor:
-    return _ReduceScatterSeq.apply(x, dim, group, tag)
+    return island(_ReduceScatterSeq, (x,), (dim, group, tag))
 
 
 def split_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    return _Split.apply(x, dim, group)
+    return island(_Split, (x,), (dim, group))
 
 
 def gather_keep(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None = None) -> torch.Tensor:
-    return _GatherKeep.apply(x, dim, group, tag, length)
+    return island(_GatherKeep, (x,), (dim, group, tag, length))

@@ -1,0 +1,177 @@
+"""Eager islands: run an engine function inside a compiled graph as one opaque op, its autograd kept.
+
+[Note: eager islands] The engine's code that runs *inside* a block (tensor parallel's f/g pairs,
+Ulysses' all-to-alls, ring attention, expert dispatch) talks to process groups, keeps Python
+state and is written as ``torch.autograd.Function``\\ s. Dynamo cannot trace it, so a compiled
+block would break its graph at every such call. :func:`island` makes each call one custom op
+(``slipstream::island``) instead: dynamo and inductor see an opaque node with known output shapes
+(the ``meta`` function, run on fake tensors) and compile everything around it into one graph.
+
+At run time the op calls the function eagerly, with autograd switched back on (a custom op runs
+below autograd), on detached copies of its inputs that require grad. It keeps the inputs and
+outputs under an integer handle, which it returns as one more (CPU) output; the op's backward,
+``slipstream::island_backward``, takes that handle and runs ``torch.autograd.backward`` through
+the kept graph: the input gradients come back from the copies' ``.grad``, and any parameter the
+function used gets its gradient as in eager (its ``AccumulateGrad`` hooks fire: ZeRO's reductions).
+
+A kept graph lives until its backward, or until its handle tensor is freed: activation
+checkpointing drops a forward's saved handle and recomputes, so the first forward's entry is
+dropped with it, never leaked. Outside a compiled region :func:`island` just calls the function.
+
+Identities: a function is declared once, at import (:func:`declare`, with its ``meta``), and a
+process group when the mesh makes it (:func:`register_group`); both get small integers in the
+order they were made. A call passes those integers and its other non-tensor arguments (ints,
+strings, None) to the op as constants of the graph, so the blocks of a model that make the same
+call share one graph, and a graph's text is the same in every process (inductor's cache hits).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+Meta = Callable[..., Any]  # (*fake tensors, *statics) -> fake output tensor(s) of the right shape and dtype
+Static = Any  # a process group, an int, a bool, a string or None
+
+_DECLARED: dict[int, tuple[int, Any, Meta, bool]] = {}  # id(fn) -> (its number, fn, meta, returns a tuple)
+_BY_NUMBER: dict[int, tuple[Any, Meta]] = {}
+_GROUPS: dict[int, int] = {}  # id(group) -> its number
+_GROUP_BY_NUMBER: dict[int, Any] = {}
+_KEPT: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+_HANDLES = itertools.count(1)
+_SEPARATOR = "\x1f"  # the string arguments travel as one (a custom op takes no list of strings)
+# The dispatch state of ordinary eager code (autograd on), taken at import: inside a custom op autograd is excluded.
+_EAGER_INCLUDE = torch._C._dispatch_tls_local_include_set()
+_EAGER_EXCLUDE = torch._C._dispatch_tls_local_exclude_set()
+
+
+def declare(fn: Callable[..., Any] | type[torch.autograd.Function], meta: Meta, returns_tuple: bool = False) -> None:
+    """Make ``fn`` callable through :func:`island` (at import: its number is its place in the import order)."""
+    if id(fn) not in _DECLARED:
+        number = len(_BY_NUMBER)
+        _DECLARED[id(fn)] = (number, fn, meta, returns_tuple)
+        _BY_NUMBER[number] = (fn, meta)
+
+
+def register_group(group: Any) -> None:
+    """Make ``group`` usable as an island's static argument (the mesh registers each group it makes)."""
+    if id(group) not in _GROUPS or _GROUP_BY_NUMBER[_GROUPS[id(group)]] is not group:
+        number = len(_GROUP_BY_NUMBER)
+        _GROUPS[id(group)] = number
+        _GROUP_BY_NUMBER[number] = group
+
+
+def island(fn: Callable[..., Any] | type[torch.autograd.Function], tensors: Sequence[torch.Tensor], statics: tuple[Static, ...] = ()) -> Any:
+    """``fn(*tensors, *statics)`` (``fn.apply`` for an autograd Function class); inside a compiled region, as one
+    opaque op (see [Note: eager islands]). ``fn`` was declared; ``tensors`` are floating-point."""
+    if not torch.compiler.is_compiling():
+        return _call(fn, tensors, statics)
+    number, _, _, returns_tuple = _DECLARED[id(fn)]
+    codes, ints, strings = "", [], []
+    for value in statics:
+        if value is None:
+            codes += "n"
+        elif isinstance(value, bool):
+            codes, ints = codes + "b", [*ints, int(value)]
+        elif isinstance(value, int):
+            codes, ints = codes + "i", [*ints, value]
+        elif isinstance(value, str):
+            codes, strings = codes + "s", [*strings, value]
+        else:
+            codes, ints = codes + "g", [*ints, _GROUPS[id(value)]]
+    outs = _island(list(tensors), number, codes, ints, _SEPARATOR.join(strings), torch.is_grad_enabled())
+    results = outs[:-1]
+    return tuple(results) if returns_tuple or len(results) > 1 else results[0]
+
+
+def _statics(codes: str, ints: Sequence[int], strings: str) -> tuple[Static, ...]:
+    out: list[Static] = []
+    next_int, next_string = iter(ints), iter(strings.split(_SEPARATOR))
+    for code in codes:
+        if code == "n":
+            out.append(None)
+        elif code == "b":
+            out.append(bool(next(next_int)))
+        elif code == "i":
+            out.append(next(next_int))
+        elif code == "s":
+            out.append(next(next_string))
+        else:
+            out.append(_GROUP_BY_NUMBER[next(next_int)])
+    return tuple(out)
+
+
+def _call(fn: Any, tensors: Sequence[torch.Tensor], statics: tuple[Any, ...]) -> Any:
+    return fn.apply(*tensors, *statics) if isinstance(fn, type) else fn(*tensors, *statics)
+
+
+def _as_list(out: Any) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+@torch.library.custom_op("slipstream::island", mutates_args=())
+def _island(
+    inputs: list[torch.Tensor], number: int, codes: str, ints: list[int], strings: str, build_graph: bool
+) -> list[torch.Tensor]:  # fmt: skip
+    fn, _ = _BY_NUMBER[number]
+    statics = _statics(codes, ints, strings)
+    if not build_graph:
+        with torch._C._ForceDispatchKeyGuard(_EAGER_INCLUDE, _EAGER_EXCLUDE), torch.no_grad():
+            outs = _as_list(_call(fn, inputs, statics))
+        return [_unaliased(o, inputs) for o in outs] + [torch.zeros((), dtype=torch.int64)]
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    with torch._C._ForceDispatchKeyGuard(_EAGER_INCLUDE, _EAGER_EXCLUDE), torch.enable_grad():
+        outs = _as_list(_call(fn, leaves, statics))
+    number = next(_HANDLES)
+    handle = torch.full((), number, dtype=torch.int64)
+    _KEPT[number] = (leaves, outs)
+    weakref.finalize(handle, _KEPT.pop, number, None)  # dropped unused (a checkpointed forward): freed with it
+    return [_unaliased(o.detach(), inputs) for o in outs] + [handle]
+
+
+@_island.register_fake
+def _island_fake(
+    inputs: list[torch.Tensor], number: int, codes: str, ints: list[int], strings: str, build_graph: bool
+) -> list[torch.Tensor]:  # fmt: skip
+    _, meta = _BY_NUMBER[number]
+    outs = _as_list(meta(*inputs, *_statics(codes, ints, strings)))
+    return [torch.empty_like(o) for o in outs] + [torch.empty((), dtype=torch.int64)]
+
+
+def _unaliased(out: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """A custom op's output may not share storage with an input (an identity's view): copy it then."""
+    storage = out.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() == storage for t in inputs):
+        return out.clone()
+    return out
+
+
+@torch.library.custom_op("slipstream::island_backward", mutates_args=())
+def _island_backward(grads: list[Optional[torch.Tensor]], handle: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    leaves, outs = _KEPT.pop(int(handle))
+    pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+    with torch._C._ForceDispatchKeyGuard(_EAGER_INCLUDE, _EAGER_EXCLUDE):
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+
+
+@_island_backward.register_fake
+def _island_backward_fake(grads: list[Optional[torch.Tensor]], handle: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in inputs]
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
+    ctx.save_for_backward(output[-1], *inputs[0])
+
+
+def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[Any, ...]:
+    handle, *inputs = ctx.saved_tensors
+    return _island_backward(list(grads[:-1]), handle, inputs), None, None, None, None, None
+
+
+_island.register_autograd(_backward, setup_context=_setup_context)
