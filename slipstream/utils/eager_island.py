@@ -19,9 +19,10 @@ checkpointing drops a forward's saved handle and recomputes, so the first forwar
 dropped with it, never leaked. Outside a compiled region :func:`island` just calls the function.
 
 Identities: a function is declared once, at import (:func:`declare`, with its ``meta``), and a
-process group when the mesh makes it (:func:`register_group`); both get small integers in the
-order they were made. A call passes those integers and its other non-tensor arguments (ints,
-strings, None) to the op as constants of the graph, so the blocks of a model that make the same
+process group or another long-lived engine object (an attention function's state) when the engine
+makes it (:func:`register`); both get small integers in the order they were made. A call passes
+those integers and its other non-tensor arguments (ints, floats, strings, None) to the op as
+constants of the graph, so the blocks of a model that make the same
 call share one graph, and a graph's text is the same in every process (inductor's cache hits).
 """
 
@@ -35,12 +36,12 @@ from typing import Any, Optional
 import torch
 
 Meta = Callable[..., Any]  # (*fake tensors, *statics) -> fake output tensor(s) of the right shape and dtype
-Static = Any  # a process group, an int, a bool, a string or None
+Static = Any  # a registered object (a process group), an int, a float, a bool, a string or None
 
 _DECLARED: dict[int, tuple[int, Any, Meta, bool]] = {}  # id(fn) -> (its number, fn, meta, returns a tuple)
 _BY_NUMBER: dict[int, tuple[Any, Meta]] = {}
-_GROUPS: dict[int, int] = {}  # id(group) -> its number
-_GROUP_BY_NUMBER: dict[int, Any] = {}
+_OBJECTS: dict[int, int] = {}  # id(object) -> its number
+_OBJECT_BY_NUMBER: dict[int, Any] = {}
 _KEPT: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 _HANDLES = itertools.count(1)
 _SEPARATOR = "\x1f"  # the string arguments travel as one (a custom op takes no list of strings)
@@ -57,12 +58,13 @@ def declare(fn: Callable[..., Any] | type[torch.autograd.Function], meta: Meta, 
         _BY_NUMBER[number] = (fn, meta)
 
 
-def register_group(group: Any) -> None:
-    """Make ``group`` usable as an island's static argument (the mesh registers each group it makes)."""
-    if id(group) not in _GROUPS or _GROUP_BY_NUMBER[_GROUPS[id(group)]] is not group:
-        number = len(_GROUP_BY_NUMBER)
-        _GROUPS[id(group)] = number
-        _GROUP_BY_NUMBER[number] = group
+def register(obj: Any) -> None:
+    """Make ``obj`` usable as an island's static argument (the mesh registers each group it makes). Kept alive:
+    only for objects that live as long as the process (groups) or as an engine (a few per engine)."""
+    if id(obj) not in _OBJECTS or _OBJECT_BY_NUMBER[_OBJECTS[id(obj)]] is not obj:
+        number = len(_OBJECT_BY_NUMBER)
+        _OBJECTS[id(obj)] = number
+        _OBJECT_BY_NUMBER[number] = obj
 
 
 def island(fn: Callable[..., Any] | type[torch.autograd.Function], tensors: Sequence[torch.Tensor], statics: tuple[Static, ...] = ()) -> Any:
@@ -71,7 +73,7 @@ def island(fn: Callable[..., Any] | type[torch.autograd.Function], tensors: Sequ
     if not torch.compiler.is_compiling():
         return _call(fn, tensors, statics)
     number, _, _, returns_tuple = _DECLARED[id(fn)]
-    codes, ints, strings = "", [], []
+    codes, ints, floats, strings = "", [], [], []
     for value in statics:
         if value is None:
             codes += "n"
@@ -79,18 +81,20 @@ def island(fn: Callable[..., Any] | type[torch.autograd.Function], tensors: Sequ
             codes, ints = codes + "b", [*ints, int(value)]
         elif isinstance(value, int):
             codes, ints = codes + "i", [*ints, value]
+        elif isinstance(value, float):
+            codes, floats = codes + "f", [*floats, value]
         elif isinstance(value, str):
             codes, strings = codes + "s", [*strings, value]
         else:
-            codes, ints = codes + "g", [*ints, _GROUPS[id(value)]]
-    outs = _island(list(tensors), number, codes, ints, _SEPARATOR.join(strings), torch.is_grad_enabled())
+            codes, ints = codes + "o", [*ints, _OBJECTS[id(value)]]
+    outs = _island(list(tensors), number, codes, ints, floats, _SEPARATOR.join(strings), torch.is_grad_enabled())
     results = outs[:-1]
     return tuple(results) if returns_tuple or len(results) > 1 else results[0]
 
 
-def _statics(codes: str, ints: Sequence[int], strings: str) -> tuple[Static, ...]:
+def _statics(codes: str, ints: Sequence[int], floats: Sequence[float], strings: str) -> tuple[Static, ...]:
     out: list[Static] = []
-    next_int, next_string = iter(ints), iter(strings.split(_SEPARATOR))
+    next_int, next_float, next_string = iter(ints), iter(floats), iter(strings.split(_SEPARATOR))
     for code in codes:
         if code == "n":
             out.append(None)
@@ -98,10 +102,12 @@ def _statics(codes: str, ints: Sequence[int], strings: str) -> tuple[Static, ...
             out.append(bool(next(next_int)))
         elif code == "i":
             out.append(next(next_int))
+        elif code == "f":
+            out.append(next(next_float))
         elif code == "s":
             out.append(next(next_string))
         else:
-            out.append(_GROUP_BY_NUMBER[next(next_int)])
+            out.append(_OBJECT_BY_NUMBER[next(next_int)])
     return tuple(out)
 
 
@@ -115,10 +121,10 @@ def _as_list(out: Any) -> list[torch.Tensor]:
 
 @torch.library.custom_op("slipstream::island", mutates_args=())
 def _island(
-    inputs: list[torch.Tensor], number: int, codes: str, ints: list[int], strings: str, build_graph: bool
+    inputs: list[torch.Tensor], number: int, codes: str, ints: list[int], floats: list[float], strings: str, build_graph: bool
 ) -> list[torch.Tensor]:  # fmt: skip
     fn, _ = _BY_NUMBER[number]
-    statics = _statics(codes, ints, strings)
+    statics = _statics(codes, ints, floats, strings)
     if not build_graph:
         with torch._C._ForceDispatchKeyGuard(_EAGER_INCLUDE, _EAGER_EXCLUDE), torch.no_grad():
             outs = _as_list(_call(fn, inputs, statics))
@@ -135,10 +141,10 @@ def _island(
 
 @_island.register_fake
 def _island_fake(
-    inputs: list[torch.Tensor], number: int, codes: str, ints: list[int], strings: str, build_graph: bool
+    inputs: list[torch.Tensor], number: int, codes: str, ints: list[int], floats: list[float], strings: str, build_graph: bool
 ) -> list[torch.Tensor]:  # fmt: skip
     _, meta = _BY_NUMBER[number]
-    outs = _as_list(meta(*inputs, *_statics(codes, ints, strings)))
+    outs = _as_list(meta(*inputs, *_statics(codes, ints, floats, strings)))
     return [torch.empty_like(o) for o in outs] + [torch.empty((), dtype=torch.int64)]
 
 
@@ -167,11 +173,12 @@ def _island_backward_fake(grads: list[Optional[torch.Tensor]], handle: torch.Ten
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
     ctx.save_for_backward(output[-1], *inputs[0])
+    ctx.no_floats = not inputs[4]  # an empty list argument takes an empty list as its "gradient"
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[Any, ...]:
     handle, *inputs = ctx.saved_tensors
-    return _island_backward(list(grads[:-1]), handle, inputs), None, None, None, None, None
+    return _island_backward(list(grads[:-1]), handle, inputs), None, None, None, [] if ctx.no_floats else None, None, None
 
 
 _island.register_autograd(_backward, setup_context=_setup_context)

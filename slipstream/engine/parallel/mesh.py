@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from slipstream.utils.eager_island import register_group
+from slipstream.utils.eager_island import register
 from slipstream.comm.distributed import current_timeout
 from slipstream.engine.config.parallel import ALL_AXES, AXES, MeshSizes
 from slipstream.utils.logging import get_logger, log_rank0
@@ -83,7 +83,7 @@ def _shared_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
         return hit[1]
     group = dist.new_group(list(ranks), timeout=current_timeout())
     _groups[key] = (world, group)
-    register_group(group)  # usable inside compiled blocks (utils/eager_island.py)
+    register(group)  # usable inside compiled blocks (utils/eager_island.py)
     return group
 
 
@@ -96,7 +96,7 @@ def _own_group() -> dist.ProcessGroup:
         return hit[1]
     group = dist.new_group([rank], timeout=current_timeout(), use_local_synchronization=True)
     _groups[key] = (dist.group.WORLD, group)
-    register_group(group)
+    register(group)
     return group
 
 
@@ -137,7 +137,7 @@ class Mesh:
                     if part is mine:
                         groups[axes] = group
         mesh = cls(sizes, rank, coordinates(sizes, rank), ranks, groups)
-        register_group(dist.group.WORLD)  # an axis spanning the world uses it (utils/eager_island.py)
+        register(dist.group.WORLD)  # an axis spanning the world uses it (utils/eager_island.py)
         if log:
             log_rank0(logger, "%s", mesh.describe())
             logger.debug("mesh: rank %d at %s", rank, mesh.describe_coordinates())

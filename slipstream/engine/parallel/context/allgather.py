@@ -19,6 +19,7 @@ from slipstream.engine.parallel.attention import allowed, attend, attention_feat
 from slipstream.engine.parallel.context.token_layout import Layout
 from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
+from slipstream.utils.eager_island import declare, island
 
 class _GatherKV(torch.autograd.Function):
     @staticmethod
@@ -34,6 +35,13 @@ class _GatherKV(torch.autograd.Function):
         mine = torch.empty(grad[0].numel(), dtype=grad.dtype, device=grad.device)
         comm.reduce_scatter_tensor(mine, grad.reshape(-1).clone(), group=ctx.group, tag="context dk|dv reduce-scatter (backward)").wait()
         return mine.view(grad.shape[1:]), None
+
+
+def _gathered_meta(kv: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return kv.new_empty((dist.get_world_size(group), *kv.shape))
+
+
+declare(_GatherKV, _gathered_meta)
 
 
 class AllGatherKVAttention:
@@ -59,7 +67,7 @@ class AllGatherKVAttention:
         features = attention_features("context_parallel.method: all-gathered K/V attention", module, dropout, scaling, kwargs)
         b, heads, n, d = query.shape
         kv_heads = key.shape[1]
-        gathered = _GatherKV.apply(torch.cat([key, value], dim=1), self.group)  # [c, b, 2·Hkv, n, d]
+        gathered = island(_GatherKV, (torch.cat([key, value], dim=1),), (self.group,))  # [c, b, 2·Hkv, n, d]
         k = gathered[:, :, :kv_heads].permute(1, 2, 0, 3, 4).reshape(b, kv_heads, -1, d)
         v = gathered[:, :, kv_heads:].permute(1, 2, 0, 3, 4).reshape(b, kv_heads, -1, d)
         if heads != kv_heads:

@@ -34,6 +34,7 @@ from slipstream.engine.parallel.attention import UnsupportedAttention, attention
 from slipstream.engine.parallel.context.token_layout import Layout
 from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
+from slipstream.utils.eager_island import declare, island, register
 
 class _RingShift(torch.autograd.Function):
     """Forward: send to the next rank, receive from the previous; backward: the reverse."""
@@ -213,6 +214,7 @@ class RingAttention:
         self.active = False  # set by the engine's sharder for its steps only
         self.segments: Segments | None = None  # the step's padding and documents (parallel/segments.py), from the sharder
         self.window_tile = 32  # the fewest queries per tile of a block a sliding window cuts ([Note: windows on the ring])
+        register(self)  # a static argument of its eager island (utils/eager_island.py)
 
     def shift(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """One ring step outside autograd: send ``x`` to the next rank, return the previous rank's."""
@@ -307,12 +309,20 @@ class RingAttention:
         # block's logits, before its log-sum-exp, so the merge stays exact; the fused op takes masks but not
         # soft-capping, so soft-capped models run the ring with autograd through plain (masked) block attention.
         window = features.sliding_window if features.sliding_window is not None and features.sliding_window < n * self.layout.size else None
-        groups = heads // key.shape[1]
         scale = features.scaling if features.scaling is not None else d**-0.5
-        causal = features.causal
-        if features.softcap is None and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        # one eager island in a compiled block: the ring's shifts, its block plan and its counters run eagerly
+        return island(_ring, (query, key, value), (self, scale, features.causal, window, features.softcap)), None
+
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool, window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The ring over ``[b, H, n, d]`` queries and keys: ``[b, n, H, d]`` out."""
+        b, heads, n, d = query.shape
+        groups = heads // key.shape[1]
+        if softcap is None and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16):
             out = _FlashRing.apply(query, key, value, self, scale, causal, window)
-            return out.transpose(1, 2).contiguous(), None
+            return out.transpose(1, 2).contiguous()
         per = self.layout.chunks_per_rank
         q_chunks = query.chunk(per, dim=2)
         outs: list[Any] = [None] * per
@@ -333,7 +343,7 @@ class RingAttention:
             k_all, v_all = kv.chunk(2, dim=1)
             k_chunks, v_chunks = k_all.chunk(per, dim=2), v_all.chunk(per, dim=2)
             for i, j, diagonal, mask in self.blocks(source, causal, q_chunks[0].shape[2], self.segments, window=window, device=query.device):
-                o, lse = _block(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal, mask, features.softcap)
+                o, lse = _block(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal, mask, softcap)
                 if outs[i] is None:
                     outs[i], lses[i] = o, lse
                 else:
@@ -342,4 +352,18 @@ class RingAttention:
         out = torch.cat(outs, dim=2)  # [b, H, n, d]
         if anchor is not None:
             out = out + anchor
-        return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous()
+
+
+def _ring(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ring: RingAttention, scale: float, causal: bool,
+    window: int | None, softcap: float | None,
+) -> torch.Tensor:  # fmt: skip
+    return ring.attend(query, key, value, scale, causal, window, softcap)
+
+
+def _ring_meta(query: torch.Tensor, *_: Any) -> torch.Tensor:
+    return query.transpose(1, 2).contiguous()
+
+
+declare(_ring, _ring_meta)

@@ -205,7 +205,8 @@ def first_batch_check(model: torch.nn.Module, sharder: Any, run: Callable[[dict[
         found = first_batch_window(batch, sharder.key, model, sharder.divisor, sharder.size)
         found = _on(comm.broadcast_object(_on(found, torch.device("cpu"))), next(model.parameters()).device)
         if found is not None:
-            run(*found)
+            with torch.compiler.set_stance("force_eager"):  # compiled blocks run eagerly under the check's hooks
+                run(*found)
 
     return check
 

@@ -34,6 +34,7 @@ from slipstream.comm import overlap
 from slipstream.engine.parallel.attention import UnsupportedAttention, allowed, attend, attention_features
 from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
+from slipstream.utils.eager_island import declare, island
 
 ATTENTION_NAME = "slipstream_ulysses"
 # transformers' own kernels (their names contain these): the built-in Ulysses kernel reproduces them
@@ -62,9 +63,20 @@ def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.Pr
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 
+def _exchanged_meta(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+    u = dist.get_world_size(group)
+    shape = list(x.shape)
+    shape[scatter_dim] //= u
+    shape[gather_dim] *= u
+    return x.new_empty(shape)
+
+
+declare(_AllToAll, _exchanged_meta)
+
+
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str = "ulysses all-to-all") -> torch.Tensor:
-    """Differentiable all-to-all (the inverse exchange in backward)."""
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group, tag)
+    """Differentiable all-to-all (the inverse exchange in backward); one eager island in a compiled block."""
+    return island(_AllToAll, (x,), (scatter_dim, gather_dim, group, tag))
 
 
 class UlyssesAttention:
