@@ -163,7 +163,7 @@ def _island_backward(grads: list[Optional[torch.Tensor]], handle: torch.Tensor, 
     with torch._C._ForceDispatchKeyGuard(_EAGER_INCLUDE, _EAGER_EXCLUDE):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+    return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]  # None for ints: _backward
 
 
 @_island_backward.register_fake
@@ -178,7 +178,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]
 
 def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[Any, ...]:
     handle, *inputs = ctx.saved_tensors
-    return _island_backward(list(grads[:-1]), handle, inputs), None, None, None, [] if ctx.no_floats else None, None, None
+    grads_in = _island_backward(list(grads[:-1]), handle, inputs)
+    grads_in = [g if t.is_floating_point() else None for g, t in zip(grads_in, inputs)]
+    return grads_in, None, None, None, [] if ctx.no_floats else None, None, None
 
 
 _island.register_autograd(_backward, setup_context=_setup_context)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream.utils.eager_island import declare, island, register
 from slipstream import comm
 from slipstream.comm import overlap
 
@@ -99,6 +100,7 @@ class ExpertParallelExperts(torch.nn.Module):
             self.register_parameter(name, torch.nn.Parameter(piece, requires_grad=p.requires_grad))
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long)  # this rank's choices, last forward
         self._window = torch.zeros(self.num_experts, dtype=torch.long)  # summed since the last take_counts()
+        register(self)  # a static argument of its eager island (utils/eager_island.py)
 
     def take_counts(self) -> list[int]:
         """This rank's choices of each expert since the last call (the engine reports them per step)."""
@@ -110,7 +112,22 @@ class ExpertParallelExperts(torch.nn.Module):
         return torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        # one eager island in a compiled block: the routing is data-dependent and talks to the group
+        return island(_experts, (hidden_states, top_k_index, top_k_weights), (self,))
+
+    def dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         self.tokens_per_expert = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cpu()
         if torch.is_grad_enabled():  # a training forward (activation checkpointing's recompute counts again)
             self._window += self.tokens_per_expert
         return dispatch_combine(hidden_states, top_k_index, top_k_weights, self.group, self.local, self._expert)
+
+
+def _experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: ExpertParallelExperts) -> torch.Tensor:
+    return experts.dispatch(hidden_states, top_k_index, top_k_weights)
+
+
+def _experts_meta(hidden_states: torch.Tensor, *_: Any) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+declare(_experts, _experts_meta)
