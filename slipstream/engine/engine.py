@@ -207,6 +207,7 @@ class Engine(SavesWeights, torch.nn.Module):
         options = CompileOptions.build(
             backend or section.backend, section.kwargs if compile_kwargs is None else compile_kwargs,
             tuple(section.module_classes or ()) if module_classes is None else tuple(module_classes), self.module, "engine.compile",
+            self.mesh.size("tp"),
         )  # fmt: skip
         self.parallel.compile(options)
 

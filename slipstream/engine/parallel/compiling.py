@@ -28,16 +28,17 @@ runs its compiled forward, and again when backward recomputes it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from slipstream.checkpointing import without_caches
-from slipstream.engine.config import ConfigError, SlipstreamConfig
+from slipstream.engine.config import ConfigError, MeshSizes, SlipstreamConfig
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.utils.logging import get_logger, log_rank0
 
@@ -55,15 +56,21 @@ class CompileOptions:
     module_classes: tuple[str, ...]
 
     @classmethod
-    def from_config(cls, cfg: SlipstreamConfig, model: torch.nn.Module) -> CompileOptions | None:
+    def from_config(cls, cfg: SlipstreamConfig, sizes: MeshSizes, model: torch.nn.Module) -> CompileOptions | None:
         section = cfg.compile
         if not section.on:
             return None
-        return cls.build(section.backend, section.kwargs, tuple(section.module_classes or ()), model, "compile")
+        return cls.build(section.backend, section.kwargs, tuple(section.module_classes or ()), model, "compile", sizes.tp)
 
     @classmethod
-    def build(cls, backend: str, kwargs: Mapping[str, Any], classes: tuple[str, ...], model: torch.nn.Module, key: str) -> CompileOptions:
-        """:class:`ConfigError` naming ``key``'s field: an unknown backend, or a class the model does not have."""
+    def build(
+        cls, backend: str, kwargs: Mapping[str, Any], classes: tuple[str, ...], model: torch.nn.Module, key: str, tp: int
+    ) -> CompileOptions:  # fmt: skip
+        """:class:`ConfigError` naming ``key``'s field: an unknown backend, or a class the model does not have.
+
+        With tensor parallelism (``tp`` > 1) a model with dropout is refused too: a compiled graph draws its
+        random numbers from one seed, the same on every tp rank, so the heads and MLP columns each rank holds
+        would get the same masks (parallel/rng.py's [Note: two streams] cannot fork inside a graph)."""
         known = torch._dynamo.list_backends(exclude_tags=())
         if backend not in known:
             raise ConfigError(f"{key}.backend: {backend!r} is not a torch.compile backend (these are: {', '.join(sorted(known))})")
@@ -72,6 +79,12 @@ class CompileOptions:
             raise ConfigError(f"{key}.module_classes: no module of class {', '.join(sorted(missing))} in the model")
         if not classes and find_blocks(model) is None:
             raise ConfigError(f"{key}: the model has no repeated blocks to compile; name the classes in {key}.module_classes")
+        dropout = find_dropout(model) if tp > 1 else None
+        if dropout is not None:
+            raise ConfigError(
+                f"{key}: tensor parallelism with dropout ({dropout}) would give every tp rank's shard the same "
+                "dropout masks in a compiled graph; set the model's dropout to 0, or turn compile off"
+            )
         return cls(backend, dict(kwargs), classes)
 
 
@@ -124,7 +137,8 @@ class CompiledBlocks:
             if torch.is_grad_enabled():  # see [Note: caches recompile]
                 args, kwargs = without_caches(signature, args, kwargs)
             graphs, breaks = _dynamo_totals()
-            out = compiled(*args, **kwargs)
+            with _captured_outputs_readable(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+                out = compiled(*args, **kwargs)
             made, broke = _dynamo_totals()
             if made != graphs or broke != breaks:
                 self._record(name, made - graphs, broke - breaks)
@@ -182,6 +196,53 @@ def compile_blocks(model: torch.nn.Module, options: CompileOptions | None) -> Co
     compiled = CompiledBlocks(modules, options)
     log_rank0(logger, "compile: %d modules with backend %s (%s%s)", len(modules), options.backend, ", ".join(compiled.names[:3]), ", ..." if len(modules) > 3 else "")
     return compiled
+
+
+@contextlib.contextmanager
+def _captured_outputs_readable() -> Iterator[None]:
+    """[Note: captured outputs] transformers records router logits, hidden states and attentions with forward
+    hooks on modules inside the blocks, which find the running collector through a ``ContextVar`` wrapper
+    (``CompileableContextVar``); dynamo cannot read a ``ContextVar``, and the wrapper only switches to a plain
+    attribute when the *whole* model is compiled. A compiled block makes the running collector that attribute
+    for its call, so the hooks trace into the block's graph (their appends replay after it) and every router
+    logit still reaches the loss."""
+    holder = _collector_holder()
+    if holder is None or holder.compiling:
+        yield
+        return
+    value = holder.context_var.get()
+    if value is None:
+        yield
+        return
+    holder.global_var, holder.compiling = value, True
+    try:
+        yield
+    finally:
+        holder.global_var, holder.compiling = None, False
+
+
+@functools.cache
+def _collector_holder() -> Any:
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    holder = getattr(output_capturing, "_active_collector", None)
+    return holder if all(hasattr(holder, a) for a in ("context_var", "global_var", "compiling")) else None
+
+
+def find_dropout(model: torch.nn.Module) -> str | None:
+    """Where the model drops out, or None: a dropout module with ``p`` above 0, or a module's float attribute named
+    ``*dropout*`` above 0 (the rate an attention module hands its attention function, as Llama's does)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                return f"{name}.p = {module.p}"
+            continue
+        for key, value in vars(module).items():
+            if "dropout" in key and not key.startswith("_") and isinstance(value, float) and value > 0:
+                return f"{name}.{key} = {value}"
+    return None
 
 
 def _dynamo_totals() -> tuple[int, int]:

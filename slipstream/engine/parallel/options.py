@@ -47,5 +47,5 @@ class ParallelOptions:
             experts=ExpertOptions.from_config(sizes, optimizer_built),
             activations=ActivationOptions.from_config(cfg, model, device_type),
             tiling=TilingOptions.from_config(cfg, sizes, model, presharded),
-            compile=CompileOptions.from_config(cfg, model),
+            compile=CompileOptions.from_config(cfg, sizes, model),
         )
