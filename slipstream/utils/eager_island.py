@@ -145,15 +145,16 @@ def _island_fake(
 ) -> list[torch.Tensor]:  # fmt: skip
     _, meta = _BY_NUMBER[number]
     outs = _as_list(meta(*inputs, *_statics(codes, ints, floats, strings)))
-    return [torch.empty_like(o) for o in outs] + [torch.empty((), dtype=torch.int64)]
+    return [o.new_empty(o.shape) for o in outs] + [torch.empty((), dtype=torch.int64)]  # contiguous: see _unaliased
 
 
 def _unaliased(out: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
-    """A custom op's output may not share storage with an input (an identity's view): copy it then."""
+    """``out`` contiguous (the strides the fake promised inductor) and not sharing storage with an input (a custom
+    op's output may not alias one: an identity's view is copied)."""
     storage = out.untyped_storage().data_ptr()
     if any(t.untyped_storage().data_ptr() == storage for t in inputs):
-        return out.clone()
-    return out
+        return out.clone(memory_format=torch.contiguous_format)
+    return out.contiguous()
 
 
 @torch.library.custom_op("slipstream::island_backward", mutates_args=())
@@ -163,7 +164,15 @@ def _island_backward(grads: list[Optional[torch.Tensor]], handle: torch.Tensor, 
     with torch._C._ForceDispatchKeyGuard(_EAGER_INCLUDE, _EAGER_EXCLUDE):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    return [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]  # None for ints: _backward
+    # laid out as its input (``empty_like``, as the fake says); zeros where no gradient reached (None for ints: _backward)
+    return [_like(leaf, leaf.grad) for leaf in leaves]
+
+
+def _like(leaf: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+    out = torch.empty_like(leaf)
+    if grad is None:
+        return out.zero_()
+    return grad if grad.stride() == out.stride() else out.copy_(grad)
 
 
 @_island_backward.register_fake
@@ -173,14 +182,15 @@ def _island_backward_fake(grads: list[Optional[torch.Tensor]], handle: torch.Ten
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
     ctx.save_for_backward(output[-1], *inputs[0])
-    ctx.no_floats = not inputs[4]  # an empty list argument takes an empty list as its "gradient"
+    ctx.empty_lists = (not inputs[3], not inputs[4])  # an empty list argument takes an empty list as its "gradient"
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[Any, ...]:
     handle, *inputs = ctx.saved_tensors
     grads_in = _island_backward(list(grads[:-1]), handle, inputs)
     grads_in = [g if t.is_floating_point() else None for g, t in zip(grads_in, inputs)]
-    return grads_in, None, None, None, [] if ctx.no_floats else None, None, None
+    no_ints, no_floats = ctx.empty_lists
+    return grads_in, None, None, [] if no_ints else None, [] if no_floats else None, None, None
 
 
 _island.register_autograd(_backward, setup_context=_setup_context)

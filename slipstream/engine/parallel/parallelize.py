@@ -36,9 +36,11 @@ from slipstream.engine.parallel.weights import sync_initial_weights
 from slipstream.utils.placement import placement_of
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Parallelized:
-    """What ``parallelize`` made of the model: each part (None when off) and what the engine needs of them."""
+    """What ``parallelize`` made of the model: each part (None when off) and what the engine needs of them.
+
+    Set once, except ``compiled``, which ``engine.compile`` replaces."""
 
     model: torch.nn.Module
     pipeline: Pipeline | None
