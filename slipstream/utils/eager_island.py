@@ -41,7 +41,7 @@ Static = Any  # a registered object (a process group), an int, a float, a bool, 
 _DECLARED: dict[int, tuple[int, Any, Meta, bool]] = {}  # id(fn) -> (its number, fn, meta, returns a tuple)
 _BY_NUMBER: dict[int, tuple[Any, Meta]] = {}
 _OBJECTS: dict[int, int] = {}  # id(object) -> its number
-_OBJECT_BY_NUMBER: dict[int, Any] = {}
+_OBJECT_BY_NUMBER: dict[int, Callable[[], Any]] = {}
 _KEPT: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 _HANDLES = itertools.count(1)
 _SEPARATOR = "\x1f"  # the string arguments travel as one (a custom op takes no list of strings)
@@ -59,12 +59,15 @@ def declare(fn: Callable[..., Any] | type[torch.autograd.Function], meta: Meta, 
 
 
 def register(obj: Any) -> None:
-    """Make ``obj`` usable as an island's static argument (the mesh registers each group it makes). Kept alive:
-    only for objects that live as long as the process (groups) or as an engine (a few per engine)."""
-    if id(obj) not in _OBJECTS or _OBJECT_BY_NUMBER[_OBJECTS[id(obj)]] is not obj:
+    """Make ``obj`` usable as an island's static argument (the mesh registers each group it makes). Held weakly
+    where it can be (an engine's attention state, experts and tiles go with the engine), else for good (groups)."""
+    if id(obj) not in _OBJECTS or _OBJECT_BY_NUMBER[_OBJECTS[id(obj)]]() is not obj:
         number = len(_OBJECT_BY_NUMBER)
         _OBJECTS[id(obj)] = number
-        _OBJECT_BY_NUMBER[number] = obj
+        try:
+            _OBJECT_BY_NUMBER[number] = weakref.ref(obj)
+        except TypeError:
+            _OBJECT_BY_NUMBER[number] = lambda: obj
 
 
 def island(fn: Callable[..., Any] | type[torch.autograd.Function], tensors: Sequence[torch.Tensor], statics: tuple[Static, ...] = ()) -> Any:
@@ -107,7 +110,7 @@ def _statics(codes: str, ints: Sequence[int], floats: Sequence[float], strings: 
         elif code == "s":
             out.append(next(next_string))
         else:
-            out.append(_OBJECT_BY_NUMBER[next(next_int)])
+            out.append(_OBJECT_BY_NUMBER[next(next_int)]())
     return tuple(out)
 
 

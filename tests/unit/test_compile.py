@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -64,6 +65,7 @@ def test_island_is_one_graph_and_matches_eager() -> None:
     assert got[0] == pytest.approx(eager[0], rel=1e-6)
     torch.testing.assert_close(got[1], eager[1], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(got[2], eager[2], rtol=1e-6, atol=1e-7)  # the parameter inside got its gradient
+    gc.collect()
     assert not eager_island._KEPT, "a kept graph outlived its backward"
 
 
@@ -72,9 +74,12 @@ def test_island_kept_graphs_are_freed_under_checkpointing_and_without_grad() -> 
     compiled = torch.compile(_block, fullgraph=True, backend="aot_eager")
     loss = torch.utils.checkpoint.checkpoint(compiled, x, rows, use_reentrant=False)
     loss.backward()  # the recomputation's entry is used; the first forward's was dropped with its handle
-    assert not eager_island._KEPT
+    del loss
+    gc.collect()
+    assert not eager_island._KEPT, f"{len(eager_island._KEPT)} kept graph(s) leaked"
     with torch.no_grad():
         compiled(x, rows)
+    gc.collect()
     assert not eager_island._KEPT
 
 

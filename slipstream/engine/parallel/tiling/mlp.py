@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from slipstream.utils.eager_island import declare, island, register
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.tiling.tiles import call_with, replace_forward, tiled
@@ -117,13 +118,18 @@ class TiledMLP:
         def run(start: int, piece: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
             return call_with(module, forward, names, weights, piece.unsqueeze(0)).squeeze(0)
 
+        def over_tiles(x: torch.Tensor) -> torch.Tensor:
+            params = [p for _, p in module.named_parameters()]  # read per call: whatever holds them now
+            out = tiled(run, x.reshape(-1, x.shape[-1]), params, self.tile, "cat")
+            return out.reshape(*x.shape[:-1], out.shape[-1])
+
+        register(over_tiles)  # one eager island inside a compiled block (utils/eager_island.py)
+
         def tiling_forward(*args: Any, **kwargs: Any) -> Any:
             x = args[0] if len(args) == 1 and not kwargs else None
             if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[:-1].numel() <= self.tile:
                 return forward(*args, **kwargs)
-            params = [p for _, p in module.named_parameters()]  # read per call: whatever holds them now
-            out = tiled(run, x.reshape(-1, x.shape[-1]), params, self.tile, "cat")
-            return out.reshape(*x.shape[:-1], out.shape[-1])
+            return island(_over_tiles, (x,), (over_tiles,))
 
         return tiling_forward
 
@@ -131,6 +137,14 @@ class TiledMLP:
         """Each module's own forward back."""
         for undo in self._undo:
             undo()
+
+
+def _over_tiles(x: torch.Tensor, over_tiles: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    return over_tiles(x)
+
+
+# An MLP's output joins the residual stream, so it has its input's shape.
+declare(_over_tiles, lambda x, _: torch.empty_like(x))
 
 
 def tile_mlps(model: torch.nn.Module, classes: Sequence[str] | None, tile_tokens: int, probe: bool) -> TiledMLP:
