@@ -28,8 +28,8 @@ from slipstream.engine.monitor import StepRecord, TrainingMonitor
 from slipstream.engine.no_optimizer import MISSING_OPTIMIZER, NoOptimizer
 from slipstream.engine.optimizer_step import OptimizerStep
 from slipstream.engine.parallel.calls import call_model
-from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.compiling import CompileOptions
+from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.parallelize import Parallelized
 from slipstream.engine.parallel.pipeline import Pipeline
 from slipstream.engine.precision import DTYPES, LossScaler

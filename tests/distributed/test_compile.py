@@ -13,7 +13,7 @@ Each case trains a model twice on the same ranks and batches, eagerly and with `
 
 under ZeRO 0-3, optimizer and parameter offload, activation checkpointing, tensor (+ sequence)
 parallel, Ulysses, ring / zig-zag / all-gathered K/V, a 1F1B pipeline, expert parallel (Mixtral
-with its router loss), and two pairs at world 4.
+with its router loss), the long-context tilings, and two pairs at world 4.
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ def _check(results: list[dict[str, Any]], adam: bool = False) -> None:
         ("llama", 1, {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}),
         ("mixtral", 1, {"expert_parallel": {"enabled": True, "autoep_size": 2}}),
         ("mixtral", 3, {}),
+        ("llama", 3, {"long_context": {"tiled_mlp": {"enabled": True, "tile_tokens": 10}, "tiled_logits": {"enabled": True, "tile_tokens": 7}}}),
     ],
     ids=lambda v: v if isinstance(v, (str, int)) else "-".join(f"{k}" for k in v) or "dp",
 )

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from slipstream.utils.eager_island import register
 from slipstream.comm.distributed import current_timeout
 from slipstream.engine.config.parallel import ALL_AXES, AXES, MeshSizes
+from slipstream.utils.eager_island import register
 from slipstream.utils.logging import get_logger, log_rank0
 
 logger = get_logger(__name__)

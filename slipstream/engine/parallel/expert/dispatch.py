@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slipstream.utils.eager_island import declare, island, register
 from slipstream import comm
 from slipstream.comm import overlap
+from slipstream.utils.eager_island import declare, island, register
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, tag: str) -> torch.Tensor:

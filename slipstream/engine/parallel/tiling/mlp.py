@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from slipstream.utils.eager_island import declare, island, register
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.tiling.tiles import call_with, replace_forward, tiled
+from slipstream.utils.eager_island import declare, island, register
 
 _PROBE_ROWS, _PROBE_TOKENS, _PROBE_TILE = 2, 6, 4
 
