@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--deepspeed-python", default=None)
+    parser.add_argument("--job-timeout", type=float, default=900.0, help="seconds one job may take")
     parser.add_argument("--warm-cache", action="store_true", help="share one inductor cache between jobs (default: a cold one per job)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -121,10 +122,15 @@ def main() -> None:
                 command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps)]
                 env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "THP_MEM_ALLOC_ENABLE": "1",
                        "TORCHINDUCTOR_CACHE_DIR": shared_cache or cache}  # fmt: skip
-                done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                try:
+                    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                          timeout=args.job_timeout)  # fmt: skip
+                    why = (done.stderr.strip().splitlines() or ["no result"])[-1][:200]
+                except subprocess.TimeoutExpired:
+                    why = f"no first loss within {args.job_timeout} s"
                 text = Path(out.name).read_text() if Path(out.name).stat().st_size else ""
             if not text:
-                results[kind]["error"] = (done.stderr.strip().splitlines() or ["no result"])[-1][:200]
+                results[kind]["error"] = why
                 continue
             data = json.loads(text)
             results[kind]["error"] = data["error"]

@@ -271,7 +271,20 @@ class SlipstreamAccelerator(Accelerator):
             fill_auto(config, "scheduler.params.warmup_min_lr", 0)
             fill_auto(config, "scheduler.params.warmup_max_lr", lr)
         fill_hidden_size_autos(config, model)
+        self._compile_as_asked(config)
         return config
+
+    def _compile_as_asked(self, config: dict[str, Any]) -> None:
+        """``Accelerator(dynamo_backend=...)`` / the Trainer's ``torch_compile`` (its dynamo plugin) turns the ``compile``
+        section on with its backend and arguments, unless the config compiles already: under DeepSpeed a Trainer's
+        ``torch_compile`` is dropped (transformers#23095); here each block is compiled (docs/compile.md)."""
+        dynamo = getattr(self.state, "dynamo_plugin", None)
+        backend = getattr(getattr(dynamo, "backend", None), "value", None)
+        section = config.get("compile") or {}
+        if not backend or backend == "NO" or section.get("enabled") or section.get("deepcompile"):
+            return
+        kwargs = {k: v for k in ("mode", "fullgraph", "dynamic", "options") if (v := getattr(dynamo, k, None)) is not None}
+        config["compile"] = {**section, "enabled": True, "backend": backend.lower(), "kwargs": {**kwargs, **section.get("kwargs", {})}}
 
     # ------------------------------------------------------------------ training calls
     def _engine(self) -> Any:

@@ -77,3 +77,33 @@ def test_accelerate_loop_with_dummy_optim_matches_the_reference(stage: int) -> N
     batches = global_batches(STEPS, MB * GAS * 2)
     ref = train_reference(tiny_gpt2(seed=0), batches, lr=1e-3, weight_decay=0.0, clip=1.0)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+
+
+def _compiled_by_dynamo_plugin() -> tuple[bool, str, float]:
+    from accelerate.state import AcceleratorState, GradientState
+
+    from slipstream.integrations.accelerate import DummyOptim, SlipstreamAccelerator, SlipstreamPlugin
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    config = {
+        "train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+    }  # fmt: skip
+    accelerator = SlipstreamAccelerator(slipstream_plugin=SlipstreamPlugin(hf_ds_config=config), cpu=True, dynamo_backend="aot_eager")
+    model = tiny_gpt2(seed=0)
+    model, _ = accelerator.prepare(model, DummyOptim(model.parameters(), lr=1e-3))
+    tokens = global_batches(1, MB)[0]
+    loss = gpt2_loss(model, tokens)
+    accelerator.backward(loss)
+    compiled, backend = model.is_compiled, model.config.compile.backend
+    model.close()
+    AcceleratorState._reset_state(True)
+    return compiled, backend, float(loss.detach())
+
+
+def test_a_dynamo_backend_compiles_the_blocks() -> None:
+    """The Trainer's ``torch_compile`` reaches Accelerate as its dynamo plugin; under DeepSpeed it is dropped
+    (transformers#23095), here each block is compiled with its backend."""
+    compiled, backend, loss = run_distributed(1, _compiled_by_dynamo_plugin)[0]
+    assert compiled and backend == "aot_eager" and loss == loss
