@@ -10,6 +10,14 @@ and on gloo each lane gets its own ring thread, so gathers overlap reductions.
 (``use_local_synchronization``): ranks of different subgroups (ZeRO over {0,1} on ranks 0 and 1,
 over {2,3} on ranks 2 and 3) each ask for their own group's twin, so a world-wide creation would
 never line up. Members agree on the twin because they make the same groups in the same order.
+
+[Note: the same name on every member] torch names a locally synchronised group by hashing its
+ranks with the number of process groups the *calling* rank holds, and its members rendezvous under
+that name. A rank can hold more groups than its peers (a pipeline stage that made a group the other
+stage did not need), and then the members hash different names and wait for each other forever
+(seen: a tensor × pipeline engine, then a Ulysses × ring one in the same processes). So before
+making a twin the members compare their counts, and each one below the highest first makes
+single-rank groups of its own until they match.
 """
 
 from __future__ import annotations
@@ -38,8 +46,27 @@ def lane_group(group: dist.ProcessGroup | None, lane: str) -> dist.ProcessGroup 
         cached = _lanes.get(key)
         if cached is not None and cached[0] is parent:
             return cached[1]
-        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
-        twin = dist.new_group(ranks=ranks, backend=str(dist.get_backend(group)), timeout=current_timeout(),
-                              use_local_synchronization=len(ranks) < dist.get_world_size())  # fmt: skip
+        twin = twin_group(group, str(dist.get_backend(group)))
         _lanes[key] = (parent, twin)
         return twin
+
+
+def twin_group(group: dist.ProcessGroup | None, backend: str) -> dist.ProcessGroup:
+    """A new process group of ``group``'s ranks on ``backend``, made by its members only when it is smaller than the
+    world ([Note: twins of a subgroup], [Note: the same name on every member]). Collective over ``group``."""
+    ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    local = len(ranks) < dist.get_world_size()
+    if local:
+        _match_group_counts(group)
+    return dist.new_group(ranks=ranks, backend=backend, timeout=current_timeout(), use_local_synchronization=local)
+
+
+def _match_group_counts(group: dist.ProcessGroup | None) -> None:
+    """Pad this rank's process-group count to the highest among ``group``'s members ([Note: the same name on every
+    member]). Collective over ``group``."""
+    held = len(dist.distributed_c10d._world.pg_names)
+    counts: list[int | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(counts, held, group=group)  # torch's own: slipstream's collectives may make groups themselves
+    highest = max(c for c in counts if c is not None)
+    for _ in range(highest - held):
+        dist.new_group([dist.get_rank()], timeout=current_timeout(), use_local_synchronization=True)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from slipstream.comm import watch
 from slipstream.comm.distributed import current_timeout
+from slipstream.comm.lanes import twin_group
 from slipstream.comm.shm import shared_slots
 from slipstream.comm.teardown import on_teardown
 
@@ -37,9 +38,7 @@ class RingContext:
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.parent = group if group is not None else dist.group.WORLD
         ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
-        # A subgroup's ring is made by its members only (see [Note: twins of a subgroup] in lanes.py).
-        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=current_timeout(),
-                                    use_local_synchronization=len(ranks) < dist.get_world_size())  # fmt: skip
+        self.group = twin_group(group, "gloo")  # a subgroup's ring is made by its members only (lanes.py)
         self.size = len(ranks)
         self.rank = dist.get_rank(self.group)
         self.next_peer = ranks[(self.rank + 1) % self.size]

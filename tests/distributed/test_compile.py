@@ -145,9 +145,10 @@ def test_compiled_equals_eager(kind: str, stage: int, extra: dict[str, Any]) -> 
     "extra",
     [
         {"tensor_parallel": {"autotp_size": 2}, "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2},
+        {"sequence_parallel_size": 2, "context_parallel": {"size": 2, "method": "ring"}},
         {"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}},
     ],
-    ids=["tp-pp", "ulysses-tp"],
+    ids=["tp-pp", "ulysses-ring", "ulysses-tp"],
 )
 def test_compiled_equals_eager_in_pairs(extra: dict[str, Any]) -> None:
     _check(run_distributed(4, _both, "llama", 1, extra))
