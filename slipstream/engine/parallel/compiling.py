@@ -137,6 +137,7 @@ class CompiledBlocks:
             if torch.is_grad_enabled():  # see [Note: caches recompile]
                 args, kwargs = without_caches(signature, args, kwargs)
             graphs, breaks = _dynamo_totals()
+            # data-dependent shapes and scalars (MoE routing's nonzero, a count) stay in the graph instead of breaking it
             with _captured_outputs_readable(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
                 out = compiled(*args, **kwargs)
             made, broke = _dynamo_totals()
