@@ -1,7 +1,7 @@
 """Eager islands: run an engine function inside a compiled graph as one opaque op, its autograd kept.
 
 [Note: eager islands] The engine's code that runs *inside* a block (tensor parallel's f/g pairs,
-Ulysses' all-to-alls, ring attention, expert dispatch) talks to process groups, keeps Python
+Ulysses' all-to-alls, ring attention, expert dispatch, tiled MLPs) talks to process groups, keeps Python
 state and is written as ``torch.autograd.Function``\\ s. Dynamo cannot trace it, so a compiled
 block would break its graph at every such call. :func:`island` makes each call one custom op
 (``slipstream::island``) instead: dynamo and inductor see an opaque node with known output shapes
@@ -22,8 +22,8 @@ Identities: a function is declared once, at import (:func:`declare`, with its ``
 process group or another long-lived engine object (an attention function's state) when the engine
 makes it (:func:`register`); both get small integers in the order they were made. A call passes
 those integers and its other non-tensor arguments (ints, floats, strings, None) to the op as
-constants of the graph, so the blocks of a model that make the same
-call share one graph, and a graph's text is the same in every process (inductor's cache hits).
+constants of the graph, so the blocks of a model that make the same call share one graph, and a
+graph's text is the same in every process (inductor's cache hits).
 """
 
 from __future__ import annotations
