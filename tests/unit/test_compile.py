@@ -126,6 +126,15 @@ def test_blocks_share_one_graph_and_the_monitor_reports_it() -> None:
     assert last["compile/graphs"] == 1.0, f"four layers should be one graph: {last}"
     assert last["compile/graph_breaks"] == 0.0 and last["compile/recompiles"] == 0.0
     assert last["compile/seconds"] > 0.0
+    with torch.no_grad():  # an evaluation makes its own graph once: not a recompile
+        engine(input_ids=torch.randint(0, VOCAB, (2, SEQ)), use_cache=False)
+    _losses(engine, 1)
+    last = engine.monitor.last
+    assert last["compile/graphs"] == 2.0 and last["compile/recompiles"] == 0.0, last
+    _losses(engine, 1)
+    engine.module.train(False)  # a guard the first graphs did not have (training mode off): that is a recompile
+    _losses(engine, 1)
+    assert engine.monitor.last["compile/recompiles"] >= 1.0, engine.monitor.last
     engine.close()
 
 

@@ -94,7 +94,7 @@ class CompileCounts:
 
     graphs: int = 0  # graphs dynamo made (one per block class without breaks; more per break or recompile)
     graph_breaks: int = 0
-    recompiles: int = 0  # graphs made after the first optimizer step
+    recompiles: int = 0  # graphs made after the first optimizer step for a (class, grad mode) that had one
     seconds: float = 0.0  # dynamo's compile time in this process (forward and backward graphs)
 
 
@@ -108,6 +108,7 @@ class CompiledBlocks:
         self.counts = CompileCounts()
         self._settled = False  # after the first optimizer step, every new graph is a recompile
         self._warned: set[str] = set()
+        self._kinds: set[tuple[str, bool]] = set()  # (class, with gradients) a graph was made for
         self._compiled: dict[Any, Any] = {}  # a class's forward function -> its compiled form
         self._seconds_at_start = _compile_seconds()
         for module in self.modules:
@@ -142,17 +143,18 @@ class CompiledBlocks:
                 out = compiled(*args, **kwargs)
             made, broke = _dynamo_totals()
             if made != graphs or broke != breaks:
-                self._record(name, made - graphs, broke - breaks)
+                self._record(name, made - graphs, broke - breaks, torch.is_grad_enabled())
             return out
 
         module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
         module.forward = forward
 
-    def _record(self, name: str, graphs: int, breaks: int) -> None:
+    def _record(self, name: str, graphs: int, breaks: int, training: bool) -> None:
         self.counts.graphs += graphs
         self.counts.graph_breaks += breaks
-        if self._settled:
+        if self._settled and (name, training) in self._kinds:  # a first evaluation's graph is not a recompile
             self.counts.recompiles += graphs
+        self._kinds.add((name, training))
         if breaks and name not in self._warned:
             self._warned.add(name)
             reasons = "; ".join(sorted(torch._dynamo.utils.counters["graph_break"]))[:600]
