@@ -162,10 +162,7 @@ def apply_activation_checkpointing(
     has when a class is not found, unless ``strict=False`` (a pipeline stage holds only some of them).
     """
     wanted = set(module_classes)
-    matches: list[tuple[str, torch.nn.Module]] = []
-    for name, module in model.named_modules():
-        if type(module).__name__ in wanted and not any(name.startswith(outer + ".") for outer, _ in matches):
-            matches.append((name, module))
+    matches = outermost_of_classes(model, module_classes)
     missing = wanted - {type(m).__name__ for _, m in matches}
     if missing and strict:
         classes = sorted({type(m).__name__ for m in model.modules()})
@@ -178,6 +175,17 @@ def apply_activation_checkpointing(
     for _, module in matches:
         _wrap(module, cpu_checkpointing)
     return [name for name, _ in matches]
+
+
+def outermost_of_classes(model: torch.nn.Module, module_classes: Sequence[str]) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every module whose class name is in ``module_classes`` and that no other such module
+    contains, in registration order."""
+    wanted = set(module_classes)
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in wanted and not any(name.startswith(outer + ".") for outer, _ in found):
+            found.append((name, module))
+    return found
 
 
 def remove_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -203,13 +203,9 @@ class Engine(SavesWeights, torch.nn.Module):
         """``torch.compile`` each repeated block now (DeepSpeed's ``engine.compile``), as the ``compile`` section does
         at ``initialize``: the engine's hooks stay outside the graphs (parallel/compiling.py). Unset arguments take
         the section's values; a second call recompiles with the new ones. :class:`ConfigError` on a bad backend."""
-        section = self.config.compile
-        options = CompileOptions.build(
-            backend or section.backend, section.kwargs if compile_kwargs is None else compile_kwargs,
-            tuple(section.module_classes or ()) if module_classes is None else tuple(module_classes), self.module, "engine.compile",
-            self.mesh.size("tp"),
-        )  # fmt: skip
-        self.parallel.compile(options)
+        self.parallel.compile(CompileOptions.build(
+            self.config.compile, self.module, self.mesh.size("tp"), "engine.compile", backend, compile_kwargs, module_classes,
+        ))  # fmt: skip
 
     @property
     def is_compiled(self) -> bool:

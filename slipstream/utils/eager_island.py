@@ -38,7 +38,7 @@ import torch
 Meta = Callable[..., Any]  # (*fake tensors, *statics) -> fake output tensor(s) of the right shape and dtype
 Static = Any  # a registered object (a process group), an int, a float, a bool, a string or None
 
-_DECLARED: dict[int, tuple[int, Any, Meta, bool]] = {}  # id(fn) -> (its number, fn, meta, returns a tuple)
+_DECLARED: dict[int, int] = {}  # id(fn) -> its number
 _BY_NUMBER: dict[int, tuple[Any, Meta]] = {}
 _OBJECTS: dict[int, int] = {}  # id(object) -> its number
 _OBJECT_BY_NUMBER: dict[int, Callable[[], Any]] = {}
@@ -50,11 +50,11 @@ _EAGER_INCLUDE = torch._C._dispatch_tls_local_include_set()
 _EAGER_EXCLUDE = torch._C._dispatch_tls_local_exclude_set()
 
 
-def declare(fn: Callable[..., Any] | type[torch.autograd.Function], meta: Meta, returns_tuple: bool = False) -> None:
+def declare(fn: Callable[..., Any] | type[torch.autograd.Function], meta: Meta) -> None:
     """Make ``fn`` callable through :func:`island` (at import: its number is its place in the import order)."""
     if id(fn) not in _DECLARED:
         number = len(_BY_NUMBER)
-        _DECLARED[id(fn)] = (number, fn, meta, returns_tuple)
+        _DECLARED[id(fn)] = number
         _BY_NUMBER[number] = (fn, meta)
 
 
@@ -75,7 +75,7 @@ def island(fn: Callable[..., Any] | type[torch.autograd.Function], tensors: Sequ
     opaque op (see [Note: eager islands]). ``fn`` was declared; ``tensors`` are floating-point."""
     if not torch.compiler.is_compiling():
         return _call(fn, tensors, statics)
-    number, _, _, returns_tuple = _DECLARED[id(fn)]
+    number = _DECLARED[id(fn)]
     codes, ints, floats, strings = "", [], [], []
     for value in statics:
         if value is None:
@@ -92,7 +92,7 @@ def island(fn: Callable[..., Any] | type[torch.autograd.Function], tensors: Sequ
             codes, ints = codes + "o", [*ints, _OBJECTS[id(value)]]
     outs = _island(list(tensors), number, codes, ints, floats, _SEPARATOR.join(strings), torch.is_grad_enabled())
     results = outs[:-1]
-    return tuple(results) if returns_tuple or len(results) > 1 else results[0]
+    return tuple(results) if len(results) > 1 else results[0]
 
 
 def _statics(codes: str, ints: Sequence[int], floats: Sequence[float], strings: str) -> tuple[Static, ...]:

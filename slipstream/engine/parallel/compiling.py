@@ -32,19 +32,19 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from slipstream.checkpointing import without_caches
+from slipstream.checkpointing import outermost_of_classes, without_caches
 from slipstream.engine.config import ConfigError, MeshSizes, SlipstreamConfig
+from slipstream.engine.config.sections import CompileConfig
 from slipstream.engine.parallel.anatomy import find_blocks
+from slipstream.engine.parallel.tiling.tiles import replace_forward
 from slipstream.utils.logging import get_logger, log_rank0
 
 logger = get_logger(__name__)
-
-_ORIGINAL = "_slipstream_uncompiled_forward"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,20 +57,22 @@ class CompileOptions:
 
     @classmethod
     def from_config(cls, cfg: SlipstreamConfig, sizes: MeshSizes, model: torch.nn.Module) -> CompileOptions | None:
-        section = cfg.compile
-        if not section.on:
-            return None
-        return cls.build(section.backend, section.kwargs, tuple(section.module_classes or ()), model, "compile", sizes.tp)
+        return cls.build(cfg.compile, model, sizes.tp) if cfg.compile.on else None
 
     @classmethod
     def build(
-        cls, backend: str, kwargs: Mapping[str, Any], classes: tuple[str, ...], model: torch.nn.Module, key: str, tp: int
+        cls, section: CompileConfig, model: torch.nn.Module, tp: int, key: str = "compile", backend: str | None = None,
+        kwargs: Mapping[str, Any] | None = None, classes: Sequence[str] | None = None,
     ) -> CompileOptions:  # fmt: skip
         """:class:`ConfigError` naming ``key``'s field: an unknown backend, or a class the model does not have.
 
         With tensor parallelism (``tp`` > 1) a model with dropout is refused too: a compiled graph draws its
         random numbers from one seed, the same on every tp rank, so the heads and MLP columns each rank holds
-        would get the same masks (parallel/rng.py's [Note: two streams] cannot fork inside a graph)."""
+        would get the same masks (parallel/rng.py's [Note: two streams] cannot fork inside a graph).
+        ``backend``, ``kwargs``, ``classes``: what ``engine.compile`` was given instead of the section's values."""
+        backend = backend or section.backend
+        kwargs = section.kwargs if kwargs is None else kwargs
+        classes = tuple(section.module_classes or ()) if classes is None else tuple(classes)
         known = torch._dynamo.list_backends(exclude_tags=())
         if backend not in known:
             raise ConfigError(f"{key}.backend: {backend!r} is not a torch.compile backend (these are: {', '.join(sorted(known))})")
@@ -110,6 +112,7 @@ class CompiledBlocks:
         self._warned: set[str] = set()
         self._kinds: set[tuple[str, bool]] = set()  # (class, with gradients) a graph was made for
         self._compiled: dict[Any, Any] = {}  # a class's forward function -> its compiled form
+        self._undo: list[Callable[[], None]] = []  # puts back each block's forward
         self._seconds_at_start = _compile_seconds()
         for module in self.modules:
             self._compile(module)
@@ -146,8 +149,7 @@ class CompiledBlocks:
                 self._record(name, made - graphs, broke - breaks, torch.is_grad_enabled())
             return out
 
-        module.__dict__[_ORIGINAL] = module.__dict__.get("forward")
-        module.forward = forward
+        self._undo.append(replace_forward(module, forward))
 
     def _record(self, name: str, graphs: int, breaks: int, training: bool) -> None:
         self.counts.graphs += graphs
@@ -171,14 +173,9 @@ class CompiledBlocks:
 
     def close(self) -> None:
         """Every block runs the forward it had before compiling."""
-        for module in self.modules:
-            if _ORIGINAL not in module.__dict__:
-                continue
-            previous = module.__dict__.pop(_ORIGINAL)
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+        for undo in self._undo:
+            undo()
+        self._undo = []
 
 
 def compile_blocks(model: torch.nn.Module, options: CompileOptions | None) -> CompiledBlocks | None:
@@ -186,11 +183,7 @@ def compile_blocks(model: torch.nn.Module, options: CompileOptions | None) -> Co
     if options is None:
         return None
     if options.module_classes:
-        wanted = set(options.module_classes)
-        modules: list[tuple[str, torch.nn.Module]] = []
-        for name, module in model.named_modules():
-            if type(module).__name__ in wanted and not any(name.startswith(outer + ".") for outer, _ in modules):
-                modules.append((name, module))
+        modules = outermost_of_classes(model, options.module_classes)
     else:
         blocks = find_blocks(model)
         modules = list(zip(blocks.names, blocks.modules)) if blocks is not None else []
