@@ -99,6 +99,8 @@ class RingContext:
     def close(self) -> None:
         """Finish queued jobs and let go of the thread and the shared memory (the group goes with the context)."""
         self.executor.shutdown(wait=True)
+        if self.shared is not None:
+            self.shared.close()
         self.shared = None
 
 

@@ -12,13 +12,20 @@ the 2-core dev machine (torch 2.13, a 12.6 MB ZeRO-3 unit, 20 calls each):
 ZeRO-3 runs three of these passes over the model per step where DDP's all-reduce runs the
 equivalent of two, so on one host the kernel's share decided most of the distance to DDP.
 
-How: every rank maps one file in ``/dev/shm`` per peer, its own included, each split in two
-halves. A collective goes in pieces of at most ``PIECE_BYTES``: a rank copies its part of the piece
+How: every rank makes one file in ``/dev/shm``, split in two halves; it maps its own and opens
+its peers' for reading. A collective goes in pieces of at most ``PIECE_BYTES``: a rank copies its part of the piece
 into the next half of its own file, all ranks meet at a barrier on the ring's group, and each
-reads what it needs from its peers' halves (the reduce-scatter sums its chunk over the ranks in
+reads what it needs from its peers' halves (``preadv`` into the destination) (the reduce-scatter sums its chunk over the ranks in
 rank order, the same order on every rank). The halves alternate, so one barrier per piece is
 enough: a rank writes a half again only after the next barrier, which every peer reaches only
 after it has finished reading that half.
+
+[Note: read, not mapped] A page of a mapped file counts in the resident size of every process
+that touched it. Mapping the peers' files made each rank's RSS carry its peers' halves too (at 2
+ranks and two lanes, 56 MB of the 64 MB it added), so the memory ZeRO-3 saves showed up smaller
+than it was, and each page was counted once per rank. Reading the peers' halves with ``preadv``
+copies them once, as the mapped copy did, and each page stays counted once, in its owner's RSS.
+The reduce-scatter reads a peer's row into a scratch row and adds it (one scratch row per ring).
 
 Set-up is collective and all-or-nothing: the files are made under a name rank 0 chose, every rank
 opens every peer's file, and only if all of them could (the same host, one ``/dev/shm``) is the
@@ -29,6 +36,7 @@ the path off (for comparisons).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import uuid
@@ -44,39 +52,63 @@ ENV_SWITCH = "SLIPSTREAM_SHM_COLLECTIVES"
 class SharedSlots:
     """Every rank's two halves of ``PIECE_BYTES``, mapped here, and the barrier that orders them."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, maps: list[mmap.mmap]) -> None:
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, own: mmap.mmap, peers: dict[int, int]) -> None:
+        """``own``: this rank's file, mapped; ``peers``: each peer's file, open for reading (see [Note: read, not mapped])."""
         self.group, self.rank, self.size = group, rank, size
-        self._maps = maps  # kept open: the tensors below are views of them
-        self._halves = [torch.frombuffer(m, dtype=torch.uint8).view(2, PIECE_BYTES) for m in maps]
+        self._own = own  # kept open: the tensor below is a view of it
+        self._halves = torch.frombuffer(own, dtype=torch.uint8).view(2, PIECE_BYTES)
+        self._peers = peers
+        self._scratch: torch.Tensor | None = None  # one peer's row of a reduce-scatter piece
         self._uses = 0  # barriers so far: the half a piece goes to
+
+    def close(self) -> None:
+        """Close the peers' files (our own mapping goes with the last view of it)."""
+        for fd in self._peers.values():
+            os.close(fd)
+        self._peers = {}
 
     def _next_half(self) -> int:
         half, self._uses = self._uses % 2, self._uses + 1
         return half
 
-    def _slot(self, peer: int, half: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._halves[peer][half].view(dtype)
+    def _slot(self, half: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._halves[half].view(dtype)
+
+    def _read(self, peer: int, half: int, byte_offset: int, into: torch.Tensor) -> None:
+        """Copy ``into.nbytes`` bytes of ``peer``'s half, from ``byte_offset`` on, into ``into`` (contiguous)."""
+        # A ctypes array over the tensor's bytes, not ``.numpy()``: that would leave its storage unresizable
+        # for good, and ZeRO-3 resizes gathered storage.
+        nbytes = into.numel() * into.element_size()
+        view = memoryview((ctypes.c_char * nbytes).from_address(into.data_ptr())).cast("B") if nbytes else memoryview(b"")
+        position, done = half * PIECE_BYTES + byte_offset, 0
+        while done < len(view):
+            read = os.preadv(self._peers[peer], [view[done:]], position + done)
+            if read <= 0:
+                raise OSError(f"shared-memory collective: short read from rank {peer}'s file")
+            done += read
 
     def all_gather(self, buffer: torch.Tensor) -> None:
         """Fill every chunk of ``buffer`` from its owner; chunk ``rank`` must already hold ours."""
         chunks = buffer.view(self.size, -1)
         for start, end in _pieces(chunks.shape[1], PIECE_BYTES // buffer.element_size()):
             half = self._next_half()
-            self._slot(self.rank, half, buffer.dtype)[: end - start].copy_(chunks[self.rank, start:end])
+            self._slot(half, buffer.dtype)[: end - start].copy_(chunks[self.rank, start:end])
             dist.barrier(group=self.group)
             for peer in range(self.size):
                 if peer != self.rank:
-                    chunks[peer, start:end].copy_(self._slot(peer, half, buffer.dtype)[: end - start])
+                    self._read(peer, half, 0, chunks[peer, start:end])
 
     def reduce_scatter(self, buffer: torch.Tensor) -> None:
         """Sum ``buffer`` over ranks; afterwards chunk ``rank`` holds the full sum (the rest is left as is)."""
         chunks = buffer.view(self.size, -1)
         for start, end in _pieces(chunks.shape[1], PIECE_BYTES // (buffer.element_size() * self.size)):
             half = self._next_half()
-            piece = self._slot(self.rank, half, buffer.dtype)[: self.size * (end - start)].view(self.size, -1)
+            width = end - start
+            piece = self._slot(half, buffer.dtype)[: self.size * width].view(self.size, -1)
             total = chunks[self.rank, start:end]
-            # Our own row is read by us alone. Ranks 0 and 1 sum straight into it (the first add reads
-            # it before writing it); a later rank would overwrite it before its turn, so it copies it too.
+            # Our own row is read by us alone: it is not written out. Ranks 0 and 1 sum straight into it
+            # (the first add reads it before writing it); a later rank would overwrite it before its turn,
+            # so it keeps a copy in its own half to add in rank order.
             in_place = self.rank < 2
             if in_place:
                 piece[: self.rank].copy_(chunks[: self.rank, start:end])
@@ -84,12 +116,19 @@ class SharedSlots:
             else:
                 piece.copy_(chunks[:, start:end])
             dist.barrier(group=self.group)
-            parts = [self._slot(peer, half, buffer.dtype)[: piece.numel()].view(self.size, -1)[self.rank] for peer in range(self.size)]
-            if in_place:
-                parts[self.rank] = total
-            torch.add(parts[0], parts[1], out=total)
-            for part in parts[2:]:
-                total.add_(part)
+            if self._scratch is None or self._scratch.numel() * self._scratch.element_size() < width * buffer.element_size():
+                self._scratch = torch.empty(PIECE_BYTES // self.size, dtype=torch.uint8)
+            scratch = self._scratch[: width * buffer.element_size()].view(buffer.dtype)
+            offset = self.rank * width * buffer.element_size()  # our row of each peer's piece
+            for peer in range(self.size):  # the sum in rank order, the same bits on every rank (a + b == b + a)
+                if peer == self.rank:
+                    if not in_place:
+                        total.add_(piece[self.rank])
+                elif peer == 0 and not in_place:
+                    self._read(0, half, offset, total)
+                else:
+                    self._read(peer, half, offset, scratch)
+                    total.add_(scratch)
 
 
 def shared_slots(group: dist.ProcessGroup, rank: int, size: int) -> SharedSlots | None:
@@ -102,21 +141,22 @@ def shared_slots(group: dist.ProcessGroup, rank: int, size: int) -> SharedSlots 
     names = _from_every_rank(uuid.uuid4().hex if wanted else None, group, size)
     prefix = names[0]
     made = _create(_path(prefix, rank)) if all(n is not None for n in names) else None
-    maps: list[mmap.mmap] = []
+    peers: dict[int, int] = {}
     if all(_from_every_rank(made is not None, group, size)):
         for peer in range(size):
-            mapped = made if peer == rank else _open(_path(prefix, peer))
-            if mapped is None:
-                break
-            maps.append(mapped)
-    opened = _from_every_rank(len(maps) == size, group, size)  # also: every peer has mapped ours
+            if peer != rank:
+                fd = _open(_path(prefix, peer))
+                if fd is None:
+                    break
+                peers[peer] = fd
+    opened = _from_every_rank(len(peers) == size - 1, group, size)  # also: every peer has opened ours
     if made is not None:
         os.unlink(_path(prefix, rank))
-    if all(opened):
-        return SharedSlots(group, rank, size, maps)
-    for mapped in maps:
-        mapped.close()
-    if made is not None and made not in maps:
+    if made is not None and all(opened):
+        return SharedSlots(group, rank, size, made, peers)
+    for fd in peers.values():
+        os.close(fd)
+    if made is not None:
         made.close()
     return None
 
@@ -158,14 +198,13 @@ def _create(path: str) -> mmap.mmap | None:
         os.close(fd)
 
 
-def _open(path: str) -> mmap.mmap | None:
+def _open(path: str) -> int | None:
+    """A peer's file, open for reading (its descriptor), if it is there and whole."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
-    try:
-        return mmap.mmap(fd, 2 * PIECE_BYTES)
-    except (OSError, ValueError):
-        return None
-    finally:
+    if os.fstat(fd).st_size < 2 * PIECE_BYTES:
         os.close(fd)
+        return None
+    return fd

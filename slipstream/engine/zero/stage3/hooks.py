@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from slipstream.checkpointing import is_recomputing
+from slipstream.engine.zero.stage3.buffers import UnitBuffers
 from slipstream.engine.zero.stage3.reducer import UnitReducer
 from slipstream.engine.zero.stage3.schedule import GatherSchedule
 from slipstream.engine.zero.stage3.unit import ParamUnit
@@ -28,9 +29,11 @@ from slipstream.engine.zero.tensor_tree import tensors_in
 
 class UnitHooks:
     def __init__(
-        self, roots: list[ParamUnit], blocks: list[ParamUnit], schedule: GatherSchedule, reducer: UnitReducer, owner: object
+        self, roots: list[ParamUnit], blocks: list[ParamUnit], schedule: GatherSchedule, reducer: UnitReducer,
+        buffers: UnitBuffers, owner: object,
     ) -> None:  # fmt: skip
         self.roots, self.blocks, self.schedule, self.reducer, self.owner = roots, blocks, schedule, reducer, owner
+        self.buffers = buffers
         self.held = False  # every unit gathered for a whole accumulation window (a pipeline step): hooks stand aside
 
     def register(self, module: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
@@ -62,6 +65,8 @@ class UnitHooks:
                 self._on_output_grad(root, output)
             else:
                 root.reshard()
+        if torch.is_grad_enabled():
+            self.buffers.shrink()  # nothing idle at the peak ([Note: nothing idle into the backward] in buffers.py)
         return output
 
     def _pre_forward(self, unit: ParamUnit) -> Callable[..., Any]:

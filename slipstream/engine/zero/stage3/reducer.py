@@ -6,14 +6,14 @@ its group's reduce lane once per backward (in a fixed unit order on every rank, 
 and the result lands in (or is added to) the unit's gradient chunk, which persists until the step.
 Every micro-step reduces: no rank ever holds a full gradient between micro-steps.
 
-[Note: send-buffer pool] A fresh send buffer costs page faults on every unit; finished ones are
-kept per size for the next unit (at most two per size, ``POOL_NUMEL`` elements in all: with
-billion-parameter models two buffers per unit size held ~1 GB per rank between steps, more than
-the faults they save are worth). Buffers alive at once are bounded by ``reduce_bucket_size``, and
-a reduction whose collective has finished is completed at the next launch, so its buffer serves
-the next unit: before, with DeepSpeed's 5e8 default every unit of a small model kept its buffer
-until the end of backward, the pool was empty when the next unit asked, and each unit paid a
-fresh mmap'd buffer's page faults (~4 ms per 12.6 MB unit, measured on gpt2-large at 2 ranks).
+[Note: send buffers] A fresh send buffer costs page faults on every unit; send buffers come from
+the pool the gathered units borrow from (``buffers.py``, [Note: gathered units borrow resident
+buffers]), usually the very buffer the unit released a moment before. Buffers alive at once are
+bounded by ``reduce_bucket_size``, and a reduction whose collective has finished is completed at
+the next launch, so its buffer serves the next unit: before, with DeepSpeed's 5e8 default every
+unit of a small model kept its buffer until the end of backward, the pool was empty when the next
+unit asked, and each unit paid a fresh mmap'd buffer's page faults (~4 ms per 12.6 MB unit,
+measured on gpt2-large at 2 ranks).
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from slipstream.comm.context import CommContext, Pending
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
+from slipstream.engine.zero.stage3.buffers import UnitBuffers
 from slipstream.engine.zero.stage3.unit import ParamUnit, TrainingState
 from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.engine.zero.strategy import ShardingOptions
-
-POOL_NUMEL = 64 * 2**20  # elements of reduce-scatter send buffers kept between units and steps
 
 
 @dataclasses.dataclass
@@ -48,9 +47,12 @@ class UnitReducer:
     def __init__(
         self, units: list[ParamUnit], order: list[ParamUnit], options: ShardingOptions, dtype: torch.dtype,
         device: torch.device, used: UsedFlags, index: dict[int, int], new_chunk: Callable[[ParamUnit], torch.Tensor],
+        buffers: UnitBuffers,
     ) -> None:  # fmt: skip
-        """``order``: the fixed launch order; ``used``/``index``: flags of trainable parameters (by id) that got a gradient."""
+        """``order``: the fixed launch order; ``used``/``index``: flags of trainable parameters (by id) that got a gradient;
+        ``buffers``: the pool send buffers come from ([Note: send buffers])."""
         self.options, self.dtype, self.device, self.used, self.index = options, dtype, device, used, index
+        self.buffers = buffers
         self.communication_dtype = options.communication_dtype if options.communication_dtype not in (None, dtype) else None
         # Dividing by 2^k is exact before the sum or after; after, it scales the 1/world chunk at the boundary
         # instead of the whole unit at every reduce-scatter. Only where the sum cannot overflow (an fp32/fp64
@@ -61,7 +63,6 @@ class UnitReducer:
         self.offsets = {u.index: u.offset for u in units}
         self.launcher = OrderedLauncher([[u.index] for u in order], lambda i: self._launch(order[i]))
         self.reductions: list[_Reduction] = []
-        self.pool: dict[int, list[torch.Tensor]] = {}  # numel -> reusable send buffers
         self.grads_before: dict[int, list[tuple[torch.Tensor, int] | None]] = {}  # unit -> each .grad its backward started from
         self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
         self.context = CommContext()  # the strategy's (set by it): reduce-scatters on their own stream
@@ -90,15 +91,11 @@ class UnitReducer:
             unit.training_state = TrainingState.POST_BACKWARD
             self.launcher.mark_ready(unit.index, launch=self.options.overlap_comm)
 
-    def _take(self, numel: int) -> torch.Tensor:
-        pooled = self.pool.get(numel)
-        return pooled.pop() if pooled else torch.empty(numel, dtype=self.dtype, device=self.device)
-
     def _launch(self, unit: ParamUnit) -> None:
         if unit.index not in self.chunks:
             return  # frozen on every rank alike: nothing to reduce
         before = self.grads_before.pop(unit.index, None)
-        send = self._take(unit.numel)  # every element is written below: gradients, zeros, padding
+        send = self.buffers.take(unit.numel, self.dtype, self.device)  # every element is written below: gradients, zeros, padding
         end = 0
         for k, (p, begin, end) in enumerate(unit.ranges()):  # packed in order, padded after the last (flat_layout.py)
             grad, start = p.grad, before[k] if before is not None else None
@@ -127,7 +124,7 @@ class UnitReducer:
         work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=unit.lanes.reduce, tag=tag), tag)
         self.reductions.append(_Reduction(unit, work, send, receive, into))
         # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one), and take
-        # back the ones whose reduce-scatter already finished (see [Note: send-buffer pool]).
+        # back the ones whose reduce-scatter already finished (see [Note: send buffers]).
         while len(self.reductions) > 1 and sum(r.send.numel() for r in self.reductions) > self.options.reduce_bucket_numel:
             self._complete(self.reductions.pop(0))
         while self.reductions and self.reductions[0].work.ready():
@@ -148,13 +145,7 @@ class UnitReducer:
             chunk.add_(reduction.receive)
         elif reduction.into == "copy":
             chunk.copy_(reduction.receive)
-        self.context.recycle(reduction.work, lambda: self._pool(reduction.send))  # only after the collective read it
-
-    def _pool(self, send: torch.Tensor) -> None:
-        pooled = self.pool.setdefault(send.numel(), [])
-        held = sum(t.numel() for pool in self.pool.values() for t in pool)
-        if len(pooled) < 2 and held + send.numel() <= POOL_NUMEL:
-            pooled.append(send)
+        self.context.recycle(reduction.work, lambda: self.buffers.give(reduction.send))  # only after the collective read it
 
     def end_backward(self, units: list[ParamUnit]) -> None:
         """Every unit of the pass reduced exactly once on every rank (in order), all reductions complete."""
@@ -181,6 +172,3 @@ class UnitReducer:
 
     def grad_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.chunks.values())
-
-    def pool_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pool in self.pool.values() for t in pool)

@@ -27,6 +27,7 @@ from slipstream.engine.zero.params import check_groups, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
 from slipstream.engine.zero.masters_strategy import MastersStrategy, Piece
 from slipstream.engine.zero.slices import OwnedSlice, slice_of
+from slipstream.engine.zero.stage3.buffers import UnitBuffers
 from slipstream.engine.zero.stage3.gathered import PartitionedUnits
 from slipstream.engine.zero.stage3.hooks import UnitHooks
 from slipstream.engine.zero.stage3.reducer import UnitReducer
@@ -70,8 +71,9 @@ class Stage3Strategy(MastersStrategy):
         sharded = shard_units(split_units(specs, lambda p: group_of.get(id(p), options.group)), self.dtype, device, preshard)
         self.units, self.groups, self.managed = sharded.units, sharded.groups, sharded.managed
         self.comm_context = CommContext()  # streams and events of every collective below (comm/context.py)
-        for unit in self.units:
-            unit.context = self.comm_context
+        self.buffers = UnitBuffers()
+        for unit in self.units:  # persistent units stay gathered in memory of their own
+            unit.context, unit.buffers = self.comm_context, self.buffers if unit.kind != "persistent" else None
         offload = options.offload
         nvme = offload is not None and "nvme" in (offload.optimizer, offload.param)
         job_id = shared_job_id(options.group) if nvme else ""
@@ -96,13 +98,13 @@ class Stage3Strategy(MastersStrategy):
         reduce_order = [*reversed(self.blocks), *self.roots, *self.persistent]
         self.reducer = UnitReducer(
             self.units, reduce_order, options, self.dtype, device, self.used, self.index,
-            lambda u: self.masters.gradient_buffer(f"grad_{u.index:05d}", u.chunk),
+            lambda u: self.masters.gradient_buffer(f"grad_{u.index:05d}", u.chunk), self.buffers,
         )  # fmt: skip
         self.reducer.context = self.comm_context
         self.schedule = GatherSchedule(
             self.blocks, self.units, stage3.prefetch_numel, stage3.max_live_numel, self.reducer.unit_done, stage3.max_reuse_numel
         )  # fmt: skip
-        self.unit_hooks = UnitHooks(self.roots, self.blocks, self.schedule, self.reducer, self)
+        self.unit_hooks = UnitHooks(self.roots, self.blocks, self.schedule, self.reducer, self.buffers, self)
         self.hooks = self.unit_hooks.register(module)
         self.gathered = PartitionedUnits(self.units, store, self.masters)
         self.gathered.register()
@@ -164,6 +166,7 @@ class Stage3Strategy(MastersStrategy):
                 self.reducer.end_backward(self.units)
             for unit in self.units:
                 unit.reshard()
+            self.buffers.shrink()
 
     def finish_gradients(self) -> None:
         self.reducer.finish(self.units)
@@ -230,7 +233,7 @@ class Stage3Strategy(MastersStrategy):
             "params": self.param_store.memory_bytes() + persistent,
             "grads": self.reducer.grad_bytes(),
             "optimizer": self.masters.memory_bytes(),  # offload: CPU memory (NVMe: buffers only)
-            "buffers": live + self.reducer.pool_bytes(),
+            "buffers": live + self.buffers.held_bytes(),
         }
 
     def leave_partitioned(self) -> bool:

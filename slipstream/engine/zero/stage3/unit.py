@@ -30,6 +30,7 @@ from slipstream import comm
 from slipstream.comm.context import CommContext, Pending
 from slipstream.engine.zero.flat_layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.storage import alias
+from slipstream.engine.zero.stage3.buffers import UnitBuffers
 from slipstream.engine.zero.stage3.units import UnitSpec
 from slipstream.errors import UsageError
 from slipstream.utils.logging import get_logger
@@ -174,6 +175,7 @@ class ParamUnit:
         self.training_state = TrainingState.IDLE
         self.work: Pending | None = None
         self.context: CommContext = CommContext()  # the strategy's, set when it adopts the unit
+        self.buffers: UnitBuffers | None = None  # the strategy's pool, set when it adopts the unit (buffers.py)
         self.fetch: Callable[[], torch.Tensor] | None = None  # offloaded shard: brings it to the device
         self.staged: torch.Tensor | None = None  # what the all-gather reads, alive until it completes
         self.depth = 0  # active forward calls
@@ -209,7 +211,11 @@ class ParamUnit:
         """Start filling ``full`` from every rank's chunk (asynchronous)."""
         if self.state is not UnitState.FREE:
             return
-        self.full.untyped_storage().resize_(self.nbytes)
+        storage = self.full.untyped_storage()
+        if self.buffers is None:
+            storage.resize_(self.nbytes)
+        else:  # a resident buffer, no fresh pages ([Note: gathered units borrow resident buffers])
+            self.buffers.fill(storage, self.nbytes)
         self._mark(released=False)
         self.staged = self.shard if self.fetch is None else self.fetch()
         tag = f"ZeRO-3 unit {self.index} ({self.spec.name})"
@@ -237,9 +243,16 @@ class ParamUnit:
         if self.kind == "persistent" or self.state is UnitState.FREE:
             return
         self.wait()
-        self.context.free(lambda: self.full.untyped_storage().resize_(0), tag=f"ZeRO-3 unit {self.index}")
+        self.context.free(self._empty, tag=f"ZeRO-3 unit {self.index}")
         self._mark(released=True)
         self.state = UnitState.FREE
+
+    def _empty(self) -> None:
+        storage = self.full.untyped_storage()
+        if self.buffers is None:
+            storage.resize_(0)
+        else:
+            self.buffers.empty(storage)
 
     def _mark(self, released: bool) -> None:
         for p in self.spec.params:
@@ -261,7 +274,7 @@ class ParamUnit:
         self.gathered()
         for p, begin, end in self.ranges():
             p.data = self.full[begin:end].view(p.shape).clone()
-        self.full.untyped_storage().resize_(0)
+        self._empty()
         self.state = UnitState.FREE
 
     # ------------------------------------------------------------------ passes
