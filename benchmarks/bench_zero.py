@@ -12,6 +12,14 @@ collectives off (``SLIPSTREAM_SHM_COLLECTIVES=0``): gloo's loopback sockets, as 
 
 FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
 
+Memory: peak RSS per rank (``ru_maxrss``, the whole run) and, over a few untimed steps after the timed
+ones, a sampler's peak PSS (a shared page split between the ranks that map it) and what the highest-RSS
+moment was made of (``benchmarks/memory_probe.py``): the process before the model (imports, process
+group), malloc's bytes in use, the free bytes its heaps keep (allocator slack), shared-memory
+collective mappings and transparent huge pages. Beside each: the saving below DDP's peak RSS against
+the model-state formula's (16Ψ bytes for fp32 AdamW, less each stage's share; ``slipstream.estimator``)
+and the estimator's peak (the process before the model + model states + activations).
+
 Every configuration runs as a fresh 2-rank job (gloo, one thread per rank), so peak RSS is its own;
 configurations alternate round by round (A B C ... A B C ...). All use AdamW(fused=True), lr 1e-3,
 weight decay 0.01, gradient clipping 1.0, micro-batch 4, fp32, and the same JSON config for
@@ -35,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 WARMUP = 5
+PEAK_STEPS = 3  # untimed steps under the memory sampler
 
 
 def _config(stage: str) -> dict:
@@ -49,12 +58,16 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
     import torch.distributed as dist
 
     from benchmarks.common import build_gpt2, random_batches, setup_rank_env, time_steps, wrap_peer, write_rank_results
+    from benchmarks.memory_probe import PeakSampler, sample, shm_rss_mib
 
     setup_rank_env(rank, world, port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    before_model = sample()["rss"]
     model = build_gpt2(args.model)
-    batches = random_batches(WARMUP + args.steps, seed=rank)
+    psi = sum(p.numel() for p in model.parameters())
+    batches = random_batches(WARMUP + args.steps + PEAK_STEPS, seed=rank)
+    engine = None
 
     def adamw(params: object) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
@@ -98,7 +111,15 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
             engine.backward(loss)
             engine.step()
 
-    write_rank_results(out, time_steps(step, batches, WARMUP))
+    times = time_steps(step, batches[: WARMUP + args.steps], WARMUP)
+    with PeakSampler() as peak:
+        for batch in batches[WARMUP + args.steps :]:
+            step(batch)
+    held = {}
+    if engine is not None and hasattr(engine, "strategy") and hasattr(engine.strategy, "memory_breakdown"):
+        held = {k: v / 2**20 for k, v in engine.strategy.memory_breakdown().items()}
+    extra = {"psi": psi, "before_model": before_model, "at_peak": peak.at_rss, "pss": peak.pss, "shm": shm_rss_mib(), "held": held}
+    write_rank_results(out, times, extra)
     dist.destroy_process_group()
 
 
@@ -136,7 +157,7 @@ def main() -> None:
     kinds = ["ddp", *(p for p in args.peers.split(",") if p and p != "ddp")] + [f"slipstream-{s}" for s in stages]
     if deepspeed_python:
         kinds += [f"deepspeed-{s}" for s in (args.deepspeed_stages.split(",") if args.deepspeed_stages else stages)]
-    results: dict[str, dict[str, list[float]]] = {k: {"times": [], "rss": [], "rounds": []} for k in kinds}
+    results: dict[str, dict[str, list]] = {k: {"times": [], "rss": [], "rounds": [], "extra": []} for k in kinds}
     for _ in range(args.rounds):
         for kind in kinds:
             python = deepspeed_python if kind.startswith("deepspeed") else sys.executable
@@ -150,6 +171,7 @@ def main() -> None:
             results[kind]["times"] += data["times"]
             results[kind]["rounds"].append(statistics.median(data["times"]))
             results[kind]["rss"] = [max(a, b) for a, b in zip(results[kind]["rss"], data["rss"])] or data["rss"]
+            results[kind]["extra"].append(data["extra"])
 
     ddp = statistics.median(results["ddp"]["times"])
     print(f"{args.model}, {args.world} ranks (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, micro-batch 4;"
@@ -175,6 +197,50 @@ def main() -> None:
     for kind in kinds[1:]:
         paired = [a / b for a, b in zip(results[kind]["rounds"], results["ddp"]["rounds"])]
         print(f"  {kind:<14} {' '.join(f'{r:.3f}' for r in paired)}  median {statistics.median(paired):.3f}x")
+
+    print_memory(kinds, results, args.world, args.model)
+
+
+def _stage_of(kind: str) -> int | None:
+    """The ZeRO stage whose formula a configuration is held to (DDP: stage 0); None for what no formula covers."""
+    if kind in ("ddp", "fsdp2"):
+        return 0 if kind == "ddp" else 3
+    stage = kind.split("-", 1)[1]
+    return int(stage[0]) if stage[0].isdigit() and "+cpu" not in stage and "+nvme" not in stage else None
+
+
+def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: int, model: str) -> None:
+    """Peak RSS and PSS per rank, what the peak was made of, the saving against the formula's, the estimator's peak."""
+    from slipstream.estimator import estimate
+    from benchmarks.common import MICRO_BATCH, MODELS, SEQ, VOCAB
+
+    mib = 2**20
+    worst = {k: max((r for extra in results[k]["extra"] for r in extra), key=lambda r: r["at_peak"].get("rss", 0.0)) for k in kinds}
+    psi = worst[kinds[0]]["psi"]
+    shape = MODELS[model]
+    found = estimate(psi, world, seq_len=SEQ, micro_batch=MICRO_BATCH, precision="fp32", layers=shape["n_layer"],
+                     hidden=shape["n_embd"], heads=shape["n_head"], vocab=VOCAB, flash_attention=True)  # fmt: skip
+    ddp_peak = max(results["ddp"]["rss"])  # peak per rank: the largest rank's, what a user provisions for
+    print("MiB per rank (2^20 bytes). Saving: the largest rank's peak RSS below DDP's largest, against the model states'"
+          f" formula (stage 0 less stage N, fp32 AdamW: 16·Ψ = {16 * psi / mib:.0f} MiB at Ψ = {psi / 1e6:.1f}M)")  # fmt: skip
+    print(f"{'config':<14} {'peak RSS':>9} {'peak PSS':>9} {'saving':>7} {'formula':>8} {'ratio':>6}   at the highest RSS: {'before model':>12}"
+          f" {'malloc used':>11} {'heap free':>9} {'shm':>5} {'huge':>5}   estimate {'error':>6}   engine holds (params/grads/optimizer/buffers)")  # fmt: skip
+    for kind in kinds:
+        w, stage = worst[kind], _stage_of(kind)
+        at = w["at_peak"]
+        peak = max(results[kind]["rss"])
+        saving = ddp_peak - max(results[kind]["rss"])
+        formula = ratio = est = error = ""
+        if stage is not None:
+            states = found.stage(0).model_states - found.stage(stage).model_states
+            formula = f"{states / mib:.0f}"
+            ratio = f"{saving / (states / mib):.2f}" if states else ""
+            predicted = w["before_model"] + found.stage(stage).total / mib
+            est, error = f"{predicted:.0f}", f"{peak / predicted - 1:+.0%}"
+        held = "/".join(f"{w['held'][k]:.0f}" for k in ("params", "grads", "optimizer", "buffers") if k in w["held"])
+        print(f"{kind:<14} {peak:9.0f} {max(r['pss'] for e in results[kind]['extra'] for r in e):9.0f} {saving:7.0f} {formula:>8} {ratio:>6}"
+              f"   {'':>18}{w['before_model']:12.0f} {at.get('heap_used', 0) + at.get('mmapped', 0):11.0f} {at.get('heap_free', 0):9.0f}"
+              f" {w['shm']:5.0f} {at.get('huge', 0):5.0f}   {est:>8} {error:>6}   {held}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -52,17 +52,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def write_rank_results(out: str, times: list[float]) -> None:
-    """Gather every rank's peak RSS; rank 0 writes ``{"times", "rss"}`` as JSON to ``out``. Collective."""
+def write_rank_results(out: str, times: list[float], extra: dict | None = None) -> None:
+    """Gather every rank's peak RSS (and ``extra``); rank 0 writes ``{"times", "rss", "extra"}`` as JSON to ``out``. Collective."""
     import json
 
     import torch.distributed as dist
 
     all_rss = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(all_rss, torch.tensor([peak_rss_mb()]))
+    extras: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(extras, extra)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"times": times, "rss": [float(r) for r in all_rss]}, f)
+            json.dump({"times": times, "rss": [float(r) for r in all_rss], "extra": extras}, f)
     dist.barrier()
 
 

@@ -13,24 +13,25 @@ ZeRO-3 runs three of these passes over the model per step where DDP's all-reduce
 equivalent of two, so on one host the kernel's share decided most of the distance to DDP.
 
 How: every rank makes one file in ``/dev/shm``, split in two halves; it maps its own and opens
-its peers' for reading. A collective goes in pieces of at most ``PIECE_BYTES``: a rank copies its part of the piece
-into the next half of its own file, all ranks meet at a barrier on the ring's group, and each
-reads what it needs from its peers' halves (``preadv`` into the destination) (the reduce-scatter sums its chunk over the ranks in
-rank order, the same order on every rank). The halves alternate, so one barrier per piece is
-enough: a rank writes a half again only after the next barrier, which every peer reaches only
-after it has finished reading that half.
+its peers' for reading. A collective goes in pieces of at most ``PIECE_BYTES``: a rank copies its
+part of the piece into the next half of its own file, all ranks meet at a barrier on the ring's
+group, and each reads what it needs from its peers' halves (``preadv`` into the destination; the
+reduce-scatter sums its chunk over the ranks in rank order, the same order on every rank). The
+halves alternate, so one barrier per piece is enough: a rank writes a half again only after the
+next barrier, which every peer reaches only after it has finished reading that half.
 
 [Note: read, not mapped] A page of a mapped file counts in the resident size of every process
-that touched it. Mapping the peers' files made each rank's RSS carry its peers' halves too (at 2
-ranks and two lanes, 56 MB of the 64 MB it added), so the memory ZeRO-3 saves showed up smaller
-than it was, and each page was counted once per rank. Reading the peers' halves with ``preadv``
-copies them once, as the mapped copy did, and each page stays counted once, in its owner's RSS.
-The reduce-scatter reads a peer's row into a scratch row and adds it (one scratch row per ring).
+that touched it. Mapping the peers' files made each rank's RSS carry its peers' halves besides its
+own: measured on gpt2-large at 2 ranks (ZeRO-3's two lanes), ~55 MiB per rank, of which ~25 MiB
+its own, so a rank looked ~30 MiB larger than it was and every page was counted once per rank.
+Reading the peers' halves with ``preadv`` copies them once, as the mapped copy did (no slower,
+measured alone), and each page stays counted once, in its owner's RSS. The reduce-scatter reads a
+peer's row into a scratch row and adds it (one scratch row per ring).
 
 Set-up is collective and all-or-nothing: the files are made under a name rank 0 chose, every rank
 opens every peer's file, and only if all of them could (the same host, one ``/dev/shm``) is the
 shared path used; otherwise the ring stays on sockets. The files are unlinked as soon as every
-rank has mapped them, so a killed job leaves nothing behind. ``SLIPSTREAM_SHM_COLLECTIVES=0`` turns
+rank has opened them, so a killed job leaves nothing behind. ``SLIPSTREAM_SHM_COLLECTIVES=0`` turns
 the path off (for comparisons).
 """
 
