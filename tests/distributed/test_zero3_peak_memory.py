@@ -1,17 +1,19 @@
 """ZeRO-3's peak per rank against the model-state formula, beside torch DDP, as plain ``torchrun`` launches it.
 
 The formula (ZeRO paper, fp32 AdamW): DDP holds 16Ψ bytes of model states on every rank (weights,
-gradients, two moments; here its gradients are views of its buckets and AdamW is fused, and it
-still holds more), stage 3 16Ψ/N; at the start of backward, when every activation is alive, stage 3
-adds the units it has gathered (the root, the running block). So its peak is at least 80% of
-16Ψ(1 - 1/N) below DDP's, and from 2 to 4 ranks it falls by the formula's 16Ψ/4 (within a fifth):
-nothing else it holds grows with the model.
+gradients, two moments; here its gradients are views of its buckets and AdamW is fused), stage 3
+16Ψ/N; at the start of backward, when every activation is alive, stage 3 adds the units it has
+gathered (the root, the running block). So its peak is at least 80% of 16Ψ(1 - 1/N) below DDP's,
+and from 2 to 4 ranks it falls by the formula's 16Ψ/4 (within a fifth): nothing else it holds
+grows with the model.
 
 The peak is malloc's bytes in use (glibc ``mallinfo2``, every arena: the engine's ring threads
 allocate in their own), sampled after every operator of a step, forward and backward: live bytes,
-which the heap's slack (freed pages glibc keeps, different from run to run) cannot blur.
-``benchmarks/bench_zero.py`` measures the resident size on the large workload. The ranks run
-without ``THP_MEM_ALLOC_ENABLE`` (huge pages), as plain ``torchrun`` does and unlike ``slipstream run``.
+which the heap's slack (freed pages glibc keeps, different from run to run) cannot blur. Each rank
+measures a second run: the first pays what a process allocates once, which a pool worker that ran
+other tests already holds. ``benchmarks/bench_zero.py`` measures the resident size on the large
+workload. The ranks run without ``THP_MEM_ALLOC_ENABLE`` (huge pages), as plain ``torchrun`` does
+and unlike ``slipstream run``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tests.reference import tiny_gpt2
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="glibc's mallinfo2 (Linux)")
 
 SEQ, BATCH, VOCAB = 32, 2, 512
+LAYERS = 16  # the gathered units (root, last block, the one ahead) are small beside 16Ψ/N
 
 
 class _MallInfo2(ctypes.Structure):
@@ -59,11 +62,18 @@ class _PeakInUse(TorchDispatchMode):
 
 
 def _peak_body(kind: str) -> dict[str, float]:
+    """The second of two runs: the first pays what a process allocates once (gloo's and DDP's lazy state),
+    which a pool worker that ran other tests already holds and a fresh one does not."""
+    _measure(kind)
+    return _measure(kind)
+
+
+def _measure(kind: str) -> dict[str, float]:
     rank = dist.get_rank()
     torch.manual_seed(rank)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ)) for _ in range(3)]
     before = _malloc_in_use()
-    model = tiny_gpt2(seed=0, n_layer=8, n_embd=256)
+    model = tiny_gpt2(seed=0, n_layer=LAYERS, n_embd=256)
     model.resize_token_embeddings(VOCAB)
     psi = sum(p.numel() for p in model.parameters())
 
@@ -108,7 +118,7 @@ def test_stage3_peak_is_the_formulas_saving_below_ddp_at_2_and_4_ranks() -> None
         for rank, (a, b) in enumerate(zip(ddp, stage3)):
             assert a["thp"] in ("", "0"), "run without THP_MEM_ALLOC_ENABLE, as plain torchrun does"
             saving = a["peak"] - b["peak"]
-            assert saving >= 0.8 * formula, (
+            assert saving >= 0.8 * formula, (  # measured 0.87 at 2 ranks, 0.91 at 4
                 f"{world} ranks, rank {rank}: stage 3 peaks {saving / 2**20:.1f} MiB below DDP ({b['peak'] / 2**20:.1f} vs "
                 f"{a['peak'] / 2**20:.1f} MiB); the formula saves {formula / 2**20:.1f} MiB"
             )
