@@ -15,8 +15,7 @@ import torch
 
 from slipstream.accelerator.abstract import Accelerator
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
-_KEEP_HEAP_TOP = 1 << 30  # bytes free at the heap's top before free() gives them back (see return_freed_memory)
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 _MIN_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD = 1 << 20, 32 << 20  # glibc caps the threshold at 32 MiB
 
 
@@ -157,20 +156,10 @@ class CPUAccelerator(Accelerator):
         # left 265 MB mapped. A fixed threshold at the block size keeps those blocks on mmap,
         # returned when freed. Not lower: every smaller allocation (activations) would then fault its
         # pages in afresh each step — a 1 MiB threshold made a ZeRO-3 GPT-2 step 35% slower.
-        #
-        # [Note: the heap's top stays] Pinning the mmap threshold also stops glibc from raising its
-        # trim threshold with it, so every step's activations, freed at the end of backward, went
-        # back to the kernel from the heap's top and the next step faulted them in again (RSS between
-        # steps swung by ~70 MB on gpt2-large at 2 ranks). The peak is the same either way: it
-        # comes before those frees. So with a unit size given, the top is kept (up to 1 GiB free)
-        # and growth past the steady state is ``HeapGuard``'s to trim: measured, 1.8% less step
-        # time at ZeRO-3 without huge pages (3 alternating rounds; peak RSS within run-to-run noise).
         threshold = min(max(block_bytes, _MIN_MMAP_THRESHOLD), _MAX_MMAP_THRESHOLD)
         if sys.platform.startswith("linux") and threshold != self._mmap_threshold:
             try:
                 _libc().mallopt(_M_MMAP_THRESHOLD, threshold)
-                if block_bytes:
-                    _libc().mallopt(_M_TRIM_THRESHOLD, _KEEP_HEAP_TOP)
             except (OSError, AttributeError):  # not glibc (musl...): nothing to tune
                 return
             self._mmap_threshold = threshold
