@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import build_gpt2, current_rss_mb, free_port, random_batches, setup_rank_env, summarize, time_steps  # noqa: E402
+from benchmarks.common import build_gpt2, current_rss_mb, free_port, lm_step, random_batches, setup_rank_env, summarize, time_steps  # noqa: E402
 
 WARMUP = 5
 
@@ -27,15 +27,7 @@ WARMUP = 5
 def run_ddp(model_name: str, batches: list[torch.Tensor]) -> list[float]:
     model = torch.nn.parallel.DistributedDataParallel(build_gpt2(model_name))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
-
-    def step(batch: torch.Tensor) -> None:
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-
-    return time_steps(step, batches, WARMUP)
+    return time_steps(lm_step(model, optimizer), batches, WARMUP)
 
 
 def run_slipstream(model_name: str, batches: list[torch.Tensor], config_extra: dict) -> list[float]:

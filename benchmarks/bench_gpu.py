@@ -71,18 +71,11 @@ def _worker(kind: str, hidden: int, layers: int, steps: int, out: str) -> None:
             engine.step()
     else:
         dist.init_process_group("nccl")
-        from benchmarks.common import wrap_peer
+        from benchmarks.common import lm_step, wrap_peer
 
         model = model.cuda()
         wrapped = wrap_peer(kind, model, model.model.layers)
-        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=True)
-
-        def step(tokens: torch.Tensor) -> None:
-            loss = wrapped(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        step = lm_step(wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, fused=True))
 
     generator = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, VOCAB, (MICRO, SEQ), generator=generator).cuda() for _ in range(WARMUP + steps)]

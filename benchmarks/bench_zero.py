@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import build_gpt2, random_batches, setup_rank_env, time_steps, wrap_peer, write_rank_results
+    from benchmarks.common import build_gpt2, lm_step, random_batches, setup_rank_env, time_steps, wrap_peer, write_rank_results
     from benchmarks.memory_probe import PeakSampler, sample, shm_rss_mib
 
     setup_rank_env(rank, world, port)
@@ -74,13 +74,7 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
 
     if kind in ("ddp", "fsdp2"):
         wrapped = wrap_peer(kind, model, model.transformer.h)
-        optimizer = adamw(wrapped.parameters())
-
-        def step(batch: torch.Tensor) -> None:
-            wrapped(input_ids=batch, labels=batch).loss.backward()
-            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
+        step = lm_step(wrapped, adamw(wrapped.parameters()))
     else:
         framework, stage = kind.split("-", 1)
         if stage.endswith("+sockets"):  # the same-host shared-memory collectives off (slipstream/comm/shm.py)
@@ -229,7 +223,7 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
         w, stage = worst[kind], _stage_of(kind)
         at = w["at_peak"]
         peak = max(results[kind]["rss"])
-        saving = ddp_peak - max(results[kind]["rss"])
+        saving = ddp_peak - peak
         formula = ratio = est = error = ""
         if stage is not None:
             states = found.stage(0).model_states - found.stage(stage).model_states

@@ -74,6 +74,18 @@ def current_rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, clip: float = 1.0) -> Callable[[torch.Tensor], None]:
+    """The plain PyTorch step a peer (DDP, FSDP2) takes on a causal LM: loss on ``batch`` as labels, backward, clip, step."""
+
+    def step(batch: torch.Tensor) -> None:
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
 def wrap_peer(kind: str, model: torch.nn.Module, blocks: torch.nn.ModuleList) -> torch.nn.Module:
     """The PyTorch peers: ``ddp`` (DistributedDataParallel) or ``fsdp2`` (``fully_shard`` on each block, then the root)."""
     if kind == "ddp":

@@ -9,6 +9,7 @@ and the highest PSS. Linux and glibc only; elsewhere the fields it cannot read s
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 
@@ -19,13 +20,31 @@ class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 
 
-def _mallinfo() -> dict[str, float]:
+@functools.cache
+def _libc_mallinfo2() -> ctypes._CFuncPtr | None:
+    """glibc's ``mallinfo2`` (every arena summed), loaded once: the sampler and the tests call it very often."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        info = libc.mallinfo2()
-    except (OSError, AttributeError):
+        function = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc, or older than 2.33
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+def malloc_in_use() -> int:
+    """Bytes malloc has handed out and not had back: heap chunks in use plus mmap'd blocks (0 where unknown)."""
+    mallinfo2 = _libc_mallinfo2()
+    if mallinfo2 is None:
+        return 0
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def _mallinfo() -> dict[str, float]:
+    mallinfo2 = _libc_mallinfo2()
+    if mallinfo2 is None:
         return {}
+    info = mallinfo2()
     # uordblks: bytes in use in the heaps; fordblks: free bytes the heaps keep; hblkhd: bytes in mmap'd blocks
     return {"heap_used": info.uordblks / MIB, "heap_free": info.fordblks / MIB, "mmapped": info.hblkhd / MIB}
 

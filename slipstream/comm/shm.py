@@ -118,7 +118,7 @@ class SharedSlots:
             else:
                 piece.copy_(chunks[:, start:end])
             dist.barrier(group=self.group)
-            if self._scratch is None or self._scratch.numel() * self._scratch.element_size() < width * buffer.element_size():
+            if self._scratch is None:  # a row of a piece is at most PIECE_BYTES / size bytes (the piece bound above)
                 self._scratch = torch.empty(PIECE_BYTES // self.size, dtype=torch.uint8)
             scratch = self._scratch[: width * buffer.element_size()].view(buffer.dtype)
             offset = self.rank * width * buffer.element_size()  # our row of each peer's piece

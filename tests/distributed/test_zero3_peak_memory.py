@@ -18,7 +18,6 @@ and unlike ``slipstream run``.
 
 from __future__ import annotations
 
-import ctypes
 import os
 from typing import Any
 
@@ -28,24 +27,15 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import slipstream
+from benchmarks.common import lm_step
+from benchmarks.memory_probe import malloc_in_use
 from tests.harness import run_distributed
 from tests.reference import tiny_gpt2
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="glibc's mallinfo2 (Linux)")
+pytestmark = pytest.mark.skipif(malloc_in_use() == 0, reason="needs glibc's mallinfo2 (glibc 2.33 or later)")
 
 SEQ, BATCH, VOCAB = 32, 2, 512
 LAYERS = 16  # the gathered units (root, last block, the one ahead) are small beside 16Ψ/N
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-
-def _malloc_in_use() -> int:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return int(info.uordblks + info.hblkhd)  # bytes in heap chunks in use + in mmap'd blocks
 
 
 class _PeakInUse(TorchDispatchMode):
@@ -57,7 +47,7 @@ class _PeakInUse(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        self.peak = max(self.peak, _malloc_in_use())
+        self.peak = max(self.peak, malloc_in_use())
         return out
 
 
@@ -72,7 +62,7 @@ def _measure(kind: str) -> dict[str, float]:
     rank = dist.get_rank()
     torch.manual_seed(rank)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ)) for _ in range(3)]
-    before = _malloc_in_use()
+    before = malloc_in_use()
     model = tiny_gpt2(seed=0, n_layer=LAYERS, n_embd=256)
     model.resize_token_embeddings(VOCAB)
     psi = sum(p.numel() for p in model.parameters())
@@ -82,14 +72,7 @@ def _measure(kind: str) -> dict[str, float]:
 
     if kind == "ddp":
         wrapped = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-        optimizer = adamw(wrapped.parameters())
-
-        def step(batch: torch.Tensor) -> None:
-            wrapped(input_ids=batch, labels=batch).loss.backward()
-            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-
+        step = lm_step(wrapped, adamw(wrapped.parameters()))
         close = lambda: None  # noqa: E731
     else:
         config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "zero_optimization": {"stage": 3}}
