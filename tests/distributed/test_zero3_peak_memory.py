@@ -18,6 +18,7 @@ and unlike ``slipstream run``.
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -62,6 +63,9 @@ def _measure(kind: str) -> dict[str, float]:
     rank = dist.get_rank()
     torch.manual_seed(rank)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ)) for _ in range(3)]
+    # Free what the previous run left in reference cycles (an engine and its hooks) now, not inside the
+    # window: collected there, it had lowered a peak by ~105 MiB and broken the 2-to-4-rank comparison.
+    gc.collect()
     before = malloc_in_use()
     model = tiny_gpt2(seed=0, n_layer=LAYERS, n_embd=256)
     model.resize_token_embeddings(VOCAB)
