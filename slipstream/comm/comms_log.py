@@ -8,6 +8,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from slipstream.comm.topology import link_class
+
 
 # Bytes each rank moves per byte of tensor, in the ZeRO paper's accounting: an all-reduce is a
 # reduce-scatter plus an all-gather.
@@ -67,6 +69,14 @@ class CommsLog:
         totals: Counter[str] = Counter()
         for r in self.records:
             totals[r.op] += r.nbytes
+        return totals
+
+    def bytes_by_link(self, records: list[CommRecord] | None = None) -> Counter[str]:
+        """Bytes moved per rank on each link class (``topology.INTRA`` / ``INTER``): a collective counts on the
+        inter-node links when its group spans nodes. ``records``: another step's (default: this one's)."""
+        totals: Counter[str] = Counter()
+        for r in self.records if records is None else records:
+            totals[link_class(r.ranks)] += r.moved
         return totals
 
     def moved_bytes(self) -> int:

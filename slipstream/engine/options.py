@@ -97,7 +97,8 @@ def engine_options(
         stage3 = Stage3Options(
             unit_classes=zero.stage3_unit_modules, persistence_threshold=zero.stage3_param_persistence_threshold,
             prefetch_numel=zero.stage3_prefetch_bucket_size, max_live_numel=zero.stage3_max_live_parameters,
-            max_reuse_numel=zero.stage3_max_reuse_distance,
+            max_reuse_numel=zero.stage3_max_reuse_distance, hpz_size=zero.zero_hpz_partition_size,
+            mics_shard_size=zero.mics_shard_size,
         )  # fmt: skip
     return EngineOptions(cfg, sizes, parallel, sharding, zero.stage, stage3, optimizer)
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from slipstream.accelerator import Accelerator
 from slipstream.engine.options import EngineOptions
@@ -19,9 +20,11 @@ from slipstream.engine.parallel.mesh import DENSE, Mesh
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
 from slipstream.engine.zero.init import take_preshard
 from slipstream.engine.zero.partitioned import PartitionedStrategy
-from slipstream.engine.zero.stage3.strategy import Stage3Strategy
+from slipstream.comm.topology import link_class
+from slipstream.engine.config import ConfigError
+from slipstream.engine.zero.stage3.strategy import Hierarchy, Stage3Options, Stage3Strategy
 from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingStrategy
-from slipstream.utils.logging import get_logger
+from slipstream.utils.logging import get_logger, log_rank0
 
 logger = get_logger(__name__)
 
@@ -55,8 +58,35 @@ def shard(
     if options.stage == 0:
         strategy = DataParallelStrategy(model, groups, sharding, optimizer)
     elif options.stage3 is not None:
-        strategy = Stage3Strategy(model, groups, sharding, optimizer, options.stage3, preshard=take_preshard(model))
+        strategy = Stage3Strategy(
+            model, groups, sharding, optimizer, options.stage3, preshard=take_preshard(model), hierarchy=hierarchy(options.stage3, mesh)
+        )  # fmt: skip
     else:
         strategy = PartitionedStrategy(model, groups, sharding, optimizer, stage=options.stage)
     _attached[model] = weakref.ref(strategy)
     return strategy
+
+
+def hierarchy(stage3: Stage3Options, mesh: Mesh) -> Hierarchy | None:
+    """hpZ's secondary blocks or MiCS's shard groups, cut from the dense group (collective: every rank makes every group).
+
+    A size equal to the dense group is plain ZeRO-3 (one block holds everything); a size that
+    does not divide it is refused naming the key. A block that spans nodes still works but
+    gives up what the layout is for, so it is said once."""
+    dense = len(mesh.ranks(*DENSE))
+    layouts = (("hpz", "zero_hpz_partition_size", stage3.hpz_size, 1), ("mics", "mics_shard_size", stage3.mics_shard_size, -1))
+    for kind, key, size, off in layouts:
+        if size == off:
+            continue
+        if dense % size:
+            raise ConfigError(
+                f"zero_optimization.{key}: {size} does not divide the data-parallel group of {dense} ranks (dp·cp·sp); "
+                f"use a divisor of {dense}, usually the ranks per node"
+            )
+        if size == dense:
+            return None
+        block, across = mesh.split(DENSE, size, kind)
+        if link_class(tuple(dist.get_process_group_ranks(block))) != "intra-node":
+            log_rank0(logger, "zero_optimization.%s: a block of %d ranks spans nodes (LOCAL_WORLD_SIZE); its gathers cross them", key, size)
+        return Hierarchy(kind, block, across)
+    return None

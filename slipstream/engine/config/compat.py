@@ -66,7 +66,7 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.override_module_apply": _NOT_YET,
     "zero_optimization.log_trace_cache_warnings": "stage 3 prefetches in module order, without a trace",
     "zero_optimization.pipeline_loading_checkpoint": _NOT_YET,
-    "zero_optimization.mics_hierarchical_params_gather": "MiCS is not supported",
+    "zero_optimization.mics_hierarchical_params_gather": "a MiCS shard group gathers in one collective",
     "aio.single_submit": "no libaio submission queue",
     "aio.overlap_events": "I/O always overlaps compute",
     "aio.use_gds": _NOT_YET,

@@ -108,11 +108,11 @@ class ZeroConfig(Section):
     log_trace_cache_warnings: bool = False
     pipeline_loading_checkpoint: bool = False
     legacy_stage1: bool = False
-    zero_hpz_partition_size: int = 1
+    zero_hpz_partition_size: int = Field(1, ge=1, description="ZeRO++ hpZ: ranks of the secondary (intra-node) weight partition; 1: none")
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
-    mics_shard_size: int = -1
+    mics_shard_size: int = Field(-1, ge=-1, description="MiCS: shard within groups of this many ranks, replicate across them; -1: over all")
     mics_hierarchical_params_gather: bool = False
 
     @model_validator(mode="before")
@@ -127,13 +127,9 @@ class ZeroConfig(Section):
                 raise ValueError(f"{spelled} are one setting with two values; keep one")
         return data
 
-    _no_hpz = refuse("zero_hpz_partition_size", allowed=1, what="ZeRO++ hierarchical partitioning")
-
     _no_quantized = refuse("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients", allowed=False, what="ZeRO++ quantized communication")
 
     _no_zenflow = refuse("zenflow", allowed=None, what="ZenFlow")
-
-    _no_mics = refuse("mics_shard_size", allowed=-1, what="MiCS sharding")
 
     _no_legacy = refuse("legacy_stage1", allowed=False, what="legacy_stage1")
 
@@ -142,11 +138,25 @@ class ZeroConfig(Section):
         if self.cpu_offload and self.offload_optimizer is None:
             logger.warning("zero_optimization.cpu_offload is deprecated; treating it as offload_optimizer.device='cpu'")
             self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
+        self._check_hierarchy()
         for name in ZERO_MEANS_DEFAULT:  # DeepSpeed accepts 0 (transformers' test configs write it): "not set" here
             if getattr(self, name) == 0:
                 self.__dict__[name] = ZeroConfig.model_fields[name].default
                 self.model_fields_set.discard(name)
         return self
+
+    def _check_hierarchy(self) -> None:
+        """hpZ and MiCS are layouts of stage 3's weights, and one at a time (docs/zero.md, "Hierarchical layouts")."""
+        for name, value, off in (("zero_hpz_partition_size", self.zero_hpz_partition_size, 1), ("mics_shard_size", self.mics_shard_size, -1)):
+            if value != off and self.stage != 3:
+                raise ValueError(f"zero_optimization.{name}: needs stage 3 (it lays out the partitioned weights), got stage {self.stage}")
+        if self.zero_hpz_partition_size > 1 and self.mics_shard_size > 0:
+            raise ValueError(
+                "zero_optimization.zero_hpz_partition_size: hpZ and MiCS (mics_shard_size) are two layouts of the same "
+                "weights; set one (MiCS already keeps every gather inside its shard group)"
+            )
+        if self.mics_shard_size == 0:
+            raise ValueError("zero_optimization.mics_shard_size: 0 ranks per shard group; use -1 (off) or a divisor of the data-parallel size")
 
     @property
     def overlap(self) -> bool:

@@ -191,6 +191,34 @@ class Mesh:
         assert mine is not None
         return mine
 
+    def split(self, axes: tuple[str, ...], size: int, label: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """This rank's block of ``size`` consecutive ranks of its group along ``axes``, and the ranks at its position
+        in the other blocks of that group (None when one block is the whole group).
+
+        The blocks are what hpZ's secondary partition and MiCS's shards use: consecutive ranks, so
+        on one node while ``size`` ranks (times the inner axes) fit there ([Note: nodes from the
+        launch] in comm/topology.py). Collective: every rank creates every such group, in the same order.
+        """
+        mine: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
+        for part in partition(self.sizes, axes):
+            if len(part) % size:
+                raise ValueError(f"mesh: {label} size {size} does not divide the {'·'.join(axes)} group of {len(part)} ranks")
+            blocks = [part[i : i + size] for i in range(0, len(part), size)]
+            for block in blocks:
+                group = _shared_group(block) if len(block) > 1 else None
+                _labels.setdefault(block, f"{label}-block")
+                if self.rank in block:
+                    mine = (group if group is not None else _own_group(), mine[1])
+            if len(blocks) > 1:
+                for position in range(size):
+                    ranks = tuple(block[position] for block in blocks)
+                    group = _shared_group(ranks)
+                    _labels.setdefault(ranks, f"{label}-across")
+                    if self.rank in ranks:
+                        mine = (mine[0], group)
+        assert mine[0] is not None
+        return mine[0], mine[1]
+
     @property
     def dense_group(self) -> dist.ProcessGroup:
         """dp·cp·sp: the ranks holding the same dense (tp/pp) shard, over which ZeRO partitions it."""

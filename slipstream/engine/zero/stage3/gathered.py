@@ -58,13 +58,14 @@ class PartitionedUnits:
         """After the block: adopt ``modifier_rank``'s values (shards and fp32 masters), then free."""
         for unit in sorted(units, key=lambda u: u.index):
             if modifier_rank is not None:
-                group = unit.lanes.group
+                group = unit.lanes.data  # MiCS: every shard group adopts the modifier's values
                 src = dist.get_global_rank(group, modifier_rank) if group is not None else modifier_rank
                 comm.broadcast(unit.flat, src=src, group=group, tag=f"GatheredParameters unit {unit.index}").wait()
                 own = unit.own_chunk()
                 self.store.modified(unit, own)
                 self.masters.write(unit.offset, own.float())
             unit.reshard()
+            unit.shard_changed()
 
 
 class GatheredParameters:

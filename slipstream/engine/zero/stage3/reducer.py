@@ -132,7 +132,7 @@ class UnitReducer:
 
     def _scales(self, unit: ParamUnit) -> tuple[float, float]:
         o = self.options
-        world = unit.lanes.world
+        world = unit.lanes.average_world
         pre, post = reduction_scales(world, o.gradient_predivide_factor, o.prescale_gradients, o.average)
         if self.divide_after_sum and post == 1.0 and pre == 1.0 / world and world & (world - 1) == 0:
             return 1.0, pre
@@ -159,7 +159,21 @@ class UnitReducer:
             unit.training_state = TrainingState.IDLE
 
     def finish(self, units: list[ParamUnit]) -> None:
-        """The boundary: the rest of the averaging (``gradient_predivide_factor``) on each chunk."""
+        """The boundary: MiCS's sum across replicas, then the rest of the averaging (``gradient_predivide_factor``).
+
+        [Note: MiCS sums across replicas once a step] A MiCS shard group reduce-scatters each
+        micro-step's gradients inside itself, as ZeRO-3 does over the whole group; the replicas
+        (same partition, other shard groups, other data) add theirs only here, once per optimizer
+        step, however many micro-steps accumulated. Every chunk is then the sum over all ranks,
+        scaled by the whole data-parallel size (``GroupLanes.average_world``), the same value on
+        every replica, so their optimizers take the same step.
+        """
+        pending = [
+            comm.all_reduce(self.chunks[u.index], group=u.lanes.replicas, tag=f"MiCS gradients of unit {u.index} across replicas")
+            for u in units if u.lanes.replicas is not None and u.index in self.chunks
+        ]  # fmt: skip
+        for work in pending:
+            work.wait()
         for unit in units:
             _, post_scale = self._scales(unit)
             if post_scale != 1.0 and unit.index in self.chunks:

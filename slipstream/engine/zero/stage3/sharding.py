@@ -54,9 +54,11 @@ def split_units(specs: list[UnitSpec], group_of: Callable[[torch.nn.Parameter], 
 
 
 def shard_units(
-    specs: list[tuple[dist.ProcessGroup | None, UnitSpec]], dtype: torch.dtype, device: torch.device, preshard: Preshard | None
-) -> ShardedUnits:
-    """Lay out and partition the units; ``preshard`` (zero.Init) gives this rank's shard instead of the full weights."""
+    specs: list[tuple[dist.ProcessGroup | None, UnitSpec]], dtype: torch.dtype, device: torch.device, preshard: Preshard | None,
+    lanes_of: Callable[[dist.ProcessGroup | None], GroupLanes] = GroupLanes.of,
+) -> ShardedUnits:  # fmt: skip
+    """Lay out and partition the units; ``preshard`` (zero.Init) gives this rank's shard instead of the full weights;
+    ``lanes_of``: a group's lanes (hpZ's and MiCS's extra groups)."""
     managed = [p for _, spec in specs for p in spec.params]
     position = {id(p): i for i, p in enumerate(managed)}
     by_group: dict[int, tuple[dist.ProcessGroup | None, list[UnitSpec]]] = {}
@@ -64,7 +66,7 @@ def shard_units(
         by_group.setdefault(id(group), (group, []))[1].append(spec)
     groups, base = [], 0
     for group, members in by_group.values():
-        lanes = GroupLanes.of(group)
+        lanes = lanes_of(group)
         layout = FlatLayout([p.numel() for p in managed], [], 0, lanes.world, lanes.rank,
                             buckets=[[position[id(p)] for p in spec.params] for spec in members])  # fmt: skip
         groups.append(GroupLayout(lanes, layout, base))

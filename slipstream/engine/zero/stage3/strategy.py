@@ -34,7 +34,8 @@ from slipstream.engine.zero.stage3.reducer import UnitReducer
 from slipstream.engine.zero.stage3.schedule import GatherSchedule
 from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.engine.zero.stage3.sharding import shard_units, split_units
-from slipstream.engine.zero.stage3.unit import UnitState
+from slipstream.engine.zero.stage3.unit import GroupLanes, UnitState
+from slipstream.engine.config.base import ConfigError
 from slipstream.engine.zero.stage3.units import find_units
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions
 from slipstream.utils.logging import get_logger
@@ -49,15 +50,29 @@ class Stage3Options:
     prefetch_numel: int | None = None  # gather ahead while the units ahead hold fewer elements; None: the next unit
     max_live_numel: int = 1_000_000_000  # never prefetch beyond this many gathered elements
     max_reuse_numel: int | None = None  # keep a unit gathered into its backward when reused within this many elements
+    hpz_size: int = 1  # ZeRO++ hpZ: ranks of the secondary partition (zero_hpz_partition_size); 1: none
+    mics_shard_size: int = -1  # MiCS: ranks per shard group; -1: the whole group
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchy:
+    """hpZ's or MiCS's groups for parameters sharded over the default group (mesh.split makes them).
+
+    hpZ: ``block`` is the secondary partition's group (a node), ``across`` unused. MiCS: ``block``
+    is the shard group the parameters are partitioned over, ``across`` its replicas."""
+
+    kind: str  # "hpz" or "mics"
+    block: dist.ProcessGroup
+    across: dist.ProcessGroup | None
 
 
 class Stage3Strategy(MastersStrategy):
     def __init__(
         self, module: torch.nn.Module, groups: list[ParamGroupSpec], options: ShardingOptions,
         optimizer: torch.optim.Optimizer | OptimizerFactory, stage3: Stage3Options,
-        preshard: Callable[[FlatLayout], torch.Tensor] | None = None,
+        preshard: Callable[[FlatLayout], torch.Tensor] | None = None, hierarchy: Hierarchy | None = None,
     ) -> None:  # fmt: skip
-        """``preshard``: zero.Init built this rank's shards without ever holding the full model."""
+        """``preshard``: zero.Init built this rank's shards without ever holding the full model; ``hierarchy``: hpZ or MiCS."""
         self.module, self.options = module, options
         specs = find_units(module, stage3.unit_classes, stage3.persistence_threshold)
         self.names = {id(p): n for n, p in module.named_parameters()}
@@ -67,8 +82,18 @@ class Stage3Strategy(MastersStrategy):
         check_groups(groups, self.index, self.names)
         self.dtype = single_dtype(managed, 3)
         device = managed[0].device if managed else torch.device("cpu")
-        group_of = {id(p): g.sharding_group(options.group) for g in groups for p in g.params}
-        sharded = shard_units(split_units(specs, lambda p: group_of.get(id(p), options.group)), self.dtype, device, preshard)
+        self.hierarchy = hierarchy
+        mics = hierarchy is not None and hierarchy.kind == "mics"
+        if mics and preshard is not None:
+            raise ConfigError(
+                "zero_optimization.mics_shard_size: a model built under slipstream.zero.Init is sharded over every rank; "
+                "build it without zero.Init to shard it over MiCS groups"
+            )
+        default = hierarchy.block if mics else options.group  # type: ignore[union-attr]
+        group_of = {id(p): g.sharding_group(default) for g in groups for p in g.params}
+        sharded = shard_units(
+            split_units(specs, lambda p: group_of.get(id(p), default)), self.dtype, device, preshard, self._lanes_of
+        )  # fmt: skip
         self.units, self.groups, self.managed = sharded.units, sharded.groups, sharded.managed
         self.comm_context = CommContext()  # streams and events of every collective below (comm/context.py)
         self.buffers = UnitBuffers()
@@ -114,6 +139,15 @@ class Stage3Strategy(MastersStrategy):
             spec.numel, sum(u.numel for u in self.units),
         )  # fmt: skip
         self.zero_grad()
+
+    def _lanes_of(self, group: dist.ProcessGroup | None) -> GroupLanes:
+        """The default group's partition gets hpZ's secondary or MiCS's replicas; groups the user named get neither."""
+        h, default = self.hierarchy, self.options.group
+        if h is not None and h.kind == "mics" and group is h.block:
+            return GroupLanes.of(group, replicas=h.across, data=default)
+        if h is not None and h.kind == "hpz" and group is default:
+            return GroupLanes.of(group, secondary=h.block)
+        return GroupLanes.of(group)
 
     def _optimized_pieces(self) -> list[OptimizedPiece]:
         return [
@@ -170,7 +204,7 @@ class Stage3Strategy(MastersStrategy):
 
     def finish_gradients(self) -> None:
         self.reducer.finish(self.units)
-        flags = {id(g.lanes): (g.lanes.group, []) for g in self.groups}
+        flags = {id(g.lanes): (g.lanes.data, []) for g in self.groups}  # MiCS: replicas saw other data
         for unit in self.units:
             flags[id(unit.lanes)][1].extend(self.index[id(p)] for p in unit.params if id(p) in self.index)
         self.masters.gradients_ready(self.used.reduce(list(flags.values())))
@@ -187,6 +221,8 @@ class Stage3Strategy(MastersStrategy):
         get_accelerator().release_freed_memory()
 
     def _show_masters(self) -> None:  # the partitioned units gather the new shards when next needed
+        for unit in self.units:
+            unit.shard_changed()
         with torch.no_grad():
             for unit in self.persistent:
                 unit.refresh()
@@ -228,6 +264,7 @@ class Stage3Strategy(MastersStrategy):
 
     def memory_breakdown(self) -> dict[str, int]:
         persistent = sum(u.nbytes for u in self.persistent)
+        persistent += sum(u.secondary.nbytes for u in self.units if u.secondary is not None)  # hpZ's copy
         live = sum(u.nbytes for u in self.units if u.state is not UnitState.FREE and u.kind != "persistent")
         return {
             "params": self.param_store.memory_bytes() + persistent,
@@ -244,7 +281,7 @@ class Stage3Strategy(MastersStrategy):
         model, which is what loading into shards avoids. Only one sharding group and a shard in
         memory (not swapped to NVMe) can be handed on.
         """
-        if len(self.groups) != 1 or self.param_store.mode == "nvme":
+        if len(self.groups) != 1 or self.param_store.mode == "nvme" or self.groups[0].lanes.replicas is not None:
             return False
         layout = self.groups[0].layout
         self.gathered.unregister()

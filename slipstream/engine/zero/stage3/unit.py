@@ -13,6 +13,15 @@ pointing at the same storage, so nothing is rebound behind autograd's back and a
 is valid again as soon as the unit is re-gathered for backward. The collective writes through a
 separate alias of the storage, so the parameters' version counters never move (autograd would
 otherwise report an in-place modification).
+
+[Note: hpZ's secondary partition] ZeRO++'s hpZ keeps a second, intra-node partition of each unit:
+with ``zero_hpz_partition_size`` h, a rank also holds 1/h of the unit (its position in its block
+of h consecutive ranks, one node). The first gather after the weights change reads the primary
+shards across every rank of the group (the forward, across nodes); releasing the unit then copies
+this rank's 1/h into ``secondary``, and every later gather until the weights change again (the
+backward; the forwards of later micro-steps) all-gathers the secondary pieces inside the block.
+Values are bit-identical to plain ZeRO-3's: the same bytes, gathered from another copy. Gradients
+are reduce-scattered over the whole group as before. Cost: 1/h of each unit per rank, kept.
 """
 
 from __future__ import annotations
@@ -141,22 +150,54 @@ class TrainingState(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class SecondaryLanes:
+    """hpZ's secondary partition: the block of ranks (one node) that re-gathers a unit for its backward."""
+
+    group: dist.ProcessGroup
+    gather: dist.ProcessGroup | None
+    world: int
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupLanes:
-    """One sharding group and its twin groups: all-gathers and reduce-scatters each keep their own order."""
+    """One sharding group and its twin groups: all-gathers and reduce-scatters each keep their own order.
+
+    ``replicas`` (MiCS): the ranks holding the same partition in the other shard groups, across which
+    the reduced gradient chunks are summed once per step; ``data`` is then the whole data-parallel
+    group, the ranks whose gradients this partition averages. ``secondary`` (hpZ): see
+    :class:`SecondaryLanes` and [Note: hpZ's secondary partition].
+    """
 
     group: dist.ProcessGroup | None
     gather: dist.ProcessGroup | None
     reduce: dist.ProcessGroup | None
     world: int
     rank: int
+    replicas: dist.ProcessGroup | None = None
+    data: dist.ProcessGroup | None = None
+    secondary: SecondaryLanes | None = None
 
     @staticmethod
-    def of(group: dist.ProcessGroup | None) -> GroupLanes:
+    def of(group: dist.ProcessGroup | None, replicas: dist.ProcessGroup | None = None, data: dist.ProcessGroup | None = None,
+           secondary: dist.ProcessGroup | None = None) -> GroupLanes:  # fmt: skip
+        """``data`` defaults to ``group`` (no replicas: the partition's ranks are all the data's)."""
+        second = None
+        if secondary is not None:
+            second = SecondaryLanes(secondary, comm.lane_group(secondary, "zero3-hpz-gather"), dist.get_world_size(secondary),
+                                    dist.get_rank(secondary))  # fmt: skip
+            comm.ring_context(second.gather)
         lanes = GroupLanes(group, comm.lane_group(group, "zero3-gather"), comm.lane_group(group, "zero3-reduce"),
-                           dist.get_world_size(group), dist.get_rank(group))  # fmt: skip
+                           dist.get_world_size(group), dist.get_rank(group), replicas,
+                           group if replicas is None else data, second)  # fmt: skip
         comm.ring_context(lanes.gather)  # set up now rather than inside a hook
         comm.ring_context(lanes.reduce)
         return lanes
+
+    @property
+    def average_world(self) -> int:
+        """How many ranks' gradients the partition averages: its group's, times its replicas (MiCS)."""
+        return self.world * (1 if self.replicas is None else dist.get_world_size(self.replicas))
 
 
 class ParamUnit:
@@ -180,8 +221,12 @@ class ParamUnit:
         self.staged: torch.Tensor | None = None  # what the all-gather reads, alive until it completes
         self.depth = 0  # active forward calls
         self.pending_backward = 0  # forward calls under grad whose backward has not finished
+        self.secondary: torch.Tensor | None = None
+        self.secondary_current = False  # holds the weights the primary shards hold now
         self.adopt()
-        self.reshard()
+        self.reshard()  # ``full`` holds nothing yet: the secondary copy starts after this
+        if lanes.secondary is not None and spec.kind != "persistent":  # [Note: hpZ's secondary partition]
+            self.secondary = torch.empty(bucket.numel // lanes.secondary.world, dtype=shard.dtype, device=shard.device)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -217,11 +262,15 @@ class ParamUnit:
         else:  # a resident buffer, no fresh pages ([Note: gathered units borrow resident buffers])
             self.buffers.fill(storage, self.nbytes)
         self._mark(released=False)
-        self.staged = self.shard if self.fetch is None else self.fetch()
         tag = f"ZeRO-3 unit {self.index} ({self.spec.name})"
+        if self.secondary_current:
+            assert self.lanes.secondary is not None
+            self.staged, group, tag = self.secondary, self.lanes.secondary.gather, tag + " from the node's secondary partition"
+        else:
+            self.staged, group = self.shard if self.fetch is None else self.fetch(), self.lanes.gather
         staged = self.staged
         self.work = self.context.issue(
-            "all_gather", lambda: comm.all_gather_into_tensor(self.flat, staged, group=self.lanes.gather, tag=tag), tag
+            "all_gather", lambda: comm.all_gather_into_tensor(self.flat, staged, group=group, tag=tag), tag
         )
         self.state = UnitState.GATHERING
 
@@ -243,6 +292,10 @@ class ParamUnit:
         if self.kind == "persistent" or self.state is UnitState.FREE:
             return
         self.wait()
+        if self.secondary is not None and not self.secondary_current:
+            assert self.lanes.secondary is not None
+            self.secondary.copy_(self.flat.view(self.lanes.secondary.world, -1)[self.lanes.secondary.rank])
+            self.secondary_current = True
         self.context.free(self._empty, tag=f"ZeRO-3 unit {self.index}")
         self._mark(released=True)
         self.state = UnitState.FREE
@@ -260,6 +313,10 @@ class ParamUnit:
                 p.__class__ = ReleasedParameter
             elif not released and type(p) is ReleasedParameter:
                 p.__class__ = torch.nn.Parameter
+
+    def shard_changed(self) -> None:
+        """The primary shards hold new weights (a step, a load, a modification): the secondary copy is stale."""
+        self.secondary_current = False
 
     def refresh(self) -> None:
         """Re-gather a live unit after its shard changed (the persistent unit after each step)."""
