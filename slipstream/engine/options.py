@@ -98,7 +98,8 @@ def engine_options(
             unit_classes=zero.stage3_unit_modules, persistence_threshold=zero.stage3_param_persistence_threshold,
             prefetch_numel=zero.stage3_prefetch_bucket_size, max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_numel=zero.stage3_max_reuse_distance, hpz_size=zero.zero_hpz_partition_size,
-            mics_shard_size=zero.mics_shard_size,
+            mics_shard_size=zero.mics_shard_size, weight_bits=8 if zero.zero_quantized_weights else 0,
+            gradient_bits=4 if zero.zero_quantized_gradients else 0,
         )  # fmt: skip
     return EngineOptions(cfg, sizes, parallel, sharding, zero.stage, stage3, optimizer)
 

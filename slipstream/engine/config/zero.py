@@ -127,7 +127,7 @@ class ZeroConfig(Section):
                 raise ValueError(f"{spelled} are one setting with two values; keep one")
         return data
 
-    _no_quantized = refuse("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients", allowed=False, what="ZeRO++ quantized communication")
+    _no_quantized = refuse("zero_quantized_nontrainable_weights", allowed=False, what="ZeRO++ INT8 storage of frozen weights")
 
     _no_zenflow = refuse("zenflow", allowed=None, what="ZenFlow")
 
@@ -147,9 +147,13 @@ class ZeroConfig(Section):
 
     def _check_hierarchy(self) -> None:
         """hpZ and MiCS are layouts of stage 3's weights, and one at a time (docs/zero.md, "Hierarchical layouts")."""
-        for name, value, off in (("zero_hpz_partition_size", self.zero_hpz_partition_size, 1), ("mics_shard_size", self.mics_shard_size, -1)):
+        layouts = (
+            ("zero_hpz_partition_size", self.zero_hpz_partition_size, 1), ("mics_shard_size", self.mics_shard_size, -1),
+            ("zero_quantized_weights", self.zero_quantized_weights, False), ("zero_quantized_gradients", self.zero_quantized_gradients, False),
+        )  # fmt: skip
+        for name, value, off in layouts:
             if value != off and self.stage != 3:
-                raise ValueError(f"zero_optimization.{name}: needs stage 3 (it lays out the partitioned weights), got stage {self.stage}")
+                raise ValueError(f"zero_optimization.{name}: needs stage 3 (ZeRO++ and MiCS change how its partitions move), got stage {self.stage}")
         if self.zero_hpz_partition_size > 1 and self.mics_shard_size > 0:
             raise ValueError(
                 "zero_optimization.zero_hpz_partition_size: hpZ and MiCS (mics_shard_size) are two layouts of the same "

@@ -25,6 +25,7 @@ import torch
 
 from slipstream import comm
 from slipstream.comm.context import CommContext, Pending
+from slipstream.comm.quantized import reduce_scatter_quantized
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
@@ -66,6 +67,7 @@ class UnitReducer:
         self.grads_before: dict[int, list[tuple[torch.Tensor, int] | None]] = {}  # unit -> each .grad its backward started from
         self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
         self.context = CommContext()  # the strategy's (set by it): reduce-scatters on their own stream
+        self.gradient_bits = 0  # qgZ: reduce-scatters travel as INT4 all-to-alls (set by the strategy)
 
     def grads(self) -> Chunks:
         """The gradient chunks in partition coordinates."""
@@ -113,7 +115,7 @@ class UnitReducer:
         if pre_scale != 1.0:
             send.mul_(pre_scale)
         chunk = self.chunks[unit.index]
-        wire = send if self.communication_dtype is None else send.to(self.communication_dtype)
+        wire = send if self.communication_dtype is None or self.gradient_bits else send.to(self.communication_dtype)
         into = "add" if unit.index in self.has_grad else "copy"
         if into == "copy" and self.communication_dtype is None:
             receive, into = chunk, "chunk"
@@ -121,7 +123,13 @@ class UnitReducer:
             receive = torch.empty(chunk.numel(), dtype=wire.dtype, device=chunk.device)
         self.has_grad.add(unit.index)
         tag = f"ZeRO-3 gradients of unit {unit.index} ({unit.spec.name})"
-        work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=unit.lanes.reduce, tag=tag), tag)
+        if self.gradient_bits:  # qgZ ([Note: block-wise quantization] in comm/quantized.py): decoded and summed in fp32
+            bits = self.gradient_bits
+            work = self.context.issue(
+                "reduce_scatter", lambda: reduce_scatter_quantized(receive, send, group=unit.lanes.reduce, tag=tag, bits=bits), tag
+            )  # fmt: skip
+        else:
+            work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=unit.lanes.reduce, tag=tag), tag)
         self.reductions.append(_Reduction(unit, work, send, receive, into))
         # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one), and take
         # back the ones whose reduce-scatter already finished (see [Note: send buffers]).

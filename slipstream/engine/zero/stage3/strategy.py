@@ -52,6 +52,8 @@ class Stage3Options:
     max_reuse_numel: int | None = None  # keep a unit gathered into its backward when reused within this many elements
     hpz_size: int = 1  # ZeRO++ hpZ: ranks of the secondary partition (zero_hpz_partition_size); 1: none
     mics_shard_size: int = -1  # MiCS: ranks per shard group; -1: the whole group
+    weight_bits: int = 0  # ZeRO++ qwZ (zero_quantized_weights): 8; 0: full precision
+    gradient_bits: int = 0  # ZeRO++ qgZ (zero_quantized_gradients): 4; 0: full precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,7 @@ class Stage3Strategy(MastersStrategy):
         self.buffers = UnitBuffers()
         for unit in self.units:  # persistent units stay gathered in memory of their own
             unit.context, unit.buffers = self.comm_context, self.buffers if unit.kind != "persistent" else None
+            unit.weight_bits = stage3.weight_bits if unit.kind != "persistent" else 0  # refreshed once a step: exact
         offload = options.offload
         nvme = offload is not None and "nvme" in (offload.optimizer, offload.param)
         job_id = shared_job_id(options.group) if nvme else ""
@@ -126,6 +129,7 @@ class Stage3Strategy(MastersStrategy):
             lambda u: self.masters.gradient_buffer(f"grad_{u.index:05d}", u.chunk), self.buffers,
         )  # fmt: skip
         self.reducer.context = self.comm_context
+        self.reducer.gradient_bits = stage3.gradient_bits
         self.schedule = GatherSchedule(
             self.blocks, self.units, stage3.prefetch_numel, stage3.max_live_numel, self.reducer.unit_done, stage3.max_reuse_numel
         )  # fmt: skip

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.comm.context import CommContext, Pending
+from slipstream.comm.quantized import all_gather_quantized
 from slipstream.engine.zero.flat_layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.storage import alias
 from slipstream.engine.zero.stage3.buffers import UnitBuffers
@@ -222,6 +223,7 @@ class ParamUnit:
         self.depth = 0  # active forward calls
         self.pending_backward = 0  # forward calls under grad whose backward has not finished
         self.secondary: torch.Tensor | None = None
+        self.weight_bits = 0  # qwZ: gathers from the primary shards travel as INT8 (set by the strategy)
         self.secondary_current = False  # holds the weights the primary shards hold now
         self.adopt()
         self.reshard()  # ``full`` holds nothing yet: the secondary copy starts after this
@@ -268,10 +270,13 @@ class ParamUnit:
             self.staged, group, tag = self.secondary, self.lanes.secondary.gather, tag + " from the node's secondary partition"
         else:
             self.staged, group = self.shard if self.fetch is None else self.fetch(), self.lanes.gather
-        staged = self.staged
-        self.work = self.context.issue(
-            "all_gather", lambda: comm.all_gather_into_tensor(self.flat, staged, group=group, tag=tag), tag
-        )
+        staged, bits = self.staged, self.weight_bits if group is self.lanes.gather else 0
+        if bits:  # qwZ: across the whole group, block-quantized ([Note: block-wise quantization] in comm/quantized.py)
+            self.work = self.context.issue("all_gather", lambda: all_gather_quantized(self.flat, staged, group=group, tag=tag, bits=bits), tag)
+        else:
+            self.work = self.context.issue(
+                "all_gather", lambda: comm.all_gather_into_tensor(self.flat, staged, group=group, tag=tag), tag
+            )
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
