@@ -32,40 +32,52 @@ def packed_nbytes(numel: int, bits: int, block: int = BLOCK) -> int:
 
 def quantize(values: torch.Tensor, bits: int, out: torch.Tensor | None = None, block: int = BLOCK) -> torch.Tensor:
     """``values`` (1-D, any float dtype) as the bytes of [Note: block-wise quantization]; into ``out`` when given."""
+    numel = values.numel()
+    out = torch.empty(packed_nbytes(numel, bits, block), dtype=torch.uint8, device=values.device) if out is None else out
+    quantize_rows(values.reshape(1, numel), bits, out.view(1, -1), block)
+    return out
+
+
+def quantize_rows(rows: torch.Tensor, bits: int, out: torch.Tensor, block: int = BLOCK) -> None:
+    """Each row of ``rows`` ([r, n]) quantized on its own into the same row of ``out`` ([r, packed_nbytes(n)]), in one pass."""
     if bits not in (4, 8):
         raise ValueError(f"quantize: {bits} bits; 4 and 8 are supported")
-    numel = values.numel()
+    count, numel = rows.shape
     blocks = -(-numel // block)
-    x = values.detach().reshape(-1).float()
+    x = rows.detach().float()
     if blocks * block != numel:
         x = torch.nn.functional.pad(x, (0, blocks * block - numel))
-    x = x.view(blocks, block)
+    x = x.view(count, blocks, block)
     top = 2 ** (bits - 1) - 1
-    scales = x.abs().amax(dim=1).div_(top)
+    scales = x.abs().amax(dim=2).div_(top)
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = x.div(scales.unsqueeze(1)).round_().clamp_(-top, top).to(torch.int8)
-    out = torch.empty(packed_nbytes(numel, bits, block), dtype=torch.uint8, device=values.device) if out is None else out
+    q = x.div(scales.unsqueeze(2)).round_().clamp_(-top, top).to(torch.int8).view(count, -1)
     data = blocks * block * bits // 8
     if bits == 8:
-        out[:data].copy_(q.view(torch.uint8).view(-1))
+        out[:, :data].copy_(q.view(torch.uint8))
     else:  # two per byte, offset to 0..15
-        nibbles = (q.view(-1) + 8).to(torch.uint8).view(-1, 2)
-        out[:data].copy_(nibbles[:, 0] | (nibbles[:, 1] << 4))
-    out[data:].copy_(scales.view(torch.uint8))
-    return out
+        nibbles = (q + 8).to(torch.uint8).view(count, -1, 2)
+        out[:, :data].copy_(nibbles[:, :, 0] | (nibbles[:, :, 1] << 4))
+    out[:, data:].copy_(scales.contiguous().view(torch.uint8))
 
 
 def dequantize(packed: torch.Tensor, numel: int, bits: int, block: int = BLOCK) -> torch.Tensor:
     """The fp32 values of ``quantize``'s bytes (``numel`` of them)."""
+    return dequantize_rows(packed.view(1, -1), numel, bits, block)[0]
+
+
+def dequantize_rows(packed: torch.Tensor, numel: int, bits: int, block: int = BLOCK) -> torch.Tensor:
+    """``quantize_rows``' bytes ([r, packed_nbytes(numel)]) decoded to fp32 ([r, numel]), in one pass."""
+    count = packed.shape[0]
     blocks = -(-numel // block)
     data = blocks * block * bits // 8
-    scales = packed[data : data + 4 * blocks].view(torch.float32)
+    scales = packed[:, data : data + 4 * blocks].contiguous().view(torch.float32)
     if bits == 8:
-        q = packed[:data].view(torch.int8).float()
+        q = packed[:, :data].view(torch.int8).float()
     else:
-        b = packed[:data]
-        q = torch.stack(((b & 0x0F).to(torch.int8) - 8, (b >> 4).to(torch.int8) - 8), dim=1).view(-1).float()
-    return q.view(blocks, block).mul_(scales.unsqueeze(1)).view(-1)[:numel]
+        b = packed[:, :data]
+        q = torch.stack(((b & 0x0F).to(torch.int8) - 8, (b >> 4).to(torch.int8) - 8), dim=2).view(count, -1).float()
+    return q.view(count, blocks, block).mul_(scales.unsqueeze(2)).view(count, -1)[:, :numel]
 
 
 def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = "", bits: int = 8) -> Work:
@@ -78,9 +90,7 @@ def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group: dist.
     work = all_gather_into_tensor(wire, wire[rank * piece : (rank + 1) * piece], group=group, tag=f"{tag} (INT{bits})")
 
     def decode() -> None:
-        rows = output.view(world, numel)
-        for r in range(world):
-            rows[r].copy_(dequantize(wire[r * piece : (r + 1) * piece], numel, bits))
+        output.view(world, numel).copy_(dequantize_rows(wire.view(world, piece), numel, bits))
 
     return _Then(work, decode)
 
@@ -91,8 +101,7 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, group: d
     numel = input.numel() // world
     piece = packed_nbytes(numel, bits)
     send = torch.empty(world, piece, dtype=torch.uint8, device=input.device)
-    for r, chunk in enumerate(input.view(world, numel)):
-        quantize(chunk, bits, out=send[r])
+    quantize_rows(input.view(world, numel), bits, send)
     received = torch.empty_like(send)
     nbytes = world * piece * (world - 1) // world
     work = _launch(
@@ -101,9 +110,10 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, group: d
     )  # fmt: skip
 
     def decode() -> None:
-        total = dequantize(received[0], numel, bits)
-        for r in range(1, world):
-            total += dequantize(received[r], numel, bits)
+        rows = dequantize_rows(received, numel, bits)
+        total = rows[0].clone()
+        for r in range(1, world):  # rank order, the same on every rank
+            total += rows[r]
         output.copy_(total)
 
     return _Then(work, decode)

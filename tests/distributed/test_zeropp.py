@@ -249,3 +249,25 @@ def _refusal_body(zero: dict, stage: int) -> str:
 )
 def test_layouts_that_cannot_be_honoured_are_refused_naming_the_key(zero: dict, stage: int, message: str) -> None:
     assert re.search(message, run_distributed(4, _refusal_body, zero, stage)[0])
+
+
+def _exact_body() -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = NODES_OF_TWO
+    zero = {"zero_hpz_partition_size": 2, "zero_quantized_weights": True, "zero_quantized_gradients": True}
+    model = tiny_gpt2(seed=0, n_layer=LAYERS)
+    engine = slipstream.initialize(model, _config(**zero))
+    train_engine(engine, global_batches(2, engine.train_batch_size()))
+    weights = engine.consolidated_state_dict()  # the fp32 masters: exact
+    weights = [weights] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(weights)
+    named = dict(model.named_parameters())
+    block = "transformer.h.1.mlp.c_fc.weight"
+    with slipstream.zero.GatheredParameters([named[block]]):  # INT8 on the wire in training; exact here
+        assert torch.equal(named[block].detach(), weights[0][block])
+    engine.close()  # the weights handed back are the masters, not a forward's decoded INT8 values
+    for name, value in model.named_parameters():
+        assert torch.equal(value.detach(), weights[0][name]), name
+
+
+def test_quantized_weights_never_leave_training() -> None:
+    run_distributed(4, _exact_body)

@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from slipstream.comm.distributed import current_timeout
+from slipstream.comm.topology import ranks_per_node
 from slipstream.engine.config.parallel import ALL_AXES, AXES, MeshSizes
 from slipstream.utils.eager_island import register
 from slipstream.utils.logging import get_logger, log_rank0
@@ -261,6 +262,9 @@ class Mesh:
     def describe(self) -> str:
         """Sizes, rank 0's coordinates and every group of each axis longer than one rank."""
         lines = [f"mesh: {self.sizes.describe()}; rank {self.rank} at {self.describe_coordinates()}"]
+        per_node = ranks_per_node()
+        if per_node < self.sizes.world:  # [Note: nodes from the launch] in comm/topology.py
+            lines.append(f"  nodes: {self.sizes.world // per_node} × {per_node} ranks (LOCAL_WORLD_SIZE)")
         for axes in BUILT:
             if 1 < len(self._ranks[axes]):
                 parts = partition(self.sizes, axes)

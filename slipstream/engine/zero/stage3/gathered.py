@@ -50,7 +50,7 @@ class PartitionedUnits:
 
     def gather(self, units: list[ParamUnit]) -> None:
         for unit in sorted(units, key=lambda u: u.index):
-            unit.unshard()
+            unit.unshard(exact=True)  # the weights themselves, never qwZ's INT8 approximation
         for unit in units:
             unit.wait()
 

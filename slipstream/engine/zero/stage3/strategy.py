@@ -189,7 +189,7 @@ class Stage3Strategy(MastersStrategy):
         """Every unit gathered and the unit hooks standing aside; on exit (``reduce``: the accumulated gradients
         reduce-scattered first) every unit's bookkeeping reset and its parameters freed."""
         for unit in self.units:
-            unit.gathered()
+            unit.gathered(exact=not reduce)  # set aside: the model as it is, for uses outside training (no qwZ)
             if reduce:
                 self.reducer.remember_grads(unit)
         self.unit_hooks.held = True

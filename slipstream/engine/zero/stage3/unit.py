@@ -254,8 +254,9 @@ class ParamUnit:
             p.data = self.full[begin:end].view(p.shape)
 
     # ------------------------------------------------------------------ storage
-    def unshard(self) -> None:
-        """Start filling ``full`` from every rank's chunk (asynchronous)."""
+    def unshard(self, exact: bool = False) -> None:
+        """Start filling ``full`` from every rank's chunk (asynchronous). ``exact``: never quantized (qwZ), for values
+        that leave the training step: ``GatheredParameters``, the weights handed back at close."""
         if self.state is not UnitState.FREE:
             return
         storage = self.full.untyped_storage()
@@ -265,12 +266,12 @@ class ParamUnit:
             self.buffers.fill(storage, self.nbytes)
         self._mark(released=False)
         tag = f"ZeRO-3 unit {self.index} ({self.spec.name})"
-        if self.secondary_current:
+        if self.secondary_current and not (exact and self.weight_bits):  # qwZ's secondary holds decoded INT8 values
             assert self.lanes.secondary is not None
             self.staged, group, tag = self.secondary, self.lanes.secondary.gather, tag + " from the node's secondary partition"
         else:
             self.staged, group = self.shard if self.fetch is None else self.fetch(), self.lanes.gather
-        staged, bits = self.staged, self.weight_bits if group is self.lanes.gather else 0
+        staged, bits = self.staged, self.weight_bits if group is self.lanes.gather and not exact else 0
         if bits:  # qwZ: across the whole group, block-quantized ([Note: block-wise quantization] in comm/quantized.py)
             self.work = self.context.issue("all_gather", lambda: all_gather_quantized(self.flat, staged, group=group, tag=tag, bits=bits), tag)
         else:
@@ -287,9 +288,9 @@ class ParamUnit:
             self.staged = None
             self.state = UnitState.LIVE
 
-    def gathered(self) -> None:
+    def gathered(self, exact: bool = False) -> None:
         """Unshard and wait."""
-        self.unshard()
+        self.unshard(exact)
         self.wait()
 
     def reshard(self) -> None:
@@ -333,7 +334,9 @@ class ParamUnit:
 
     def detach(self) -> None:
         """Give every parameter its full value back as an ordinary tensor (the engine is closing)."""
-        self.gathered()
+        if self.weight_bits:  # a forward's INT8 values are not the weights
+            self.reshard()
+        self.gathered(exact=True)
         for p, begin, end in self.ranges():
             p.data = self.full[begin:end].view(p.shape).clone()
         self._empty()
