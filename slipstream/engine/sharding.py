@@ -6,6 +6,7 @@ The stage is chosen here, once; the Engine only makes the calls on ``ShardingStr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -16,11 +17,11 @@ import torch.distributed as dist
 from slipstream.accelerator import Accelerator
 from slipstream.engine.options import EngineOptions
 from slipstream.engine.optimizers import build_optimizer
-from slipstream.engine.parallel.mesh import DENSE, Mesh
+from slipstream.engine.parallel.mesh import DENSE, Mesh, partition
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
 from slipstream.engine.zero.init import take_preshard
 from slipstream.engine.zero.partitioned import PartitionedStrategy
-from slipstream.comm.topology import link_class
+from slipstream.comm.topology import INTRA, link_class, node_of
 from slipstream.engine.config import ConfigError
 from slipstream.engine.zero.stage3.strategy import Hierarchy, Stage3Options, Stage3Strategy
 from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingStrategy
@@ -68,14 +69,16 @@ def shard(
 
 
 def hierarchy(stage3: Stage3Options, mesh: Mesh) -> Hierarchy | None:
-    """hpZ's secondary blocks or MiCS's shard groups, cut from the dense group (collective: every rank makes every group).
+    """hpZ's secondary blocks or MiCS's shard groups, and qgZ's node blocks, cut from the dense group (collective:
+    every rank makes every group).
 
     A size equal to the dense group is plain ZeRO-3 (one block holds everything); a size that
     does not divide it is refused naming the key. A block that spans nodes still works but
     gives up what the layout is for, so it is said once."""
     dense = len(mesh.ranks(*DENSE))
+    kind, block, across = None, None, None
     layouts = (("hpz", "zero_hpz_partition_size", stage3.hpz_size, 1), ("mics", "mics_shard_size", stage3.mics_shard_size, -1))
-    for kind, key, size, off in layouts:
+    for name, key, size, off in layouts:
         if size == off:
             continue
         if dense % size:
@@ -83,10 +86,27 @@ def hierarchy(stage3: Stage3Options, mesh: Mesh) -> Hierarchy | None:
                 f"zero_optimization.{key}: {size} does not divide the data-parallel group of {dense} ranks (dp·cp·sp); "
                 f"use a divisor of {dense}, usually the ranks per node"
             )
-        if size == dense:
+        if size < dense:
+            kind, (block, across) = name, mesh.split(DENSE, size, name)
+            if link_class(tuple(dist.get_process_group_ranks(block))) != INTRA:
+                log_rank0(logger, "zero_optimization.%s: a block of %d ranks spans nodes (LOCAL_WORLD_SIZE); its gathers cross them", key, size)
+    nodes = None
+    per_node = _dense_ranks_per_node(mesh) if stage3.gradient_bits else None
+    if per_node is not None:  # qgZ: [Note: quantize only what crosses nodes] (comm/quantized.py)
+        nodes = mesh.split(DENSE, per_node, "qgz")
+    if kind is None and nodes is None:
+        return None
+    return Hierarchy(kind, block, across, nodes)
+
+
+def _dense_ranks_per_node(mesh: Mesh) -> int | None:
+    """How many ranks of each dense group share a node, when every dense group is the same number of
+    consecutive ranks on each of several nodes; None when one node holds the group or the groups are ragged."""
+    counts = set()
+    for part in partition(mesh.sizes, DENSE):
+        runs = [len(list(run)) for _, run in itertools.groupby(part, key=node_of)]
+        if len(set(runs)) != 1 or len({node_of(rank) for rank in part}) != len(runs):
             return None
-        block, across = mesh.split(DENSE, size, kind)
-        if link_class(tuple(dist.get_process_group_ranks(block))) != "intra-node":
-            log_rank0(logger, "zero_optimization.%s: a block of %d ranks spans nodes (LOCAL_WORLD_SIZE); its gathers cross them", key, size)
-        return Hierarchy(kind, block, across)
-    return None
+        counts.add(runs[0])
+    count = counts.pop() if len(counts) == 1 else None
+    return count if count is not None and count < len(mesh.ranks(*DENSE)) else None

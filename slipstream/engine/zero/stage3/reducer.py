@@ -25,7 +25,7 @@ import torch
 
 from slipstream import comm
 from slipstream.comm.context import CommContext, Pending
-from slipstream.comm.quantized import reduce_scatter_quantized
+from slipstream.comm.quantized import reduce_scatter_across_nodes, reduce_scatter_quantized
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
@@ -115,7 +115,7 @@ class UnitReducer:
         if pre_scale != 1.0:
             send.mul_(pre_scale)
         chunk = self.chunks[unit.index]
-        wire = send if self.communication_dtype is None or self.gradient_bits else send.to(self.communication_dtype)
+        wire = send if self.communication_dtype is None else send.to(self.communication_dtype)
         into = "add" if unit.index in self.has_grad else "copy"
         if into == "copy" and self.communication_dtype is None:
             receive, into = chunk, "chunk"
@@ -123,12 +123,17 @@ class UnitReducer:
             receive = torch.empty(chunk.numel(), dtype=wire.dtype, device=chunk.device)
         self.has_grad.add(unit.index)
         tag = f"ZeRO-3 gradients of unit {unit.index} ({unit.spec.name})"
-        if self.gradient_bits:  # qgZ ([Note: block-wise quantization] in comm/quantized.py): decoded and summed in fp32
-            bits = self.gradient_bits
+        lanes, bits = unit.lanes, self.gradient_bits
+        if bits and lanes.nodes is not None:  # qgZ: summed inside each node, then INT4 across ([Note: quantize only what crosses nodes])
+            node, across = lanes.nodes
             work = self.context.issue(
-                "reduce_scatter", lambda: reduce_scatter_quantized(receive, send, group=unit.lanes.reduce, tag=tag, bits=bits), tag
+                "reduce_scatter", lambda: reduce_scatter_across_nodes(receive, send, node, across, tag=tag, bits=bits), tag
             )  # fmt: skip
-        else:
+        elif bits and lanes.crosses_nodes:  # a group whose nodes are not even blocks: INT4 over all of it
+            work = self.context.issue(
+                "reduce_scatter", lambda: reduce_scatter_quantized(receive, send, group=lanes.reduce, tag=tag, bits=bits), tag
+            )  # fmt: skip
+        else:  # one node (or qgZ off): nothing crosses a slow link, nothing is quantized
             work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=unit.lanes.reduce, tag=tag), tag)
         self.reductions.append(_Reduction(unit, work, send, receive, into))
         # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one), and take

@@ -58,14 +58,17 @@ class Stage3Options:
 
 @dataclasses.dataclass(frozen=True)
 class Hierarchy:
-    """hpZ's or MiCS's groups for parameters sharded over the default group (mesh.split makes them).
+    """hpZ's or MiCS's groups, and qgZ's, for parameters sharded over the default group (``engine/sharding.py`` makes them).
 
-    hpZ: ``block`` is the secondary partition's group (a node), ``across`` unused. MiCS: ``block``
-    is the shard group the parameters are partitioned over, ``across`` its replicas."""
+    ``kind`` "hpz": ``block`` is the secondary partition's group (a node). "mics": ``block`` is the
+    shard group the parameters are partitioned over, ``across`` its replicas. None: neither.
+    ``nodes`` (qgZ, the default group spanning several nodes): its node blocks and the groups
+    across them, for the two-hop reduce-scatter ([Note: quantize only what crosses nodes])."""
 
-    kind: str  # "hpz" or "mics"
-    block: dist.ProcessGroup
+    kind: str | None
+    block: dist.ProcessGroup | None
     across: dist.ProcessGroup | None
+    nodes: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
 
 
 class Stage3Strategy(MastersStrategy):
@@ -85,7 +88,7 @@ class Stage3Strategy(MastersStrategy):
         self.dtype = single_dtype(managed, 3)
         device = managed[0].device if managed else torch.device("cpu")
         self.hierarchy = hierarchy
-        mics = hierarchy is not None and hierarchy.kind == "mics"
+        mics = hierarchy is not None and hierarchy.kind == "mics" and hierarchy.block is not None
         if mics and preshard is not None:
             raise ConfigError(
                 "zero_optimization.mics_shard_size: a model built under slipstream.zero.Init is sharded over every rank; "
@@ -149,8 +152,8 @@ class Stage3Strategy(MastersStrategy):
         h, default = self.hierarchy, self.options.group
         if h is not None and h.kind == "mics" and group is h.block:
             return GroupLanes.of(group, replicas=h.across, data=default)
-        if h is not None and h.kind == "hpz" and group is default:
-            return GroupLanes.of(group, secondary=h.block)
+        if h is not None and group is default:
+            return GroupLanes.of(group, secondary=h.block if h.kind == "hpz" else None, nodes=h.nodes)
         return GroupLanes.of(group)
 
     def _optimized_pieces(self) -> list[OptimizedPiece]:

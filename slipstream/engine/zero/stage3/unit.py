@@ -38,6 +38,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.comm.context import CommContext, Pending
 from slipstream.comm.quantized import all_gather_quantized
+from slipstream.comm.topology import INTER, link_class
 from slipstream.engine.zero.flat_layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.storage import alias
 from slipstream.engine.zero.stage3.buffers import UnitBuffers
@@ -178,19 +179,29 @@ class GroupLanes:
     replicas: dist.ProcessGroup | None = None
     data: dist.ProcessGroup | None = None
     secondary: SecondaryLanes | None = None
+    nodes: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # qgZ: reduce lanes inside each node, and across nodes
+    crosses_nodes: bool = False  # the group spans several nodes (comm/topology.py)
 
     @staticmethod
     def of(group: dist.ProcessGroup | None, replicas: dist.ProcessGroup | None = None, data: dist.ProcessGroup | None = None,
-           secondary: dist.ProcessGroup | None = None) -> GroupLanes:  # fmt: skip
+           secondary: dist.ProcessGroup | None = None, nodes: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None,
+           ) -> GroupLanes:  # fmt: skip
         """``data`` defaults to ``group`` (no replicas: the partition's ranks are all the data's)."""
         second = None
         if secondary is not None:
             second = SecondaryLanes(secondary, comm.lane_group(secondary, "zero3-hpz-gather"), dist.get_world_size(secondary),
                                     dist.get_rank(secondary))  # fmt: skip
             comm.ring_context(second.gather)
+        node_lanes = None
+        if nodes is not None and nodes[1] is not None:
+            node_lanes = (comm.lane_group(nodes[0], "zero3-qgz-node"), comm.lane_group(nodes[1], "zero3-qgz-across"))
+            for lane in node_lanes:
+                comm.ring_context(lane)
+        ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
         lanes = GroupLanes(group, comm.lane_group(group, "zero3-gather"), comm.lane_group(group, "zero3-reduce"),
                            dist.get_world_size(group), dist.get_rank(group), replicas,
-                           group if replicas is None else data, second)  # fmt: skip
+                           group if replicas is None else data, second, node_lanes,  # type: ignore[arg-type]
+                           link_class(ranks) == INTER)  # fmt: skip
         comm.ring_context(lanes.gather)  # set up now rather than inside a hook
         comm.ring_context(lanes.reduce)
         return lanes
