@@ -208,7 +208,8 @@ def _checkpoint_body() -> dict:
         rest = train_engine(saved, batches[3:])
         saved.close()
         out = {}
-        for name, zero in (("zero3", {}), ("hpz", {"zero_hpz_partition_size": 2}), ("mics", {"mics_shard_size": 2})):
+        layouts = (("zero3", {}), ("hpz", {"zero_hpz_partition_size": 2}), ("mics", {"mics_shard_size": 2}), ("stage 2", {"stage": 2}))
+        for name, zero in layouts:
             engine = slipstream.initialize(tiny_gpt2(seed=1, n_layer=LAYERS), _config(**zero))
             engine.load_checkpoint(save_dir, tag="mics")
             loaded = engine.consolidated_state_dict()
@@ -230,7 +231,7 @@ def _checkpoint_body() -> dict:
             shutil.rmtree(save_dir, ignore_errors=True)
 
 
-def test_checkpoints_move_between_mics_hpz_and_plain_zero3() -> None:
+def test_checkpoints_move_between_mics_hpz_and_plain_zero_stages() -> None:
     run_distributed(4, _checkpoint_body)
 
 
