@@ -278,3 +278,45 @@ def _exact_body() -> None:
 
 def test_quantized_weights_never_leave_training() -> None:
     run_distributed(4, _exact_body)
+
+
+def _composed_run(extra: dict, layout: dict, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from tests.reference import tiny_mixtral, train_step_on_global_batch
+
+    os.environ["LOCAL_WORLD_SIZE"] = NODES_OF_TWO
+    extra = dict(extra)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **layout, **extra.pop("zero", {})}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": zero, **extra}  # fmt: skip
+    engine = slipstream.initialize(tiny_mixtral(seed=0) if name == "mixtral" else tiny_gpt2(seed=0), config)
+    rows = 2 * dist.get_world_size() * engine.gradient_accumulation_steps()
+    generator = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 128, (rows, 16), generator=generator) for _ in range(4)]
+    losses = [train_step_on_global_batch(engine, tokens, 2) for tokens in batches]
+    state = engine.consolidated_state_dict()
+    engine.close()
+    return losses, state
+
+
+def _composed_body(extra: dict, name: str) -> None:
+    plain = _composed_run(extra, {}, name)
+    hpz = _composed_run(extra, {"zero_hpz_partition_size": 2}, name)
+    mics = _composed_run(extra, {"mics_shard_size": 2}, name)
+    if dist.get_rank() == 0:
+        assert hpz[0] == plain[0], (hpz[0], plain[0])
+        assert all(torch.equal(hpz[1][k], v) for k, v in plain[1].items())
+        for a, b in zip(mics[0], plain[0], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (mics[0], plain[0])
+
+
+@pytest.mark.parametrize(
+    ("extra", "name"),
+    [
+        ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "mixtral"),  # experts keep their own sharding group
+        ({"zero": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}, "gradient_accumulation_steps": 2,
+          "activation_checkpointing": {"module_classes": ["GPT2Block"]}}, "gpt2"),  # fmt: skip
+    ],
+    ids=["experts", "offload+recompute+accumulation"],
+)
+def test_layouts_compose_with_experts_offload_and_recompute(extra: dict, name: str) -> None:
+    run_distributed(4, _composed_body, extra, name)
