@@ -4,8 +4,9 @@
   (autograd accumulates in place) and each bucket reduce-scatters in place, so this rank's
   chunk of the buffer ends up holding the averaged gradient.
 * :class:`ShardedGradients` (stage 2): only this rank's gradient shard persists. On the boundary
-  micro-step a finished gradient is packed into its bucket's send buffer and freed at once; the
-  bucket reduce-scatters into the shard. Between boundaries gradients accumulate in ``.grad``.
+  micro-step a bucket's gradients are packed into its send buffer when it launches and freed
+  ([Note: packed at launch]); the bucket reduce-scatters into the shard. Between boundaries
+  gradients accumulate in ``.grad``.
 """
 
 from __future__ import annotations
@@ -98,33 +99,49 @@ class ShardedGradients(GradientStorage):
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         largest = max((b.numel for b in layout.buckets), default=0)
         self.pool = SendBuffers(largest, dtype, device, count=buffers)
-        self.taken: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # bucket -> (send, pool base)
+        self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (pooled buffer, bucket) -> its members' places
         self.inflight = inflight
 
     def on_grad(self, i: int, param: torch.Tensor, sync: bool) -> None:
-        if sync:
-            self._pack(i, param)
-
-    def _pack(self, i: int, param: torch.Tensor) -> None:
-        """Move a finished gradient into its bucket's send buffer and free it at once."""
-        slot = self.layout.slots[i]
-        assert slot is not None
-        bucket = self.layout.buckets[slot.bucket]
-        send = self._take(bucket)[0]
-        send[slot.start - bucket.start : slot.start - bucket.start + slot.numel].copy_(param.grad.view(-1))
-        param.grad = None
-
-    def _take(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if bucket.index not in self.taken:
-            self.taken[bucket.index] = self.pool.acquire(bucket.numel, self.inflight)
-        return self.taken[bucket.index]
+        """Nothing per gradient: the bucket packs its members in one go when it launches ([Note: packed at launch])."""
 
     def send(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
-        for i in bucket.members:  # used in an earlier micro-step of this window but not in the last
-            if self.params[i].grad is not None:
-                self._pack(i, self.params[i])
-        # Gradients nobody produced (unused parameters, padding) stay zero.
-        return self.taken.pop(bucket.index, None) or self.pool.acquire(bucket.numel, self.inflight)
+        """The bucket's send buffer with every gradient its members hold, which are then freed.
+
+        [Note: packed at launch] Copying each gradient into the send buffer from its own hook
+        cost ~5 µs of Python per parameter tensor (a third of a step at 10,000 tensors, 1.2× DDP).
+        The bucket launches once all its gradients have arrived, so they are copied then, with one
+        ``_foreach_copy_`` into views of the buffer made once per pooled buffer and bucket, and
+        freed; a gradient of an earlier micro-step that the last one did not touch is among them.
+        The bucket's gradients live until its launch, as in DDP's buckets: one bucket more at peak.
+        """
+        send, base = self.pool.acquire(bucket.numel, self.inflight)
+        params = self.params
+        grads = [params[i].grad for i in bucket.members]
+        present = [k for k, g in enumerate(grads) if g is not None]  # gradients nobody produced stay zero
+        if present:
+            views = self._views(send, base, bucket)
+            if len(present) < len(grads):
+                views, grads = [views[k] for k in present], [grads[k] for k in present]
+            torch._foreach_copy_(views, grads)
+            for k in present:
+                params[bucket.members[k]].grad = None
+        return send, base
+
+    def _views(self, send: torch.Tensor, base: torch.Tensor | None, bucket: LayoutBucket) -> list[torch.Tensor]:
+        """Each member's place in ``send``, shaped like its parameter (cached per pooled buffer and bucket)."""
+        key = (base.data_ptr(), bucket.index) if base is not None else None
+        views = self.views.get(key) if key is not None else None
+        if views is None:
+            views = []
+            for i in bucket.members:
+                slot = self.layout.slots[i]
+                assert slot is not None
+                begin = slot.start - bucket.start
+                views.append(send[begin : begin + slot.numel].view(self.params[i].shape))
+            if key is not None:
+                self.views[key] = views
+        return views
 
     def chunk(self, bucket: LayoutBucket) -> torch.Tensor:
         return self.layout.shard_chunk(self.shard, bucket)
@@ -137,10 +154,6 @@ class ShardedGradients(GradientStorage):
         for b in self.layout.buckets:
             for i in b.members:
                 self.params[i].grad = None
-        for _, base in self.taken.values():
-            if base is not None:
-                self.pool.free.append(base)
-        self.taken.clear()
 
     def nbytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
