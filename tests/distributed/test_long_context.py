@@ -51,7 +51,7 @@ def _config(mode: str, stage: int, batch: int, tiled: bool, bf16: bool = False, 
     if offload is not None:  # every block checkpointed, its inputs waiting in files
         cfg["activation_checkpointing"] = {"module_classes": ["LlamaDecoderLayer"], "offload_path": offload}
     if tiled:
-        cfg["long_context"] = {"tiled_logits": {"enabled": mode != "pp", "tile_tokens": 7}, "tiled_mlp": {"enabled": True, "tile_tokens": 10}}
+        cfg["long_context"] = {"tiled_logits": {"enabled": True, "tile_tokens": 7}, "tiled_mlp": {"enabled": True, "tile_tokens": 10}}
     return cfg
 
 
@@ -64,6 +64,8 @@ def _train(mode: str, stage: int, batch: int, tiled: bool, bf16: bool, offload: 
         checkpointing._offloads[offload] = FileOffload(offload, min_bytes=0)
     engine = slipstream.initialize(model, _config(mode, stage, batch, tiled, bf16, offload))
     start = engine.consolidated_state_dict()
+    tiles = engine.parallel.tiling.logits if tiled and engine.parallel.tiling is not None else None
+    counted = tiles.tiled_losses if tiles is not None else 0  # the twin check's forward at initialize may count one
     g = torch.Generator().manual_seed(11)
     losses, deferred, first = [], False, {}
     for step in range(STEPS):
@@ -79,8 +81,10 @@ def _train(mode: str, stage: int, batch: int, tiled: bool, bf16: bool, offload: 
                 engine.backward(out.loss)
                 engine.step()
                 window.append(out.loss)
-            deferred = deferred or tiled  # tiled MLP only: the head is not deferred under a pipeline (refused)
             losses.append(sum(float(loss) for loss in window) / 2)
+            if tiles is not None:  # the last stage computed both micro-batches' losses over tiles; the first none
+                last = engine.mesh.rank_of("pp") == engine.mesh.size("pp") - 1
+                deferred = tiles.tiled_losses - counted == (2 * (step + 1) if last else 0)
             continue
         out = engine(input_ids=ids, labels=labels)
         deferred = deferred or type(out.__dict__.get("logits")).__name__ == "DeferredLogits"
@@ -117,11 +121,12 @@ def _compare(result: dict[str, Any], loss_rtol: float, update_rtol: float) -> No
 
 @pytest.mark.parametrize(
     "mode,stage,batch",
-    [("ulysses", 0, 1), ("ulysses", 3, 4), ("ring", 0, 4), ("zigzag", 3, 1), ("tp", 0, 2), ("tp", 3, 1), ("dp", 3, 2), ("pp", 1, 2)],
+    [("ulysses", 0, 1), ("ulysses", 3, 4), ("ring", 0, 4), ("zigzag", 3, 1), ("tp", 0, 2), ("tp", 3, 1), ("dp", 3, 2), ("pp", 1, 2), ("pp", 3, 2)],
 )
 def test_tiled_logits_and_mlp_equal_the_untiled_run(mode: str, stage: int, batch: int) -> None:
     results = run_distributed(2, _both, mode, stage, batch, False)
     _compare(results[0], 1e-5, 1e-3)
+    assert all(r["tiled"][2] for r in results), "a rank's loss was not tiled (under pp: the last stage's, every micro-batch)"
 
 
 def test_tiled_in_bf16_follows_the_untiled_bf16_run() -> None:
@@ -136,3 +141,46 @@ def test_all_three_with_the_checkpointed_inputs_in_files(tmp_path: Any) -> None:
     """Tiled logits, tiled MLP and checkpointed blocks whose inputs wait in files: Ulysses, ZeRO-3, the untiled run's result."""
     results = run_distributed(2, _both, "ulysses", 3, 2, False, str(tmp_path))
     _compare(results[0], 1e-5, 1e-3)
+
+
+def _pipeline_run(schedule: str, tiled: bool) -> tuple[list[float], int | None]:
+    from tests.reference import tiny_gpt2
+
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "pipeline": {"stages": 2, "schedule": schedule, "virtual_stages": 2},
+    }  # fmt: skip
+    if tiled:
+        cfg["long_context"] = {"tiled_logits": {"enabled": True, "tile_tokens": 5}}
+    engine = slipstream.initialize(tiny_gpt2(seed=0, n_layer=4), cfg)  # the head is tied to the embeddings
+    counted = engine.parallel.tiling.logits.tiled_losses if tiled else 0
+    g = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 256, (8, 16), generator=g)
+        window = []
+        for m in range(4):
+            out = engine(input_ids=ids[2 * m : 2 * m + 2], labels=ids[2 * m : 2 * m + 2])
+            engine.backward(out.loss)
+            engine.step()
+            window.append(out.loss)
+        losses.append(sum(float(loss) for loss in window) / 4)
+    tiles = engine.parallel.tiling.logits.tiled_losses - counted if tiled else None
+    engine.close()
+    return losses, tiles
+
+
+def _pipeline_both(schedule: str) -> dict[str, Any]:
+    return {"plain": _pipeline_run(schedule, False), "tiled": _pipeline_run(schedule, True)}
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "dualpipev"])
+def test_tiled_logits_on_the_last_stage_of_any_schedule(schedule: str) -> None:
+    # Interleaved 1F1B puts the last (virtual) stage on rank 1, DualPipeV's V shape on rank 0.
+    results = run_distributed(2, _pipeline_both, schedule)
+    for a, b in zip(results[0]["plain"][0], results[0]["tiled"][0], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (results[0]["plain"][0], results[0]["tiled"][0])
+    counts = sorted(r["tiled"][1] for r in results)
+    assert counts == [0, 4 * STEPS], counts  # every micro-batch's loss tiled, on the one rank holding the last stage
+    last = 0 if schedule == "dualpipev" else 1
+    assert results[last]["tiled"][1] == 4 * STEPS, [r["tiled"][1] for r in results]

@@ -186,8 +186,7 @@ def test_refusals_name_the_key_and_the_reason() -> None:
     bert = BertForMaskedLM(BertConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=50))
     with pytest.raises(ConfigError, match=r"BertForMaskedLM's loss is ForMaskedLMLoss, not transformers' ForCausalLMLoss"):
         TilingOptions.from_config(cfg, _sizes(), bert, False)
-    with pytest.raises(ConfigError, match=r"long_context.tiled_logits: not with pipeline parallelism"):
-        TilingOptions.from_config(cfg, _sizes(pp=2), _llama(), False)
+    assert TilingOptions.from_config(cfg, _sizes(pp=2), _llama(), False) is not None  # the last stage tiles its loss
     stage3 = SlipstreamConfig.load({**on, "zero_optimization": {"stage": 3, "stage3_unit_modules": ["Linear"]}})
     with pytest.raises(ConfigError, match=r"the head Linear is a ZeRO-3 unit"):
         TilingOptions.from_config(stage3, _sizes(), _llama(), False)

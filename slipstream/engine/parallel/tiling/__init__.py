@@ -41,7 +41,7 @@ class TilingOptions:
             return None
         units = set(cfg.zero_optimization.stage3_unit_modules or ()) if cfg.zero_optimization.stage == 3 else set()
         if logits.enabled:
-            _check_head(model, sizes, units)
+            _check_head(model, units)
         classes = tuple(mlp.module_classes) if mlp.module_classes else None
         if mlp.enabled:
             if units & set(classes or ()):
@@ -57,10 +57,8 @@ class TilingOptions:
         return cls(logits.tile_tokens if logits.enabled else None, mlp.tile_tokens if mlp.enabled else None, classes, presharded)
 
 
-def _check_head(model: torch.nn.Module, sizes: MeshSizes, units: set[str]) -> None:
+def _check_head(model: torch.nn.Module, units: set[str]) -> None:
     name = type(model).__name__
-    if sizes.size("pp") > 1:
-        raise ConfigError("long_context.tiled_logits: not with pipeline parallelism yet (the loss runs on the last stage's carry); turn one off")
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if head is None or head_vocab(head) is None:

@@ -157,6 +157,7 @@ class TiledLogits:
         self.names = [n for n, _ in head.named_parameters()]
         self._armed = False
         self._warned = False
+        self.tiled_losses = 0  # losses computed over tiles so far (the logits never whole): what tests and logs read
         self._head_forward = head.forward  # its own (or an instance-level one someone set before us)
         self._restore_head = replace_forward(head, self._deferring_forward)
         # transformers keeps a set loss_function in ``_loss_function`` (a property); a plain module in the attribute
@@ -239,6 +240,7 @@ class TiledLogits:
             return F.cross_entropy(out, targets[start : start + piece.shape[0]], ignore_index=ignore_index, reduction="sum")
 
         total = tiled(tile_loss, hidden.reshape(-1, hidden.shape[-1]), params, self.tile, "sum")
+        self.tiled_losses += 1
         if num_items is None:
             return total / (targets != ignore_index).sum()
         return total / (num_items.to(total.device) if isinstance(num_items, torch.Tensor) else num_items)
