@@ -192,7 +192,7 @@ def all_reduce(
 ) -> Work:
     """In-place all-reduce, launched asynchronously."""
     if dist.get_world_size(group) == 1:
-        return _launch("all_reduce", tensor, tag, group, _Alone)  # every reduction of one value is that value
+        return _alone("all_reduce", tensor, tag, group)  # every reduction of one value is that value
     return _launch("all_reduce", tensor, tag, group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
@@ -262,7 +262,7 @@ def all_gather_into_tensor(
     """
     mine = _own_chunk(output, group)
     if dist.get_world_size(group) == 1:
-        return _launch("all_gather", output, tag, group, lambda: _Alone(mine, shard))
+        return _alone("all_gather", output, tag, group, mine, shard)
     ring = ring_context(group) if output.device.type == "cpu" else None
     if ring is not None:
 
@@ -280,8 +280,11 @@ def all_gather_into_tensor(
 _reduce_scatter_unsupported: set[str] = set()
 
 
-class _Alone:
-    """A collective over a group of one rank: its result is its input, copied where it is wanted.
+def _alone(
+    op: str, tensor: torch.Tensor, tag: str, group: dist.ProcessGroup | None, destination: torch.Tensor | None = None,
+    source: torch.Tensor | None = None,
+) -> Work:  # fmt: skip
+    """A collective over a group of one rank: its result is its input, copied where it is wanted, at once.
 
     [Note: groups of one] Expert parallel at ep = world leaves each expert's data-parallel group a
     single rank, and ZeRO-1/2 still reduce-scattered its buckets every step. gloo's reduce-scatter
@@ -289,17 +292,14 @@ class _Alone:
     two bucket-sized temporaries per bucket and step whose varying lifetimes fragmented glibc's
     heap. Measured on the Mixtral of bench_expert_parallel.py (ep 2, ZeRO-2), RSS grew ~60 MB a
     step with the tensors held constant. Nothing needs to move, so nothing is launched.
+
+    It is logged in the comms log but has no flight-recorder entry and no handle to track: a
+    collective no other rank takes part in cannot hang or diverge, and that bookkeeping was a
+    quarter of a one-rank step on a tiny model (bench_overhead.py, 10 tensors).
     """
-
-    def __init__(self, destination: torch.Tensor | None = None, source: torch.Tensor | None = None) -> None:
-        if destination is not None and source is not None and destination.data_ptr() != source.data_ptr():
-            destination.copy_(source)
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
+    if destination is not None and source is not None and destination.data_ptr() != source.data_ptr():
+        destination.copy_(source)
+    return Work(None, comms_log.add(op, tensor.numel() * tensor.element_size(), tag, group), group)
 
 
 class _FutureWork:
@@ -333,7 +333,7 @@ def reduce_scatter_tensor(
     """
     chunk = _own_chunk(input, group)
     if dist.get_world_size(group) == 1:
-        return _launch("reduce_scatter", input, tag, group, lambda: _Alone(output, chunk))
+        return _alone("reduce_scatter", input, tag, group, output, chunk)
     ring = ring_context(group) if input.device.type == "cpu" else None
     if ring is not None:
 
