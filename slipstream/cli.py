@@ -1,7 +1,7 @@
 """The ``slipstream`` command: one parser, and one dispatch per subcommand.
 
 Each subcommand lives with the code it drives: ``run`` in ``slipstream.launcher`` (which never
-imports ``slipstream.engine``), ``report`` beside it, ``estimate`` in ``slipstream.estimator``,
+imports ``slipstream.engine``), ``report`` beside it, ``estimate`` in ``slipstream.estimator_cli`` (its formulas in ``slipstream.estimator``),
 ``checkpoint`` in ``slipstream.engine.checkpoint``. Only this dispatcher knows them all, so the
 launcher does not depend on the engine to offer ``slipstream checkpoint``.
 
@@ -16,7 +16,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from slipstream import estimator  # pure Python, no torch: the estimate options
+from slipstream import estimator_cli  # pure Python, no torch: the estimate options
 from slipstream.launcher import cli as run_cli
 from slipstream.launcher.usage import OneLineParser, fail, parse_command_line
 from slipstream.version import __version__
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory per device by ZeRO stage, and a configuration that fits",
         description="Per-device bytes for model states (ZeRO paper formulas) and activations, by ZeRO stage.",
     )
-    estimator.add_arguments(estimate)
+    estimator_cli.add_arguments(estimate)
     _add_checkpoint_parser(commands)
     commands.add_parser(
         "plan",
@@ -93,7 +93,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    return estimator.main(args)
+    return estimator_cli.main(args)
 
 
 def _checkpoint(args: argparse.Namespace) -> int:

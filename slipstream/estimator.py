@@ -38,16 +38,11 @@ sequence's (measured: 14.0 and 13.5 bytes per token of a tile in fp32 and bf16).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import math
-from collections.abc import Callable
 from typing import Any
 
-from slipstream.launcher.textfile import read_small_text  # standard library only, like this module
-from slipstream.launcher.usage import fail, shown
 
 GB = 1e9  # the paper's unit: 1e9 bytes
 STAGES = (0, 1, 2, 3)
@@ -69,6 +64,18 @@ class Tiling:
         """Untiled, each tiling and both, over the same shards (tiles of this size, else 2048)."""
         logits, mlp, u = self.logits_tile or 2048, self.mlp_tile or 2048, self.seq_shards
         return {"untiled": Tiling(None, None, u), "tiled logits": Tiling(logits, None, u), "tiled MLP": Tiling(None, mlp, u), "both": Tiling(logits, mlp, u)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage3Layout:
+    """ZeRO++ hpZ and MiCS as the estimate sees them (stage 3 only; docs/zero.md): ``mics`` ranks share a partition
+    (None: all ``dp``), and hpZ keeps a secondary copy of 1/``hpz`` of the weights (1: none)."""
+
+    hpz: int = 1
+    mics: int | None = None
+
+    def describe(self) -> str:
+        return (f", stage 3 with hpZ over {self.hpz}" if self.hpz > 1 else "") + (f", stage 3 with MiCS shards of {self.mics}" if self.mics else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +121,7 @@ class Estimate:
     recommendation: str | None = None
     tiling: Tiling = Tiling()
     flash: bool = True
+    layout: Stage3Layout = Stage3Layout()
 
     def stage(self, stage: int) -> StageEstimate:
         return self.stages[stage]
@@ -132,6 +140,7 @@ class Estimate:
         head = (
             f"{_count(s.params)} parameters, data-parallel degree {self.dp}, {self.precision}"
             + (f", offload {self.offload}" if self.offload != "none" else "")
+            + self.layout.describe()
         )
         if self.seq_len and s.layers and s.hidden:
             head += (
@@ -159,24 +168,32 @@ class Estimate:
 
 
 def model_state_bytes(
-    params: float, dp: int, stage: int, precision: str = "bf16", offload: str = "none", fp32_grads: bool = False
-) -> tuple[float, float, float, float]:
+    params: float, dp: int, stage: int, precision: str = "bf16", offload: str = "none", fp32_grads: bool = False,
+    layout: Stage3Layout = Stage3Layout(),
+) -> tuple[float, float, float, float]:  # fmt: skip
     """(params, grads, optimizer, offloaded) bytes per device for ``stage``; see [Note: the formulas].
 
     ``fp32_grads``: gradients accumulate in fp32 even with bf16/fp16 weights (4 bytes, not 2), as
-    slipstream's stage 0 does.
+    slipstream's stage 0 does. ``layout``: at stage 3, MiCS partitions over its shard group instead
+    of ``dp``, and hpZ adds its secondary copy of the weights (1/hpz of them).
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if dp < 1:
         raise ValueError(f"dp must be at least 1, got {dp}")
+    for name, size in (("--hpz (zero_hpz_partition_size)", layout.hpz), ("--mics-shard-size (mics_shard_size)", layout.mics or dp)):
+        if size < 1 or dp % size:
+            raise ValueError(f"{name} must divide the data-parallel degree {dp}, got {size}")
     w, g, k = (4, 4, 8) if precision == "fp32" else (2, 4 if fp32_grads else 2, 12)
     n = params
-    shard = {0: (w * n, g * n, k * n), 1: (w * n, g * n, k * n / dp), 2: (w * n, g * n / dp, k * n / dp), 3: (w * n / dp, g * n / dp, k * n / dp)}[stage]
+    s3 = layout.mics or dp
+    shard = {0: (w * n, g * n, k * n), 1: (w * n, g * n, k * n / dp), 2: (w * n, g * n / dp, k * n / dp), 3: (w * n / s3, g * n / s3, k * n / s3)}[stage]
     p, gr, opt = shard
+    if stage == 3 and layout.hpz > 1:
+        p += w * n / layout.hpz  # hpZ's secondary partition (stage3/unit.py)
     offloaded = 0.0
     if offload != "none" and stage > 0:
-        offloaded = 16 * n / dp  # fp32 masters, m, v and an fp32 gradient copy for the host optimizer
+        offloaded = 16 * n / (s3 if stage == 3 else dp)  # fp32 masters, m, v and an fp32 gradient copy for the host optimizer
         opt = 0.0
         if stage == 3:  # ZeRO-Infinity: the parameter shards live off the device as well
             offloaded += p
@@ -260,6 +277,7 @@ def estimate(
     fp32_grads: bool = False,
     intermediate: int | None = None,
     tiling: Tiling = Tiling(),
+    layout: Stage3Layout = Stage3Layout(),
 ) -> Estimate:
     """Per-device memory for every ZeRO stage; ``model`` is a parameter count, an ``nn.Module`` or a config dict.
 
@@ -281,7 +299,7 @@ def estimate(
     if shape.params <= 0:
         raise ValueError("the parameter count is unknown: pass a number of parameters, a model or a config with one")
     seq = seq_len or found.get("seq_len")
-    result = _estimate(shape, dp, seq, micro_batch, precision, offload, activation_checkpointing, flash_attention, fp32_grads, tiling)
+    result = _estimate(shape, dp, seq, micro_batch, precision, offload, activation_checkpointing, flash_attention, fp32_grads, tiling, layout)
     if device_memory:
         result = dataclasses.replace(result, recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention))
     return result
@@ -289,14 +307,14 @@ def estimate(
 
 def _estimate(
     shape: ModelShape, dp: int, seq: int | None, mb: int, precision: str, offload: str, ac: bool, flash: bool, fp32_grads: bool,
-    tiling: Tiling = Tiling(),
+    tiling: Tiling = Tiling(), layout: Stage3Layout = Stage3Layout(),
 ) -> Estimate:  # fmt: skip
     act = activation_bytes(shape, seq, mb, precision, ac, flash, tiling) if seq else None
     stages = []
     for stage in STAGES:
-        p, g, o, off = model_state_bytes(shape.params, dp, stage, precision, offload, fp32_grads)
+        p, g, o, off = model_state_bytes(shape.params, dp, stage, precision, offload, fp32_grads, layout)
         stages.append(StageEstimate(stage, p, g, o, off, act))
-    return Estimate(shape, dp, precision, offload, seq, mb, ac, stages, tiling=tiling, flash=flash)
+    return Estimate(shape, dp, precision, offload, seq, mb, ac, stages, tiling=tiling, flash=flash, layout=layout)
 
 
 def recommend(shape: ModelShape, dp: int, seq: int | None, micro_batch: int, precision: str, device_memory: float, flash: bool = True) -> str:
@@ -401,189 +419,7 @@ def gpt_params(layers: int, hidden: int, vocab: int, positions: int = 0, interme
 
 # The largest values the command line takes. Beyond them no model exists, and the arithmetic stays
 # far from float overflow: activations multiply four of these counts (about 1e36 at most).
-MAX_PARAMS = 1e15
-_MAX_PARAMS_TEXT = "1e15 (1000T)"
 MAX_COUNT = 1_000_000_000  # ranks, tokens, layers, hidden size, heads, vocabulary, micro-batch
-MIN_DEVICE_GB, MAX_DEVICE_GB = 0.001, 1_000_000.0
-_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
-
-
-@dataclasses.dataclass(frozen=True)
-class ConfigFile:
-    """What ``--model-config`` gives: the file as named on the command line and its JSON object."""
-
-    path: str
-    data: dict[str, Any]
-
-
-def parse_params(text: str) -> int:
-    """``--params``: a finite count from 1 to ``MAX_PARAMS``, as ``7e9``, ``7.5e9`` or ``7B`` (K, M, B, T)."""
-    number, scale = text.strip(), 1.0
-    if number[-1:].upper() in _SUFFIXES:
-        number, scale = number[:-1], _SUFFIXES[number[-1].upper()]
-    try:
-        value = float(number) * scale
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 1):
-        raise argparse.ArgumentTypeError(f"{shown(text)}: must be a finite positive number of parameters (e.g. 7e9 or 7B)")
-    if value > MAX_PARAMS:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: must be at most {_MAX_PARAMS_TEXT} parameters")
-    return round(value)
-
-
-def parse_device_memory(text: str) -> float:
-    """``--device-memory``: GB (1e9 bytes) per device, finite, from ``MIN_DEVICE_GB`` to ``MAX_DEVICE_GB``."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not MIN_DEVICE_GB <= value <= MAX_DEVICE_GB:  # NaN fails every comparison
-        raise argparse.ArgumentTypeError(
-            f"{shown(text)}: must be a number of GB (1e9 bytes) per device from {MIN_DEVICE_GB:g} to {MAX_DEVICE_GB:,.0f} (e.g. 80)"
-        )
-    return value
-
-
-def whole_number(meaning: str) -> Callable[[str], int]:
-    """A ``type=`` converter for a count from 1 to ``MAX_COUNT``; ``meaning`` says what it counts in errors."""
-
-    def convert(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:  # also thousands of digits (Python's int size limit)
-            value = 0
-        if not 1 <= value <= MAX_COUNT:
-            raise argparse.ArgumentTypeError(f"{shown(text)}: must be a whole number from 1 to {MAX_COUNT:,} ({meaning})")
-        return value
-
-    convert.__name__ = f"whole number ({meaning})"
-    return convert
-
-
-def read_model_config(text: str) -> ConfigFile:
-    """``--model-config``: a readable UTF-8 file (at most 1 MiB) holding a JSON object whose sizes are in range.
-
-    The numbers the estimate reads are checked here, so a config with ``"n_embd": 1e400`` (infinity
-    to JSON) or ``"num_parameters": -1`` is refused, naming the file and the key, like a bad option.
-    """
-    try:
-        content = read_small_text(text, "--model-config", ValueError)
-    except ValueError as err:  # cannot be read, larger than 1 MiB, not UTF-8
-        raise argparse.ArgumentTypeError(str(err).removeprefix("--model-config: ")) from None
-    try:
-        data = json.loads(content)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"{text} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
-    except RecursionError:
-        raise argparse.ArgumentTypeError(f"{text} is not valid JSON: nested too deeply") from None
-    except ValueError:  # Python's int size limit
-        raise argparse.ArgumentTypeError(f"{text}: a number in it has too many digits (over 4300) to read") from None
-    if not isinstance(data, dict):
-        raise argparse.ArgumentTypeError(f"{text} holds a JSON {type(data).__name__}, not an object; give a transformers config.json")
-    for key in ("params", "num_parameters"):
-        if key in data and not (_is_number(data[key]) and 1 <= data[key] <= MAX_PARAMS):
-            raise argparse.ArgumentTypeError(f"{text}: {key!r} is {_as_json(data[key])}; it must be a number of parameters from 1 to {_MAX_PARAMS_TEXT}")
-    for key in [*(k for keys in _CONFIG_KEYS.values() for k in keys), "intermediate_size"]:
-        value = data.get(key)
-        if key == "intermediate_size":  # gpt_params multiplies by it: absent, null or a whole number
-            wrong = value is not None and not (isinstance(value, int) and _is_number(value) and 1 <= value <= MAX_COUNT)
-        else:  # shape_from_config passes over what is not a number; a number must be in range
-            wrong = _is_number(value) and not 1 <= value <= MAX_COUNT
-        if wrong:
-            raise argparse.ArgumentTypeError(f"{text}: {key!r} is {_as_json(value)}; it must be a whole number from 1 to {MAX_COUNT:,}")
-    return ConfigFile(text, data)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _as_json(value: Any, limit: int = 60) -> str:
-    """``value`` spelled as in the file (``Infinity``, ``"big"``, ``true``), shortened past ``limit``."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``slipstream estimate`` options; every value is checked by its ``type=`` converter above."""
-    parser.add_argument("--params", type=parse_params, metavar="N", help="number of parameters, e.g. 7.5e9 or 7.5B (or give --model-config)")
-    parser.add_argument("--dp", type=whole_number("the data-parallel degree"), default=1, metavar="N", help="data-parallel degree: ranks the states are partitioned over (default 1)")
-    parser.add_argument("--model-config", type=read_model_config, metavar="JSON", help="a transformers config.json: layers, hidden, heads, vocab, sequence length")
-    parser.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none", help="optimizer (and at stage 3 parameter) offload")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="bf16/fp16 with fp32 masters (default) or fp32")
-    parser.add_argument("--seq-len", type=whole_number("tokens per sequence"), metavar="S", help="sequence length for the activation estimate")
-    parser.add_argument("--micro-batch", type=whole_number("sequences per device"), default=1, metavar="B", help="micro-batch per device (default 1)")
-    parser.add_argument("--layers", type=whole_number("transformer layers"), metavar="L", help="transformer layers (activation estimate)")
-    parser.add_argument("--hidden", type=whole_number("the hidden size"), metavar="H", help="hidden size (activation estimate)")
-    parser.add_argument("--heads", type=whole_number("attention heads"), metavar="A", help="attention heads (only for --no-flash-attention)")
-    parser.add_argument("--vocab", type=whole_number("the vocabulary size"), metavar="V", help="vocabulary size (the loss's logits)")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="estimate activations with checkpointing on")
-    parser.add_argument("--no-flash-attention", action="store_true", help="attention keeps the s×s score matrices")
-    parser.add_argument("--fp32-grads", action="store_true", help="gradients accumulate in fp32 with bf16/fp16 weights (slipstream's stage 0)")
-    parser.add_argument("--device-memory", type=parse_device_memory, metavar="GB", help="memory per device in GB (1e9 bytes): adds a recommendation")
-    parser.add_argument("--intermediate", type=whole_number("the MLP's width"), metavar="I", help="the MLP's intermediate size (default 4 × hidden)")
-    parser.add_argument("--seq-shards", type=whole_number("ranks the sequence is cut over"), default=1, metavar="N", help="Ulysses × context-parallel ranks the sequence is cut over (default 1)")
-    parser.add_argument("--tiled-logits", type=whole_number("tokens per tile"), metavar="T", help="long_context.tiled_logits with tiles of T tokens")
-    parser.add_argument("--tiled-mlp", type=whole_number("tokens per tile"), metavar="T", help="long_context.tiled_mlp with tiles of T tokens")
-    parser.add_argument("--max-seq", action="store_true", help="the longest sequence that fits in --device-memory, by stage, with and without the tilings")
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run ``slipstream estimate``; returns the exit code. Usage errors are one line, status 2."""
-    prog = "slipstream estimate"
-    source: Any = args.params
-    if args.model_config is not None:
-        source = dict(args.model_config.data)
-        if args.params:
-            source["params"] = args.params
-        params = _describe(source).get("params", 0)
-        if not 1 <= params <= MAX_PARAMS:
-            why = "no parameter count (params or num_parameters) and not all of layers, hidden size and vocabulary size to derive one" if not params else f"describes {params:.2g} parameters, more than {_MAX_PARAMS_TEXT}"
-            fail(prog, f"--model-config {args.model_config.path}: {why}; give --params")
-    if source is None:
-        fail(prog, f"give --params N (e.g. 7e9 or 7B) or --model-config config.json; see '{prog} --help'")
-    if args.max_seq and not args.device_memory:
-        fail(prog, "--max-seq needs --device-memory GB (the memory the sequence must fit in)")
-    tiling = Tiling(args.tiled_logits, args.tiled_mlp, args.seq_shards)
-    try:
-        result = estimate(
-            source, args.dp, seq_len=args.seq_len, tiling=tiling, intermediate=args.intermediate, micro_batch=args.micro_batch, precision=args.precision,
-            offload=args.offload, activation_checkpointing=args.activation_checkpointing,
-            device_memory=args.device_memory * GB if args.device_memory else None, layers=args.layers,
-            hidden=args.hidden, heads=args.heads, vocab=args.vocab, flash_attention=not args.no_flash_attention,
-            fp32_grads=args.fp32_grads,
-        )  # fmt: skip
-    except (ValueError, TypeError) as err:
-        fail(prog, str(err))
-    if args.max_seq:
-        if not (result.shape.layers and result.shape.hidden):
-            fail(prog, "--max-seq needs the model's layers and hidden size (--layers/--hidden or --model-config)")
-        print(max_sequence_table(result, args.device_memory * GB))
-        return 0
-    print(result.table())
-    return 0
-
-
-def max_sequence_table(result: Estimate, device_memory: float) -> str:
-    """``--max-seq``: per stage, the longest sequence whose activations fit beside the model states in ``HEADROOM``
-    of ``device_memory``, untiled and with each tiling (the given tile sizes, else 2048)."""
-    t = result.tiling
-    variants = t.variants()
-    lines = [
-        f"longest sequence in {HEADROOM:.0%} of {_gb(device_memory)} GB per device: {_count(result.shape.params)} parameters, "
-        f"micro-batch {result.micro_batch}, {result.precision}, sequence over {t.seq_shards} rank(s)"
-        + (", checkpointed" if result.activation_checkpointing else ""),
-        f"{'stage':<6}{'model states':>14}" + "".join(f"{name:>14}" for name in variants),
-    ]
-    for e in result.stages:
-        budget = HEADROOM * device_memory - e.model_states
-        cells = [
-            longest_sequence(result.shape, budget, result.micro_batch, result.precision, result.activation_checkpointing, result.flash, v)
-            for v in variants.values()
-        ]  # fmt: skip
-        lines.append(f"{e.stage:<6}{_gb(e.model_states):>14}" + "".join(f"{c:>14,}" if c else f"{'none':>14}" for c in cells))
-    return "\n".join(lines)
 
 
 def _gb(nbytes: float) -> str:

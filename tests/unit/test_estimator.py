@@ -121,3 +121,16 @@ def test_cli_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["estimate", "--params", "8e9", "--max-seq"])
     assert "--max-seq needs --device-memory" in capsys.readouterr().err
+
+
+def test_stage3_layouts_mics_partitions_over_its_shard_group_and_hpz_adds_its_copy() -> None:
+    plain = estimator.model_state_bytes(1e9, 16, 3, "bf16")
+    mics = estimator.model_state_bytes(1e9, 16, 3, "bf16", layout=estimator.Stage3Layout(mics=4))
+    hpz = estimator.model_state_bytes(1e9, 16, 3, "bf16", layout=estimator.Stage3Layout(hpz=8))
+    assert sum(plain[:3]) == 16e9 / 16 and sum(mics[:3]) == 16e9 / 4  # 16 bytes per parameter over the partition's ranks
+    assert hpz[0] == plain[0] + 2e9 / 8 and hpz[1:] == plain[1:]  # bf16 weights: 1/8 of them once more
+    assert estimator.model_state_bytes(1e9, 16, 2, "bf16", layout=estimator.Stage3Layout(4, 4)) == estimator.model_state_bytes(1e9, 16, 2, "bf16")
+    with pytest.raises(ValueError, match=r"--mics-shard-size \(mics_shard_size\) must divide the data-parallel degree 16, got 3"):
+        estimator.model_state_bytes(1e9, 16, 3, "bf16", layout=estimator.Stage3Layout(mics=3))
+    table = estimator.estimate(7e9, 16, layout=estimator.Stage3Layout(hpz=8)).table()
+    assert "stage 3 with hpZ over 8" in table.splitlines()[0]
