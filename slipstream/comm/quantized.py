@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from slipstream.comm.collectives import Work, _launch, all_gather_into_tensor, reduce_scatter_tensor
+from slipstream.comm.collectives import Work, all_gather_into_tensor, all_to_all_single, reduce_scatter_tensor
 
 BLOCK = 256  # elements per scale: 1.6% overhead at INT8, 3.1% at INT4
 
@@ -104,11 +104,7 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, group: d
     send = torch.empty(world, piece, dtype=torch.uint8, device=input.device)
     quantize_rows(input.view(world, numel), bits, send)
     received = torch.empty_like(send)
-    nbytes = world * piece * (world - 1) // world
-    work = _launch(
-        "all_to_all", send, f"{tag} (INT{bits} reduce-scatter)", group,
-        lambda: dist.all_to_all_single(received, send, group=group, async_op=True), nbytes=nbytes,
-    )  # fmt: skip
+    work = all_to_all_single(received, send, group=group, tag=f"{tag} (INT{bits} reduce-scatter)")
 
     def decode() -> None:
         rows = dequantize_rows(received, numel, bits)
@@ -131,32 +127,28 @@ def reduce_scatter_across_nodes(
     and only that is quantized. Inside the node, chunk ``k'·L + j'`` of every rank goes to local
     rank ``j'`` (the input viewed ``[nodes, L, c]`` and transposed to ``[L, nodes, c]``); local
     rank ``j`` then holds its node's sum of the ``nodes`` chunks ``k'·L + j`` and sends chunk
-    ``k'`` to node ``k'`` (the across group, local ranks ``j`` of every node). With one node
-    the second hop has nothing to do and the result is the plain reduce-scatter's.
+    ``k'`` to node ``k'`` (the across group, local ranks ``j`` of every node). ``across`` spans
+    two nodes or more: on one node the reducer reduce-scatters as plain ZeRO-3 does.
     """
     local, nodes = dist.get_world_size(node), dist.get_world_size(across)
     chunk = input.numel() // (local * nodes)
     staged = input.view(nodes, local, chunk).transpose(0, 1).contiguous().view(-1)
     node_sum = torch.empty(nodes * chunk, dtype=input.dtype, device=input.device)
     reduce_scatter_tensor(node_sum, staged, group=node, tag=f"{tag} (inside the node)").wait()
-    if nodes == 1:
-        output.copy_(node_sum)
-        return _Then(None, lambda: None)
     return reduce_scatter_quantized(output, node_sum, group=across, tag=f"{tag} (across nodes)", bits=bits)
 
 
 class _Then:
     """A collective's handle that runs ``then`` once it has completed (the decoding of quantized bytes)."""
 
-    def __init__(self, work: Work | None, then: object) -> None:
+    def __init__(self, work: Work, then: object) -> None:
         self.work, self.then, self.decoded = work, then, False
 
     def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
+        return self.work.is_completed()
 
     def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
+        self.work.wait()
         if not self.decoded:
             self.decoded = True
             self.then()  # type: ignore[operator]

@@ -115,26 +115,28 @@ class UnitReducer:
         if pre_scale != 1.0:
             send.mul_(pre_scale)
         chunk = self.chunks[unit.index]
-        wire = send if self.communication_dtype is None else send.to(self.communication_dtype)
+        lanes, bits = unit.lanes, self.gradient_bits
+        quantized = bits and (lanes.nodes is not None or lanes.crosses_nodes)  # qgZ: only what crosses nodes is quantized
+        wire_dtype = None if quantized else self.communication_dtype  # qgZ's wire is its own: no cast of the send buffer
+        wire = send if wire_dtype is None else send.to(wire_dtype)
         into = "add" if unit.index in self.has_grad else "copy"
-        if into == "copy" and self.communication_dtype is None:
+        if into == "copy" and wire_dtype is None:
             receive, into = chunk, "chunk"
         else:
             receive = torch.empty(chunk.numel(), dtype=wire.dtype, device=chunk.device)
         self.has_grad.add(unit.index)
         tag = f"ZeRO-3 gradients of unit {unit.index} ({unit.spec.name})"
-        lanes, bits = unit.lanes, self.gradient_bits
-        if bits and lanes.nodes is not None:  # qgZ: summed inside each node, then INT4 across ([Note: quantize only what crosses nodes])
+        if quantized and lanes.nodes is not None:  # summed inside each node, then INT4 across ([Note: quantize only what crosses nodes])
             node, across = lanes.nodes
             work = self.context.issue(
                 "reduce_scatter", lambda: reduce_scatter_across_nodes(receive, send, node, across, tag=tag, bits=bits), tag
             )  # fmt: skip
-        elif bits and lanes.crosses_nodes:  # a group whose nodes are not even blocks: INT4 over all of it
+        elif quantized:  # a group whose nodes are not even blocks: INT4 over all of it
             work = self.context.issue(
                 "reduce_scatter", lambda: reduce_scatter_quantized(receive, send, group=lanes.reduce, tag=tag, bits=bits), tag
             )  # fmt: skip
         else:  # one node (or qgZ off): nothing crosses a slow link, nothing is quantized
-            work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=unit.lanes.reduce, tag=tag), tag)
+            work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=lanes.reduce, tag=tag), tag)
         self.reductions.append(_Reduction(unit, work, send, receive, into))
         # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one), and take
         # back the ones whose reduce-scatter already finished (see [Note: send buffers]).
