@@ -58,8 +58,18 @@ setup(
         # TRL's trainers switch with slipstream_trainer(); the hosts' stock examples read their data with datasets.
         "trl": ["transformers>=5.17,<6", "accelerate>=1.10,<2", "trl>=1.16,<2"],
         "dev": [
-            "pytest>=7.4", "hypothesis>=6.100", "transformers>=5.17,<6", "accelerate>=1.10,<2", "lightning>=2.5,<3", "safetensors>=0.4",
-            "tensorboard>=2.14", "tqdm>=4.66", "trl>=1.16,<2", "datasets>=5.2,<6",
+            "pytest>=7.4",
+            "hypothesis>=6.100",
+            "transformers>=5.17,<6",
+            "accelerate>=1.10,<2",
+            "lightning>=2.5,<3",
+            "safetensors>=0.4",
+            "tensorboard>=2.14",
+            "tqdm>=4.66",
+            "trl>=1.16,<2",
+            "datasets>=5.2,<6",
+            # The formatter and linter (ruff.toml), exact: its output changes between releases.
+            "ruff==0.17.6",
         ],
     },
     entry_points={"console_scripts": ["slipstream=slipstream.cli:main"]},

@@ -104,20 +104,46 @@ def offload_step_methods(sizes: list[int], op) -> dict[str, Callable[[], None]]:
     lr, (beta1, beta2), eps, wd = HYPER["lr"], HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]
 
     def ours() -> None:
-        cpu_adam_step(masters, grads, *ours_state, step=10, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
-                      grad_scale=scale, out_lowp=lowp)  # fmt: skip
+        cpu_adam_step(
+            masters,
+            grads,
+            *ours_state,
+            step=10,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=wd,
+            grad_scale=scale,
+            out_lowp=lowp,
+        )
 
     def torch_ops() -> None:
         torch._foreach_copy_(grads32, grads)
-        torch._fused_adamw_(masters, grads32, *torch_state, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd,
-                            eps=eps, amsgrad=False, maximize=False, grad_scale=inv_scale)  # fmt: skip
+        torch._fused_adamw_(
+            masters,
+            grads32,
+            *torch_state,
+            [],
+            steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=wd,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=inv_scale,
+        )
         torch._foreach_copy_(lowp, masters)
 
     probe_state = ([torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes])
     return {
         "slipstream cpu_adam_step": ours,
         "torch cast + fused AdamW + copy": torch_ops,
-        "bandwidth (same pattern)": lambda: op.stream_probe(masters, grads, *probe_state, lowp, torch.get_num_threads()),
+        "bandwidth (same pattern)": lambda: op.stream_probe(
+            masters, grads, *probe_state, lowp, torch.get_num_threads()
+        ),
     }
 
 
@@ -144,8 +170,13 @@ print(json.dumps({k: statistics.median(v) for k, v in times.items()}))
 
 def deepspeed_times(python: str, sizes: list[int], reps: int, threads: int) -> dict[str, float] | None:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    done = subprocess.run([python, "-c", DEEPSPEED_SCRIPT, json.dumps(sizes), str(reps), str(threads)],
-                          capture_output=True, text=True, env=env, timeout=1800)  # fmt: skip
+    done = subprocess.run(
+        [python, "-c", DEEPSPEED_SCRIPT, json.dumps(sizes), str(reps), str(threads)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     if done.returncode != 0:
         print(f"  DeepSpeed run failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
         return None
@@ -159,7 +190,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
     default_ds = "/tmp/dsvenv/bin/python" if Path("/tmp/dsvenv/bin/python").exists() else None
-    parser.add_argument("--deepspeed-python", default=default_ds, help="interpreter with deepspeed installed ('' to skip)")
+    parser.add_argument(
+        "--deepspeed-python", default=default_ds, help="interpreter with deepspeed installed ('' to skip)"
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
@@ -171,7 +204,9 @@ def main() -> int:
     if op is None:
         print(f"CPU Adam op unavailable: {builder.loaded_status(CPU_ADAM)}", file=sys.stderr)
         return 1
-    print(f"torch {torch.__version__}, {args.threads} threads, kernel isa {op.isa()}, median of {args.reps} alternating reps")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, kernel isa {op.isa()}, median of {args.reps} alternating reps"
+    )
     rows = []
     for size_text in args.sizes.split(","):
         total = parse_size(size_text)
@@ -180,7 +215,11 @@ def main() -> int:
             layout = f"{size_text} {'flat' if count == 1 else f'x{count}'}"
             fp32 = alternate(fp32_step_methods(sizes, op), args.reps)
             gc.collect()  # optimizers hold reference cycles: free one stage's gigabytes before the next
-            ds = deepspeed_times(args.deepspeed_python, sizes, args.reps, args.threads) if args.deepspeed_python else None
+            ds = (
+                deepspeed_times(args.deepspeed_python, sizes, args.reps, args.threads)
+                if args.deepspeed_python
+                else None
+            )
             offload = alternate(offload_step_methods(sizes, op), args.reps)
             gc.collect()
             rows.append(report(layout, total, fp32, offload, ds))
@@ -207,8 +246,10 @@ def report(layout: str, total: int, fp32: dict, offload: dict, ds: dict[str, flo
     ds_ratio = None
     if ds:
         ds_ratio = (ds["ds"] / ds["fused"]) * (fused[0] / ours[0])  # through torch fused, timed in both processes
-        print(f"  {'DeepSpeedCPUAdam (own process)':<34} {ds['ds'] * 1e3:8.1f} ms  {total / ds['ds'] / 1e6:25.0f} M/s"
-              f"  {ds['ds'] / ds['fused']:.2f}x its torch fused -> {ds_ratio:.2f}x ours")  # fmt: skip
+        print(
+            f"  {'DeepSpeedCPUAdam (own process)':<34} {ds['ds'] * 1e3:8.1f} ms  {total / ds['ds'] / 1e6:25.0f} M/s"
+            f"  {ds['ds'] / ds['fused']:.2f}x its torch fused -> {ds_ratio:.2f}x ours"
+        )
     bw_fp32 = fp32["bandwidth (same pattern)"][0] / ours[0]
     print(f"  ours at {bw_fp32:.0%} of the bandwidth ceiling (medians)")
 
@@ -219,12 +260,17 @@ def report(layout: str, total: int, fp32: dict, offload: dict, ds: dict[str, flo
         print(line(name, times, one_pass if name.startswith("torch") else None))
     print(f"  ours at {bw_offload:.0%} of the bandwidth ceiling (medians)")
     return {
-        "layout": layout, "fp32_ms": {k: v[0] * 1e3 for k, v in fp32.items()},
-        "offload_ms": {k: v[0] * 1e3 for k, v in offload.items()}, "deepspeed_ms": {k: v * 1e3 for k, v in ds.items()} if ds else None,
-        "fp32_vs_fused": fused[0] / ours[0], "fp32_vs_foreach": fp32["torch AdamW foreach"][0] / ours[0],
-        "fp32_vs_deepspeed": ds_ratio, "fp32_bandwidth_fraction": bw_fp32, "offload_vs_torch": torch_ops[0] / one_pass[0],
+        "layout": layout,
+        "fp32_ms": {k: v[0] * 1e3 for k, v in fp32.items()},
+        "offload_ms": {k: v[0] * 1e3 for k, v in offload.items()},
+        "deepspeed_ms": {k: v * 1e3 for k, v in ds.items()} if ds else None,
+        "fp32_vs_fused": fused[0] / ours[0],
+        "fp32_vs_foreach": fp32["torch AdamW foreach"][0] / ours[0],
+        "fp32_vs_deepspeed": ds_ratio,
+        "fp32_bandwidth_fraction": bw_fp32,
+        "offload_vs_torch": torch_ops[0] / one_pass[0],
         "offload_bandwidth_fraction": bw_offload,
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

@@ -109,9 +109,20 @@ def main() -> None:
                     results[kind].append(_ours(path, args.size_mb, args.threads, args.block_mb << 20, False))
                 else:
                     out = subprocess.run(
-                        [args.deepspeed_python, "-c", _DS_SCRIPT, path, str(args.size_mb << 20), str(args.block_mb << 20), str(args.threads)],
-                        capture_output=True, text=True, check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                    )  # fmt: skip
+                        [
+                            args.deepspeed_python,
+                            "-c",
+                            _DS_SCRIPT,
+                            path,
+                            str(args.size_mb << 20),
+                            str(args.block_mb << 20),
+                            str(args.threads),
+                        ],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                    )
                     w, r = map(float, out.stdout.split()[-2:])
                     results[kind].append((w, r))
     finally:
@@ -119,7 +130,9 @@ def main() -> None:
             os.remove(path)
     dd_w = statistics.median(w for w, _ in results[kinds[0]])
     dd_r = statistics.median(r for _, r in results[kinds[0]])
-    print(f"{args.size_mb} MB file under {args.path}, {args.rounds} alternating rounds, {args.threads} threads x {args.block_mb} MB blocks")
+    print(
+        f"{args.size_mb} MB file under {args.path}, {args.rounds} alternating rounds, {args.threads} threads x {args.block_mb} MB blocks"
+    )
     print(f"{'method':<28} {'write GB/s':>10} {'vs dd':>6} {'read GB/s':>10} {'vs dd':>6}")
     for kind in kinds:
         w = statistics.median(x for x, _ in results[kind])

@@ -35,8 +35,16 @@ sys.path.insert(0, str(ROOT))
 def _build(layers: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_embd=2048, n_head=32, vocab_size=32000, n_positions=128, n_layer=layers,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    config = GPT2Config(
+        n_embd=2048,
+        n_head=32,
+        vocab_size=32000,
+        n_positions=128,
+        n_layer=layers,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -54,15 +62,17 @@ def _worker(rank: int, port: int, kind: str, layers: int, cap: int, nvme: str, o
     result: dict = {"rank": rank}
     try:
         config = {
-            "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
+            "train_micro_batch_size_per_gpu": 1,
+            "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
             "zero_optimization": {"stage": 3},
-        }  # fmt: skip
+        }
         if kind == "zero3+cpu":
             config["zero_optimization"].update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
         if kind == "zero3+nvme":
             config["zero_optimization"].update(
-                offload_optimizer={"device": "nvme", "nvme_path": nvme}, offload_param={"device": "nvme", "nvme_path": nvme}
+                offload_optimizer={"device": "nvme", "nvme_path": nvme},
+                offload_param={"device": "nvme", "nvme_path": nvme},
             )
         start = time.perf_counter()
         if kind == "ddp":
@@ -127,15 +137,24 @@ def main() -> None:
         mp.spawn(_worker, args=(free_port(), kind, int(layers), int(cap), nvme, out), nprocs=2, join=True)
         return
     cap = int(args.cap_gb * 2**30)
-    print(f"{args.config}: n_embd 2048, vocab 32000, seq 128, micro-batch 1, fp32, 2 ranks, RLIMIT_DATA {args.cap_gb} GiB/rank")
+    print(
+        f"{args.config}: n_embd 2048, vocab 32000, seq 128, micro-batch 1, fp32, 2 ranks, RLIMIT_DATA {args.cap_gb} GiB/rank"
+    )
     for layers in map(int, args.layers.split(",")):
         swap = tempfile.mkdtemp(prefix="bench-capacity-", dir=args.nvme_path)
         out = tempfile.mktemp(prefix="capacity-")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_ARENA_MAX": "2", "THP_MEM_ALLOC_ENABLE": "1"}
         start = time.perf_counter()
         try:
-            done = subprocess.run([sys.executable, __file__, "--worker", args.config, str(layers), str(cap), swap, out],
-                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, __file__, "--worker", args.config, str(layers), str(cap), swap, out],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+                check=False,
+            )
             results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2) if Path(f"{out}.{r}").exists()]
         except subprocess.TimeoutExpired:
             done, results = None, []
@@ -149,12 +168,17 @@ def main() -> None:
         rss = "/".join(f"{r['peak_rss_mb']:.0f}" for r in results)
         if ok:
             steps = sorted(t for r in results for t in r["times"])
-            print(f"L={layers:3d} {params / 1e9:6.3f}B params: trained 3 steps; losses {results[0]['losses']}; "
-                  f"init {results[0]['init_s']:.0f} s (peak {results[0]['peak_after_init_mb']:.0f} MB, then {results[0]['peak_per_step_mb']}), median step {steps[len(steps) // 2]:.1f} s; peak RSS/rank {rss} MB; wall {wall:.0f} s")  # fmt: skip
+            print(
+                f"L={layers:3d} {params / 1e9:6.3f}B params: trained 3 steps; losses {results[0]['losses']}; "
+                f"init {results[0]['init_s']:.0f} s (peak {results[0]['peak_after_init_mb']:.0f} MB, then {results[0]['peak_per_step_mb']}), median step {steps[len(steps) // 2]:.1f} s; peak RSS/rank {rss} MB; wall {wall:.0f} s"
+            )
         else:
             why = next((r["error"] for r in results if not r.get("ok")), None) or (
-                "timeout" if done is None else (done.stderr.strip().splitlines() or ["killed"])[-1][:200])
-            print(f"L={layers:3d} {params / 1e9:6.3f}B params: FAILED ({why}); peak RSS/rank {rss} MB; wall {wall:.0f} s")
+                "timeout" if done is None else (done.stderr.strip().splitlines() or ["killed"])[-1][:200]
+            )
+            print(
+                f"L={layers:3d} {params / 1e9:6.3f}B params: FAILED ({why}); peak RSS/rank {rss} MB; wall {wall:.0f} s"
+            )
             break
 
 

@@ -44,9 +44,17 @@ def _model(layers: int, embd: int):
 
     torch.manual_seed(0)
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_layer=layers, n_embd=embd, n_head=8, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_layer=layers,
+        n_embd=embd,
+        n_head=8,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -84,9 +92,21 @@ def _slipstream(args: argparse.Namespace, reps: int, directory: Path) -> dict[st
 
     for _ in range(2):
         step()
-    out: dict[str, list[float]] = {k: [] for k in (
-        "sync_save", "load", "async_stall", "async_total", "async_fence_now", "step_idle", "step_during_async",
-        "torch_save", "torch_save_fsync", "torch_load")}  # fmt: skip
+    out: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "sync_save",
+            "load",
+            "async_stall",
+            "async_total",
+            "async_fence_now",
+            "step_idle",
+            "step_during_async",
+            "torch_save",
+            "torch_save_fsync",
+            "torch_load",
+        )
+    }
     for _ in range(reps):
         out["step_idle"].append(step())
         engine.checkpoints.config.async_save = False
@@ -151,12 +171,23 @@ print("RESULT " + json.dumps(out), flush=True)
 def _deepspeed(python: str, args: argparse.Namespace, reps: int, directory: Path) -> dict[str, list[float]] | None:
     from benchmarks.common import free_port
 
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}  # fmt: skip
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": str(ROOT),
+    }
     done = subprocess.run(
         [python, "-c", _DEEPSPEED_SCRIPT, str(ROOT), str(args.layers), str(args.embd), str(reps), str(directory)],
-        env=env, capture_output=True, text=True, timeout=1800, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
@@ -168,14 +199,24 @@ def _run_ours(args: argparse.Namespace, reps: int, directory: Path) -> dict[str,
     """Our repetitions in a fresh process (so both sides pay the same page-cache and allocator history)."""
     from benchmarks.common import free_port
 
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT), "SLIPSTREAM_LOG_LEVEL": "warning"}  # fmt: skip
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": str(ROOT),
+        "SLIPSTREAM_LOG_LEVEL": "warning",
+    }
     code = (
         "import json, sys; from pathlib import Path; import argparse; from benchmarks.bench_checkpoint import _slipstream; "
         f"a = argparse.Namespace(layers={args.layers}, embd={args.embd}); "
         f"print('RESULT ' + json.dumps(_slipstream(a, {reps}, Path({str(directory)!r}))))"
     )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800, check=False
+    )
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
@@ -195,7 +236,7 @@ def main() -> None:
     peer: dict[str, list[float]] = {}
     has_ds = Path(args.deepspeed_python).is_file()
     half = max(args.reps // 2, 1)
-    for round_ in range(2):  # A B A B
+    for _round in range(2):  # A B A B
         for key, values in _run_ours(args, half, root / "slipstream").items():
             ours.setdefault(key, []).extend(values)
         shutil.rmtree(root / "slipstream", ignore_errors=True)
@@ -208,8 +249,10 @@ def main() -> None:
     import torch  # noqa: F401 - only for the parameter count below
 
     numel = sum(p.numel() for p in _model(args.layers, args.embd).parameters())
-    print(f"model: GPT-2 {args.layers} layers x {args.embd}: {numel / 1e6:.1f}M parameters, {numel * 4 / 1e6:.0f} MB weights, "
-          f"{numel * 12 / 1e6:.0f} MB with AdamW state; medians of {len(ours['sync_save'])} repetitions")  # fmt: skip
+    print(
+        f"model: GPT-2 {args.layers} layers x {args.embd}: {numel / 1e6:.1f}M parameters, {numel * 4 / 1e6:.0f} MB weights, "
+        f"{numel * 12 / 1e6:.0f} MB with AdamW state; medians of {len(ours['sync_save'])} repetitions"
+    )
     rows = [
         ("slipstream sync save (fsync, CRC-32)", med["sync_save"]),
         ("slipstream async save: training stall", med["async_stall"]),
@@ -221,18 +264,28 @@ def main() -> None:
         ("torch.load(weights_only=True)", med["torch_load"]),
     ]
     if peer:
-        rows += [("DeepSpeed save_checkpoint", statistics.median(peer["save"])),
-                 ("DeepSpeed load_checkpoint", statistics.median(peer["load"]))]  # fmt: skip
+        rows += [
+            ("DeepSpeed save_checkpoint", statistics.median(peer["save"])),
+            ("DeepSpeed load_checkpoint", statistics.median(peer["load"])),
+        ]
     for name, seconds in rows:
         print(f"  {name:<42} {seconds * 1e3:8.0f} ms")
-    print(f"  step time idle / while the async save writes: {med['step_idle'] * 1e3:.0f} / {med['step_during_async'] * 1e3:.0f} ms")
-    print(f"async stall / sync save = {med['async_stall'] / med['sync_save']:.3f} (target <= 0.10); "
-          f"worst case (step right after the call) {med['async_fence_now'] / med['sync_save']:.3f}")  # fmt: skip
-    print(f"sync save / torch.save = {med['sync_save'] / med['torch_save']:.2f}; sync save / torch.save+fsync = "
-          f"{med['sync_save'] / med['torch_save_fsync']:.2f}")  # fmt: skip
+    print(
+        f"  step time idle / while the async save writes: {med['step_idle'] * 1e3:.0f} / {med['step_during_async'] * 1e3:.0f} ms"
+    )
+    print(
+        f"async stall / sync save = {med['async_stall'] / med['sync_save']:.3f} (target <= 0.10); "
+        f"worst case (step right after the call) {med['async_fence_now'] / med['sync_save']:.3f}"
+    )
+    print(
+        f"sync save / torch.save = {med['sync_save'] / med['torch_save']:.2f}; sync save / torch.save+fsync = "
+        f"{med['sync_save'] / med['torch_save_fsync']:.2f}"
+    )
     if peer:
-        print(f"sync save / DeepSpeed save = {med['sync_save'] / statistics.median(peer['save']):.2f}; "
-              f"load / DeepSpeed load = {med['load'] / statistics.median(peer['load']):.2f}")  # fmt: skip
+        print(
+            f"sync save / DeepSpeed save = {med['sync_save'] / statistics.median(peer['save']):.2f}; "
+            f"load / DeepSpeed load = {med['load'] / statistics.median(peer['load']):.2f}"
+        )
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -32,7 +32,12 @@ WARMUP = 3
 
 
 def _config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_optimization": {"stage": stage}}
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage},
+    }
 
 
 def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespace, out: str) -> None:
@@ -103,7 +108,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--deepspeed-python", default=None)
     parser.add_argument("--job-timeout", type=float, default=900.0, help="seconds one job may take")
-    parser.add_argument("--warm-cache", action="store_true", help="share one inductor cache between jobs (default: a cold one per job)")
+    parser.add_argument(
+        "--warm-cache", action="store_true", help="share one inductor cache between jobs (default: a cold one per job)"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -118,13 +125,39 @@ def main() -> None:
     for _ in range(args.rounds):
         for kind in kinds:
             python = args.deepspeed_python if kind.startswith("deepspeed") else sys.executable
-            with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryDirectory(prefix="inductor-") as cache:
-                command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps)]
-                env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "THP_MEM_ALLOC_ENABLE": "1",
-                       "TORCHINDUCTOR_CACHE_DIR": shared_cache or cache}  # fmt: skip
+            with (
+                tempfile.NamedTemporaryFile(suffix=".json") as out,
+                tempfile.TemporaryDirectory(prefix="inductor-") as cache,
+            ):
+                command = [
+                    python,
+                    __file__,
+                    "--worker",
+                    kind,
+                    "--out",
+                    out.name,
+                    "--model",
+                    args.model,
+                    "--steps",
+                    str(args.steps),
+                ]
+                env = {
+                    **os.environ,
+                    "PYTHONPATH": str(ROOT),
+                    "DS_ACCELERATOR": "cpu",
+                    "THP_MEM_ALLOC_ENABLE": "1",
+                    "TORCHINDUCTOR_CACHE_DIR": shared_cache or cache,
+                }
                 try:
-                    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                          timeout=args.job_timeout)  # fmt: skip
+                    done = subprocess.run(
+                        command,
+                        cwd=ROOT,
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        timeout=args.job_timeout,
+                    )
                     why = (done.stderr.strip().splitlines() or ["no result"])[-1][:200]
                 except subprocess.TimeoutExpired:
                     why = f"no first loss within {args.job_timeout} s"
@@ -139,8 +172,10 @@ def main() -> None:
                 results[kind]["rounds"].append(statistics.median(data["times"]))
                 results[kind]["first"].append(data["first_loss_s"])
 
-    print(f"{args.model}, 2 ranks (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, micro-batch 4; "
-          f"{args.rounds} alternating rounds x {args.steps} steps; inductor cache {'shared' if args.warm_cache else 'cold per job'}")  # fmt: skip
+    print(
+        f"{args.model}, 2 ranks (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, micro-batch 4; "
+        f"{args.rounds} alternating rounds x {args.steps} steps; inductor cache {'shared' if args.warm_cache else 'cold per job'}"
+    )
     print(f"{'config':<24} {'median ms':>9} {'first loss s':>13} {'compiled / eager':>17}")
     for kind in kinds:
         entry = results[kind]

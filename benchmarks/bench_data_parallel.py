@@ -19,7 +19,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import build_gpt2, current_rss_mb, free_port, lm_step, random_batches, setup_rank_env, summarize, time_steps  # noqa: E402
+from benchmarks.common import (
+    build_gpt2,
+    current_rss_mb,
+    free_port,
+    lm_step,
+    random_batches,
+    setup_rank_env,
+    summarize,
+    time_steps,
+)  # noqa: E402
 
 WARMUP = 5
 
@@ -78,7 +87,9 @@ def main() -> None:
         results = manager.dict()
         mp.spawn(worker, args=(2, free_port(), args, results), nprocs=2)
         results = dict(results)
-    print(f"{args.model}, 2 ranks, gloo, AdamW(fused=True), clip 1.0; {args.rounds} alternating rounds x {args.steps} steps")
+    print(
+        f"{args.model}, 2 ranks, gloo, AdamW(fused=True), clip 1.0; {args.rounds} alternating rounds x {args.steps} steps"
+    )
     print(summarize("torch DDP", results["ddp"]))
     print(summarize("slipstream stage 0", results["slipstream"]))
     ratio = statistics.median(results["slipstream"]) / statistics.median(results["ddp"])

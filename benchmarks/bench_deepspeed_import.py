@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-_MAKE = r'''
+_MAKE = r"""
 import os, sys, torch, torch.multiprocessing as mp
 sys.path.insert(0, {root!r})
 def worker(rank, out, model, stage):
@@ -50,15 +50,15 @@ def worker(rank, out, model, stage):
     engine.save_checkpoint(out)
 if __name__ == "__main__":
     mp.spawn(worker, args=(sys.argv[1], sys.argv[2], int(sys.argv[3])), nprocs=2)
-'''
+"""
 
-_IMPORT = r'''
+_IMPORT = r"""
 import sys
 sys.path.insert(0, {root!r})
 from pathlib import Path
 from slipstream.engine.checkpoint.deepspeed.convert import convert
 convert(Path(sys.argv[1]), Path(sys.argv[2]), "converted")
-'''
+"""
 
 
 def _rss_of(argv: list[str]) -> tuple[float, float]:
@@ -68,7 +68,12 @@ def _rss_of(argv: list[str]) -> tuple[float, float]:
         "r = subprocess.run(sys.argv[1:]); "
         "print(json.dumps([time.perf_counter() - s, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, r.returncode]))"
     )
-    proc = subprocess.run([sys.executable, "-c", wrapper, *argv], capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     elapsed, rss, code = json.loads(proc.stdout.strip().splitlines()[-1])
     if code != 0:
         raise RuntimeError(f"{argv[:3]} failed:\n{proc.stderr[-3000:]}")
@@ -88,7 +93,9 @@ def main() -> None:
             saved = work / f"stage{stage}"
             maker = work / "make.py"
             maker.write_text(_MAKE.format(root=str(ROOT)))
-            made = subprocess.run([args.deepspeed_python, str(maker), str(saved), args.model, str(stage)], capture_output=True, text=True)
+            made = subprocess.run(
+                [args.deepspeed_python, str(maker), str(saved), args.model, str(stage)], capture_output=True, text=True
+            )
             if made.returncode != 0:
                 raise SystemExit(f"DeepSpeed could not make the checkpoint:\n{made.stderr[-3000:]}")
             tag = saved / (saved / "latest").read_text().strip()
@@ -107,7 +114,9 @@ def main() -> None:
             t_b = statistics.median(r[0] for r in results["slipstream"])
             m_a = statistics.median(r[1] for r in results["zero_to_fp32"])
             m_b = statistics.median(r[1] for r in results["slipstream"])
-            print(f"{args.model} ZeRO-{stage}, world 2, checkpoint {size:.0f} MiB, {args.rounds} alternating rounds (medians):")
+            print(
+                f"{args.model} ZeRO-{stage}, world 2, checkpoint {size:.0f} MiB, {args.rounds} alternating rounds (medians):"
+            )
             print(f"  zero_to_fp32.py (fp32 weights only)          {t_a:6.2f} s   peak RSS {m_a:7.0f} MB")
             print(f"  slipstream import (weights + Adam + state)   {t_b:6.2f} s   peak RSS {m_b:7.0f} MB")
             print(f"  ratio slipstream / zero_to_fp32               time {t_b / t_a:.2f}x   RSS {m_b / m_a:.2f}x")

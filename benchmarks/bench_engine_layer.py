@@ -64,9 +64,11 @@ OWN_LOAD = 2.0  # what our own 2 busy ranks add to the load average
 
 def engine_config(name: str, pp_micro_batches: int) -> dict:
     base = {
-        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-    }  # fmt: skip
+    }
     if name.startswith("zero"):
         return {**base, "zero_optimization": {"stage": int(name[4:])}}
     if name == "pp2":
@@ -82,9 +84,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    import slipstream
-
     from common import build_gpt2, random_batches  # this file's neighbour: the after tree's harness
+
+    import slipstream
 
     rank = int(os.environ["RANK"])
     where = os.path.realpath(slipstream.__file__)
@@ -118,7 +120,13 @@ def worker(args: argparse.Namespace) -> None:
         if k >= args.warmup:
             times.append(elapsed)
     if rank == 0:
-        result = {"times": times, "first_loss": losses[0], "last_loss": losses[-1], "slipstream": where, "params": params}
+        result = {
+            "times": times,
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+            "slipstream": where,
+            "params": params,
+        }
         print(f"{RESULT} {json.dumps(result)}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -156,13 +164,34 @@ def export(rev: str, scratch: Path, label: str) -> Path:
     return tree
 
 
-def command(args: argparse.Namespace, tree: Path, worker_script: Path, config: str, steps: int, warmup: int) -> list[str]:
+def command(
+    args: argparse.Namespace, tree: Path, worker_script: Path, config: str, steps: int, warmup: int
+) -> list[str]:
     rank_args = [
-        "--worker", config, "--expect-tree", str(tree), "--model", args.model, "--steps", str(steps),
-        "--warmup", str(warmup), "--pp-micro-batches", str(args.pp_micro_batches),
-    ]  # fmt: skip
+        "--worker",
+        config,
+        "--expect-tree",
+        str(tree),
+        "--model",
+        args.model,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--pp-micro-batches",
+        str(args.pp_micro_batches),
+    ]
     if args.launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker_script), *rank_args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(worker_script),
+            *rank_args,
+        ]
     # the revision's own `slipstream run`, exactly as its console script starts it
     entry = "import sys; from slipstream.cli import main; sys.argv[0] = 'slipstream'; sys.exit(main())"
     return [sys.executable, "-c", entry, "run", "--nproc_per_node", "2", str(worker_script), *rank_args]
@@ -170,13 +199,25 @@ def command(args: argparse.Namespace, tree: Path, worker_script: Path, config: s
 
 def measure(cmd: list[str], tree: Path, timeout: float) -> dict:
     """Run one job from ``tree``; return rank 0's result plus ``ttfl`` (launch to the first-step marker)."""
-    env = {"OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1", **os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "THP_MEM_ALLOC_ENABLE": "1",
+        **os.environ,
+        "PYTHONPATH": str(tree),
+        "PYTHONUNBUFFERED": "1",
+    }
     # cwd is the tree: `python -c` and `python -m` put the current directory first on sys.path
     start = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, cwd=tree, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+        cmd,
+        cwd=tree,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, 9))
     timer.start()
     ttfl, result, tail = None, None, []
@@ -205,15 +246,25 @@ def median(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="git revision A (the baseline)")
-    parser.add_argument("--after", default="worktree", help='git revision B, or "worktree" (default): this checkout as it is')
+    parser.add_argument(
+        "--after", default="worktree", help='git revision B, or "worktree" (default): this checkout as it is'
+    )
     parser.add_argument("--model", default="gpt2-large", choices=("gpt2-small", "gpt2-large"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps before them")
-    parser.add_argument("--configs", default="zero0,zero2,zero3,pp2,tp2", help=f"comma-separated, from {','.join(CONFIGS)}")
-    parser.add_argument("--pp-micro-batches", type=int, default=4, help="pp2: gradient_accumulation_steps (micro-batches per step)")
-    parser.add_argument("--launcher", choices=("slipstream", "torchrun"), default="slipstream",
-                        help="slipstream: each revision's own `slipstream run`; torchrun: python -m torch.distributed.run")  # fmt: skip
+    parser.add_argument(
+        "--configs", default="zero0,zero2,zero3,pp2,tp2", help=f"comma-separated, from {','.join(CONFIGS)}"
+    )
+    parser.add_argument(
+        "--pp-micro-batches", type=int, default=4, help="pp2: gradient_accumulation_steps (micro-batches per step)"
+    )
+    parser.add_argument(
+        "--launcher",
+        choices=("slipstream", "torchrun"),
+        default="slipstream",
+        help="slipstream: each revision's own `slipstream run`; torchrun: python -m torch.distributed.run",
+    )
     parser.add_argument("--no-prime", action="store_true", help="skip the untimed priming run of each side")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before one run is killed")
     parser.add_argument("--keep", action="store_true", help="keep the exported trees (their paths are printed)")
@@ -248,18 +299,25 @@ def main() -> None:
         print(f"A (before): {describe(args.before)}\n   tree {trees['A']}")
         print(f"B (after):  {describe(args.after)}\n   tree {trees['B']}")
         print(f"rank script: {worker_script}{harness_note}")
-        print(f"{args.model}, 2 ranks (gloo, 1 thread each), micro-batch 4 x seq 128, AdamW fp32, clip 1.0; launcher "
-              f"{args.launcher}; {args.rounds} round(s) x {args.steps} timed steps after {args.warmup} warm-up; "
-              f"pp2 with {args.pp_micro_batches} micro-batches per step")  # fmt: skip
+        print(
+            f"{args.model}, 2 ranks (gloo, 1 thread each), micro-batch 4 x seq 128, AdamW fp32, clip 1.0; launcher "
+            f"{args.launcher}; {args.rounds} round(s) x {args.steps} timed steps after {args.warmup} warm-up; "
+            f"pp2 with {args.pp_micro_batches} micro-batches per step"
+        )
         print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}", flush=True)
 
         seen: dict[str, str] = {}
 
         def run(side: str, config: str, steps: int, warmup: int) -> dict:
-            result = measure(command(args, trees[side], worker_script, config, steps, warmup), trees[side], args.timeout)
+            result = measure(
+                command(args, trees[side], worker_script, config, steps, warmup), trees[side], args.timeout
+            )
             if side not in seen:
                 seen[side] = result["slipstream"]
-                print(f"{side}: slipstream imported from {result['slipstream']} ({result['params'] / 1e6:.2f}M parameters)", flush=True)
+                print(
+                    f"{side}: slipstream imported from {result['slipstream']} ({result['params'] / 1e6:.2f}M parameters)",
+                    flush=True,
+                )
             return result
 
         if not args.no_prime:
@@ -271,8 +329,11 @@ def main() -> None:
                 for side in ("A", "B") if r % 2 == 0 else ("B", "A"):  # neither side always goes first
                     result = run(side, config, args.steps, args.warmup)
                     runs[config][side].append(result)
-                    print(f"  round {r + 1} {config:<6} {side}: TTFL {result['ttfl']:6.2f} s  step "
-                          f"{median(result['times']) * 1e3:8.1f} ms  first loss {result['first_loss']:.6f}", flush=True)  # fmt: skip
+                    print(
+                        f"  round {r + 1} {config:<6} {side}: TTFL {result['ttfl']:6.2f} s  step "
+                        f"{median(result['times']) * 1e3:8.1f} ms  first loss {result['first_loss']:.6f}",
+                        flush=True,
+                    )
         load_after = os.getloadavg()
     finally:
         if args.keep:
@@ -293,27 +354,40 @@ def main() -> None:
         same = all(x[k] == y[k] for x, y in zip(a, b) for k in ("first_loss", "last_loss"))
         if not same:
             mismatches.append(config)
-        print(f"{config:<7} {ttfl_a:9.2f} {ttfl_b:9.2f} {ttfl_b / ttfl_a:6.3f}   {step_a:10.1f} {step_b:10.1f} "
-              f"{step_b / step_a:6.3f}   {'A == B' if same else 'DIFFER'}")  # fmt: skip
+        print(
+            f"{config:<7} {ttfl_a:9.2f} {ttfl_b:9.2f} {ttfl_b / ttfl_a:6.3f}   {step_a:10.1f} {step_b:10.1f} "
+            f"{step_b / step_a:6.3f}   {'A == B' if same else 'DIFFER'}"
+        )
     print()
     print("per round B/A (TTFL; step) - the spread says how much noise to allow:")
     for config in configs:
         a, b = runs[config]["A"], runs[config]["B"]
         pairs = [f"{y['ttfl'] / x['ttfl']:.3f}; {median(y['times']) / median(x['times']):.3f}" for x, y in zip(a, b)]
-        ranges = [f"{side} step min-max {min(t for x in runs[config][side] for t in x['times']) * 1e3:.0f}-"
-                  f"{max(t for x in runs[config][side] for t in x['times']) * 1e3:.0f} ms" for side in ("A", "B")]  # fmt: skip
+        ranges = [
+            f"{side} step min-max {min(t for x in runs[config][side] for t in x['times']) * 1e3:.0f}-"
+            f"{max(t for x in runs[config][side] for t in x['times']) * 1e3:.0f} ms"
+            for side in ("A", "B")
+        ]
         print(f"  {config:<7} " + " | ".join(pairs) + "   (" + ", ".join(ranges) + ")")
     if mismatches:
-        print(f"WARNING: first/last losses differ between A and B for {', '.join(mismatches)}: the change is not behaviour-preserving "
-              "(or the run is not deterministic)")  # fmt: skip
+        print(
+            f"WARNING: first/last losses differ between A and B for {', '.join(mismatches)}: the change is not behaviour-preserving "
+            "(or the run is not deterministic)"
+        )
         for config in mismatches:
             for x, y in zip(runs[config]["A"], runs[config]["B"]):
-                print(f"  {config}: A {x['first_loss']!r} -> {x['last_loss']!r}   B {y['first_loss']!r} -> {y['last_loss']!r}")
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}; after: {' '.join(f'{x:.2f}' for x in load_after)}")
+                print(
+                    f"  {config}: A {x['first_loss']!r} -> {x['last_loss']!r}   B {y['first_loss']!r} -> {y['last_loss']!r}"
+                )
+    print(
+        f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}; after: {' '.join(f'{x:.2f}' for x in load_after)}"
+    )
     # the 1-minute average after the runs includes our own 2 ranks (~2 on this 2-core machine)
     if load_before[0] > LOAD_WARN or load_after[0] > LOAD_WARN + OWN_LOAD:
-        print(f"WARNING: the machine was not quiet (1-minute load average {load_before[0]:.2f} before, above {LOAD_WARN}, or "
-              f"{load_after[0]:.2f} after, above {LOAD_WARN + OWN_LOAD:.1f} = {LOAD_WARN} + our own 2 ranks): the ratios are noisy")
+        print(
+            f"WARNING: the machine was not quiet (1-minute load average {load_before[0]:.2f} before, above {LOAD_WARN}, or "
+            f"{load_after[0]:.2f} after, above {LOAD_WARN + OWN_LOAD:.1f} = {LOAD_WARN} + our own 2 ranks): the ratios are noisy"
+        )
 
 
 if __name__ == "__main__":

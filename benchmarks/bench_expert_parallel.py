@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import current_rss_mb, peak_rss_mb, setup_rank_env, spawn_ranks  # noqa: E402
+
 SEQ, MICRO, VOCAB = 256, 2, 4096
 
 
@@ -31,11 +32,22 @@ def _model(experts: int):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    return MixtralForCausalLM(MixtralConfig(
-        num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4,
-        num_local_experts=experts, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
-        bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
-    ))  # fmt: skip
+    return MixtralForCausalLM(
+        MixtralConfig(
+            num_hidden_layers=4,
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_local_experts=experts,
+            num_experts_per_tok=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def _worker(rank: int, kind: str, experts: int, steps: int, port: int, out: str) -> None:
@@ -45,8 +57,13 @@ def _worker(rank: int, kind: str, experts: int, steps: int, port: int, out: str)
     torch.set_num_threads(1)
     import slipstream
 
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2}}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 2},
+    }
     if kind == "ep2":
         config["expert_parallel"] = {"enabled": True, "autoep_size": 2}
     engine = slipstream.initialize(_model(experts), config)
@@ -83,13 +100,19 @@ def main() -> None:
             results[kind].append(_run(kind, args.experts, args.steps))
     tokens = 2 * MICRO * SEQ
     base = statistics.median(r["ms"] for r in results["dp2"])
-    print(f"Mixtral h 256, 4 layers, {args.experts} experts top-2, seq {SEQ}, micro {MICRO}, 2 ranks, {args.rounds} rounds (medians)")
-    print(f"{'config':<6} {'ms/step':>8} {'tokens/s':>9} {'vs dp2':>7} {'peak RSS MB':>12} {'RSS after training MB':>22}")
+    print(
+        f"Mixtral h 256, 4 layers, {args.experts} experts top-2, seq {SEQ}, micro {MICRO}, 2 ranks, {args.rounds} rounds (medians)"
+    )
+    print(
+        f"{'config':<6} {'ms/step':>8} {'tokens/s':>9} {'vs dp2':>7} {'peak RSS MB':>12} {'RSS after training MB':>22}"
+    )
     for kind in kinds:
         ms = statistics.median(r["ms"] for r in results[kind])
         rss = [statistics.median(r["rss"][i] for r in results[kind]) for i in range(2)]
         end = [statistics.median(r["end"][i] for r in results[kind]) for i in range(2)]
-        print(f"{kind:<6} {ms:8.0f} {tokens / ms * 1e3:9.0f} {base / ms:6.2f}x {rss[0]:5.0f} {rss[1]:5.0f} {end[0]:10.0f} {end[1]:10.0f}")
+        print(
+            f"{kind:<6} {ms:8.0f} {tokens / ms * 1e3:9.0f} {base / ms:6.2f}x {rss[0]:5.0f} {rss[1]:5.0f} {end[0]:10.0f} {end[1]:10.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -49,9 +49,15 @@ def _llama(hidden: int, layers: int) -> Any:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 4, num_hidden_layers=layers, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=8192, attention_dropout=0.0,
-    )  # fmt: skip
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=8192,
+        attention_dropout=0.0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -64,9 +70,13 @@ def _engine(variant: str, hidden: int, layers: int) -> Any:
     from slipstream.engine.parallel.tensor import selfcheck
 
     config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0, "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}, **VARIANTS.get(variant, {}),
-    }  # fmt: skip
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        **VARIANTS.get(variant, {}),
+    }
     saved_heads, saved_verify = sequence_options._check_heads, selfcheck.verify
     refused = []
 
@@ -174,17 +184,22 @@ def main() -> None:
     args = parser.parse_args()
     ranks = spawn_ranks(_worker, args.rounds, args.tokens, args.hidden, args.layers)
     one_ms, one_saved = _one_process(args.rounds, args.tokens, args.hidden, args.layers)
-    print(f"Llama hidden {args.hidden}, {args.layers} layers, 8 heads (4 KV), 1 × {args.tokens} tokens, fp32, AdamW; "
-          f"2 gloo ranks, one thread each; medians of {args.rounds} alternating rounds (slowest rank)")  # fmt: skip
+    print(
+        f"Llama hidden {args.hidden}, {args.layers} layers, 8 heads (4 KV), 1 × {args.tokens} tokens, fp32, AdamW; "
+        f"2 gloo ranks, one thread each; medians of {args.rounds} alternating rounds (slowest rank)"
+    )
     print(f"one process: {one_ms * 1e3:.1f} ms per step, {one_saved / 2**20:.1f} MiB of activations saved for backward")
     print(f"{'preferred':<12}{'fallback':<13}{'ms':>9}{'ms':>9}{'fallback / preferred':>22}{'saved MiB/rank':>18}")
     for preferred, fallback in PAIRS:
         ms = {
-            name: statistics.median(max(r[name][i] for r in ranks) for i in range(args.rounds)) * 1e3 for name in (preferred, fallback)
-        }  # fmt: skip
+            name: statistics.median(max(r[name][i] for r in ranks) for i in range(args.rounds)) * 1e3
+            for name in (preferred, fallback)
+        }
         saved = {name: max(r[f"saved {name}"] for r in ranks) / 2**20 for name in (preferred, fallback)}
-        print(f"{preferred:<12}{fallback:<13}{ms[preferred]:>9.1f}{ms[fallback]:>9.1f}{ms[fallback] / ms[preferred]:>21.2f}×"
-              f"{saved[preferred]:>8.1f} → {saved[fallback]:.1f}")  # fmt: skip
+        print(
+            f"{preferred:<12}{fallback:<13}{ms[preferred]:>9.1f}{ms[fallback]:>9.1f}{ms[fallback] / ms[preferred]:>21.2f}×"
+            f"{saved[preferred]:>8.1f} → {saved[fallback]:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -40,17 +40,35 @@ def _worker(rank: int, mode: str, check: bool, tokens: int, window: int, port: i
     import slipstream
 
     torch.manual_seed(0)
-    shape = dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=4, max_position_embeddings=tokens, attn_implementation="sdpa")  # fmt: skip
-    model = MistralForCausalLM(MistralConfig(**shape, sliding_window=window)) if window else LlamaForCausalLM(LlamaConfig(**shape))
+    shape = dict(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=tokens,
+        attn_implementation="sdpa",
+    )
+    model = (
+        MistralForCausalLM(MistralConfig(**shape, sliding_window=window))
+        if window
+        else LlamaForCausalLM(LlamaConfig(**shape))
+    )
     ids = torch.randint(0, 8192, (1, tokens), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[:, tokens - tokens // 10 :] = 0
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-    engine = slipstream.initialize(model, {
-        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **MODES[mode],
-    })  # fmt: skip
+    engine = slipstream.initialize(
+        model,
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            **MODES[mode],
+        },
+    )
     if not check:
         engine.runner.sharder.take_first_batch_check()
     start = time.perf_counter()
@@ -78,7 +96,9 @@ def main() -> None:
     modes = args.modes.split(",")
     found = alternate_on_off(_worker, modes, args.rounds, args.tokens, args.sliding_window)
     model = f"Mistral 3.9M (sliding window {args.sliding_window})" if args.sliding_window else "Llama 3.9M"
-    print(f"{model}, 1 × {args.tokens} tokens (10% padding), 2 ranks, medians of {args.rounds} alternating rounds (fresh jobs)")
+    print(
+        f"{model}, 1 × {args.tokens} tokens (10% padding), 2 ranks, medians of {args.rounds} alternating rounds (fresh jobs)"
+    )
     print(f"{'mode':<10}{'first-batch check':<19}{'first step s':>14}{'second step s':>15}{'check / first step':>20}")
     for mode in modes:
         first = {c: statistics.median(r["first"] for r in found[(mode, c)]) for c in (True, False)}

@@ -35,7 +35,9 @@ WARMUP = 5
 
 def _meter_class() -> type:
     """LiveTensorMeter loaded from its file, so the DeepSpeed venv does not import slipstream's package."""
-    spec = importlib.util.spec_from_file_location("_live_meter", ROOT / "slipstream" / "engine" / "monitor" / "memory.py")
+    spec = importlib.util.spec_from_file_location(
+        "_live_meter", ROOT / "slipstream" / "engine" / "monitor" / "memory.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.LiveTensorMeter
@@ -55,7 +57,11 @@ def _worker(kind: str, args: argparse.Namespace) -> dict:
     config: dict = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0}
     if variant == "monitored":
         out = tempfile.mkdtemp(prefix=f"bench-fit-{framework}-")
-        config.update(steps_per_print=5, wall_clock_breakdown=True, csv_monitor={"enabled": True, "output_path": out, "job_name": "bench"})
+        config.update(
+            steps_per_print=5,
+            wall_clock_breakdown=True,
+            csv_monitor={"enabled": True, "output_path": out, "job_name": "bench"},
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
     if framework == "slipstream":
         import slipstream
@@ -67,7 +73,9 @@ def _worker(kind: str, args: argparse.Namespace) -> dict:
         import deepspeed
 
         if variant == "ac":
-            model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint)
+            model._set_gradient_checkpointing(
+                enable=True, gradient_checkpointing_func=deepspeed.checkpointing.checkpoint
+            )
         config.update(zero_allow_untested_optimizer=True)
         config.setdefault("steps_per_print", 10**9)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -115,24 +123,49 @@ def main() -> None:
         for kind in kinds:
             python = deepspeed_python if kind.startswith("deepspeed") else sys.executable
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps), "--port", str(free_port())]
+                command = [
+                    python,
+                    __file__,
+                    "--worker",
+                    kind,
+                    "--out",
+                    out.name,
+                    "--model",
+                    args.model,
+                    "--steps",
+                    str(args.steps),
+                    "--port",
+                    str(free_port()),
+                ]
                 env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-                subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run(
+                    command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
                 data = json.loads(Path(out.name).read_text())
             results[kind]["times"] += data["times"]
             results[kind]["retained"], results[kind]["peak"] = data["retained"], data["peak"]
 
-    print(f"{args.model}, 1 process (1 thread), fp32, AdamW(fused=True), clip 1.0, micro-batch 4 x 128 tokens; "
-          f"{args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
-    print(f"{'config':<22} {'median ms':>9} {'min-max ms':>15} {'vs own plain':>12} {'vs DeepSpeed':>12} {'retained MiB':>12} {'peak MiB':>9}")
+    print(
+        f"{args.model}, 1 process (1 thread), fp32, AdamW(fused=True), clip 1.0, micro-batch 4 x 128 tokens; "
+        f"{args.rounds} alternating rounds x {args.steps} steps"
+    )
+    print(
+        f"{'config':<22} {'median ms':>9} {'min-max ms':>15} {'vs own plain':>12} {'vs DeepSpeed':>12} {'retained MiB':>12} {'peak MiB':>9}"
+    )
     for kind in kinds:
         times = sorted(t * 1e3 for t in results[kind]["times"])
         median = statistics.median(times)
         own = statistics.median(results[kind.split("-")[0] + "-plain"]["times"]) * 1e3
         peer = kind.replace("slipstream", "deepspeed")
-        vs_ds = f"{median / (statistics.median(results[peer]['times']) * 1e3):.3f}x" if kind.startswith("slipstream") and peer in results else ""
+        vs_ds = (
+            f"{median / (statistics.median(results[peer]['times']) * 1e3):.3f}x"
+            if kind.startswith("slipstream") and peer in results
+            else ""
+        )
         r = results[kind]
-        print(f"{kind:<22} {median:9.1f} {times[0]:7.1f}-{times[-1]:<7.1f} {median / own:11.3f}x {vs_ds:>12} {r['retained'] / 2**20:12.1f} {r['peak'] / 2**20:9.1f}")
+        print(
+            f"{kind:<22} {median:9.1f} {times[0]:7.1f}-{times[-1]:<7.1f} {median / own:11.3f}x {vs_ds:>12} {r['retained'] / 2**20:12.1f} {r['peak'] / 2**20:9.1f}"
+        )
 
 
 if __name__ == "__main__":

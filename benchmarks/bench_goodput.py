@@ -40,8 +40,13 @@ def _launch(argv: list[str], timeout: float = 3600) -> tuple[int, float, list[tu
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOGLEVEL")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "slipstream.launcher.cli", "run", *argv], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slipstream.launcher.cli", "run", *argv],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     lines: list[tuple[float, str]] = []
 
     def read() -> None:
@@ -63,8 +68,20 @@ def _events(out: Path) -> list[dict]:
 def _fault_run(name: str, args: argparse.Namespace, faults: str, extra: list[str]) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"goodput_{name}_"))
     restarts = faults.count(",") + 1 if faults else 0
-    argv = ["--nproc_per_node", str(args.world), "--max_restarts", str(restarts), str(JOB), "--out", str(out),
-            "--steps", str(args.steps), "--comms_timeout", "30", *extra] + (["--faults", faults] if faults else [])  # fmt: skip
+    argv = [
+        "--nproc_per_node",
+        str(args.world),
+        "--max_restarts",
+        str(restarts),
+        str(JOB),
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--comms_timeout",
+        "30",
+        *extra,
+    ] + (["--faults", faults] if faults else [])
     code, wall, lines = _launch(argv)
     if code != 0:
         raise SystemExit(f"{name}: slipstream run failed (exit {code}):\n" + "\n".join(text for _, text in lines[-40:]))
@@ -87,7 +104,9 @@ def _faults(args: argparse.Namespace) -> None:
     draw = random.Random(args.seed)
     steps = sorted(draw.sample(range(5, args.steps - 5), args.faults))
     faults = ",".join(f"kill@{s}:{draw.randrange(args.world)}" for s in steps)
-    print(f"goodput: {args.world} ranks, tiny GPT-2, {args.steps} steps, {args.faults} SIGKILLs at steps {steps} (seed {args.seed})")
+    print(
+        f"goodput: {args.world} ranks, tiny GPT-2, {args.steps} steps, {args.faults} SIGKILLs at steps {steps} (seed {args.seed})"
+    )
     free = _fault_run("fault-free", args, "", [])
     runs = [
         _fault_run("in-memory every step", args, faults, ["--save_dir", tempfile.mkdtemp(), "--in_memory", "1"]),
@@ -95,23 +114,29 @@ def _faults(args: argparse.Namespace) -> None:
     ]
     step_s = free["wall_s"] / args.steps  # an upper bound: the fault-free wall time includes the start
     print(f"fault-free: {free['wall_s']:.1f} s wall ({step_s * 1e3:.0f} ms per step, start-up included)")
-    print("| run | wall s | goodput | mean detection s | mean recovery s | mean resume (load) s | steps lost per fault (mean / max) |")
+    print(
+        "| run | wall s | goodput | mean detection s | mean recovery s | mean resume (load) s | steps lost per fault (mean / max) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for run in runs:
         print(
             f"| {run['name']} | {run['wall_s']:.1f} | {free['wall_s'] / run['wall_s']:.3f} | {statistics.mean(run['detect_s']):.2f} "
             f"| {statistics.mean(run['recover_s']):.2f} | {statistics.mean(run['resume_s']):.3f} "
             f"| {statistics.mean(run['lost_steps']):.2f} / {max(run['lost_steps'])} |"
-        )  # fmt: skip
+        )
     # [Note: on paper] A job of N GPUs with a job-level MTBF of M seconds loses, per fault, the
     # detection latency, the restart (to the first step) and the lost steps × the step time. Goodput
     # = 1 - (cost per fault) / M, less the per-step snapshot overhead (measured by `overhead`).
     # Restart at 16k GPUs is not this machine's 4-process start: --restart-s states it (Llama 3's
     # report gives none; torchft/NVRx quote tens of seconds to minutes).
     mtbf = args.mtbf_hours * 3600
-    print(f"\non paper: 16k GPUs, job MTBF {args.mtbf_hours:g} h, step {args.scale_step_s:g} s, restart {args.restart_s:g} s:")
+    print(
+        f"\non paper: 16k GPUs, job MTBF {args.mtbf_hours:g} h, step {args.scale_step_s:g} s, restart {args.restart_s:g} s:"
+    )
     for run in runs:
-        cost = statistics.mean(run["detect_s"]) + args.restart_s + statistics.mean(run["lost_steps"]) * args.scale_step_s
+        cost = (
+            statistics.mean(run["detect_s"]) + args.restart_s + statistics.mean(run["lost_steps"]) * args.scale_step_s
+        )
         print(f"  {run['name']}: {cost:.0f} s per fault -> goodput {1 - cost / mtbf:.4f} (before snapshot overhead)")
     print("  Llama 3 405B reports > 90% effective training time")
 
@@ -126,9 +151,12 @@ def _overhead_worker() -> None:
 
     out, in_memory, steps, warmup = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     config = {
-        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "fused": True}}, "zero_optimization": {"stage": 1},
-    }  # fmt: skip
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "fused": True}},
+        "zero_optimization": {"stage": 1},
+    }
     if in_memory:
         config["checkpoint"] = {"save_dir": tempfile.mkdtemp(), "auto_resume": True, "in_memory_interval": in_memory}
     engine = slipstream.initialize(build_gpt2("gpt2-large"), config)
@@ -149,18 +177,32 @@ def _overhead(args: argparse.Namespace) -> None:
     for round_ in range(args.rounds):
         for name, interval in (("without", 0), ("with", 1)):
             out = tempfile.mktemp(suffix=".json")
-            code, _, lines = _launch(["--nproc_per_node", "2", __file__, "--overhead-worker", out, str(interval),
-                                      str(args.steps), str(args.warmup)])  # fmt: skip
+            code, _, lines = _launch(
+                [
+                    "--nproc_per_node",
+                    "2",
+                    __file__,
+                    "--overhead-worker",
+                    out,
+                    str(interval),
+                    str(args.steps),
+                    str(args.warmup),
+                ]
+            )
             if code != 0:
                 raise SystemExit("overhead job failed:\n" + "\n".join(t for _, t in lines[-30:]))
             data = json.loads(Path(out).read_text())
             results[name] += data["times"]
-            print(f"round {round_ + 1} {name:>7} snapshots: median {statistics.median(data['times']) * 1e3:.1f} ms/step, "
-                  f"peak RSS/rank {max(data['rss']):.0f} MB")  # fmt: skip
+            print(
+                f"round {round_ + 1} {name:>7} snapshots: median {statistics.median(data['times']) * 1e3:.1f} ms/step, "
+                f"peak RSS/rank {max(data['rss']):.0f} MB"
+            )
     load.append(os.getloadavg()[0])
     a, b = statistics.median(results["without"]), statistics.median(results["with"])
-    print(f"gpt2-large (benchmarks workload), 2 ranks, ZeRO-1: without {a * 1e3:.1f} ms, with in-memory snapshots every step "
-          f"{b * 1e3:.1f} ms: ratio {b / a:.3f} (load average before/after {load[0]:.2f}/{load[1]:.2f})")  # fmt: skip
+    print(
+        f"gpt2-large (benchmarks workload), 2 ranks, ZeRO-1: without {a * 1e3:.1f} ms, with in-memory snapshots every step "
+        f"{b * 1e3:.1f} ms: ratio {b / a:.3f} (load average before/after {load[0]:.2f}/{load[1]:.2f})"
+    )
 
 
 def main() -> None:
@@ -176,7 +218,9 @@ def main() -> None:
     faults.add_argument("--seed", type=int, default=0)
     faults.add_argument("--mtbf-hours", type=float, default=3.0)
     faults.add_argument("--scale-step-s", type=float, default=10.0, help="step time at scale, for the paper estimate")
-    faults.add_argument("--restart-s", type=float, default=120.0, help="restart to first step at scale, for the paper estimate")
+    faults.add_argument(
+        "--restart-s", type=float, default=120.0, help="restart to first step at scale, for the paper estimate"
+    )
     overhead = sub.add_parser("overhead")
     overhead.add_argument("--rounds", type=int, default=2)
     overhead.add_argument("--steps", type=int, default=15)

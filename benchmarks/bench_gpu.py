@@ -38,10 +38,16 @@ def _model(hidden: int, layers: int):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=(8 * hidden // 3 + 255) // 256 * 256,
-        num_attention_heads=hidden // 128, num_key_value_heads=hidden // 128, vocab_size=VOCAB, max_position_embeddings=SEQ,
-        attn_implementation="sdpa", torch_dtype=torch.bfloat16,
-    )  # fmt: skip
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=(8 * hidden // 3 + 255) // 256 * 256,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=hidden // 128,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        attn_implementation="sdpa",
+        torch_dtype=torch.bfloat16,
+    )
     return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
@@ -59,11 +65,17 @@ def _worker(kind: str, hidden: int, layers: int, steps: int, out: str) -> None:
         import slipstream
 
         stage = 0 if kind.endswith("z0") else 3
-        engine = slipstream.initialize(model, {
-            "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-            "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        })  # fmt: skip
+        engine = slipstream.initialize(
+            model,
+            {
+                "train_micro_batch_size_per_gpu": MICRO,
+                "gradient_clipping": 1.0,
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": stage},
+                "steps_per_print": 10**9,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            },
+        )
 
         def step(tokens: torch.Tensor) -> None:
             loss = engine(input_ids=tokens, labels=tokens).loss
@@ -94,16 +106,39 @@ def _worker(kind: str, hidden: int, layers: int, steps: int, out: str) -> None:
     peaks = [torch.zeros_like(peak) for _ in range(world)]
     dist.all_gather(peaks, peak)
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "peaks": [float(p) for p in peaks], "params": params,
-                                         "device": torch.cuda.get_device_name()}))  # fmt: skip
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "times": times,
+                    "peaks": [float(p) for p in peaks],
+                    "params": params,
+                    "device": torch.cuda.get_device_name(),
+                }
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _run(kind: str, gpus: int, hidden: int, layers: int, steps: int) -> dict | str:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}", __file__,
-                   "--worker", kind, "--hidden", str(hidden), "--layers", str(layers), "--steps", str(steps), "--out", out.name]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={gpus}",
+            __file__,
+            "--worker",
+            kind,
+            "--hidden",
+            str(hidden),
+            "--layers",
+            str(layers),
+            "--steps",
+            str(steps),
+            "--out",
+            out.name,
+        ]
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's path
         env = {**os.environ, "PYTHONPATH": path, "SLIPSTREAM_ACCELERATOR": "cuda"}
         done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -149,8 +184,10 @@ def main() -> None:
     tokens = MICRO * SEQ * args.gpus
     flops_per_token = 6 * info["params"] + 12 * args.layers * args.hidden * SEQ
     peak = next((v for key, v in PEAK_BF16_TFLOPS.items() if key in info["device"]), None)
-    print(f"{info['device']} x {args.gpus}; Llama h {args.hidden}, {args.layers} layers ({info['params'] / 1e6:.0f}M parameters), "
-          f"seq {SEQ}, micro-batch {MICRO}/GPU, bf16; {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
+    print(
+        f"{info['device']} x {args.gpus}; Llama h {args.hidden}, {args.layers} layers ({info['params'] / 1e6:.0f}M parameters), "
+        f"seq {SEQ}, micro-batch {MICRO}/GPU, bf16; {args.rounds} alternating rounds x {args.steps} steps"
+    )
     print(f"{'config':<15} {'median ms':>9} {'tokens/s':>10} {'MFU':>6} {'peak alloc/GPU MB':>18} {'vs ddp':>7}")
     base = statistics.median(results["ddp"]["times"]) if results["ddp"]["times"] else None
     for kind in KINDS:

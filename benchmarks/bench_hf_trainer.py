@@ -22,10 +22,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = {
-    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}, "steps_per_print": 2000,
-}  # fmt: skip
+    "train_micro_batch_size_per_gpu": "auto",
+    "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+    "steps_per_print": 2000,
+}
 
 
 def worker(side: str, model_name: str, steps: int, out: str, config_path: str) -> None:
@@ -58,10 +62,17 @@ def worker(side: str, model_name: str, steps: int, out: str, config_path: str) -
     rows = [t for b in random_batches(steps * 2, MICRO_BATCH) for t in b]
     data = [{"input_ids": r, "labels": r} for r in rows]
     args = Arguments(
-        output_dir=tempfile.mkdtemp(), deepspeed=config_path, per_device_train_batch_size=MICRO_BATCH, max_steps=steps,
-        learning_rate=1e-4, report_to="none", use_cpu=not torch.cuda.is_available(), save_strategy="no",
-        logging_steps=10**6, disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=tempfile.mkdtemp(),
+        deepspeed=config_path,
+        per_device_train_batch_size=MICRO_BATCH,
+        max_steps=steps,
+        learning_rate=1e-4,
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+    )
     model = build_gpt2(model_name)
     model.loss_type = "ForCausalLM"  # GPT2LMHeadModel maps to no loss type by name; same loss, no warning
     Trainer(model=model, args=args, train_dataset=data, callbacks=[Clock()]).train()
@@ -77,9 +88,32 @@ def run_side(python: str, side: str, model: str, steps: int, config_path: str) -
     sys.path.insert(0, ROOT)
     from benchmarks.common import free_port
 
-    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), __file__,
-           "--worker", side, "--model", model, "--steps", str(steps), "--out", out, "--config", config_path]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "DS_ACCELERATOR": "cpu", "PYTHONPATH": ROOT}
+    cmd = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        __file__,
+        "--worker",
+        side,
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--out",
+        out,
+        "--config",
+        config_path,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": ROOT,
+    }
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     return json.load(open(out))
 
@@ -109,8 +143,10 @@ def main() -> None:
             "peak_rss_mb": statistics.median(max(r["rss"]) for r in runs),
             "first_loss_s": statistics.median(r["first_loss_s"] for r in runs),
         }
-        print(f"{side:<10} step {summary[side]['step_ms']:8.1f} ms  peak RSS/rank {summary[side]['peak_rss_mb']:8.0f} MB  "
-              f"first loss {summary[side]['first_loss_s']:6.1f} s")  # fmt: skip
+        print(
+            f"{side:<10} step {summary[side]['step_ms']:8.1f} ms  peak RSS/rank {summary[side]['peak_rss_mb']:8.0f} MB  "
+            f"first loss {summary[side]['first_loss_s']:6.1f} s"
+        )
     for key in ("step_ms", "peak_rss_mb", "first_loss_s"):
         print(f"ratio slipstream/deepspeed {key}: {summary['slipstream'][key] / summary['deepspeed'][key]:.3f}")
 

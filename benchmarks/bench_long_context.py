@@ -39,7 +39,10 @@ VARIANTS = {
     "plain": {},
     "logits": {"tiled_logits": {"enabled": True, "tile_tokens": TILE}},
     "mlp": {"tiled_mlp": {"enabled": True, "tile_tokens": TILE}},
-    "both": {"tiled_logits": {"enabled": True, "tile_tokens": TILE}, "tiled_mlp": {"enabled": True, "tile_tokens": TILE}},
+    "both": {
+        "tiled_logits": {"enabled": True, "tile_tokens": TILE},
+        "tiled_mlp": {"enabled": True, "tile_tokens": TILE},
+    },
 }
 # "all": both tilings, and the checkpointed inputs in files (activation_checkpointing.offload_path)
 VARIANTS["all"] = VARIANTS["both"]
@@ -57,19 +60,36 @@ def _worker(rank: int, variant: str, seq: int, stage: int, layers: int, port: in
     import slipstream
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=seq, attn_implementation="sdpa",
-    ))  # fmt: skip
-    engine = slipstream.initialize(model, {
-        "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "steps_per_print": 10**9, "twin_check": False,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "sequence_parallel_size": 2,
-        "zero_optimization": {"stage": stage}, "long_context": VARIANTS[variant],
-        # every variant checkpoints its blocks, as long-context training does: what is left is the head and the MLPs
-        "activation_checkpointing": {
-            "module_classes": ["LlamaDecoderLayer"], "offload_path": str(Path(out).parent / "activations") if variant in OFFLOADED else None,
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=seq,
+            attn_implementation="sdpa",
+        )
+    )
+    engine = slipstream.initialize(
+        model,
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 10**9,
+            "twin_check": False,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "sequence_parallel_size": 2,
+            "zero_optimization": {"stage": stage},
+            "long_context": VARIANTS[variant],
+            # every variant checkpoints its blocks, as long-context training does: what is left is the head and the MLPs
+            "activation_checkpointing": {
+                "module_classes": ["LlamaDecoderLayer"],
+                "offload_path": str(Path(out).parent / "activations") if variant in OFFLOADED else None,
+            },
         },
-    })  # fmt: skip
+    )
     after_init = current_rss_mb()
     ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
     times = []
@@ -84,10 +104,18 @@ def _worker(rank: int, variant: str, seq: int, stage: int, layers: int, port: in
     engine.destroy()
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        Path(f"{out}.{rank}").write_text(json.dumps({
-            "peak": max(p for p, _ in peaks), "init": max(i for _, i in peaks), "step": times[-1], "loss": float(loss.detach()),
-            "params": params, "layers": layers,
-        }))  # fmt: skip
+        Path(f"{out}.{rank}").write_text(
+            json.dumps(
+                {
+                    "peak": max(p for p, _ in peaks),
+                    "init": max(i for _, i in peaks),
+                    "step": times[-1],
+                    "loss": float(loss.detach()),
+                    "params": params,
+                    "layers": layers,
+                }
+            )
+        )
 
 
 def measure(variant: str, seq: int, stage: int, layers: int = 2) -> dict:
@@ -95,14 +123,20 @@ def measure(variant: str, seq: int, stage: int, layers: int = 2) -> dict:
         try:
             found = spawn_ranks(_worker, variant, seq, stage, layers)
         except Exception as err:  # noqa: BLE001 - the job's own failure, reported and retried once
-            print(f"  {variant} at {seq} tokens: job failed ({type(err).__name__}: {err}); attempt {attempt + 1} of 2", flush=True)
+            print(
+                f"  {variant} at {seq} tokens: job failed ({type(err).__name__}: {err}); attempt {attempt + 1} of 2",
+                flush=True,
+            )
             found = []
         if found:
             break
     else:
         raise RuntimeError(f"{variant} at {seq} tokens wrote no result")
     result = found[0]
-    print(f"  {variant:<7} {seq:>7} tokens: peak {result['peak']:7.0f} MB (after initialize {result['init']:5.0f}), second step {result['step']:6.2f} s", flush=True)
+    print(
+        f"  {variant:<7} {seq:>7} tokens: peak {result['peak']:7.0f} MB (after initialize {result['init']:5.0f}), second step {result['step']:6.2f} s",
+        flush=True,
+    )
     return result
 
 
@@ -134,8 +168,9 @@ def predicted(row: dict, variant: str, seq: int) -> float:
     section = VARIANTS[variant]
     tiling = Tiling(
         section["tiled_logits"]["tile_tokens"] if "tiled_logits" in section else None,
-        section["tiled_mlp"]["tile_tokens"] if "tiled_mlp" in section else None, seq_shards=2,
-    )  # fmt: skip
+        section["tiled_mlp"]["tile_tokens"] if "tiled_mlp" in section else None,
+        seq_shards=2,
+    )
     acts = activation_bytes(shape, seq, 1, "fp32", checkpointing=True, flash=True, tiling=tiling) or 0.0
     return row["init"] + (12 * row["params"] + acts) / 2**20
 
@@ -146,8 +181,16 @@ def plot(rows: dict, variants: list[str], lengths: list[int], path: str, stage: 
     series = []
     for color, v in zip(COLORS, variants):
         series.append(Series(f"{v} measured", lengths, [rows[(v, n)]["peak"] for n in lengths], color))
-        series.append(Series(f"{v} estimated", lengths, [predicted(rows[(v, n)], v, n) for n in lengths], color, dashed=True))
-    line_plot(series, path, f"Peak RSS per rank, Ulysses 2 on 2 ranks, ZeRO {stage}, fp32, checkpointed blocks", "sequence length (tokens)", "MB per rank")
+        series.append(
+            Series(f"{v} estimated", lengths, [predicted(rows[(v, n)], v, n) for n in lengths], color, dashed=True)
+        )
+    line_plot(
+        series,
+        path,
+        f"Peak RSS per rank, Ulysses 2 on 2 ranks, ZeRO {stage}, fp32, checkpointed blocks",
+        "sequence length (tokens)",
+        "MB per rank",
+    )
     print(f"plot: {path}")
 
 
@@ -157,9 +200,13 @@ def main() -> None:
     parser.add_argument("--variants", default="plain,logits,mlp,both")
     parser.add_argument("--start", type=int, default=2048)
     parser.add_argument("--stage", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers (more: more checkpointed inputs per token)")
+    parser.add_argument(
+        "--layers", type=int, default=2, help="decoder layers (more: more checkpointed inputs per token)"
+    )
     parser.add_argument("--curve", default="", help="comma-separated lengths: measure these instead of searching")
-    parser.add_argument("--plot", default="", help="with --curve: an SVG of peak RSS against length beside the estimate")
+    parser.add_argument(
+        "--plot", default="", help="with --curve: an SVG of peak RSS against length beside the estimate"
+    )
     args = parser.parse_args()
     variants = args.variants.split(",")
     if args.curve:
@@ -181,7 +228,9 @@ def main() -> None:
         print(f"{variant}: searching under {args.cap_mb:.0f} MB per rank", flush=True)
         found[variant] = longest(variant, args.cap_mb, args.start, args.stage, args.layers)
     base = found.get("plain", (0, 0))[0]
-    print(f"\nlongest sequence under {args.cap_mb:.0f} MB peak RSS per rank (Ulysses 2 on 2 ranks, ZeRO {args.stage}, {args.layers} layers, tiles of {TILE} tokens)")
+    print(
+        f"\nlongest sequence under {args.cap_mb:.0f} MB peak RSS per rank (Ulysses 2 on 2 ranks, ZeRO {args.stage}, {args.layers} layers, tiles of {TILE} tokens)"
+    )
     print(f"{'variant':<10}{'fits':>10}{'first miss':>12}{'vs plain':>10}")
     for variant, (fit, miss) in found.items():
         ratio = f"{fit / base:.2f}x" if base else ""

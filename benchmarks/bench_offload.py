@@ -38,22 +38,19 @@ def config_for(name: str, nvme_path: str) -> dict:
             param = offload[-1]
             zero["offload_param"] = {"device": param, **({"nvme_path": nvme_path} if param == "nvme" else {})}
     return {
-        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}, "zero_optimization": zero,
-    }  # fmt: skip
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+    }
 
 
 def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import (
-        build_gpt2,
-        random_batches,
-        setup_rank_env,
-        time_steps,
-        write_rank_results,
-    )
+    from benchmarks.common import build_gpt2, random_batches, setup_rank_env, time_steps, write_rank_results
 
     setup_rank_env(rank, world, port)
     torch.set_num_threads(1)
@@ -109,12 +106,34 @@ def main() -> None:
             for kind in kinds:
                 python = args.deepspeed_python if kind.startswith("deepspeed") else sys.executable
                 with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                    command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model,
-                               "--steps", str(args.steps), "--nvme-path", swap_root]  # fmt: skip
+                    command = [
+                        python,
+                        __file__,
+                        "--worker",
+                        kind,
+                        "--out",
+                        out.name,
+                        "--model",
+                        args.model,
+                        "--steps",
+                        str(args.steps),
+                        "--nvme-path",
+                        swap_root,
+                    ]
                     env = {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
-                    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+                    done = subprocess.run(
+                        command,
+                        cwd=ROOT,
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        check=False,
+                    )
                     if done.returncode != 0:
-                        print(f"{kind} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+                        print(
+                            f"{kind} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+                        )
                         continue
                     data = json.loads(Path(out.name).read_text())
                 results[kind]["times"] += data["times"]
@@ -126,9 +145,13 @@ def main() -> None:
         times = results.get(kind, {}).get("times")
         return statistics.median(times) * 1e3 if times else None
 
-    print(f"{args.model}, 2 ranks (gloo, 1 thread each), fp32, AdamW, clip 1.0, micro-batch 4; swap files under "
-          f"{args.nvme_path}; {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
-    print(f"{'config':<26} {'median ms':>9} {'min-max ms':>15} {'peak RSS/rank MB':>17} {'vs no offload':>13} {'vs DeepSpeed':>12}")
+    print(
+        f"{args.model}, 2 ranks (gloo, 1 thread each), fp32, AdamW, clip 1.0, micro-batch 4; swap files under "
+        f"{args.nvme_path}; {args.rounds} alternating rounds x {args.steps} steps"
+    )
+    print(
+        f"{'config':<26} {'median ms':>9} {'min-max ms':>15} {'peak RSS/rank MB':>17} {'vs no offload':>13} {'vs DeepSpeed':>12}"
+    )
     for kind in kinds:
         median = median_ms(kind)
         if median is None:

@@ -113,7 +113,7 @@ def worker(rank: int, world: int, port: int, kinds: list[str], args: argparse.Na
     for tensors in args.tensors:
         for kind in kinds:
             framework = kind.rstrip("0123456789")
-            step, engine = _ddp(tensors) if kind == "ddp" else _engine(framework, tensors, int(kind[len(framework):]))
+            step, engine = _ddp(tensors) if kind == "ddp" else _engine(framework, tensors, int(kind[len(framework) :]))
             found[f"{tensors}/{kind}"] = time_steps(step, batches, WARMUP)  # type: ignore[arg-type]
             if args.profile:
                 found[f"{tensors}/{kind}/calls"] = [_calls(step, batches[:3])]
@@ -126,8 +126,21 @@ def worker(rank: int, world: int, port: int, kinds: list[str], args: argparse.Na
 
 def _job(python: str, world: int, kinds: list[str], args: argparse.Namespace) -> dict[str, list[float]]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [python, __file__, "--worker", ",".join(kinds), "--world", str(world), "--out", out.name, "--steps", str(args.steps),
-                   "--tensors", *map(str, args.tensors), *(["--profile"] if args.profile else [])]  # fmt: skip
+        command = [
+            python,
+            __file__,
+            "--worker",
+            ",".join(kinds),
+            "--world",
+            str(world),
+            "--out",
+            out.name,
+            "--steps",
+            str(args.steps),
+            "--tensors",
+            *map(str, args.tensors),
+            *(["--profile"] if args.profile else []),
+        ]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
         subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return json.loads(Path(out.name).read_text())
@@ -142,7 +155,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
     default_ds = "/tmp/dsvenv/bin/python" if Path("/tmp/dsvenv/bin/python").exists() else None
-    parser.add_argument("--deepspeed-python", default=default_ds, help="DeepSpeed's venv interpreter (none: DeepSpeed is skipped)")
+    parser.add_argument(
+        "--deepspeed-python", default=default_ds, help="DeepSpeed's venv interpreter (none: DeepSpeed is skipped)"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -152,11 +167,19 @@ def main() -> None:
         return
     ours = ["ddp", *(f"zero{s}" for s in args.stages)]
     theirs = [f"deepspeed{s}" for s in args.stages] if args.deepspeed_python else []
-    print(f"Chain of Linear({WIDTH}, {WIDTH}), batch {ROWS} × {WIDTH}, AdamW(fused), clip 1.0, gloo, 1 thread per rank; "
-          f"{args.rounds} rounds × {args.steps} steps (after {WARMUP} warm-up), DDP and Slipstream alternating in one job, "
-          f"DeepSpeed's job after it{'' if theirs else ' (not run: no --deepspeed-python)'}")  # fmt: skip
-    head = "| ranks | tensors | DDP ms | " + " | ".join(f"ZeRO-{s} ms (×DDP{', ×DeepSpeed' if theirs else ''})" for s in args.stages)
-    print(head + (" | " + " | ".join(f"DeepSpeed-{s} ms" for s in args.stages) if theirs else "") + (" | calls/step DDP, Z0.. | " if args.profile else " |"))
+    print(
+        f"Chain of Linear({WIDTH}, {WIDTH}), batch {ROWS} × {WIDTH}, AdamW(fused), clip 1.0, gloo, 1 thread per rank; "
+        f"{args.rounds} rounds × {args.steps} steps (after {WARMUP} warm-up), DDP and Slipstream alternating in one job, "
+        f"DeepSpeed's job after it{'' if theirs else ' (not run: no --deepspeed-python)'}"
+    )
+    head = "| ranks | tensors | DDP ms | " + " | ".join(
+        f"ZeRO-{s} ms (×DDP{', ×DeepSpeed' if theirs else ''})" for s in args.stages
+    )
+    print(
+        head
+        + (" | " + " | ".join(f"DeepSpeed-{s} ms" for s in args.stages) if theirs else "")
+        + (" | calls/step DDP, Z0.. | " if args.profile else " |")
+    )
     for world in args.worlds:
         results: dict[str, list[float]] = {}
         for _ in range(args.rounds):
@@ -170,7 +193,9 @@ def main() -> None:
             cells = []
             for s in args.stages:
                 ours_ms, peer = median[f"{n}/zero{s}"], median.get(f"{n}/deepspeed{s}")
-                cells.append(f"{ours_ms * 1e3:.2f} ({ours_ms / ddp:.2f}×" + (f", {ours_ms / peer:.2f}×)" if peer else ")"))
+                cells.append(
+                    f"{ours_ms * 1e3:.2f} ({ours_ms / ddp:.2f}×" + (f", {ours_ms / peer:.2f}×)" if peer else ")")
+                )
             cells += [f"{median[f'{n}/deepspeed{s}'] * 1e3:.2f}" for s in args.stages if theirs]
             calls = " | " + ", ".join(f"{median[f'{n}/{k}/calls']:.0f}" for k in ours + theirs) if args.profile else ""
             print(f"| {world} | {n} | {ddp * 1e3:.2f} | " + " | ".join(cells) + calls + " |")

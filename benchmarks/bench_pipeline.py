@@ -40,14 +40,28 @@ ZBV_CUT = [2, 2, 3, 1]
 
 
 def _config(kind: str, m: int) -> dict:
-    base = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}  # fmt: skip
+    base = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    }
     if kind == "dp2-zero1":
         return {**base, "gradient_accumulation_steps": m // 2, "zero_optimization": {"stage": 1}}
     if kind == "ds-pipe":
-        return {**base, "gradient_accumulation_steps": m, "zero_optimization": {"stage": 1}, "pipeline": {"activation_checkpoint_interval": 0}}
+        return {
+            **base,
+            "gradient_accumulation_steps": m,
+            "zero_optimization": {"stage": 1},
+            "pipeline": {"activation_checkpoint_interval": 0},
+        }
     schedule, _, partition = kind.split("-", 1)[1].partition("-")
-    pipeline = {"stages": 2, "schedule": schedule, "virtual_stages": 2 if schedule == "zbv" else 1, "partition": partition or "parameters"}
+    pipeline = {
+        "stages": 2,
+        "schedule": schedule,
+        "virtual_stages": 2 if schedule == "zbv" else 1,
+        "partition": partition or "parameters",
+    }
     # wall_clock_breakdown: the executor times the step from one barrier and takes the slowest rank's
     # wall time, so the measured bubble compares with the simulator's (executor.py, [Note: timing a step]).
     return {**base, "gradient_accumulation_steps": m, "pipeline": pipeline, "wall_clock_breakdown": True}
@@ -93,10 +107,15 @@ def _deepspeed_pipe(model, m: int):
     def head(embed, hidden):
         return hidden @ embed.wte.weight.t()
 
-    layers = [TiedLayerSpec("embed", Embed, tied_weight_attr="wte.weight"),
-              *[LayerSpec(Block, i) for i in range(len(model.transformer.h))], LayerSpec(Norm),
-              TiedLayerSpec("embed", Embed, forward_fn=head, tied_weight_attr="wte.weight")]  # fmt: skip
-    return PipelineModule(layers=layers, num_stages=2, loss_fn=_next_token_loss, partition_method="parameters"), deepspeed
+    layers = [
+        TiedLayerSpec("embed", Embed, tied_weight_attr="wte.weight"),
+        *[LayerSpec(Block, i) for i in range(len(model.transformer.h))],
+        LayerSpec(Norm),
+        TiedLayerSpec("embed", Embed, forward_fn=head, tied_weight_attr="wte.weight"),
+    ]
+    return PipelineModule(
+        layers=layers, num_stages=2, loss_fn=_next_token_loss, partition_method="parameters"
+    ), deepspeed
 
 
 def _torch_zbv(model, rank: int, m: int, blocks_per_stage: list[int]):
@@ -150,7 +169,9 @@ def _worker(rank: int, kind: str, steps: int, m: int, port: int, out: str) -> No
 
         deepspeed.init_distributed(dist_backend="gloo")
         pipe, deepspeed = _deepspeed_pipe(model, m)
-        engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters() if p.requires_grad], config=_config(kind, m))
+        engine, *_ = deepspeed.initialize(
+            model=pipe, model_parameters=[p for p in pipe.parameters() if p.requires_grad], config=_config(kind, m)
+        )
 
         def step(k: int) -> None:
             engine.train_batch(iter([(b, b) for b in batches[k * m : (k + 1) * m]]))
@@ -196,7 +217,13 @@ def _worker(rank: int, kind: str, steps: int, m: int, port: int, out: str) -> No
         if k >= WARMUP:
             times.append(time.perf_counter() - start)
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
-    record = {"times": times, "faults": faults, "peak": peak_rss_mb(), "end": current_rss_mb(), "bubbles": bubbles[WARMUP:]}
+    record = {
+        "times": times,
+        "faults": faults,
+        "peak": peak_rss_mb(),
+        "end": current_rss_mb(),
+        "bubbles": bubbles[WARMUP:],
+    }
     Path(f"{out}.{rank}").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
@@ -212,7 +239,9 @@ def _run(python: str, kind: str, steps: int, m: int) -> list[dict] | str:
         done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         found = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2) if Path(f"{out}.{r}").exists()]
         if done.returncode != 0 or len(found) < 2:
-            lines = [x for x in done.stderr.strip().splitlines() if "Error" in x or "error" in x] or done.stderr.strip().splitlines()[-1:]
+            lines = [
+                x for x in done.stderr.strip().splitlines() if "Error" in x or "error" in x
+            ] or done.stderr.strip().splitlines()[-1:]
             return lines[-1] if lines else f"exit {done.returncode}"
         return found
 
@@ -232,13 +261,23 @@ def main() -> None:
 
         from benchmarks.common import free_port
 
-        mp.start_processes(_worker, args=(args.worker, args.steps, args.micro_batches, free_port(), args.out), nprocs=2, start_method="spawn")
+        mp.start_processes(
+            _worker,
+            args=(args.worker, args.steps, args.micro_batches, free_port(), args.out),
+            nprocs=2,
+            start_method="spawn",
+        )
         return
-    kinds = ["pp2-1f1b", "pp2-1f1b-profile", "pp2-zbv", "pp2-zbv-profile", "torch-zbv", "dp2-zero1"] + (["ds-pipe"] if args.deepspeed_python else [])
+    kinds = ["pp2-1f1b", "pp2-1f1b-profile", "pp2-zbv", "pp2-zbv-profile", "torch-zbv", "dp2-zero1"] + (
+        ["ds-pipe"] if args.deepspeed_python else []
+    )
     if args.kinds:
         kinds = [k for k in kinds if k in args.kinds.split(",")]
     python = {k: args.deepspeed_python if k.startswith("ds") else sys.executable for k in kinds}
-    results: dict[str, dict] = {k: {"times": [], "peak": [0.0, 0.0], "bubbles": [[], []], "faults": [[], []], "rounds": [], "error": None} for k in kinds}
+    results: dict[str, dict] = {
+        k: {"times": [], "peak": [0.0, 0.0], "bubbles": [[], []], "faults": [[], []], "rounds": [], "error": None}
+        for k in kinds
+    }
     for _ in range(args.rounds):
         for kind in kinds:
             data = _run(python[kind], kind, args.steps, args.micro_batches)
@@ -253,30 +292,49 @@ def main() -> None:
                 results[kind]["faults"][r] += data[r]["faults"]
     m = args.micro_batches
     tokens = m * 4 * 128
-    print(f"gpt2-large (8 layers, n_embd 512, vocab 8192), seq 128, {m} micro-batches of 4 per step ({tokens} tokens), fp32, "
-          f"2 ranks; {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
-    print(f"{'config':<17} {'median ms':>9} {'tokens/s':>9} {'peak RSS/rank MB':>17} {'bubble measured/predicted r0, r1':>34} {'vs dp2-zero1':>13} {'page faults/step r0/r1':>23}")
-    base = statistics.median(results["dp2-zero1"]["times"]) if "dp2-zero1" in results and results["dp2-zero1"]["times"] else None
+    print(
+        f"gpt2-large (8 layers, n_embd 512, vocab 8192), seq 128, {m} micro-batches of 4 per step ({tokens} tokens), fp32, "
+        f"2 ranks; {args.rounds} alternating rounds x {args.steps} steps"
+    )
+    print(
+        f"{'config':<17} {'median ms':>9} {'tokens/s':>9} {'peak RSS/rank MB':>17} {'bubble measured/predicted r0, r1':>34} {'vs dp2-zero1':>13} {'page faults/step r0/r1':>23}"
+    )
+    base = (
+        statistics.median(results["dp2-zero1"]["times"])
+        if "dp2-zero1" in results and results["dp2-zero1"]["times"]
+        else None
+    )
     for kind in kinds:
         r = results[kind]
         if not r["times"]:
             print(f"{kind:<17} failed: {r['error']}")
             continue
         median = statistics.median(r["times"])
-        bubble = ", ".join(
-            f"{statistics.median(b[0] for b in bs):.3f}/{statistics.median(b[1] for b in bs):.3f}" for bs in r["bubbles"] if bs
-        ) or "-"
+        bubble = (
+            ", ".join(
+                f"{statistics.median(b[0] for b in bs):.3f}/{statistics.median(b[1] for b in bs):.3f}"
+                for bs in r["bubbles"]
+                if bs
+            )
+            or "-"
+        )
         vs = f"{median / base:.3f}x" if base else ""
         faults = "/".join(f"{statistics.median(f):.0f}" for f in r["faults"] if f)
-        print(f"{kind:<17} {median * 1e3:9.1f} {tokens / median:9.0f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {bubble:>34} {vs:>13} {faults:>23}")
+        print(
+            f"{kind:<17} {median * 1e3:9.1f} {tokens / median:9.0f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {bubble:>34} {vs:>13} {faults:>23}"
+        )
     if all(k in results and results[k]["times"] for k in ("pp2-zbv", "torch-zbv", "pp2-1f1b")):
         zbv = statistics.median(results["pp2-zbv"]["times"])
-        print(f"pp2-zbv vs torch.distributed.pipelining ZBV (same cut {ZBV_CUT}): {zbv / statistics.median(results['torch-zbv']['times']):.3f}x; "
-              f"vs our 1F1B: {zbv / statistics.median(results['pp2-1f1b']['times']):.3f}x")
+        print(
+            f"pp2-zbv vs torch.distributed.pipelining ZBV (same cut {ZBV_CUT}): {zbv / statistics.median(results['torch-zbv']['times']):.3f}x; "
+            f"vs our 1F1B: {zbv / statistics.median(results['pp2-1f1b']['times']):.3f}x"
+        )
         # Neighbouring jobs drift less than the machine does between rounds: each round's ratio too.
         for peer in ("torch-zbv", "pp2-1f1b"):
             paired = [a / b for a, b in zip(results["pp2-zbv"]["rounds"], results[peer]["rounds"])]
-            print(f"  per round, pp2-zbv / {peer}: {' '.join(f'{r:.3f}' for r in paired)}  median {statistics.median(paired):.3f}x")
+            print(
+                f"  per round, pp2-zbv / {peer}: {' '.join(f'{r:.3f}' for r in paired)}  median {statistics.median(paired):.3f}x"
+            )
     if "ds-pipe" in results and results["ds-pipe"]["times"] and "pp2-1f1b" in results and results["pp2-1f1b"]["times"]:
         ratio = statistics.median(results["pp2-1f1b"]["times"]) / statistics.median(results["ds-pipe"]["times"])
         print(f"pp2-1f1b vs DeepSpeed PipelineModule 1F1B (same tokens per step): {ratio:.3f}x")

@@ -44,19 +44,54 @@ EP2 = {"expert_parallel": {"enabled": True, "autoep_size": 2}}
 # name -> (model, micro-batch per rank, accumulation, extra config); micro · accumulation · dp = GLOBAL
 CONFIGS: dict[str, tuple[str, int, int, dict[str, Any]]] = {
     "moe-dp4-z3": ("moe", 2, 1, {"zero_optimization": {"stage": 3}}),
-    "deepseek-1f1b": ("moe", 1, 4, {**EP2, "zero_optimization": {"stage": 1}, "wall_clock_breakdown": True,
-                                    "pipeline": {"stages": 2, "schedule": "1f1b"}}),
-    "deepseek-dualpipev": ("moe", 1, 4, {**EP2, "zero_optimization": {"stage": 1}, "wall_clock_breakdown": True,
-                                         "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2}}),
+    "deepseek-1f1b": (
+        "moe",
+        1,
+        4,
+        {
+            **EP2,
+            "zero_optimization": {"stage": 1},
+            "wall_clock_breakdown": True,
+            "pipeline": {"stages": 2, "schedule": "1f1b"},
+        },
+    ),
+    "deepseek-dualpipev": (
+        "moe",
+        1,
+        4,
+        {
+            **EP2,
+            "zero_optimization": {"stage": 1},
+            "wall_clock_breakdown": True,
+            "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2},
+        },
+    ),
     # The same pairs with the all-to-alls waited on in place (no hand-over): what the overlap buys.
-    "deepseek-dualpipev-in-turn": ("moe", 1, 4, {**EP2, "zero_optimization": {"stage": 1}, "wall_clock_breakdown": True,
-                                                 "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2}}),
+    "deepseek-dualpipev-in-turn": (
+        "moe",
+        1,
+        4,
+        {
+            **EP2,
+            "zero_optimization": {"stage": 1},
+            "wall_clock_breakdown": True,
+            "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2},
+        },
+    ),
     "llama-dp4-z3": ("llama", 2, 1, {"zero_optimization": {"stage": 3}}),
-    "llama3-tp2-cp2": ("llama", 8, 1, {"tensor_parallel": {"autotp_size": 2}, "context_parallel": {"size": 2},
-                                       "zero_optimization": {"stage": 1}}),
-    "usp-sp2-cp2": ("llama", 8, 1, {"sequence_parallel_size": 2, "context_parallel": {"size": 2},
-                                    "zero_optimization": {"stage": 1}}),
-}  # fmt: skip
+    "llama3-tp2-cp2": (
+        "llama",
+        8,
+        1,
+        {"tensor_parallel": {"autotp_size": 2}, "context_parallel": {"size": 2}, "zero_optimization": {"stage": 1}},
+    ),
+    "usp-sp2-cp2": (
+        "llama",
+        8,
+        1,
+        {"sequence_parallel_size": 2, "context_parallel": {"size": 2}, "zero_optimization": {"stage": 1}},
+    ),
+}
 BASELINE = {"moe": "moe-dp4-z3", "llama": "llama-dp4-z3"}
 
 
@@ -65,10 +100,21 @@ def _model(kind: str) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    common = dict(num_hidden_layers=8, hidden_size=256, num_attention_heads=8, num_key_value_heads=4, vocab_size=VOCAB,
-                  max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")  # fmt: skip
+    common = dict(
+        num_hidden_layers=8,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
     if kind == "moe":
-        return MixtralForCausalLM(MixtralConfig(intermediate_size=512, num_local_experts=8, num_experts_per_tok=2, **common))
+        return MixtralForCausalLM(
+            MixtralConfig(intermediate_size=512, num_local_experts=8, num_experts_per_tok=2, **common)
+        )
     return LlamaForCausalLM(LlamaConfig(intermediate_size=688, **common))
 
 
@@ -85,8 +131,14 @@ def _worker(rank: int, name: str, steps: int, port: int, out: str) -> None:
         from slipstream.comm import overlap
 
         overlap.wait = lambda work: work.wait()  # the expert dispatch's waits no longer hand the turn over
-    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
-              "steps_per_print": 10**9, "optimizer": ADAMW, **extra}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": ADAMW,
+        **extra,
+    }
     engine = slipstream.initialize(_model(kind), config)
     dp, d = engine.mesh.size("dp"), engine.mesh.rank_of("dp")
     g = torch.Generator().manual_seed(1)
@@ -107,7 +159,12 @@ def _worker(rank: int, name: str, steps: int, port: int, out: str) -> None:
                 bubbles.append((report.timing.bubble, report.predicted_bubble))
                 overlapped.append(report.timing.overlapped)
     engine.close()
-    result = {"ms": statistics.median(times) * 1e3, "rss_mb": peak_rss_mb(), "bubbles": bubbles, "overlapped": overlapped}
+    result = {
+        "ms": statistics.median(times) * 1e3,
+        "rss_mb": peak_rss_mb(),
+        "bubbles": bubbles,
+        "overlapped": overlapped,
+    }
     Path(f"{out}.{rank}").write_text(json.dumps(result))
 
 
@@ -126,7 +183,9 @@ def main() -> None:
                 raise SystemExit(f"{name}: only {len(ranks)} of {WORLD} ranks reported")
             runs[name].append(ranks)
     tokens = GLOBAL * SEQ
-    print(f"world {WORLD} on gloo, {GLOBAL}×{SEQ} tokens per step, {args.rounds} alternating rounds × {args.steps} steps (medians)")
+    print(
+        f"world {WORLD} on gloo, {GLOBAL}×{SEQ} tokens per step, {args.rounds} alternating rounds × {args.steps} steps (medians)"
+    )
     print(f"{'config':<26} {'ms/step':>8} {'tokens/s':>9} {'vs dp4 ZeRO-3':>14} {'peak RSS MB (per rank)':>24}")
     for name in names:
         ms = statistics.median(r[0]["ms"] for r in runs[name])
@@ -144,8 +203,10 @@ def main() -> None:
             measured = statistics.median(b[0] for r in runs[name] for b in r[k]["bubbles"])
             predicted = statistics.median(b[1] for r in runs[name] for b in r[k]["bubbles"])
             hidden = statistics.median(x for r in runs[name] for x in r[k]["overlapped"])
-            print(f"  rank {k}: {measured:.3f} / {predicted:.3f} (difference {measured - predicted:+.3f}); "
-                  f"all-to-alls overlapped per step {hidden:.0f}")  # fmt: skip
+            print(
+                f"  rank {k}: {measured:.3f} / {predicted:.3f} (difference {measured - predicted:+.3f}); "
+                f"all-to-alls overlapped per step {hidden:.0f}"
+            )
 
 
 if __name__ == "__main__":

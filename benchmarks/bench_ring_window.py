@@ -85,9 +85,13 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     args = parser.parse_args()
     ranks = spawn_ranks(_worker, args.rounds, args.tokens, args.heads, args.dim)
-    print(f"ring attention forward + backward, 1 × {args.tokens} tokens, {args.heads} heads × {args.dim}, 2 ranks, "
-          f"window {args.tokens // 4}; medians of {args.rounds} alternating rounds (slowest rank)")  # fmt: skip
-    print(f"{'layout':<8}{'window ms':>11}{'whole ms':>10}{'whole / window':>16}{'block work (window → whole), per rank':>40}")
+    print(
+        f"ring attention forward + backward, 1 × {args.tokens} tokens, {args.heads} heads × {args.dim}, 2 ranks, "
+        f"window {args.tokens // 4}; medians of {args.rounds} alternating rounds (slowest rank)"
+    )
+    print(
+        f"{'layout':<8}{'window ms':>11}{'whole ms':>10}{'whole / window':>16}{'block work (window → whole), per rank':>40}"
+    )
     for name in ("ring", "zigzag"):
         window = statistics.median(max(r[name]["window"][i] for r in ranks) for i in range(args.rounds)) * 1e3
         whole = statistics.median(max(r[name]["whole"][i] for r in ranks) for i in range(args.rounds)) * 1e3

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import setup_rank_env, spawn_ranks  # noqa: E402
+
 KINDS = {
     "dp2": {},
     "sp2": {"sequence_parallel_size": 2},
@@ -39,10 +40,20 @@ def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=4, hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=4,
-        vocab_size=4096, max_position_embeddings=1 << 16, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
-    ))  # fmt: skip
+    return LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=4,
+            hidden_size=256,
+            intermediate_size=704,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=4096,
+            max_position_embeddings=1 << 16,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def _worker(rank: int, kind: str, seq: int, steps: int, port: int, out: str) -> None:
@@ -52,8 +63,14 @@ def _worker(rank: int, kind: str, seq: int, steps: int, port: int, out: str) -> 
     torch.set_num_threads(1)
     import slipstream
 
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1}, **KINDS[kind]}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 1},
+        **KINDS[kind],
+    }
     engine = slipstream.initialize(_model(), config)
     shared = kind != "dp2"
     g = torch.Generator().manual_seed(0 if shared else rank)
@@ -71,7 +88,9 @@ def _worker(rank: int, kind: str, seq: int, steps: int, port: int, out: str) -> 
     engine.close()
     if rank == 0:
         tokens_per_step = seq * (1 if shared else 2)
-        Path(f"{out}.0").write_text(json.dumps({"ms": statistics.median(times) * 1e3, "tokens_per_step": tokens_per_step, "saved": saved}))
+        Path(f"{out}.0").write_text(
+            json.dumps({"ms": statistics.median(times) * 1e3, "tokens_per_step": tokens_per_step, "saved": saved})
+        )
 
 
 def _run(kind: str, seq: int, steps: int) -> dict:
@@ -92,7 +111,9 @@ def main() -> None:
         for kind in kinds:
             results[kind].append(_run(kind, args.seq, args.steps))
     base = None
-    print(f"seq {args.seq}, 2 ranks, {args.rounds} rounds (medians); capacity = longest sequence whose saved activations fit {args.cap_gb} GiB/rank")
+    print(
+        f"seq {args.seq}, 2 ranks, {args.rounds} rounds (medians); capacity = longest sequence whose saved activations fit {args.cap_gb} GiB/rank"
+    )
     print(f"{'config':<11} {'ms/step':>8} {'tokens/s':>9} {'vs dp2':>7} {'saved MB/rank':>14} {'longest seq':>12}")
     for kind in kinds:
         ms = statistics.median(r["ms"] for r in results[kind])

@@ -59,10 +59,31 @@ def main() -> None:
             imports[name].append(wall([py, "-c", program]))
     base = statistics.median(imports["import torch"])
     for name, times in imports.items():
-        print(f"{name:<30} {statistics.median(times):.2f} s (median of 5)  overhead vs torch {statistics.median(times) - base:+.2f} s")
+        print(
+            f"{name:<30} {statistics.median(times):.2f} s (median of 5)  overhead vs torch {statistics.median(times) - base:+.2f} s"
+        )
 
-    ours = [str(BIN / "slipstream"), "run", "--nproc_per_node", "2", "examples/train_gpt2.py", "--steps", "1", "--print-every", "1"]
-    ddp = [str(BIN / "torchrun"), "--nproc_per_node", "2", "benchmarks/ddp_gpt2.py", "--steps", "1", "--print-every", "1"]
+    ours = [
+        str(BIN / "slipstream"),
+        "run",
+        "--nproc_per_node",
+        "2",
+        "examples/train_gpt2.py",
+        "--steps",
+        "1",
+        "--print-every",
+        "1",
+    ]
+    ddp = [
+        str(BIN / "torchrun"),
+        "--nproc_per_node",
+        "2",
+        "benchmarks/ddp_gpt2.py",
+        "--steps",
+        "1",
+        "--print-every",
+        "1",
+    ]
     configs = args.config or [None]
     first: dict[str, list[float]] = {"ddp": [], **{str(c or "default"): [] for c in configs}}
     for _ in range(args.repeats):  # alternating: DDP, then each config
@@ -76,6 +97,7 @@ def main() -> None:
             a = statistics.median(first[name])
             print(f"  slipstream run ({name}): {a:.2f} s | ratio {a / b:.2f}x (target <= 1.3x)")
     print("  runs:", {k: [round(v, 2) for v in vs] for k, vs in first.items()})
+
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-JOB = r'''
+JOB = r"""
 import sys
 import torch, torch.distributed as dist
 import slipstream
@@ -48,7 +48,7 @@ if destroy:
     work.wait()
     engine.close()
     dist.destroy_process_group()
-'''
+"""
 
 ABORT_SIGNS = ("terminate called", "sigabrt", "core dumped", "aborted")
 
@@ -58,8 +58,12 @@ def run_cycle(script: Path, nproc: int, variant: str, save_dir: str) -> tuple[in
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "slipstream.cli", "run", "--nproc_per_node", str(nproc), str(script), variant, save_dir],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
 
 
@@ -78,9 +82,14 @@ def main() -> None:
         seconds.append(elapsed)
         if code != 0 or any(sign in output.lower() for sign in ABORT_SIGNS):
             aborts.append((cycle, variant, code, output))
-        print(f"cycle {cycle + 1:3d}/{args.cycles} {variant:7s} exit {code} {elapsed:5.1f}s aborts so far {len(aborts)}", flush=True)
+        print(
+            f"cycle {cycle + 1:3d}/{args.cycles} {variant:7s} exit {code} {elapsed:5.1f}s aborts so far {len(aborts)}",
+            flush=True,
+        )
     seconds.sort()
-    print(f"\n{args.cycles} cycles of a {args.nproc}-rank job: {len(aborts)} aborted; median cycle {seconds[len(seconds) // 2]:.1f}s")
+    print(
+        f"\n{args.cycles} cycles of a {args.nproc}-rank job: {len(aborts)} aborted; median cycle {seconds[len(seconds) // 2]:.1f}s"
+    )
     if aborts:
         cycle, variant, code, output = aborts[0]
         print(f"first abort: cycle {cycle + 1} ({variant}), exit {code}:\n{output[-3000:]}")

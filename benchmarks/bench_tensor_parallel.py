@@ -44,16 +44,26 @@ def _llama(hidden: int):
     torch.manual_seed(0)
     heads = hidden // 64
     config = LlamaConfig(
-        num_hidden_layers=LAYERS, hidden_size=hidden, intermediate_size=(8 * hidden // 3 + 63) // 64 * 64,
-        num_attention_heads=heads, num_key_value_heads=heads, vocab_size=VOCAB, max_position_embeddings=SEQ,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        num_hidden_layers=LAYERS,
+        hidden_size=hidden,
+        intermediate_size=(8 * hidden // 3 + 63) // 64 * 64,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return LlamaForCausalLM(config)
 
 
 def _config(kind: str) -> dict:
-    base = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}}  # fmt: skip
+    base = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+    }
     if kind == "tp2":
         return {**base, "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 0}}
     if kind == "zero3":
@@ -97,15 +107,38 @@ def _worker(rank: int, world: int, port: int, kind: str, hidden: int, steps: int
     gathered = [torch.zeros(2) for _ in range(world)]
     dist.all_gather(gathered, rss)
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": times, "peak": [float(g[0]) for g in gathered], "end": [float(g[1]) for g in gathered]}))
+        Path(out).write_text(
+            json.dumps(
+                {"times": times, "peak": [float(g[0]) for g in gathered], "end": [float(g[1]) for g in gathered]}
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _run(python: str, kind: str, hidden: int, steps: int, cap_gb: float) -> dict | None:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [python, __file__, "--worker", kind, "--hidden", str(hidden), "--steps", str(steps), "--cap-gb", str(cap_gb), "--out", out.name]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "MALLOC_ARENA_MAX": "2", "THP_MEM_ALLOC_ENABLE": "1"}
+        command = [
+            python,
+            __file__,
+            "--worker",
+            kind,
+            "--hidden",
+            str(hidden),
+            "--steps",
+            str(steps),
+            "--cap-gb",
+            str(cap_gb),
+            "--out",
+            out.name,
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "DS_ACCELERATOR": "cpu",
+            "MALLOC_ARENA_MAX": "2",
+            "THP_MEM_ALLOC_ENABLE": "1",
+        }
         done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
             return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
@@ -143,9 +176,13 @@ def main() -> None:
             results[kind]["times"] += data["times"]
             results[kind]["peak"] = [max(a, b) for a, b in zip(results[kind]["peak"], data["peak"])] or data["peak"]
             results[kind]["end"] = data["end"]
-    print(f"Llama h {args.hidden}, {LAYERS} layers, vocab {VOCAB}, seq {SEQ}, micro-batch {MICRO}, fp32, 2 ranks (gloo, 1 thread each);"
-          f" {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
-    print(f"{'config':<10} {'median ms':>9} {'ms/1k tokens':>12} {'peak RSS/rank MB':>17} {'end RSS/rank MB':>16} {'vs zero3':>9}")
+    print(
+        f"Llama h {args.hidden}, {LAYERS} layers, vocab {VOCAB}, seq {SEQ}, micro-batch {MICRO}, fp32, 2 ranks (gloo, 1 thread each);"
+        f" {args.rounds} alternating rounds x {args.steps} steps"
+    )
+    print(
+        f"{'config':<10} {'median ms':>9} {'ms/1k tokens':>12} {'peak RSS/rank MB':>17} {'end RSS/rank MB':>16} {'vs zero3':>9}"
+    )
     base = statistics.median(results["zero3"]["times"]) if results["zero3"]["times"] else None
     for kind in kinds:
         r = results[kind]
@@ -155,7 +192,9 @@ def main() -> None:
         median = statistics.median(r["times"]) * 1e3
         tokens = MICRO * SEQ * (2 if kind == "zero3" else 1)
         vs = f"{median / (base * 1e3):.3f}x" if base else ""
-        print(f"{kind:<10} {median:9.1f} {median / tokens * 1e3:12.1f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {'/'.join(f'{x:.0f}' for x in r['end']):>16} {vs:>9}")
+        print(
+            f"{kind:<10} {median:9.1f} {median / tokens * 1e3:12.1f} {'/'.join(f'{x:.0f}' for x in r['peak']):>17} {'/'.join(f'{x:.0f}' for x in r['end']):>16} {vs:>9}"
+        )
     if results["tp2"]["times"] and "ds-autotp" in results and results["ds-autotp"]["times"]:
         ratio = statistics.median(results["tp2"]["times"]) / statistics.median(results["ds-autotp"]["times"])
         print(f"tp2 vs DeepSpeed AutoTP (same tokens per step): {ratio:.3f}x")
@@ -166,8 +205,10 @@ def main() -> None:
             for hidden in (int(h) for h in args.capacity.split(",")):
                 data = _run(python[kind], kind, hidden, 1, args.cap_gb)
                 ok = "error" not in data
-                print(f"  {kind:<10} h {hidden:>5}: {'trains' if ok else 'fails (' + data['error'][:80] + ')'}"
-                      + (f", peak RSS/rank {'/'.join(f'{x:.0f}' for x in data['peak'])} MB" if ok else ""))  # fmt: skip
+                print(
+                    f"  {kind:<10} h {hidden:>5}: {'trains' if ok else 'fails (' + data['error'][:80] + ')'}"
+                    + (f", peak RSS/rank {'/'.join(f'{x:.0f}' for x in data['peak'])} MB" if ok else "")
+                )
                 if not ok:
                     break
                 largest = hidden

@@ -24,10 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import alternate_on_off, build_gpt2, random_batches, setup_rank_env  # noqa: E402
 
-MODES = {
-    "ulysses": ({"sequence_parallel_size": 2}, 1),
-    "pp": ({"pipeline": {"stages": 2, "schedule": "1f1b"}}, 4),
-}
+MODES = {"ulysses": ({"sequence_parallel_size": 2}, 1), "pp": ({"pipeline": {"stages": 2, "schedule": "1f1b"}}, 4)}
 
 
 def _worker(rank: int, mode: str, twin: bool, port: int, out: str) -> None:
@@ -40,11 +37,18 @@ def _worker(rank: int, mode: str, twin: bool, port: int, out: str) -> None:
     extra, accumulation = MODES[mode]
     batches = random_batches(accumulation)
     start = time.perf_counter()
-    engine = slipstream.initialize(build_gpt2("gpt2-large"), {
-        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}, "steps_per_print": 10**9,
-        "twin_check": twin, **extra,
-    })  # fmt: skip
+    engine = slipstream.initialize(
+        build_gpt2("gpt2-large"),
+        {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": accumulation,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+            "steps_per_print": 10**9,
+            "twin_check": twin,
+            **extra,
+        },
+    )
     ready = time.perf_counter()
     if mode == "pp":
         engine.train_batch(iter([{"input_ids": t, "labels": t} for t in batches]))

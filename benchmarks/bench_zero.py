@@ -57,7 +57,15 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import build_gpt2, lm_step, random_batches, setup_rank_env, time_steps, wrap_peer, write_rank_results
+    from benchmarks.common import (
+        build_gpt2,
+        lm_step,
+        random_batches,
+        setup_rank_env,
+        time_steps,
+        wrap_peer,
+        write_rank_results,
+    )
     from benchmarks.memory_probe import PeakSampler, sample, shm_rss_mib
 
     setup_rank_env(rank, world, port)
@@ -80,7 +88,9 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
         if stage.endswith("+sockets"):  # the same-host shared-memory collectives off (slipstream/comm/shm.py)
             os.environ["SLIPSTREAM_SHM_COLLECTIVES"] = "0"
             stage = stage.removesuffix("+sockets")
-        offloaded = "+" in stage.removesuffix("+reuse")  # bench_offload's JSON: the optimizer comes from the config (CPU Adam offloaded)
+        offloaded = "+" in stage.removesuffix(
+            "+reuse"
+        )  # bench_offload's JSON: the optimizer comes from the config (CPU Adam offloaded)
         if offloaded:
             from benchmarks.bench_offload import config_for
 
@@ -112,7 +122,14 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
     held = {}
     if engine is not None and hasattr(engine, "strategy") and hasattr(engine.strategy, "memory_breakdown"):
         held = {k: v / 2**20 for k, v in engine.strategy.memory_breakdown().items()}
-    extra = {"psi": psi, "before_model": before_model, "at_peak": peak.at_rss, "pss": peak.pss, "shm": shm_rss_mib(), "held": held}
+    extra = {
+        "psi": psi,
+        "before_model": before_model,
+        "at_peak": peak.at_rss,
+        "pss": peak.pss,
+        "shm": shm_rss_mib(),
+        "held": held,
+    }
     write_rank_results(out, times, extra)
     dist.destroy_process_group()
 
@@ -137,8 +154,12 @@ def main() -> None:
     parser.add_argument("--deepspeed-python", default=None)
     parser.add_argument("--deepspeed-stages", default=None, help="the stages DeepSpeed runs (default: --stages)")
     parser.add_argument("--nvme-path", default="/tmp")
-    parser.add_argument("--thp", choices=("0", "1"), default="1",
-                        help="THP_MEM_ALLOC_ENABLE for every framework: 1 as `slipstream run` sets it, 0 as plain torchrun leaves it")
+    parser.add_argument(
+        "--thp",
+        choices=("0", "1"),
+        default="1",
+        help="THP_MEM_ALLOC_ENABLE for every framework: 1 as `slipstream run` sets it, 0 as plain torchrun leaves it",
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -156,11 +177,27 @@ def main() -> None:
         for kind in kinds:
             python = deepspeed_python if kind.startswith("deepspeed") else sys.executable
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps),
-                           "--world", str(args.world), "--nvme-path", args.nvme_path]  # fmt: skip
+                command = [
+                    python,
+                    __file__,
+                    "--worker",
+                    kind,
+                    "--out",
+                    out.name,
+                    "--model",
+                    args.model,
+                    "--steps",
+                    str(args.steps),
+                    "--world",
+                    str(args.world),
+                    "--nvme-path",
+                    args.nvme_path,
+                ]
                 # Huge pages for large CPU tensors (as `slipstream run` sets them) or not, for every framework alike.
                 env = {**os.environ, "THP_MEM_ALLOC_ENABLE": args.thp, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
-                subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run(
+                    command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
                 data = json.loads(Path(out.name).read_text())
             results[kind]["times"] += data["times"]
             results[kind]["rounds"].append(statistics.median(data["times"]))
@@ -168,11 +205,15 @@ def main() -> None:
             results[kind]["extra"].append(data["extra"])
 
     ddp = statistics.median(results["ddp"]["times"])
-    print(f"{args.model}, {args.world} ranks (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, micro-batch 4;"
-          f" {args.rounds} alternating rounds x {args.steps} steps; THP_MEM_ALLOC_ENABLE={args.thp}")  # fmt: skip
+    print(
+        f"{args.model}, {args.world} ranks (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, micro-batch 4;"
+        f" {args.rounds} alternating rounds x {args.steps} steps; THP_MEM_ALLOC_ENABLE={args.thp}"
+    )
     fsdp2 = statistics.median(results["fsdp2"]["times"]) if "fsdp2" in results else None
-    print(f"{'config':<14} {'median ms':>9} {'min-max ms':>15} {'peak RSS/rank MB':>18} {'vs DDP':>7} {'vs DeepSpeed':>13}"
-          + (f" {'vs FSDP2':>9}" if fsdp2 else ""))  # fmt: skip
+    print(
+        f"{'config':<14} {'median ms':>9} {'min-max ms':>15} {'peak RSS/rank MB':>18} {'vs DDP':>7} {'vs DeepSpeed':>13}"
+        + (f" {'vs FSDP2':>9}" if fsdp2 else "")
+    )
     for kind in kinds:
         times = sorted(t * 1e3 for t in results[kind]["times"])
         median = statistics.median(times)
@@ -185,7 +226,9 @@ def main() -> None:
         if kind.startswith("slipstream") and peer in results:
             vs_ds = f"{median / (statistics.median(results[peer]['times']) * 1e3):.3f}x"
         vs_fsdp2 = f" {median / (fsdp2 * 1e3):8.3f}x" if fsdp2 and kind.startswith("slipstream") else ""
-        print(f"{kind:<14} {median:9.1f} {times[0]:7.1f}-{times[-1]:<7.1f} {rss:>18} {median / (ddp * 1e3):6.3f}x {vs_ds:>13}{vs_fsdp2}")
+        print(
+            f"{kind:<14} {median:9.1f} {times[0]:7.1f}-{times[-1]:<7.1f} {rss:>18} {median / (ddp * 1e3):6.3f}x {vs_ds:>13}{vs_fsdp2}"
+        )
     # The machine's speed drifts between rounds; a ratio within one round (neighbouring jobs) drifts less.
     print("per round, each config's median step over DDP's in the same round (the median of these):")
     for kind in kinds[1:]:
@@ -205,20 +248,37 @@ def _stage_of(kind: str) -> int | None:
 
 def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: int, model: str) -> None:
     """Peak RSS and PSS per rank, what the peak was made of, the saving against the formula's, the estimator's peak."""
-    from slipstream.estimator import estimate
     from benchmarks.common import MICRO_BATCH, MODELS, SEQ, VOCAB
+    from slipstream.estimator import estimate
 
     mib = 2**20
-    worst = {k: max((r for extra in results[k]["extra"] for r in extra), key=lambda r: r["at_peak"].get("rss", 0.0)) for k in kinds}
+    worst = {
+        k: max((r for extra in results[k]["extra"] for r in extra), key=lambda r: r["at_peak"].get("rss", 0.0))
+        for k in kinds
+    }
     psi = worst[kinds[0]]["psi"]
     shape = MODELS[model]
-    found = estimate(psi, world, seq_len=SEQ, micro_batch=MICRO_BATCH, precision="fp32", layers=shape["n_layer"],
-                     hidden=shape["n_embd"], heads=shape["n_head"], vocab=VOCAB, flash_attention=True)  # fmt: skip
+    found = estimate(
+        psi,
+        world,
+        seq_len=SEQ,
+        micro_batch=MICRO_BATCH,
+        precision="fp32",
+        layers=shape["n_layer"],
+        hidden=shape["n_embd"],
+        heads=shape["n_head"],
+        vocab=VOCAB,
+        flash_attention=True,
+    )
     ddp_peak = max(results["ddp"]["rss"])  # peak per rank: the largest rank's, what a user provisions for
-    print("MiB per rank (2^20 bytes). Saving: the largest rank's peak RSS below DDP's largest, against the model states'"
-          f" formula (stage 0 less stage N, fp32 AdamW: 16·Ψ = {16 * psi / mib:.0f} MiB at Ψ = {psi / 1e6:.1f}M)")  # fmt: skip
-    print(f"{'config':<14} {'peak RSS':>9} {'peak PSS':>9} {'saving':>7} {'formula':>8} {'ratio':>6}   at the highest RSS: {'before model':>12}"
-          f" {'malloc used':>11} {'heap free':>9} {'shm':>5} {'huge':>5}   estimate {'error':>6}   engine holds (params/grads/optimizer/buffers)")  # fmt: skip
+    print(
+        "MiB per rank (2^20 bytes). Saving: the largest rank's peak RSS below DDP's largest, against the model states'"
+        f" formula (stage 0 less stage N, fp32 AdamW: 16·Ψ = {16 * psi / mib:.0f} MiB at Ψ = {psi / 1e6:.1f}M)"
+    )
+    print(
+        f"{'config':<14} {'peak RSS':>9} {'peak PSS':>9} {'saving':>7} {'formula':>8} {'ratio':>6}   at the highest RSS: {'before model':>12}"
+        f" {'malloc used':>11} {'heap free':>9} {'shm':>5} {'huge':>5}   estimate {'error':>6}   engine holds (params/grads/optimizer/buffers)"
+    )
     for kind in kinds:
         w, stage = worst[kind], _stage_of(kind)
         at = w["at_peak"]
@@ -232,9 +292,11 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
             predicted = w["before_model"] + found.stage(stage).total / mib
             est, error = f"{predicted:.0f}", f"{peak / predicted - 1:+.0%}"
         held = "/".join(f"{w['held'][k]:.0f}" for k in ("params", "grads", "optimizer", "buffers") if k in w["held"])
-        print(f"{kind:<14} {peak:9.0f} {max(r['pss'] for e in results[kind]['extra'] for r in e):9.0f} {saving:7.0f} {formula:>8} {ratio:>6}"
-              f"   {'':>18}{w['before_model']:12.0f} {at.get('heap_used', 0) + at.get('mmapped', 0):11.0f} {at.get('heap_free', 0):9.0f}"
-              f" {w['shm']:5.0f} {at.get('huge', 0):5.0f}   {est:>8} {error:>6}   {held}")  # fmt: skip
+        print(
+            f"{kind:<14} {peak:9.0f} {max(r['pss'] for e in results[kind]['extra'] for r in e):9.0f} {saving:7.0f} {formula:>8} {ratio:>6}"
+            f"   {'':>18}{w['before_model']:12.0f} {at.get('heap_used', 0) + at.get('mmapped', 0):11.0f} {at.get('heap_free', 0):9.0f}"
+            f" {w['shm']:5.0f} {at.get('huge', 0):5.0f}   {est:>8} {error:>6}   {held}"
+        )
 
 
 if __name__ == "__main__":

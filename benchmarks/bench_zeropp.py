@@ -35,15 +35,20 @@ LAYOUTS = {
     "hpz": {"zero_hpz_partition_size": PER_NODE},
     "mics": {"mics_shard_size": PER_NODE},
     "qwz+qgz": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
-    "qwz+hpz+qgz": {"zero_hpz_partition_size": PER_NODE, "zero_quantized_weights": True, "zero_quantized_gradients": True},
+    "qwz+hpz+qgz": {
+        "zero_hpz_partition_size": PER_NODE,
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+    },
 }
 
 
 def _config(layout: str) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **LAYOUTS[layout]},
-    }  # fmt: skip
+    }
 
 
 def _quantization_error(engine: object, batch: object) -> dict:
@@ -147,9 +152,22 @@ def main() -> None:
         for kind in kinds:
             python = args.deepspeed_python if kind.startswith("deepspeed") else sys.executable
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                command = [python, __file__, "--worker", kind, "--out", out.name, "--model", args.model, "--steps", str(args.steps)]
+                command = [
+                    python,
+                    __file__,
+                    "--worker",
+                    kind,
+                    "--out",
+                    out.name,
+                    "--model",
+                    args.model,
+                    "--steps",
+                    str(args.steps),
+                ]
                 env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "THP_MEM_ALLOC_ENABLE": "1"}
-                subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+                subprocess.run(
+                    command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900
+                )
                 data = json.loads(Path(out.name).read_text() or "{}")
             entry = results[kind]
             if "error" in data or "times" not in data:
@@ -159,11 +177,15 @@ def main() -> None:
             entry["rounds"].append(statistics.median(data["times"]))
             entry.update({k: data[k] for k in ("links", "quantization") if k in data})
 
-    print(f"{args.model}, {WORLD} ranks as 2 nodes x {PER_NODE} (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, "
-          f"micro-batch 4; {args.rounds} alternating rounds x {args.steps} steps")  # fmt: skip
+    print(
+        f"{args.model}, {WORLD} ranks as 2 nodes x {PER_NODE} (gloo, 1 thread each), fp32, AdamW(fused=True), clip 1.0, "
+        f"micro-batch 4; {args.rounds} alternating rounds x {args.steps} steps"
+    )
     base = results.get("slipstream-zero3", {})
     base_inter = base.get("links", {}).get("inter-node")
-    print(f"{'config':<24} {'median ms':>9} {'vs ZeRO-3':>9} {'vs DeepSpeed':>12} {'inter-node MB':>13} {'vs ZeRO-3':>9} {'intra-node MB':>13}")
+    print(
+        f"{'config':<24} {'median ms':>9} {'vs ZeRO-3':>9} {'vs DeepSpeed':>12} {'inter-node MB':>13} {'vs ZeRO-3':>9} {'intra-node MB':>13}"
+    )
     for kind in kinds:
         entry = results[kind]
         if "error" in entry and not entry["times"]:
@@ -175,18 +197,26 @@ def main() -> None:
         paired = [a / b for a, b in zip(entry["rounds"], ref.get("rounds", []))]
         vs_zero3 = f"{statistics.median(paired):.3f}x" if paired else "-"
         peer = results.get(kind.replace("slipstream", "deepspeed"), {})
-        vs_ds = f"{median / (statistics.median(peer['times']) * 1e3):.3f}x" if kind.startswith("slipstream") and peer.get("times") else "-"
+        vs_ds = (
+            f"{median / (statistics.median(peer['times']) * 1e3):.3f}x"
+            if kind.startswith("slipstream") and peer.get("times")
+            else "-"
+        )
         links = entry.get("links", {})
         inter, intra = links.get("inter-node", 0), links.get("intra-node", 0)
         ratio = f"{inter / base_inter:.3f}x" if links and base_inter else "-"
         mb = (lambda n: f"{n / 2**20:.2f}") if links else (lambda n: "-")
         print(f"{kind:<24} {median:9.1f} {vs_zero3:>9} {vs_ds:>12} {mb(inter):>13} {ratio:>9} {mb(intra):>13}")
-    print("per-block quantization error (relative RMS over all elements; worst block's largest error / its largest magnitude):")
+    print(
+        "per-block quantization error (relative RMS over all elements; worst block's largest error / its largest magnitude):"
+    )
     for kind in kinds:
         q = results[kind].get("quantization")
         if q and kind.startswith("slipstream") and ("qwz" in kind or "qgz" in kind):
-            print(f"  {kind:<24} weights INT8 {q['weights_rms']:.2e} (worst block {q['weights_worst_block']:.2e}); "
-                  f"gradients INT4 {q['grads_rms']:.2e} (worst block {q['grads_worst_block']:.2e})")  # fmt: skip
+            print(
+                f"  {kind:<24} weights INT8 {q['weights_rms']:.2e} (worst block {q['weights_worst_block']:.2e}); "
+                f"gradients INT4 {q['grads_rms']:.2e} (worst block {q['grads_worst_block']:.2e})"
+            )
 
 
 if __name__ == "__main__":

@@ -12,10 +12,7 @@ from collections.abc import Callable
 import torch
 
 VOCAB, SEQ, MICRO_BATCH = 8192, 128, 4
-MODELS = {
-    "gpt2-small": dict(n_layer=4, n_embd=256, n_head=4),
-    "gpt2-large": dict(n_layer=8, n_embd=512, n_head=8),
-}
+MODELS = {"gpt2-small": dict(n_layer=4, n_embd=256, n_head=4), "gpt2-large": dict(n_layer=8, n_embd=512, n_head=8)}
 
 
 def build_gpt2(name: str = "gpt2-small", seed: int = 0) -> torch.nn.Module:
@@ -23,9 +20,15 @@ def build_gpt2(name: str = "gpt2-small", seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=0, eos_token_id=0, **MODELS[name],
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        **MODELS[name],
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -74,7 +77,9 @@ def current_rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, clip: float = 1.0) -> Callable[[torch.Tensor], None]:
+def lm_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, clip: float = 1.0
+) -> Callable[[torch.Tensor], None]:
     """The plain PyTorch step a peer (DDP, FSDP2) takes on a causal LM: loss on ``batch`` as labels, backward, clip, step."""
 
     def step(batch: torch.Tensor) -> None:
@@ -104,7 +109,9 @@ def free_port() -> int:
 
 
 def setup_rank_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def summarize(name: str, times: list[float]) -> str:
@@ -132,7 +139,9 @@ def spawn_ranks(worker: Callable[..., None], *args: object, world: int = 2) -> l
         return found
 
 
-def alternate_on_off(worker: Callable[..., None], modes: list[str], rounds: int, *args: object) -> dict[tuple[str, bool], list[dict]]:
+def alternate_on_off(
+    worker: Callable[..., None], modes: list[str], rounds: int, *args: object
+) -> dict[tuple[str, bool], list[dict]]:
     """Fresh 2-rank jobs ``worker(rank, mode, on, *args, port, out)`` for every mode with a feature on, then off,
     round after round (A B A B ...); what rank 0 wrote, by ``(mode, on)``."""
     found: dict[tuple[str, bool], list[dict]] = {}

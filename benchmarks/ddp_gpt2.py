@@ -33,8 +33,16 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                   bos_token_id=0, eos_token_id=0, **MODELS[args.model])  # fmt: skip
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            **MODELS[args.model],
+        )
     )
     model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
@@ -54,7 +62,10 @@ def main() -> None:
             dist.all_reduce(loss)
             if rank == 0:
                 tokens = args.print_every * 4 * world * SEQ
-                print(f"step {step:4d} | loss {float(loss) / world:.4f} | {tokens / (time.perf_counter() - start):8.0f} tokens/s", flush=True)
+                print(
+                    f"step {step:4d} | loss {float(loss) / world:.4f} | {tokens / (time.perf_counter() - start):8.0f} tokens/s",
+                    flush=True,
+                )
             start = time.perf_counter()
     dist.barrier()  # without it gloo's teardown can hang when one rank leaves first
     dist.destroy_process_group()

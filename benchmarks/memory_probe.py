@@ -17,7 +17,10 @@ MIB = 2**20
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
 
 
 @functools.cache
@@ -50,8 +53,14 @@ def _mallinfo() -> dict[str, float]:
 
 
 def _rollup() -> dict[str, float]:
-    fields = {"Rss:": "rss", "Pss:": "pss", "Pss_Shmem:": "pss_shmem", "Shared_Clean:": "shared", "Shared_Dirty:": "shared",
-              "AnonHugePages:": "huge"}  # fmt: skip
+    fields = {
+        "Rss:": "rss",
+        "Pss:": "pss",
+        "Pss_Shmem:": "pss_shmem",
+        "Shared_Clean:": "shared",
+        "Shared_Dirty:": "shared",
+        "AnonHugePages:": "huge",
+    }
     found = dict.fromkeys(fields.values(), 0.0)
     try:
         with open("/proc/self/smaps_rollup") as f:

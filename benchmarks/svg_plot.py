@@ -57,7 +57,9 @@ def line_plot(series: list[Series], path: str | Path, title: str, xlabel: str, y
         f'<text x="16" y="{TOP + plot_h / 2}" text-anchor="middle" transform="rotate(-90 16 {TOP + plot_h / 2})">{escape(ylabel)}</text>',
     ]
     for t in _ticks(x0, x1):
-        out.append(f'<line x1="{px(t):.1f}" y1="{TOP + plot_h}" x2="{px(t):.1f}" y2="{TOP + plot_h + 5}" stroke="black"/>')
+        out.append(
+            f'<line x1="{px(t):.1f}" y1="{TOP + plot_h}" x2="{px(t):.1f}" y2="{TOP + plot_h + 5}" stroke="black"/>'
+        )
         out.append(f'<text x="{px(t):.1f}" y="{TOP + plot_h + 18}" text-anchor="middle">{t:,.0f}</text>')
     for t in _ticks(y0, y1):
         out.append(f'<line x1="{LEFT}" y1="{py(t):.1f}" x2="{LEFT + plot_w}" y2="{py(t):.1f}" stroke="#e0e0e0"/>')
@@ -69,7 +71,9 @@ def line_plot(series: list[Series], path: str | Path, title: str, xlabel: str, y
         if not s.dashed:
             out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{s.color}"/>' for x, y in zip(s.xs, s.ys)]
         ly = TOP + 10 + i * 20
-        out.append(f'<line x1="{WIDTH - RIGHT + 12}" y1="{ly}" x2="{WIDTH - RIGHT + 36}" y2="{ly}" stroke="{s.color}" stroke-width="2"{dash}/>')
+        out.append(
+            f'<line x1="{WIDTH - RIGHT + 12}" y1="{ly}" x2="{WIDTH - RIGHT + 36}" y2="{ly}" stroke="{s.color}" stroke-width="2"{dash}/>'
+        )
         out.append(f'<text x="{WIDTH - RIGHT + 42}" y="{ly + 4}">{escape(s.label)}</text>')
     out.append("</svg>")
     Path(path).write_text("\n".join(out) + "\n")

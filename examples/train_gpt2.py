@@ -51,15 +51,27 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2-small")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--print-every", type=int, default=5)
-    parser.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
-                        help="auto: a tqdm progress bar in a terminal, lines otherwise")  # fmt: skip
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines"),
+        default="auto",
+        help="auto: a tqdm progress bar in a terminal, lines otherwise",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                   bos_token_id=0, eos_token_id=0, **MODELS[args.model])  # fmt: skip
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            **MODELS[args.model],
+        )
     )
     # GPT2LMHeadModel's class name maps to no transformers loss type; naming it keeps transformers from
     # warning on the first forward (the loss is the same causal-LM loss either way).
@@ -97,7 +109,9 @@ def main() -> None:
                 tflops = flops * tokens_per_s / world / 1e12
                 mfu = f" | MFU {tflops / engine.monitor.peak_tflops:.1%}" if engine.monitor.peak_tflops else ""
                 if bar is not None:
-                    bar.set_postfix_str(f"loss {mean_loss:.4f} | {tokens_per_s:.0f} tok/s | {tflops:.3f} TFLOP/s/rank{mfu} | {memory}")
+                    bar.set_postfix_str(
+                        f"loss {mean_loss:.4f} | {tokens_per_s:.0f} tok/s | {tflops:.3f} TFLOP/s/rank{mfu} | {memory}"
+                    )
                     bar.update(step - bar.n)
                 else:
                     print(

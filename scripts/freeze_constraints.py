@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 NOT_PINNED = {"torch", "slipstream"}
 # torch's own dependencies come with whichever torch the machine has: pinning them could fight it.
 TORCH_DEPENDENCIES = {
-    canonicalize_name(r.name) for r in map(Requirement, metadata.requires("torch") or []) if r.marker is None or "extra" not in str(r.marker)
+    canonicalize_name(r.name)
+    for r in map(Requirement, metadata.requires("torch") or [])
+    if r.marker is None or "extra" not in str(r.marker)
 }
 
 
@@ -53,9 +55,11 @@ def closure(roots: list[Requirement]) -> dict[str, str]:
 def main() -> None:
     environment = default_environment()
     roots = [
-        r for r in map(Requirement, metadata.requires("slipstream") or [])
-        if r.marker is None or any(r.marker.evaluate({**environment, "extra": e}) for e in ("", "dev", "test", "monitor"))
-    ]  # fmt: skip
+        r
+        for r in map(Requirement, metadata.requires("slipstream") or [])
+        if r.marker is None
+        or any(r.marker.evaluate({**environment, "extra": e}) for e in ("", "dev", "test", "monitor"))
+    ]
     pins = closure(roots)
     lines = [
         "# Exact versions the test suite passes with (scripts/freeze_constraints.py; used by scripts/setup.sh).",

@@ -14,9 +14,9 @@ from slipstream.version import __version__
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from slipstream.comm.distributed import init_distributed
     from slipstream.engine.config import ConfigError, SlipstreamConfig, load_config
-    from slipstream.errors import SlipstreamError, UsageError
     from slipstream.engine.engine import Engine
     from slipstream.engine.initialize import initialize
+    from slipstream.errors import SlipstreamError, UsageError
     from slipstream.estimator import estimate
 
 _LAZY = {

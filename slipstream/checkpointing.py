@@ -211,14 +211,22 @@ def _unwrap(module: torch.nn.Module) -> None:
 # checkpointing. Caches are found two ways, so a renamed argument cannot slip through (transformers
 # 5.24 renamed ``past_key_values`` to ``cache``): by the argument names below, and by value: any
 # argument that behaves like a cache (``update`` and ``get_seq_length``) is replaced by None.
-_CACHE_ARGUMENTS = {"past_key_values": None, "past_key_value": None, "layer_past": None, "cache": None, "use_cache": False}
+_CACHE_ARGUMENTS = {
+    "past_key_values": None,
+    "past_key_value": None,
+    "layer_past": None,
+    "cache": None,
+    "use_cache": False,
+}
 
 
 def _is_cache(value: Any) -> bool:
     return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
 
 
-def without_caches(signature: inspect.Signature | None, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+def without_caches(
+    signature: inspect.Signature | None, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]]:
     """The call's arguments with every cache argument set to its no-cache value."""
     if signature is not None:
         try:

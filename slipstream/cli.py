@@ -55,35 +55,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_checkpoint_parser(commands: argparse._SubParsersAction) -> None:
     checkpoint = commands.add_parser(
-        "checkpoint", help="inspect, export or convert a checkpoint", description="Read a checkpoint from its files alone."
+        "checkpoint",
+        help="inspect, export or convert a checkpoint",
+        description="Read a checkpoint from its files alone.",
     )
     actions = checkpoint.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
     inspect = actions.add_parser("inspect", help="summarize a checkpoint (and list those in a save directory)")
-    inspect.add_argument("dir", metavar="DIR", help="a save directory (its latest checkpoint) or a checkpoint directory")
+    inspect.add_argument(
+        "dir", metavar="DIR", help="a save directory (its latest checkpoint) or a checkpoint directory"
+    )
     inspect.add_argument("--tag", default=None, help="the checkpoint in DIR to read (default: latest)")
     inspect.add_argument("--verify", action="store_true", help="check every file's CRC-32")
     export = actions.add_parser(
-        "export", help="write the model's weights: one fp32 safetensors file, or Hugging Face's sharded layout (--format hf)"
+        "export",
+        help="write the model's weights: one fp32 safetensors file, or Hugging Face's sharded layout (--format hf)",
     )
     export.add_argument("dir", metavar="DIR", help="a save directory (its latest checkpoint) or a checkpoint directory")
-    export.add_argument("out", metavar="OUT", help="the file to write (OUT.safetensors), or the directory for --format hf")
+    export.add_argument(
+        "out", metavar="OUT", help="the file to write (OUT.safetensors), or the directory for --format hf"
+    )
     export.add_argument("--tag", default=None, help="the checkpoint in DIR to export (default: latest)")
     export.add_argument(
-        "--format", choices=("safetensors", "hf"), default="safetensors",
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
         help="safetensors: one fp32 file of every state_dict key (default); hf: model-0000i-of-0000n.safetensors "
         "+ model.safetensors.index.json in OUT, as save_pretrained writes them (tied weights once)",
-    )  # fmt: skip
+    )
     convert = actions.add_parser(
-        "convert", help="DeepSpeed checkpoint -> slipstream's format, or slipstream's -> DeepSpeed's universal layout",
+        "convert",
+        help="DeepSpeed checkpoint -> slipstream's format, or slipstream's -> DeepSpeed's universal layout",
         description="Convert between DeepSpeed's checkpoints (ZeRO 0-3, universal) and slipstream's, from the files alone. "
         "The direction follows DIR: a DeepSpeed checkpoint becomes a slipstream one (any world size loads it); a slipstream "
-        "checkpoint becomes a DeepSpeed universal checkpoint (load it with \"checkpoint\": {\"load_universal\": true}).",
-    )  # fmt: skip
-    convert.add_argument("dir", metavar="DIR", help="a save directory (its latest checkpoint) or a checkpoint directory")
+        'checkpoint becomes a DeepSpeed universal checkpoint (load it with "checkpoint": {"load_universal": true}).',
+    )
+    convert.add_argument(
+        "dir", metavar="DIR", help="a save directory (its latest checkpoint) or a checkpoint directory"
+    )
     convert.add_argument("out", metavar="OUT", help="the save directory to write into (its 'latest' names the result)")
     convert.add_argument("--tag", default=None, help="the checkpoint in DIR to convert (default: latest)")
-    export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="--format hf: the weights' dtype (default fp32)")
-    export.add_argument("--max-shard-size", default=None, help="--format hf: the largest file, e.g. 5GB (default) or 500MiB")
+    export.add_argument(
+        "--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="--format hf: the weights' dtype (default fp32)"
+    )
+    export.add_argument(
+        "--max-shard-size", default=None, help="--format hf: the largest file, e.g. 5GB (default) or 500MiB"
+    )
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -43,7 +43,6 @@ import functools
 import math
 from typing import Any
 
-
 GB = 1e9  # the paper's unit: 1e9 bytes
 STAGES = (0, 1, 2, 3)
 HEADROOM = 0.9  # fraction of device memory a recommendation may plan for (allocator slack, buffers)
@@ -63,7 +62,12 @@ class Tiling:
     def variants(self) -> dict[str, Tiling]:
         """Untiled, each tiling and both, over the same shards (tiles of this size, else 2048)."""
         logits, mlp, u = self.logits_tile or 2048, self.mlp_tile or 2048, self.seq_shards
-        return {"untiled": Tiling(None, None, u), "tiled logits": Tiling(logits, None, u), "tiled MLP": Tiling(None, mlp, u), "both": Tiling(logits, mlp, u)}
+        return {
+            "untiled": Tiling(None, None, u),
+            "tiled logits": Tiling(logits, None, u),
+            "tiled MLP": Tiling(None, mlp, u),
+            "both": Tiling(logits, mlp, u),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +79,9 @@ class Stage3Layout:
     mics: int | None = None
 
     def describe(self) -> str:
-        return (f", stage 3 with hpZ over {self.hpz}" if self.hpz > 1 else "") + (f", stage 3 with MiCS shards of {self.mics}" if self.mics else "")
+        return (f", stage 3 with hpZ over {self.hpz}" if self.hpz > 1 else "") + (
+            f", stage 3 with MiCS shards of {self.mics}" if self.mics else ""
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +136,15 @@ class Estimate:
         """Activations with and without each of ``long_context``'s tilings (tiles of the given size, else 2048)."""
         if not (self.seq_len and self.shape.vocab and self.shape.layers and self.shape.hidden):
             return None
-        act = functools.partial(activation_bytes, self.shape, self.seq_len, self.micro_batch, self.precision, self.activation_checkpointing, self.flash)
+        act = functools.partial(
+            activation_bytes,
+            self.shape,
+            self.seq_len,
+            self.micro_batch,
+            self.precision,
+            self.activation_checkpointing,
+            self.flash,
+        )
         parts = [f"{name} {_gb(act(tiling=v) or 0.0)}" for name, v in self.tiling.variants().items()]
         return f"activations by long_context tiling (GB per device): {', '.join(parts)}"
 
@@ -150,8 +164,11 @@ class Estimate:
                 + (f", logits tiled by {self.tiling.logits_tile}" if self.tiling.logits_tile else "")
                 + (f", MLP tiled by {self.tiling.mlp_tile}" if self.tiling.mlp_tile else "")
             )
-        lines = [head, f"{'stage':<6}{'params':>10}{'grads':>10}{'optimizer':>11}{'model states':>14}{'activations':>13}{'total':>10}"
-                 + ("   offloaded/rank" if self.offload != "none" else "")]  # fmt: skip
+        lines = [
+            head,
+            f"{'stage':<6}{'params':>10}{'grads':>10}{'optimizer':>11}{'model states':>14}{'activations':>13}{'total':>10}"
+            + ("   offloaded/rank" if self.offload != "none" else ""),
+        ]
         for e in self.stages:
             act = "-" if e.activations is None else _gb(e.activations)
             line = f"{e.stage:<6}{_gb(e.params):>10}{_gb(e.grads):>10}{_gb(e.optimizer):>11}{_gb(e.model_states):>14}{act:>13}{_gb(e.total):>10}"
@@ -168,9 +185,14 @@ class Estimate:
 
 
 def model_state_bytes(
-    params: float, dp: int, stage: int, precision: str = "bf16", offload: str = "none", fp32_grads: bool = False,
+    params: float,
+    dp: int,
+    stage: int,
+    precision: str = "bf16",
+    offload: str = "none",
+    fp32_grads: bool = False,
     layout: Stage3Layout = Stage3Layout(),
-) -> tuple[float, float, float, float]:  # fmt: skip
+) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, offloaded) bytes per device for ``stage``; see [Note: the formulas].
 
     ``fp32_grads``: gradients accumulate in fp32 even with bf16/fp16 weights (4 bytes, not 2), as
@@ -181,19 +203,29 @@ def model_state_bytes(
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if dp < 1:
         raise ValueError(f"dp must be at least 1, got {dp}")
-    for name, size in (("--hpz (zero_hpz_partition_size)", layout.hpz), ("--mics-shard-size (mics_shard_size)", layout.mics or dp)):
+    for name, size in (
+        ("--hpz (zero_hpz_partition_size)", layout.hpz),
+        ("--mics-shard-size (mics_shard_size)", layout.mics or dp),
+    ):
         if size < 1 or dp % size:
             raise ValueError(f"{name} must divide the data-parallel degree {dp}, got {size}")
     w, g, k = (4, 4, 8) if precision == "fp32" else (2, 4 if fp32_grads else 2, 12)
     n = params
     s3 = layout.mics or dp
-    shard = {0: (w * n, g * n, k * n), 1: (w * n, g * n, k * n / dp), 2: (w * n, g * n / dp, k * n / dp), 3: (w * n / s3, g * n / s3, k * n / s3)}[stage]
+    shard = {
+        0: (w * n, g * n, k * n),
+        1: (w * n, g * n, k * n / dp),
+        2: (w * n, g * n / dp, k * n / dp),
+        3: (w * n / s3, g * n / s3, k * n / s3),
+    }[stage]
     p, gr, opt = shard
     if stage == 3 and layout.hpz > 1:
         p += w * n / layout.hpz  # hpZ's secondary partition (stage3/unit.py)
     offloaded = 0.0
     if offload != "none" and stage > 0:
-        offloaded = 16 * n / (s3 if stage == 3 else dp)  # fp32 masters, m, v and an fp32 gradient copy for the host optimizer
+        offloaded = (
+            16 * n / (s3 if stage == 3 else dp)
+        )  # fp32 masters, m, v and an fp32 gradient copy for the host optimizer
         opt = 0.0
         if stage == 3:  # ZeRO-Infinity: the parameter shards live off the device as well
             offloaded += p
@@ -202,9 +234,14 @@ def model_state_bytes(
 
 
 def activation_bytes(
-    shape: ModelShape, seq_len: int, micro_batch: int, precision: str = "bf16", checkpointing: bool = False, flash: bool = True,
+    shape: ModelShape,
+    seq_len: int,
+    micro_batch: int,
+    precision: str = "bf16",
+    checkpointing: bool = False,
+    flash: bool = True,
     tiling: Tiling = Tiling(),
-) -> float | None:  # fmt: skip
+) -> float | None:
     """Peak activation bytes per device for one micro-batch (None without layers/hidden); see [Note: the formulas]
     and [Note: sequence shards and tiles]."""
     if not (shape.layers and shape.hidden):
@@ -229,9 +266,17 @@ def activation_bytes(
 
 
 def longest_sequence(
-    shape: ModelShape, budget: float, micro_batch: int, precision: str, checkpointing: bool, flash: bool, tiling: Tiling, step: int = 256
-) -> int:  # fmt: skip
+    shape: ModelShape,
+    budget: float,
+    micro_batch: int,
+    precision: str,
+    checkpointing: bool,
+    flash: bool,
+    tiling: Tiling,
+    step: int = 256,
+) -> int:
     """The longest sequence (a multiple of ``step``) whose activations fit in ``budget`` bytes; 0 if none does."""
+
     def fits(seq: int) -> bool:
         return (activation_bytes(shape, seq, micro_batch, precision, checkpointing, flash, tiling) or 0.0) <= budget
 
@@ -292,23 +337,48 @@ def estimate(
     found = _describe(model)
     shape = ModelShape(
         params=int(found.get("params", 0)),
-        layers=layers or found.get("layers"), hidden=hidden or found.get("hidden"),
-        heads=heads or found.get("heads"), vocab=vocab or found.get("vocab"),
+        layers=layers or found.get("layers"),
+        hidden=hidden or found.get("hidden"),
+        heads=heads or found.get("heads"),
+        vocab=vocab or found.get("vocab"),
         intermediate=intermediate or found.get("intermediate"),
-    )  # fmt: skip
+    )
     if shape.params <= 0:
         raise ValueError("the parameter count is unknown: pass a number of parameters, a model or a config with one")
     seq = seq_len or found.get("seq_len")
-    result = _estimate(shape, dp, seq, micro_batch, precision, offload, activation_checkpointing, flash_attention, fp32_grads, tiling, layout)
+    result = _estimate(
+        shape,
+        dp,
+        seq,
+        micro_batch,
+        precision,
+        offload,
+        activation_checkpointing,
+        flash_attention,
+        fp32_grads,
+        tiling,
+        layout,
+    )
     if device_memory:
-        result = dataclasses.replace(result, recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention))
+        result = dataclasses.replace(
+            result, recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention)
+        )
     return result
 
 
 def _estimate(
-    shape: ModelShape, dp: int, seq: int | None, mb: int, precision: str, offload: str, ac: bool, flash: bool, fp32_grads: bool,
-    tiling: Tiling = Tiling(), layout: Stage3Layout = Stage3Layout(),
-) -> Estimate:  # fmt: skip
+    shape: ModelShape,
+    dp: int,
+    seq: int | None,
+    mb: int,
+    precision: str,
+    offload: str,
+    ac: bool,
+    flash: bool,
+    fp32_grads: bool,
+    tiling: Tiling = Tiling(),
+    layout: Stage3Layout = Stage3Layout(),
+) -> Estimate:
     act = activation_bytes(shape, seq, mb, precision, ac, flash, tiling) if seq else None
     stages = []
     for stage in STAGES:
@@ -317,7 +387,15 @@ def _estimate(
     return Estimate(shape, dp, precision, offload, seq, mb, ac, stages, tiling=tiling, flash=flash, layout=layout)
 
 
-def recommend(shape: ModelShape, dp: int, seq: int | None, micro_batch: int, precision: str, device_memory: float, flash: bool = True) -> str:
+def recommend(
+    shape: ModelShape,
+    dp: int,
+    seq: int | None,
+    micro_batch: int,
+    precision: str,
+    device_memory: float,
+    flash: bool = True,
+) -> str:
     """The cheapest configuration that fits in ``HEADROOM`` of ``device_memory`` bytes.
 
     Cheapest first: no offload before CPU before NVMe offload; without activation checkpointing
@@ -386,7 +464,13 @@ def _describe(model: Any) -> dict[str, int]:
         if "params" in model or "num_parameters" in model:
             found["params"] = _whole_params(model.get("params", model.get("num_parameters")))
         elif {"layers", "hidden", "vocab"} <= found.keys():
-            found["params"] = gpt_params(found["layers"], found["hidden"], found["vocab"], found.get("seq_len", 0), model.get("intermediate_size"))
+            found["params"] = gpt_params(
+                found["layers"],
+                found["hidden"],
+                found["vocab"],
+                found.get("seq_len", 0),
+                model.get("intermediate_size"),
+            )
         return found
     if hasattr(model, "parameters"):  # an nn.Module: torch is loaded already
         seen: set[int] = set()

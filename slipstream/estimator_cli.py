@@ -15,8 +15,19 @@ from collections.abc import Callable
 from typing import Any
 
 from slipstream.estimator import (
-    _CONFIG_KEYS, GB, HEADROOM, MAX_COUNT, Estimate, Stage3Layout, Tiling, _count, _describe, _gb, estimate, longest_sequence,
-)  # fmt: skip
+    _CONFIG_KEYS,
+    GB,
+    HEADROOM,
+    MAX_COUNT,
+    Estimate,
+    Stage3Layout,
+    Tiling,
+    _count,
+    _describe,
+    _gb,
+    estimate,
+    longest_sequence,
+)
 from slipstream.launcher.textfile import read_small_text
 from slipstream.launcher.usage import fail, shown
 
@@ -44,7 +55,9 @@ def parse_params(text: str) -> int:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value >= 1):
-        raise argparse.ArgumentTypeError(f"{shown(text)}: must be a finite positive number of parameters (e.g. 7e9 or 7B)")
+        raise argparse.ArgumentTypeError(
+            f"{shown(text)}: must be a finite positive number of parameters (e.g. 7e9 or 7B)"
+        )
     if value > MAX_PARAMS:
         raise argparse.ArgumentTypeError(f"{shown(text)}: must be at most {_MAX_PARAMS_TEXT} parameters")
     return round(value)
@@ -72,7 +85,9 @@ def whole_number(meaning: str) -> Callable[[str], int]:
         except ValueError:  # also thousands of digits (Python's int size limit)
             value = 0
         if not 1 <= value <= MAX_COUNT:
-            raise argparse.ArgumentTypeError(f"{shown(text)}: must be a whole number from 1 to {MAX_COUNT:,} ({meaning})")
+            raise argparse.ArgumentTypeError(
+                f"{shown(text)}: must be a whole number from 1 to {MAX_COUNT:,} ({meaning})"
+            )
         return value
 
     convert.__name__ = f"whole number ({meaning})"
@@ -92,16 +107,22 @@ def read_model_config(text: str) -> ConfigFile:
     try:
         data = json.loads(content)
     except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"{text} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+        raise argparse.ArgumentTypeError(
+            f"{text} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+        ) from None
     except RecursionError:
         raise argparse.ArgumentTypeError(f"{text} is not valid JSON: nested too deeply") from None
     except ValueError:  # Python's int size limit
         raise argparse.ArgumentTypeError(f"{text}: a number in it has too many digits (over 4300) to read") from None
     if not isinstance(data, dict):
-        raise argparse.ArgumentTypeError(f"{text} holds a JSON {type(data).__name__}, not an object; give a transformers config.json")
+        raise argparse.ArgumentTypeError(
+            f"{text} holds a JSON {type(data).__name__}, not an object; give a transformers config.json"
+        )
     for key in ("params", "num_parameters"):
         if key in data and not (_is_number(data[key]) and 1 <= data[key] <= MAX_PARAMS):
-            raise argparse.ArgumentTypeError(f"{text}: {key!r} is {_as_json(data[key])}; it must be a number of parameters from 1 to {_MAX_PARAMS_TEXT}")
+            raise argparse.ArgumentTypeError(
+                f"{text}: {key!r} is {_as_json(data[key])}; it must be a number of parameters from 1 to {_MAX_PARAMS_TEXT}"
+            )
     for key in [*(k for keys in _CONFIG_KEYS.values() for k in keys), "intermediate_size"]:
         value = data.get(key)
         if key == "intermediate_size":  # gpt_params multiplies by it: absent, null or a whole number
@@ -109,7 +130,9 @@ def read_model_config(text: str) -> ConfigFile:
         else:  # shape_from_config passes over what is not a number; a number must be in range
             wrong = _is_number(value) and not 1 <= value <= MAX_COUNT
         if wrong:
-            raise argparse.ArgumentTypeError(f"{text}: {key!r} is {_as_json(value)}; it must be a whole number from 1 to {MAX_COUNT:,}")
+            raise argparse.ArgumentTypeError(
+                f"{text}: {key!r} is {_as_json(value)}; it must be a whole number from 1 to {MAX_COUNT:,}"
+            )
     return ConfigFile(text, data)
 
 
@@ -125,28 +148,126 @@ def _as_json(value: Any, limit: int = 60) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``slipstream estimate`` options; every value is checked by its ``type=`` converter above."""
-    parser.add_argument("--params", type=parse_params, metavar="N", help="number of parameters, e.g. 7.5e9 or 7.5B (or give --model-config)")
-    parser.add_argument("--dp", type=whole_number("the data-parallel degree"), default=1, metavar="N", help="data-parallel degree: ranks the states are partitioned over (default 1)")
-    parser.add_argument("--model-config", type=read_model_config, metavar="JSON", help="a transformers config.json: layers, hidden, heads, vocab, sequence length")
-    parser.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none", help="optimizer (and at stage 3 parameter) offload")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="bf16/fp16 with fp32 masters (default) or fp32")
-    parser.add_argument("--seq-len", type=whole_number("tokens per sequence"), metavar="S", help="sequence length for the activation estimate")
-    parser.add_argument("--micro-batch", type=whole_number("sequences per device"), default=1, metavar="B", help="micro-batch per device (default 1)")
-    parser.add_argument("--layers", type=whole_number("transformer layers"), metavar="L", help="transformer layers (activation estimate)")
-    parser.add_argument("--hidden", type=whole_number("the hidden size"), metavar="H", help="hidden size (activation estimate)")
-    parser.add_argument("--heads", type=whole_number("attention heads"), metavar="A", help="attention heads (only for --no-flash-attention)")
-    parser.add_argument("--vocab", type=whole_number("the vocabulary size"), metavar="V", help="vocabulary size (the loss's logits)")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="estimate activations with checkpointing on")
+    parser.add_argument(
+        "--params",
+        type=parse_params,
+        metavar="N",
+        help="number of parameters, e.g. 7.5e9 or 7.5B (or give --model-config)",
+    )
+    parser.add_argument(
+        "--dp",
+        type=whole_number("the data-parallel degree"),
+        default=1,
+        metavar="N",
+        help="data-parallel degree: ranks the states are partitioned over (default 1)",
+    )
+    parser.add_argument(
+        "--model-config",
+        type=read_model_config,
+        metavar="JSON",
+        help="a transformers config.json: layers, hidden, heads, vocab, sequence length",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=("none", "cpu", "nvme"),
+        default="none",
+        help="optimizer (and at stage 3 parameter) offload",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="bf16/fp16 with fp32 masters (default) or fp32",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=whole_number("tokens per sequence"),
+        metavar="S",
+        help="sequence length for the activation estimate",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=whole_number("sequences per device"),
+        default=1,
+        metavar="B",
+        help="micro-batch per device (default 1)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=whole_number("transformer layers"),
+        metavar="L",
+        help="transformer layers (activation estimate)",
+    )
+    parser.add_argument(
+        "--hidden", type=whole_number("the hidden size"), metavar="H", help="hidden size (activation estimate)"
+    )
+    parser.add_argument(
+        "--heads",
+        type=whole_number("attention heads"),
+        metavar="A",
+        help="attention heads (only for --no-flash-attention)",
+    )
+    parser.add_argument(
+        "--vocab", type=whole_number("the vocabulary size"), metavar="V", help="vocabulary size (the loss's logits)"
+    )
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="estimate activations with checkpointing on"
+    )
     parser.add_argument("--no-flash-attention", action="store_true", help="attention keeps the s×s score matrices")
-    parser.add_argument("--fp32-grads", action="store_true", help="gradients accumulate in fp32 with bf16/fp16 weights (slipstream's stage 0)")
-    parser.add_argument("--device-memory", type=parse_device_memory, metavar="GB", help="memory per device in GB (1e9 bytes): adds a recommendation")
-    parser.add_argument("--intermediate", type=whole_number("the MLP's width"), metavar="I", help="the MLP's intermediate size (default 4 × hidden)")
-    parser.add_argument("--seq-shards", type=whole_number("ranks the sequence is cut over"), default=1, metavar="N", help="Ulysses × context-parallel ranks the sequence is cut over (default 1)")
-    parser.add_argument("--tiled-logits", type=whole_number("tokens per tile"), metavar="T", help="long_context.tiled_logits with tiles of T tokens")
-    parser.add_argument("--tiled-mlp", type=whole_number("tokens per tile"), metavar="T", help="long_context.tiled_mlp with tiles of T tokens")
-    parser.add_argument("--hpz", type=whole_number("ranks of hpZ's secondary partition"), default=1, metavar="H", help="stage 3 with ZeRO++ hpZ over H ranks (zero_hpz_partition_size)")
-    parser.add_argument("--mics-shard-size", type=whole_number("ranks per MiCS shard group"), metavar="S", help="stage 3 with MiCS shard groups of S ranks (mics_shard_size)")
-    parser.add_argument("--max-seq", action="store_true", help="the longest sequence that fits in --device-memory, by stage, with and without the tilings")
+    parser.add_argument(
+        "--fp32-grads",
+        action="store_true",
+        help="gradients accumulate in fp32 with bf16/fp16 weights (slipstream's stage 0)",
+    )
+    parser.add_argument(
+        "--device-memory",
+        type=parse_device_memory,
+        metavar="GB",
+        help="memory per device in GB (1e9 bytes): adds a recommendation",
+    )
+    parser.add_argument(
+        "--intermediate",
+        type=whole_number("the MLP's width"),
+        metavar="I",
+        help="the MLP's intermediate size (default 4 × hidden)",
+    )
+    parser.add_argument(
+        "--seq-shards",
+        type=whole_number("ranks the sequence is cut over"),
+        default=1,
+        metavar="N",
+        help="Ulysses × context-parallel ranks the sequence is cut over (default 1)",
+    )
+    parser.add_argument(
+        "--tiled-logits",
+        type=whole_number("tokens per tile"),
+        metavar="T",
+        help="long_context.tiled_logits with tiles of T tokens",
+    )
+    parser.add_argument(
+        "--tiled-mlp",
+        type=whole_number("tokens per tile"),
+        metavar="T",
+        help="long_context.tiled_mlp with tiles of T tokens",
+    )
+    parser.add_argument(
+        "--hpz",
+        type=whole_number("ranks of hpZ's secondary partition"),
+        default=1,
+        metavar="H",
+        help="stage 3 with ZeRO++ hpZ over H ranks (zero_hpz_partition_size)",
+    )
+    parser.add_argument(
+        "--mics-shard-size",
+        type=whole_number("ranks per MiCS shard group"),
+        metavar="S",
+        help="stage 3 with MiCS shard groups of S ranks (mics_shard_size)",
+    )
+    parser.add_argument(
+        "--max-seq",
+        action="store_true",
+        help="the longest sequence that fits in --device-memory, by stage, with and without the tilings",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -159,7 +280,11 @@ def main(args: argparse.Namespace) -> int:
             source["params"] = args.params
         params = _describe(source).get("params", 0)
         if not 1 <= params <= MAX_PARAMS:
-            why = "no parameter count (params or num_parameters) and not all of layers, hidden size and vocabulary size to derive one" if not params else f"describes {params:.2g} parameters, more than {_MAX_PARAMS_TEXT}"
+            why = (
+                "no parameter count (params or num_parameters) and not all of layers, hidden size and vocabulary size to derive one"
+                if not params
+                else f"describes {params:.2g} parameters, more than {_MAX_PARAMS_TEXT}"
+            )
             fail(prog, f"--model-config {args.model_config.path}: {why}; give --params")
     if source is None:
         fail(prog, f"give --params N (e.g. 7e9 or 7B) or --model-config config.json; see '{prog} --help'")
@@ -168,12 +293,24 @@ def main(args: argparse.Namespace) -> int:
     tiling = Tiling(args.tiled_logits, args.tiled_mlp, args.seq_shards)
     try:
         result = estimate(
-            source, args.dp, seq_len=args.seq_len, tiling=tiling, intermediate=args.intermediate, micro_batch=args.micro_batch, precision=args.precision,
-            offload=args.offload, activation_checkpointing=args.activation_checkpointing,
-            device_memory=args.device_memory * GB if args.device_memory else None, layers=args.layers,
-            hidden=args.hidden, heads=args.heads, vocab=args.vocab, flash_attention=not args.no_flash_attention,
-            fp32_grads=args.fp32_grads, layout=Stage3Layout(args.hpz, args.mics_shard_size),
-        )  # fmt: skip
+            source,
+            args.dp,
+            seq_len=args.seq_len,
+            tiling=tiling,
+            intermediate=args.intermediate,
+            micro_batch=args.micro_batch,
+            precision=args.precision,
+            offload=args.offload,
+            activation_checkpointing=args.activation_checkpointing,
+            device_memory=args.device_memory * GB if args.device_memory else None,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            vocab=args.vocab,
+            flash_attention=not args.no_flash_attention,
+            fp32_grads=args.fp32_grads,
+            layout=Stage3Layout(args.hpz, args.mics_shard_size),
+        )
     except (ValueError, TypeError) as err:
         fail(prog, str(err))
     if args.max_seq:
@@ -199,8 +336,18 @@ def max_sequence_table(result: Estimate, device_memory: float) -> str:
     for e in result.stages:
         budget = HEADROOM * device_memory - e.model_states
         cells = [
-            longest_sequence(result.shape, budget, result.micro_batch, result.precision, result.activation_checkpointing, result.flash, v)
+            longest_sequence(
+                result.shape,
+                budget,
+                result.micro_batch,
+                result.precision,
+                result.activation_checkpointing,
+                result.flash,
+                v,
+            )
             for v in variants.values()
-        ]  # fmt: skip
-        lines.append(f"{e.stage:<6}{_gb(e.model_states):>14}" + "".join(f"{c:>14,}" if c else f"{'none':>14}" for c in cells))
+        ]
+        lines.append(
+            f"{e.stage:<6}{_gb(e.model_states):>14}" + "".join(f"{c:>14,}" if c else f"{'none':>14}" for c in cells)
+        )
     return "\n".join(lines)

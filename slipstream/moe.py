@@ -29,11 +29,21 @@ class MoE(torch.nn.Module):
     """Mixture of experts: ``forward(hidden_states) -> (output, aux_loss, expert_counts)``."""
 
     def __init__(
-        self, hidden_size: int, expert: torch.nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
-        capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
-        use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
-        use_rts: bool = True, **_compat: Any,
-    ) -> None:  # fmt: skip
+        self,
+        hidden_size: int,
+        expert: torch.nn.Module,
+        num_experts: int = 1,
+        ep_size: int = 1,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        use_residual: bool = False,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        **_compat: Any,
+    ) -> None:
         super().__init__()
         if num_experts < 1 or not 1 <= k <= num_experts:
             raise ValueError(f"MoE: need 1 <= k <= num_experts, got k={k}, num_experts={num_experts}")

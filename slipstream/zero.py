@@ -21,9 +21,15 @@ class Init(_init.Init):
     """
 
     def __init__(
-        self, config: Any = None, enabled: bool = True, *, config_dict_or_path: Any = None, remote_device: str | None = None,
-        dtype: Any = None, **deepspeed_only: Any,
-    ) -> None:  # fmt: skip
+        self,
+        config: Any = None,
+        enabled: bool = True,
+        *,
+        config_dict_or_path: Any = None,
+        remote_device: str | None = None,
+        dtype: Any = None,
+        **deepspeed_only: Any,
+    ) -> None:
         # DeepSpeed's spelling: config_dict_or_path is the config. Where parameters live (remote_device)
         # and their dtype come from the config at initialize(), so those two are accepted and change
         # nothing; neither do DeepSpeed-only knobs (module=, mpu=, pin_memory=, ...).

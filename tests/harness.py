@@ -43,9 +43,15 @@ def _free_port() -> int:
 def _worker_main(rank: int, world_size: int, port: int, conn: Any, sys_path: list[str], dump_path: str) -> None:
     sys.path[:] = sys_path
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", SLIPSTREAM_ACCELERATOR="cpu",
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        SLIPSTREAM_ACCELERATOR="cpu",
+    )
     dump = open(dump_path, "w")  # noqa: SIM115 - must stay open for faulthandler
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     import torch
@@ -68,7 +74,9 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, sys_path: lis
         if job is None:
             break
         fn, args, kwargs = job
-        environment = dict(os.environ)  # hosts edit it (Lightning's DDP set-up writes WORLD_SIZE): the next body gets the pool's
+        environment = dict(
+            os.environ
+        )  # hosts edit it (Lightning's DDP set-up writes WORLD_SIZE): the next body gets the pool's
         flight.reset()  # each body's collectives are numbered from 1, as in a fresh job
         try:
             outcome = ("ok", fn(*args, **kwargs))
@@ -198,7 +206,9 @@ _pools: dict[int, WorkerPool] = {}  # by world size, least recently used first
 MAX_IDLE_RANKS = 7  # the 1-, 2- and 4-rank pools stay; an 8-rank pool is alone
 
 
-def run_distributed(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any
+) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; returns each rank's result."""
     pool = _pools.pop(world_size, None)
     if pool is None or not pool.procs or not pool.alive():

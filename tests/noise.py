@@ -61,11 +61,22 @@ class NoiseShadows:
         for name, param in named:
             w = param.detach().double().clone()
             zero = torch.zeros_like(w)
-            self.state[name] = {"w": w, "w_up": w.clone(), "w_down": w.clone(), "m": zero.clone(), "v": zero.clone(),
-                                "m_up": zero.clone(), "v_up": zero.clone(), "m_down": zero.clone(), "v_down": zero.clone()}  # fmt: skip
+            self.state[name] = {
+                "w": w,
+                "w_up": w.clone(),
+                "w_down": w.clone(),
+                "m": zero.clone(),
+                "v": zero.clone(),
+                "m_up": zero.clone(),
+                "v_up": zero.clone(),
+                "m_down": zero.clone(),
+                "v_down": zero.clone(),
+            }
         self.noise: dict[str, float] = dict.fromkeys(self.names, 0.0)
 
-    def observe(self, grads32: dict[str, torch.Tensor | None], grads64: dict[str, torch.Tensor | None], clip_coef: float = 1.0) -> None:
+    def observe(
+        self, grads32: dict[str, torch.Tensor | None], grads64: dict[str, torch.Tensor | None], clip_coef: float = 1.0
+    ) -> None:
         """One step of the three trajectories from the reference's float32 gradients and the float64 ones at the same weights."""
         self.step_count += 1
         a, t = self.adam, self.step_count
@@ -118,7 +129,9 @@ def sync_twin(twin: torch.nn.Module, model: torch.nn.Module) -> None:
             ours.copy_(theirs)
 
 
-def twin_grads(twin: torch.nn.Module, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], torch.Tensor]) -> dict[str, torch.Tensor | None]:
+def twin_grads(
+    twin: torch.nn.Module, model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], torch.Tensor]
+) -> dict[str, torch.Tensor | None]:
     """The float64 gradients of ``loss_fn`` at ``model``'s current weights, by the reference's parameter names."""
     sync_twin(twin, model)
     twin.zero_grad(set_to_none=True)
@@ -142,7 +155,11 @@ def with_bounds(params: dict[str, torch.Tensor], shadows: NoiseShadows) -> Weigh
 
 
 def assert_weights_close(
-    ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], rtol: float = 1e-4, atol: float = 5e-5, label: str = ""
+    ours: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    rtol: float = 1e-4,
+    atol: float = 5e-5,
+    label: str = "",
 ) -> None:
     """Every reference weight within ``atol + rtol·|ref|`` of ours, plus the reference's noise allowance where it has one.
 

@@ -20,9 +20,17 @@ def tiny_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 64) -> torch.nn.Mod
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        n_layer=n_layer, n_embd=n_embd, n_head=2, vocab_size=VOCAB, n_positions=SEQ * 2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=SEQ * 2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -72,9 +80,13 @@ class Trajectory:
 
 
 def train_reference(
-    model: torch.nn.Module, batches: list[torch.Tensor], lr: float = 1e-3, weight_decay: float = 0.0,
-    clip: float = 0.0, dtype: torch.dtype = torch.float32,
-) -> Trajectory:  # fmt: skip
+    model: torch.nn.Module,
+    batches: list[torch.Tensor],
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    clip: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+) -> Trajectory:
     """Single process, full global batch, ``torch.optim.AdamW`` with fp32 master weights when ``dtype`` is low."""
     model = model.to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -138,9 +150,13 @@ def assert_weights_match(state: dict[str, torch.Tensor], reference: torch.nn.Mod
 
 
 def assert_close_trajectory(
-    ours: Trajectory, ref: Trajectory, loss_rtol: float, param_atol: float = 0.0, param_rtol: float = 0.0,
+    ours: Trajectory,
+    ref: Trajectory,
+    loss_rtol: float,
+    param_atol: float = 0.0,
+    param_rtol: float = 0.0,
     param_rel_norm: float | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Per-step losses within ``loss_rtol``; final weights element-wise (atol/rtol) or in relative L2 norm."""
     for step, (a, b) in enumerate(zip(ours.losses, ref.losses, strict=True)):
         assert abs(a - b) <= loss_rtol * abs(b), f"step {step}: loss {a!r} vs reference {b!r} (rtol {loss_rtol})"
@@ -148,7 +164,9 @@ def assert_close_trajectory(
     if param_rel_norm is not None:
         diff = torch.sqrt(sum((ours.params[k] - ref.params[k]).pow(2).sum() for k in ref.params))
         norm = torch.sqrt(sum(ref.params[k].pow(2).sum() for k in ref.params))
-        assert diff <= param_rel_norm * norm, f"weights differ by {float(diff / norm):.2e} relative (limit {param_rel_norm})"
+        assert diff <= param_rel_norm * norm, (
+            f"weights differ by {float(diff / norm):.2e} relative (limit {param_rel_norm})"
+        )
         return
     assert_weights_close(ours.params, ref.params, rtol=param_rtol, atol=param_atol)
 
@@ -159,9 +177,16 @@ def tiny_llama(seed: int = 0, n_layer: int = 2, hidden: int = 64) -> torch.nn.Mo
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ * 2, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        num_hidden_layers=n_layer,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ * 2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -208,16 +233,27 @@ def train_lm_engine(engine: Any, batches: list[torch.Tensor], micro: int, index:
     return losses
 
 
-def tiny_mixtral(seed: int = 0, hidden: int = 64, intermediate: int = 96, vocab: int = 128, positions: int = 16, layers: int = 2) -> torch.nn.Module:
+def tiny_mixtral(
+    seed: int = 0, hidden: int = 64, intermediate: int = 96, vocab: int = 128, positions: int = 16, layers: int = 2
+) -> torch.nn.Module:
     """A randomly initialised Mixtral (4 experts, top-2, GQA 4/2 heads, sdpa attention), two layers by default."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
     config = MixtralConfig(
-        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab,
-        max_position_embeddings=positions, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
     return MixtralForCausalLM(config)
 
 

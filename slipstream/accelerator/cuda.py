@@ -55,7 +55,9 @@ class CUDAAccelerator(Accelerator):
 
     def free_memory(self) -> int:
         free, _ = torch.cuda.mem_get_info()
-        return int(free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated())  # the caching allocator's idle blocks too
+        return int(
+            free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        )  # the caching allocator's idle blocks too
 
     def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats()

@@ -22,7 +22,27 @@ from slipstream.comm.lanes import lane_group
 from slipstream.comm.ring_collectives import ring_context
 
 __all__ = [
-    "CollectiveError", "CommRecord", "CommsLog", "ReduceOp", "Work", "all_gather_into_tensor", "all_gather_objects", "all_reduce", "broadcast_object", "gather_objects", "all_to_all_single", "all_to_all_v",
-    "barrier", "broadcast", "comms_log", "reduce_scatter_tensor", "ring_context", "shift_ring", "get_rank", "get_world_size", "init_distributed", "LaunchEnvError",
+    "CollectiveError",
+    "CommRecord",
+    "CommsLog",
+    "ReduceOp",
+    "Work",
+    "all_gather_into_tensor",
+    "all_gather_objects",
+    "all_reduce",
+    "broadcast_object",
+    "gather_objects",
+    "all_to_all_single",
+    "all_to_all_v",
+    "barrier",
+    "broadcast",
+    "comms_log",
+    "reduce_scatter_tensor",
+    "ring_context",
+    "shift_ring",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "LaunchEnvError",
     "lane_group",
-]  # fmt: skip
+]

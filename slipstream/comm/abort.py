@@ -102,7 +102,9 @@ def abort_for(error: BaseException, call: str) -> None:
     for group in groups:
         with contextlib.suppress(Exception):
             group.abort()
-    logger.error("%s; aborted this rank's %d process group(s) so the other ranks stop now with this error", text, len(groups))
+    logger.error(
+        "%s; aborted this rank's %d process group(s) so the other ranks stop now with this error", text, len(groups)
+    )
 
 
 def failure_of_a_peer() -> str | None:

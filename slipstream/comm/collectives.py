@@ -179,16 +179,33 @@ def _launch(
     return Work(work, record, group, on_complete, entry)
 
 
-_PEER_SIGNS = ("timed out", "timeout", "connection", "closed", "peer", "socket", "broken pipe", "reset", "abort", "nccl", "gloo")
+_PEER_SIGNS = (
+    "timed out",
+    "timeout",
+    "connection",
+    "closed",
+    "peer",
+    "socket",
+    "broken pipe",
+    "reset",
+    "abort",
+    "nccl",
+    "gloo",
+)
 
 
 def _from_peer(err: BaseException) -> bool:
     """Whether a failed collective points at another rank (a backend/transport error) or at this rank's own code."""
-    return isinstance(err, getattr(dist, "DistBackendError", ())) or any(sign in str(err).lower() for sign in _PEER_SIGNS)
+    return isinstance(err, getattr(dist, "DistBackendError", ())) or any(
+        sign in str(err).lower() for sign in _PEER_SIGNS
+    )
 
 
 def all_reduce(
-    tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = ReduceOp.SUM, group: dist.ProcessGroup | None = None, tag: str = ""
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    tag: str = "",
 ) -> Work:
     """In-place all-reduce, launched asynchronously."""
     if dist.get_world_size(group) == 1:
@@ -196,29 +213,47 @@ def all_reduce(
     return _launch("all_reduce", tensor, tag, group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = ""
+) -> Work:
     """Even all-to-all: chunk ``i`` of ``input`` (split on dim 0) goes to rank ``i``; logged as the bytes that leave
     for other ranks, ``(n−1)/n`` of the input, as ``all_to_all_v`` logs its rows (a rank's own chunk never moves)."""
     n = dist.get_world_size(group)
     nbytes = input.numel() * input.element_size() * (n - 1) // n
-    return _launch("all_to_all", input, tag, group, lambda: dist.all_to_all_single(output, input, group=group, async_op=True), nbytes=nbytes)
+    return _launch(
+        "all_to_all",
+        input,
+        tag,
+        group,
+        lambda: dist.all_to_all_single(output, input, group=group, async_op=True),
+        nbytes=nbytes,
+    )
 
 
 def all_to_all_v(
-    output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
-    group: dist.ProcessGroup | None = None, tag: str = "",
-) -> Work:  # fmt: skip
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None = None,
+    tag: str = "",
+) -> Work:
     """Uneven all-to-all on dim 0 (``input_splits[i]`` rows go to rank ``i``); logged as the bytes that leave for other ranks."""
     me = dist.get_rank(group)
     row = input[0].numel() * input.element_size() if input.dim() and input.shape[0] else 0
     return _launch(
-        "all_to_all", input, tag, group,
+        "all_to_all",
+        input,
+        tag,
+        group,
         lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True),
         nbytes=row * sum(n for i, n in enumerate(input_splits) if i != me),
-    )  # fmt: skip
+    )
 
 
-def shift_ring(send: torch.Tensor, recv: torch.Tensor, to: int, source: int, group: dist.ProcessGroup | None = None, tag: str = "") -> Work:
+def shift_ring(
+    send: torch.Tensor, recv: torch.Tensor, to: int, source: int, group: dist.ProcessGroup | None = None, tag: str = ""
+) -> Work:
     """Send ``send`` to global rank ``to`` while receiving ``recv`` from global rank ``source`` (one ring step); logged as the bytes sent."""
 
     def call() -> dist.Work:
@@ -274,16 +309,22 @@ def all_gather_into_tensor(
         return _launch("all_gather", output, tag, group, lambda: _FutureWork(ring.submit(run)))
     if shard.data_ptr() == mine.data_ptr():
         shard = shard.clone()  # backend collectives may not read what they overwrite
-    return _launch("all_gather", output, tag, group, lambda: _all_gather_flat(output, shard, group=group, async_op=True))
+    return _launch(
+        "all_gather", output, tag, group, lambda: _all_gather_flat(output, shard, group=group, async_op=True)
+    )
 
 
 _reduce_scatter_unsupported: set[str] = set()
 
 
 def _alone(
-    op: str, tensor: torch.Tensor, tag: str, group: dist.ProcessGroup | None, destination: torch.Tensor | None = None,
+    op: str,
+    tensor: torch.Tensor,
+    tag: str,
+    group: dist.ProcessGroup | None,
+    destination: torch.Tensor | None = None,
     source: torch.Tensor | None = None,
-) -> Work:  # fmt: skip
+) -> Work:
     """A collective over a group of one rank: its result is its input, copied where it is wanted, at once.
 
     [Note: groups of one] Expert parallel at ep = world leaves each expert's data-parallel group a
@@ -349,20 +390,26 @@ def reduce_scatter_tensor(
         target = torch.empty_like(output) if aliased else output  # backend collectives may not alias
         try:
             return _launch(
-                "reduce_scatter", input, tag, group,
+                "reduce_scatter",
+                input,
+                tag,
+                group,
                 lambda: _reduce_scatter_flat(target, input, group=group, async_op=True),
                 on_complete=(lambda: output.copy_(target)) if aliased else None,
-            )  # fmt: skip
+            )
         except CollectiveError as err:
             if not _is_unsupported(err):
                 raise
             comms_log.records.pop()
             _reduce_scatter_unsupported.add(backend)
     return _launch(
-        "all_reduce", input, tag + " (reduce-scatter fallback)", group,
+        "all_reduce",
+        input,
+        tag + " (reduce-scatter fallback)",
+        group,
         lambda: dist.all_reduce(input, group=group, async_op=True),
         on_complete=None if aliased else (lambda: output.copy_(chunk)),
-    )  # fmt: skip
+    )
 
 
 def _is_unsupported(err: BaseException) -> bool:
@@ -391,7 +438,9 @@ def _object_of(data: torch.Tensor, size: int) -> Any:
 def _sizes(data: torch.Tensor, group: dist.ProcessGroup | None, tag: str) -> list[int]:
     world = dist.get_world_size(group)
     sizes = torch.zeros(world, dtype=torch.int64, device=data.device)
-    all_gather_into_tensor(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=data.device), group, f"{tag} (sizes)").wait()
+    all_gather_into_tensor(
+        sizes, torch.tensor([data.numel()], dtype=torch.int64, device=data.device), group, f"{tag} (sizes)"
+    ).wait()
     return [int(n) for n in sizes.tolist()]
 
 
@@ -418,7 +467,9 @@ def gather_objects(obj: Any, dst: int = 0, tag: str = "objects") -> list[Any] | 
     longest, here = max(sizes), dist.get_rank() == dst
     padded = torch.nn.functional.pad(data, (0, longest - data.numel()))
     slots = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in sizes] if here else None
-    _launch("gather", padded, tag, None, lambda: dist.gather(padded, slots, dst=dst, async_op=True), nbytes=padded.numel()).wait()
+    _launch(
+        "gather", padded, tag, None, lambda: dist.gather(padded, slots, dst=dst, async_op=True), nbytes=padded.numel()
+    ).wait()
     return [_object_of(slot, n) for slot, n in zip(slots, sizes, strict=True)] if slots is not None else None
 
 

@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from slipstream.comm.topology import link_class
 
-
 # Bytes each rank moves per byte of tensor, in the ZeRO paper's accounting: an all-reduce is a
 # reduce-scatter plus an all-gather.
 TRAFFIC_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}

@@ -142,9 +142,12 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     client = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-        is_master=False, timeout=timeout,
-    )  # fmt: skip
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
     return dist.PrefixStore(f"slipstream/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
@@ -160,8 +163,10 @@ def _apply_timeout(timeout: datetime.timedelta | float) -> None:
     _timeout = timeout
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is None:  # older torch: only the groups created from now on get it
-        logger.warning("this torch cannot change an existing process group's timeout; comms_timeout_seconds "
-                       "applies to slipstream's own groups only")  # fmt: skip
+        logger.warning(
+            "this torch cannot change an existing process group's timeout; comms_timeout_seconds "
+            "applies to slipstream's own groups only"
+        )
         return
     set_timeout(timeout, dist.group.WORLD)
 

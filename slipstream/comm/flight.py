@@ -98,9 +98,20 @@ class FlightRecorder:
         slot = (self._issued - 1) % self.capacity
         now = time.time()
         _RECORD.pack_into(
-            self._map, _HEADER_SIZE + slot * _RECORD.size, self._issued, seq, step, now, 0.0, nbytes, ISSUED,
-            _fit(op, 15), _fit(group, 48), _fit(shape, 40), _fit(tag, 40),
-        )  # fmt: skip
+            self._map,
+            _HEADER_SIZE + slot * _RECORD.size,
+            self._issued,
+            seq,
+            step,
+            now,
+            0.0,
+            nbytes,
+            ISSUED,
+            _fit(op, 15),
+            _fit(group, 48),
+            _fit(shape, 40),
+            _fit(tag, 40),
+        )
         struct.pack_into("<d", self._map, 32, now)
         return self._issued
 
@@ -185,8 +196,21 @@ def _parse(data: bytes) -> RankFlight | None:
         if fields[0] == 0:
             continue
         index, seq, step, issued, completed, nbytes, state, op, group, shape, tag = fields
-        records.append(Record(index, seq, step, issued, completed, nbytes, _STATES.get(state, "?"),
-                              _text(op), _text(group), _text(shape), _text(tag)))  # fmt: skip
+        records.append(
+            Record(
+                index,
+                seq,
+                step,
+                issued,
+                completed,
+                nbytes,
+                _STATES.get(state, "?"),
+                _text(op),
+                _text(group),
+                _text(shape),
+                _text(tag),
+            )
+        )
     records.sort(key=lambda r: r.index)
     return RankFlight(rank, world, pid, started, last_write, records)
 
@@ -213,8 +237,15 @@ def process_state(pid: int) -> str:
     except OSError:
         return "exited"
     code = stat.rsplit(")", 1)[-1].split()[0]
-    return {"R": "running", "S": "waiting", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)", "t": "stopped by a debugger",
-            "Z": "exited (not yet reaped)", "X": "exited"}.get(code, f"state {code}")  # fmt: skip
+    return {
+        "R": "running",
+        "S": "waiting",
+        "D": "in uninterruptible I/O",
+        "T": "stopped (SIGSTOP)",
+        "t": "stopped by a debugger",
+        "Z": "exited (not yet reaped)",
+        "X": "exited",
+    }.get(code, f"state {code}")
 
 
 # ---------------------------------------------------------------------------------------------- analysis
@@ -278,9 +309,12 @@ def first_divergence(flights: dict[int, RankFlight]) -> tuple[str, int, dict[tup
 
 
 def analyze(
-    flights: dict[int, RankFlight], world: int, now: float | None = None, exited: dict[int, str] | None = None,
+    flights: dict[int, RankFlight],
+    world: int,
+    now: float | None = None,
+    exited: dict[int, str] | None = None,
     unanswered: Iterable[int] = (),
-) -> HangReport:  # fmt: skip
+) -> HangReport:
     """Name the rank that holds the others up, from the rings of (ideally) every rank.
 
     ``exited`` adds what the launcher knows of ranks that are gone ("killed by signal SIGKILL");
@@ -310,7 +344,11 @@ def analyze(
         majority = len(parts) > 1 and len(parts[-1][1]) > len(parts[-2][1])  # one side strictly largest
         culprits = [r for _, ranks in (parts[:-1] if majority else parts) for r in ranks]
         sides = "; ".join(f"{_ranks(ranks)} issued {op} ({shape})" for (op, shape), ranks in parts)
-        who = f"{_ranks(culprits)} took a different code path" if majority else f"{_ranks(culprits)} disagree (no majority)"
+        who = (
+            f"{_ranks(culprits)} took a different code path"
+            if majority
+            else f"{_ranks(culprits)} disagree (no majority)"
+        )
         summary = f"{who}: the first divergence is collective #{seq} of {group} in step {step}: {sides}"
         details += [f"rank {r}: {whereabouts(r)}" for r in sorted(set(range(world)) | set(flights))]
         return HangReport(sorted(culprits), summary, details)
@@ -338,7 +376,9 @@ def analyze(
                 details += [f"rank {r}: {whereabouts(r)}" for r in sorted(set(flights))]
                 return HangReport(sorted(quiet), summary, details)
             if unseen:
-                details.append(f"rank {rank} waits in {record.describe()}; {_ranks(unseen)} of the group have no record here")
+                details.append(
+                    f"rank {rank} waits in {record.describe()}; {_ranks(unseen)} of the group have no record here"
+                )
             continue
         summary = (
             f"{_ranks(behind)} {'is' if len(behind) == 1 else 'are'} behind: {_ranks(waiters)} "
@@ -414,7 +454,9 @@ def report_for(rank: int, world: int, store: Any = None, wait_s: float = 0.0) ->
     """
     global _last_report
     own = recorder(rank, world)
-    if _last_report is not None and _last_report[0] == own._issued:  # the works queued behind a failed one: one exchange serves all
+    if (
+        _last_report is not None and _last_report[0] == own._issued
+    ):  # the works queued behind a failed one: one exchange serves all
         return _last_report[1]
     directory = os.environ.get(FLIGHT_DIR_ENV)
     flights = read_rings(directory, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if directory else {}
@@ -427,7 +469,9 @@ def report_for(rank: int, world: int, store: Any = None, wait_s: float = 0.0) ->
     return report
 
 
-def _exchange(store: Any, rank: int, world: int, ring: bytes, flights: dict[int, RankFlight], wait_s: float) -> set[int]:
+def _exchange(
+    store: Any, rank: int, world: int, ring: bytes, flights: dict[int, RankFlight], wait_s: float
+) -> set[int]:
     """Publish ``ring``; add the other ranks' published rings to ``flights``; return the ranks that stayed silent."""
     store.set(f"{_STORE_PREFIX}{_generation}/{rank}", ring)
     missing = set(range(world)) - set(flights)

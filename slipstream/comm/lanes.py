@@ -66,7 +66,9 @@ def _match_group_counts(group: dist.ProcessGroup | None) -> None:
     member]). Collective over ``group``."""
     held = len(dist.distributed_c10d._world.pg_names)
     counts: list[int | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(counts, held, group=group)  # torch's own: slipstream's collectives may make groups themselves
+    dist.all_gather_object(
+        counts, held, group=group
+    )  # torch's own: slipstream's collectives may make groups themselves
     highest = max(c for c in counts if c is not None)
     for _ in range(highest - held):
         dist.new_group([dist.get_rank()], timeout=current_timeout(), use_local_synchronization=True)

@@ -16,19 +16,42 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 HEADER = 8  # dtype code, number of dimensions, up to six sizes
 
 
-def send(tensor: torch.Tensor, to: int, channel: int, group: dist.ProcessGroup | None = None, tag: str = "", op: str = "p2p") -> Work:
+def send(
+    tensor: torch.Tensor, to: int, channel: int, group: dist.ProcessGroup | None = None, tag: str = "", op: str = "p2p"
+) -> Work:
     """Asynchronous send to global rank ``to``; keep ``tensor`` unchanged until the work completes.
 
     [Note: channels] Messages between two ranks are matched by ``channel`` (the backend's tag),
     not by order: a V-shaped schedule sends activations and gradients the same way between the
     same two ranks, in an order the receiver does not share.
     """
-    return _launch(op, tensor, tag, group, lambda: dist.isend(tensor, to, group=group, tag=channel), route=f"{dist.get_rank()}->{to}")
+    return _launch(
+        op,
+        tensor,
+        tag,
+        group,
+        lambda: dist.isend(tensor, to, group=group, tag=channel),
+        route=f"{dist.get_rank()}->{to}",
+    )
 
 
-def recv(tensor: torch.Tensor, source: int, channel: int, group: dist.ProcessGroup | None = None, tag: str = "", op: str = "p2p_recv") -> Work:
+def recv(
+    tensor: torch.Tensor,
+    source: int,
+    channel: int,
+    group: dist.ProcessGroup | None = None,
+    tag: str = "",
+    op: str = "p2p_recv",
+) -> Work:
     """Asynchronous receive into ``tensor`` from global rank ``source`` on ``channel``."""
-    return _launch(op, tensor, tag, group, lambda: dist.irecv(tensor, source, group=group, tag=channel), route=f"{source}->{dist.get_rank()}")
+    return _launch(
+        op,
+        tensor,
+        tag,
+        group,
+        lambda: dist.irecv(tensor, source, group=group, tag=channel),
+        route=f"{source}->{dist.get_rank()}",
+    )
 
 
 PARTS = 2  # tensors one pipeline transfer may carry: the hidden state and what a carry hands on (router logits)

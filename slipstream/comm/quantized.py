@@ -34,7 +34,9 @@ def packed_nbytes(numel: int, bits: int, block: int = BLOCK) -> int:
 def quantize(values: torch.Tensor, bits: int, out: torch.Tensor | None = None, block: int = BLOCK) -> torch.Tensor:
     """``values`` (1-D, any float dtype) as the bytes of [Note: block-wise quantization]; into ``out`` when given."""
     numel = values.numel()
-    out = torch.empty(packed_nbytes(numel, bits, block), dtype=torch.uint8, device=values.device) if out is None else out
+    out = (
+        torch.empty(packed_nbytes(numel, bits, block), dtype=torch.uint8, device=values.device) if out is None else out
+    )
     quantize_rows(values.reshape(1, numel), bits, out.view(1, -1), block)
     return out
 
@@ -81,7 +83,9 @@ def dequantize_rows(packed: torch.Tensor, numel: int, bits: int, block: int = BL
     return q.view(count, blocks, block).mul_(scales.unsqueeze(2)).view(count, -1)[:, :numel]
 
 
-def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = "", bits: int = 8) -> Work:
+def all_gather_quantized(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = "", bits: int = 8
+) -> Work:
     """``all_gather_into_tensor`` with every shard sent block-quantized; ``output`` holds the decoded values on wait."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = shard.numel()
@@ -96,7 +100,9 @@ def all_gather_quantized(output: torch.Tensor, shard: torch.Tensor, group: dist.
     return _Then(work, decode)
 
 
-def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = "", bits: int = 4) -> Work:
+def reduce_scatter_quantized(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = "", bits: int = 4
+) -> Work:
     """``reduce_scatter_tensor`` (a sum) with every chunk sent block-quantized, summed in fp32 in rank order on arrival."""
     world = dist.get_world_size(group)
     numel = input.numel() // world
@@ -117,8 +123,13 @@ def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, group: d
 
 
 def reduce_scatter_across_nodes(
-    output: torch.Tensor, input: torch.Tensor, node: dist.ProcessGroup, across: dist.ProcessGroup, tag: str = "", bits: int = 4
-) -> Work:  # fmt: skip
+    output: torch.Tensor,
+    input: torch.Tensor,
+    node: dist.ProcessGroup,
+    across: dist.ProcessGroup,
+    tag: str = "",
+    bits: int = 4,
+) -> Work:
     """``reduce_scatter_tensor`` over a group of ``nodes × L`` ranks (rank ``k·L + j``: node ``k``, local ``j``) in two
     hops: a full-precision reduce-scatter inside the node, then a block-quantized one across nodes.
 

@@ -81,7 +81,9 @@ class SharedSlots:
         # A ctypes array over the tensor's bytes, not ``.numpy()``: that would leave its storage unresizable
         # for good, and ZeRO-3 resizes gathered storage.
         nbytes = into.numel() * into.element_size()
-        view = memoryview((ctypes.c_char * nbytes).from_address(into.data_ptr())).cast("B") if nbytes else memoryview(b"")
+        view = (
+            memoryview((ctypes.c_char * nbytes).from_address(into.data_ptr())).cast("B") if nbytes else memoryview(b"")
+        )
         position, done = half * PIECE_BYTES + byte_offset, 0
         while done < len(view):
             read = os.preadv(self._peers[peer], [view[done:]], position + done)

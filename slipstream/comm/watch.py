@@ -40,20 +40,45 @@ from slipstream.comm import flight
 from slipstream.comm.comms_log import comms_log
 
 _COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_to_all",
-    "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
-    "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "scatter", "scatter_object_list",
-    "all_reduce_coalesced", "all_gather_coalesced",
-)  # fmt: skip
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "scatter",
+    "scatter_object_list",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+)
 # isend/irecv stay unwrapped: ``P2POp`` accepts only torch's own two functions (checked by identity)
 _POINT_TO_POINT = {"send": "p2p", "recv": "p2p_recv", "batch_isend_irecv": "p2p"}
 # the recorder's op field holds 15 bytes: the flat and object variants are named by what they do
 _OP_NAMES = {
-    "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "all_gather_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter", "all_to_all_single": "all_to_all",
-    "all_reduce_coalesced": "all_reduce", "monitored_barrier": "barrier", "all_gather_object": "all_gather_obj",
-    "broadcast_object_list": "broadcast_obj", "gather_object": "gather_obj", "scatter_object_list": "scatter_obj",
-}  # fmt: skip
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "all_reduce_coalesced": "all_reduce",
+    "monitored_barrier": "barrier",
+    "all_gather_object": "all_gather_obj",
+    "broadcast_object_list": "broadcast_obj",
+    "gather_object": "gather_obj",
+    "scatter_object_list": "scatter_obj",
+}
 _local = threading.local()
 _installed = False
 _lock = threading.Lock()

@@ -59,14 +59,27 @@ class Engine(SavesWeights, torch.nn.Module):
     """
 
     def __init__(
-        self, module: torch.nn.Module, config: SlipstreamConfig, mesh: Mesh, parallel: Parallelized, strategy: ShardingStrategy,
-        runner: StepRunner, monitor: TrainingMonitor, loss_scaler: LossScaler, accelerator: Accelerator,
-        lr_scheduler: Any = None, training_dataloader: DistributedDataLoader | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        module: torch.nn.Module,
+        config: SlipstreamConfig,
+        mesh: Mesh,
+        parallel: Parallelized,
+        strategy: ShardingStrategy,
+        runner: StepRunner,
+        monitor: TrainingMonitor,
+        loss_scaler: LossScaler,
+        accelerator: Accelerator,
+        lr_scheduler: Any = None,
+        training_dataloader: DistributedDataLoader | None = None,
+    ) -> None:
         super().__init__()
         self.module, self.config, self.mesh, self.parallel, self.strategy = module, config, mesh, parallel, strategy
         self.runner, self.monitor, self.loss_scaler, self.accelerator = runner, monitor, loss_scaler, accelerator
-        self.world_size, self.lr_scheduler, self.training_dataloader = mesh.sizes.world, lr_scheduler, training_dataloader
+        self.world_size, self.lr_scheduler, self.training_dataloader = (
+            mesh.sizes.world,
+            lr_scheduler,
+            training_dataloader,
+        )
         self.global_steps = self.micro_steps = self.skipped_steps = 0
         self.global_samples = 0  # counted over dp (ranks that share a dp coordinate see the same samples)
         self._no_sync = self._backward_since_step = self._step_applied = False
@@ -77,7 +90,9 @@ class Engine(SavesWeights, torch.nn.Module):
         self.checkpoints = CheckpointManager(config.checkpoint)
         # As DeepSpeed: fp16 always skips steps with non-finite gradients; bf16 unless told not to.
         overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
-        self._update = OptimizerStep(strategy, loss_scaler, config.gradient_clipping, overflow, self.checkpoints.before_update)
+        self._update = OptimizerStep(
+            strategy, loss_scaler, config.gradient_clipping, overflow, self.checkpoints.before_update
+        )
         self.checkpoint_states: dict[str, Any] = {}  # extra objects saved through state_dict()/load_state_dict()
         self._windows = Windows(training_dataloader, config.gradient_accumulation_steps)  # train_batch/eval_batch
         self.resumed_from: str | None = None  # checkpoint.auto_resume: what was loaded, and its client state
@@ -191,21 +206,40 @@ class Engine(SavesWeights, torch.nn.Module):
     def _report_progress(self) -> None:
         """Metrics to the writers every step, the progress line every ``steps_per_print`` (engine/monitor)."""
         lrs = self.get_lr()
-        self.monitor.on_step(StepRecord(
-            global_steps=self.global_steps, global_samples=self.global_samples, train_batch_size=self.train_batch_size(),
-            lr=lrs[0] if lrs else None, grad_norm=self._global_grad_norm, loss_scale=self.loss_scale(),
-            dynamic_loss_scale=self.loss_scaler.dynamic,
-            expert_tokens=self.parallel.expert_tokens(),
-            compile=self.parallel.compiled.on_step() if self.parallel.compiled is not None else None,
-        ))  # fmt: skip
+        self.monitor.on_step(
+            StepRecord(
+                global_steps=self.global_steps,
+                global_samples=self.global_samples,
+                train_batch_size=self.train_batch_size(),
+                lr=lrs[0] if lrs else None,
+                grad_norm=self._global_grad_norm,
+                loss_scale=self.loss_scale(),
+                dynamic_loss_scale=self.loss_scaler.dynamic,
+                expert_tokens=self.parallel.expert_tokens(),
+                compile=self.parallel.compiled.on_step() if self.parallel.compiled is not None else None,
+            )
+        )
 
-    def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None, module_classes: list[str] | None = None) -> None:
+    def compile(
+        self,
+        backend: str | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        module_classes: list[str] | None = None,
+    ) -> None:
         """``torch.compile`` each repeated block now (DeepSpeed's ``engine.compile``), as the ``compile`` section does
         at ``initialize``: the engine's hooks stay outside the graphs (parallel/compiling.py). Unset arguments take
         the section's values; a second call recompiles with the new ones. :class:`ConfigError` on a bad backend."""
-        self.parallel.compile(CompileOptions.build(
-            self.config.compile, self.module, self.mesh.size("tp"), "engine.compile", backend, compile_kwargs, module_classes,
-        ))  # fmt: skip
+        self.parallel.compile(
+            CompileOptions.build(
+                self.config.compile,
+                self.module,
+                self.mesh.size("tp"),
+                "engine.compile",
+                backend,
+                compile_kwargs,
+                module_classes,
+            )
+        )
 
     @property
     def is_compiled(self) -> bool:
@@ -238,33 +272,56 @@ class Engine(SavesWeights, torch.nn.Module):
 
     # ------------------------------------------------------------------ checkpoints (engine/checkpoint)
     def save_checkpoint(
-        self, save_dir: str | os.PathLike[str], tag: str | None = None, client_state: dict[str, Any] | None = None,
-        save_latest: bool = True, exclude_frozen_parameters: bool = False,
-    ) -> str:  # fmt: skip
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> str:
         """Save everything needed to resume (any world size or stage) to ``save_dir/tag``. Call on every rank.
 
         ``exclude_frozen_parameters=True`` leaves out parameters with ``requires_grad=False``.
         """
-        return str(self.checkpoints.save(
-            self.checkpoint_target(), save_dir, tag, client_state, save_latest, self._pin(), self.accelerator.synchronize,
-            exclude_frozen=exclude_frozen_parameters, mid_window=self.micro_steps_in_window() > 0,
-        ))  # fmt: skip
+        return str(
+            self.checkpoints.save(
+                self.checkpoint_target(),
+                save_dir,
+                tag,
+                client_state,
+                save_latest,
+                self._pin(),
+                self.accelerator.synchronize,
+                exclude_frozen=exclude_frozen_parameters,
+                mid_window=self.micro_steps_in_window() > 0,
+            )
+        )
 
     def _pin(self) -> Any:
         """How an asynchronous save pins its host copies (None on CPU: nothing to pin)."""
         return self.accelerator.pin_memory if self.accelerator.name != "cpu" else None
 
     def load_checkpoint(
-        self, load_dir: str | os.PathLike[str], tag: str | None = None, load_module_strict: bool = True,
-        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-    ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
         """Load ``load_dir/tag`` (default: ``latest``); returns ``(path, client_state)``, ``(None, None)`` if there is none.
 
         Also reads DeepSpeed checkpoints (ZeRO 0-3, universal) and torch DCP directories (FSDP2, torchtitan)."""
         return self.checkpoints.load(
-            self.checkpoint_target(), load_dir, tag, strict=load_module_strict, optimizer=load_optimizer_states,
-            scheduler=load_lr_scheduler_states, module_only=load_module_only,
-        )  # fmt: skip
+            self.checkpoint_target(),
+            load_dir,
+            tag,
+            strict=load_module_strict,
+            optimizer=load_optimizer_states,
+            scheduler=load_lr_scheduler_states,
+            module_only=load_module_only,
+        )
 
     def save_dcp(self, path: str | os.PathLike[str]) -> None:
         """Write ``path`` in torch DCP format as FSDP2's ``get_state_dict`` lays it out, each rank its own slices. Collective."""
@@ -280,19 +337,34 @@ class Engine(SavesWeights, torch.nn.Module):
         if loader is not None and hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
             extra["training_dataloader"] = loader
         extra.update(self.checkpoint_states)
-        scheduler = self.lr_scheduler if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict") else None
+        scheduler = (
+            self.lr_scheduler if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict") else None
+        )
         return CheckpointTarget(
-            module=self.module, shards=self.strategy, optimizer=self.optimizer, scheduler=scheduler,
-            loss_scaler=self.loss_scaler, counters=Counters(self._train_state, self._set_train_state),
-            rng=RngState(self.accelerator.rng_state, self.accelerator.set_rng_state), extra=extra,
+            module=self.module,
+            shards=self.strategy,
+            optimizer=self.optimizer,
+            scheduler=scheduler,
+            loss_scaler=self.loss_scaler,
+            counters=Counters(self._train_state, self._set_train_state),
+            rng=RngState(self.accelerator.rng_state, self.accelerator.set_rng_state),
+            extra=extra,
             config=self.config.model_dump(mode="json", by_alias=False, exclude_unset=True),
-            zero_stage=self.config.zero_optimization.stage, precision=self.config.precision, world_size=self.world_size,
+            zero_stage=self.config.zero_optimization.stage,
+            precision=self.config.precision,
+            world_size=self.world_size,
             spread=self.parallel.spread,
             mesh={axis: self.mesh.size(axis) for axis in self.mesh.coords},  # every axis: pp, dp, cp, sp, tp, ep
-        )  # fmt: skip
+        )
 
     def _train_state(self) -> TrainState:
-        return TrainState(self.global_steps, self.micro_steps, self.global_samples, self.skipped_steps, self.gradient_accumulation_steps())
+        return TrainState(
+            self.global_steps,
+            self.micro_steps,
+            self.global_samples,
+            self.skipped_steps,
+            self.gradient_accumulation_steps(),
+        )
 
     def _set_train_state(self, state: TrainState) -> None:
         self.global_steps, self.micro_steps = state.global_steps, state.micro_steps
@@ -354,4 +426,3 @@ class Engine(SavesWeights, torch.nn.Module):
     def destroy(self) -> None:
         """DeepSpeed's name for :meth:`close`."""
         self.close()
-

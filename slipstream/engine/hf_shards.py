@@ -46,7 +46,18 @@ from slipstream.engine.zero.slices import OwnedSlice
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # save_pretrained's default
 CHANNEL = 1 << 24  # p2p channels (backend tags) of a save: CHANNEL + the parameter's place in the plan
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -128,7 +139,9 @@ def plan_files(shares: list[list[Spec]], filename: str, max_bytes: int | None) -
     cuts = [(rank, specs) for rank, share in enumerate(shares) for specs in cut(share, max_bytes)]
     if len(cuts) == 1:
         return FilePlan([(cuts[0][0], filename, cuts[0][1])], filename)
-    return FilePlan([(rank, shard_name(filename, i + 1, len(cuts)), specs) for i, (rank, specs) in enumerate(cuts)], filename)
+    return FilePlan(
+        [(rank, shard_name(filename, i + 1, len(cuts)), specs) for i, (rank, specs) in enumerate(cuts)], filename
+    )
 
 
 def split_shares(sizes: list[int], parts: int) -> list[int]:
@@ -173,7 +186,9 @@ def write_file(path: Path, specs: list[Spec], fetch: Callable[[str], torch.Tenso
             for spec in specs:
                 t = fetch(spec.key)
                 if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-                    raise RuntimeError(f"{spec.key}: got a {t.dtype} tensor of shape {tuple(t.shape)}, planned {spec.dtype} {spec.shape}")
+                    raise RuntimeError(
+                        f"{spec.key}: got a {t.dtype} tensor of shape {tuple(t.shape)}, planned {spec.dtype} {spec.shape}"
+                    )
                 if t.numel():
                     f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
                 del t
@@ -191,7 +206,10 @@ def finish_directory(save_dir: Path, plan: FilePlan, total_parameters: int) -> N
     filename = plan.filename
     sharded = len(plan.files) > 1
     if sharded:
-        index = {"metadata": {"total_size": plan.total_size, "total_parameters": total_parameters}, "weight_map": plan.weight_map}
+        index = {
+            "metadata": {"total_size": plan.total_size, "total_parameters": total_parameters},
+            "weight_map": plan.weight_map,
+        }
         path = save_dir / index_name(filename)
         part = path.with_name(path.name + ".part")
         part.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -230,13 +248,22 @@ class _Piece:
     duplicate: bool
 
     def whole(self, shape: tuple[int, ...]) -> bool:
-        return self.start == 0 and self.numel == math.prod(shape) and self.sizes == tuple(shape) and not any(self.offsets)
+        return (
+            self.start == 0 and self.numel == math.prod(shape) and self.sizes == tuple(shape) and not any(self.offsets)
+        )
 
 
 def write_sharded(
-    save_dir: Path, filename: str, owned: list[OwnedSlice], names: list[str], frozen: set[str], buffers: dict[str, torch.Tensor],
-    dtype: torch.dtype, exclude_frozen: bool, max_shard_size: int | str | None,
-) -> ShardReport:  # fmt: skip
+    save_dir: Path,
+    filename: str,
+    owned: list[OwnedSlice],
+    names: list[str],
+    frozen: set[str],
+    buffers: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    exclude_frozen: bool,
+    max_shard_size: int | str | None,
+) -> ShardReport:
     """Write the model as Hugging Face shards, each rank its own; see [Note: writing in parallel]. Collective.
 
     ``owned``: this rank's checkpoint slices (``strategy.sharded_state()``); ``names``: its parameter
@@ -252,14 +279,18 @@ def write_sharded(
         for lo, hi, s in o.slice.split():  # a packed piece (tensor parallel) is one box per part
             pieces.append((s.name, list(s.shape), list(s.offsets), list(s.sizes), s.start, s.numel, o.duplicate))
             values.append(value[lo:hi])
-    mine = {"names": names, "frozen": sorted(frozen), "pieces": pieces,
-            "buffers": [(n, list(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in buffers.items()]}  # fmt: skip
+    mine = {
+        "names": names,
+        "frozen": sorted(frozen),
+        "pieces": pieces,
+        "buffers": [(n, list(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in buffers.items()],
+    }
     gathered = all_gather_objects(mine)
     walk = _Walk(gathered, rank, world, values, dtype, frozen_out=exclude_frozen)
     shares: list[list[Spec]] = [[] for _ in range(world)]
     for name in walk.order:
         shares[walk.owner[name]].append(Spec(name, walk.shape[name], dtype))
-    for name, (holder, spec) in walk.buffers.items():
+    for holder, spec in walk.buffers.values():
         shares[holder].append(spec)
     plan = plan_files(shares, filename, max_bytes)
     save_dir, error = Path(save_dir), None
@@ -276,14 +307,23 @@ def write_sharded(
             missing = [name for _, name, _ in plan.files if not (save_dir / name).is_file()]
             if missing:
                 where = save_dir / missing[0]
-                raise OSError(f"{where} is missing: every rank writes into save_dir, which must be one directory all ranks see")
+                raise OSError(
+                    f"{where} is missing: every rank writes into save_dir, which must be one directory all ranks see"
+                )
             finish_directory(save_dir, plan, sum(math.prod(walk.shape[n]) for n in walk.order))
         except OSError as err:
             errors = [f"rank 0: {err}"]
     errors = _broadcast(errors, world)
     if errors:
         raise OSError(f"save to {save_dir}: " + "; ".join(errors))
-    return ShardReport([name for name, _ in plan.of_rank(rank)], plan.weight_map, plan.total_size, walk.held.peak, walk.sent, walk.received)
+    return ShardReport(
+        [name for name, _ in plan.of_rank(rank)],
+        plan.weight_map,
+        plan.total_size,
+        walk.held.peak,
+        walk.sent,
+        walk.received,
+    )
 
 
 def _broadcast(obj: Any, world: int) -> Any:
@@ -294,7 +334,13 @@ class _Walk:
     """The plan, the same on every rank, run in rounds; :meth:`take` runs them up to this rank's next parameter."""
 
     def __init__(
-        self, gathered: list[dict[str, Any]], rank: int, world: int, values: list[torch.Tensor], dtype: torch.dtype, frozen_out: bool
+        self,
+        gathered: list[dict[str, Any]],
+        rank: int,
+        world: int,
+        values: list[torch.Tensor],
+        dtype: torch.dtype,
+        frozen_out: bool,
     ) -> None:
         self.rank, self.dtype, self.held = rank, dtype, HeldBytes()
         self.sent = self.received = 0
@@ -359,7 +405,9 @@ class _Walk:
         works, outgoing, own = [], [], None
         for name in (share[k] for share in self.shares if k < len(share)):  # plan order: the shares are contiguous
             owner, shape, channel = self.owner[name], self.shape[name], CHANNEL + self.place[name]
-            if any(p.rank == owner and p.whole(shape) for p in self.pieces[name]):  # the writer holds it whole: no traffic
+            if any(
+                p.rank == owner and p.whole(shape) for p in self.pieces[name]
+            ):  # the writer holds it whole: no traffic
                 if self.rank == owner:
                     whole = next(v for piece, v in self.local[name] if piece.whole(shape))
                     own = (shape, [(_Piece(owner, (0,) * len(shape), shape, 0, whole.numel(), False), whole)])
@@ -422,9 +470,12 @@ def _comm_device() -> torch.device:
 
 
 def export_hf(
-    checkpoint: str | Path, out_dir: str | Path, tag: str | None = None, dtype: torch.dtype = torch.float32,
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    tag: str | None = None,
+    dtype: torch.dtype = torch.float32,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-) -> tuple[Path, FilePlan]:  # fmt: skip
+) -> tuple[Path, FilePlan]:
     """Write a checkpoint (``latest``, or ``tag``) as Hugging Face safetensors shards into ``out_dir``, one parameter in
     memory at a time; returns the checkpoint used and the plan written. Parameters in ``dtype``, buffers as saved."""
     from slipstream.engine.checkpoint.format import LATEST, TMP_PREFIX, TRASH_PREFIX
@@ -438,7 +489,11 @@ def export_hf(
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"export --format hf: {out} is a file; pass the directory to write the shards into")
     resolved, source = out.resolve(), path.resolve()
-    if resolved.is_relative_to(source) or resolved == source.parent / LATEST or resolved.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+    if (
+        resolved.is_relative_to(source)
+        or resolved == source.parent / LATEST
+        or resolved.name.startswith((TMP_PREFIX, TRASH_PREFIX))
+    ):
         raise CheckpointError(f"export: {out} lies inside the checkpoint {path} it exports; write the export elsewhere")
     reader = CheckpointReader(path)
     manifest, saved_buffers = reader.manifest, reader.common()["buffers"]
@@ -447,7 +502,9 @@ def export_hf(
         if held.get("param") == key:
             specs.append(Spec(key, tuple(manifest["parameters"][key]["shape"]), dtype))
         elif held.get("buffer") == key:
-            specs.append(Spec(key, tuple(manifest["buffers"][key]["shape"]), getattr(torch, manifest["buffers"][key]["dtype"])))
+            specs.append(
+                Spec(key, tuple(manifest["buffers"][key]["shape"]), getattr(torch, manifest["buffers"][key]["dtype"]))
+            )
 
     def fetch(key: str) -> torch.Tensor:
         if key in manifest["parameters"]:

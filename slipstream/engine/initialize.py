@@ -11,6 +11,7 @@ from slipstream.accelerator import Accelerator, get_accelerator
 from slipstream.comm import get_rank
 from slipstream.engine.data import DistributedDataLoader
 from slipstream.engine.engine import Engine, engine_of
+from slipstream.engine.lr_schedules import scheduler_for
 from slipstream.engine.monitor import TrainingMonitor
 from slipstream.engine.no_optimizer import NoOptimizer
 from slipstream.engine.options import ConfigSource, EngineOptions, OptimizerSource, engine_options
@@ -18,7 +19,6 @@ from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.parallelize import Parallelized, parallelize
 from slipstream.engine.precision import DTYPES, build_loss_scaler
 from slipstream.engine.runners import DirectRunner, PipelineRunner, StepRunner
-from slipstream.engine.lr_schedules import scheduler_for
 from slipstream.engine.sharding import shard
 from slipstream.engine.zero.init import is_presharded, prepare_presharded
 from slipstream.engine.zero.strategy import ShardingStrategy
@@ -55,13 +55,17 @@ def initialize(
     previous = engine_of(model)
     if previous is not None:  # a model loaded into ZeRO-3 shards keeps them (Engine.close)
         previous.close(for_new_engine=True)
-    options = engine_options(model, config, optimizer, lr_scheduler, inference, compiled_before)  # 1. options: every check, nothing built
+    options = engine_options(
+        model, config, optimizer, lr_scheduler, inference, compiled_before
+    )  # 1. options: every check, nothing built
     accelerator = get_accelerator()
     cfg = options.config
     groups = list(model_parameters) if model_parameters is not None else None  # on the parameters as they are now
     _place_model(model, cfg.precision, accelerator)  # 2. device and dtype (a zero.Init model keeps its shards)
     mesh = Mesh.build(options.sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)
-    parallel = parallelize(model, mesh, options.parallel)  # 4. weight sync, pipeline, experts, tensor, sequence, checkpointing
+    parallel = parallelize(
+        model, mesh, options.parallel
+    )  # 4. weight sync, pipeline, experts, tensor, sequence, checkpointing
     if isinstance(options.optimizer, torch.optim.Optimizer):
         parallel.rebind_optimizer(options.optimizer)  # built on the uncut model (a host's create_optimizer)
     strategy = shard(model, options, mesh, parallel.param_groups(groups), accelerator)  # 5. ZeRO over dp·cp·sp
@@ -70,14 +74,27 @@ def initialize(
     loader = None
     if training_data is not None:  # sharded by the dp coordinate: ranks that share it read the same batches
         loader = DistributedDataLoader(
-            training_data, cfg.train_micro_batch_size_per_gpu, mesh.rank_of("dp"), mesh.size("dp"),
-            collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
-        )  # fmt: skip
+            training_data,
+            cfg.train_micro_batch_size_per_gpu,
+            mesh.rank_of("dp"),
+            mesh.size("dp"),
+            collate_fn=collate_fn,
+            drop_last=cfg.dataloader_drop_last,
+        )
     _log_ready(options)
     return Engine(  # 7. the engine, which resumes from the newest checkpoint under checkpoint.auto_resume
-        model, cfg, mesh, parallel, strategy, runner, monitor, build_loss_scaler(cfg.precision, cfg.fp16), accelerator,
-        lr_scheduler=scheduler_for(cfg.scheduler, lr_scheduler, strategy.optimizer), training_dataloader=loader,
-    )  # fmt: skip
+        model,
+        cfg,
+        mesh,
+        parallel,
+        strategy,
+        runner,
+        monitor,
+        build_loss_scaler(cfg.precision, cfg.fp16),
+        accelerator,
+        lr_scheduler=scheduler_for(cfg.scheduler, lr_scheduler, strategy.optimizer),
+        training_dataloader=loader,
+    )
 
 
 def _uncompiled(model: Any) -> tuple[Any, bool]:
@@ -113,14 +130,33 @@ def _runner(parallel: Parallelized, strategy: ShardingStrategy, monitor: Trainin
 
 def _log_ready(options: EngineOptions) -> None:
     cfg, sizes, offload = options.config, options.sizes, options.sharding.offload
-    moved = [] if offload is None else [f"{what} to {where}" for what, where in (("optimizer", offload.optimizer), ("parameters", offload.param)) if where != "none"]
+    moved = (
+        []
+        if offload is None
+        else [
+            f"{what} to {where}"
+            for what, where in (("optimizer", offload.optimizer), ("parameters", offload.param))
+            if where != "none"
+        ]
+    )
     if options.optimizer is NoOptimizer:
         optimizer = "no optimizer (forward only)"
     else:
-        optimizer = f"optimizer {cfg.optimizer.type}" if cfg.optimizer is not None else f"optimizer {type(options.optimizer).__name__}"
+        optimizer = (
+            f"optimizer {cfg.optimizer.type}"
+            if cfg.optimizer is not None
+            else f"optimizer {type(options.optimizer).__name__}"
+        )
     log_rank0(
         logger,
         "engine ready: ZeRO stage %d, %s, %s, offload %s, world size %d, batch %d = micro %d × accumulation %d × dp %d",
-        options.stage, cfg.precision, optimizer, " and ".join(moved) or "off", sizes.world, cfg.train_batch_size,
-        cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, sizes.dp,
-    )  # fmt: skip
+        options.stage,
+        cfg.precision,
+        optimizer,
+        " and ".join(moved) or "off",
+        sizes.world,
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+        sizes.dp,
+    )

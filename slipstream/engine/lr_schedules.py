@@ -13,7 +13,7 @@ OneCycle gives ``cycle_min_lr`` and momentum ``cycle_min_mom`` for -1, then ~``c
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from torch import Tensor
@@ -25,7 +25,7 @@ from slipstream.utils.logging import get_logger
 logger = get_logger(__name__)
 
 # DeepSpeed accepts one value for all param groups or a list with one value per group.
-PerGroup = Union[float, list[float]]
+PerGroup = float | list[float]
 
 
 def _non_negative(cls: type, value: PerGroup | None, info: ValidationInfo) -> PerGroup | None:
@@ -99,8 +99,10 @@ class OneCycleParams(_Params):
 
 
 SCHEDULER_PARAMS: dict[str, type[BaseModel]] = {
-    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
-    "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams,
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+    "OneCycle": OneCycleParams,
 }
 
 
@@ -259,8 +261,9 @@ class OneCycle(LRSchedule):
         self.max_lrs = _per_group(p.cycle_max_lr, optimizer, "cycle_max_lr")
         self.cycle_momentum = p.cycle_momentum and "betas" in optimizer.defaults
         if p.cycle_momentum and not self.cycle_momentum:
-            logger.warning("OneCycle: cycle_momentum is off: %s has no 'betas' (as in DeepSpeed)",
-                           type(optimizer).__name__)
+            logger.warning(
+                "OneCycle: cycle_momentum is off: %s has no 'betas' (as in DeepSpeed)", type(optimizer).__name__
+            )
         self.min_moms = _per_group(p.cycle_min_mom, optimizer, "cycle_min_mom")
         self.max_moms = _per_group(p.cycle_max_mom, optimizer, "cycle_max_mom")
         super().__init__(optimizer, p.last_batch_iteration)
@@ -339,7 +342,9 @@ def scheduler_for(config: SchedulerConfig | None, given: Any, optimizer: Optimiz
         try:
             return build_lr_scheduler(config.type, config.params, optimizer)
         except ValidationError as err:
-            raise ConfigError(format_validation_error(err, SCHEDULER_PARAMS[config.type], prefix="scheduler.params")) from None
+            raise ConfigError(
+                format_validation_error(err, SCHEDULER_PARAMS[config.type], prefix="scheduler.params")
+            ) from None
         except (ValueError, TypeError) as err:  # e.g. a per-group lr list of the wrong length
             raise ConfigError(f"scheduler.params: {err}") from None
     if callable(given) and not hasattr(given, "step"):

@@ -69,8 +69,15 @@ class ModelWeights:
                 continue
             value = owned.value.detach().float().reshape(-1).cpu()
             for lo, hi, s in owned.slice.split():  # a packed piece (tensor parallel) is one box per part
-                entries.append({"name": s.name, "shape": list(s.shape), "start": s.start, "numel": s.numel,
-                                "box": {"offsets": list(s.offsets), "sizes": list(s.sizes)}})  # fmt: skip
+                entries.append(
+                    {
+                        "name": s.name,
+                        "shape": list(s.shape),
+                        "start": s.start,
+                        "numel": s.numel,
+                        "box": {"offsets": list(s.offsets), "sizes": list(s.sizes)},
+                    }
+                )
                 values.append(value[lo:hi])
         mine = (entries, torch.cat(values) if values else torch.zeros(0))
         gathered = comm.gather_objects(mine, dst=0, tag="consolidated weights")
@@ -113,7 +120,9 @@ class ModelWeights:
                 buffers.setdefault(name, value)
         return buffers
 
-    def save(self, save_dir: str | os.PathLike[str], filename: str, exclude_frozen: bool, sharded: bool | None = None) -> bool:
+    def save(
+        self, save_dir: str | os.PathLike[str], filename: str, exclude_frozen: bool, sharded: bool | None = None
+    ) -> bool:
         """``engine.save_16bit_model``: every rank returns True once the file (or the shards and their index) exists.
 
         ``sharded=None``: sharded for a ``.safetensors`` name when there are several ranks, else one file from rank 0. Collective.
@@ -131,9 +140,13 @@ class ModelWeights:
         return True
 
     def save_sharded(
-        self, save_dir: str | os.PathLike[str], dtype: torch.dtype | None = None, exclude_frozen: bool = False,
-        max_shard_size: int | str | None = None, filename: str = "model.safetensors",
-    ) -> ShardReport:  # fmt: skip
+        self,
+        save_dir: str | os.PathLike[str],
+        dtype: torch.dtype | None = None,
+        exclude_frozen: bool = False,
+        max_shard_size: int | str | None = None,
+        filename: str = "model.safetensors",
+    ) -> ShardReport:
         """Hugging Face's sharded safetensors (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``),
         each rank writing the files of its share from what it holds: no gather on any rank (hf_shards.py, [Note:
         writing in parallel]). ``dtype``: the training dtype unless given (``torch.float32`` for the masters);
@@ -144,9 +157,16 @@ class ModelWeights:
         named = list(self.module.named_parameters())
         frozen = {name for name, p in named if not p.requires_grad}
         return write_sharded(
-            Path(save_dir), filename, self.strategy.sharded_state(), [name for name, _ in named], frozen,
-            persistent_buffers(self.module), dtype or self.dtype, exclude_frozen, max_shard_size,
-        )  # fmt: skip
+            Path(save_dir),
+            filename,
+            self.strategy.sharded_state(),
+            [name for name, _ in named],
+            frozen,
+            persistent_buffers(self.module),
+            dtype or self.dtype,
+            exclude_frozen,
+            max_shard_size,
+        )
 
 
 def write_weights(path: Path, state: dict[str, torch.Tensor]) -> None:
@@ -189,7 +209,10 @@ class SavesWeights:
         return self.weights.full_state(exclude_frozen_parameters)
 
     def save_16bit_model(
-        self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False,
+        self,
+        save_dir: str | os.PathLike[str],
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
         sharded: bool | None = None,
     ) -> bool:
         """Write the full weights in the training dtype to ``save_dir/save_filename`` (rank 0). Call on every rank.

@@ -16,8 +16,8 @@ import torch
 from slipstream.errors import UsageError
 
 MISSING_OPTIMIZER = (
-    "this engine has no optimizer (initialize() got inference=True, or neither an \"optimizer\" section in the "
-    "config nor optimizer=); to train, add an \"optimizer\" section to the config or pass optimizer= to "
+    'this engine has no optimizer (initialize() got inference=True, or neither an "optimizer" section in the '
+    'config nor optimizer=); to train, add an "optimizer" section to the config or pass optimizer= to '
     "slipstream.initialize()"
 )
 

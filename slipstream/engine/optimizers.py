@@ -56,7 +56,9 @@ def validate_optimizer_config(config: OptimizerConfig) -> _Params:
         raise ConfigError(format_validation_error(err, OPTIMIZER_PARAMS[kind], prefix="optimizer.params")) from None
 
 
-def build_optimizer(config: OptimizerConfig, groups: list[dict[str, Any]], fused_supported: bool) -> torch.optim.Optimizer:
+def build_optimizer(
+    config: OptimizerConfig, groups: list[dict[str, Any]], fused_supported: bool
+) -> torch.optim.Optimizer:
     """Instantiate the configured optimizer over ``groups`` (dicts with ``params`` and overrides)."""
     params = validate_optimizer_config(config)
     kind = config.type.lower()
@@ -72,7 +74,16 @@ def build_optimizer(config: OptimizerConfig, groups: list[dict[str, Any]], fused
         from slipstream.ops.adam import FusedAdam, fused_adam_available
 
         if fused_adam_available():  # our multi-tensor kernel; else torch's fused AdamW below
-            return FusedAdam(groups, lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay, adamw_mode=decoupled)
-    options: dict[str, Any] = dict(lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay, amsgrad=params.amsgrad)
+            return FusedAdam(
+                groups,
+                lr=params.lr,
+                betas=params.betas,
+                eps=params.eps,
+                weight_decay=params.weight_decay,
+                adamw_mode=decoupled,
+            )
+    options: dict[str, Any] = dict(
+        lr=params.lr, betas=params.betas, eps=params.eps, weight_decay=params.weight_decay, amsgrad=params.amsgrad
+    )
     options["fused" if fused else "foreach"] = True
     return cls(groups, **options)

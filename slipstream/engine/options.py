@@ -51,9 +51,13 @@ class EngineOptions:
 
 
 def engine_options(
-    model: torch.nn.Module, config: ConfigSource, optimizer: OptimizerSource, lr_scheduler: Any, inference: bool,
+    model: torch.nn.Module,
+    config: ConfigSource,
+    optimizer: OptimizerSource,
+    lr_scheduler: Any,
+    inference: bool,
     compiled_before: bool = False,
-) -> EngineOptions:  # fmt: skip
+) -> EngineOptions:
     """Read and check everything; join the process group (the world size decides the mesh and the batch triad).
 
     ``compiled_before``: the user passed a ``torch.compile``d model, so compiling is on (initialize's
@@ -65,7 +69,10 @@ def engine_options(
         get_logger().setLevel(cfg.log_level.upper())
     if compiled_before and not cfg.compile.on:
         cfg.compile.enabled = True
-        get_logger(__name__).info("compile: the model was compiled before initialize; slipstream compiles its blocks instead (backend %s)", cfg.compile.backend)
+        get_logger(__name__).info(
+            "compile: the model was compiled before initialize; slipstream compiles its blocks instead (backend %s)",
+            cfg.compile.backend,
+        )
     # An explicit comms_timeout_seconds also re-times a process group the user created; the default does not.
     init_distributed(timeout=cfg.comms_timeout_seconds if "comms_timeout_seconds" in cfg.model_fields_set else None)
     world_size = dist.get_world_size()
@@ -74,15 +81,23 @@ def engine_options(
     if inference or (optimizer is None and cfg.optimizer is None):
         # No optimizer anywhere builds an engine for forward passes, as DeepSpeed does: TRL's reference
         # models and evaluation-only Trainer runs initialize one at ZeRO-3 to get the parameters gathered.
-        cfg, optimizer = _without_optimizer(cfg, optimizer, lr_scheduler, "inference=True" if inference else "no optimizer")
+        cfg, optimizer = _without_optimizer(
+            cfg, optimizer, lr_scheduler, "inference=True" if inference else "no optimizer"
+        )
     presharded = is_presharded(model)
     parallel = ParallelOptions.from_config(
-        cfg, sizes, model, presharded=presharded, optimizer_built=isinstance(optimizer, torch.optim.Optimizer),
+        cfg,
+        sizes,
+        model,
+        presharded=presharded,
+        optimizer_built=isinstance(optimizer, torch.optim.Optimizer),
         device_type=get_accelerator().name,
-    )  # fmt: skip
+    )
     zero = cfg.zero_optimization
     sharding = ShardingOptions(
-        reduce_bucket_numel=zero.reduce_bucket_size if "reduce_bucket_size" in zero.model_fields_set else DEFAULT_BUCKET_NUMEL,
+        reduce_bucket_numel=zero.reduce_bucket_size
+        if "reduce_bucket_size" in zero.model_fields_set
+        else DEFAULT_BUCKET_NUMEL,
         overlap_comm=zero.overlap,
         communication_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
         gradient_predivide_factor=cfg.gradient_predivide_factor,
@@ -95,12 +110,16 @@ def engine_options(
     stage3 = None
     if zero.stage == 3:
         stage3 = Stage3Options(
-            unit_classes=zero.stage3_unit_modules, persistence_threshold=zero.stage3_param_persistence_threshold,
-            prefetch_numel=zero.stage3_prefetch_bucket_size, max_live_numel=zero.stage3_max_live_parameters,
-            max_reuse_numel=zero.stage3_max_reuse_distance, hpz_size=zero.zero_hpz_partition_size,
-            mics_shard_size=zero.mics_shard_size, weight_bits=8 if zero.zero_quantized_weights else 0,
+            unit_classes=zero.stage3_unit_modules,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+            prefetch_numel=zero.stage3_prefetch_bucket_size,
+            max_live_numel=zero.stage3_max_live_parameters,
+            max_reuse_numel=zero.stage3_max_reuse_distance,
+            hpz_size=zero.zero_hpz_partition_size,
+            mics_shard_size=zero.mics_shard_size,
+            weight_bits=8 if zero.zero_quantized_weights else 0,
             gradient_bits=4 if zero.zero_quantized_gradients else 0,
-        )  # fmt: skip
+        )
     return EngineOptions(cfg, sizes, parallel, sharding, zero.stage, stage3, optimizer)
 
 
@@ -117,11 +136,17 @@ def offload_options(zero: ZeroConfig, aio: AioConfig) -> OffloadOptions | None:
             "it moves is partitioned); set zero_optimization.stage"
         )
     if param != "none" and zero.stage != 3:
-        raise ConfigError(f"zero_optimization.offload_param.device: parameter offload needs stage 3, got stage {zero.stage}")
+        raise ConfigError(
+            f"zero_optimization.offload_param.device: parameter offload needs stage 3, got stage {zero.stage}"
+        )
     for name, device, section in (("offload_optimizer", optimizer, optimizer_cfg), ("offload_param", param, param_cfg)):
         if device == "nvme" and not section.nvme_path:  # type: ignore[union-attr]
-            raise ConfigError(f"zero_optimization.{name}.nvme_path: required when {name}.device is \"nvme\" (a directory on a local SSD)")
-    pins = [section.pin_memory for section in (optimizer_cfg, param_cfg) if section is not None and section.device != "none"]
+            raise ConfigError(
+                f'zero_optimization.{name}.nvme_path: required when {name}.device is "nvme" (a directory on a local SSD)'
+            )
+    pins = [
+        section.pin_memory for section in (optimizer_cfg, param_cfg) if section is not None and section.device != "none"
+    ]
     return OffloadOptions(
         optimizer=optimizer,
         param=param,
@@ -133,7 +158,9 @@ def offload_options(zero: ZeroConfig, aio: AioConfig) -> OffloadOptions | None:
     )
 
 
-def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any, why: str) -> tuple[SlipstreamConfig, Any]:
+def _without_optimizer(
+    cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any, why: str
+) -> tuple[SlipstreamConfig, Any]:
     """An engine for evaluation and inference: no optimizer, no schedule, no optimizer state to offload."""
     from slipstream.engine.no_optimizer import NoOptimizer
 
@@ -141,7 +168,7 @@ def _without_optimizer(cfg: SlipstreamConfig, optimizer: Any, lr_scheduler: Any,
         raise ValueError("initialize: inference=True builds no optimizer; do not pass optimizer= or lr_scheduler=")
     if why == "no optimizer" and cfg.scheduler is not None:
         raise ConfigError(
-            "scheduler: a schedule needs an optimizer, and there is none (no \"optimizer\" section in the config, no "
+            'scheduler: a schedule needs an optimizer, and there is none (no "optimizer" section in the config, no '
             "optimizer= to initialize()); add one, or remove the scheduler section for an engine that only runs forward"
         )
     # No optimizer state to offload; parameter offload stays (stage 3), dropped where it is not allowed.
@@ -164,13 +191,17 @@ def _check_optimizer_and_schedule(cfg: SlipstreamConfig, optimizer: Any, lr_sche
         from slipstream.engine.lr_schedules import SCHEDULER_PARAMS
 
         if cfg.scheduler.type not in SCHEDULER_PARAMS:
-            raise ConfigError(f"scheduler.type: {cfg.scheduler.type!r} is not available; use one of {', '.join(SCHEDULER_PARAMS)}")
+            raise ConfigError(
+                f"scheduler.type: {cfg.scheduler.type!r} is not available; use one of {', '.join(SCHEDULER_PARAMS)}"
+            )
 
 
 def _check_model(model: torch.nn.Module, cfg: SlipstreamConfig, optimizer: Any, presharded: bool) -> None:
     """What the model and a ready-made optimizer must satisfy before anything is built."""
     if presharded and cfg.zero_optimization.stage != 3:
-        raise ConfigError("zero_optimization.stage: the model was built under slipstream.zero.Init, which needs stage 3")
+        raise ConfigError(
+            "zero_optimization.stage: the model was built under slipstream.zero.Init, which needs stage 3"
+        )
     if isinstance(optimizer, torch.optim.Optimizer):
         # An optimizer over other tensors would step them and never the model: a silent no-op.
         own = {id(p) for p in model.parameters()}

@@ -95,8 +95,9 @@ class DynamicLossScaler(LossScaler):
                 self.remaining_hysteresis -= 1
                 logger.info(
                     "fp16 overflow: step skipped, loss scale kept at %g (hysteresis: halves after %d more overflow(s))",
-                    self.current_scale, self.remaining_hysteresis,
-                )  # fmt: skip
+                    self.current_scale,
+                    self.remaining_hysteresis,
+                )
             self.last_overflow_iteration = self.iteration
         else:
             if self.consecutive_hysteresis:
@@ -135,4 +136,3 @@ def build_loss_scaler(precision: str, fp16: FP16Config) -> LossScaler:
         consecutive_hysteresis=fp16.consecutive_hysteresis,
         min_scale=fp16.min_loss_scale,
     )
-

@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 
 from slipstream.accelerator import Accelerator
-from slipstream.engine.options import EngineOptions
+from slipstream.comm.topology import INTRA, link_class, node_of
+from slipstream.engine.config import ConfigError
 from slipstream.engine.optimizers import build_optimizer
+from slipstream.engine.options import EngineOptions
 from slipstream.engine.parallel.mesh import DENSE, Mesh, partition
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
 from slipstream.engine.zero.init import take_preshard
 from slipstream.engine.zero.partitioned import PartitionedStrategy
-from slipstream.comm.topology import INTRA, link_class, node_of
-from slipstream.engine.config import ConfigError
 from slipstream.engine.zero.stage3.strategy import Hierarchy, Stage3Options, Stage3Strategy
 from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingStrategy
 from slipstream.utils.logging import get_logger, log_rank0
@@ -37,7 +37,7 @@ _attached: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[ShardingStrate
 
 def shard(
     model: torch.nn.Module, options: EngineOptions, mesh: Mesh, param_groups: Iterable[Any], accelerator: Accelerator
-) -> ShardingStrategy:  # fmt: skip
+) -> ShardingStrategy:
     """The ZeRO strategy over the dense group (dp·cp·sp; experts over their own), with the optimizer it builds over its shards."""
     groups = ParamGroupSpec.from_user(param_groups)
     optimizer = options.optimizer
@@ -60,8 +60,14 @@ def shard(
         strategy = DataParallelStrategy(model, groups, sharding, optimizer)
     elif options.stage3 is not None:
         strategy = Stage3Strategy(
-            model, groups, sharding, optimizer, options.stage3, preshard=take_preshard(model), hierarchy=hierarchy(options.stage3, mesh)
-        )  # fmt: skip
+            model,
+            groups,
+            sharding,
+            optimizer,
+            options.stage3,
+            preshard=take_preshard(model),
+            hierarchy=hierarchy(options.stage3, mesh),
+        )
     else:
         strategy = PartitionedStrategy(model, groups, sharding, optimizer, stage=options.stage)
     _attached[model] = weakref.ref(strategy)
@@ -77,7 +83,10 @@ def hierarchy(stage3: Stage3Options, mesh: Mesh) -> Hierarchy | None:
     gives up what the layout is for, so it is said once."""
     dense = len(mesh.ranks(*DENSE))
     kind, block, across = None, None, None
-    layouts = (("hpz", "zero_hpz_partition_size", stage3.hpz_size, 1), ("mics", "mics_shard_size", stage3.mics_shard_size, -1))
+    layouts = (
+        ("hpz", "zero_hpz_partition_size", stage3.hpz_size, 1),
+        ("mics", "mics_shard_size", stage3.mics_shard_size, -1),
+    )
     for name, key, size, off in layouts:
         if size == off:
             continue
@@ -89,7 +98,12 @@ def hierarchy(stage3: Stage3Options, mesh: Mesh) -> Hierarchy | None:
         if size < dense:
             kind, (block, across) = name, mesh.split(DENSE, size, name)
             if link_class(tuple(dist.get_process_group_ranks(block))) != INTRA:
-                log_rank0(logger, "zero_optimization.%s: a block of %d ranks spans nodes (LOCAL_WORLD_SIZE); its gathers cross them", key, size)
+                log_rank0(
+                    logger,
+                    "zero_optimization.%s: a block of %d ranks spans nodes (LOCAL_WORLD_SIZE); its gathers cross them",
+                    key,
+                    size,
+                )
     nodes = None
     per_node = _dense_ranks_per_node(mesh) if stage3.gradient_bits else None
     if per_node is not None:  # qgZ: [Note: quantize only what crosses nodes] (comm/quantized.py)

@@ -43,9 +43,12 @@ def build_inference_engine(model: torch.nn.Module, config: dict[str, Any]) -> An
 
 
 def build_training_engine(
-    model: torch.nn.Module, config: dict[str, Any], optimizer: Any = None, lr_scheduler: Any = None,
+    model: torch.nn.Module,
+    config: dict[str, Any],
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
     model_parameters: Any = None,
-) -> Any:  # fmt: skip
+) -> Any:
     """``slipstream.initialize``, which takes the model over from its inference engine (collective)."""
     _inference_engines.pop(model, None)
     return slipstream.initialize(

@@ -44,7 +44,12 @@ class AutoFiller:
         """
         dp = data_parallel_layout(self.config, args.world_size, args.process_index).size
         train_batch_size = dp * args.per_device_train_batch_size * args.gradient_accumulation_steps
-        self.fill_match("train_micro_batch_size_per_gpu", args.per_device_train_batch_size, "per_device_train_batch_size", not auto_find_batch_size)
+        self.fill_match(
+            "train_micro_batch_size_per_gpu",
+            args.per_device_train_batch_size,
+            "per_device_train_batch_size",
+            not auto_find_batch_size,
+        )
         self.fill_match("gradient_accumulation_steps", args.gradient_accumulation_steps, "gradient_accumulation_steps")
         self.fill_match("train_batch_size", train_batch_size, "train_batch_size (calculated)", not auto_find_batch_size)
         self.fill_match("gradient_clipping", args.max_grad_norm, "max_grad_norm")
@@ -58,7 +63,9 @@ class AutoFiller:
             self.config.setdefault("checkpoint", {})["use_node_local_storage"] = True
         # --bf16 / --fp16 with a config that has no such section trains in that dtype, as under DeepSpeed
         # (Accelerate's DeepSpeed plugin adds the section); it used to train in fp32, silently.
-        apply_mixed_precision(self.config, "bf16" if args.bf16 else "fp16" if args.fp16 else "no", "--bf16" if args.bf16 else "--fp16")
+        apply_mixed_precision(
+            self.config, "bf16" if args.bf16 else "fp16" if args.fp16 else "no", "--bf16" if args.bf16 else "--fp16"
+        )
         self.fill_match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
         self.fill_match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
 
@@ -67,7 +74,9 @@ class AutoFiller:
         fill_hidden_size_autos(self.config, model)
         self.fill_match("scheduler.params.total_num_steps", num_training_steps, "num_training_steps (calculated)")
         # Hugging Face keeps an auto-filled warmup positive (DeepSpeed rejects 0 warmup steps).
-        self.fill_match("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)), "warmup_steps")
+        self.fill_match(
+            "scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)), "warmup_steps"
+        )
         self.raise_mismatches()
 
     def raise_mismatches(self) -> None:

@@ -56,7 +56,9 @@ def read_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     return state
 
 
-def from_pretrained(cls: Any, path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLike[str], **model_kwargs: Any) -> Any:
+def from_pretrained(
+    cls: Any, path: str | os.PathLike[str], config: dict[str, Any] | str | os.PathLike[str], **model_kwargs: Any
+) -> Any:
     """``cls.from_pretrained(path)`` with the parameters partitioned as ``config``'s ZeRO-3 says. Collective.
 
     Returns the model (in eval mode, as ``from_pretrained`` does) with an inference engine attached,

@@ -34,5 +34,5 @@ def check_host_world_size(host: str, seen: int) -> None:
         raise ValueError(
             f"{host} sees {seen} process(es) but the launcher started WORLD_SIZE={world}; on a machine without GPUs "
             "pass --use_cpu (TrainingArguments(use_cpu=True)) or Accelerator(cpu=True) / ACCELERATE_USE_CPU=1, so the "
-            "\"auto\" batch sizes count every process"
+            '"auto" batch sizes count every process'
         )

@@ -25,7 +25,14 @@ from slipstream.errors import UsageError
 
 # The config sections that size the mesh (engine/config/parallel.py); nothing else is parsed here, so
 # "auto" values elsewhere (batch sizes, optimizer) are no obstacle before the host fills them.
-_MESH_KEYS = ("tensor_parallel", "pipeline", "sequence_parallel_size", "context_parallel", "expert_parallel", "data_parallel_size")
+_MESH_KEYS = (
+    "tensor_parallel",
+    "pipeline",
+    "sequence_parallel_size",
+    "context_parallel",
+    "expert_parallel",
+    "data_parallel_size",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +72,14 @@ def data_parallel_layout(config: dict[str, Any] | None, world_size: int, rank: i
     coords = [coordinates(sizes, r) for r in range(world_size)]
     readers = sorted(
         (c["dp"], r) for r, c in enumerate(coords) if all(c[axis] == 0 for axis in ("pp", "cp", "sp", "tp"))
-    )  # fmt: skip
+    )
     return DataParallelLayout(
-        size=sizes.dp, rank=coords[rank]["dp"], world=world_size, readers=tuple(r for _, r in readers),
+        size=sizes.dp,
+        rank=coords[rank]["dp"],
+        world=world_size,
+        readers=tuple(r for _, r in readers),
         sequence_split=sizes.sp * sizes.cp > 1,
-    )  # fmt: skip
+    )
 
 
 def check_engine(layout: DataParallelLayout, engine: Any) -> None:

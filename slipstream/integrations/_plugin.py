@@ -29,9 +29,13 @@ except ImportError:  # pragma: no cover - very old or stripped Accelerate
         """Stands for the config's ``scheduler`` section (or ``lr_scheduler_callable``) until ``prepare``."""
 
         def __init__(
-            self, optimizer: Any, total_num_steps: int | None = None, warmup_num_steps: int = 0,
-            lr_scheduler_callable: Any = None, **kwargs: Any,
-        ) -> None:  # fmt: skip
+            self,
+            optimizer: Any,
+            total_num_steps: int | None = None,
+            warmup_num_steps: int = 0,
+            lr_scheduler_callable: Any = None,
+            **kwargs: Any,
+        ) -> None:
             self.optimizer, self.total_num_steps, self.warmup_num_steps = optimizer, total_num_steps, warmup_num_steps
             self.lr_scheduler_callable, self.kwargs = lr_scheduler_callable, kwargs
 
@@ -86,13 +90,17 @@ class SlipstreamPlugin:
             self.msamp_opt_level = env("ACCELERATE_FP8_OPT_LEVEL", "O1")
         if self.hf_ds_config is None:
             self.hf_ds_config = env("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-        if isinstance(self.hf_ds_config, dict) or (isinstance(self.hf_ds_config, (str, os.PathLike)) and str(self.hf_ds_config) != "none"):
+        if isinstance(self.hf_ds_config, dict) or (
+            isinstance(self.hf_ds_config, (str, os.PathLike)) and str(self.hf_ds_config) != "none"
+        ):
             self.config = self._from_file(read_config(self.hf_ds_config))
         else:
             self.config = self._from_fields()
         self.config["steps_per_print"] = 0  # Accelerate silences the engine's progress line the same way
         if self.zero3_init_flag is None:
-            self.zero3_init_flag = _env_bool("ACCELERATE_DEEPSPEED_ZERO3_INIT", str(get(self.config, "zero_optimization.stage") == 3))
+            self.zero3_init_flag = _env_bool(
+                "ACCELERATE_DEEPSPEED_ZERO3_INIT", str(get(self.config, "zero_optimization.stage") == 3)
+            )
 
     _FIELDS_TO_KEYS = {
         "gradient_accumulation_steps": "gradient_accumulation_steps",
@@ -132,9 +140,11 @@ class SlipstreamPlugin:
         if self.zero3_save_16bit_model:
             zero["stage3_gather_16bit_weights_on_model_save"] = True
         config: dict[str, Any] = {
-            "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": self.gradient_accumulation_steps, "zero_optimization": zero,
-        }  # fmt: skip
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "zero_optimization": zero,
+        }
         if self.gradient_clipping and self.gradient_clipping != "auto":
             config["gradient_clipping"] = self.gradient_clipping
         return config

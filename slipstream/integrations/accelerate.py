@@ -20,13 +20,24 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state, save_custom_state
+from accelerate.checkpointing import (
+    load_accelerator_state,
+    load_custom_state,
+    save_accelerator_state,
+    save_custom_state,
+)
 from accelerate.data_loader import get_sampler, prepare_data_loader
 from accelerate.utils import broadcast_object_list, gather_object, recursively_apply
 
 import slipstream
 from slipstream.errors import UsageError
-from slipstream.integrations._config import apply_mixed_precision, fill_auto, fill_hidden_size_autos, get, inference_config
+from slipstream.integrations._config import (
+    apply_mixed_precision,
+    fill_auto,
+    fill_hidden_size_autos,
+    get,
+    inference_config,
+)
 from slipstream.integrations._engine import build_inference_engine, build_training_engine, inference_engine
 from slipstream.integrations._launch import check_host_world_size, host_needs_cpu_flag
 from slipstream.integrations._mesh import DataParallelLayout, check_engine, data_parallel_layout
@@ -81,7 +92,11 @@ class SlipstreamAccelerator(Accelerator):
             raise ValueError("SlipstreamAccelerator: pass slipstream_plugin= instead of deepspeed_plugin=")
         self.slipstream_plugin = slipstream_plugin if slipstream_plugin is not None else SlipstreamPlugin()
         gas = self.slipstream_plugin.gradient_accumulation_steps
-        if isinstance(gas, int) and "gradient_accumulation_steps" not in kwargs and "gradient_accumulation_plugin" not in kwargs:
+        if (
+            isinstance(gas, int)
+            and "gradient_accumulation_steps" not in kwargs
+            and "gradient_accumulation_plugin" not in kwargs
+        ):
             kwargs["gradient_accumulation_steps"] = gas  # as Accelerate takes it from the DeepSpeed plugin
         if host_needs_cpu_flag() and "cpu" not in kwargs:
             kwargs["cpu"] = True  # several processes on a CPU machine (_launch.py)
@@ -98,10 +113,14 @@ class SlipstreamAccelerator(Accelerator):
     def data_parallel_layout(self) -> DataParallelLayout:
         """This process's dp coordinate and the dp size, from the plugin's config (the engine's mesh agrees)."""
         if self._dp_layout is None:
-            self._dp_layout = data_parallel_layout(self.slipstream_plugin.config, self.num_processes, self.process_index)
+            self._dp_layout = data_parallel_layout(
+                self.slipstream_plugin.config, self.num_processes, self.process_index
+            )
         return self._dp_layout
 
-    def prepare_data_loader(self, data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None) -> Any:
+    def prepare_data_loader(
+        self, data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None
+    ) -> Any:
         """Accelerate's sharding, over dp coordinates: the ranks of one model-parallel group read the same batches."""
         layout = self.data_parallel_layout
         if not layout.shared or getattr(data_loader, "_is_accelerate_prepared", False):
@@ -114,12 +133,22 @@ class SlipstreamAccelerator(Accelerator):
             )
         data_seed = self._same_order_on_every_rank(data_loader)
         prepared = prepare_data_loader(
-            data_loader, self.device, num_processes=layout.size, process_index=layout.rank, split_batches=self.split_batches,
+            data_loader,
+            self.device,
+            num_processes=layout.size,
+            process_index=layout.rank,
+            split_batches=self.split_batches,
             put_on_device=self.device_placement if device_placement is None else device_placement,
-            rng_types=self.rng_types.copy(), dispatch_batches=False, even_batches=self.even_batches,
-            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=self.use_seedable_sampler, data_seed=data_seed,
-            non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader, torch_device_mesh=None,
-        )  # fmt: skip
+            rng_types=self.rng_types.copy(),
+            dispatch_batches=False,
+            even_batches=self.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=data_seed,
+            non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+            torch_device_mesh=None,
+        )
         self._dataloaders.append(prepared)
         return prepared
 
@@ -162,7 +191,9 @@ class SlipstreamAccelerator(Accelerator):
             data = [x for rank in readers for x in per_rank[rank]]
         else:
             world = layout.world
-            data = recursively_apply(lambda t: t.reshape(world, -1, *t.shape[1:])[readers].flatten(0, 1), self.gather(input_data))
+            data = recursively_apply(
+                lambda t: t.reshape(world, -1, *t.shape[1:])[readers].flatten(0, 1), self.gather(input_data)
+            )
         state = self.gradient_state
         if state.end_of_dataloader and state.remainder > 0:  # the last batch was padded with repeated samples
             if isinstance(data, list):
@@ -183,7 +214,9 @@ class SlipstreamAccelerator(Accelerator):
         prepared_others = super().prepare(*others, device_placement=device_placement) if others else ()
         if len(others) == 1:
             prepared_others = (prepared_others,)
-        engine = self._build_engine(models[0], optimizers[0] if optimizers else None, schedulers[0] if schedulers else None)
+        engine = self._build_engine(
+            models[0], optimizers[0] if optimizers else None, schedulers[0] if schedulers else None
+        )
         result = []
         rest = iter(prepared_others)
         for a in args:
@@ -208,7 +241,7 @@ class SlipstreamAccelerator(Accelerator):
         if isinstance(optimizer, DummyOptim) and "optimizer" not in config:
             raise ValueError(
                 "You cannot create a `DummyOptim` without specifying an optimizer in the config file "
-                "(add an \"optimizer\" section)."
+                '(add an "optimizer" section).'
             )
         params = optimizer.params if isinstance(optimizer, DummyOptim) else None
         user_scheduler = scheduler if scheduler is not None and not isinstance(scheduler, DummyScheduler) else None
@@ -217,7 +250,7 @@ class SlipstreamAccelerator(Accelerator):
             if scheduler.lr_scheduler_callable is None:
                 raise ValueError(
                     "You cannot create a `DummyScheduler` without specifying a scheduler in the config file "
-                    "(add a \"scheduler\" section, or give DummyScheduler an lr_scheduler_callable)."
+                    '(add a "scheduler" section, or give DummyScheduler an lr_scheduler_callable).'
                 )
             callable_scheduler = scheduler.lr_scheduler_callable
         engine = build_training_engine(
@@ -283,8 +316,15 @@ class SlipstreamAccelerator(Accelerator):
         section = config.get("compile") or {}
         if not backend or backend == "NO" or section.get("enabled") or section.get("deepcompile"):
             return
-        kwargs = {k: v for k in ("mode", "fullgraph", "dynamic", "options") if (v := getattr(dynamo, k, None)) is not None}
-        config["compile"] = {**section, "enabled": True, "backend": backend.lower(), "kwargs": {**kwargs, **section.get("kwargs", {})}}
+        kwargs = {
+            k: v for k in ("mode", "fullgraph", "dynamic", "options") if (v := getattr(dynamo, k, None)) is not None
+        }
+        config["compile"] = {
+            **section,
+            "enabled": True,
+            "backend": backend.lower(),
+            "kwargs": {**kwargs, **section.get("kwargs", {})},
+        }
 
     # ------------------------------------------------------------------ training calls
     def _engine(self) -> Any:
@@ -308,8 +348,10 @@ class SlipstreamAccelerator(Accelerator):
             self._clip_warned = True
             logger.warning(
                 "clip_grad_norm_(max_norm=%s): the engine clips at gradient_clipping=%s from the config "
-                "(set it there, or gradient_clipping= on SlipstreamPlugin)", max_norm, configured,
-            )  # fmt: skip
+                "(set it there, or gradient_clipping= on SlipstreamPlugin)",
+                max_norm,
+                configured,
+            )
         norm = engine.get_global_grad_norm()
         return None if norm is None else torch.tensor(norm)
 
@@ -329,7 +371,9 @@ class SlipstreamAccelerator(Accelerator):
             return self.prepare(model)
         config = self.slipstream_plugin.config_copy()
         if inference_engine(model) is None and get(config, "zero_optimization.stage") == 3:
-            apply_mixed_precision(config, str(self.mixed_precision), "Accelerator(mixed_precision=...) / --mixed_precision")
+            apply_mixed_precision(
+                config, str(self.mixed_precision), "Accelerator(mixed_precision=...) / --mixed_precision"
+            )
             build_inference_engine(model, inference_config(config, model))
         return model
 
@@ -341,28 +385,46 @@ class SlipstreamAccelerator(Accelerator):
         return super().get_state_dict(model, unwrap=unwrap)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any) -> str:
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
+    ) -> str:
         """The engines' checkpoints (weights, optimizer, schedule) plus Accelerate's RNG, data-loader and custom state."""
         if output_dir is None:
             raise ValueError("SlipstreamAccelerator.save_state: give output_dir")
         os.makedirs(output_dir, exist_ok=True)
         for i, engine in enumerate(self.engines):
-            engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG if i == 0 else f"{CHECKPOINT_TAG}_{i}", **save_model_func_kwargs)
+            engine.save_checkpoint(
+                output_dir, tag=CHECKPOINT_TAG if i == 0 else f"{CHECKPOINT_TAG}_{i}", **save_model_func_kwargs
+            )
         location = save_accelerator_state(
-            output_dir, [], [], [], self._dataloaders, self.state.process_index, self.step, self.scaler,
-            save_on_each_node=self.project_configuration.save_on_each_node, safe_serialization=safe_serialization,
-        )  # fmt: skip
+            output_dir,
+            [],
+            [],
+            [],
+            self._dataloaders,
+            self.state.process_index,
+            self.step,
+            self.scaler,
+            save_on_each_node=self.project_configuration.save_on_each_node,
+            safe_serialization=safe_serialization,
+        )
         for i, obj in enumerate(self._custom_objects):
             save_custom_state(obj, output_dir, i, save_on_each_node=self.project_configuration.save_on_each_node)
         self.wait_for_everyone()
         return str(location)
 
-    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any) -> None:
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
+    ) -> None:
         if input_dir is None:
             raise ValueError("SlipstreamAccelerator.load_state: give input_dir")
         for i, engine in enumerate(self.engines):
-            engine.load_checkpoint(input_dir, tag=CHECKPOINT_TAG if i == 0 else f"{CHECKPOINT_TAG}_{i}", **load_model_func_kwargs)
-        override = load_accelerator_state(input_dir, [], [], [], self._dataloaders, self.state.process_index, self.scaler)
+            engine.load_checkpoint(
+                input_dir, tag=CHECKPOINT_TAG if i == 0 else f"{CHECKPOINT_TAG}_{i}", **load_model_func_kwargs
+            )
+        override = load_accelerator_state(
+            input_dir, [], [], [], self._dataloaders, self.state.process_index, self.scaler
+        )
         if "step" in override:
             self.step = override["step"]
         for i, obj in enumerate(self._custom_objects):

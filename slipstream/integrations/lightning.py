@@ -37,9 +37,15 @@ __all__ = ["SlipstreamPrecision", "SlipstreamStrategy"]
 CHECKPOINT_TAG = "checkpoint"
 # Trainer(precision=...) flags and the config section each one turns on ("no": the config decides).
 _PRECISIONS = {
-    "32-true": "no", "32": "no", "16-mixed": "fp16", "16-true": "fp16", "16": "fp16",
-    "bf16-mixed": "bf16", "bf16-true": "bf16", "bf16": "bf16",
-}  # fmt: skip
+    "32-true": "no",
+    "32": "no",
+    "16-mixed": "fp16",
+    "16-true": "fp16",
+    "16": "fp16",
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "bf16": "bf16",
+}
 
 
 class SlipstreamPrecision(Precision):
@@ -53,7 +59,9 @@ class SlipstreamPrecision(Precision):
         closure_result = closure()
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
-            raise UsageError("SlipstreamStrategy: skipping backward by returning None from training_step is not supported")
+            raise UsageError(
+                "SlipstreamStrategy: skipping backward by returning None from training_step is not supported"
+            )
         model.trainer.strategy.engine.step()
         return closure_result
 
@@ -67,14 +75,24 @@ class SlipstreamStrategy(DDPStrategy):
     strategy_name = "slipstream"
 
     def __init__(
-        self, stage: int = 2, offload_optimizer: bool = False, offload_parameters: bool = False,
-        config: str | dict[str, Any] | None = None, accelerator: Any = None, parallel_devices: Any = None,
-        cluster_environment: Any = None, precision_plugin: Precision | None = None, process_group_backend: str | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        stage: int = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        config: str | dict[str, Any] | None = None,
+        accelerator: Any = None,
+        parallel_devices: Any = None,
+        cluster_environment: Any = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            precision_plugin=precision_plugin, process_group_backend=process_group_backend,  # None: Trainer(precision=) decides
-        )  # fmt: skip
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,  # None: Trainer(precision=) decides
+        )
         if config is not None:
             self.config = read_config(config)
         else:
@@ -126,7 +144,10 @@ class SlipstreamStrategy(DDPStrategy):
         config.setdefault("steps_per_print", 0)
         apply_mixed_precision(config, self.host_precision, "Trainer(precision=...)")
         if training:
-            if "gradient_accumulation_steps" in config and config["gradient_accumulation_steps"] != trainer.accumulate_grad_batches:
+            if (
+                "gradient_accumulation_steps" in config
+                and config["gradient_accumulation_steps"] != trainer.accumulate_grad_batches
+            ):
                 raise ValueError(
                     "SlipstreamStrategy: gradient_accumulation_steps in the config differs from "
                     "Trainer(accumulate_grad_batches=...); set it in one place"
@@ -184,9 +205,12 @@ class SlipstreamStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         path, client_state = self.engine.load_checkpoint(
-            str(checkpoint_path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting, load_lr_scheduler_states=False,
+            str(checkpoint_path),
+            tag=CHECKPOINT_TAG,
+            load_optimizer_states=fitting,
+            load_lr_scheduler_states=False,
             load_module_strict=self.lightning_module.strict_loading,
-        )  # fmt: skip
+        )
         if path is None or client_state is None:
             raise FileNotFoundError(f"SlipstreamStrategy: no Slipstream checkpoint in {checkpoint_path}")
         return client_state
@@ -204,10 +228,13 @@ class SlipstreamStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         names = {
-            "slipstream": {"stage": 2}, "slipstream_stage_1": {"stage": 1}, "slipstream_stage_2": {"stage": 2},
-            "slipstream_stage_2_offload": {"stage": 2, "offload_optimizer": True}, "slipstream_stage_3": {"stage": 3},
+            "slipstream": {"stage": 2},
+            "slipstream_stage_1": {"stage": 1},
+            "slipstream_stage_2": {"stage": 2},
+            "slipstream_stage_2_offload": {"stage": 2, "offload_optimizer": True},
+            "slipstream_stage_3": {"stage": 3},
             "slipstream_stage_3_offload": {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
-        }  # fmt: skip
+        }
         for name, kwargs in names.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"Slipstream ZeRO {kwargs}", **kwargs)
@@ -217,7 +244,9 @@ def _loader_batch_size(trainer: Any) -> int:
     source = trainer.fit_loop._data_source
     if source.is_defined():
         loader = source.dataloader()
-        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(loader, "batch_size", None)
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or getattr(
+            loader, "batch_size", None
+        )
         if size:
             return int(size)
     return 1

@@ -78,7 +78,7 @@ class SlipstreamTrainerMixin:
         args = inspect.signature(super().__init__).bind_partial(*positional, **kwargs).arguments.get("args")
         if args is None or not isinstance(args, SlipstreamArgumentsMixin) or not args.deepspeed:
             raise ValueError(
-                f"{type(self).__name__}: pass args=SlipstreamTrainingArguments(..., deepspeed=\"ds_config.json\") (for a "
+                f'{type(self).__name__}: pass args=SlipstreamTrainingArguments(..., deepspeed="ds_config.json") (for a '
                 "Trainer subclass, the arguments class slipstream_trainer() returned with it), or --deepspeed "
                 "ds_config.json through HfArgumentParser"
             )
@@ -126,7 +126,7 @@ class SlipstreamTrainerMixin:
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """The Trainer's loss; under sequence or context parallelism, normalised by ``num_items_in_batch`` here."""
         accelerator = getattr(self, "accelerator", None)
         if (
@@ -138,7 +138,9 @@ class SlipstreamTrainerMixin:
             or self.label_smoother is not None
             or "labels" not in inputs
         ):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         # The engine's loss is the micro-batch's mean over its labelled tokens (shifted, as the engine shifts them
         # before cutting the sequences); times that count over the window's count, it is the model's own
         # `sum / num_items_in_batch`, then scaled as the Trainer scales it.
@@ -206,7 +208,9 @@ class SlipstreamTrainerMixin:
         path, _ = engine.load_checkpoint(checkpoint)
         if path is None:
             raise FileNotFoundError(f"SlipstreamTrainer: no loadable checkpoint in {checkpoint}")
-        if not os.path.isfile(os.path.join(path, "manifest.json")):  # DeepSpeed's (or DCP): the Trainer kept its own schedule
+        if not os.path.isfile(
+            os.path.join(path, "manifest.json")
+        ):  # DeepSpeed's (or DCP): the Trainer kept its own schedule
             self._load_host_scheduler(checkpoint)
 
     def _load_host_scheduler(self, checkpoint: str) -> None:
@@ -233,7 +237,11 @@ class SlipstreamTrainer(SlipstreamTrainerMixin, Trainer):
     """``Trainer`` with the model trained by a Slipstream engine built from ``args.deepspeed``."""
 
 
-_switched: dict[type, type] = {SlipstreamTrainer: SlipstreamTrainer, Trainer: SlipstreamTrainer, TrainingArguments: SlipstreamTrainingArguments}
+_switched: dict[type, type] = {
+    SlipstreamTrainer: SlipstreamTrainer,
+    Trainer: SlipstreamTrainer,
+    TrainingArguments: SlipstreamTrainingArguments,
+}
 
 
 def slipstream_trainer(trainer_cls: type, arguments_cls: type) -> tuple[type, type]:

@@ -388,9 +388,7 @@ def _quiet_torch_elastic(who: _Describer, flight_dir: Path | None = None, world:
         return
     prefixes = ("torch.distributed.elastic", "torch.distributed.launcher")
     # Older torch sets a level on each module's logger, newer leaves them NOTSET under one parent.
-    names = set(prefixes) | {
-        name for name in logging.root.manager.loggerDict if name.startswith(prefixes)
-    }
+    names = set(prefixes) | {name for name in logging.root.manager.loggerDict if name.startswith(prefixes)}
     levels = {name: logging.CRITICAL for name in names}
     levels[_AGENT_LOGGER] = levels[_PROCS_LOGGER] = logging.INFO  # seen by _RestartNotice only
     notice = _RestartNotice(who, flight_dir, world)

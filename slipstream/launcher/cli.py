@@ -46,66 +46,103 @@ def add_run_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentPar
         description=RUN_DESCRIPTION,
     )
     run_parser.add_argument(
-        "--nproc_per_node", "--nproc-per-node", "--num_gpus", "--num-gpus", type=_nproc, default=None,
-        metavar="N", help="processes per node (default: the hostfile's slots, else one per CUDA device, or 1)",
-    )  # fmt: skip
+        "--nproc_per_node",
+        "--nproc-per-node",
+        "--num_gpus",
+        "--num-gpus",
+        type=_nproc,
+        default=None,
+        metavar="N",
+        help="processes per node (default: the hostfile's slots, else one per CUDA device, or 1)",
+    )
     run_parser.add_argument(
-        "--master_addr", "--master-addr", default=None, metavar="ADDR",
+        "--master_addr",
+        "--master-addr",
+        default=None,
+        metavar="ADDR",
         help="address of node 0, where rank 0 listens (default: 127.0.0.1, or the first host of the hostfile)",
-    )  # fmt: skip
+    )
     run_parser.add_argument(
-        "--master_port", "--master-port", type=_port, default=None, metavar="PORT",
+        "--master_port",
+        "--master-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
         help="port for process-group setup (default: a free port on one node, 29500 on several)",
-    )  # fmt: skip
+    )
     _add_multi_node_arguments(run_parser)
     run_parser.add_argument(
-        "--max_restarts", "--max-restarts", type=_non_negative_int, default=0, metavar="K",
+        "--max_restarts",
+        "--max-restarts",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
         help="restart all ranks up to K times after a failure (default: %(default)s)",
-    )  # fmt: skip
+    )
     run_parser.add_argument("script", metavar="SCRIPT", help="the Python training script")
     run_parser.add_argument(
-        "script_args", nargs=argparse.REMAINDER, metavar="...",
-        help="arguments passed to every rank's SCRIPT unchanged",
-    )  # fmt: skip
+        "script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments passed to every rank's SCRIPT unchanged"
+    )
     return run_parser
 
 
 def _add_multi_node_arguments(run_parser: argparse.ArgumentParser) -> None:
     run_parser.add_argument(
-        "--hostfile", "-H", default=None, metavar="FILE",
+        "--hostfile",
+        "-H",
+        default=None,
+        metavar="FILE",
         help="nodes to run on, one 'HOST slots=N' line each (DeepSpeed/MPI format; # comments)",
-    )  # fmt: skip
+    )
     run_parser.add_argument(
-        "--include", "-i", default=None, metavar="SPEC",
+        "--include",
+        "-i",
+        default=None,
+        metavar="SPEC",
         help="use only these hosts/slots, e.g. 'host1:0,1@host2' (host2: all its slots)",
-    )  # fmt: skip
+    )
     run_parser.add_argument(
         "--exclude", "-e", default=None, metavar="SPEC", help="leave out these hosts/slots (same form as --include)"
-    )  # fmt: skip
+    )
     run_parser.add_argument(
-        "--num_nodes", "--num-nodes", "--nnodes", type=_positive_int, default=None, metavar="N",
+        "--num_nodes",
+        "--num-nodes",
+        "--nnodes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
         help="use the first N hosts; without a hostfile, the job's node count (with --node_rank)",
-    )  # fmt: skip
+    )
     run_parser.add_argument(
-        "--node_rank", "--node-rank", default=None, metavar="R",
+        "--node_rank",
+        "--node-rank",
+        default=None,
+        metavar="R",
         help="this node's rank when starting one node of a multi-node job by hand (0..N-1), "
         "or slurm/mpi to read it from the runner's environment",
-    )  # fmt: skip
+    )
     run_parser.add_argument(
-        "--launcher", choices=("local", "ssh", "pdsh", "slurm", "mpi"), default=None,
+        "--launcher",
+        choices=("local", "ssh", "pdsh", "slurm", "mpi"),
+        default=None,
         help="how to start the per-node agents (default: local without a hostfile, ssh with one)",
-    )  # fmt: skip
+    )
     run_parser.add_argument(
-        "--launcher_args", "--launcher-args", default=None, metavar="ARGS",
+        "--launcher_args",
+        "--launcher-args",
+        default=None,
+        metavar="ARGS",
         help="extra arguments for the runner command (ssh/pdsh/srun/mpirun), one shell-quoted string",
-    )  # fmt: skip
+    )
     run_parser.add_argument(
         "--ssh_port", "--ssh-port", type=_port, default=None, metavar="PORT", help="ssh port of the hosts"
-    )  # fmt: skip
+    )
     run_parser.add_argument(
-        "--dry_run", "--dry-run", action="store_true",
+        "--dry_run",
+        "--dry-run",
+        action="store_true",
         help="print the exact command for every node and exit without running anything",
-    )  # fmt: skip
+    )
     # Set by the ssh runner on the agents it starts: stop when the runner's connection closes.
     run_parser.add_argument("--exit_on_stdin_close", action="store_true", help=argparse.SUPPRESS)
 
@@ -153,7 +190,9 @@ def _check_script(script: str) -> None:
 def _int_at_least(minimum: int, text: str) -> int:
     value = _int(text)
     if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be {'at least 1' if minimum == 1 else f'{minimum} or more'}, got {value}")
+        raise argparse.ArgumentTypeError(
+            f"must be {'at least 1' if minimum == 1 else f'{minimum} or more'}, got {value}"
+        )
     return value
 
 

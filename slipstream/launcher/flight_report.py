@@ -41,8 +41,11 @@ def run_directory(run_id: str) -> Iterator[Path]:
 
     base = _SHARED_MEMORY if _SHARED_MEMORY.is_dir() and os.access(_SHARED_MEMORY, os.W_OK) else None
     root = Path(tempfile.mkdtemp(prefix=f"slipstream_run_{run_id[:8]}_", dir=base))
-    exported = {key: str(root / name) for key, name in ((FLIGHT_DIR_ENV, "flight"), (SNAPSHOT_DIR_ENV, "snapshots"))
-                if key not in os.environ}  # fmt: skip
+    exported = {
+        key: str(root / name)
+        for key, name in ((FLIGHT_DIR_ENV, "flight"), (SNAPSHOT_DIR_ENV, "snapshots"))
+        if key not in os.environ
+    }
     os.environ.update(exported)
     try:
         yield Path(os.environ[FLIGHT_DIR_ENV])

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slipstream.errors import SlipstreamError
+from slipstream.launcher.agent import LocalLaunch
 from slipstream.launcher.environment import EnvFileError, exported_env
 from slipstream.launcher.hostfile import (
     HostfileError,
@@ -29,17 +30,13 @@ from slipstream.launcher.hostfile import (
     parse_hostfile,
     select,
 )
-from slipstream.launcher.agent import LocalLaunch
 from slipstream.launcher.runners import Job, Node, RunnerError, commands
 from slipstream.launcher.usage import shown
 
 DEFAULT_MULTI_NODE_PORT = 29500
 # Where an agent started by a runner finds its node rank (one agent per node, so the runner's
 # process rank is the node rank).
-NODE_RANK_ENV = {
-    "slurm": ("SLURM_NODEID", "SLURM_PROCID"),
-    "mpi": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"),
-}
+NODE_RANK_ENV = {"slurm": ("SLURM_NODEID", "SLURM_PROCID"), "mpi": ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")}
 
 
 class PlanError(SlipstreamError, ValueError):
@@ -100,10 +97,14 @@ def _this_node(args: Any, environ: Mapping[str, str]) -> Plan:
                 "--node_rank: only meaningful with --num_nodes greater than 1; drop it, or give --num_nodes N"
             )
         local = LocalLaunch(
-            script=args.script, script_args=tuple(args.script_args), nproc_per_node=nproc,
-            master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
-            max_restarts=args.max_restarts, exit_on_stdin_close=args.exit_on_stdin_close,
-        )  # fmt: skip
+            script=args.script,
+            script_args=tuple(args.script_args),
+            nproc_per_node=nproc,
+            master_addr=args.master_addr or "127.0.0.1",
+            master_port=args.master_port,
+            max_restarts=args.max_restarts,
+            exit_on_stdin_close=args.exit_on_stdin_close,
+        )
         return Plan(local=local, env=env)
     if args.node_rank is None:
         raise PlanError(
@@ -119,10 +120,16 @@ def _this_node(args: Any, environ: Mapping[str, str]) -> Plan:
             "(node 0's address and a free port on it, the same on every node)"
         )
     local = LocalLaunch(
-        script=args.script, script_args=tuple(args.script_args), nproc_per_node=nproc,
-        master_addr=args.master_addr, master_port=args.master_port, max_restarts=args.max_restarts,
-        num_nodes=num_nodes, node_rank=node_rank, exit_on_stdin_close=args.exit_on_stdin_close,
-    )  # fmt: skip
+        script=args.script,
+        script_args=tuple(args.script_args),
+        nproc_per_node=nproc,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        num_nodes=num_nodes,
+        node_rank=node_rank,
+        exit_on_stdin_close=args.exit_on_stdin_close,
+    )
     return Plan(local=local, env=env)
 
 
@@ -173,19 +180,28 @@ def _with_hosts(args: Any, environ: Mapping[str, str], cwd: str, home: str | Non
         slots = nodes[0].slots or ()
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if list(slots) != list(range(len(slots))) else {}
         local = LocalLaunch(
-            script=args.script, script_args=tuple(args.script_args), nproc_per_node=len(slots) or None,
-            master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
-            max_restarts=args.max_restarts, exit_on_stdin_close=args.exit_on_stdin_close,
-        )  # fmt: skip
+            script=args.script,
+            script_args=tuple(args.script_args),
+            nproc_per_node=len(slots) or None,
+            master_addr=args.master_addr or "127.0.0.1",
+            master_port=args.master_port,
+            max_restarts=args.max_restarts,
+            exit_on_stdin_close=args.exit_on_stdin_close,
+        )
         return Plan(local=local, env=env)
 
     job = Job(
-        nodes=nodes, script=args.script, script_args=tuple(args.script_args),
+        nodes=nodes,
+        script=args.script,
+        script_args=tuple(args.script_args),
         master_addr=args.master_addr or nodes[0].host.rpartition("@")[2],
-        master_port=args.master_port or DEFAULT_MULTI_NODE_PORT, max_restarts=args.max_restarts,
-        env=exported_env(environ, cwd, home), cwd=cwd,
-        launcher_args=tuple(_split(args.launcher_args)), ssh_port=args.ssh_port,
-    )  # fmt: skip
+        master_port=args.master_port or DEFAULT_MULTI_NODE_PORT,
+        max_restarts=args.max_restarts,
+        env=exported_env(environ, cwd, home),
+        cwd=cwd,
+        launcher_args=tuple(_split(args.launcher_args)),
+        ssh_port=args.ssh_port,
+    )
     return Plan(runner=launcher, job=job, argvs=commands(launcher, job))
 
 

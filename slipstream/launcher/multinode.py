@@ -42,9 +42,7 @@ def run(runner: str, argvs: list[list[str]], labels: list[str]) -> int:
     watch_stdin = runner == "ssh"
     signals = _Signals()
     try:
-        processes = [
-            subprocess.Popen(argv, stdin=subprocess.PIPE if watch_stdin else None) for argv in argvs
-        ]
+        processes = [subprocess.Popen(argv, stdin=subprocess.PIPE if watch_stdin else None) for argv in argvs]
     except FileNotFoundError as err:
         _say(f"--launcher {runner}: {err.filename} is not installed or not on PATH")
         return 127

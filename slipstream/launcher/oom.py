@@ -61,10 +61,14 @@ def sigkill_note(pid: int | None, oom_kills_at_start: int | None) -> str:
     """A parenthesised, honest explanation for a rank that died of SIGKILL."""
     now = oom_kill_count()
     if oom_kills_at_start is not None and now is not None and now > oom_kills_at_start:
-        return f"(out of memory: the OOM killer ran in this job's memory cgroup, oom_kill {oom_kills_at_start} -> {now})"
+        return (
+            f"(out of memory: the OOM killer ran in this job's memory cgroup, oom_kill {oom_kills_at_start} -> {now})"
+        )
     in_log = _dmesg_mentions(pid) if pid else None
     if in_log:
         return f"(out of memory: the kernel log records the OOM killer killing pid {pid})"
     if now is None and in_log is None:
-        return "(likely out of memory if nothing else killed it; dmesg and the cgroup's OOM counter are not readable here)"
+        return (
+            "(likely out of memory if nothing else killed it; dmesg and the cgroup's OOM counter are not readable here)"
+        )
     return "(no OOM-killer record for it in the memory cgroup or dmesg: probably killed by something else)"

@@ -19,9 +19,19 @@ Section = tuple[str, list[tuple[str, str]]]
 
 # Vector extensions that decide which CPU kernels torch and our ops can use (py-cpuinfo's names).
 _SIMD_FLAGS = (
-    "sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
-    "avx512_fp16", "amx_bf16", "asimd", "sve",
-)  # fmt: skip
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "asimd",
+    "sve",
+)
 
 
 def collect() -> list[Section]:
@@ -101,11 +111,7 @@ def _torch_facts() -> list[tuple[str, str]]:
 
         if not dist.is_available():
             return "none (torch built without torch.distributed)"
-        checks = {
-            "gloo": dist.is_gloo_available,
-            "nccl": dist.is_nccl_available,
-            "mpi": dist.is_mpi_available,
-        }
+        checks = {"gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available}
         found = [name for name, available in checks.items() if available()]
         return ", ".join(found) or "none"
 
@@ -126,9 +132,7 @@ def _cuda_facts() -> list[tuple[str, str]]:
         parts = []
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            parts.append(
-                f"{i}: {props.name} sm_{props.major}{props.minor} {props.total_memory / 2**30:.1f} GiB"
-            )
+            parts.append(f"{i}: {props.name} sm_{props.major}{props.minor} {props.total_memory / 2**30:.1f} GiB")
         return "; ".join(parts)
 
     def compiled_archs() -> str:
@@ -215,7 +219,9 @@ def _host_facts() -> list[tuple[str, str]]:
         import psutil
 
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return f"{psutil.cpu_count(logical=False)} physical, {psutil.cpu_count()} logical, {usable} usable by this process"
+        return (
+            f"{psutil.cpu_count(logical=False)} physical, {psutil.cpu_count()} logical, {usable} usable by this process"
+        )
 
     def simd() -> str:
         flags = set(_cpu_info().get("flags", []))

@@ -114,11 +114,7 @@ def node_env(job: Job, slots: tuple[int, ...] | None) -> dict[str, str]:
 
 
 def remote_shell_command(
-    job: Job,
-    node_rank: str,
-    slots: tuple[int, ...] | None,
-    watch_stdin: bool,
-    escape: Callable[[str], str] = verbatim,
+    job: Job, node_rank: str, slots: tuple[int, ...] | None, watch_stdin: bool, escape: Callable[[str], str] = verbatim
 ) -> str:
     """One string for a remote login shell: change directory, then exec the agent under ``env``.
 

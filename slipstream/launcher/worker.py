@@ -25,7 +25,6 @@ import sys
 import time
 import traceback
 
-
 SHUTDOWN_NOTE = (
     "{script} had returned: the process failed while shutting down (an atexit handler or "
     "background work such as an asynchronous checkpoint save; its own message is in this rank's output)"

@@ -22,9 +22,14 @@ from slipstream.ops import builder
 from slipstream.ops.specs import CPU_ADAM, FUSED_ADAM
 
 __all__ = [
-    "CPUAdam", "FusedAdam", "cpu_adam_available", "fused_adam_available", "cpu_adam_step", "fused_adam_step",
+    "CPUAdam",
+    "FusedAdam",
+    "cpu_adam_available",
+    "fused_adam_available",
+    "cpu_adam_step",
+    "fused_adam_step",
     "torch_adam_step",
-]  # fmt: skip
+]
 
 Tensors = Sequence[torch.Tensor]
 
@@ -40,10 +45,22 @@ def fused_adam_available() -> bool:
 
 
 def cpu_adam_step(
-    params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, *,
-    step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-    adamw_mode: bool = True, grad_scale: float = 1.0, out_lowp: Tensors | None = None, num_threads: int | None = None,
-) -> None:  # fmt: skip
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    grad_scale: float = 1.0,
+    out_lowp: Tensors | None = None,
+    num_threads: int | None = None,
+) -> None:
     """One Adam step, in place, over contiguous CPU tensors of one param group.
 
     ``params``, ``exp_avgs``, ``exp_avg_sqs`` are float32; ``grads`` share one dtype of float32,
@@ -53,48 +70,135 @@ def cpu_adam_step(
     """
     op = builder.load(CPU_ADAM)
     threads = num_threads if num_threads is not None else torch.get_num_threads()
-    _step(op, (threads,), params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
-          grad_scale, out_lowp)  # fmt: skip
+    _step(
+        op,
+        (threads,),
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        adamw_mode,
+        grad_scale,
+        out_lowp,
+    )
 
 
 def fused_adam_step(
-    params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, *,
-    step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-    adamw_mode: bool = True, grad_scale: float = 1.0, out_lowp: Tensors | None = None,
-) -> None:  # fmt: skip
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    grad_scale: float = 1.0,
+    out_lowp: Tensors | None = None,
+) -> None:
     """``cpu_adam_step`` for CUDA tensors: the multi-tensor CUDA kernel on the current stream.
 
     Parameters may be float32, bfloat16 or float16 (state is float32; grads float32 or the
     parameters' dtype). Without the compiled op it runs :func:`torch_adam_step`.
     """
     op = builder.load(FUSED_ADAM) if torch.cuda.is_available() else None
-    _step(op, (), params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
-          grad_scale, out_lowp)  # fmt: skip
+    _step(
+        op,
+        (),
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        adamw_mode,
+        grad_scale,
+        out_lowp,
+    )
 
 
 def _step(
-    op: Any, extra: tuple[Any, ...], params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors,
-    step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adamw_mode: bool,
-    grad_scale: float, out_lowp: Tensors | None,
-) -> None:  # fmt: skip
+    op: Any,
+    extra: tuple[Any, ...],
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    grad_scale: float,
+    out_lowp: Tensors | None,
+) -> None:
     """Run the compiled op's ``adam_step`` (with its ``extra`` trailing arguments) or the fallback."""
     if op is None:
         torch_adam_step(
-            params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, adamw_mode=adamw_mode, grad_scale=grad_scale, out_lowp=out_lowp,
-        )  # fmt: skip
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            step=step,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            grad_scale=grad_scale,
+            out_lowp=out_lowp,
+        )
         return
     op.adam_step(
-        params, grads, exp_avgs, exp_avg_sqs, out_lowp or [], step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
-        grad_scale, *extra,
-    )  # fmt: skip
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        out_lowp or [],
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        adamw_mode,
+        grad_scale,
+        *extra,
+    )
 
 
 def torch_adam_step(
-    params: Tensors, grads: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, *,
-    step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-    adamw_mode: bool = True, grad_scale: float = 1.0, out_lowp: Tensors | None = None,
-) -> None:  # fmt: skip
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    grad_scale: float = 1.0,
+    out_lowp: Tensors | None = None,
+) -> None:
     """The pure-PyTorch path of :func:`cpu_adam_step` (any device; float32 state).
 
     Parameters of another dtype are updated through a float32 copy. Uses torch's fused Adam
@@ -132,9 +236,16 @@ class _Adam(torch.optim.Optimizer):
     """Shared body of CPUAdam and FusedAdam: state layout as torch's Adam, float32 state always."""
 
     def __init__(
-        self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-        weight_decay: float = 0.0, adamw_mode: bool = True, *, num_threads: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        *,
+        num_threads: int | None = None,
+    ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"{type(self).__name__}: lr must be >= 0, got {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -181,9 +292,14 @@ class _Adam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         for (device, dtype, _, step), (params, grads, exp_avgs, exp_avg_sqs) in buckets.items():
             options = dict(
-                step=step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-            )  # fmt: skip
+                step=step,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                adamw_mode=group["adamw_mode"],
+            )
             if device.type == "cuda":
                 fused_adam_step(params, grads, exp_avgs, exp_avg_sqs, **options)
             elif dtype == torch.float32 and all(p.is_contiguous() for p in params):

@@ -63,7 +63,9 @@ class AsyncIO:
     by writes (not truncated); a read past the end of a file is an error.
     """
 
-    def __init__(self, block_size: int = 1 << 20, threads: int = 8, use_direct: bool = True, use_op: bool = True) -> None:
+    def __init__(
+        self, block_size: int = 1 << 20, threads: int = 8, use_direct: bool = True, use_op: bool = True
+    ) -> None:
         if block_size <= 0 or threads <= 0:
             raise ValueError(f"AsyncIO: block_size and threads must be positive, got {block_size}, {threads}")
         self.block_size, self.threads = block_size, threads
@@ -100,7 +102,9 @@ class AsyncIO:
 
     def _submit(self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int, write: bool) -> int:
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(f"AsyncIO: buffers must be contiguous CPU tensors, got {tensor.device}, contiguous={tensor.is_contiguous()}")
+            raise ValueError(
+                f"AsyncIO: buffers must be contiguous CPU tensors, got {tensor.device}, contiguous={tensor.is_contiguous()}"
+            )
         if offset < 0:
             raise ValueError(f"AsyncIO: offset must be >= 0, got {offset}")
         path = os.fspath(path)
@@ -137,7 +141,7 @@ class _ThreadPoolIO:
         futures = [
             self.pool.submit(_transfer, fd, view[start : start + self.block_size], offset + start, write, path)
             for start in range(0, len(view), self.block_size)
-        ]  # fmt: skip
+        ]
         with self.lock:
             request = self.next_id
             self.next_id += 1
@@ -169,6 +173,12 @@ def _transfer(fd: int, view: memoryview, offset: int, write: bool, path: str) ->
     while done < len(view):
         n = os.pwritev(fd, [view[done:]], offset + done) if write else os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise OSError(f"{path}: " + ("pwrite wrote nothing (disk full?)" if write else
-                          f"short read: the file ends at byte {offset + done}, expected {offset + len(view)}"))  # fmt: skip
+            raise OSError(
+                f"{path}: "
+                + (
+                    "pwrite wrote nothing (disk full?)"
+                    if write
+                    else f"short read: the file ends at byte {offset + done}, expected {offset + len(view)}"
+                )
+            )
         done += n

@@ -142,7 +142,9 @@ def _cuda_archs() -> str:
 
     if not torch.cuda.is_available():
         return "none"
-    return ";".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}))
+    return ";".join(
+        sorted({"{}.{}".format(*torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
+    )
 
 
 def cflags(spec: OpSpec) -> list[str]:
@@ -155,10 +157,15 @@ def _op_key_cached(spec: OpSpec) -> str:
 
     digest = hashlib.sha256()
     facts = [
-        torch.__version__, str(torch.version.cuda), str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
-        sys.implementation.cache_tag, platform.machine(), _tool_version(compiler(), "--version"),
-        " ".join(cflags(spec)), " ".join(spec.ldflags),
-    ]  # fmt: skip
+        torch.__version__,
+        str(torch.version.cuda),
+        str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
+        sys.implementation.cache_tag,
+        platform.machine(),
+        _tool_version(compiler(), "--version"),
+        " ".join(cflags(spec)),
+        " ".join(spec.ldflags),
+    ]
     if spec.cuda:
         nvcc = nvcc_path()
         facts += [_tool_version(nvcc, "--version") if nvcc else "no nvcc", _cuda_archs(), " ".join(spec.cuda_cflags)]
@@ -187,7 +194,12 @@ def load(spec: OpSpec) -> ModuleType | None:
         _loaded[spec] = _load(spec)
         module, status = _loaded[spec]
         if module is None and status.state == "fallback":
-            logger.warning("op %s unavailable (%s); using the PyTorch fallback. To build it: %s", spec.name, status.detail, BUILD_HINT)
+            logger.warning(
+                "op %s unavailable (%s); using the PyTorch fallback. To build it: %s",
+                spec.name,
+                status.detail,
+                BUILD_HINT,
+            )
     return _loaded[spec][0]
 
 
@@ -379,7 +391,9 @@ def status(spec: OpSpec) -> OpStatus:
             return OpStatus("cached", f"{build_dir(spec)} (built in {marker.get('seconds', '?')} s)")
         failed = build_dir(spec) / _FAILED
         if failed.exists():
-            return OpStatus("fallback", f"an earlier build failed (log: {failed}); retry: python -m slipstream.ops.build")
+            return OpStatus(
+                "fallback", f"an earlier build failed (log: {failed}); retry: python -m slipstream.ops.build"
+            )
         missing = _missing_tools(spec)
         if missing:
             return OpStatus("fallback", f"cannot build: {missing}")

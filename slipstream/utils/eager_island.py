@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -70,7 +70,11 @@ def register(obj: Any) -> None:
             _OBJECT_BY_NUMBER[number] = lambda: obj
 
 
-def island(fn: Callable[..., Any] | type[torch.autograd.Function], tensors: Sequence[torch.Tensor], statics: tuple[Static, ...] = ()) -> Any:
+def island(
+    fn: Callable[..., Any] | type[torch.autograd.Function],
+    tensors: Sequence[torch.Tensor],
+    statics: tuple[Static, ...] = (),
+) -> Any:
     """``fn(*tensors, *statics)`` (``fn.apply`` for an autograd Function class); inside a compiled region, as one
     opaque op (see [Note: eager islands]). ``fn`` was declared; ``tensors`` are floating-point."""
     if not torch.compiler.is_compiling():
@@ -124,8 +128,14 @@ def _as_list(out: Any) -> list[torch.Tensor]:
 
 @torch.library.custom_op("slipstream::island", mutates_args=())
 def _island(
-    inputs: list[torch.Tensor], number: int, codes: str, ints: list[int], floats: list[float], strings: str, build_graph: bool
-) -> list[torch.Tensor]:  # fmt: skip
+    inputs: list[torch.Tensor],
+    number: int,
+    codes: str,
+    ints: list[int],
+    floats: list[float],
+    strings: str,
+    build_graph: bool,
+) -> list[torch.Tensor]:
     fn, _ = _BY_NUMBER[number]
     statics = _statics(codes, ints, floats, strings)
     if not build_graph:
@@ -144,8 +154,14 @@ def _island(
 
 @_island.register_fake
 def _island_fake(
-    inputs: list[torch.Tensor], number: int, codes: str, ints: list[int], floats: list[float], strings: str, build_graph: bool
-) -> list[torch.Tensor]:  # fmt: skip
+    inputs: list[torch.Tensor],
+    number: int,
+    codes: str,
+    ints: list[int],
+    floats: list[float],
+    strings: str,
+    build_graph: bool,
+) -> list[torch.Tensor]:
     _, meta = _BY_NUMBER[number]
     outs = _as_list(meta(*inputs, *_statics(codes, ints, floats, strings)))
     return [o.new_empty(o.shape) for o in outs] + [torch.empty((), dtype=torch.int64)]  # contiguous: see _unaliased
@@ -161,7 +177,9 @@ def _unaliased(out: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.library.custom_op("slipstream::island_backward", mutates_args=())
-def _island_backward(grads: list[Optional[torch.Tensor]], handle: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _island_backward(
+    grads: list[torch.Tensor | None], handle: torch.Tensor, inputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
     leaves, outs = _KEPT.pop(int(handle))
     pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
     with torch._C._ForceDispatchKeyGuard(_EAGER_INCLUDE, _EAGER_EXCLUDE):
@@ -179,7 +197,9 @@ def _like(leaf: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
 
 
 @_island_backward.register_fake
-def _island_backward_fake(grads: list[Optional[torch.Tensor]], handle: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _island_backward_fake(
+    grads: list[torch.Tensor | None], handle: torch.Tensor, inputs: list[torch.Tensor]
+) -> list[torch.Tensor]:
     return [torch.empty_like(t) for t in inputs]
 
 

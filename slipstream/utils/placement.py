@@ -21,7 +21,6 @@ import math
 
 import torch
 
-
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) within the global tensor
 
 
@@ -55,9 +54,12 @@ _ATTRIBUTE = "_slipstream_placement"
 
 
 def place(
-    param: torch.Tensor, global_shape: tuple[int, ...] | torch.Size, offsets: tuple[int, ...] | None = None,
-    *, duplicate: bool = False,
-) -> Placement:  # fmt: skip
+    param: torch.Tensor,
+    global_shape: tuple[int, ...] | torch.Size,
+    offsets: tuple[int, ...] | None = None,
+    *,
+    duplicate: bool = False,
+) -> Placement:
     """Record that ``param`` is the piece at ``offsets`` (default: the origin) of a tensor of ``global_shape``."""
     global_shape = tuple(int(s) for s in global_shape)
     offsets = tuple(int(o) for o in offsets) if offsets is not None else (0,) * len(global_shape)

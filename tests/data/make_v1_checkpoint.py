@@ -48,7 +48,10 @@ def build_model(seed: int = 0) -> TinyMLP:
 
 def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randint(0, 3, (GLOBAL_BATCH,), generator=g))
+        for _ in range(steps)
+    ]
 
 
 def config(world: int, stage: int) -> dict:
@@ -56,7 +59,10 @@ def config(world: int, stage: int) -> dict:
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 1e-2, "warmup_type": "linear"}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 3, "warmup_max_lr": 1e-2, "warmup_type": "linear"},
+        },
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 64},
     }
 

@@ -32,15 +32,19 @@ def _status(field: str) -> int:
 def main(nvme_path: str, cap: int) -> None:
     torch.set_num_threads(1)
     config = {
-        "train_batch_size": 2, "gradient_accumulation_steps": 1,
+        "train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
-            "stage": 3, "sub_group_size": 1_000_000, "stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 4_000_000,
+            "stage": 3,
+            "sub_group_size": 1_000_000,
+            "stage3_prefetch_bucket_size": 0,
+            "reduce_bucket_size": 4_000_000,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
             "offload_param": {"device": "nvme", "nvme_path": nvme_path},
         },
         "aio": {"queue_depth": 2},
-    }  # fmt: skip
+    }
     warm = slipstream.initialize(tiny_gpt2(seed=0, n_layer=1), {**config, "zero_optimization": {"stage": 3}})
     warm.close()  # process groups, ring threads and the compiled ops exist before the limit
     del warm
@@ -63,10 +67,19 @@ def main(nvme_path: str, cap: int) -> None:
     held = engine.strategy.memory_breakdown()
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     engine.close()  # hands every parameter its full value back: the whole model, above the cap
-    print(json.dumps({
-        "rank": rank, "losses": losses, "params": numel, "optimizer_state_per_rank": 12 * numel // world,
-        "cap": cap, "peak_rss_growth": peak - base_rss, "held": held,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "losses": losses,
+                "params": numel,
+                "optimizer_state_per_rank": 12 * numel // world,
+                "cap": cap,
+                "peak_rss_growth": peak - base_rss,
+                "held": held,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

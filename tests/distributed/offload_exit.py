@@ -12,9 +12,10 @@ from tests.reference import global_batches, gpt2_loss, tiny_gpt2
 
 def main(root: str, mode: str) -> None:
     config = {
-        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": root}},
-    }  # fmt: skip
+    }
     engine = slipstream.initialize(tiny_gpt2(seed=0), config)
     for tokens in global_batches(2, 2):
         engine.backward(gpt2_loss(engine, tokens))

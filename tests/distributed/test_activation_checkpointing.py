@@ -18,13 +18,7 @@ import torch.distributed as dist
 import slipstream
 from slipstream.comm import comms_log
 from tests.harness import run_distributed
-from tests.reference import (
-    assert_close_trajectory,
-    global_batches,
-    tiny_gpt2,
-    train_engine,
-    train_reference,
-)
+from tests.reference import assert_close_trajectory, global_batches, tiny_gpt2, train_engine, train_reference
 
 STEPS = 6
 
@@ -68,7 +62,13 @@ def _parity_body(stage: int, gas: int, zero: dict) -> dict:
         for name, value in plain.params.items():
             assert torch.equal(checkpointed.params[name], value), name
         config = _config(dist.get_world_size(), stage, gas, None)
-        ref = train_reference(tiny_gpt2(seed=0, n_layer=3), global_batches(STEPS, config["train_batch_size"]), lr=1e-3, weight_decay=0.01, clip=1.0)
+        ref = train_reference(
+            tiny_gpt2(seed=0, n_layer=3),
+            global_batches(STEPS, config["train_batch_size"]),
+            lr=1e-3,
+            weight_decay=0.01,
+            clip=1.0,
+        )
         assert_close_trajectory(checkpointed, ref, loss_rtol=1e-5, param_atol=5e-5, param_rtol=1e-4)
     return {"plain_ops": dict(plain_ops), "ops": dict(ops)}
 
@@ -78,7 +78,11 @@ def _parity_body(stage: int, gas: int, zero: dict) -> dict:
     [
         (0, 2, {}),
         (3, 1, {"stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}),  # units are the blocks
-        (3, 2, {"stage3_unit_modules": ["GPT2Attention", "GPT2MLP"], "stage3_param_persistence_threshold": 0}),  # units inside
+        (
+            3,
+            2,
+            {"stage3_unit_modules": ["GPT2Attention", "GPT2MLP"], "stage3_param_persistence_threshold": 0},
+        ),  # units inside
     ],
     ids=["stage0", "stage3-block-units", "stage3-nested-units"],
 )

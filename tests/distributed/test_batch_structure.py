@@ -26,9 +26,19 @@ VOCAB, LENGTH = 96, 32
 def _config(cls_name: str, **extra: Any) -> Any:
     import transformers
 
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                  attn_implementation="sdpa")  # fmt: skip
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
+    )
     common.update(extra)
     return getattr(transformers, cls_name)(**common)
 
@@ -43,7 +53,9 @@ def _llama_yarn() -> torch.nn.Module:
     """YaRN scaling from an original length of 8: every batch here runs above it (static factors: trains)."""
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(_config("LlamaConfig", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}))
+    return LlamaForCausalLM(
+        _config("LlamaConfig", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})
+    )
 
 
 def _llama_dynamic() -> torch.nn.Module:
@@ -51,7 +63,9 @@ def _llama_dynamic() -> torch.nn.Module:
     (a first shard of these batches stays below 20, the whole sequence does not: the rotary note)."""
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(_config("LlamaConfig", max_position_embeddings=20, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    return LlamaForCausalLM(
+        _config("LlamaConfig", max_position_embeddings=20, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    )
 
 
 def _phi3_longrope() -> torch.nn.Module:
@@ -59,8 +73,20 @@ def _phi3_longrope() -> torch.nn.Module:
     from transformers import Phi3ForCausalLM
 
     half = 32 // 4 // 2  # head_dim / 2 factors
-    return Phi3ForCausalLM(_config("Phi3Config", resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, original_max_position_embeddings=20,
-                                   rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [1.0 + i / half for i in range(half)]}))  # fmt: skip
+    return Phi3ForCausalLM(
+        _config(
+            "Phi3Config",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+            original_max_position_embeddings=20,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0] * half,
+                "long_factor": [1.0 + i / half for i in range(half)],
+            },
+        )
+    )
 
 
 def _qwen2() -> torch.nn.Module:
@@ -84,8 +110,19 @@ def _phi3() -> torch.nn.Module:
 def _gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")  # fmt: skip
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="sdpa",
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -93,18 +130,45 @@ def _mixtral_aux() -> torch.nn.Module:
     """Mixtral training with its load-balancing loss (coefficient 0.02), as MoE models are trained."""
     from transformers import MixtralForCausalLM
 
-    return MixtralForCausalLM(_config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                                      router_aux_loss_coef=0.02))  # fmt: skip
+    return MixtralForCausalLM(
+        _config(
+            "MixtralConfig",
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+        )
+    )
 
 
 def _qwen3_moe_aux() -> torch.nn.Module:
     from transformers import Qwen3MoeForCausalLM
 
-    return Qwen3MoeForCausalLM(_config("Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                       output_router_logits=True, router_aux_loss_coef=0.02, head_dim=8))  # fmt: skip
+    return Qwen3MoeForCausalLM(
+        _config(
+            "Qwen3MoeConfig",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+            head_dim=8,
+        )
+    )
 
 
-ARCHITECTURES: dict[str, Callable[[], torch.nn.Module]] = {"mixtral_aux": _mixtral_aux, "qwen3_moe_aux": _qwen3_moe_aux, "llama": _llama, "llama_dynamic": _llama_dynamic, "phi3_longrope": _phi3_longrope, "llama_yarn": _llama_yarn, "qwen2": _qwen2, "mistral": _mistral, "phi3": _phi3, "gpt2": _gpt2}
+ARCHITECTURES: dict[str, Callable[[], torch.nn.Module]] = {
+    "mixtral_aux": _mixtral_aux,
+    "qwen3_moe_aux": _qwen3_moe_aux,
+    "llama": _llama,
+    "llama_dynamic": _llama_dynamic,
+    "phi3_longrope": _phi3_longrope,
+    "llama_yarn": _llama_yarn,
+    "qwen2": _qwen2,
+    "mistral": _mistral,
+    "phi3": _phi3,
+    "gpt2": _gpt2,
+}
 MODES = {
     "ulysses": {"sequence_parallel_size": 2},
     "ring": {"context_parallel": {"size": 2}},
@@ -160,7 +224,9 @@ def _batches() -> dict[str, dict[str, Any]]:
 
 def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """A loss written on the logits, as custom losses are: next-token cross-entropy plus a z-loss on every position."""
-    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+    )
     return ce + 1e-2 * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
@@ -184,13 +250,17 @@ def _router_norm(model: torch.nn.Module, over_stages: bool = False) -> float | N
 Result = tuple[float, float, float | None, float | None]  # loss, gradient norm, routers' gradient norm, balancing loss
 
 
-def _reference(build: Callable[[], torch.nn.Module], batch: dict[str, torch.Tensor], from_logits: bool = False) -> Result:
+def _reference(
+    build: Callable[[], torch.nn.Module], batch: dict[str, torch.Tensor], from_logits: bool = False
+) -> Result:
     torch.manual_seed(0)
     model = build()
     output = model(**batch)
     loss = _loss(output, "", batch, from_logits)
     loss.backward()
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None]))
+    norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters() if p.grad is not None])
+    )
     aux = getattr(output, "aux_loss", None)
     return float(loss.detach()), float(norm), _router_norm(model), float(aux.detach()) if aux is not None else None
 
@@ -206,13 +276,25 @@ def _engine_body(modes: list[str], architectures: list[str]) -> dict[str, Result
             model = ARCHITECTURES[arch]()
             # a pipeline needs a micro-batch per stage: the same batch twice (their mean gradient is one batch's)
             repeats = 2 if mode == "pp" else 1
-            config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "gradient_accumulation_steps": repeats, "steps_per_print": 1,
-                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-12, "weight_decay": 0.0}}, **MODES[mode]}  # fmt: skip
+            config = {
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_clipping": 0.0,
+                "gradient_accumulation_steps": repeats,
+                "steps_per_print": 1,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-12, "weight_decay": 0.0}},
+                **MODES[mode],
+            }
             engine = slipstream.initialize(model, config)
             try:
                 # a pipeline's window: the caller's num_items_in_batch counts every micro-batch of it (not tested here)
-                cases = [(name, batch, False) for name, batch in _batches().items() if not (mode == "pp" and name == "counted")]
-                if mode != "pp":  # under a pipeline the output is the loss: test_logits_under_a_pipeline_are_refused_in_one_line
+                cases = [
+                    (name, batch, False)
+                    for name, batch in _batches().items()
+                    if not (mode == "pp" and name == "counted")
+                ]
+                if (
+                    mode != "pp"
+                ):  # under a pipeline the output is the loss: test_logits_under_a_pipeline_are_refused_in_one_line
                     cases += [(name, _batches()[name], True) for name in LOGITS_CASES]
                 for name, batch, from_logits in cases:
                     if from_logits:
@@ -221,11 +303,18 @@ def _engine_body(modes: list[str], architectures: list[str]) -> dict[str, Result
                     for _ in range(repeats):
                         losses.append(_loss(engine(**batch), name, batch, from_logits))
                         engine.backward(losses[-1])
-                        router = _router_norm(engine.module, over_stages=mode == "pp") if arch.endswith("_aux") else None
+                        router = (
+                            _router_norm(engine.module, over_stages=mode == "pp") if arch.endswith("_aux") else None
+                        )
                         engine.step()
                     assert len({float(loss.detach()) for loss in losses}) == 1, losses
                     reported = engine.monitor.last.get("router_loss") if torch.distributed.get_rank() == 0 else None
-                    out[f"{mode}/{arch}/{name}"] = (float(losses[0].detach()), float(engine.get_global_grad_norm()), router, reported)
+                    out[f"{mode}/{arch}/{name}"] = (
+                        float(losses[0].detach()),
+                        float(engine.get_global_grad_norm()),
+                        router,
+                        reported,
+                    )
             finally:
                 engine.close()
     return out
@@ -242,10 +331,16 @@ def _check(results: list[dict[str, Result]]) -> None:
                 plain, _, logits = name.partition("+")
                 references[(arch, name)] = _reference(ARCHITECTURES[arch], batches[plain], from_logits=bool(logits))
             ref_loss, ref_norm, ref_router, ref_aux = references[(arch, name)]
-            if (rank == 0 and (reported is None) != (ref_aux is None)) or (reported is not None and abs(reported - ref_aux) > 1e-5 * ref_aux):
-                failures.append(f"rank {rank} {case}: the step record's router_loss {reported} vs the model's aux_loss {ref_aux}")
+            if (rank == 0 and (reported is None) != (ref_aux is None)) or (
+                reported is not None and abs(reported - ref_aux) > 1e-5 * ref_aux
+            ):
+                failures.append(
+                    f"rank {rank} {case}: the step record's router_loss {reported} vs the model's aux_loss {ref_aux}"
+                )
             if abs(loss - ref_loss) > 1e-5 * abs(ref_loss) or abs(norm - ref_norm) > 1e-4 * ref_norm:
-                failures.append(f"rank {rank} {case}: loss {loss:.7f} vs {ref_loss:.7f}, grad norm {norm:.6f} vs {ref_norm:.6f}")
+                failures.append(
+                    f"rank {rank} {case}: loss {loss:.7f} vs {ref_loss:.7f}, grad norm {norm:.6f} vs {ref_norm:.6f}"
+                )
             if router is not None and (ref_router is None or abs(router - ref_router) > 1e-4 * ref_router):
                 failures.append(f"rank {rank} {case}: routers' grad norm {router:.7f} vs {ref_router}")
     assert not failures, "\n".join(failures)
@@ -258,8 +353,10 @@ def _check(results: list[dict[str, Result]]) -> None:
 # and all-gathered K/V.
 DENSE = [name for name in ARCHITECTURES if not name.endswith("_aux")]
 SEQUENCE_CASES = {
-    "ulysses": DENSE + ["mixtral_aux"], "zigzag": DENSE + ["qwen3_moe_aux"],
-    "ring": ["llama_yarn", "phi3_longrope", "gpt2", "mixtral_aux"], "allgather_kv": ["llama_dynamic", "phi3", "gpt2", "qwen3_moe_aux"],
+    "ulysses": DENSE + ["mixtral_aux"],
+    "zigzag": DENSE + ["qwen3_moe_aux"],
+    "ring": ["llama_yarn", "phi3_longrope", "gpt2", "mixtral_aux"],
+    "allgather_kv": ["llama_dynamic", "phi3", "gpt2", "qwen3_moe_aux"],
 }
 
 
@@ -273,14 +370,22 @@ def test_padded_packed_and_odd_batches_match_one_process_under_tensor_and_pipeli
     # Attention sees whole sequences in both: three architectures suffice. Phi-3's packed qkv_proj / gate_up_proj
     # are refused by tensor parallel's self-check (issue 48), not trained wrong, so tp+sp takes Mistral instead.
     # Under the pipeline the balancing loss reads every stage's router logits (pipeline/carry.py): both MoE models.
-    architectures = ["llama_yarn", "mistral", "gpt2", "qwen3_moe_aux"] if mode == "tp_sp" else ["llama_yarn", "phi3", "gpt2", "mixtral_aux", "qwen3_moe_aux"]
+    architectures = (
+        ["llama_yarn", "mistral", "gpt2", "qwen3_moe_aux"]
+        if mode == "tp_sp"
+        else ["llama_yarn", "phi3", "gpt2", "mixtral_aux", "qwen3_moe_aux"]
+    )
     _check(run_distributed(2, _engine_body, [mode], architectures))
 
 
 def _pipeline_logits_body() -> str:
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "pipeline": {"stages": 2},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "pipeline": {"stages": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
     engine = slipstream.initialize(_llama(), config)
     try:
         out = engine(**_batches()["right_padded"])
@@ -298,9 +403,15 @@ def _per_call_router_logits_body() -> str:
     from transformers import MixtralForCausalLM
 
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "pipeline": {"stages": 2},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
-    engine = slipstream.initialize(MixtralForCausalLM(_config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2)), config)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "pipeline": {"stages": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    engine = slipstream.initialize(
+        MixtralForCausalLM(_config("MixtralConfig", num_local_experts=4, num_experts_per_tok=2)), config
+    )
     try:
         with pytest.raises(slipstream.UsageError) as refused:
             engine(**_batches()["right_padded"], output_router_logits=True)
@@ -313,7 +424,9 @@ def test_router_logits_asked_per_call_that_the_stages_do_not_carry_are_refused_o
     """The stages hand router logits on only where the config asks for them at initialize (pipeline/carry.py): a
     balancing loss asked for per call would see the last stage's layers alone, so engine(batch) refuses it."""
     for message in run_distributed(2, _per_call_router_logits_body):
-        assert message.startswith("pipeline: this forward records router logits (output_router_logits passed per call)"), message
+        assert message.startswith(
+            "pipeline: this forward records router logits (output_router_logits passed per call)"
+        ), message
         assert "set config.output_router_logits = True before initialize" in message
 
 
@@ -321,7 +434,9 @@ def test_logits_under_a_pipeline_are_refused_in_one_line() -> None:
     """Under a pipeline engine(batch) returns the loss; reading .logits said nothing useful (AttributeError) and
     scaling it was a bare TypeError."""
     for logits, scaled in run_distributed(2, _pipeline_logits_body):
-        assert logits.startswith("pipeline: engine(batch) returns the micro-batch's loss, not the model's output"), logits
+        assert logits.startswith("pipeline: engine(batch) returns the micro-batch's loss, not the model's output"), (
+            logits
+        )
         assert scaled.startswith("pipeline: the loss engine(batch) returns is computed inside the schedule"), scaled
         assert "\n" not in logits + scaled
 
@@ -332,7 +447,12 @@ def _injected_feature_body(mode: str) -> str:
     torch.manual_seed(0)
     layout = {**MODES["pp"], **MODES["ulysses"]} if mode == "pp_ulysses" else MODES[mode]
     gas = 2 if mode.startswith("pp_") else 1  # a pipeline of 2 stages needs 2 micro-batches per step
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **layout}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        **layout,
+    }
     engine = slipstream.initialize(_llama(), config)
     ids = _ids((2, LENGTH), 41)
     allowed = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril()
@@ -355,7 +475,10 @@ def _injected_feature_body(mode: str) -> str:
 def test_the_first_batch_twin_check_refuses_a_feature_no_rule_names(mode: str) -> None:
     staged = mode.startswith("pp_")
     for message in run_distributed(4 if staged else 2, _injected_feature_body, mode):
-        assert "does not reproduce LlamaForCausalLM on the first batch (row 0, tokens 0-32 of 32; keys input_ids[2×32], labels[2×32], attention_mask[2×1×32×32])" in message, message
+        assert (
+            "does not reproduce LlamaForCausalLM on the first batch (row 0, tokens 0-32 of 32; keys input_ids[2×32], labels[2×32], attention_mask[2×1×32×32])"
+            in message
+        ), message
         # one process's model names the first module that differs; a pipeline's stages compare the step's loss
         assert ("the step's loss" if staged else "module 'model.layers.0") in message, message
         assert "\n" not in message
@@ -378,7 +501,10 @@ def _dropped_window_body(mode: str) -> str:
         module.attention_features = lambda *a, **k: dataclasses.replace(real(*a, **k), sliding_window=None)  # type: ignore[attr-defined]
     torch.manual_seed(0)
     model = MistralForCausalLM(_config("MistralConfig", sliding_window=80, max_position_embeddings=256))
-    engine = slipstream.initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **MODES[mode]})
+    engine = slipstream.initialize(
+        model,
+        {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **MODES[mode]},
+    )
     ids = _ids((1, 160), 43)
     try:
         with pytest.raises(slipstream.ConfigError) as err:
@@ -393,7 +519,9 @@ def _dropped_window_body(mode: str) -> str:
 @pytest.mark.parametrize("mode", ["ulysses", "zigzag"])
 def test_the_first_batch_window_crosses_the_models_sliding_window(mode: str) -> None:
     for message in run_distributed(2, _dropped_window_body, mode):
-        assert "does not reproduce MistralForCausalLM on the first batch (row 0, tokens 0-160 of 160;" in message, message
+        assert "does not reproduce MistralForCausalLM on the first batch (row 0, tokens 0-160 of 160;" in message, (
+            message
+        )
         assert "\n" not in message
 
 
@@ -401,7 +529,11 @@ def _ring_work_body(mode: str) -> dict[str, float]:
     """The ring's causal work (token_layout.py's block units, summed over layers) on one packed row and on the same row
     read as one document (its position ids counting on): blocks no document spans are skipped or masked."""
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **MODES[mode]}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        **MODES[mode],
+    }
     engine = slipstream.initialize(_llama(), config)
     kernel = engine.runner.sharder.routing[3]
     packed = _packed(flash_keywords=False)
@@ -452,10 +584,12 @@ def _block_path_body() -> dict[bool, tuple[float, float]]:
         out, _ = ring(module, *local, None)
         out.sum().backward()
         whole = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        mask = allowed(AttentionFeatures(True, None, 0.0, None, None), torch.arange(length), torch.arange(length), segments)
+        mask = allowed(
+            AttentionFeatures(True, None, 0.0, None, None), torch.arange(length), torch.arange(length), segments
+        )
         ref = torch.nn.functional.scaled_dot_product_attention(
             whole[0], whole[1].expand(-1, heads, -1, -1), whole[2].expand(-1, heads, -1, -1), attn_mask=mask
-        )  # fmt: skip
+        )
         ref.sum().backward()
         found[zigzag] = (
             float((out.detach().transpose(1, 2) - ref.detach()[:, :, mine]).abs().max()),

@@ -38,7 +38,10 @@ def _config(world: int, stage: int, gas: int, mb: int = 2, **checkpoint: object)
         "train_batch_size": mb * gas * world,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-3, "warmup_type": "linear"}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-3, "warmup_type": "linear"},
+        },
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 20_000},
         "checkpoint": checkpoint,
@@ -106,7 +109,10 @@ def _exact_resume_body(stage: int, gas: int, precision: str, async_save: bool, o
     world, rank = dist.get_world_size(), dist.get_rank()
     directory = _shared_dir()
     extra = {precision: {"enabled": True}} if precision != "fp32" else {}
-    config = {**_with_offload(_config(world, stage, gas, **{"async": async_save}), offload, os.path.join(directory, "swap")), **extra}
+    config = {
+        **_with_offload(_config(world, stage, gas, **{"async": async_save}), offload, os.path.join(directory, "swap")),
+        **extra,
+    }
     data = _Tokens(26 * gas)  # 6.5 optimizer steps per epoch: the epoch ends mid-window, after the save
     torch.manual_seed(rank)
     engine = slipstream.initialize(_with_dropout(tiny_gpt2(seed=0)), config, training_data=data)
@@ -146,10 +152,18 @@ def _exact_resume_body(stage: int, gas: int, precision: str, async_save: bool, o
 
 @pytest.mark.parametrize(
     ("stage", "gas", "precision", "async_save", "offload"),
-    [(0, 2, "fp32", False, "none"), (1, 2, "fp32", False, "none"), (2, 2, "fp32", True, "none"),
-     (3, 2, "fp32", False, "none"), (3, 1, "fp32", True, "none"), (2, 1, "bf16", False, "none"),
-     (1, 2, "fp16", True, "none"), (2, 2, "fp32", True, "cpu"), (3, 1, "bf16", False, "nvme")],
-)  # fmt: skip
+    [
+        (0, 2, "fp32", False, "none"),
+        (1, 2, "fp32", False, "none"),
+        (2, 2, "fp32", True, "none"),
+        (3, 2, "fp32", False, "none"),
+        (3, 1, "fp32", True, "none"),
+        (2, 1, "bf16", False, "none"),
+        (1, 2, "fp16", True, "none"),
+        (2, 2, "fp32", True, "cpu"),
+        (3, 1, "bf16", False, "nvme"),
+    ],
+)
 def test_exact_resume(stage: int, gas: int, precision: str, async_save: bool, offload: str) -> None:
     run_distributed(2, _exact_resume_body, stage, gas, precision, async_save, offload)
 
@@ -219,7 +233,9 @@ def test_reshard_stage3_world4_to_stage2_world2_and_stage0_world1(tmp_path: Path
 
 def _interval_body(directory: str) -> dict:
     world = dist.get_world_size()
-    config = _config(world, 1, gas=1, save_dir=directory, interval=3, keep_last_n=2, auto_resume=True, **{"async": True})
+    config = _config(
+        world, 1, gas=1, save_dir=directory, interval=3, keep_last_n=2, auto_resume=True, **{"async": True}
+    )
     engine = slipstream.initialize(tiny_gpt2(seed=0), config)
     assert engine.resumed_from is None
     train_engine(engine, global_batches(STEPS, 2 * world))
@@ -308,7 +324,10 @@ def test_bad_input_is_refused_with_a_precise_message(tmp_path: Path) -> None:
         assert "rank00001.safetensors is missing" in m["missing"]
         assert "client_state['fn'] is a builtins.builtin_function_or_method" in m["client_state"]
         assert "manifest.json is missing" in m["no_manifest"]
-        assert "holds no weights" in m["deepspeed_style/global_step2"] and "mp_rank_00_model_states.pt" in m["deepspeed_style/global_step2"]
+        assert (
+            "holds no weights" in m["deepspeed_style/global_step2"]
+            and "mp_rank_00_model_states.pt" in m["deepspeed_style/global_step2"]
+        )
         assert "'transformer.wte.weight' has shape (256, 64) in the checkpoint but (256, 32)" in m["wrong_model"]
         path, caught = m["fallback"]
         assert path.endswith("good") and any("latest points to 'truncated'" in w for w in caught)

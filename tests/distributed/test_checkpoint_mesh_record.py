@@ -21,18 +21,25 @@ from tests.reference import tiny_mixtral
 
 def _engine(kind: str) -> Any:
     if kind == "tp":
-        return slipstream.initialize(TinyMLPLM(hidden=16, n_layer=2), config(micro=2, dp=1, tp=2, stage=1, tensor={"partition_config": MLP_PARTITION}))
+        return slipstream.initialize(
+            TinyMLPLM(hidden=16, n_layer=2),
+            config(micro=2, dp=1, tp=2, stage=1, tensor={"partition_config": MLP_PARTITION}),
+        )
     settings = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 1},
         "expert_parallel": {"enabled": True, "autoep_size": 2},
-    }  # fmt: skip
+    }
     return slipstream.initialize(tiny_mixtral(hidden=32, intermediate=32, vocab=64, positions=8), settings)
 
 
 def _body(kind: str, directory: str) -> dict[str, Any]:
     engine = _engine(kind)
-    tokens = torch.randint(0, 64, (engine.train_micro_batch_size_per_gpu(), 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    tokens = torch.randint(
+        0, 64, (engine.train_micro_batch_size_per_gpu(), 8), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
     engine.backward(engine(input_ids=tokens, labels=tokens).loss)
     engine.step()
     path = Path(engine.save_checkpoint(directory, tag="t"))
@@ -55,12 +62,24 @@ def _body(kind: str, directory: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("kind", "mesh", "shown", "boxes"),
     [
-        ("tp", {"pp": 1, "dp": 1, "cp": 1, "sp": 1, "tp": 2, "ep": 1}, "pp 1 × dp 1 × cp 1 × sp 1 × tp 2, ep 1", "tensor-parallel blocks, tp 2"),
-        ("ep", {"pp": 1, "dp": 2, "cp": 1, "sp": 1, "tp": 1, "ep": 2}, "pp 1 × dp 2 × cp 1 × sp 1 × tp 1, ep 2", "expert-parallel slices, ep 2"),
+        (
+            "tp",
+            {"pp": 1, "dp": 1, "cp": 1, "sp": 1, "tp": 2, "ep": 1},
+            "pp 1 × dp 1 × cp 1 × sp 1 × tp 2, ep 1",
+            "tensor-parallel blocks, tp 2",
+        ),
+        (
+            "ep",
+            {"pp": 1, "dp": 2, "cp": 1, "sp": 1, "tp": 1, "ep": 2},
+            "pp 1 × dp 2 × cp 1 × sp 1 × tp 1, ep 2",
+            "expert-parallel slices, ep 2",
+        ),
     ],
     ids=["tp2", "ep2"],
-)  # fmt: skip
-def test_the_mesh_is_recorded_and_inspected(tmp_path: Path, kind: str, mesh: dict[str, int], shown: str, boxes: str) -> None:
+)
+def test_the_mesh_is_recorded_and_inspected(
+    tmp_path: Path, kind: str, mesh: dict[str, int], shown: str, boxes: str
+) -> None:
     found = run_distributed(2, _body, kind, str(tmp_path / kind))[0]
     assert found["mesh"] == mesh
     assert found["entries"] == ["latest", "t"]  # no .lock-t, no .tmp-t

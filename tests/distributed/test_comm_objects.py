@@ -38,5 +38,10 @@ def test_objects_cross_ranks_on_the_recorded_path() -> None:
         else:
             assert result["gathered"] is None
         assert result["tags"] == [
-            "test objects (sizes)", "test objects", "test gather (sizes)", "test gather", "test verdict (size)", "test verdict",
-        ]  # fmt: skip
+            "test objects (sizes)",
+            "test objects",
+            "test gather (sizes)",
+            "test gather",
+            "test verdict (size)",
+            "test verdict",
+        ]

@@ -93,6 +93,7 @@ def _recorded_step(stage: int, break_wait: bool = False, break_issue: bool = Fal
     context_module.get_accelerator = lambda: recorder  # every CommContext made from here on records
     original_wait, original_issue = context_module.CommContext.wait, context_module.CommContext.issue
     if break_wait:  # the host waits, but compute never waits for the collective's stream
+
         def wait(self: Any, pending: Any) -> None:
             if pending.work is not None:
                 pending.work.wait()
@@ -101,6 +102,7 @@ def _recorded_step(stage: int, break_wait: bool = False, break_issue: bool = Fal
 
         context_module.CommContext.wait = wait
     if break_issue:  # launched on its stream before the stream waits for compute to write the inputs
+
         def issue(self: Any, kind: str, launch: Any, tag: str = "") -> Any:
             with self.accelerator.stream(self.stream(kind)):
                 self._note("launch", kind, tag)
@@ -116,9 +118,12 @@ def _recorded_step(stage: int, break_wait: bool = False, break_issue: bool = Fal
         names = {id(p): n for n, p in model.named_parameters()}
         for p in model.parameters():  # before initialize: runs before the strategy's own gradient hook
             p.register_post_accumulate_grad_hook(lambda p: log.append(("grad", names[id(p)], "")))
-        config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0},
-                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}  # fmt: skip
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        }
         engine = slipstream.initialize(model, config)
         context = engine.strategy.comm_context
         context.observer = lambda what, kind, tag: log.append((what, kind, tag))
@@ -164,20 +169,26 @@ def check_order(log: list[tuple[str, ...]]) -> None:
         assert done is not None, f"no event after the {kind} of {tag}"
         noted = next((j for j, e in enumerate(log) if e == ("wait", kind, tag) and j > i), None)
         if noted is not None:
-            assert ("stream_waits", "compute", done) in log[i:noted], f"compute used the result of the {kind} of {tag} without waiting for its stream"
+            assert ("stream_waits", "compute", done) in log[i:noted], (
+                f"compute used the result of the {kind} of {tag} without waiting for its stream"
+            )
     for i, (what, kind, tag) in enumerate(log):
         if what == "recycle":  # 3. a send buffer back in the pool only after its collective completed
             assert ("wait", kind, tag) in log[:i], f"send buffer of {tag} reused before its {kind} completed"
         if what == "use":  # 4. a ZeRO-3 unit is used only after its gather was waited on
-            gathers = [j for j, e in enumerate(log[:i]) if e[0] == "launch" and e[1] == "all_gather" and f"({kind})" in e[2]]
+            gathers = [
+                j for j, e in enumerate(log[:i]) if e[0] == "launch" and e[1] == "all_gather" and f"({kind})" in e[2]
+            ]
             if gathers:
                 tag_of = log[gathers[-1]][2]
-                assert ("wait", "all_gather", tag_of) in log[gathers[-1] : i], f"{kind} computed on before its gather was waited on"
+                assert ("wait", "all_gather", tag_of) in log[gathers[-1] : i], (
+                    f"{kind} computed on before its gather was waited on"
+                )
 
 
 def _check_zero3(log: list[tuple[str, ...]]) -> None:
     check_order(log)
-    for i, (what, kind, tag) in enumerate(log):
+    for i, (what, _kind, tag) in enumerate(log):
         match = re.match(r"ZeRO-3 gradients of unit \d+ \((.+)\)$", tag) if what == "launch" else None
         if match:  # 5. a unit's gradients reduced only after backward wrote every one of them
             block = match.group(1)
@@ -187,7 +198,9 @@ def _check_zero3(log: list[tuple[str, ...]]) -> None:
         if what == "free" and "unit" in tag:  # 6. freed after compute recorded the end of its use
             assert log[i - 1][0] == "record" and log[i - 1][2] == "compute", f"{tag} freed without an event on compute"
     launches = {e[2] for e in log if e[0] == "launch"}
-    assert any(t.startswith("ZeRO-3 unit") for t in launches) and any(t.startswith("ZeRO-3 gradients") for t in launches)
+    assert any(t.startswith("ZeRO-3 unit") for t in launches) and any(
+        t.startswith("ZeRO-3 gradients") for t in launches
+    )
 
 
 def _check_zero2(log: list[tuple[str, ...]]) -> None:

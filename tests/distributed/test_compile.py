@@ -34,38 +34,72 @@ def _model(kind: str) -> torch.nn.Module:
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        return GPT2LMHeadModel(GPT2Config(
-            n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        ))  # fmt: skip
+        return GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=2,
+                n_embd=64,
+                n_head=4,
+                vocab_size=VOCAB,
+                n_positions=SEQ,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
     if kind == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        return MixtralForCausalLM(MixtralConfig(
-            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-            vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0,
-            output_router_logits=True, router_aux_loss_coef=0.1,
-        ))  # fmt: skip
+        return MixtralForCausalLM(
+            MixtralConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=96,
+                vocab_size=VOCAB,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                bos_token_id=0,
+                eos_token_id=0,
+                output_router_logits=True,
+                router_aux_loss_coef=0.1,
+            )
+        )
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-        vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
-    ))  # fmt: skip
+    return LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            vocab_size=VOCAB,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def _config(stage: int, extra: dict[str, Any], compiled: bool) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage},
         "compile": {"enabled": compiled},
-    }  # fmt: skip
+    }
     for key, value in extra.items():
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
     return cfg
 
 
-def _train(kind: str, stage: int, extra: dict[str, Any], compiled: bool) -> tuple[list[float], dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+def _train(
+    kind: str, stage: int, extra: dict[str, Any], compiled: bool
+) -> tuple[list[float], dict[str, torch.Tensor] | None, dict[str, Any] | None]:
     engine = slipstream.initialize(_model(kind), _config(stage, extra, compiled))
     start = engine.consolidated_state_dict()
     g = torch.Generator().manual_seed(7 + engine.mesh.rank_of("dp"))
@@ -109,7 +143,9 @@ def _check(results: list[dict[str, Any]], adam: bool = False) -> None:
             # Adam's update is ~lr wherever the gradient is ~0, whatever its noise: elementwise only under SGD
             assert adam or off <= 1e-6 * float(w.abs().max()) + 1e-9, f"{name}: weights differ by {off:.3g}"
             change = float(moved.norm())
-            assert float((moved - cmoved).norm()) <= 2e-3 * change + 1e-9, f"{name}: update differs (eager change {change:.3g})"
+            assert float((moved - cmoved).norm()) <= 2e-3 * change + 1e-9, (
+                f"{name}: update differs (eager change {change:.3g})"
+            )
 
 
 @pytest.mark.parametrize(
@@ -122,8 +158,22 @@ def _check(results: list[dict[str, Any]], adam: bool = False) -> None:
         ("gpt2", 0, {}),
         ("gpt2", 3, {"activation_checkpointing": {"module_classes": ["GPT2Block"]}}),
         ("llama", 3, {"activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]}}),
-        ("llama", 2, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}),
-        ("llama", 3, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}),
+        (
+            "llama",
+            2,
+            {
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+            },
+        ),
+        (
+            "llama",
+            3,
+            {
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                "zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+            },
+        ),
         ("llama", 1, {"tensor_parallel": {"autotp_size": 2}}),
         ("gpt2", 3, {"tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}}),
         ("llama", 0, {"sequence_parallel_size": 2}),
@@ -133,7 +183,16 @@ def _check(results: list[dict[str, Any]], adam: bool = False) -> None:
         ("llama", 1, {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}),
         ("mixtral", 1, {"expert_parallel": {"enabled": True, "autoep_size": 2}}),
         ("mixtral", 3, {}),
-        ("llama", 3, {"long_context": {"tiled_mlp": {"enabled": True, "tile_tokens": 10}, "tiled_logits": {"enabled": True, "tile_tokens": 7}}}),
+        (
+            "llama",
+            3,
+            {
+                "long_context": {
+                    "tiled_mlp": {"enabled": True, "tile_tokens": 10},
+                    "tiled_logits": {"enabled": True, "tile_tokens": 7},
+                }
+            },
+        ),
     ],
     ids=lambda v: v if isinstance(v, (str, int)) else "-".join(f"{k}" for k in v) or "dp",
 )

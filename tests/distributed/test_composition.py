@@ -38,8 +38,11 @@ PAIRS: dict[str, dict[str, Any]] = {
     "sp2_cp2": {"sequence_parallel_size": 2, "context_parallel": {"size": 2}},  # USP: Ulysses × ring
     "sp2_cp2_allgather": {"sequence_parallel_size": 2, "context_parallel": {"size": 2, "method": "allgather_kv"}},
     # Megatron sequence parallelism inside tensor parallelism (norm and dropout activations cut along the sequence)
-    "tpsp2_pp2": {"tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}, "pipeline": {"stages": 2},
-                  "gradient_accumulation_steps": 2},
+    "tpsp2_pp2": {
+        "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True},
+        "pipeline": {"stages": 2},
+        "gradient_accumulation_steps": 2,
+    },
     "tpsp2_cp2": {"tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}, "context_parallel": {"size": 2}},
     # experts on the tp ranks, which hold sequence shards: each token reaches its expert once
     "ep2_tpsp2": {**EP2, "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}},
@@ -53,10 +56,14 @@ def _batches(dp: int, accumulation: int) -> list[torch.Tensor]:
 
 def _config(extra: dict[str, Any], stage: int) -> dict[str, Any]:
     return {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, "steps_per_print": 1, **extra,
-    }  # fmt: skip
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 1,
+        **extra,
+    }
 
 
 def _train(extra: dict[str, Any], stage: int = 1, build: Callable[[], torch.nn.Module] | None = None) -> dict[str, Any]:
@@ -76,9 +83,17 @@ def _body(stage: int) -> dict[str, Any]:
 # The axes whose groups each pair's own collectives cross (the step record's comms_MB/<axis>; "tp+ep" where the
 # two axes' groups are the same ranks).
 AXES_USED = {
-    "ep2_tp2": {"ep", "tp"}, "ep2_sp2": {"ep", "sp"}, "ep2_cp2": {"ep", "cp"}, "ep2_pp2": {"ep", "pp"},
-    "sp2_pp2": {"sp", "pp"}, "cp2_pp2": {"cp", "pp"}, "sp2_cp2": {"sp", "cp"}, "sp2_cp2_allgather": {"sp", "cp"},
-    "tpsp2_pp2": {"tp", "pp"}, "tpsp2_cp2": {"tp", "cp"}, "ep2_tpsp2": {"ep", "tp"},
+    "ep2_tp2": {"ep", "tp"},
+    "ep2_sp2": {"ep", "sp"},
+    "ep2_cp2": {"ep", "cp"},
+    "ep2_pp2": {"ep", "pp"},
+    "sp2_pp2": {"sp", "pp"},
+    "cp2_pp2": {"cp", "pp"},
+    "sp2_cp2": {"sp", "cp"},
+    "sp2_cp2_allgather": {"sp", "cp"},
+    "tpsp2_pp2": {"tp", "pp"},
+    "tpsp2_cp2": {"tp", "cp"},
+    "ep2_tpsp2": {"ep", "tp"},
 }
 
 
@@ -101,8 +116,12 @@ def _routed_mixtral() -> torch.nn.Module:
     return model
 
 
-ROUTED = {"ep2_sp2": PAIRS["ep2_sp2"], "ep2_cp2": PAIRS["ep2_cp2"], "ep2_zigzag2": {**EP2, "context_parallel": {"size": 2, "method": "zigzag"}},
-          "ep2_tpsp2": PAIRS["ep2_tpsp2"]}
+ROUTED = {
+    "ep2_sp2": PAIRS["ep2_sp2"],
+    "ep2_cp2": PAIRS["ep2_cp2"],
+    "ep2_zigzag2": {**EP2, "context_parallel": {"size": 2, "method": "zigzag"}},
+    "ep2_tpsp2": PAIRS["ep2_tpsp2"],
+}
 
 
 def _routed_body() -> dict[str, Any]:
@@ -110,8 +129,14 @@ def _routed_body() -> dict[str, Any]:
     for stage in (1, 3):
         for name, extra in ROUTED.items():
             engine = slipstream.initialize(_routed_mixtral(), _config(extra, stage))
-            losses = [train_step_on_global_batch(engine, tokens, MICRO) for tokens in _batches(engine.mesh.size("dp"), 1)]
-            results[f"{name}/zero{stage}"] = {"losses": losses, "state": engine.consolidated_state_dict(), "dp": engine.mesh.size("dp")}
+            losses = [
+                train_step_on_global_batch(engine, tokens, MICRO) for tokens in _batches(engine.mesh.size("dp"), 1)
+            ]
+            results[f"{name}/zero{stage}"] = {
+                "losses": losses,
+                "state": engine.consolidated_state_dict(),
+                "dp": engine.mesh.size("dp"),
+            }
             engine.close()
     return results
 
@@ -160,7 +185,9 @@ def test_the_router_loss_under_pipeline_and_expert_parallel_matches_one_process(
     for name, ours in results.items():
         # each micro-batch's balancing loss over its own tokens, averaged over the window and dp (as DDP would)
         count = ours["dp"] * ours["m"]
-        losses, params = train_lm_reference(_routed_deep_mixtral(), _batches(ours["dp"], ours["m"])[:2], LR, micro_batches=count)
+        losses, params = train_lm_reference(
+            _routed_deep_mixtral(), _batches(ours["dp"], ours["m"])[:2], LR, micro_batches=count
+        )
         assert ours["losses"] == pytest.approx(losses, rel=1e-5), name
         assert_weights_close(ours["state"], params, rtol=1e-4, atol=5e-5, label=name)
 
@@ -175,13 +202,19 @@ def test_megatron_sequence_parallel_with_fewer_expert_ranks_than_tp_is_refused()
     """ep 2 inside tp 4: ranks holding the same experts would each hold part of their gradient; refused, saying why."""
     extra = {**EP2, "tensor_parallel": {"autotp_size": 4, "sequence_parallel": True}}
     for message in run_distributed(4, _refused_body, extra):
-        assert message.startswith("tensor_parallel.sequence_parallel: expert_parallel.autoep_size 2 is not a multiple of"), message
+        assert message.startswith(
+            "tensor_parallel.sequence_parallel: expert_parallel.autoep_size 2 is not a multiple of"
+        ), message
 
 
 RECIPES: dict[str, dict[str, Any]] = {
     # Llama 3: tensor × context × pipeline (× data, 1 here: 8 processes are the CI budget's most)
-    "llama3_tp2_cp2_pp2": {"tensor_parallel": {"autotp_size": 2}, "context_parallel": {"size": 2}, "pipeline": {"stages": 2},
-                           "gradient_accumulation_steps": 2},
+    "llama3_tp2_cp2_pp2": {
+        "tensor_parallel": {"autotp_size": 2},
+        "context_parallel": {"size": 2},
+        "pipeline": {"stages": 2},
+        "gradient_accumulation_steps": 2,
+    },
     # DeepSeek-V3: pipeline × expert × ZeRO-1 data parallel
     "deepseek_pp2_ep2_dp4": {**EP2, "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2},
     # USP with tensor parallel and data parallel: Ulysses × ring × tp × dp... at 8: Ulysses 2 × ring 2 × dp 2
@@ -194,7 +227,8 @@ RECIPES: dict[str, dict[str, Any]] = {
 ROUTED_RECIPES: dict[str, tuple[dict[str, Any], Callable[[], torch.nn.Module]]] = {
     "deepseek_pp2_ep2_dp4": (RECIPES["deepseek_pp2_ep2_dp4"], _routed_mixtral),
     "deepseek_dualpipev_pp2_ep2_dp4": (
-        {**EP2, "pipeline": {"stages": 2, "schedule": "dualpipev"}, "gradient_accumulation_steps": 4}, _routed_deep_mixtral,
+        {**EP2, "pipeline": {"stages": 2, "schedule": "dualpipev"}, "gradient_accumulation_steps": 4},
+        _routed_deep_mixtral,
     ),
 }
 
@@ -225,9 +259,14 @@ def _global_batches() -> list[torch.Tensor]:
 
 
 def _resume_run(
-    extra: dict[str, Any], accumulation: int, micro: int, steps: range, load: str | None, save: str,
+    extra: dict[str, Any],
+    accumulation: int,
+    micro: int,
+    steps: range,
+    load: str | None,
+    save: str,
     build: Callable[[], torch.nn.Module] = _mixtral,
-) -> list[float]:  # fmt: skip
+) -> list[float]:
     """Train ``steps`` of the global batches on this mesh (resuming from ``load``), save to ``save``."""
     config = {**_config(extra, 1), "gradient_accumulation_steps": accumulation, "train_micro_batch_size_per_gpu": micro}
     engine = slipstream.initialize(build(), config)
@@ -246,9 +285,13 @@ def test_a_deepseek_like_checkpoint_resumes_in_one_process_and_under_tensor_para
     loss is each micro-batch's own), so one process accumulates four."""
     a, b, c = (str(tmp_path / x) for x in "abc")
     reference, _ = train_lm_reference(_routed_mixtral(), _global_batches(), LR, bounds=False, micro_batches=4)
-    first = run_distributed(4, _resume_run, {**EP2, "pipeline": {"stages": 2}}, 2, 2, range(0, 2), None, a, _routed_mixtral)[0]
+    first = run_distributed(
+        4, _resume_run, {**EP2, "pipeline": {"stages": 2}}, 2, 2, range(0, 2), None, a, _routed_mixtral
+    )[0]
     middle = run_distributed(1, _resume_run, {}, 4, 2, range(2, 4), a, b, _routed_mixtral)[0]
-    last = run_distributed(4, _resume_run, {"tensor_parallel": {"autotp_size": 2}}, 2, 2, range(4, 6), b, c, _routed_mixtral)[0]
+    last = run_distributed(
+        4, _resume_run, {"tensor_parallel": {"autotp_size": 2}}, 2, 2, range(4, 6), b, c, _routed_mixtral
+    )[0]
     assert first + middle + last == pytest.approx(reference, rel=1e-5)
 
 
@@ -258,7 +301,11 @@ def test_a_llama3_like_checkpoint_resumes_under_pipeline_and_data_parallel(metho
     interrupted."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     reference, _ = train_lm_reference(_mixtral(), _global_batches()[:4], LR, bounds=False)
-    llama3 = {"tensor_parallel": {"autotp_size": 2}, "context_parallel": {"size": 2, "method": method}, "pipeline": {"stages": 2}}
+    llama3 = {
+        "tensor_parallel": {"autotp_size": 2},
+        "context_parallel": {"size": 2, "method": method},
+        "pipeline": {"stages": 2},
+    }
     first = run_distributed(8, _resume_run, llama3, 2, 4, range(0, 2), None, a)[0]
     last = run_distributed(8, _resume_run, {"pipeline": {"stages": 2}}, 2, 1, range(2, 4), a, b)[0]
     assert first + last == pytest.approx(reference, rel=1e-5)

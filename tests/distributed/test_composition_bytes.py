@@ -42,13 +42,25 @@ LABELS: dict[str, dict[str, str]] = {
 }
 
 KINDS = (  # tag prefix -> what it carries
-    ("tp ", "tp"), ("ring ", "ring"), ("ulysses ", "ulysses"), ("sequence-parallel ", "sequence loss"),
-    ("pipeline activation", "pipeline"), ("pipeline gradient", "pipeline"), ("pipeline shape", "pipeline shape"),
-    ("pipeline stage costs", "pipeline bookkeeping"), ("pipeline losses", "pipeline bookkeeping"),
-    ("expert token counts", "expert counts"), ("expert ids", "expert ids"), ("expert dispatch", "expert rows"),
-    ("expert combine", "expert rows"), ("gradient bucket", "zero"), ("updated weights", "zero"),
-    ("used-parameter flags", "zero flags"), ("gradient norm", "gradient norm"), ("rank health", "rank health"),
-)  # fmt: skip
+    ("tp ", "tp"),
+    ("ring ", "ring"),
+    ("ulysses ", "ulysses"),
+    ("sequence-parallel ", "sequence loss"),
+    ("pipeline activation", "pipeline"),
+    ("pipeline gradient", "pipeline"),
+    ("pipeline shape", "pipeline shape"),
+    ("pipeline stage costs", "pipeline bookkeeping"),
+    ("pipeline losses", "pipeline bookkeeping"),
+    ("expert token counts", "expert counts"),
+    ("expert ids", "expert ids"),
+    ("expert dispatch", "expert rows"),
+    ("expert combine", "expert rows"),
+    ("gradient bucket", "zero"),
+    ("updated weights", "zero"),
+    ("used-parameter flags", "zero flags"),
+    ("gradient norm", "gradient norm"),
+    ("rank health", "rank health"),
+)
 
 
 def _kind(op: str, tag: str) -> str:
@@ -62,7 +74,9 @@ def _measure(name: str) -> dict[str, Any]:
     routed: list[torch.Tensor] = []  # per training forward of an expert layer: this rank's choices of each expert
 
     def count(module: ExpertParallelExperts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        choices = args[1] if len(args) > 1 else kwargs["top_k_index"]  # forward(hidden_states, top_k_index, top_k_weights)
+        choices = (
+            args[1] if len(args) > 1 else kwargs["top_k_index"]
+        )  # forward(hidden_states, top_k_index, top_k_weights)
         routed.append(torch.bincount(choices.reshape(-1), minlength=module.num_experts))
 
     for module in engine.module.modules():
@@ -78,12 +92,17 @@ def _measure(name: str) -> dict[str, Any]:
         (label,) = mesh.traffic([r])  # the step record's label for this record's group
         measured[(label, _kind(r.op, r.tag))] += r.moved
     result = {
-        "measured": dict(measured), "by_axis": mesh.traffic(records), "m": m,
+        "measured": dict(measured),
+        "by_axis": mesh.traffic(records),
+        "m": m,
         "monitor": {k: v for k, v in engine.monitor.last.items() if k.startswith("comms_MB")},
-        "sizes": {a: mesh.size(a) for a in AXES}, "coords": {a: mesh.rank_of(a) for a in AXES}, "ep_ranks": mesh.ranks("ep"),
-        "routed": torch.stack(routed).sum(0).tolist() if routed else [], "expert_forwards": len(routed),
+        "sizes": {a: mesh.size(a) for a in AXES},
+        "coords": {a: mesh.rank_of(a) for a in AXES},
+        "ep_ranks": mesh.ranks("ep"),
+        "routed": torch.stack(routed).sum(0).tolist() if routed else [],
+        "expert_forwards": len(routed),
         "ranges": [list(r) for r in engine.pipeline.ranges] if engine.pipeline is not None else None,
-    }  # fmt: skip
+    }
     engine.close()
     return result
 
@@ -101,10 +120,15 @@ def _model_shapes() -> dict[str, Any]:
     model = _mixtral()
     c = model.config
     return {
-        "hidden": c.hidden_size, "vocab": c.vocab_size, "heads": c.num_attention_heads, "kv": c.num_key_value_heads,
-        "d": c.hidden_size // c.num_attention_heads, "layers": c.num_hidden_layers, "experts": c.num_local_experts,
+        "hidden": c.hidden_size,
+        "vocab": c.vocab_size,
+        "heads": c.num_attention_heads,
+        "kv": c.num_key_value_heads,
+        "d": c.hidden_size // c.num_attention_heads,
+        "layers": c.num_hidden_layers,
+        "experts": c.num_local_experts,
         "params": {n: p.numel() for n, p in model.named_parameters()},
-    }  # fmt: skip
+    }
 
 
 def _padded(numel: int, ranks: int) -> int:
@@ -142,7 +166,9 @@ def _routed_pairs(results: list[dict[str, Any]], name: str, rank: int, experts: 
     ep, me = mine["sizes"]["ep"], mine["coords"]["ep"]
     owner = [e // (experts // ep) for e in range(experts)]  # contiguous ranges of E/ep experts per rank
     out = sum(n for e, n in enumerate(mine["routed"]) if owner[e] != me)
-    arrived = sum(results[q][name]["routed"][e] for q in mine["ep_ranks"] if q != rank for e in range(experts) if owner[e] == me)
+    arrived = sum(
+        results[q][name]["routed"][e] for q in mine["ep_ranks"] if q != rank for e in range(experts) if owner[e] == me
+    )
     return out, arrived
 
 
@@ -162,7 +188,9 @@ def _expected(results: list[dict[str, Any]], name: str, rank: int, shapes: dict[
         # each row-parallel o_proj and after the vocabulary-parallel embedding (first stage); backward one at each
         # column-parallel region's input (q|k|v, and the vocabulary-parallel head on the last stage), all-reduce = 2×;
         # forward the head's logits all-gathered (1×). Mixtral's fused experts and router stay replicated: no traffic.
-        expect[(lab["tp"], "tp")] = m * (2 * act * (layers + first) + 2 * act * (layers + last) + last * MICRO * tokens * vocab * F32)
+        expect[(lab["tp"], "tp")] = m * (
+            2 * act * (layers + first) + 2 * act * (layers + last) + last * MICRO * tokens * vocab * F32
+        )
     if c > 1:
         # Ring attention (context/ring_attention.py, [Note: the ring] and [Note: flash blocks]): per layer and micro-batch c−1
         # sends of K|V forward, c−1 of K|V|dK|dV backward and one of dK|dV home; K|V = b·2·Hkv'·(s/c)·d with this
@@ -234,5 +262,7 @@ def test_bytes_per_axis_equal_the_formulas(results: list[dict[str, Any]], name: 
         by_axis = +by_axis  # labels with bytes only
         assert r["by_axis"] == dict(by_axis), (name, rank)
         if rank == 0:  # the step record (rank 0 writes it): the same bytes by axis, in MiB
-            assert {k.partition("/")[2]: v * 2**20 for k, v in r["monitor"].items() if "/" in k} == pytest.approx(dict(by_axis), rel=1e-12)
+            assert {k.partition("/")[2]: v * 2**20 for k, v in r["monitor"].items() if "/" in k} == pytest.approx(
+                dict(by_axis), rel=1e-12
+            )
             assert r["monitor"]["comms_MB"] * 2**20 == pytest.approx(sum(by_axis.values()), rel=1e-12)

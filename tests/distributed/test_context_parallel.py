@@ -36,8 +36,12 @@ class _Stub(torch.nn.Module):
 def _worst_error(
     kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     reference: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upstream: torch.Tensor, index: torch.Tensor,
-) -> float:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    upstream: torch.Tensor,
+    index: torch.Tensor,
+) -> float:
     """``kernel(local q, k, v) -> [b, s, H, d]`` on this rank's tokens ``index`` against ``reference(q, k, v with the KV
     heads repeated) -> [b, H, S, d]`` on the whole sequence: the largest relative error of the output, dQ, dK and dV."""
     ref_q, ref_k, ref_v = (t.clone().requires_grad_(True) for t in (q, k, v))
@@ -47,19 +51,27 @@ def _worst_error(
     out = kernel(lq, lk, lv)
     (out * upstream.index_select(1, index)).sum().backward()
     pairs = [
-        (out, ref.index_select(1, index)), (lq.grad, ref_q.grad.index_select(2, index)),
-        (lk.grad, ref_k.grad.index_select(2, index)), (lv.grad, ref_v.grad.index_select(2, index)),
-    ]  # fmt: skip
+        (out, ref.index_select(1, index)),
+        (lq.grad, ref_q.grad.index_select(2, index)),
+        (lk.grad, ref_k.grad.index_select(2, index)),
+        (lv.grad, ref_v.grad.index_select(2, index)),
+    ]
     return max(float((a - b).detach().abs().max() / b.abs().max()) for a, b in pairs)
 
 
 def _kernel_body() -> dict[str, Any]:
     c, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(B, H, S, D, generator=g), torch.randn(B, KV, S, D, generator=g), torch.randn(B, KV, S, D, generator=g)
+    q, k, v = (
+        torch.randn(B, H, S, D, generator=g),
+        torch.randn(B, KV, S, D, generator=g),
+        torch.randn(B, KV, S, D, generator=g),
+    )
     upstream = torch.randn(B, S, H, D, generator=g)
     errors = {}
-    cases = [(z, causal, k) for z in (False, True) for causal in (False, True) for k in (RingAttention, AllGatherKVAttention)]
+    cases = [
+        (z, causal, k) for z in (False, True) for causal in (False, True) for k in (RingAttention, AllGatherKVAttention)
+    ]
     cases += [(False, causal, _ulysses) for causal in (False, True)]  # Ulysses: contiguous shards only
     for zigzag, causal, kernel in cases:
         layout = Layout(c, zigzag)
@@ -68,8 +80,12 @@ def _kernel_body() -> dict[str, Any]:
         errors[(zigzag, causal, kernel.__name__)] = _worst_error(
             lambda lq, lk, lv: fn(_Stub(causal), lq, lk, lv, None)[0],
             lambda rq, rk, rv: F.scaled_dot_product_attention(rq, rk, rv, is_causal=causal),
-            q, k, v, upstream, layout.positions(rank, S),
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            upstream,
+            layout.positions(rank, S),
+        )
     return errors
 
 
@@ -88,7 +104,11 @@ def _window_body() -> dict[str, Any]:
 
     c, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(B, H, S, D, generator=g), torch.randn(B, KV, S, D, generator=g), torch.randn(B, KV, S, D, generator=g)
+    q, k, v = (
+        torch.randn(B, H, S, D, generator=g),
+        torch.randn(B, KV, S, D, generator=g),
+        torch.randn(B, KV, S, D, generator=g),
+    )
     upstream = torch.randn(B, S, H, D, generator=g)
     errors, skipped = {}, {}
     for zigzag in (False, True):
@@ -104,8 +124,12 @@ def _window_body() -> dict[str, Any]:
                 errors[case] = _worst_error(
                     lambda lq, lk, lv: ring(_Stub(causal), lq, lk, lv, None, sliding_window=window, softcap=softcap)[0],
                     lambda rq, rk, rv: attend(rq, rk, rv, features, mask, False),
-                    q, k, v, upstream, layout.positions(rank, S),
-                )  # fmt: skip
+                    q,
+                    k,
+                    v,
+                    upstream,
+                    layout.positions(rank, S),
+                )
                 skipped[case] = ring.pairs
     return {"errors": errors, "pairs": skipped}
 
@@ -118,7 +142,9 @@ def test_ring_with_sliding_windows_and_softcap_matches_the_whole_sequence(world:
         assert max(result["errors"].values()) < 1e-5, result["errors"]
     for zigzag in (False, True):  # 3 tokens: only the diagonal blocks and those just below run, and partly
         windowed = sum(r["pairs"][(zigzag, True, 3, None)] for r in results)
-        without = sum(pair_work(Layout(world, zigzag), rank) for rank in range(world))  # the causal blocks without a window
+        without = sum(
+            pair_work(Layout(world, zigzag), rank) for rank in range(world)
+        )  # the causal blocks without a window
         assert windowed <= 0.5 * without, (zigzag, windowed, without)
 
 
@@ -131,11 +157,14 @@ def test_zigzag_balances_causal_work() -> None:
 
 def _cp_config(c: int, dp: int, stage: int, method: str) -> dict[str, Any]:
     return {
-        "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
-        "gradient_clipping": 0.0, "context_parallel": {"size": c, "method": method}, "data_parallel_size": dp,
+        "gradient_clipping": 0.0,
+        "context_parallel": {"size": c, "method": method},
+        "data_parallel_size": dp,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-    }  # fmt: skip
+    }
 
 
 def _train(name: str, c: int, dp: int, stage: int, method: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -166,13 +195,21 @@ def _world2_body() -> dict[str, Any]:
         "allgather-llama": _train("llama", 2, 1, 0, "allgather_kv"),
         # activation checkpointing: the recomputed forward runs the ring again, in the same order on every rank
         "zigzag-llama-bf16": _train("llama", 2, 1, 0, "zigzag", {"bf16": {"enabled": True}}),
-        "zigzag-llama-ac": _train("llama", 2, 1, 0, "zigzag", {"activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]}}),
+        "zigzag-llama-ac": _train(
+            "llama", 2, 1, 0, "zigzag", {"activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]}}
+        ),
     }
 
 
 def test_ring_and_zigzag_match_one_process_and_count_their_traffic() -> None:
     results = run_distributed(2, _world2_body)
-    for key, name in (("ring-llama", "llama"), ("zigzag-llama", "llama"), ("zigzag-gpt2", "gpt2"), ("allgather-llama", "llama"), ("zigzag-llama-ac", "llama")):
+    for key, name in (
+        ("ring-llama", "llama"),
+        ("zigzag-llama", "llama"),
+        ("zigzag-gpt2", "gpt2"),
+        ("allgather-llama", "llama"),
+        ("zigzag-llama-ac", "llama"),
+    ):
         _assert_matches(results[0][key], name, BATCH)
     # bf16 (the flash blocks in bf16, merged in fp32): the fp32 reference within the bf16 tolerance used elsewhere
     assert results[0]["zigzag-llama-bf16"]["losses"] == pytest.approx(_reference_losses(), rel=1e-3)

@@ -103,7 +103,10 @@ def _overflow_body(hysteresis: int, stage: int = 0, **zero: object) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     config = _config(world, 1, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": hysteresis})
     config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": 20_000, **zero}
-    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}}
+    config["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-3, "warmup_num_steps": 10},
+    }
     engine = slipstream.initialize(tiny_gpt2(seed=0), config)
     poison = {"step": 2}
     param = engine.module.transformer.h[0].mlp.c_fc.weight
@@ -191,10 +194,16 @@ class _BranchLast(_Branchy):
 def _unused_body(stage: int = 0, gas: int = 1, model_class: type[_Branchy] = _Branchy, **zero: object) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     config = _config(world, gas, mb=4)
-    config["zero_optimization"] = {"stage": stage, "reduce_bucket_size": 80, **zero}  # several buckets, one stalled by the branch
+    config["zero_optimization"] = {
+        "stage": stage,
+        "reduce_bucket_size": 80,
+        **zero,
+    }  # several buckets, one stalled by the branch
     engine = slipstream.initialize(model_class(), config)
     reference = model_class()
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01, fused=True)
+    ref_opt = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01, fused=True
+    )
     gen = torch.Generator().manual_seed(7)
 
     def branch(r: int, step: int, micro: int) -> bool:
@@ -206,7 +215,9 @@ def _unused_body(stage: int = 0, gas: int = 1, model_class: type[_Branchy] = _Br
         for micro in range(gas):
             engine.backward(engine(x[micro, rank], use_branch=branch(rank, step, micro)))
             engine.step()
-        ref_loss = sum(reference(x[m, r], use_branch=branch(r, step, m)) for m in range(gas) for r in range(world)) / (gas * world)
+        ref_loss = sum(reference(x[m, r], use_branch=branch(r, step, m)) for m in range(gas) for r in range(world)) / (
+            gas * world
+        )
         ref_loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 1.0)
         ref_opt.step()
@@ -289,7 +300,10 @@ def test_hung_collective_names_rank_and_operation() -> None:
     message = run_distributed(2, _timeout_body)[0]
     assert "rank 0/2" in message and "all_reduce of probe tensor" in message and "timed out" in message
     # No launcher here: the rings are exchanged through the job's store, and rank 1 never published one.
-    assert "Flight record: rank 1 did not answer (stopped, dead, or busy outside slipstream's collectives) while rank 0 waits in all_reduce #1 of ranks 0-1 " in message
+    assert (
+        "Flight record: rank 1 did not answer (stopped, dead, or busy outside slipstream's collectives) while rank 0 waits in all_reduce #1 of ranks 0-1 "
+        in message
+    )
 
 
 def _divergent_body() -> str:
@@ -297,7 +311,11 @@ def _divergent_body() -> str:
 
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
     tensor = torch.ones(4 if dist.get_rank() == 0 else 3)
-    call = slipstream.comm.all_reduce if dist.get_rank() == 0 else (lambda t, group, tag: slipstream.comm.broadcast(t, 1, group, tag))
+    call = (
+        slipstream.comm.all_reduce
+        if dist.get_rank() == 0
+        else (lambda t, group, tag: slipstream.comm.broadcast(t, 1, group, tag))
+    )
     with pytest.raises(slipstream.comm.CollectiveError) as info:
         call(tensor, group=group, tag="probe").wait()
     return str(info.value)
@@ -306,7 +324,10 @@ def _divergent_body() -> str:
 def test_divergent_collectives_are_named_through_the_store() -> None:
     messages = run_distributed(2, _divergent_body)
     for message in messages:  # both ranks published their rings out of band and both name the divergence
-        assert "Flight record: ranks 0,1 disagree (no majority): the first divergence is collective #1 of ranks 0-1 in step" in message, message
+        assert (
+            "Flight record: ranks 0,1 disagree (no majority): the first divergence is collective #1 of ranks 0-1 in step"
+            in message
+        ), message
         assert "rank 0 issued all_reduce ([4] float32); rank 1 issued broadcast ([3] float32)" in message, message
 
 

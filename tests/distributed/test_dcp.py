@@ -25,7 +25,8 @@ class Tiny(torch.nn.Module):
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, HIDDEN)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(HIDDEN, mlp), torch.nn.GELU(), torch.nn.Linear(mlp, HIDDEN)) for _ in range(2)
+            torch.nn.Sequential(torch.nn.Linear(HIDDEN, mlp), torch.nn.GELU(), torch.nn.Linear(mlp, HIDDEN))
+            for _ in range(2)
         )
         self.norm = torch.nn.LayerNorm(HIDDEN)
         self.head = torch.nn.Linear(HIDDEN, VOCAB)
@@ -88,7 +89,9 @@ def _fsdp2_save(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str, t
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=titan))
-    dcp.save({**model_sd, "optimizer": optim_sd} if titan else {"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    dcp.save(
+        {**model_sd, "optimizer": optim_sd} if titan else {"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path
+    )
 
 
 def _fsdp2_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
@@ -130,7 +133,9 @@ def _read_all(path: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if isinstance(m, TensorStorageMetadata)}
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if isinstance(m, TensorStorageMetadata)
+    }
     dcp.load(state, checkpoint_id=path)
     return state
 
@@ -213,7 +218,9 @@ def _refusal_body(tmp: str) -> None:
     engine = _engine(stage=3, mlp=22)
     target = engine.checkpoint_target()
     snapshot = [o.value.clone() for o in target.shards.sharded_state()]
-    with pytest.raises(CheckpointError, match=r"parameter 'blocks\.0\.0\.weight' has shape \[21, 12\] in the checkpoint but \[22, 12\]"):
+    with pytest.raises(
+        CheckpointError, match=r"parameter 'blocks\.0\.0\.weight' has shape \[21, 12\] in the checkpoint but \[22, 12\]"
+    ):
         load_dcp(target, Path(tmp) / "fsdp2-2")
     for value, o in zip(snapshot, target.shards.sharded_state()):
         assert torch.equal(value, o.value)
@@ -238,6 +245,8 @@ def test_flat_boxes_tile_the_range() -> None:
     shape = (3, 4, 5)
     full = torch.arange(60).view(shape)
     for start, end in [(0, 60), (7, 8), (3, 58), (20, 40), (19, 41), (0, 1), (59, 60)]:
-        got = torch.cat([full[tuple(slice(o, o + s) for o, s in zip(*box))].reshape(-1) for box in flat_boxes(shape, start, end)])
+        got = torch.cat(
+            [full[tuple(slice(o, o + s) for o, s in zip(*box))].reshape(-1) for box in flat_boxes(shape, start, end)]
+        )
         assert torch.equal(got, torch.arange(start, end)), (start, end)
     assert flat_boxes((), 0, 1) == [((), ())]

@@ -80,7 +80,18 @@ def _check(case: str, stage: int, world: int, tmp_path: Path, tp: int = 1) -> No
     ref = _reference(case)
     out = tmp_path / f"{case}-w{world}-s{stage}-tp{tp}"
     model = ref["model"]
-    results = run_distributed(world, _resume, str(FIXTURES / ref["checkpoint_dir"]), stage, world, ref["precision"], ref["offload_optimizer"], model, str(out), tp)
+    results = run_distributed(
+        world,
+        _resume,
+        str(FIXTURES / ref["checkpoint_dir"]),
+        stage,
+        world,
+        ref["precision"],
+        ref["offload_optimizer"],
+        model,
+        str(out),
+        tp,
+    )
     got = results[0]
     assert got["path"] is not None, f"nothing loaded from {ref['checkpoint_dir']}"
     # fp32: DeepSpeed's next three losses to 1e-6; bf16 computes in bf16, where summation order shows at ~1e-3.
@@ -107,13 +118,20 @@ def test_resumes_as_deepspeed_at_the_same_world_and_stage(case: str, tmp_path: P
 
 
 _RESHARD = [  # (case, our stage, our world, tp): another world size, stage and mesh
-    ("gpt2_s1_fp32", 3, 4, 1), ("gpt2_s2_fp32", 0, 1, 1), ("gpt2_s3_fp32", 1, 4, 1), ("gpt2_s3_fp32", 2, 1, 1),
-    ("llama_s3_fp32", 1, 1, 1), ("gpt2_s2_fp32", 1, 2, 2), ("gpt2_s3_bf16", 3, 4, 2),
-]  # fmt: skip
+    ("gpt2_s1_fp32", 3, 4, 1),
+    ("gpt2_s2_fp32", 0, 1, 1),
+    ("gpt2_s3_fp32", 1, 4, 1),
+    ("gpt2_s3_fp32", 2, 1, 1),
+    ("llama_s3_fp32", 1, 1, 1),
+    ("gpt2_s2_fp32", 1, 2, 2),
+    ("gpt2_s3_bf16", 3, 4, 2),
+]
 
 
 @pytest.mark.parametrize(("case", "stage", "world", "tp"), [c for c in _RESHARD if c[0] in CASES])
-def test_resumes_at_another_world_size_stage_and_mesh(case: str, stage: int, world: int, tp: int, tmp_path: Path) -> None:
+def test_resumes_at_another_world_size_stage_and_mesh(
+    case: str, stage: int, world: int, tp: int, tmp_path: Path
+) -> None:
     """DeepSpeed's world-2 checkpoint at world 1 or 4, another ZeRO stage, or tensor parallel: DeepSpeed's own losses."""
     _check(case, stage, world, tmp_path, tp)
 
@@ -140,16 +158,24 @@ def _refused_body(root: str, marker: str) -> dict[str, Any]:
     if dist.get_rank() == 0:
         tag = Path(root) / "global_step3"
         tag.mkdir(parents=True)
-        torch.save({"module": {"weight": torch.ones(2, 2)}, "global_steps": 3, "trap": _Trap(marker)}, tag / "mp_rank_00_model_states.pt")
+        torch.save(
+            {"module": {"weight": torch.ones(2, 2)}, "global_steps": 3, "trap": _Trap(marker)},
+            tag / "mp_rank_00_model_states.pt",
+        )
         (Path(root) / "latest").write_text("global_step3")
     dist.barrier()
-    engine = slipstream.initialize(torch.nn.Linear(2, 2), {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine = slipstream.initialize(
+        torch.nn.Linear(2, 2),
+        {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+    )
     before = {k: v.clone() for k, v in engine.module.state_dict().items()}
     try:
         engine.load_checkpoint(root)
     except CheckpointError as err:
         caught = {"kind": type(err).__name__, "message": str(err)}
-    untouched = all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items()) and engine.global_steps == 0
+    untouched = (
+        all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items()) and engine.global_steps == 0
+    )
     engine.close()
     return {**caught, "untouched": untouched}
 

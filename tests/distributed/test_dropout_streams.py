@@ -24,9 +24,18 @@ def _gpt2(layers: int) -> torch.nn.Module:
 
     torch.manual_seed(0)  # alike on every rank: only the engine's re-seeding can tell their streams apart
     config = GPT2Config(
-        n_layer=layers, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.5, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
+        n_layer=layers,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.5,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -57,10 +66,16 @@ def _gathered(mask: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _body() -> dict[str, Any]:
-    common = {"train_micro_batch_size_per_gpu": B, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}}
+    common = {
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+    }
     # Pipeline: stage 0 holds blocks 0-1, stage 1 blocks 2-3; compare the first local block of each.
     model = _gpt2(4)
-    engine = slipstream.initialize(model, {**common, "pipeline": {"stages": 2, "schedule": "1f1b"}, "gradient_accumulation_steps": 2})
+    engine = slipstream.initialize(
+        model, {**common, "pipeline": {"stages": 2, "schedule": "1f1b"}, "gradient_accumulation_steps": 2}
+    )
     masks = _first_masks(model, engine, 2)
     first_local = masks[min(masks)]
     stages = _gathered(first_local)

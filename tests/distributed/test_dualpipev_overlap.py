@@ -37,7 +37,9 @@ def _batches(dp: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (MICRO * dp * M, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _expected_overlaps(schedule: Schedule, rank: int, layers: dict[int, int], forward_waits: int, backward_waits: int) -> int:
+def _expected_overlaps(
+    schedule: Schedule, rank: int, layers: dict[int, int], forward_waits: int, backward_waits: int
+) -> int:
     total = 0
     for forward, backward in schedule.partners(rank).items():
         assert forward.op is Op.FORWARD
@@ -56,10 +58,15 @@ AXES = {
 def _body(stage: int, axis: str) -> dict[str, Any]:
     extra, forward_waits, backward_waits = AXES[axis]
     config = {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M, "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, "zero_optimization": {"stage": stage},
-        "steps_per_print": 1, "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2}, **extra,
-    }  # fmt: skip
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": M,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1,
+        "pipeline": {"stages": 2, "schedule": "dualpipev", "virtual_stages": 2},
+        **extra,
+    }
     engine = slipstream.initialize(_mixtral(), config)
     pipeline = engine.pipeline
     dp = engine.mesh.size("dp")
@@ -72,8 +79,16 @@ def _body(stage: int, axis: str) -> dict[str, Any]:
     expected = _expected_overlaps(pipeline.schedule, pipeline.rank, layers_per_stage, forward_waits, backward_waits)
     state = engine.consolidated_state_dict()
     engine.close()
-    return {"losses": losses, "state": state, "dp": dp, "overlapped": overlapped, "expected": expected, "recorded": recorded,
-            "pairs": len(pipeline.schedule.partners(pipeline.rank)), "layers": layers_per_stage}  # fmt: skip
+    return {
+        "losses": losses,
+        "state": state,
+        "dp": dp,
+        "overlapped": overlapped,
+        "expected": expected,
+        "recorded": recorded,
+        "pairs": len(pipeline.schedule.partners(pipeline.rank)),
+        "layers": layers_per_stage,
+    }
 
 
 @pytest.mark.parametrize("stage,axis", [(1, "experts"), (3, "experts"), (1, "ulysses")])

@@ -17,7 +17,11 @@ def _held_body(stage: int, precision: str) -> dict:
         "train_batch_size": 2 * world,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         # As in the ZeRO memory tests: every parameter partitioned (no persistent small ones).
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,
+        },
     }
     if precision != "fp32":
         config[precision] = {"enabled": True}
@@ -36,5 +40,9 @@ def _held_body(stage: int, precision: str) -> dict:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_estimate_within_ten_percent_of_measured_bytes_per_rank(stage: int, precision: str) -> None:
     for rank, r in enumerate(run_distributed(2, _held_body, stage, precision)):
-        assert abs(r["estimate"] - r["held"]) <= 0.10 * r["held"], f"rank {rank}: estimate {r['estimate']:.0f} vs held {r}"
-        print(f"stage {stage} {precision} rank {rank}: estimate {r['estimate'] / 2**20:.3f} MiB, held {r['held'] / 2**20:.3f} MiB")
+        assert abs(r["estimate"] - r["held"]) <= 0.10 * r["held"], (
+            f"rank {rank}: estimate {r['estimate']:.0f} vs held {r}"
+        )
+        print(
+            f"stage {stage} {precision} rank {rank}: estimate {r['estimate'] / 2**20:.3f} MiB, held {r['held'] / 2**20:.3f} MiB"
+        )

@@ -26,10 +26,22 @@ def _qwen_moe() -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = Qwen2MoeConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=64,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, vocab_size=VOCAB,
-        max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa", decoder_sparse_step=1,
-    )  # fmt: skip
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+        decoder_sparse_step=1,
+    )
     return Qwen2MoeForCausalLM(config)
 
 
@@ -47,11 +59,14 @@ def _reference(world: int, name: str = "mixtral") -> tuple[list[float], dict[str
 
 def _config(stage: int, ep: int = 2) -> dict[str, Any]:
     return {
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "expert_parallel": {"enabled": ep > 1, "autoep_size": ep},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, "steps_per_print": 1,
-    }  # fmt: skip
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 1,
+    }
 
 
 def _train(stage: int, name: str = "mixtral") -> dict[str, Any]:
@@ -65,16 +80,27 @@ def _train(stage: int, name: str = "mixtral") -> dict[str, Any]:
     dispatch = sum(r.nbytes for r in records if r.tag == "expert dispatch")
     combine = sum(r.nbytes for r in records if r.tag == "expert combine")
     # choices of the last step routed to experts held by the other rank, over both layers
-    remote = sum(int(layer.mlp.experts.tokens_per_expert.sum()) - int(layer.mlp.experts.tokens_per_expert[experts.first : experts.first + 2].sum())
-                 for layer in engine.module.model.layers)  # fmt: skip
+    remote = sum(
+        int(layer.mlp.experts.tokens_per_expert.sum())
+        - int(layer.mlp.experts.tokens_per_expert[experts.first : experts.first + 2].sum())
+        for layer in engine.module.model.layers
+    )
     comms_log.keep_history = 0
     comms_log.history.clear()
     monitored = dict(engine.monitor.last or {})  # rank 0: the last step's metrics
     moments = sum(engine.optimizer.state[p]["exp_avg"].numel() for p in experts.parameters()) if stage == 0 else None
     state = engine.consolidated_state_dict()
     engine.close()
-    return {"losses": losses, "state": state, "local": local, "dispatch": dispatch, "combine": combine, "remote": remote,
-            "monitored": monitored, "moments": moments}  # fmt: skip
+    return {
+        "losses": losses,
+        "state": state,
+        "local": local,
+        "dispatch": dispatch,
+        "combine": combine,
+        "remote": remote,
+        "monitored": monitored,
+        "moments": moments,
+    }
 
 
 def _body() -> dict[str, Any]:
@@ -100,7 +126,9 @@ def test_expert_parallel_matches_one_process() -> None:
     qwen_losses, qwen_params = _reference(2, "qwen2-moe")  # shared expert and its gate stay dense
     assert results[0]["qwen2-moe"]["losses"] == pytest.approx(qwen_losses, rel=1e-5)
     for name, value in qwen_params.items():
-        torch.testing.assert_close(results[0]["qwen2-moe"]["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"qwen {name}: {m}")
+        torch.testing.assert_close(
+            results[0]["qwen2-moe"]["state"][name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"qwen {name}: {m}"
+        )
     # Traffic of the last step: dispatch = Σ(choices routed to the other rank's experts) × h × 4 bytes exactly;
     # combine sends back what arrived, i.e. the other rank's dispatch.
     for stage in (0, 2):
@@ -125,7 +153,9 @@ def test_expert_parallel_ep2_dp4_zero3() -> None:
 def _ckpt_run(ep: int, load: str | None, save: str, first: int) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = MICRO * 2 // world  # the same global batch at 1 and 2 ranks
-    engine = slipstream.initialize(_mixtral(), {**_config(2 if ep > 1 else 0, ep), "train_micro_batch_size_per_gpu": micro})
+    engine = slipstream.initialize(
+        _mixtral(), {**_config(2 if ep > 1 else 0, ep), "train_micro_batch_size_per_gpu": micro}
+    )
     if load is not None:
         engine.load_checkpoint(load, tag="t")
     losses = train_lm_engine(engine, _batches(2)[first : first + 2], micro, rank)
@@ -149,7 +179,12 @@ def _errors_body() -> dict[str, str]:
     mixtral = _mixtral()
     for key, model, config, kwargs in (
         ("plain", torch.nn.Linear(4, 4), _config(0), {}),
-        ("prebuilt-optimizer", mixtral, {**_config(0), "optimizer": None}, {"optimizer": torch.optim.AdamW(mixtral.parameters())}),
+        (
+            "prebuilt-optimizer",
+            mixtral,
+            {**_config(0), "optimizer": None},
+            {"optimizer": torch.optim.AdamW(mixtral.parameters())},
+        ),
     ):
         try:
             slipstream.initialize(model, config, **kwargs)
@@ -161,7 +196,9 @@ def _errors_body() -> dict[str, str]:
 def test_expert_parallel_mistakes_are_one_line_errors_naming_the_key() -> None:
     found = run_distributed(2, _errors_body)[0]
     assert found["plain"].startswith("expert_parallel.autoep_size: no experts module found"), found
-    assert found["prebuilt-optimizer"].startswith("expert_parallel.autoep_size: an optimizer built before initialize()"), found
+    assert found["prebuilt-optimizer"].startswith(
+        "expert_parallel.autoep_size: an optimizer built before initialize()"
+    ), found
 
 
 class _Custom(torch.nn.Module):
@@ -185,7 +222,10 @@ class _Custom(torch.nn.Module):
         out, aux, counts = self.moe(self.embed(input_ids))
         assert counts.shape == (4,) and int(counts.sum()) == input_ids.numel() * 2
         logits = self.head(out)
-        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1)) + 0.0 * aux
+        return (
+            torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), input_ids[:, 1:].reshape(-1))
+            + 0.0 * aux
+        )
 
 
 def _custom_reference() -> tuple[list[float], dict[str, torch.Tensor]]:

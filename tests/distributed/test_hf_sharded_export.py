@@ -33,10 +33,11 @@ def _build(case: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     if case == "zero3":
         model.transformer.wpe.weight.requires_grad_(False)  # a frozen parameter (left out on request)
     config = {
-        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+        "train_batch_size": 4,
+        "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 20_000},
-    }  # fmt: skip
+    }
     if case == "zero2-bf16":
         config["bf16"] = {"enabled": True}
     return model, config
@@ -104,10 +105,18 @@ def _body(case: str, root: str) -> dict[str, Any]:
         logits = engine(input_ids=tokens).logits.float()
     state = engine.consolidated_state_dict()
     engine.close()
-    return {"files": report.files, "peak": report.peak_bytes, "total": report.total_bytes, "received": report.received_bytes,
-            "largest": max(p.numel() for p in _build(case)[0].parameters()) * engine.training_dtype.itemsize,
-            "logits": logits, "tokens": tokens, "state": state if rank == 0 else None, "extra": extra,
-            "dtype": engine.training_dtype}  # fmt: skip
+    return {
+        "files": report.files,
+        "peak": report.peak_bytes,
+        "total": report.total_bytes,
+        "received": report.received_bytes,
+        "largest": max(p.numel() for p in _build(case)[0].parameters()) * engine.training_dtype.itemsize,
+        "logits": logits,
+        "tokens": tokens,
+        "state": state if rank == 0 else None,
+        "extra": extra,
+        "dtype": engine.training_dtype,
+    }
 
 
 def _load(directory: Path, model: torch.nn.Module) -> torch.nn.Module:
@@ -154,8 +163,10 @@ def test_every_rank_writes_its_shard_and_from_pretrained_reproduces_the_logits(c
     assert first["peak"] < first["total"], (first["peak"], first["total"])
     assert first["peak"] <= 4 * first["largest"], (first["peak"], first["largest"])
     assert first["received"] < first["total"] / 2
-    print(f"{case}: rank-0 peak held {first['peak']} B, largest parameter {first['largest']} B, model {first['total']} B, "
-          f"rank 0 received {first['received']} B")  # fmt: skip
+    print(
+        f"{case}: rank-0 peak held {first['peak']} B, largest parameter {first['largest']} B, model {first['total']} B, "
+        f"rank 0 received {first['received']} B"
+    )
 
     loaded = _load(tmp_path / "default", _build(case)[0])
     saved = loaded.state_dict()

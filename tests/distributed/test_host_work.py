@@ -35,7 +35,9 @@ class _Syncs(TorchFunctionMode):
         super().__init__()
         self.count = 0
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         if getattr(func, "__name__", "") in SYNCS:
             self.count += 1
         return func(*args, **(kwargs or {}))
@@ -47,10 +49,12 @@ def _own_calls(profile: cProfile.Profile) -> int:
 
 def _measure(stage: int, tensors: int) -> dict[str, Any]:
     config = {
-        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 0,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 10**8, "allgather_bucket_size": 10**8},
-    }  # fmt: skip
+    }
     engine = slipstream.initialize(Chain(tensors), config)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
 
@@ -67,7 +71,11 @@ def _measure(stage: int, tensors: int) -> dict[str, Any]:
             profile.enable()
             step()
             profile.disable()
-        return {"collectives": sorted((r.op, r.tag) for r in comms_log.last), "syncs": syncs.count, "calls": _own_calls(profile)}
+        return {
+            "collectives": sorted((r.op, r.tag) for r in comms_log.last),
+            "syncs": syncs.count,
+            "calls": _own_calls(profile),
+        }
     finally:
         engine.close()
 
@@ -83,7 +91,9 @@ def test_host_work_per_step_does_not_grow_with_the_tensor_count(results: list[di
         assert small["collectives"] == large["collectives"], (rank, small["collectives"], large["collectives"])
         assert small["syncs"] == large["syncs"] <= 2, (rank, small["syncs"], large["syncs"])  # the flags and the norm
         per_tensor = (large["calls"] - small["calls"]) / (SIZES[1] - SIZES[0])
-        assert per_tensor <= CALLS_PER_TENSOR, f"stage {stage} rank {rank}: {per_tensor:.1f} slipstream calls per tensor per step"
+        assert per_tensor <= CALLS_PER_TENSOR, (
+            f"stage {stage} rank {rank}: {per_tensor:.1f} slipstream calls per tensor per step"
+        )
 
 
 @pytest.fixture(scope="module")

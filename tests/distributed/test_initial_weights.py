@@ -19,7 +19,11 @@ from slipstream.engine.parallel.mesh import Mesh
 from tests.harness import run_distributed
 from tests.reference import tiny_gpt2, tiny_llama, tiny_mixtral
 
-BASE = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+BASE = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_clipping": 0.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+}
 
 
 def _mixtral(seed: int) -> torch.nn.Module:
@@ -44,7 +48,9 @@ def _body() -> dict[str, Any]:
             out[name] = sorted(n for n, v in state.items() if not torch.equal(v, reference[n].float()))
             out[name + " names"] = sorted(state) == sorted(n for n, _ in build(seed=0).named_parameters())
         engine.close()
-    mesh = Mesh.build(mesh_sizes(SlipstreamConfig.load({**BASE, "pipeline": {"stages": 2}}, world_size=None), 4), log=False)
+    mesh = Mesh.build(
+        mesh_sizes(SlipstreamConfig.load({**BASE, "pipeline": {"stages": 2}}, world_size=None), 4), log=False
+    )
     group = mesh.pair_group("pp", (0, 1))
     out["pair"] = dist.get_process_group_ranks(group) if group is not None else None
     return out

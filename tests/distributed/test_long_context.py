@@ -28,18 +28,31 @@ def _llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).to(dtype)
 
 
-def _config(mode: str, stage: int, batch: int, tiled: bool, bf16: bool = False, offload: str | None = None) -> dict[str, Any]:
+def _config(
+    mode: str, stage: int, batch: int, tiled: bool, bf16: bool = False, offload: str | None = None
+) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "bf16": {"enabled": bf16},
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "bf16": {"enabled": bf16},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-    }  # fmt: skip
+    }
     if mode == "ulysses":
         cfg["sequence_parallel_size"] = 2
     elif mode in ("ring", "zigzag"):
@@ -51,11 +64,16 @@ def _config(mode: str, stage: int, batch: int, tiled: bool, bf16: bool = False, 
     if offload is not None:  # every block checkpointed, its inputs waiting in files
         cfg["activation_checkpointing"] = {"module_classes": ["LlamaDecoderLayer"], "offload_path": offload}
     if tiled:
-        cfg["long_context"] = {"tiled_logits": {"enabled": True, "tile_tokens": 7}, "tiled_mlp": {"enabled": True, "tile_tokens": 10}}
+        cfg["long_context"] = {
+            "tiled_logits": {"enabled": True, "tile_tokens": 7},
+            "tiled_mlp": {"enabled": True, "tile_tokens": 10},
+        }
     return cfg
 
 
-def _train(mode: str, stage: int, batch: int, tiled: bool, bf16: bool, offload: str | None = None) -> tuple[list[float], dict[str, torch.Tensor], bool]:
+def _train(
+    mode: str, stage: int, batch: int, tiled: bool, bf16: bool, offload: str | None = None
+) -> tuple[list[float], dict[str, torch.Tensor], bool]:
     model = _llama()
     if offload is not None:  # this test's inputs are small: every one of them goes to a file
         from slipstream import checkpointing
@@ -103,7 +121,9 @@ def _train(mode: str, stage: int, batch: int, tiled: bool, bf16: bool, offload: 
 
 def _both(mode: str, stage: int, batch: int, bf16: bool, offload: str | None = None) -> dict[str, Any]:
     plain = _train(mode, stage, batch, False, bf16)
-    tiled = _train(mode, stage, batch, True, bf16, None if offload is None else f"{offload}/rank{torch.distributed.get_rank()}")
+    tiled = _train(
+        mode, stage, batch, True, bf16, None if offload is None else f"{offload}/rank{torch.distributed.get_rank()}"
+    )
     return {"plain": plain, "tiled": tiled}
 
 
@@ -121,12 +141,24 @@ def _compare(result: dict[str, Any], loss_rtol: float, update_rtol: float) -> No
 
 @pytest.mark.parametrize(
     "mode,stage,batch",
-    [("ulysses", 0, 1), ("ulysses", 3, 4), ("ring", 0, 4), ("zigzag", 3, 1), ("tp", 0, 2), ("tp", 3, 1), ("dp", 3, 2), ("pp", 1, 2), ("pp", 3, 2)],
+    [
+        ("ulysses", 0, 1),
+        ("ulysses", 3, 4),
+        ("ring", 0, 4),
+        ("zigzag", 3, 1),
+        ("tp", 0, 2),
+        ("tp", 3, 1),
+        ("dp", 3, 2),
+        ("pp", 1, 2),
+        ("pp", 3, 2),
+    ],
 )
 def test_tiled_logits_and_mlp_equal_the_untiled_run(mode: str, stage: int, batch: int) -> None:
     results = run_distributed(2, _both, mode, stage, batch, False)
     _compare(results[0], 1e-5, 1e-3)
-    assert all(r["tiled"][2] for r in results), "a rank's loss was not tiled (under pp: the last stage's, every micro-batch)"
+    assert all(r["tiled"][2] for r in results), (
+        "a rank's loss was not tiled (under pp: the last stage's, every micro-batch)"
+    )
 
 
 def test_tiled_in_bf16_follows_the_untiled_bf16_run() -> None:
@@ -147,9 +179,12 @@ def _pipeline_run(schedule: str, tiled: bool) -> tuple[list[float], int | None]:
     from tests.reference import tiny_gpt2
 
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 0.0,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}}, "pipeline": {"stages": 2, "schedule": schedule, "virtual_stages": 2},
-    }  # fmt: skip
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "pipeline": {"stages": 2, "schedule": schedule, "virtual_stages": 2},
+    }
     if tiled:
         cfg["long_context"] = {"tiled_logits": {"enabled": True, "tile_tokens": 5}}
     engine = slipstream.initialize(tiny_gpt2(seed=0, n_layer=4), cfg)  # the head is tied to the embeddings

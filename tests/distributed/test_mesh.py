@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,25 +17,53 @@ from tests.harness import run_distributed
 GRIDS = {
     "tp2_dp2": (
         {"tensor_parallel": {"autotp_size": 2}},
-        {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "pp": [[0], [1], [2], [3]], "sp": [[0], [1], [2], [3]],
-         "cp": [[0], [1], [2], [3]], "ep": [[0], [1], [2], [3]], "dense": [[0, 2], [1, 3]]},
+        {
+            "tp": [[0, 1], [2, 3]],
+            "dp": [[0, 2], [1, 3]],
+            "pp": [[0], [1], [2], [3]],
+            "sp": [[0], [1], [2], [3]],
+            "cp": [[0], [1], [2], [3]],
+            "ep": [[0], [1], [2], [3]],
+            "dense": [[0, 2], [1, 3]],
+        },
     ),
     "pp2_dp2": (
         {"pipeline": {"stages": 2}},
-        {"pp": [[0, 2], [1, 3]], "dp": [[0, 1], [2, 3]], "tp": [[0], [1], [2], [3]], "sp": [[0], [1], [2], [3]],
-         "cp": [[0], [1], [2], [3]], "ep": [[0], [1], [2], [3]], "dense": [[0, 1], [2, 3]]},
+        {
+            "pp": [[0, 2], [1, 3]],
+            "dp": [[0, 1], [2, 3]],
+            "tp": [[0], [1], [2], [3]],
+            "sp": [[0], [1], [2], [3]],
+            "cp": [[0], [1], [2], [3]],
+            "ep": [[0], [1], [2], [3]],
+            "dense": [[0, 1], [2, 3]],
+        },
     ),
     "sp2_dp2": (
         {"sequence_parallel_size": 2},
-        {"sp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "tp": [[0], [1], [2], [3]], "pp": [[0], [1], [2], [3]],
-         "cp": [[0], [1], [2], [3]], "ep": [[0], [1], [2], [3]], "dense": [[0, 1, 2, 3]]},
+        {
+            "sp": [[0, 1], [2, 3]],
+            "dp": [[0, 2], [1, 3]],
+            "tp": [[0], [1], [2], [3]],
+            "pp": [[0], [1], [2], [3]],
+            "cp": [[0], [1], [2], [3]],
+            "ep": [[0], [1], [2], [3]],
+            "dense": [[0, 1, 2, 3]],
+        },
     ),
     "dp4": (
         {},
-        {"dp": [[0, 1, 2, 3]], "tp": [[0], [1], [2], [3]], "pp": [[0], [1], [2], [3]], "sp": [[0], [1], [2], [3]],
-         "cp": [[0], [1], [2], [3]], "ep": [[0], [1], [2], [3]], "dense": [[0, 1, 2, 3]]},
+        {
+            "dp": [[0, 1, 2, 3]],
+            "tp": [[0], [1], [2], [3]],
+            "pp": [[0], [1], [2], [3]],
+            "sp": [[0], [1], [2], [3]],
+            "cp": [[0], [1], [2], [3]],
+            "ep": [[0], [1], [2], [3]],
+            "dense": [[0, 1, 2, 3]],
+        },
     ),
-}  # fmt: skip
+}
 
 
 def _grid_body(extra: dict) -> dict:
@@ -68,21 +95,32 @@ def test_groups_and_coordinates_are_the_rank_grid(name: str) -> None:
 
 def _non_factoring_body() -> str:
     with pytest.raises(slipstream.ConfigError) as info:
-        slipstream.initialize(torch.nn.Linear(2, 2), {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-                                                      "tensor_parallel": {"autotp_size": 3}})  # fmt: skip
+        slipstream.initialize(
+            torch.nn.Linear(2, 2),
+            {
+                "train_micro_batch_size_per_gpu": 1,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "tensor_parallel": {"autotp_size": 3},
+            },
+        )
     return str(info.value)
 
 
 def test_non_factoring_world_is_a_one_line_config_error() -> None:
     message = run_distributed(4, _non_factoring_body)[0]
     assert "\n" not in message
-    assert message.startswith("mesh: world size 4 does not factor as pipeline.stages 1 × data_parallel_size dp × "
-                              "context_parallel.size 1 × sequence_parallel_size 1 × tensor_parallel.autotp_size 3"), message  # fmt: skip
+    assert message.startswith(
+        "mesh: world size 4 does not factor as pipeline.stages 1 × data_parallel_size dp × "
+        "context_parallel.size 1 × sequence_parallel_size 1 × tensor_parallel.autotp_size 3"
+    ), message
 
 
 def _unsupported_body(extra: dict) -> str:
     with pytest.raises(slipstream.ConfigError) as info:
-        slipstream.initialize(torch.nn.Linear(2, 2), {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **extra})
+        slipstream.initialize(
+            torch.nn.Linear(2, 2),
+            {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **extra},
+        )
     return str(info.value)
 
 
@@ -91,8 +129,9 @@ def _unsupported_body(extra: dict) -> str:
     [
         (
             {"sequence_parallel_size": 2, "context_parallel": {"size": 2, "method": "zigzag"}},
-            "context_parallel.method: 'zigzag' with sequence_parallel_size 2", "not contiguous after Ulysses' all-to-all",
-        ),
+            "context_parallel.method: 'zigzag' with sequence_parallel_size 2",
+            "not contiguous after Ulysses' all-to-all",
+        )
     ],
 )
 def test_combinations_that_cannot_work_are_refused_saying_why(extra: dict, key: str, why: str) -> None:
@@ -103,12 +142,18 @@ def test_combinations_that_cannot_work_are_refused_saying_why(extra: dict, key: 
 def _engine_body() -> dict:
     data = torch.arange(16, dtype=torch.float32).reshape(8, 2)
     engine = slipstream.initialize(
-        torch.nn.Linear(2, 1), {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+        torch.nn.Linear(2, 1),
+        {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
         training_data=data,
-    )  # fmt: skip
+    )
     loader = engine.training_dataloader
-    result = {"dp": engine.mesh.size("dp"), "dp_rank": engine.mesh.rank_of("dp"), "replicas": loader.sampler.num_replicas,
-              "sampler_rank": loader.sampler.rank, "tp_group_ranks": dist.get_process_group_ranks(engine.mesh.group("tp"))}  # fmt: skip
+    result = {
+        "dp": engine.mesh.size("dp"),
+        "dp_rank": engine.mesh.rank_of("dp"),
+        "replicas": loader.sampler.num_replicas,
+        "sampler_rank": loader.sampler.rank,
+        "tp_group_ranks": dist.get_process_group_ranks(engine.mesh.group("tp")),
+    }
     engine.close()
     return result
 
@@ -119,7 +164,9 @@ def test_engine_mesh_and_loader_follow_dp() -> None:
 
 
 def _shared_batches_body() -> list[list[float]]:
-    config = SlipstreamConfig.load({"train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 2}}, world_size=None)
+    config = SlipstreamConfig.load(
+        {"train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 2}}, world_size=None
+    )
     mesh = Mesh.build(mesh_sizes(config, dist.get_world_size()), log=False)
     data = torch.arange(8, dtype=torch.float32)
     loader = DistributedDataLoader(data, 2, mesh.rank_of("dp"), mesh.size("dp"))
@@ -134,7 +181,9 @@ def test_ranks_sharing_a_dp_coordinate_read_the_same_batches() -> None:
 
 def _cheap_body() -> int:
     before = len(mesh_module._groups)
-    mesh = Mesh.build(mesh_sizes(SlipstreamConfig.load({"train_micro_batch_size_per_gpu": 1}, world_size=None), 4), log=False)
+    mesh = Mesh.build(
+        mesh_sizes(SlipstreamConfig.load({"train_micro_batch_size_per_gpu": 1}, world_size=None), 4), log=False
+    )
     assert mesh.dense_group is dist.group.WORLD and mesh.group("dp") is dist.group.WORLD
     return len(mesh_module._groups) - before
 

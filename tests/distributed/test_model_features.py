@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import slipstream
 from tests.harness import run_distributed
@@ -25,37 +24,72 @@ def _mistral(window: int | None = WINDOW) -> torch.nn.Module:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    return MistralForCausalLM(MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, sliding_window=window, attention_dropout=0.0,
-    ))  # fmt: skip
+    return MistralForCausalLM(
+        MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            sliding_window=window,
+            attention_dropout=0.0,
+        )
+    )
 
 
 def _gemma2() -> torch.nn.Module:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    return Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=WINDOW, query_pre_attn_scalar=8,
-        attn_logit_softcapping=2.0, final_logit_softcapping=30.0, attention_dropout=0.0,
-    ))  # fmt: skip
+    return Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=8,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=30.0,
+            attention_dropout=0.0,
+        )
+    )
 
 
 def _bert_mlm() -> torch.nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    ))  # fmt: skip
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def distance_biased_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
-) -> tuple[torch.Tensor, None]:  # fmt: skip
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """A user's attention function (registered with transformers, no rule in the engine names it): causal softmax
     attention plus a bias that falls with the distance between the positions it is given (ALiBi-like, one slope
     for every head), masking by itself (registered without a mask function, it gets no mask)."""
@@ -73,10 +107,18 @@ def _biased_llama() -> torch.nn.Module:
 
     AttentionInterface.register("distance_bias", distance_biased_attention)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0,
-    ))  # fmt: skip
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            attention_dropout=0.0,
+        )
+    )
     model.config._attn_implementation = "distance_bias"
     return model
 
@@ -92,9 +134,12 @@ MODES = {
 
 def _config(mode: str) -> dict[str, Any]:
     return {
-        "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, **MODES[mode],
-    }  # fmt: skip
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        **MODES[mode],
+    }
 
 
 def _batches() -> list[torch.Tensor]:
@@ -113,14 +158,21 @@ def _train_or_refuse(name: str, mode: str) -> dict[str, Any]:
 
 
 CASES = [
-    ("mistral", "ulysses", "trains"), ("mistral", "allgather_kv", "trains"),
-    ("mistral", "ring", "trains"), ("mistral", "zigzag", "trains"),  # windows on the ring (context/ring_attention.py)
-    ("gemma2", "ulysses", "trains"), ("gemma2", "allgather_kv", "trains"), ("gemma2", "ring", "trains"),
-    ("bert", "ulysses", "trains"), ("bert", "ring", "trains"), ("bert", "zigzag", "trains"),  # bidirectional, unshifted labels
+    ("mistral", "ulysses", "trains"),
+    ("mistral", "allgather_kv", "trains"),
+    ("mistral", "ring", "trains"),
+    ("mistral", "zigzag", "trains"),  # windows on the ring (context/ring_attention.py)
+    ("gemma2", "ulysses", "trains"),
+    ("gemma2", "allgather_kv", "trains"),
+    ("gemma2", "ring", "trains"),
+    ("bert", "ulysses", "trains"),
+    ("bert", "ring", "trains"),
+    ("bert", "zigzag", "trains"),  # bidirectional, unshifted labels
     # a user's attention function: run as it is on whole sequences under Ulysses; the ring cannot, the twin check sees
     # it, and the blocks run on shards with that attention whole (sequence/blockwise.py)
-    ("biased", "ulysses", "trains"), ("biased", "ring", "trains"),
-]  # fmt: skip
+    ("biased", "ulysses", "trains"),
+    ("biased", "ring", "trains"),
+]
 
 
 def _cases_body() -> list[dict[str, Any]]:
@@ -235,9 +287,18 @@ def _gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    ))  # fmt: skip
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 BUILDERS["gpt2"] = _gpt2
@@ -284,6 +345,10 @@ def _counted_body() -> float:
 
 def test_num_items_in_batch_is_honoured_under_ulysses() -> None:
     tokens = _batches()[0]
-    expected = float(_mistral(window=None)(input_ids=tokens, labels=tokens, num_items_in_batch=torch.tensor(3 * BATCH * (SEQ - 1))).loss)
+    expected = float(
+        _mistral(window=None)(
+            input_ids=tokens, labels=tokens, num_items_in_batch=torch.tensor(3 * BATCH * (SEQ - 1))
+        ).loss
+    )
     for loss in run_distributed(2, _counted_body):
         assert loss == pytest.approx(expected, rel=1e-5)

@@ -43,9 +43,15 @@ def _config(world: int, stage: int, gas: int, optimizer: str, param: str, path: 
 
 
 def _parity_body(
-    stage: int, optimizer: str, param: str = "none", path: str | None = None, gas: int = 1, precision: str = "fp32",
-    model: str = "gpt2", **zero: object,
-) -> list[float]:  # fmt: skip
+    stage: int,
+    optimizer: str,
+    param: str = "none",
+    path: str | None = None,
+    gas: int = 1,
+    precision: str = "fp32",
+    model: str = "gpt2",
+    **zero: object,
+) -> list[float]:
     world = dist.get_world_size()
     config = _config(world, stage, gas, optimizer, param, path, **zero)
     if precision != "fp32":
@@ -56,7 +62,9 @@ def _parity_body(
     if path is not None:  # this rank's swap files: nvme_path/<job-id>/rank<r>/
         (job,) = os.listdir(path)
         files = os.listdir(os.path.join(path, job, f"rank{dist.get_rank()}"))
-        assert any(f.startswith("optimizer_") for f in files) and (param != "nvme" or any(f.startswith("param_") for f in files))
+        assert any(f.startswith("optimizer_") for f in files) and (
+            param != "nvme" or any(f.startswith("param_") for f in files)
+        )
     batches = global_batches(STEPS, config["train_batch_size"])
     ours = train_engine(engine, batches)
     engine.close()
@@ -82,11 +90,15 @@ def test_stage12_optimizer_offload_matches_reference(
     stage: int, device: str, gas: int, precision: str, tmp_path: os.PathLike[str]
 ) -> None:
     path = str(tmp_path) if device == "nvme" else None
-    results = run_distributed(2, _parity_body, stage, device, path=path, gas=gas, precision=precision, sub_group_size=30_000)
+    results = run_distributed(
+        2, _parity_body, stage, device, path=path, gas=gas, precision=precision, sub_group_size=30_000
+    )
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize(("optimizer", "param", "gas", "precision"), [("cpu", "cpu", 2, "fp32"), ("cpu", "none", 1, "bf16")])
+@pytest.mark.parametrize(
+    ("optimizer", "param", "gas", "precision"), [("cpu", "cpu", 2, "fp32"), ("cpu", "none", 1, "bf16")]
+)
 def test_stage3_cpu_offload_matches_reference(optimizer: str, param: str, gas: int, precision: str) -> None:
     results = run_distributed(2, _parity_body, 3, optimizer, param, gas=gas, precision=precision, model="llama")
     assert results[0] == results[1]
@@ -96,9 +108,18 @@ def test_stage3_cpu_offload_matches_reference(optimizer: str, param: str, gas: i
 def test_stage3_nvme_offload_matches_reference(gas: int, precision: str, tmp_path: os.PathLike[str]) -> None:
     # Small sub-groups and prefetch: several swap files, read-ahead and write-behind all exercised.
     results = run_distributed(
-        2, _parity_body, 3, "nvme", "nvme", str(tmp_path), gas=gas, precision=precision, sub_group_size=20_000,
-        stage3_prefetch_bucket_size=100_000, stage3_param_persistence_threshold=1000,  # biases stay gathered
-    )  # fmt: skip
+        2,
+        _parity_body,
+        3,
+        "nvme",
+        "nvme",
+        str(tmp_path),
+        gas=gas,
+        precision=precision,
+        sub_group_size=20_000,
+        stage3_prefetch_bucket_size=100_000,
+        stage3_param_persistence_threshold=1000,  # biases stay gathered
+    )
     assert results[0] == results[1]
 
 
@@ -117,13 +138,21 @@ def test_nvme_offload_trains_a_model_whose_optimizer_state_exceeds_the_memory_ca
     procs = []
     for rank in range(2):
         env = {
-            **os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "PYTHONPATH": root, "OMP_NUM_THREADS": "1",
-        }  # fmt: skip
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONPATH": root,
+            "OMP_NUM_THREADS": "1",
+        }
         cmd = [sys.executable, "-m", "tests.distributed.offload_capacity", str(tmp_path), str(cap)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     outputs = [p.communicate(timeout=240) for p in procs]
-    for p, (out, err) in zip(procs, outputs):
+    for p, (_out, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
     for r in results:
@@ -152,7 +181,11 @@ def _error_body(case: str, root: str) -> str:
     }[case]
     optimizer = {"type": "SGD", "params": {"lr": 0.1}} if case == "sgd" else {"type": "AdamW", "params": {}}
     config = {"train_batch_size": 2 * world, "optimizer": optimizer, "zero_optimization": zero}
-    usage = mock.patch.object(swap_dir.shutil, "disk_usage", return_value=mock.Mock(free=4096)) if case == "full" else mock.MagicMock()
+    usage = (
+        mock.patch.object(swap_dir.shutil, "disk_usage", return_value=mock.Mock(free=4096))
+        if case == "full"
+        else mock.MagicMock()
+    )
     with usage, pytest.raises(slipstream.ConfigError) as err:
         slipstream.initialize(tiny_gpt2(seed=0), config)
     return str(err.value)
@@ -197,10 +230,24 @@ def test_killed_run_leaves_nothing_that_breaks_the_next_one_and_exit_cleans_up(t
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "PYTHONPATH": repo}  # fmt: skip
-        done = subprocess.run([sys.executable, "-m", "tests.distributed.offload_exit", root, mode], env=env, cwd=repo,
-                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        env = {
+            **os.environ,
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONPATH": repo,
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.distributed.offload_exit", root, mode],
+            env=env,
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert "trained" in done.stdout, done.stderr[-3000:]
         left = os.listdir(root)
         if mode == "exit":
@@ -225,18 +272,26 @@ def _groups_body(stage: int, how: str) -> None:
         zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
         if offload != "none":
             zero["offload_optimizer"] = {"device": offload}
-        config: dict = {"train_batch_size": 2 * world, "gradient_clipping": 1.0, "zero_optimization": zero,
-                        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}  # fmt: skip
+        config: dict = {
+            "train_batch_size": 2 * world,
+            "gradient_clipping": 1.0,
+            "zero_optimization": zero,
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+        }
         if how == "instance":
             del config["scheduler"]
-            engine = slipstream.initialize(model, config, optimizer=torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.05))
+            engine = slipstream.initialize(
+                model, config, optimizer=torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.05)
+            )
         else:
             config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.05}}
             engine = slipstream.initialize(model, config, model_parameters=groups)
         results.append(train_engine(engine, global_batches(6, config["train_batch_size"])))
         engine.close()
     if dist.get_rank() == 0:
-        assert_close_trajectory(results[1], results[0], loss_rtol=1e-5, param_atol=5e-5, param_rtol=1e-4)  # CPU Adam: ulps
+        assert_close_trajectory(
+            results[1], results[0], loss_rtol=1e-5, param_atol=5e-5, param_rtol=1e-4
+        )  # CPU Adam: ulps
 
 
 @pytest.mark.parametrize(("stage", "how"), [(2, "config"), (3, "instance")])

@@ -20,7 +20,13 @@ import slipstream
 from slipstream.comm import comms_log
 from tests.harness import run_distributed
 from tests.noise import assert_weights_close
-from tests.reference import Trajectory, assert_close_trajectory, train_lm_reference, train_reference, train_step_on_global_batch
+from tests.reference import (
+    Trajectory,
+    assert_close_trajectory,
+    train_lm_reference,
+    train_reference,
+    train_step_on_global_batch,
+)
 
 SEQ, B, VOCAB, LR, STEPS, HIDDEN = 16, 2, 128, 1e-3, 3, 64
 GPT2_WEIGHTS = {"atol": 5e-5, "rtol": 1e-4}
@@ -32,9 +38,17 @@ def _gpt2(layers: int = 4) -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=layers, n_embd=HIDDEN, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        n_layer=layers,
+        n_embd=HIDDEN,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -43,9 +57,16 @@ def _llama(layers: int = 4) -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        num_hidden_layers=layers, hidden_size=HIDDEN, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        num_hidden_layers=layers,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -57,13 +78,18 @@ def _batches(rows: int, steps: int = STEPS, seed: int = 5) -> list[torch.Tensor]
     return [torch.randint(0, VOCAB, (rows, SEQ), generator=g) for _ in range(steps)]
 
 
-def _config(pp: int, schedule: str, m: int, v: int = 1, stage: int = 0, pipeline_partition: str = "parameters", **extra: Any) -> dict[str, Any]:
+def _config(
+    pp: int, schedule: str, m: int, v: int = 1, stage: int = 0, pipeline_partition: str = "parameters", **extra: Any
+) -> dict[str, Any]:
     return {
         "pipeline": {"stages": pp, "schedule": schedule, "virtual_stages": v, "partition": pipeline_partition},
         "train_micro_batch_size_per_gpu": B,
-        "gradient_accumulation_steps": m, "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, **extra,
-    }  # fmt: skip
+        "gradient_accumulation_steps": m,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        **extra,
+    }
 
 
 def _train(engine: Any, batches: list[torch.Tensor]) -> list[float]:
@@ -74,7 +100,11 @@ def _train(engine: Any, batches: list[torch.Tensor]) -> list[float]:
 def _run_case(model: str, pp: int, schedule: str, m: int, v: int = 1, stage: int = 0, **extra: Any) -> dict[str, Any]:
     engine = slipstream.initialize(BUILD[model](), _config(pp, schedule, m, v, stage, **extra))
     ranges = engine.pipeline.ranges
-    assert ranges[0].start == 0 and all(a.stop == b.start for a, b in zip(ranges, ranges[1:])) and all(len(r) for r in ranges)
+    assert (
+        ranges[0].start == 0
+        and all(a.stop == b.start for a, b in zip(ranges, ranges[1:]))
+        and all(len(r) for r in ranges)
+    )
     dp = engine.mesh.size("dp")
     losses = _train(engine, _batches(m * B * dp))
     records = comms_log.last  # the last step's traffic
@@ -85,7 +115,9 @@ def _run_case(model: str, pp: int, schedule: str, m: int, v: int = 1, stage: int
         "gathers": sum(1 for r in records if r.op == "all_gather" and r.tag.startswith("ZeRO-3 unit")),
         "scatters": sum(1 for r in records if r.op == "reduce_scatter" and r.tag.startswith("ZeRO-3 gradients")),
         "units": len(getattr(engine.strategy, "units", ())),
-        "bucket_bytes": sum(r.nbytes for r in records if r.op == "reduce_scatter" and r.tag.startswith("gradient bucket")),
+        "bucket_bytes": sum(
+            r.nbytes for r in records if r.op == "reduce_scatter" and r.tag.startswith("gradient bucket")
+        ),
         "stage_bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad),
         "bubble": engine.pipeline.last_report.timing.bubble,
         "in_flight": engine.pipeline.last_report.timing.in_flight,
@@ -113,16 +145,27 @@ WORLD2 = [
     # issue 27 case 11: a tied embedding's gradient summed over both ends when the strategy moves bf16 grads out of .grad
     ("gpt2-bf16", {"model": "gpt2", "pp": 2, "schedule": "1f1b", "m": 4, "bf16": {"enabled": True}}),
     ("gpt2-bf16-zb1p", {"model": "gpt2", "pp": 2, "schedule": "zb1p", "m": 4, "bf16": {"enabled": True}}),
-    ("llama-1f1b-ac", {"model": "llama", "pp": 2, "schedule": "1f1b", "m": 4,
-                       "activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]}}),
-]  # fmt: skip
+    (
+        "llama-1f1b-ac",
+        {
+            "model": "llama",
+            "pp": 2,
+            "schedule": "1f1b",
+            "m": 4,
+            "activation_checkpointing": {"module_classes": ["LlamaDecoderLayer"]},
+        },
+    ),
+]
 WORLD4 = [
     ("gpt2-dp2-zero1", {"model": "gpt2", "pp": 2, "schedule": "1f1b", "m": 4, "stage": 1}),
     ("gpt2-dp2-zero2", {"model": "gpt2", "pp": 2, "schedule": "zb1p", "m": 4, "stage": 2}),
     ("gpt2-dp2-zero3", {"model": "gpt2", "pp": 2, "schedule": "1f1b", "m": 4, "stage": 3}),
     ("llama-p4-1f1b", {"model": "llama", "pp": 4, "schedule": "1f1b", "m": 4}),
-    ("llama-tp2", {"model": "llama", "pp": 2, "schedule": "1f1b", "m": 4, "stage": 1, "tensor_parallel": {"autotp_size": 2}}),
-]  # fmt: skip
+    (
+        "llama-tp2",
+        {"model": "llama", "pp": 2, "schedule": "1f1b", "m": 4, "stage": 1, "tensor_parallel": {"autotp_size": 2}},
+    ),
+]
 
 
 def _check(result: dict[str, Any], model: str, rows: int) -> None:
@@ -166,7 +209,11 @@ def test_pipeline_composes_with_zero_and_tensor_parallel() -> None:
     # ZeRO-1/2 under a pipeline: this stage's gradients reduce-scattered once per step (Ψ_stage), not m times.
     for name in ("gpt2-dp2-zero1", "gpt2-dp2-zero2"):
         for r in run_ranks:
-            assert r[name]["bucket_bytes"] == r[name]["stage_bytes"] > 0, (name, r[name]["bucket_bytes"], r[name]["stage_bytes"])
+            assert r[name]["bucket_bytes"] == r[name]["stage_bytes"] > 0, (
+                name,
+                r[name]["bucket_bytes"],
+                r[name]["stage_bytes"],
+            )
     zero3 = results["gpt2-dp2-zero3"]
     # ZeRO-3 under a pipeline: each unit gathered and reduce-scattered once per step, not once per micro-batch.
     assert zero3["units"] > 0 and zero3["gathers"] == zero3["units"]
@@ -210,7 +257,9 @@ def test_executed_order_replays_to_the_predicted_bubble(schedule: str, m: int) -
     for result in run_distributed(2, _bubble_body, schedule, m):
         planned = result["schedule"]
         ran = dataclasses.replace(planned, compute=tuple(tuple(actions) for actions in result["executed"]))
-        assert sorted(map(str, ran.compute[0] + ran.compute[1])) == sorted(map(str, planned.compute[0] + planned.compute[1]))
+        assert sorted(map(str, ran.compute[0] + ran.compute[1])) == sorted(
+            map(str, planned.compute[0] + planned.compute[1])
+        )
         replayed, predicted = simulate(ran), closed_bubble(planned)
         assert replayed.bubble() == pytest.approx(predicted, abs=1e-12)
         if schedule in ("1f1b", "afab"):
@@ -251,7 +300,13 @@ def _dp_body() -> tuple[float, float]:
     engine = slipstream.initialize(_gpt2(), {**_config(1, "1f1b", 2), "pipeline": {}})
     d = dist.get_rank()
     tokens = _batches(4 * B, steps=1)[0]
-    micro = [{"input_ids": tokens[(i * 2 + d) * B : (i * 2 + d + 1) * B], "labels": tokens[(i * 2 + d) * B : (i * 2 + d + 1) * B]} for i in range(2)]
+    micro = [
+        {
+            "input_ids": tokens[(i * 2 + d) * B : (i * 2 + d + 1) * B],
+            "labels": tokens[(i * 2 + d) * B : (i * 2 + d + 1) * B],
+        }
+        for i in range(2)
+    ]
     trained = float(engine.train_batch(iter(micro)))
     evaluated = float(engine.eval_batch(iter(micro)))
     engine.close()
@@ -319,7 +374,10 @@ def _mistakes_body() -> list[str]:
         (_llama(), _config(2, "1f1b", 1)),
         (_llama(), _config(2, "dualpipev", 3, v=2)),
         (_llama(layers=2), _config(2, "zbv", 4, v=2)),  # 4 stages, 2 blocks
-        (torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]), {**_config(2, "1f1b", 4), "pipeline": {"stages": 2, "partition": "profile"}}),
+        (
+            torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]),
+            {**_config(2, "1f1b", 4), "pipeline": {"stages": 2, "partition": "profile"}},
+        ),
     ):
         try:
             slipstream.initialize(model, config)
@@ -331,9 +389,13 @@ def _mistakes_body() -> list[str]:
 
 def test_mistakes_name_the_key() -> None:
     messages = run_distributed(2, _mistakes_body)[0]
-    assert messages[0].startswith("gradient_accumulation_steps: 1 micro-batches cannot fill a 1f1b pipeline of 2 stages")
+    assert messages[0].startswith(
+        "gradient_accumulation_steps: 1 micro-batches cannot fill a 1f1b pipeline of 2 stages"
+    )
     assert messages[1].startswith("gradient_accumulation_steps: dualpipev needs at least 2 × pipeline.stages = 4")
-    assert messages[2].startswith("pipeline.virtual_stages: 2 ranks × 2 virtual stages = 4 stages need at least 4 blocks")  # issue 27 case 18
+    assert messages[2].startswith(
+        "pipeline.virtual_stages: 2 ranks × 2 virtual stages = 4 stages need at least 4 blocks"
+    )  # issue 27 case 18
     assert messages[3].startswith('pipeline.partition: "profile" times the model on synthetic token ids')
 
 
@@ -341,8 +403,13 @@ def _scale_wrt_gas_body(scale_wrt_gas: bool) -> dict[str, Any]:
     """pp 2, 2 micro-batches, SGD: ``engine.backward(loss, scale_wrt_gas=...)``; the step's gradient norm and weights."""
     from tests.reference import tiny_gpt2
 
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"stages": 2}}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "pipeline": {"stages": 2},
+    }
     engine = slipstream.initialize(tiny_gpt2(n_layer=2), config)
     norms = []
     for tokens in _scale_batches():
@@ -372,9 +439,21 @@ def test_pipeline_honours_scale_wrt_gas_false() -> None:
         for tokens in _scale_batches():
             for micro in tokens.split(2):
                 (model(input_ids=micro, labels=micro).loss / divisor).backward()
-            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))))
+            norms.append(
+                float(
+                    torch.linalg.vector_norm(
+                        torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+                    )
+                )
+            )
             optimizer.step()
             optimizer.zero_grad()
         ours = run_distributed(2, _scale_wrt_gas_body, scale_wrt_gas)[0]
         assert ours["norms"] == pytest.approx(norms, rel=1e-4), (scale_wrt_gas, ours["norms"], norms)
-        assert_weights_close(ours["state"], {n: p.detach() for n, p in model.named_parameters()}, rtol=1e-5, atol=1e-6, label=f"scale_wrt_gas={scale_wrt_gas}")
+        assert_weights_close(
+            ours["state"],
+            {n: p.detach() for n, p in model.named_parameters()},
+            rtol=1e-5,
+            atol=1e-6,
+            label=f"scale_wrt_gas={scale_wrt_gas}",
+        )

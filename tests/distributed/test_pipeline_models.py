@@ -75,11 +75,26 @@ def _bart() -> torch.nn.Module:
     from transformers import BartConfig, BartForConditionalGeneration
 
     torch.manual_seed(0)
-    return BartForConditionalGeneration(BartConfig(
-        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64, dropout=0.0,
-        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
-    ))  # fmt: skip
+    return BartForConditionalGeneration(
+        BartConfig(
+            vocab_size=VOCAB,
+            d_model=HIDDEN,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+        )
+    )
 
 
 def test_an_encoder_decoder_is_accepted_by_the_twin_check() -> None:
@@ -95,20 +110,41 @@ def _opt() -> torch.nn.Module:
     from transformers import OPTConfig, OPTForCausalLM
 
     torch.manual_seed(0)
-    return OPTForCausalLM(OPTConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4, ffn_dim=32, num_attention_heads=2, max_position_embeddings=64,
-        word_embed_proj_dim=HIDDEN, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
-    ))  # fmt: skip
+    return OPTForCausalLM(
+        OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=4,
+            ffn_dim=32,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            word_embed_proj_dim=HIDDEN,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            pad_token_id=1,
+        )
+    )
 
 
 def _t5() -> torch.nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
     torch.manual_seed(0)
-    return T5ForConditionalGeneration(T5Config(
-        vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, dropout_rate=0.0,
-        decoder_start_token_id=0, pad_token_id=0,
-    ))  # fmt: skip
+    return T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=VOCAB,
+            d_model=HIDDEN,
+            d_kv=8,
+            d_ff=32,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=2,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 class FirstWeightLM(PlainLM):
@@ -129,10 +165,13 @@ def test_models_that_read_the_blocks_settings_train(name: str) -> None:
         assert message == "accepted", message
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("t5", "block 'encoder.block.1' reads an activation besides its hidden state"),
-    ("first-weight", "stage 1 fails on its own (AttributeError: '_Shell' object has no attribute 'weight')"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("t5", "block 'encoder.block.1' reads an activation besides its hidden state"),
+        ("first-weight", "stage 1 fails on its own (AttributeError: '_Shell' object has no attribute 'weight')"),
+    ],
+)
 def test_models_a_cut_breaks_are_refused_on_every_rank(name: str, expected: str) -> None:
     """Case 15: T5 and a model reading another stage's weight are refused at initialize on every rank (no crash, no
     rank left waiting)."""
@@ -154,11 +193,18 @@ def _config_error(layers: int, extra: dict[str, Any]) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize("layers,extra,expected", [
-    (1, {}, "pipeline.stages: 2 stages need at least 2 blocks; LlamaForCausalLM has 1 (model.layers)"),
-    (2, {"schedule": "interleaved_1f1b", "virtual_stages": 2}, "pipeline.virtual_stages: 2 ranks × 2 virtual stages = 4 stages need at least 4 blocks"),
-    (4, {"partition": "type:(["}, "pipeline.partition: 'type:([': '([' is not a regular expression"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "layers,extra,expected",
+    [
+        (1, {}, "pipeline.stages: 2 stages need at least 2 blocks; LlamaForCausalLM has 1 (model.layers)"),
+        (
+            2,
+            {"schedule": "interleaved_1f1b", "virtual_stages": 2},
+            "pipeline.virtual_stages: 2 ranks × 2 virtual stages = 4 stages need at least 4 blocks",
+        ),
+        (4, {"partition": "type:(["}, "pipeline.partition: 'type:([': '([' is not a regular expression"),
+    ],
+)
 def test_pipeline_errors_name_the_right_key(layers: int, extra: dict[str, Any], expected: str) -> None:
     """Case 18: every rank refuses together, naming the key that is wrong."""
     for message in run_distributed(2, _config_error, layers, extra, timeout=120):
@@ -191,7 +237,10 @@ def _epoch_body(pp: int) -> dict[str, Any]:
 def test_train_batch_epoch_idiom_drops_a_partial_window(pp: int) -> None:
     for result in run_distributed(2, _epoch_body, pp):
         interrupted, clean = result["interrupted"], result["clean"]
-        assert len(interrupted["stops"]) == 1 and "ended after 1 of the window's 2 micro-batches" in interrupted["stops"][0]
+        assert (
+            len(interrupted["stops"]) == 1
+            and "ended after 1 of the window's 2 micro-batches" in interrupted["stops"][0]
+        )
         assert interrupted["steps"] == 2 and interrupted["losses"] == pytest.approx(clean["losses"][:2], rel=1e-6)
 
 
@@ -206,7 +255,11 @@ def _groups_body(mode: str) -> list[float]:
     from tests.distributed.test_pipeline import _batches, _llama
 
     model = _llama()
-    config = _config(2, "1f1b", 2) if mode == "pp" else {**_config(1, "1f1b", 2), "pipeline": {}, "tensor_parallel": {"autotp_size": 2}}
+    config = (
+        _config(2, "1f1b", 2)
+        if mode == "pp"
+        else {**_config(1, "1f1b", 2), "pipeline": {}, "tensor_parallel": {"autotp_size": 2}}
+    )
     engine = slipstream.initialize(model, config, model_parameters=_grouped(model))
     losses = []
     for tokens in _batches(8, steps=2):

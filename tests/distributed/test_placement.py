@@ -87,7 +87,9 @@ def _body(stage: int, save_dir: str) -> dict:
     # Load into the other layout: each rank now holds the rows the other one saved (boxes re-cut on read).
     swapped = _Pieces(torch.zeros(ROWS, 4), torch.zeros(3))
     place(swapped.w, (4, 4), (ROWS * (1 - rank), 0))
-    again = slipstream.initialize(swapped, config, model_parameters=[{"params": [swapped.w], "process_group": own}, {"params": [swapped.s]}])
+    again = slipstream.initialize(
+        swapped, config, model_parameters=[{"params": [swapped.w], "process_group": own}, {"params": [swapped.s]}]
+    )
     again.load_checkpoint(save_dir, tag="end")
     reloaded = again.consolidated_state_dict()
     again.close()

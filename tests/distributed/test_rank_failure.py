@@ -28,8 +28,13 @@ def _boom(*_: Any) -> None:
 
 def _failing_step_body(extra: dict[str, Any], accumulation: int) -> dict[str, str]:
     """Two steps; on rank FAILING the last block raises in step 0. What each rank raised."""
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation, "comms_timeout_seconds": 120,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accumulation,
+        "comms_timeout_seconds": 120,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        **extra,
+    }
     engine = slipstream.initialize(tiny_gpt2(n_layer=4), config)
     if dist.get_rank() == FAILING:
         engine.module.transformer.h[3].register_forward_hook(_boom)

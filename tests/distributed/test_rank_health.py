@@ -12,7 +12,14 @@ import torch.distributed as dist
 
 import slipstream
 from slipstream.engine.monitor import health as health_module
-from slipstream.engine.monitor.health import SLOW_MARGIN, SLOW_MIN_EXCESS_S, SLOW_REPORTS, NonFinite, RankHealth, over_median
+from slipstream.engine.monitor.health import (
+    SLOW_MARGIN,
+    SLOW_MIN_EXCESS_S,
+    SLOW_REPORTS,
+    NonFinite,
+    RankHealth,
+    over_median,
+)
 from tests.harness import run_distributed
 from tests.reference import global_batches, gpt2_loss, micro_batch, tiny_gpt2
 
@@ -29,7 +36,11 @@ class _Lines(logging.Handler):
 
 
 def _train(
-    slow_rank: int | None = None, delay: float = 0.0, nan_rank: int | None = None, nan_step: int = 0, cpu_clock: bool = False
+    slow_rank: int | None = None,
+    delay: float = 0.0,
+    nan_rank: int | None = None,
+    nan_step: int = 0,
+    cpu_clock: bool = False,
 ) -> dict:
     """STEPS optimizer steps, a progress line every EVERY; ``slow_rank`` sleeps ``delay`` before each forward,
     ``nan_rank``'s loss is NaN at optimizer step ``nan_step`` (1-based, as the progress line counts).
@@ -41,9 +52,11 @@ def _train(
     if cpu_clock:
         health_module.time = types.SimpleNamespace(perf_counter=time.thread_time)  # type: ignore[assignment]
     config = {
-        "train_batch_size": MB * world, "gradient_accumulation_steps": 1, "steps_per_print": EVERY,
+        "train_batch_size": MB * world,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": EVERY,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},  # fp32, default clipping: a NaN norm must not crash it
-    }  # fmt: skip
+    }
     handler = _Lines()
     try:
         engine = slipstream.initialize(tiny_gpt2(), config)
@@ -121,7 +134,9 @@ def test_slow_needs_consecutive_windows() -> None:
     assert health._judge_speed(slow) == [] and health.slow_ranks == {}  # one window: a hiccup
     lines = health._judge_speed(slow)
     assert list(health.slow_ranks) == [2] and health.slow_ranks[2].reports == SLOW_REPORTS == 2
-    assert lines == [(logging.WARNING, "rank 2 is slow: 2.00x the median step time (600 ms vs 300 ms) for the last 2 reports")]
+    assert lines == [
+        (logging.WARNING, "rank 2 is slow: 2.00x the median step time (600 ms vs 300 ms) for the last 2 reports")
+    ]
     assert health._judge_speed(fast) == [] and health.slow_ranks == {}  # recovered
     health._judge_speed(slow)
     assert health.slow_ranks == {}  # the count starts again
@@ -143,9 +158,12 @@ def test_nonfinite_verdicts() -> None:
     global_first = RankHealth(0, torch.device("cpu"))
     global_first.on_step(5, torch.tensor(1.0), 1, math.inf, False, 0.0)  # e.g. an overflow in backward: loss fine
     assert global_first.exchange(6) == [
-        (logging.ERROR, "non-finite gradient norm at step 5 (all ranks agree: it is global); the first non-finite local loss "
-         "not yet seen (no rank's up to step 6)")
-    ]  # fmt: skip
+        (
+            logging.ERROR,
+            "non-finite gradient norm at step 5 (all ranks agree: it is global); the first non-finite local loss "
+            "not yet seen (no rank's up to step 6)",
+        )
+    ]
     global_first.on_step(7, torch.tensor(math.nan), 2, math.nan, False, 0.0)
     [(_, line)] = global_first.exchange(8)
     assert line.endswith("the first non-finite local loss was at step 7 on rank(s) 0 (loss nan)"), line

@@ -26,9 +26,17 @@ def _llama(kv_heads: int = 2) -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=kv_heads,
-        vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config)
 
 
@@ -37,9 +45,18 @@ def _gpt2() -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -56,12 +73,16 @@ def _reference(name: str, batch: int) -> tuple[list[float], dict[str, torch.Tens
 
 
 def _config(u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any]:
-    return {"tensor_parallel": {"autotp_size": tp},
-        "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+    return {
+        "tensor_parallel": {"autotp_size": tp},
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-        "gradient_clipping": 0.0, "sequence_parallel_size": u, "data_parallel_size": dp,
+        "gradient_clipping": 0.0,
+        "sequence_parallel_size": u,
+        "data_parallel_size": dp,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-    }  # fmt: skip
+    }
 
 
 def _train(name: str, u: int, dp: int, stage: int, tp: int = 1) -> dict[str, Any]:

@@ -38,7 +38,9 @@ def _fresh_ring() -> Iterator[ring_collectives.RingContext]:
         dist.destroy_process_group(group)
 
 
-def _collectives(context: ring_collectives.RingContext, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _collectives(
+    context: ring_collectives.RingContext, numel: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's reduce-scatter chunk and all-gather result, data drawn the same on every rank."""
     world, rank = context.size, context.rank
     data = torch.randn(world, numel * world, generator=torch.Generator().manual_seed(5)).to(dtype)

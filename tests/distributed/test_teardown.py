@@ -15,11 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
-SCRIPT = r'''
+SCRIPT = r"""
 import atexit, sys
 import torch.distributed as dist
 
@@ -41,18 +39,26 @@ mine = dist.all_reduce(torch.ones(4096), async_op=True)         # the user's, ne
 ours = comm.all_reduce(torch.ones(4096), tag="left in flight")  # slipstream's, never waited for
 if sys.argv[1] == "raise":
     raise ValueError("the script failed")
-'''
+"""
 
 
 def _launch(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SLIPSTREAM_ACCELERATOR": "cpu"}
-    return subprocess.run([sys.executable, "-m", "slipstream.cli", "run", "--nproc_per_node", "2", str(script), mode],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "slipstream.cli", "run", "--nproc_per_node", "2", str(script), mode],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
-def test_a_script_that_returns_with_collectives_in_flight_exits_cleanly_with_its_groups_destroyed(tmp_path: Path) -> None:
+def test_a_script_that_returns_with_collectives_in_flight_exits_cleanly_with_its_groups_destroyed(
+    tmp_path: Path,
+) -> None:
     done = _launch(tmp_path, "return")
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]

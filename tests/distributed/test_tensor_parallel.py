@@ -48,7 +48,14 @@ def _tp_traffic(records: list[Any]) -> dict[str, Any]:
     return {
         "ops": sorted((r.op, r.nbytes, r.tag) for r in mine),
         "moved": sum(r.moved for r in mine if "replicated" not in r.tag),  # activations (not the norms' gradients)
-        "block_moved": sum(r.moved for r in mine if "region end" not in r.tag and "split" not in r.tag and "logits" not in r.tag and "replicated" not in r.tag),
+        "block_moved": sum(
+            r.moved
+            for r in mine
+            if "region end" not in r.tag
+            and "split" not in r.tag
+            and "logits" not in r.tag
+            and "replicated" not in r.tag
+        ),
     }
 
 
@@ -92,8 +99,13 @@ def _case(name: str, model_name: str, stage: int = 0, micro: int = MICRO, **extr
     ours.grad_norms += rest.grad_norms
     ours.params = rest.params
     result = {
-        "name": name, "losses": ours.losses, "norms": ours.grad_norms, "state": ours.params if dist.get_rank() == 0 else None,
-        "plan": _plan_of(engine.module), "traffic": traffic, "norm_saved": saved_bytes,
+        "name": name,
+        "losses": ours.losses,
+        "norms": ours.grad_norms,
+        "state": ours.params if dist.get_rank() == 0 else None,
+        "plan": _plan_of(engine.module),
+        "traffic": traffic,
+        "norm_saved": saved_bytes,
         "vocab": [n for n, m in engine.module.named_modules() if isinstance(m, (VocabEmbedding, VocabHead))],
         "local_numel": sum(p.numel() for p in engine.module.parameters()),
     }
@@ -112,20 +124,44 @@ def _world2_body() -> list[dict[str, Any]]:
         _case("llama-fp16", "llama", fp16={"enabled": True}),
         _case("llama-v257", "llama-v257"),
         _case("llama-kv1", "llama-kv1"),
-        _case("llama-sp-ac", "llama", tensor={"sequence_parallel": True}, activation_checkpointing={"module_classes": ["LlamaDecoderLayer"]}),
+        _case(
+            "llama-sp-ac",
+            "llama",
+            tensor={"sequence_parallel": True},
+            activation_checkpointing={"module_classes": ["LlamaDecoderLayer"]},
+        ),
     ]
 
 
-def _reference(model_name: str, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32, clip: float = 0.0) -> Any:
+def _reference(
+    model_name: str, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32, clip: float = 0.0
+) -> Any:
     return reference(BUILDERS[model_name](seed=0), batches, dtype, clip)
 
 
 def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     results = {r["name"]: r for r in run_distributed(2, _world2_body)[0]}
     batches = global_batches(STEPS, MICRO)
-    refs = {name: _reference(name, batches) for name in ("llama", "gpt2", "mlp", "llama-v257", "llama-kv1", "mlp-headnorm")}
-    for name, model_name in (("llama", "llama"), ("llama-sp", "llama"), ("gpt2", "gpt2"), ("mlp", "mlp"), ("llama-sp-ac", "llama"), ("llama-v257", "llama-v257"), ("llama-kv1", "llama-kv1"), ("mlp-headnorm", "mlp-headnorm")):
-        assert_close_trajectory(_as_trajectory(results[name]), refs[model_name], loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
+    refs = {
+        name: _reference(name, batches) for name in ("llama", "gpt2", "mlp", "llama-v257", "llama-kv1", "mlp-headnorm")
+    }
+    for name, model_name in (
+        ("llama", "llama"),
+        ("llama-sp", "llama"),
+        ("gpt2", "gpt2"),
+        ("mlp", "mlp"),
+        ("llama-sp-ac", "llama"),
+        ("llama-v257", "llama-v257"),
+        ("llama-kv1", "llama-kv1"),
+        ("mlp-headnorm", "mlp-headnorm"),
+    ):
+        assert_close_trajectory(
+            _as_trajectory(results[name]),
+            refs[model_name],
+            loss_rtol=1e-5,
+            param_atol=PARAM_ATOL,
+            param_rtol=PARAM_RTOL,
+        )
         assert results[name]["losses"][-1] < results[name]["losses"][0] - 0.1
     for name, dtype in (("llama-bf16", torch.bfloat16), ("llama-fp16", torch.float16)):
         low = _reference("llama", batches, dtype)
@@ -136,14 +172,23 @@ def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     for i in range(4):
         block = {n.split(".", 3)[3]: v for n, v in llama_plan.items() if n.startswith(f"model.layers.{i}.")}
         assert block == {
-            "self_attn.q_proj": ("column", 1), "self_attn.k_proj": ("column", 1), "self_attn.v_proj": ("column", 1),
-            "self_attn.o_proj": ("row", 1), "mlp.gate_proj": ("column", 1), "mlp.up_proj": ("column", 1),
+            "self_attn.q_proj": ("column", 1),
+            "self_attn.k_proj": ("column", 1),
+            "self_attn.v_proj": ("column", 1),
+            "self_attn.o_proj": ("row", 1),
+            "mlp.gate_proj": ("column", 1),
+            "mlp.up_proj": ("column", 1),
             "mlp.down_proj": ("row", 1),
-        }  # fmt: skip
+        }
     gpt2_plan = results["gpt2"]["plan"]
     for i in range(4):
         block = {n.split(".", 3)[3]: v for n, v in gpt2_plan.items() if n.startswith(f"transformer.h.{i}.")}
-        assert block == {"attn.c_attn": ("column", 3), "attn.c_proj": ("row", 1), "mlp.c_fc": ("column", 1), "mlp.c_proj": ("row", 1)}
+        assert block == {
+            "attn.c_attn": ("column", 3),
+            "attn.c_proj": ("row", 1),
+            "mlp.c_fc": ("column", 1),
+            "mlp.c_proj": ("row", 1),
+        }
     assert set(results["mlp"]["plan"]) == {f"blocks.{i}.{leaf}" for i in range(3) for leaf in ("fc_in", "fc_out")}
     assert results["llama"]["vocab"] == ["model.embed_tokens", "lm_head"]
     assert results["gpt2"]["vocab"] == ["transformer.wte", "lm_head"]
@@ -154,14 +199,21 @@ def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     full = {name: dict(BUILDERS[name](seed=0).named_parameters()) for name in ("llama", "gpt2", "mlp")}
     odd = dict(BUILDERS["llama-v257"](seed=0).named_parameters())  # rank 0 holds 129 of the 257 vocabulary rows
     assert results["llama-v257"]["local_numel"] == sum(
-        129 * p.shape[1] if n in ("model.embed_tokens.weight", "lm_head.weight") else p.numel() // 2 if n.endswith("proj.weight") else p.numel()
+        129 * p.shape[1]
+        if n in ("model.embed_tokens.weight", "lm_head.weight")
+        else p.numel() // 2
+        if n.endswith("proj.weight")
+        else p.numel()
         for n, p in odd.items()
-    )  # fmt: skip
+    )
     cut = {
         "llama": lambda n: n.endswith("proj.weight") or n in ("model.embed_tokens.weight", "lm_head.weight"),
-        "gpt2": lambda n: n.endswith(("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight")) or n == "transformer.wte.weight",
+        "gpt2": lambda n: (
+            n.endswith(("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight"))
+            or n == "transformer.wte.weight"
+        ),
         "mlp": lambda n: n.endswith(("fc_in.weight", "fc_in.bias", "fc_out.weight")),
-    }  # fmt: skip
+    }
     for name, params in full.items():
         expected = sum(p.numel() // 2 if cut[name](n) else p.numel() for n, p in params.items())
         assert results[name]["local_numel"] == expected, (name, results[name]["local_numel"], expected)
@@ -179,13 +231,19 @@ def test_tensor_parallel_world2_parity_plan_and_traffic() -> None:
     sp_ops = results["llama-sp"]["traffic"]["ops"]
     counted = collections.Counter((op, tag) for op, nbytes, tag in sp_ops if nbytes == bsh)
     assert counted == {  # per block 2 gathers + 2 reduce-scatters each way; + the region edges and embedding/head terms
-        ("all_gather", "sp gather"): 8, ("reduce_scatter", "sp gather (backward)"): 8,
-        ("reduce_scatter", "sp reduce-scatter"): 8, ("all_gather", "sp reduce-scatter (backward)"): 8,
-        ("all_gather", "sp split (backward)"): 1, ("all_gather", "sp gather (region end)"): 1,
-        ("all_reduce", "tp reduce"): 1, ("all_reduce", "tp copy (backward)"): 1,
-    }, counted  # fmt: skip
+        ("all_gather", "sp gather"): 8,
+        ("reduce_scatter", "sp gather (backward)"): 8,
+        ("reduce_scatter", "sp reduce-scatter"): 8,
+        ("all_gather", "sp reduce-scatter (backward)"): 8,
+        ("all_gather", "sp split (backward)"): 1,
+        ("all_gather", "sp gather (region end)"): 1,
+        ("all_reduce", "tp reduce"): 1,
+        ("all_reduce", "tp copy (backward)"): 1,
+    }, counted
     # saved activation bytes of the norms' inputs fall by exactly t
-    assert results["llama"]["norm_saved"] > 0 and results["llama"]["norm_saved"] == 2 * results["llama-sp"]["norm_saved"]
+    assert (
+        results["llama"]["norm_saved"] > 0 and results["llama"]["norm_saved"] == 2 * results["llama-sp"]["norm_saved"]
+    )
 
 
 def _as_trajectory(result: dict[str, Any]) -> Any:
@@ -196,8 +254,16 @@ def _as_trajectory(result: dict[str, Any]) -> Any:
 
 def _world4_body() -> list[dict[str, Any]]:
     return [
-        _case("zero1", "llama", stage=1), _case("zero3-clip", "llama", stage=3, clip=0.5),
-        _case("zero2-offload-gas2", "llama", stage=2, zero={"offload_optimizer": {"device": "cpu"}}, micro=MICRO // 2, gas=2),
+        _case("zero1", "llama", stage=1),
+        _case("zero3-clip", "llama", stage=3, clip=0.5),
+        _case(
+            "zero2-offload-gas2",
+            "llama",
+            stage=2,
+            zero={"offload_optimizer": {"device": "cpu"}},
+            micro=MICRO // 2,
+            gas=2,
+        ),
         _case("zero3-sp-kv1", "llama-kv1", stage=3, tensor={"sequence_parallel": True}),
     ]
 
@@ -208,11 +274,17 @@ def test_tensor_parallel_with_zero_over_dp() -> None:
     batches = global_batches(STEPS, 2 * MICRO)
     ref = _reference("llama", batches)
     for result in (zero1, zero2_offload):
-        assert_close_trajectory(_as_trajectory(result), ref, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
+        assert_close_trajectory(
+            _as_trajectory(result), ref, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL
+        )
     kv1 = _reference("llama-kv1", batches)  # ZeRO-3 over dp with sequence parallel and replicated KV heads
-    assert_close_trajectory(_as_trajectory(zero3_sp_kv1), kv1, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
+    assert_close_trajectory(
+        _as_trajectory(zero3_sp_kv1), kv1, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL
+    )
     clipped = _reference("llama", batches, clip=0.5)
-    assert_close_trajectory(_as_trajectory(zero3), clipped, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL)
+    assert_close_trajectory(
+        _as_trajectory(zero3), clipped, loss_rtol=1e-5, param_atol=PARAM_ATOL, param_rtol=PARAM_RTOL
+    )
     for ours, theirs in zip(zero3["norms"] + zero1["norms"], clipped.grad_norms + ref.grad_norms):
         assert abs(ours - theirs) <= 1e-5 * theirs, (ours, theirs)
     assert max(clipped.grad_norms) > 0.5  # the clipping did bite
@@ -303,34 +375,70 @@ def _error_of(model: torch.nn.Module, cfg: dict[str, Any]) -> str:
 def _errors_body() -> dict[str, str]:
     from tests.distributed.tp_cases import llama
 
-    right = {**WRONG_GPT2_PLAN, "layer_specs": [*WRONG_GPT2_PLAN["layer_specs"][1:], {"patterns": [r".*\.c_attn\.weight$"], "partition_type": "column", "shape": [3, -1]}, {"patterns": [r".*\.c_fc\.weight$"], "partition_type": "column"}]}  # fmt: skip
+    right = {
+        **WRONG_GPT2_PLAN,
+        "layer_specs": [
+            *WRONG_GPT2_PLAN["layer_specs"][1:],
+            {"patterns": [r".*\.c_attn\.weight$"], "partition_type": "column", "shape": [3, -1]},
+            {"patterns": [r".*\.c_fc\.weight$"], "partition_type": "column"},
+        ],
+    }
     return {
         "wrong plan": _error_of(BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": WRONG_GPT2_PLAN})),
-        "silently wrong plan": _error_of(BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": SILENTLY_WRONG_GPT2_PLAN})),
+        "silently wrong plan": _error_of(
+            BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": SILENTLY_WRONG_GPT2_PLAN})
+        ),
         "right plan": _error_of(BUILDERS["gpt2"](), config(MICRO, 1, tensor={"partition_config": right})),
         "kv heads": _error_of(_three_kv_heads_llama(), config(MICRO, 1)),
         "sp without tp": _error_of(llama(), config(MICRO, 2, tp=1, tensor={"sequence_parallel": True})),
-        "partition type": _error_of(llama(), config(MICRO, 1, tensor={"partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}})),
+        "partition type": _error_of(
+            llama(),
+            config(
+                MICRO,
+                1,
+                tensor={"partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}},
+            ),
+        ),
     }
 
 
 def _three_kv_heads_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=96, intermediate_size=128, num_attention_heads=6, num_key_value_heads=3, vocab_size=256))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=96,
+            intermediate_size=128,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            vocab_size=256,
+        )
+    )
 
 
 def test_config_mistakes_fail_initialize_naming_the_key_or_block() -> None:
     errors = run_distributed(2, _errors_body)[0]
-    assert errors["wrong plan"].startswith("tensor_parallel: the sharded block transformer.h.0 does not reproduce"), errors["wrong plan"]
+    assert errors["wrong plan"].startswith("tensor_parallel: the sharded block transformer.h.0 does not reproduce"), (
+        errors["wrong plan"]
+    )
     assert "transformer.h.0.attn.c_attn: column [partition_config.layer_specs[0]]" in errors["wrong plan"]
     silent = errors["silently wrong plan"]
-    assert silent.startswith("tensor_parallel: the sharded block transformer.h.0 does not reproduce the unsharded one") and "outputs differ by" in silent, silent
+    assert (
+        silent.startswith("tensor_parallel: the sharded block transformer.h.0 does not reproduce the unsharded one")
+        and "outputs differ by" in silent
+    ), silent
     assert "transformer.h.0.mlp.c_fc: column (packed 2) [partition_config.layer_specs[1]]" in silent
     assert errors["right plan"] == "no error"  # the same plan with shape [3, -1] passes the self-check
-    assert errors["kv heads"].startswith("tensor_parallel.autotp_size: model.layers.0.self_attn.k_proj holds 3 heads, which neither divide by 2 nor divide 2"), errors["kv heads"]
-    assert errors["sp without tp"].startswith("tensor_parallel.sequence_parallel: needs tensor_parallel.autotp_size"), errors["sp without tp"]
-    assert errors["partition type"].startswith("tensor_parallel.partition_config.layer_specs[0].partition_type: must be row, column or skip"), errors["partition type"]
+    assert errors["kv heads"].startswith(
+        "tensor_parallel.autotp_size: model.layers.0.self_attn.k_proj holds 3 heads, which neither divide by 2 nor divide 2"
+    ), errors["kv heads"]
+    assert errors["sp without tp"].startswith("tensor_parallel.sequence_parallel: needs tensor_parallel.autotp_size"), (
+        errors["sp without tp"]
+    )
+    assert errors["partition type"].startswith(
+        "tensor_parallel.partition_config.layer_specs[0].partition_type: must be row, column or skip"
+    ), errors["partition type"]
 
 
 # --------------------------------------------------------------------------- dropout randomness
@@ -343,7 +451,18 @@ def _rng_body() -> dict[str, Any]:
 
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)  # different default streams per rank: initialize must align them over tp
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=256,
+            n_positions=32,
+            resid_pdrop=0.1,
+            embd_pdrop=0.1,
+            attn_pdrop=0.1,
+        )
+    )
     engine = slipstream.initialize(model, config(MICRO, 1))
     tokens = global_batches(2, MICRO)
     finals: list[torch.Tensor] = []  # the last norm's output: through replicated dropout (embeddings, residuals)
@@ -368,7 +487,9 @@ def _rng_body() -> dict[str, Any]:
 
 def test_dropout_rng_alike_in_replicated_regions_independent_in_sharded_ones() -> None:
     r0, r1 = run_distributed(2, _rng_body)
-    for a, b in zip(r0["finals"], r1["finals"], strict=True):  # replicated regions drew the same masks (ranks were seeded apart)
+    for a, b in zip(
+        r0["finals"], r1["finals"], strict=True
+    ):  # replicated regions drew the same masks (ranks were seeded apart)
         assert torch.equal(a, b)
     assert not torch.equal(r0["inside"], r1["inside"])  # a sharded region: independent per tp rank
     assert torch.equal(r0["after"], r1["after"])  # back on the replicated stream, still alike
@@ -381,8 +502,12 @@ def _user_optimizer_body(stage: int) -> list[float]:
 
     model = tiny_llama(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
-              "tensor_parallel": {"autotp_size": 2}}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "tensor_parallel": {"autotp_size": 2},
+    }
     engine = slipstream.initialize(model, config, optimizer=optimizer)
     losses = train_lm_engine(engine, global_batches(3, 4), micro=4, index=0)
     engine.close()

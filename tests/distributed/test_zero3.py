@@ -38,12 +38,17 @@ def _config(world: int, gas: int, mb: int = 2, prefetch: int = 0, threshold: int
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "gradient_clipping": 1.0,
         "zero_optimization": {
-            "stage": 3, "stage3_prefetch_bucket_size": prefetch, "stage3_param_persistence_threshold": threshold, **zero,
-        },  # fmt: skip
+            "stage": 3,
+            "stage3_prefetch_bucket_size": prefetch,
+            "stage3_param_persistence_threshold": threshold,
+            **zero,
+        },
     }
 
 
-def _parity_body(model_name: str, gas: int, prefetch: int, threshold: int = 0, precision: str = "fp32", **zero: object) -> dict:
+def _parity_body(
+    model_name: str, gas: int, prefetch: int, threshold: int = 0, precision: str = "fp32", **zero: object
+) -> dict:
     world = dist.get_world_size()
     build = MODELS[model_name]
     extra = {precision: {"enabled": True}} if precision != "fp32" else {}
@@ -130,7 +135,9 @@ def _tricky_body() -> None:
     config = _config(world, 1, mb=4)
     engine = slipstream.initialize(_Tricky(), config)
     reference = _Tricky()
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01, fused=True)
+    ref_opt = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01, fused=True
+    )
     gen = torch.Generator().manual_seed(3)
     for step in range(5):
         x = torch.randn(world, 4, 16, generator=gen)
@@ -165,7 +172,11 @@ def test_stage3_edge_cases_match_reference(world: int) -> None:
 def test_stage3_forward_path_differs_between_ranks(world: int, gas: int) -> None:
     # Each Linear is a unit: a frozen one, a branch only rank 0 runs (every other step, first
     # micro-step only), one nobody runs; prefetch small enough to leave units to the cursor.
-    zero = {"stage3_unit_modules": ["Linear"], "stage3_prefetch_bucket_size": 100, "stage3_param_persistence_threshold": 0}
+    zero = {
+        "stage3_unit_modules": ["Linear"],
+        "stage3_prefetch_bucket_size": 100,
+        "stage3_param_persistence_threshold": 0,
+    }
     run_distributed(world, _unused_body, 3, gas, **zero)
 
 
@@ -174,9 +185,11 @@ def test_stage3_kept_units_some_ranks_skip() -> None:
     # runs: the ranks that skipped them gathered them at the forward's cursor and keep them alike,
     # so no rank gathers them for the backward alone (the gathers would no longer pair up).
     zero = {
-        "stage3_unit_modules": ["Linear"], "stage3_prefetch_bucket_size": 100, "stage3_param_persistence_threshold": 0,
+        "stage3_unit_modules": ["Linear"],
+        "stage3_prefetch_bucket_size": 100,
+        "stage3_param_persistence_threshold": 0,
         "stage3_max_reuse_distance": 1_000_000_000,
-    }  # fmt: skip
+    }
     run_distributed(2, _unused_body, 3, 2, **zero)
 
 
@@ -185,7 +198,11 @@ def test_stage3_last_unit_run_by_some_ranks_only(prefetch: int | None) -> None:
     # The last unit stays gathered from the forward into the backward ([Note: the last unit stays]):
     # here only rank 0 runs it, every other step, so the others gather it at the end of the forward
     # and must keep it exactly as rank 0 does, or the gathers of backward would no longer pair up.
-    zero = {"stage3_unit_modules": ["Linear"], "stage3_prefetch_bucket_size": prefetch, "stage3_param_persistence_threshold": 0}
+    zero = {
+        "stage3_unit_modules": ["Linear"],
+        "stage3_prefetch_bucket_size": prefetch,
+        "stage3_param_persistence_threshold": 0,
+    }
     run_distributed(2, _unused_body, 3, 1, _BranchLast, **zero)
 
 
@@ -217,7 +234,15 @@ def _memory_body(prefetch: int | None) -> dict:
     held = strategy.memory_breakdown()
     freed = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     engine.close()
-    return {"psi": psi, "largest": largest, "live_seen": max(live_seen), "freed": freed, "pool": pool, "units": len(strategy.units), **held}
+    return {
+        "psi": psi,
+        "largest": largest,
+        "live_seen": max(live_seen),
+        "freed": freed,
+        "pool": pool,
+        "units": len(strategy.units),
+        **held,
+    }
 
 
 @pytest.mark.parametrize(("world", "prefetch"), [(2, 0), (4, 0), (2, None)])
@@ -227,7 +252,9 @@ def test_stage3_memory_is_sixteen_psi_over_n_plus_live_units(world: int, prefetc
     for rank, held in enumerate(run_distributed(world, _memory_body, prefetch)):
         expected = 16 * held["psi"] / world
         total = held["params"] + held["grads"] + held["optimizer"]
-        assert abs(total - expected) <= 0.05 * expected + held["largest"], f"rank {rank}: {total} vs {expected:.0f} ({held})"
+        assert abs(total - expected) <= 0.05 * expected + held["largest"], (
+            f"rank {rank}: {total} vs {expected:.0f} ({held})"
+        )
         # Besides model states: the pool's idle buffers, never more than the schedule had in use at once
         # (the root, the running block, the one gathered ahead, a send buffer in flight).
         assert held["buffers"] <= 4 * held["largest"], held
@@ -284,7 +311,9 @@ def _block_numel() -> int:
 
 
 @pytest.mark.parametrize(("blocks_within", "backward_gathers"), [(1, ["unit 1", "unit 2"]), (2, ["unit 1"]), (3, [])])
-def test_stage3_reuse_distance_skips_the_backward_gathers_of_kept_blocks(blocks_within: int, backward_gathers: list[str]) -> None:
+def test_stage3_reuse_distance_skips_the_backward_gathers_of_kept_blocks(
+    blocks_within: int, backward_gathers: list[str]
+) -> None:
     # Block i's backward comes 2 * (elements of the blocks above it) after its forward. A distance
     # just above 2 * (k - 1) blocks keeps the top k blocks: their backward gathers are skipped, so at
     # k = 3 (the whole model) a step moves 2Ψ, as DDP's all-reduce does.
@@ -293,7 +322,12 @@ def test_stage3_reuse_distance_skips_the_backward_gathers_of_kept_blocks(blocks_
     psi_bytes = 4 * sum(p.numel() for p in tiny_gpt2(seed=0, n_layer=3).parameters())
     gathers = [re.search(r"unit \d+", tag).group() for op, _, tag in records if op == "all_gather"]
     assert sorted(gathers) == sorted(["unit 0", "unit 1", "unit 2", "unit 3", *backward_gathers]), gathers
-    assert sorted(re.search(r"unit \d+", tag).group() for op, _, tag in records if op == "reduce_scatter") == ["unit 0", "unit 1", "unit 2", "unit 3"]
+    assert sorted(re.search(r"unit \d+", tag).group() for op, _, tag in records if op == "reduce_scatter") == [
+        "unit 0",
+        "unit 1",
+        "unit 2",
+        "unit 3",
+    ]
     if not backward_gathers:
         moved = sum(m for op, m, _ in records if op in ("all_gather", "reduce_scatter"))
         assert 2 * psi_bytes <= moved <= 2 * psi_bytes * 1.02, moved / psi_bytes
@@ -447,10 +481,7 @@ def test_zero_init_trains_a_model_larger_than_the_memory_cap() -> None:
 @pytest.mark.parametrize("threshold", [0, 100_000])  # every parameter partitioned / all in the persistent unit
 def test_stage3_param_groups_user_optimizer_and_fp16_overflow(threshold: int) -> None:
     from tests.distributed.test_data_parallel import _overflow_body
-    from tests.distributed.test_zero_partitioned import (
-        _param_groups_body,
-        _user_optimizer_body,
-    )
+    from tests.distributed.test_zero_partitioned import _param_groups_body, _user_optimizer_body
 
     zero = {"stage3_param_persistence_threshold": threshold}
     run_distributed(2, _param_groups_body, 3, **zero)

@@ -18,7 +18,9 @@ from tests.reference import assert_close_trajectory, global_batches, tiny_gpt2, 
 def _overlap_body(overlap: bool) -> list[int]:
     # The token embedding (root unit) gets its gradient last: by then the blocks' reduce-scatters
     # are on the wire when overlap is on, and none has started when it is off.
-    engine = slipstream.initialize(tiny_gpt2(seed=0, n_layer=3), _config(dist.get_world_size(), 1, overlap_comm=overlap))
+    engine = slipstream.initialize(
+        tiny_gpt2(seed=0, n_layer=3), _config(dist.get_world_size(), 1, overlap_comm=overlap)
+    )
     return reductions_around_last_gradient(engine)
 
 
@@ -55,7 +57,6 @@ def test_stage3_reduces_in_communication_data_type() -> None:
     for nbytes, tag in result["records"]:
         unit = int(re.search(r"unit (\d+)", tag).group(1))
         assert nbytes == 2 * result["units"][unit], (nbytes, tag)  # 2 bytes per element: bf16, not fp32
-
 
 
 def test_stage3_without_overlap_trains_like_one_process() -> None:

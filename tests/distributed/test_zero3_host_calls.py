@@ -26,10 +26,11 @@ MB = 2
 
 def _config(**zero: object) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": MB, "gradient_clipping": 0.0,
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
-    }  # fmt: skip
+    }
 
 
 def _train(engine: object, batches: list[torch.Tensor]) -> list[float]:
@@ -57,7 +58,10 @@ def _host_calls_body() -> dict:
     engine.module.to(device="cpu")
     got += _train(engine, batches[2:])  # the moves changed nothing
     errors = {}
-    for name, call in {"dtype": lambda: engine.module.to(torch.bfloat16), "detach": lambda: engine.module.transformer.wte.weight.detach() + 1}.items():
+    for name, call in {
+        "dtype": lambda: engine.module.to(torch.bfloat16),
+        "detach": lambda: engine.module.transformer.wte.weight.detach() + 1,
+    }.items():
         try:
             call()
             errors[name] = None
@@ -72,7 +76,9 @@ def test_state_dict_and_device_moves_of_a_partitioned_model_finish_and_change_no
     assert result["got"] == result["want"]
     assert len(result["partitioned"]) >= result["keys"] - 1 and "transformer.wte.weight" in result["partitioned"]
     assert "to(dtype=torch.bfloat16) on a partitioned parameter" in result["errors"]["dtype"]
-    assert "used a partitioned parameter while its unit was not gathered" in result["errors"]["detach"]  # outside state_dict
+    assert (
+        "used a partitioned parameter while its unit was not gathered" in result["errors"]["detach"]
+    )  # outside state_dict
 
 
 def _param_offload_body(device: str, precision: str | None, swap: str) -> dict:
@@ -101,8 +107,12 @@ def _param_offload_body(device: str, precision: str | None, swap: str) -> dict:
 
 
 @pytest.mark.parametrize(("device", "precision"), [("cpu", None), ("nvme", None), ("cpu", "bf16")])
-def test_parameter_offload_without_optimizer_offload_is_bit_for_bit_the_run_without(device: str, precision: str | None) -> None:
-    result = run_distributed(2, _param_offload_body, device, precision, tempfile.mkdtemp(prefix="slipstream-param-offload-"))[0]
+def test_parameter_offload_without_optimizer_offload_is_bit_for_bit_the_run_without(
+    device: str, precision: str | None
+) -> None:
+    result = run_distributed(
+        2, _param_offload_body, device, precision, tempfile.mkdtemp(prefix="slipstream-param-offload-")
+    )[0]
     assert result["got"] == result["want"] and result["same_weights"]
     assert result["resumed"] == result["want"][2:]
 

@@ -111,4 +111,6 @@ def test_stage3_peak_is_the_formulas_saving_below_ddp_at_2_and_4_ranks() -> None
             )
         peaks[world] = max(b["peak"] for b in stage3)
     fall, expected = peaks[2] - peaks[4], 16 * psi * (1 / 2 - 1 / 4)
-    assert abs(fall - expected) <= 0.2 * expected, f"from 2 to 4 ranks the peak fell {fall / 2**20:.1f} MiB, the formula {expected / 2**20:.1f}"
+    assert abs(fall - expected) <= 0.2 * expected, (
+        f"from 2 to 4 ranks the peak fell {fall / 2**20:.1f} MiB, the formula {expected / 2**20:.1f}"
+    )

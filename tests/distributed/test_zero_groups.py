@@ -83,7 +83,9 @@ def _per_group_body(stage: int, offload: str, save_dir: str) -> dict:
     return {"losses": losses, "sizes": sizes}
 
 
-@pytest.mark.parametrize(("stage", "offload"), [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")])
+@pytest.mark.parametrize(
+    ("stage", "offload"), [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")]
+)
 def test_parameter_groups_sharded_over_different_process_groups(stage: int, offload: str, tmp_path: Path) -> None:
     results = run_distributed(4, _per_group_body, stage, offload, str(tmp_path))
     assert all(r["losses"] == results[0]["losses"] for r in results)

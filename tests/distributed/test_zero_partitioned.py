@@ -115,9 +115,7 @@ def _param_groups_body(stage: int, **zero: object) -> None:
     config["zero_optimization"].update(zero)
     config["optimizer"]["params"]["lr"] = 1e-3
     engine = slipstream.initialize(model, config, model_parameters=groups(model))
-    ref_opt = torch.optim.AdamW(
-        [{**g, "params": g["params"]} for g in groups(reference)], lr=1e-3, fused=True
-    )
+    ref_opt = torch.optim.AdamW([{**g, "params": g["params"]} for g in groups(reference)], lr=1e-3, fused=True)
     batches = global_batches(5, config["train_batch_size"])
     for tokens in batches:
         engine.backward(gpt2_loss(engine, micro_batch(tokens, 0, rank, world, 2)))
@@ -151,8 +149,12 @@ def _comms_body(stage: int) -> dict:
     records = list(comms_log.history[-1])
     engine.close()
     layout = getattr(engine.strategy, "layout", None)
-    return {"numel": numel, "buckets": len(layout.buckets) if layout else None, "padded": layout.numel if layout else None,
-            "records": [(r.op, r.nbytes, r.moved, r.tag) for r in records]}  # fmt: skip
+    return {
+        "numel": numel,
+        "buckets": len(layout.buckets) if layout else None,
+        "padded": layout.numel if layout else None,
+        "records": [(r.op, r.nbytes, r.moved, r.tag) for r in records],
+    }
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -164,7 +166,7 @@ def test_each_rank_moves_about_two_psi_per_step(stage: int) -> None:
     psi_bytes = 4 * result["numel"]
     # ZeRO analysis: 2Ψ per step for stages 0-2 (all-reduce = reduce-scatter + all-gather); the rest
     # is padding to chunk boundaries and three scalars/flags.
-    assert 2 * psi_bytes <= moved <= 2 * psi_bytes * 1.02, (moved / psi_bytes)
+    assert 2 * psi_bytes <= moved <= 2 * psi_bytes * 1.02, moved / psi_bytes
     if stage == 0:
         assert {r[0] for r in grads} == {"all_reduce"}
     else:
@@ -244,7 +246,9 @@ def test_memory_per_rank_follows_zero_formulas(world: int, stage: int, precision
     for rank, held in enumerate(run_distributed(world, _memory_body, stage, precision)):
         expected = FORMULAS[(stage, precision)](held["psi"], world)
         total = held["params"] + held["grads"] + held["optimizer"]
-        assert abs(total - expected) <= 0.05 * expected, f"rank {rank}: {total} bytes vs formula {expected:.0f} ({held})"
+        assert abs(total - expected) <= 0.05 * expected, (
+            f"rank {rank}: {total} bytes vs formula {expected:.0f} ({held})"
+        )
 
 
 def _backend_path_body(stage: int, reduce_scatter_missing: bool) -> list[float]:
@@ -341,7 +345,11 @@ def test_mixed_dtypes_are_refused_with_the_fix() -> None:
 def _user_optimizer_body(stage: int, **zero: object) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     model, reference = tiny_gpt2(seed=0), tiny_gpt2(seed=0)
-    config = {"train_batch_size": 2 * world, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage, "reduce_bucket_size": 7_000, **zero}}
+    config = {
+        "train_batch_size": 2 * world,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 7_000, **zero},
+    }
     engine = slipstream.initialize(model, config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for tokens in global_batches(4, 2 * world):

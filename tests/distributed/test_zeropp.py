@@ -41,7 +41,10 @@ def _config(gas: int = 1, precision: str = "fp32", optimizer: str = "AdamW", **z
     config = {
         "train_batch_size": 2 * gas * world,
         "gradient_accumulation_steps": gas,
-        "optimizer": {"type": optimizer, "params": {"lr": 1e-3, **({"weight_decay": 0.01} if optimizer == "AdamW" else {})}},
+        "optimizer": {
+            "type": optimizer,
+            "params": {"lr": 1e-3, **({"weight_decay": 0.01} if optimizer == "AdamW" else {})},
+        },
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
     }
@@ -50,7 +53,15 @@ def _config(gas: int = 1, precision: str = "fp32", optimizer: str = "AdamW", **z
     return config
 
 
-def _train(zero: dict, steps: int, gas: int = 1, precision: str = "fp32", optimizer: str = "AdamW", batches=global_batches, layers: int = LAYERS):
+def _train(
+    zero: dict,
+    steps: int,
+    gas: int = 1,
+    precision: str = "fp32",
+    optimizer: str = "AdamW",
+    batches=global_batches,
+    layers: int = LAYERS,
+):
     os.environ["LOCAL_WORLD_SIZE"] = NODES_OF_TWO  # the harness restores the environment after the body
     config = _config(gas, precision, optimizer, **zero)
     engine = slipstream.initialize(tiny_gpt2(seed=0, n_layer=layers), config)
@@ -70,7 +81,9 @@ def _layouts_body(precision: str) -> dict:
     for name, value in plain.params.items():
         assert torch.equal(hpz.params[name], value), name
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    ref = train_reference(tiny_gpt2(seed=0, n_layer=LAYERS), global_batches(10, 16), lr=1e-3, weight_decay=0.01, clip=1.0, dtype=dtype)
+    ref = train_reference(
+        tiny_gpt2(seed=0, n_layer=LAYERS), global_batches(10, 16), lr=1e-3, weight_decay=0.01, clip=1.0, dtype=dtype
+    )
     for ours in (plain, mics):  # MiCS sums inside its shard group, then across: the reference's bounds, as ZeRO-3
         if precision == "fp32":
             assert_close_trajectory(ours, ref, loss_rtol=1e-5, param_atol=5e-5, param_rtol=1e-4)
@@ -154,7 +167,10 @@ def _expected(layout: str) -> dict[str, int]:
         ("hpz", {"zero_hpz_partition_size": 2}),
         ("mics", {"mics_shard_size": 2}),
         ("qwz+qgz", {"zero_quantized_weights": True, "zero_quantized_gradients": True}),
-        ("hpz+qwz+qgz", {"zero_hpz_partition_size": 2, "zero_quantized_weights": True, "zero_quantized_gradients": True}),
+        (
+            "hpz+qwz+qgz",
+            {"zero_hpz_partition_size": 2, "zero_quantized_weights": True, "zero_quantized_gradients": True},
+        ),
     ],
 )
 def test_bytes_per_link_class_equal_the_formulas(layout: str, zero: dict) -> None:
@@ -208,7 +224,12 @@ def _checkpoint_body() -> dict:
         rest = train_engine(saved, batches[3:])
         saved.close()
         out = {}
-        layouts = (("zero3", {}), ("hpz", {"zero_hpz_partition_size": 2}), ("mics", {"mics_shard_size": 2}), ("stage 2", {"stage": 2}))
+        layouts = (
+            ("zero3", {}),
+            ("hpz", {"zero_hpz_partition_size": 2}),
+            ("mics", {"mics_shard_size": 2}),
+            ("stage 2", {"stage": 2}),
+        )
         for name, zero in layouts:
             engine = slipstream.initialize(tiny_gpt2(seed=1, n_layer=LAYERS), _config(**zero))
             engine.load_checkpoint(save_dir, tag="mics")
@@ -248,10 +269,18 @@ def _refusal_body(zero: dict, stage: int) -> str:
 @pytest.mark.parametrize(
     ("zero", "stage", "message"),
     [
-        ({"zero_hpz_partition_size": 3}, 3, r"zero_optimization\.zero_hpz_partition_size: 3 does not divide the data-parallel group of 4"),
+        (
+            {"zero_hpz_partition_size": 3},
+            3,
+            r"zero_optimization\.zero_hpz_partition_size: 3 does not divide the data-parallel group of 4",
+        ),
         ({"mics_shard_size": 2}, 2, r"zero_optimization\.mics_shard_size: needs stage 3"),
         ({"zero_quantized_gradients": True}, 1, r"zero_optimization\.zero_quantized_gradients: needs stage 3"),
-        ({"mics_shard_size": 2, "zero_hpz_partition_size": 2}, 3, r"zero_optimization\.zero_hpz_partition_size: hpZ and MiCS"),
+        (
+            {"mics_shard_size": 2, "zero_hpz_partition_size": 2},
+            3,
+            r"zero_optimization\.zero_hpz_partition_size: hpZ and MiCS",
+        ),
     ],
 )
 def test_layouts_that_cannot_be_honoured_are_refused_naming_the_key(zero: dict, stage: int, message: str) -> None:
@@ -286,8 +315,13 @@ def _composed_run(extra: dict, layout: dict, name: str) -> tuple[list[float], di
     os.environ["LOCAL_WORLD_SIZE"] = NODES_OF_TWO
     extra = dict(extra)
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **layout, **extra.pop("zero", {})}
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": zero, **extra}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": zero,
+        **extra,
+    }
     engine = slipstream.initialize(tiny_mixtral(seed=0) if name == "mixtral" else tiny_gpt2(seed=0), config)
     rows = 2 * dist.get_world_size() * engine.gradient_accumulation_steps()
     generator = torch.Generator().manual_seed(3)
@@ -313,8 +347,14 @@ def _composed_body(extra: dict, name: str) -> None:
     ("extra", "name"),
     [
         ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "mixtral"),  # experts keep their own sharding group
-        ({"zero": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}, "gradient_accumulation_steps": 2,
-          "activation_checkpointing": {"module_classes": ["GPT2Block"]}}, "gpt2"),  # fmt: skip
+        (
+            {
+                "zero": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+                "gradient_accumulation_steps": 2,
+                "activation_checkpointing": {"module_classes": ["GPT2Block"]},
+            },
+            "gpt2",
+        ),
     ],
     ids=["experts", "offload+recompute+accumulation"],
 )

@@ -19,9 +19,16 @@ def llama(seed: int = 0, n_layer: int = 4, hidden: int = 64, vocab: int = VOCAB,
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        num_hidden_layers=n_layer, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
-        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=SEQ * 2, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        num_hidden_layers=n_layer,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=SEQ * 2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -31,9 +38,17 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        n_layer=4, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQ * 2, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=SEQ * 2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -88,6 +103,8 @@ MLP_PARTITION = {
         {"patterns": [r".*\.fc_out\.weight$"], "partition_type": "row"},
     ],
 }
+
+
 def llama_odd_vocab(seed: int = 0) -> torch.nn.Module:
     """A vocabulary of 257 (prime): cut 129 + 128 rows at tp 2, the logits padded for the gather."""
     return llama(seed, n_layer=2, vocab=VOCAB + 1)
@@ -102,7 +119,14 @@ def mlp_head_norm(seed: int = 0) -> torch.nn.Module:
     return TinyMLPLM(seed, block=HeadNormBlock)
 
 
-BUILDERS = {"llama": llama, "gpt2": gpt2, "mlp": TinyMLPLM, "mlp-headnorm": mlp_head_norm, "llama-v257": llama_odd_vocab, "llama-kv1": llama_one_kv_head}
+BUILDERS = {
+    "llama": llama,
+    "gpt2": gpt2,
+    "mlp": TinyMLPLM,
+    "mlp-headnorm": mlp_head_norm,
+    "llama-v257": llama_odd_vocab,
+    "llama-kv1": llama_one_kv_head,
+}
 
 
 def config(micro: int, dp: int, tp: int = 2, stage: int = 0, gas: int = 1, **extra: Any) -> dict[str, Any]:
@@ -141,8 +165,9 @@ def train(engine: Any, batches: list[torch.Tensor], record: Any = None) -> Traje
     return Trajectory(losses, state or {}, norms)
 
 
-
-def reference(model: torch.nn.Module, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32, clip: float = 0.0) -> Trajectory:
+def reference(
+    model: torch.nn.Module, batches: list[torch.Tensor], dtype: torch.dtype = torch.float32, clip: float = 0.0
+) -> Trajectory:
     """``train_reference`` with this file's optimizer settings."""
     from tests.reference import train_reference
 

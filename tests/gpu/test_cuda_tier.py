@@ -46,7 +46,9 @@ def _reference(batches: list[torch.Tensor], pinned: bool = False) -> tuple[list[
     return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
-def _engine_run(stage: int, batches: list[torch.Tensor], rank: int = 0, world: int = 1, offload: bool = False) -> tuple[list[float], Any]:
+def _engine_run(
+    stage: int, batches: list[torch.Tensor], rank: int = 0, world: int = 1, offload: bool = False
+) -> tuple[list[float], Any]:
     import torch.distributed as dist
 
     import slipstream
@@ -55,10 +57,15 @@ def _engine_run(stage: int, batches: list[torch.Tensor], rank: int = 0, world: i
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     micro = batches[0].shape[0] // world
-    engine = slipstream.initialize(tiny_gpt2(n_layer=2), {
-        "train_micro_batch_size_per_gpu": micro, "gradient_clipping": 0.0, "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-    })  # fmt: skip
+    engine = slipstream.initialize(
+        tiny_gpt2(n_layer=2),
+        {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_clipping": 0.0,
+            "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        },
+    )
     losses = []
     for tokens in batches:
         mine = tokens[rank * micro : (rank + 1) * micro].cuda()
@@ -135,7 +142,9 @@ def test_zero_stages_on_every_gpu(stage: int) -> None:
 
 
 def _every_gpu_worker(rank: int, world: int, stage: int, batches: list[torch.Tensor], results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     os.environ["SLIPSTREAM_ACCELERATOR"] = "cuda"
     torch.cuda.set_device(rank)
     losses, engine = _engine_run(stage, batches, rank, world)

@@ -36,7 +36,9 @@ def tiny_gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)  # dropout on: the RNG must resume too
+    config = GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2
+    )  # dropout on: the RNG must resume too
     return GPT2LMHeadModel(config)
 
 
@@ -71,7 +73,9 @@ def main() -> None:
     parser.add_argument("--in_memory", type=int, default=0, help="in-memory snapshot every N steps")
     parser.add_argument("--comms_timeout", type=float, default=30.0)
     parser.add_argument("--zero_stage", type=int, default=1)
-    parser.add_argument("--user_allreduce", type=int, default=0, help="the script's own dist.all_reduce after each step")
+    parser.add_argument(
+        "--user_allreduce", type=int, default=0, help="the script's own dist.all_reduce after each step"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -88,14 +92,26 @@ def main() -> None:
         "steps_per_print": 0,
     }
     if args.save_dir:
-        config["checkpoint"] = {"save_dir": args.save_dir, "interval": args.interval, "auto_resume": True,
-                                "in_memory_interval": args.in_memory}  # fmt: skip
+        config["checkpoint"] = {
+            "save_dir": args.save_dir,
+            "interval": args.interval,
+            "auto_resume": True,
+            "in_memory_interval": args.in_memory,
+        }
     torch.set_num_threads(1)
     engine = slipstream.initialize(tiny_gpt2(), config, training_data=token_data())
     rank = dist.get_rank()
     if rank == 0:
-        record(out, event="attempt", attempt=attempt, started=STARTED, ready=time.time(), start_step=engine.global_steps,
-               resumed_from=engine.resumed_from, resume_s=engine.checkpoints.resume_s)  # fmt: skip
+        record(
+            out,
+            event="attempt",
+            attempt=attempt,
+            started=STARTED,
+            ready=time.time(),
+            start_step=engine.global_steps,
+            resumed_from=engine.resumed_from,
+            resume_s=engine.checkpoints.resume_s,
+        )
     first_step_done = False
     while engine.global_steps < args.steps:
         for (tokens,) in engine.training_dataloader:

@@ -66,7 +66,15 @@ def main() -> None:
     rank = dist.get_rank()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     out = Path(args.out)
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLIPSTREAM_TEST_MARK")
+    keys = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLIPSTREAM_TEST_MARK",
+    )
     (out / f"env_rank{rank}.json").write_text(json.dumps({key: os.environ.get(key) for key in keys}))
     losses: dict[int, float] = {}
     while engine.global_steps < args.steps:

@@ -30,9 +30,19 @@ class Sshd:
 
     def ssh_options(self) -> list[str]:
         return [
-            "-i", str(self.client_key), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-            "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR",
-        ]  # fmt: skip
+            "-i",
+            str(self.client_key),
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+        ]
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -95,8 +105,11 @@ def start_sshd(directory: Path) -> Sshd:
             raise SshdUnavailable(f"sshd exited at start: {log.read_text().strip()[-300:]}")
         probe = subprocess.run(
             ["ssh", "-p", str(port), *server.ssh_options(), "127.0.0.1", "true"],
-            capture_output=True, text=True, timeout=15, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
         if probe.returncode == 0:
             return server
         time.sleep(0.3)

@@ -28,10 +28,13 @@ def _loop_body(stage: int) -> list[float] | None:
     batches = global_batches(STEPS, MB * GAS * world)
     dataset = [row for batch in batches for row in batch]  # micro-batch (step, micro, rank) = loader batch in order
     config = {
-        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": 0},
-    }  # fmt: skip
+    }
     plugin = SlipstreamPlugin(hf_ds_config=config, gradient_accumulation_steps=GAS, gradient_clipping=1.0)
     accelerator = SlipstreamAccelerator(slipstream_plugin=plugin, cpu=True)
     model = tiny_gpt2(seed=0)
@@ -87,10 +90,14 @@ def _compiled_by_dynamo_plugin() -> tuple[bool, str, float]:
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     config = {
-        "train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 1},
+        "train_micro_batch_size_per_gpu": MB,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 1},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
-    }  # fmt: skip
-    accelerator = SlipstreamAccelerator(slipstream_plugin=SlipstreamPlugin(hf_ds_config=config), cpu=True, dynamo_backend="aot_eager")
+    }
+    accelerator = SlipstreamAccelerator(
+        slipstream_plugin=SlipstreamPlugin(hf_ds_config=config), cpu=True, dynamo_backend="aot_eager"
+    )
     model = tiny_gpt2(seed=0)
     model, _ = accelerator.prepare(model, DummyOptim(model.parameters(), lr=1e-3))
     tokens = global_batches(1, MB)[0]

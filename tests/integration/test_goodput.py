@@ -32,10 +32,26 @@ def _job(tmp_path: Path, *extra: str, restarts: int = 0) -> tuple[int, str, list
     out = tmp_path / "out"
     out.mkdir()
     done = _slipstream(
-        "run", "--nproc_per_node", "4", "--max_restarts", str(restarts), JOB, "--out", str(out), "--steps", str(STEPS),
-        "--comms_timeout", str(TIMEOUT_S), *extra, timeout=900,  # a hang guard: a loaded machine (two suites at once) is slow, not hung
-    )  # fmt: skip
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()] if (out / "events.jsonl").exists() else []
+        "run",
+        "--nproc_per_node",
+        "4",
+        "--max_restarts",
+        str(restarts),
+        JOB,
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--comms_timeout",
+        str(TIMEOUT_S),
+        *extra,
+        timeout=900,  # a hang guard: a loaded machine (two suites at once) is slow, not hung
+    )
+    events = (
+        [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+        if (out / "events.jsonl").exists()
+        else []
+    )
     return done.returncode, done.stderr, events
 
 
@@ -53,10 +69,15 @@ def test_stopped_rank_is_named_as_behind_with_its_last_collective(tmp_path):
     waiters = ",".join(str(r) for r in range(4) if r != rank)
     # ZeRO-1 at world 4 issues 4 collectives per step on the world group (gradient reduce-scatter, used-parameter
     # flags, gradient norm, weight all-gather) after the initial broadcast: step s's reduce-scatter is #4s+2.
-    assert f"rank {rank} is behind: ranks {waiters} wait in reduce_scatter #{4 * step + 2} of world ([29568] float32 'gradient bucket 0', step {step})" in line, (step, rank, line)
+    assert (
+        f"rank {rank} is behind: ranks {waiters} wait in reduce_scatter #{4 * step + 2} of world ([29568] float32 'gradient bucket 0', step {step})"
+        in line
+    ), (step, rank, line)
     assert f"(rank {rank}: stopped (SIGSTOP); last collective all_gather #{4 * step + 1} of world" in line, line
     # the wait is measured: on a loaded machine the first rank to give up reports a little more than the limit
-    assert re.search(rf"timed out after \d+\.\ds \(the limit is comms_timeout_seconds = {TIMEOUT_S};", stderr), stderr[-3000:]
+    assert re.search(rf"timed out after \d+\.\ds \(the limit is comms_timeout_seconds = {TIMEOUT_S};", stderr), stderr[
+        -3000:
+    ]
     assert [e["step"] for e in events if e["event"] == "fault"] == [step]
 
 
@@ -80,9 +101,14 @@ def test_rank_skipping_the_users_own_all_reduce_is_named_at_that_call(tmp_path):
     others = ",".join(str(r) for r in range(4) if r != rank)
     # 5 collectives a step on world: ZeRO-1's 4, then the user's all_reduce (#5s+6) that rank `rank` skips at step `step`
     line = _flight_line(stderr)
-    assert f"rank {rank} took a different code path: the first divergence is collective #{5 * step + 6} of world" in line, (step, rank, line)
+    assert (
+        f"rank {rank} took a different code path: the first divergence is collective #{5 * step + 6} of world" in line
+    ), (step, rank, line)
     assert f"rank {rank} issued reduce_scatter ([29568] float32)" in line, line
-    assert f"ranks {others} issued all_reduce ([4] float32 'goodput_job.py:" in line or f"ranks {others} issued all_reduce ([4] float32)" in line, line
+    assert (
+        f"ranks {others} issued all_reduce ([4] float32 'goodput_job.py:" in line
+        or f"ranks {others} issued all_reduce ([4] float32)" in line
+    ), line
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +122,17 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
 
 def test_killed_rank_resumes_from_shared_memory_with_no_lost_step_and_equal_weights(tmp_path, uninterrupted):
     step, rank = DRAW.randint(2, 5), DRAW.randint(0, 3)
-    code, stderr, events = _job(tmp_path, "--save_dir", str(tmp_path / "ck"), "--in_memory", "1", "--faults", f"kill@{step}:{rank}", restarts=1)
+    code, stderr, events = _job(
+        tmp_path, "--save_dir", str(tmp_path / "ck"), "--in_memory", "1", "--faults", f"kill@{step}:{rank}", restarts=1
+    )
     assert code == 0, stderr
     assert f"rank {rank} (local rank {rank}) was killed by signal SIGKILL" in stderr
     # Killed right after step `step`'s update: its peers are at the next step's first collective, or about to be.
     assert f"flight recorder: rank {rank} " in _flight_line(stderr) and "exited" in _flight_line(stderr), (step, rank)
     resumed = next(e for e in events if e["event"] == "attempt" and e["attempt"] == 1)
-    assert "/snapshots/" in resumed["resumed_from"], resumed  # shared memory, not save_dir (no disk checkpoint was written)
+    assert "/snapshots/" in resumed["resumed_from"], (
+        resumed
+    )  # shared memory, not save_dir (no disk checkpoint was written)
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
     # The kill came after step `step` had updated the weights (global step step+1): its snapshot may still have
     # been in flight, so at most that one step is lost.
@@ -118,8 +148,11 @@ def test_in_memory_snapshots_need_a_directory_outside_the_launcher(monkeypatch):
     from slipstream.engine.config import ConfigError
 
     monkeypatch.delenv("SLIPSTREAM_SNAPSHOT_DIR", raising=False)
-    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "checkpoint": {"save_dir": "/nonexistent", "auto_resume": True, "in_memory_interval": 1}}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "checkpoint": {"save_dir": "/nonexistent", "auto_resume": True, "in_memory_interval": 1},
+    }
     with pytest.raises(ConfigError, match="checkpoint.in_memory_interval: no shared-memory directory"):
         slipstream.initialize(torch.nn.Linear(2, 2), config)
 
@@ -128,5 +161,6 @@ def test_in_memory_snapshots_need_auto_resume():
     from slipstream.engine.config import ConfigError, SlipstreamConfig
 
     with pytest.raises((ConfigError, ValueError), match="in_memory_interval needs auto_resume"):
-        SlipstreamConfig.load({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"save_dir": "/x", "in_memory_interval": 1}})
-
+        SlipstreamConfig.load(
+            {"train_micro_batch_size_per_gpu": 1, "checkpoint": {"save_dir": "/x", "in_memory_interval": 1}}
+        )

@@ -33,12 +33,37 @@ def _arguments(config_path: Path, out: Path, gas: int, epochs: int, save_steps: 
     from slipstream.integrations.transformers import SlipstreamTrainingArguments
 
     argv = [
-        "--output_dir", str(out), "--deepspeed", str(config_path), "--per_device_train_batch_size", str(MB),
-        "--per_device_eval_batch_size", str(MB), "--gradient_accumulation_steps", str(gas), "--learning_rate", str(LR),
-        "--num_train_epochs", str(epochs), "--logging_steps", "1", "--report_to", "none", "--use_cpu", "true",
-        "--seed", "0", "--disable_tqdm", "true", "--save_strategy", "steps" if save_steps else "no",
-        "--save_steps", str(save_steps or 500), "--dataloader_num_workers", "0",
-    ]  # fmt: skip
+        "--output_dir",
+        str(out),
+        "--deepspeed",
+        str(config_path),
+        "--per_device_train_batch_size",
+        str(MB),
+        "--per_device_eval_batch_size",
+        str(MB),
+        "--gradient_accumulation_steps",
+        str(gas),
+        "--learning_rate",
+        str(LR),
+        "--num_train_epochs",
+        str(epochs),
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "true",
+        "--seed",
+        "0",
+        "--disable_tqdm",
+        "true",
+        "--save_strategy",
+        "steps" if save_steps else "no",
+        "--save_steps",
+        str(save_steps or 500),
+        "--dataloader_num_workers",
+        "0",
+    ]
     (args,) = HfArgumentParser(SlipstreamTrainingArguments).parse_args_into_dataclasses(argv)
     return args
 
@@ -60,8 +85,15 @@ def _reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-def _train_body(template: str, stage: int, gas: int, epochs: int = 1, save_steps: int | None = None, resume: str | None = None,
-                out: str | None = None) -> dict:  # fmt: skip
+def _train_body(
+    template: str,
+    stage: int,
+    gas: int,
+    epochs: int = 1,
+    save_steps: int | None = None,
+    resume: str | None = None,
+    out: str | None = None,
+) -> dict:
     from slipstream.integrations.transformers import SlipstreamTrainer
 
     _reset_accelerate()
@@ -76,7 +108,9 @@ def _train_body(template: str, stage: int, gas: int, epochs: int = 1, save_steps
         seen.append(batch["input_ids"].clone())
         return batch
 
-    trainer = SlipstreamTrainer(model=tiny_gpt2(seed=0), args=args, train_dataset=_dataset(PER_RANK * world), data_collator=collate)
+    trainer = SlipstreamTrainer(
+        model=tiny_gpt2(seed=0), args=args, train_dataset=_dataset(PER_RANK * world), data_collator=collate
+    )
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     all_seen: list[list[torch.Tensor]] = [None] * world  # type: ignore[list-item]
@@ -162,7 +196,9 @@ def test_stage3_resume_is_bit_for_bit_and_save_model_loads_with_from_pretrained(
     assert len(resumed["seen"][0]) == 3  # only the 3 micro-batches after the checkpoint were drawn
 
     saved = os.path.join(out, "final")
-    assert os.path.isfile(os.path.join(saved, "model.safetensors")) and os.path.isfile(os.path.join(saved, "config.json"))
+    assert os.path.isfile(os.path.join(saved, "model.safetensors")) and os.path.isfile(
+        os.path.join(saved, "config.json")
+    )
     result = run_distributed(2, _saved_model_body, saved, "zero3")[0]
     for name, value in full["weights"].items():
         torch.testing.assert_close(result["loaded"][name], value, rtol=0, atol=0, msg=name)

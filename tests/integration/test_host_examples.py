@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -48,10 +47,13 @@ def ds_config(path: Path, stage: int, **extra: Any) -> str:
     """A DeepSpeed config as the hosts' docs write them; clipping off, as in the plain runs (DeepSpeed's default clips at 1)."""
     config = {
         "gradient_clipping": 0.0,
-        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra,
-    }  # fmt: skip
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **extra,
+    }
     config = {k: v for k, v in config.items() if v is not None}
     path.write_text(json.dumps(config))
     return str(path)
@@ -81,7 +83,16 @@ def run_host(module: str, argv: list[str], env: dict[str, str] | None = None) ->
 
 def launch(script: str, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``slipstream run --nproc_per_node 2`` as a user types it; the exit status is the point."""
-    command = [sys.executable, "-m", "slipstream.cli", "run", "--nproc_per_node", "2", str(REPO / "tests/integration/hosts" / script), *argv]
+    command = [
+        sys.executable,
+        "-m",
+        "slipstream.cli",
+        "run",
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests/integration/hosts" / script),
+        *argv,
+    ]
     full_env = {**os.environ, **env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(key, None)
@@ -97,9 +108,23 @@ def assert_losses_match(got: list[float], want: list[float]) -> None:
 # ---------------------------------------------------------------------- Accelerate: deepspeed_with_config_support.py
 def _accelerate_clm_argv(data: dict[str, str], out: Path) -> list[str]:
     return [
-        "--train_file", data["train.txt"], "--validation_file", data["validation.txt"], "--config_name", data["config"],
-        "--tokenizer_name", data["tokenizer"], "--output_dir", str(out), "--num_train_epochs", "2", "--learning_rate", str(LR), "--lr_scheduler_type", "constant",
-    ]  # fmt: skip
+        "--train_file",
+        data["train.txt"],
+        "--validation_file",
+        data["validation.txt"],
+        "--config_name",
+        data["config"],
+        "--tokenizer_name",
+        data["tokenizer"],
+        "--output_dir",
+        str(out),
+        "--num_train_epochs",
+        "2",
+        "--learning_rate",
+        str(LR),
+        "--lr_scheduler_type",
+        "constant",
+    ]
 
 
 def _accelerate_clm_config(path: Path, stage: int) -> str:
@@ -120,12 +145,18 @@ def accelerate_clm_plain(data: dict[str, str], tmp_path_factory: pytest.TempPath
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_accelerate_deepspeed_example_finishes_and_matches_plain(stage: int, data: dict[str, str], accelerate_clm_plain: dict[str, Any], tmp_path: Path) -> None:
+def test_accelerate_deepspeed_example_finishes_and_matches_plain(
+    stage: int, data: dict[str, str], accelerate_clm_plain: dict[str, Any], tmp_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     config = _accelerate_clm_config(tmp_path / "ds.json", stage)
     out = tmp_path / "out"
-    got = run_host("accelerate_clm", [*_accelerate_clm_argv(data, out), "--slipstream"], {"ACCELERATE_DEEPSPEED_CONFIG_FILE": config})
+    got = run_host(
+        "accelerate_clm",
+        [*_accelerate_clm_argv(data, out), "--slipstream"],
+        {"ACCELERATE_DEEPSPEED_CONFIG_FILE": config},
+    )
     assert_losses_match(got["losses"], accelerate_clm_plain["losses"])
     assert got["best"] == pytest.approx(accelerate_clm_plain["best"], rel=1e-5)
     saved = AutoModelForCausalLM.from_pretrained(out)  # rank 0's get_state_dict: the whole model, loadable
@@ -143,7 +174,9 @@ def accelerate_nlp_plain(data: dict[str, str], tmp_path_factory: pytest.TempPath
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_accelerate_nlp_example_finishes_resumes_and_matches_plain(stage: int, data: dict[str, str], accelerate_nlp_plain: dict[str, Any], tmp_path: Path) -> None:
+def test_accelerate_nlp_example_finishes_resumes_and_matches_plain(
+    stage: int, data: dict[str, str], accelerate_nlp_plain: dict[str, Any], tmp_path: Path
+) -> None:
     """The script's own AdamW and schedule (no optimizer in the config); epoch 1 again from epoch_0's save_state."""
     env = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": ds_config(tmp_path / "ds.json", stage, optimizer=None)}
     argv = ["--tokenizer_name", data["tokenizer"], "--output_dir", str(tmp_path / "out"), "--slipstream"]
@@ -157,11 +190,32 @@ def test_accelerate_nlp_example_finishes_resumes_and_matches_plain(stage: int, d
 # ---------------------------------------------------------------------- transformers: run_clm.py
 def _trainer_clm_argv(data: dict[str, str], out: Path) -> list[str]:
     return [
-        "--train_file", data["train.txt"], "--validation_file", data["validation.txt"], "--config_name", data["config"],
-        "--tokenizer_name", data["tokenizer"], "--output_dir", str(out), "--per_device_train_batch_size", "2",
-        "--num_train_epochs", "1", "--logging_steps", "1", "--learning_rate", "5e-3", "--report_to", "none",
-        "--save_strategy", "no", "--use_cpu", "--disable_tqdm", "true",
-    ]  # fmt: skip
+        "--train_file",
+        data["train.txt"],
+        "--validation_file",
+        data["validation.txt"],
+        "--config_name",
+        data["config"],
+        "--tokenizer_name",
+        data["tokenizer"],
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "2",
+        "--num_train_epochs",
+        "1",
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        "5e-3",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--use_cpu",
+        "--disable_tqdm",
+        "true",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +224,9 @@ def trainer_clm_plain(data: dict[str, str], tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_run_clm_finishes_and_matches_plain(stage: int, data: dict[str, str], trainer_clm_plain: dict[str, Any], tmp_path: Path) -> None:
+def test_run_clm_finishes_and_matches_plain(
+    stage: int, data: dict[str, str], trainer_clm_plain: dict[str, Any], tmp_path: Path
+) -> None:
     config = ds_config(tmp_path / "ds.json", stage, gradient_clipping="auto")  # --max_grad_norm fills it
     got = run_host("trainer_clm", [*_trainer_clm_argv(data, tmp_path / "out"), "--slipstream", "--deepspeed", config])
     assert_losses_match(got["losses"], trainer_clm_plain["losses"])
@@ -178,14 +234,18 @@ def test_run_clm_finishes_and_matches_plain(stage: int, data: dict[str, str], tr
 
 
 @pytest.mark.parametrize("mesh", ["ulysses", "zigzag"])
-def test_run_clm_with_flattened_documents_under_sequence_modes_matches_one_process(mesh: str, data: dict[str, str], tmp_path: Path) -> None:
+def test_run_clm_with_flattened_documents_under_sequence_modes_matches_one_process(
+    mesh: str, data: dict[str, str], tmp_path: Path
+) -> None:
     """``SlipstreamTrainer`` given ``DataCollatorWithFlattening``'s rows (documents end to end, position ids
     restarting, lengths that do not divide by 2) outside TRL: the logged losses and the evaluation loss of the
     same Trainer in one process."""
     flat = ["--flatten", "true", "--max_steps", "6"]
     plain = run_distributed(1, _one_process, "trainer_clm", [*_trainer_clm_argv(data, tmp_path / "plain"), *flat])[0]
     config = ds_config(tmp_path / "ds.json", 1, gradient_clipping="auto", **_sequence_mode(mesh))
-    got = run_host("trainer_clm", [*_trainer_clm_argv(data, tmp_path / "out"), *flat, "--slipstream", "--deepspeed", config])
+    got = run_host(
+        "trainer_clm", [*_trainer_clm_argv(data, tmp_path / "out"), *flat, "--slipstream", "--deepspeed", config]
+    )
     assert_losses_match(got["losses"], plain["losses"])
     assert got["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5)
 
@@ -203,7 +263,9 @@ def test_lightning_transformer_example_finishes_and_matches_plain(stage: int, li
     assert_losses_match(got["losses"], lightning_plain["losses"])
 
 
-@pytest.mark.parametrize(("flag", "section"), [("bf16-mixed", "bf16"), ("bf16-true", "bf16"), ("32-true", None)])  # (16-mixed is bf16 on CPU)
+@pytest.mark.parametrize(
+    ("flag", "section"), [("bf16-mixed", "bf16"), ("bf16-true", "bf16"), ("32-true", None)]
+)  # (16-mixed is bf16 on CPU)
 def test_lightning_precision_flag_maps_into_the_config(flag: str, section: str | None) -> None:
     """As Lightning's DeepSpeed strategy: Trainer(precision=...) turns on the config's section (the engine casts)."""
     import lightning as L
@@ -224,29 +286,45 @@ def test_lightning_precision_flag_contradicting_the_config_is_refused() -> None:
 
     from slipstream.integrations.lightning import SlipstreamStrategy
 
-    strategy = SlipstreamStrategy(config={"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1})
+    strategy = SlipstreamStrategy(
+        config={"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1}
+    )
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", logger=False)
-    with pytest.raises(ValueError, match=r"Trainer\(precision=...\) asks for bf16, but the DeepSpeed config enables fp16"):
+    with pytest.raises(
+        ValueError, match=r"Trainer\(precision=...\) asks for bf16, but the DeepSpeed config enables fp16"
+    ):
         trainer.strategy._config(trainer, training=False)
 
 
 # ---------------------------------------------------------------------- TRL: SFTTrainer, DPOTrainer with a reference model
 def _trl_argv(trainer: str, data: dict[str, str], out: Path) -> list[str]:
     return [
-        "--trainer", trainer, "--data", data["train.jsonl" if trainer == "sft" else "pairs.jsonl"],
-        "--config_name", data["config"], "--tokenizer_name", data["tokenizer"], "--output_dir", str(out),
-    ]  # fmt: skip
+        "--trainer",
+        trainer,
+        "--data",
+        data["train.jsonl" if trainer == "sft" else "pairs.jsonl"],
+        "--config_name",
+        data["config"],
+        "--tokenizer_name",
+        data["tokenizer"],
+        "--output_dir",
+        str(out),
+    ]
 
 
 @pytest.fixture(scope="module")
 def trl_plain(data: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     pytest.importorskip("trl")
-    return {t: run_host("trl_trainers", _trl_argv(t, data, tmp_path_factory.mktemp(f"trl-{t}"))) for t in ("sft", "dpo")}
+    return {
+        t: run_host("trl_trainers", _trl_argv(t, data, tmp_path_factory.mktemp(f"trl-{t}"))) for t in ("sft", "dpo")
+    }
 
 
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_trl_trainer_finishes_and_matches_plain(trainer: str, stage: int, data: dict[str, str], trl_plain: dict[str, Any], tmp_path: Path) -> None:
+def test_trl_trainer_finishes_and_matches_plain(
+    trainer: str, stage: int, data: dict[str, str], trl_plain: dict[str, Any], tmp_path: Path
+) -> None:
     config = ds_config(tmp_path / "ds.json", stage, gradient_clipping="auto")
     got = run_host("trl_trainers", [*_trl_argv(trainer, data, tmp_path / "out"), "--slipstream", "--deepspeed", config])
     assert_losses_match(got["losses"], trl_plain[trainer]["losses"])
@@ -270,14 +348,17 @@ def _sequence_mode(mesh: str) -> dict[str, Any]:
 @pytest.mark.parametrize("mesh", ["ulysses", "zigzag"])
 def test_trl_sft_with_packed_documents_under_sequence_modes_matches_one_process(
     batches: str, mesh: str, data: dict[str, str], tmp_path: Path
-) -> None:  # fmt: skip
+) -> None:
     """TRL's padding-free and packed SFT batches (documents in one row, position ids restarting) under Ulysses and
     zig-zag on 2 ranks (dp 1: both read every batch) log the losses of the same SFTTrainer in one process."""
     pytest.importorskip("trl")
     argv = [*_trl_argv("sft", data, tmp_path / "plain"), f"--{batches}"]
     plain = run_distributed(1, _one_process, "trl_trainers", argv)[0]
     config = ds_config(tmp_path / "ds.json", 1, gradient_clipping="auto", **_sequence_mode(mesh))
-    got = run_host("trl_trainers", [*_trl_argv("sft", data, tmp_path / "out"), f"--{batches}", "--slipstream", "--deepspeed", config])
+    got = run_host(
+        "trl_trainers",
+        [*_trl_argv("sft", data, tmp_path / "out"), f"--{batches}", "--slipstream", "--deepspeed", config],
+    )
     assert_losses_match(got["losses"], plain["losses"])
 
 

@@ -39,10 +39,18 @@ def _llama() -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, attention_dropout=0.0,
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        attention_dropout=0.0,
         attn_implementation="sdpa",
-    )  # fmt: skip
+    )
     return LlamaForCausalLM(config)
 
 
@@ -52,9 +60,13 @@ def _rows(n: int) -> torch.Tensor:
 
 def _config(mesh: str) -> dict[str, Any]:
     return {
-        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, **{**MESHES, **CUT_MESHES}[mesh],
-    }  # fmt: skip
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 1},
+        **{**MESHES, **CUT_MESHES}[mesh],
+    }
 
 
 def _reference(windows: list[torch.Tensor]) -> list[float]:
@@ -81,13 +93,28 @@ def _trainer_arguments(mesh: str, out: Path, trainer_optimizer: bool = False) ->
 
     config = _config(mesh)
     if not trainer_optimizer:  # else the Trainer builds AdamW over the parameters from before the cut
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        }
     return SlipstreamTrainingArguments(
-        output_dir=str(out), deepspeed=config, per_device_train_batch_size=MB, gradient_accumulation_steps=GAS,
-        learning_rate=LR, max_grad_norm=0.0, lr_scheduler_type="constant", num_train_epochs=1, logging_steps=1,
-        report_to="none", use_cpu=True, seed=0, disable_tqdm=True, save_strategy="no", dataloader_num_workers=0,
+        output_dir=str(out),
+        deepspeed=config,
+        per_device_train_batch_size=MB,
+        gradient_accumulation_steps=GAS,
+        learning_rate=LR,
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+        num_train_epochs=1,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        save_strategy="no",
+        dataloader_num_workers=0,
         weight_decay=0.0,
-    )  # fmt: skip
+    )
 
 
 def _trainer_body(mesh: str, trainer_optimizer: bool = False) -> dict[str, Any]:
@@ -110,7 +137,11 @@ def _trainer_body(mesh: str, trainer_optimizer: bool = False) -> dict[str, Any]:
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "steps": trainer.state.global_step,
         "seen": _all(seen),
-        "batch": (engine.config.train_batch_size, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()),
+        "batch": (
+            engine.config.train_batch_size,
+            engine.train_micro_batch_size_per_gpu(),
+            engine.gradient_accumulation_steps(),
+        ),
         "dp": (engine.mesh.size("dp"), engine.mesh.rank_of("dp")),
     }
     trainer.accelerator.free_memory()
@@ -138,7 +169,7 @@ def test_trainer_under_sequence_and_context_parallel_matches_one_process(mesh: s
 @pytest.mark.parametrize("trainer_optimizer", [False, True], ids=["config-optimizer", "trainer-optimizer"])
 @pytest.mark.parametrize("mesh", sorted(CUT_MESHES))
 def test_trainer_under_tensor_and_pipeline_parallel_matches_one_process(mesh: str, trainer_optimizer: bool) -> None:
-    """"auto" batch sizes count dp (1 here), and an optimizer the Trainer built before the cut steps the cut parameters."""
+    """ "auto" batch sizes count dp (1 here), and an optimizer the Trainer built before the cut steps the cut parameters."""
     results = run_distributed(2, _trainer_body, mesh, trainer_optimizer)
     result = results[0]
     assert [r["dp"] for r in results] == [(1, 0), (1, 0)]
@@ -154,8 +185,11 @@ def _pipeline_trainer_body() -> str:
     from slipstream.integrations.transformers import SlipstreamTrainer, SlipstreamTrainingArguments
 
     _reset_accelerate()
-    config = {"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
-              "pipeline": {"stages": 2}}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "pipeline": {"stages": 2},
+    }
     args = SlipstreamTrainingArguments(output_dir=tempfile.mkdtemp(), deepspeed=config, use_cpu=True, report_to="none")
     with pytest.raises(ValueError) as err:
         SlipstreamTrainer(model=_llama(), args=args)
@@ -196,9 +230,16 @@ def _accelerate_body(mesh: str) -> dict[str, Any]:
             logged.append(float(gathered.mean()) / GAS)
             total = torch.zeros(())
     result = {
-        "seen": _all(seen), "raw": raw, "logged": logged, "steps": engine.global_steps,
-        "batch": (engine.config.train_batch_size, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()),
-    }  # fmt: skip
+        "seen": _all(seen),
+        "raw": raw,
+        "logged": logged,
+        "steps": engine.global_steps,
+        "batch": (
+            engine.config.train_batch_size,
+            engine.train_micro_batch_size_per_gpu(),
+            engine.gradient_accumulation_steps(),
+        ),
+    }
     engine.close()
     return result
 
@@ -227,14 +268,24 @@ def _auto_body() -> dict[str, Any]:
     _reset_accelerate()
     args = _trainer_arguments("ulysses", Path(tempfile.mkdtemp(prefix="slipstream-hf-auto-")) / "run")
     filled = args.slipstream_config
-    trainer_sizes = (filled["train_batch_size"], filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"])
+    trainer_sizes = (
+        filled["train_batch_size"],
+        filled["train_micro_batch_size_per_gpu"],
+        filled["gradient_accumulation_steps"],
+    )
     _reset_accelerate()
     config = {**_config("ulysses"), "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}
-    accelerator = SlipstreamAccelerator(slipstream_plugin=SlipstreamPlugin(hf_ds_config=config, gradient_accumulation_steps=GAS), cpu=True)
+    accelerator = SlipstreamAccelerator(
+        slipstream_plugin=SlipstreamPlugin(hf_ds_config=config, gradient_accumulation_steps=GAS), cpu=True
+    )
     model = _llama()
     loader = torch.utils.data.DataLoader(list(_rows(8)), batch_size=MB)
     engine, _, loader = accelerator.prepare(model, DummyOptim(model.parameters(), lr=LR, weight_decay=0.0), loader)
-    accelerate_sizes = (engine.config.train_batch_size, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps())
+    accelerate_sizes = (
+        engine.config.train_batch_size,
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_accumulation_steps(),
+    )
     engine.close()
     return {"trainer": trainer_sizes, "accelerate": accelerate_sizes, "loader_batches": len(loader)}
 
@@ -253,13 +304,18 @@ def test_data_parallel_layout_follows_the_engine_mesh_order() -> None:
     plain = data_parallel_layout({"zero_optimization": {"stage": 2}}, 4, 3)
     assert (plain.size, plain.rank, plain.shared, plain.readers) == (4, 3, False, (0, 1, 2, 3))
     # world 8 = pp 1 × dp 2 × cp 1 × sp 2 × tp 2: rank = (dp·2 + sp)·2 + tp
-    layouts = [data_parallel_layout({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, 8, r) for r in range(8)]
+    layouts = [
+        data_parallel_layout({"sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, 8, r)
+        for r in range(8)
+    ]
     assert [lay.rank for lay in layouts] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert layouts[0].readers == (0, 4) and layouts[0].sharers == 4 and layouts[0].sequence_split
     # pipeline outermost: world 4 = pp 2 × dp 2
     piped = [data_parallel_layout({"pipeline": {"stages": 2}}, 4, r) for r in range(4)]
     assert [lay.rank for lay in piped] == [0, 1, 0, 1] and piped[0].readers == (0, 1) and not piped[0].sequence_split
-    cp = data_parallel_layout({"context_parallel": {"size": 2, "method": "zigzag"}, "pipeline": {"stages": "auto"}}, 2, 1)
+    cp = data_parallel_layout(
+        {"context_parallel": {"size": 2, "method": "zigzag"}, "pipeline": {"stages": "auto"}}, 2, 1
+    )
     assert (cp.size, cp.rank, cp.sequence_split) == (1, 0, True)
 
 

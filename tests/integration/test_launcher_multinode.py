@@ -36,8 +36,13 @@ def _slipstream(*args: str, cwd: Path | None = None, timeout: float = 180) -> su
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     done = subprocess.run(
         [sys.executable, "-m", "slipstream.launcher.cli", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+        check=False,
+    )
     return done
 
 
@@ -91,7 +96,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Sshd:
 def test_one_node_trains_the_example(tmp_path):
     done = _slipstream(
         "run", "--nproc_per_node", "2", str(REPO / "examples" / "train_gpt2.py"), "--steps", "2", "--print-every", "1"
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr
     assert "step    2 | loss" in done.stdout
 
@@ -112,10 +117,23 @@ def _two_agents(port: str, job_args: list[str], agent_args: tuple[str, ...] = ()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     agents = [
         subprocess.Popen(
-            [sys.executable, "-m", "slipstream.launcher.cli", "run", *common, *agent_args, "--node_rank", str(node),
-             JOB, *job_args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "slipstream.launcher.cli",
+                "run",
+                *common,
+                *agent_args,
+                "--node_rank",
+                str(node),
+                JOB,
+                *job_args,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for node in (1, 0)
     ]
     results = [agent.communicate(timeout=180) for agent in agents]
@@ -137,9 +155,17 @@ def test_two_agents_as_two_nodes_match_one_node(tmp_path, reference):
 
 def _ssh_args(server: Sshd, hostfile: Path) -> list[str]:
     return [
-        "run", "--hostfile", str(hostfile), "--launcher", "ssh", "--ssh_port", str(server.port),
-        f"--launcher_args={' '.join(server.ssh_options())}", "--master_port", str(_free_port()),
-    ]  # fmt: skip
+        "run",
+        "--hostfile",
+        str(hostfile),
+        "--launcher",
+        "ssh",
+        "--ssh_port",
+        str(server.port),
+        f"--launcher_args={' '.join(server.ssh_options())}",
+        "--master_port",
+        str(_free_port()),
+    ]
 
 
 def test_ssh_runner_trains_on_two_hosts(tmp_path, sshd, reference):
@@ -204,9 +230,19 @@ def _alive(pid: int) -> bool:
 
 def test_sigkilled_rank_without_restarts_fails_fast(tmp_path):
     done = _slipstream(
-        "run", "--nproc_per_node", "2", JOB, "--out", str(tmp_path), "--steps", str(STEPS),
-        "--kill_rank", "1", "--kill_after_step", "3",
-    )  # fmt: skip
+        "run",
+        "--nproc_per_node",
+        "2",
+        JOB,
+        "--out",
+        str(tmp_path),
+        "--steps",
+        str(STEPS),
+        "--kill_rank",
+        "1",
+        "--kill_after_step",
+        "3",
+    )
     assert done.returncode == 128 + signal.SIGKILL, done.stderr
     assert "slipstream run: rank 1 (local rank 1) was killed by signal SIGKILL (" in done.stderr
     assert "stopped the other rank(s) (0) with SIGTERM after rank 1 failed" in done.stderr
@@ -215,9 +251,25 @@ def test_sigkilled_rank_without_restarts_fails_fast(tmp_path):
 def test_sigkilled_rank_restarts_and_resumes_from_checkpoint(tmp_path, reference):
     save_dir = tmp_path / "checkpoints"
     done = _slipstream(
-        "run", "--nproc_per_node", "2", "--max_restarts", "1", JOB, "--out", str(tmp_path), "--steps", str(STEPS),
-        "--save_dir", str(save_dir), "--interval", "2", "--kill_rank", "1", "--kill_after_step", "5",
-    )  # fmt: skip
+        "run",
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "1",
+        JOB,
+        "--out",
+        str(tmp_path),
+        "--steps",
+        str(STEPS),
+        "--save_dir",
+        str(save_dir),
+        "--interval",
+        "2",
+        "--kill_rank",
+        "1",
+        "--kill_after_step",
+        "5",
+    )
     assert done.returncode == 0, done.stderr
     assert "rank 1 (local rank 1) was killed by signal SIGKILL" in done.stderr
     assert "restarting all ranks (restart 1 of 1)" in done.stderr
@@ -235,12 +287,27 @@ def test_two_node_job_restarts_on_both_nodes_and_resumes(tmp_path, reference):
     # node 0's agent restarts too, and both meet again and resume from the step-4 checkpoint.
     stderr = _two_agents(
         str(_free_port()),
-        ["--out", str(tmp_path), "--steps", str(STEPS), "--save_dir", str(tmp_path / "checkpoints"), "--interval", "2",
-         "--kill_rank", "1", "--kill_after_step", "5"],
+        [
+            "--out",
+            str(tmp_path),
+            "--steps",
+            str(STEPS),
+            "--save_dir",
+            str(tmp_path / "checkpoints"),
+            "--interval",
+            "2",
+            "--kill_rank",
+            "1",
+            "--kill_after_step",
+            "5",
+        ],
         ("--max_restarts", "1"),
-    )  # fmt: skip
+    )
     node1 = stderr[0]
-    assert f"node 1 ({socket.gethostname()}): rank 1 (local rank 0 on {socket.gethostname()}) was killed by signal SIGKILL" in node1
+    assert (
+        f"node 1 ({socket.gethostname()}): rank 1 (local rank 0 on {socket.gethostname()}) was killed by signal SIGKILL"
+        in node1
+    )
     assert "restarting this node's ranks (restart 1 of 1)" in node1
     resumed = _losses(tmp_path, 1, attempt=1)
     assert sorted(map(int, resumed)) == list(range(4, STEPS))
@@ -252,9 +319,22 @@ def test_rank_skipping_a_collective_fails_the_others_within_the_timeout(tmp_path
     # comms_timeout_seconds reaches a group slipstream did not create. The limit is one a healthy rank never reaches
     # on a loaded machine (two suites at once), where a step can stall for seconds.
     done = _slipstream(
-        "run", "--nproc_per_node", "2", JOB, "--out", str(tmp_path), "--steps", str(STEPS),
-        "--comms_timeout", "15", "--skip_rank", "1", "--skip_step", "2", "--own_process_group",
-    )  # fmt: skip
+        "run",
+        "--nproc_per_node",
+        "2",
+        JOB,
+        "--out",
+        str(tmp_path),
+        "--steps",
+        str(STEPS),
+        "--comms_timeout",
+        "15",
+        "--skip_rank",
+        "1",
+        "--skip_step",
+        "2",
+        "--own_process_group",
+    )
     assert done.returncode == 1, done.stderr
     # Rank 1 sleeps 300 s instead of stepping; rank 0 gives up when its 15 s collective timeout fires.
     line = next(line for line in done.stderr.splitlines() if line.startswith("slipstream run: rank 0 (local rank 0)"))

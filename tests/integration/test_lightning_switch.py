@@ -41,10 +41,18 @@ def _body(strategy: str, epochs: int, save_to: str | None = None, resume_from: s
             return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.0)
 
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, gradient_clip_val=1.0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_epochs=epochs,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
         num_sanity_val_steps=0,
-    )  # fmt: skip
+    )
     loader = torch.utils.data.DataLoader(mine, batch_size=None)
     trainer.fit(Module(), loader, ckpt_path=resume_from)
     if save_to is not None:

@@ -86,7 +86,11 @@ def test_fixture_is_the_recipe_of_this_test() -> None:
     assert REFERENCE["ds_config"] == fixture.DS_CONFIG
     assert REFERENCE["world_size"] == fixture.WORLD == 2
     assert REFERENCE["trainer_objects"]["deepspeed_lr_scheduler"] == "None"  # the Trainer's schedule, not DeepSpeed's
-    kept = {p.relative_to(FIXTURE / fixture.CHECKPOINT).as_posix() for p in (FIXTURE / fixture.CHECKPOINT).rglob("*") if p.is_file()}
+    kept = {
+        p.relative_to(FIXTURE / fixture.CHECKPOINT).as_posix()
+        for p in (FIXTURE / fixture.CHECKPOINT).rglob("*")
+        if p.is_file()
+    }
     assert {"latest", "scheduler.pt", "trainer_state.json", "global_step3/mp_rank_00_model_states.pt"} <= kept
     assert sum(p.stat().st_size for p in FIXTURE.rglob("*") if p.is_file()) < 1 << 20
     # DeepSpeed's own resume reproduced its uninterrupted run: the reference below is the run's continuation.
@@ -110,14 +114,18 @@ def test_slipstream_trainer_resumes_a_deepspeed_trainer_checkpoint(tmp_path: Pat
     resumed = [h for h in result["log"] if h["step"] > SAVE_STEPS]
     assert [h["step"] for h in resumed] == list(range(SAVE_STEPS + 1, MAX_STEPS + 1))
     # log_history came back from the checkpoint's trainer_state.json for steps 1-3.
-    assert [h["loss"] for h in result["log"] if h["step"] <= SAVE_STEPS] == REFERENCE["uninterrupted_losses"][:SAVE_STEPS]
+    assert [h["loss"] for h in result["log"] if h["step"] <= SAVE_STEPS] == REFERENCE["uninterrupted_losses"][
+        :SAVE_STEPS
+    ]
 
     expected = REFERENCE["deepspeed_resume"]
     assert [h["loss"] for h in resumed] == pytest.approx(REFERENCE["deepspeed_resume_losses"], rel=1e-5, abs=0)
     # The Trainer's linear schedule came back from scheduler.pt: step 4 logs the decay's 0.0075 (a fresh one logs 0.0).
     assert resumed[0]["learning_rate"] == pytest.approx(expected[0]["learning_rate"], rel=1e-12, abs=0)
     assert expected[0]["learning_rate"] > 0
-    assert [h["learning_rate"] for h in resumed] == pytest.approx([h["learning_rate"] for h in expected], rel=1e-12, abs=0)
+    assert [h["learning_rate"] for h in resumed] == pytest.approx(
+        [h["learning_rate"] for h in expected], rel=1e-12, abs=0
+    )
     # Clipping at 1.0 sees the same gradients (the Adam moments and fp32 masters came back from the ZeRO-2 shards).
     assert [h["grad_norm"] for h in resumed] == pytest.approx([h["grad_norm"] for h in expected], rel=1e-5, abs=0)
     # Step 6's update, which no logged loss sees: without scheduler.pt the fresh schedule's 0.0 at step 4 is

@@ -98,8 +98,15 @@ def main() -> None:
         partial = sorted(p.name for p in save_dir.iterdir() if p.name.startswith(".tmp-"))
         latest = _verify(save_dir)
         last = committed[-1]
-        assert (save_dir / last / "manifest.json").is_file(), f"trial {trial}: the last committed checkpoint {last} was lost"
-        print(json.dumps({"trial": trial, "delay_s": delay, "latest": latest, "last_committed": last, "partial": partial}), flush=True)
+        assert (save_dir / last / "manifest.json").is_file(), (
+            f"trial {trial}: the last committed checkpoint {last} was lost"
+        )
+        print(
+            json.dumps(
+                {"trial": trial, "delay_s": delay, "latest": latest, "last_committed": last, "partial": partial}
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

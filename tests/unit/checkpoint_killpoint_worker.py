@@ -53,7 +53,11 @@ def _engine(async_save: bool) -> object:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "checkpoint": {"async": async_save}}
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "checkpoint": {"async": async_save},
+    }
     return slipstream.initialize(model, config)
 
 

@@ -31,10 +31,12 @@ class Tiny(torch.nn.Module):
 
 def config(stage: int = 1, **extra: Any) -> dict[str, Any]:
     return {
-        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": stage}, **extra,
-    }  # fmt: skip
+        "zero_optimization": {"stage": stage},
+        **extra,
+    }
 
 
 def engine(seed: int = 0, stage: int = 1, empty: bool = False, **extra: Any) -> Any:
@@ -58,7 +60,9 @@ def snapshot(eng: Any) -> dict[str, Any]:
     state = {n: p.detach().clone() for n, p in eng.module.named_parameters()}
     state.update({f"buf:{n}": b.clone() for n, b in eng.module.named_buffers()})
     opt = eng.optimizer.state_dict()
-    state["opt"] = {k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()} for k, v in opt["state"].items()}
+    state["opt"] = {
+        k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()} for k, v in opt["state"].items()
+    }
     state["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
     state["counters"] = (eng.global_steps, eng.micro_steps, eng.global_samples, eng.skipped_steps)
     state["sched"] = eng.lr_scheduler.state_dict() if eng.lr_scheduler is not None else None

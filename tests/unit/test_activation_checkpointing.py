@@ -138,7 +138,11 @@ def test_is_recomputing_only_during_the_replay() -> None:
 
 
 def _config(**section: object) -> dict:
-    return {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "activation_checkpointing": section}
+    return {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "activation_checkpointing": section,
+    }
 
 
 def test_config_applies_by_class_and_reports_mistakes() -> None:
@@ -151,9 +155,14 @@ def test_config_applies_by_class_and_reports_mistakes() -> None:
     engine.close()
     checkpointing.remove_activation_checkpointing(model)
     assert "forward" not in vars(model.transformer.h[0])
-    with pytest.raises(slipstream.ConfigError, match=r"activation_checkpointing.module_classes: no module of class GPT3Block.*GPT2Block"):
+    with pytest.raises(
+        slipstream.ConfigError,
+        match=r"activation_checkpointing.module_classes: no module of class GPT3Block.*GPT2Block",
+    ):
         slipstream.initialize(tiny_gpt2(n_layer=1), _config(module_classes=["GPT3Block"]))
-    with pytest.raises(slipstream.ConfigError, match=r"activation_checkpointing.partition_activations: .*tensor parallelism"):
+    with pytest.raises(
+        slipstream.ConfigError, match=r"activation_checkpointing.partition_activations: .*tensor parallelism"
+    ):
         slipstream.initialize(tiny_gpt2(n_layer=1), _config(partition_activations=True))
     with pytest.raises(slipstream.ConfigError, match=r"activation_checkpointing.number_checkpoints: must be >= 1"):
         slipstream.initialize(tiny_gpt2(n_layer=1), _config(module_classes=["GPT2Block"], number_checkpoints=0))

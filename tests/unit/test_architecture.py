@@ -155,8 +155,14 @@ def graph() -> Graph:
     return Graph(ROOT)
 
 
-def shortest_path(edges: Edges, start: str, goals: set[str], first: frozenset[str], rest: frozenset[str],
-                  allowed: set[str] | None = None) -> list[str] | None:  # fmt: skip
+def shortest_path(
+    edges: Edges,
+    start: str,
+    goals: set[str],
+    first: frozenset[str],
+    rest: frozenset[str],
+    allowed: set[str] | None = None,
+) -> list[str] | None:
     """Breadth-first from ``start`` to any of ``goals``; an edge counts when one of its imports has a
     kind in ``first`` (edges leaving ``start``) or ``rest`` (every later edge)."""
     previous: dict[str, str | None] = {start: None}
@@ -224,8 +230,10 @@ def import_cycles(g: Graph) -> list[str]:
         start = min(component)
         back = [shortest_path(g.edges, t, {start}, ANY, ANY, component) for t in g.edges[start] if t in component]
         loop = [start, *min((path for path in back if path), key=len)]
-        found.append(f"import cycle among {len(component)} modules ({', '.join(sorted(component))}): "
-                     + g.describe(loop, ANY, ANY))  # fmt: skip
+        found.append(
+            f"import cycle among {len(component)} modules ({', '.join(sorted(component))}): "
+            + g.describe(loop, ANY, ANY)
+        )
     return found
 
 
@@ -335,8 +343,10 @@ def torch_at_module_level(g: Graph, modules: Iterable[str]) -> list[str]:
     for module in sorted(modules):
         path = [module] if module in torch_lines else shortest_path(executed, module, set(torch_lines), ANY, ANY)
         if path:
-            found.append(f"{module} imports torch at module level: {' -> '.join(path)} "
-                         f"({g.where(path[-1], torch_lines[path[-1]])})")  # fmt: skip
+            found.append(
+                f"{module} imports torch at module level: {' -> '.join(path)} "
+                f"({g.where(path[-1], torch_lines[path[-1]])})"
+            )
     return found
 
 
@@ -349,12 +359,35 @@ def long_files(g: Graph) -> list[str]:
     return found
 
 
-COLLECTIVES = frozenset({
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
-    "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv", "isend",
-    "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
-    "send", "recv_object_list", "send_object_list", "P2POp",
-})  # fmt: skip
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "batch_isend_irecv",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "irecv",
+        "isend",
+        "monitored_barrier",
+        "recv",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "recv_object_list",
+        "send_object_list",
+        "P2POp",
+    }
+)
 
 
 def collective_calls(tree: ast.Module) -> list[tuple[int, str]]:
@@ -390,7 +423,8 @@ def collectives_outside_comm(g: Graph) -> list[str]:
     comm = g.under("slipstream.comm")
     return [
         f"{g.where(module, line)}: torch.distributed.{name} outside slipstream.comm (call it through comm: logged, recorded, timed out)"
-        for module in sorted(set(g.files) - comm) for line, name in collective_calls(g.trees[module])
+        for module in sorted(set(g.files) - comm)
+        for line, name in collective_calls(g.trees[module])
     ]
 
 
@@ -474,7 +508,11 @@ def test_the_checks_see_what_they_check() -> None:
     alias = "if TYPE_CHECKING:\n    pass\nelse:\n    Engine = Any\nEngine: TypeAlias = Any\na, *Engine = b\n"
     inside = "def f():\n    Engine = Any\nclass C:\n    Engine = Any\nx.Engine = Any\nEngines = Any\n"
     assert engine_aliases(ast.parse(alias)) == [4, 5, 6] and engine_aliases(ast.parse(inside)) == []
-    assert any(m.startswith("slipstream.comm") and collective_calls(g.trees[m]) for m in g.files)  # comm's own calls are seen
-    calls = "import torch.distributed as d\nfrom torch import distributed\nfrom torch.distributed import barrier as b\n" \
+    assert any(
+        m.startswith("slipstream.comm") and collective_calls(g.trees[m]) for m in g.files
+    )  # comm's own calls are seen
+    calls = (
+        "import torch.distributed as d\nfrom torch import distributed\nfrom torch.distributed import barrier as b\n"
         "d.all_reduce(x)\ndistributed.send(x, 1)\ntorch.distributed.broadcast(x, 0)\nb()\nd.get_rank()\nother.all_reduce(x)\n"
+    )
     assert collective_calls(ast.parse(calls)) == [(4, "all_reduce"), (5, "send"), (6, "broadcast"), (7, "barrier")]

@@ -19,7 +19,9 @@ def _resume_body(directory: str, stage: int) -> dict:
     path, client = engine.load_checkpoint(directory)
     assert path is not None and path.endswith(TAG)
     assert client == {"note": "format v1 fixture", "step": SAVED_STEPS}
-    assert engine.global_steps == SAVED_STEPS and engine.micro_steps == SAVED_STEPS * engine.gradient_accumulation_steps()
+    assert (
+        engine.global_steps == SAVED_STEPS and engine.micro_steps == SAVED_STEPS * engine.gradient_accumulation_steps()
+    )
     losses = train(engine, batches(SAVED_STEPS + MORE_STEPS)[SAVED_STEPS:])
     final = engine.consolidated_state_dict()
     engine.close()

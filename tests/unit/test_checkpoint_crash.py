@@ -16,8 +16,13 @@ def test_killing_a_saving_process_never_breaks_latest(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.unit.checkpoint_crash_worker", str(tmp_path), str(TRIALS), "7"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     trials = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(trials) == TRIALS  # each verified latest (checksums, every tensor) and the last committed checkpoint

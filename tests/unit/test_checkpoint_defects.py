@@ -46,7 +46,9 @@ def test_1_a_safetensors_file_whose_header_length_starts_with_0x80_is_not_a_pick
     assert _looks_pickled(tmp_path / "p.pt")
 
 
-def test_2_a_crash_between_the_renames_of_a_resave_keeps_latest_loadable_and_is_recovered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_2_a_crash_between_the_renames_of_a_resave_keeps_latest_loadable_and_is_recovered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     eng, _ = _saved(tmp_path, tag="last")
     train(eng)
     expected = snapshot(eng)
@@ -88,7 +90,9 @@ def test_3_a_failed_async_save_at_the_end_of_a_run_exits_non_zero(tmp_path: Path
         print("script returned")
     """)
     env = {**os.environ, "SLIPSTREAM_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
     assert "script returned" in done.stdout
     assert done.returncode != 0, done.stderr[-2000:]
     assert "background checkpoint save failed" in done.stderr and "rank00000.safetensors" in done.stderr
@@ -124,7 +128,9 @@ def test_4_a_failed_load_leaves_the_engine_untouched(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("saved_as", ["fp32", "bf16"])
 @pytest.mark.parametrize("optimizer_states", [True, False])
-def test_5_an_fp32_or_bf16_checkpoint_loads_into_an_fp16_engine(tmp_path: Path, saved_as: str, optimizer_states: bool) -> None:
+def test_5_an_fp32_or_bf16_checkpoint_loads_into_an_fp16_engine(
+    tmp_path: Path, saved_as: str, optimizer_states: bool
+) -> None:
     extra = {"bf16": {"enabled": True}} if saved_as == "bf16" else {}
     _, path = _saved(tmp_path, **extra)
     fp16 = engine(seed=2, fp16={"enabled": True, "initial_scale_power": 8})
@@ -150,7 +156,13 @@ def test_6_a_zero_element_parameter_saves_loads_and_exports(tmp_path: Path, stag
 def test_7_client_state_keys_with_slashes_never_collide(tmp_path: Path) -> None:
     eng = engine()
     train(eng)
-    client = {"a/b": torch.ones(2), "a": {"b": torch.zeros(2)}, 1: torch.full((1,), 3.0), "1": torch.full((1,), 4.0), "%2F": torch.ones(1) * 5}
+    client = {
+        "a/b": torch.ones(2),
+        "a": {"b": torch.zeros(2)},
+        1: torch.full((1,), 3.0),
+        "1": torch.full((1,), 4.0),
+        "%2F": torch.ones(1) * 5,
+    }
     eng.save_checkpoint(tmp_path, tag="t", client_state=client)
     _, back = engine(seed=1).load_checkpoint(tmp_path, tag="t")
     assert same(back, client)
@@ -167,10 +179,14 @@ def test_8_a_sibling_with_a_wrong_typed_manifest_field_is_only_itself_incomplete
     (tmp_path / "latest").unlink()
     with pytest.warns(UserWarning, match="newest complete"):
         assert resolve(tmp_path, None) == tmp_path / "newer"
-    assert checkpoint_cli(argparse.Namespace(checkpoint_command="inspect", dir=str(tmp_path), tag=None, verify=False)) == 0
+    assert (
+        checkpoint_cli(argparse.Namespace(checkpoint_command="inspect", dir=str(tmp_path), tag=None, verify=False)) == 0
+    )
 
 
-def test_9_overlapping_slices_and_wrong_tensor_sizes_are_refused_by_load_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_9_overlapping_slices_and_wrong_tensor_sizes_are_refused_by_load_and_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _saved(tmp_path, tag="overlap", stage=0)
     _saved(tmp_path, tag="small", stage=0)
 
@@ -182,7 +198,11 @@ def test_9_overlapping_slices_and_wrong_tensor_sizes_are_refused_by_load_and_ver
         return meta
 
     rewrite_json(tmp_path / "overlap", "rank00000.json", overlap)
-    key = next(e["key"] for e in json.loads((tmp_path / "small" / "rank00000.json").read_text())["slices"] if e["name"] == "a.weight")
+    key = next(
+        e["key"]
+        for e in json.loads((tmp_path / "small" / "rank00000.json").read_text())["slices"]
+        if e["name"] == "a.weight"
+    )
     rewrite_tensor(tmp_path / "small", 0, key, torch.ones(1))
     for tag, message in (("overlap", "saved slices overlap at element 4"), ("small", "has shape \\[1\\]")):
         fresh = engine(seed=5, stage=0)
@@ -190,7 +210,10 @@ def test_9_overlapping_slices_and_wrong_tensor_sizes_are_refused_by_load_and_ver
         with pytest.raises(CheckpointError, match=message):
             fresh.load_checkpoint(tmp_path, tag=tag)
         assert same(snapshot(fresh), before)
-        assert checkpoint_cli(argparse.Namespace(checkpoint_command="inspect", dir=str(tmp_path), tag=tag, verify=True)) == 1
+        assert (
+            checkpoint_cli(argparse.Namespace(checkpoint_command="inspect", dir=str(tmp_path), tag=tag, verify=True))
+            == 1
+        )
         err = _cli_lines(capsys.readouterr().err)
         assert len(err) == 1 and tag in err[0]
 
@@ -203,18 +226,25 @@ def test_10_tags_and_latest_cannot_leave_the_save_directory(tmp_path: Path) -> N
     for tag in ("../outside/good", str(outside / "good"), "a/../../outside/good"):
         with pytest.raises(ValueError, match="leaves the checkpoint directory"):
             eng.load_checkpoint(inside, tag=tag)
-        assert checkpoint_cli(argparse.Namespace(checkpoint_command="inspect", dir=str(inside), tag=tag, verify=False)) == 1
+        assert (
+            checkpoint_cli(argparse.Namespace(checkpoint_command="inspect", dir=str(inside), tag=tag, verify=False))
+            == 1
+        )
     (inside / "latest").write_text("../outside/good")
     with pytest.warns(UserWarning, match="path separator"):
         path, _ = eng.load_checkpoint(inside)
     assert path == str(inside / "good")
 
 
-def test_14_export_never_overwrites_the_checkpoint_and_refuses_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_14_export_never_overwrites_the_checkpoint_and_refuses_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _, path = _saved(tmp_path)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
     for out in (path / "rank00000.safetensors", path / "new.safetensors", tmp_path / "latest", tmp_path):
-        code = checkpoint_cli(argparse.Namespace(checkpoint_command="export", dir=str(tmp_path), out=str(out), tag=None))
+        code = checkpoint_cli(
+            argparse.Namespace(checkpoint_command="export", dir=str(tmp_path), out=str(out), tag=None)
+        )
         err = capsys.readouterr().err
         assert code == 1 and len(_cli_lines(err)) == 1 and "Traceback" not in err, err
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before

@@ -18,11 +18,18 @@ def test_safetensors_writer_is_read_by_the_official_library(tmp_path: Path) -> N
     from safetensors.torch import load_file
 
     tensors = {
-        "w": torch.randn(5, 3), "scalar": torch.tensor(2.5), "half": torch.randn(7).bfloat16(),
-        "ints": torch.arange(4), "empty": torch.zeros(0), "flags": torch.tensor([True, False]),
-    }  # fmt: skip
+        "w": torch.randn(5, 3),
+        "scalar": torch.tensor(2.5),
+        "half": torch.randn(7).bfloat16(),
+        "ints": torch.arange(4),
+        "empty": torch.zeros(0),
+        "flags": torch.tensor([True, False]),
+    }
     record = write_safetensors(tmp_path / "t.safetensors", tensors, {"note": "x"})
-    assert record == {"bytes": (tmp_path / "t.safetensors").stat().st_size, "crc32": file_crc32(tmp_path / "t.safetensors")}
+    assert record == {
+        "bytes": (tmp_path / "t.safetensors").stat().st_size,
+        "crc32": file_crc32(tmp_path / "t.safetensors"),
+    }
     loaded = load_file(tmp_path / "t.safetensors")
     assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
     with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
@@ -35,7 +42,11 @@ def test_trees_keep_types_and_refuse_what_needs_pickle() -> None:
     tensors: dict[str, torch.Tensor] = {}
     encoded = encode_tree(tree, "x", tensors, "state")
     decoded = decode_tree(encoded, tensors)
-    assert decoded["a"] == (1, 2.5, "s") and decoded["b"][:2] == [None, True] and torch.equal(decoded["b"][2], torch.ones(2))
+    assert (
+        decoded["a"] == (1, 2.5, "s")
+        and decoded["b"][:2] == [None, True]
+        and torch.equal(decoded["b"][2], torch.ones(2))
+    )
     assert torch.equal(decoded[3]["nested"], torch.zeros(1))
     with pytest.raises(TypeError, match=r"client_state\['fn'\] is a builtins.function.*without pickle"):
         encode_tree({"fn": lambda: 0}, "c", {}, "client_state")

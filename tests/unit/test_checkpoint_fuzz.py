@@ -26,7 +26,9 @@ from slipstream.engine.checkpoint.reader import CheckpointError
 from tests.unit.ckpt_helpers import engine, rewrite_json, same, snapshot, train
 
 EXAMPLES = 130  # per test; 4 tests
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
+SETTINGS = settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None
+)
 
 
 class _World:
@@ -96,9 +98,14 @@ def _set(tree: Any, path: tuple, value: Any) -> Any:
 
 
 ODD = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=8), st.lists(st.integers(-3, 3), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
 
 
 @SETTINGS
@@ -146,7 +153,10 @@ def test_slice_entries_rewritten_with_consistent_crcs(world: _World, data: st.Da
     field = data.draw(st.sampled_from(["start", "numel", "box", "key", "name", "shape", "duplicate", "drop"]))
     small = st.integers(-2, 40)
     if field == "box":
-        entry["box"] = {"offsets": data.draw(st.lists(small, max_size=3)), "sizes": data.draw(st.lists(small, max_size=3))}
+        entry["box"] = {
+            "offsets": data.draw(st.lists(small, max_size=3)),
+            "sizes": data.draw(st.lists(small, max_size=3)),
+        }
     elif field == "key":
         entry["key"] = data.draw(st.sampled_from([e["key"] for e in meta["slices"]] + ["missing"]))
     elif field == "name":

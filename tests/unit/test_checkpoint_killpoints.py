@@ -15,8 +15,13 @@ def test_a_kill_at_every_step_of_the_save_protocol_leaves_a_loadable_checkpoint(
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.unit.checkpoint_killpoint_worker", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     kills = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     by_scenario: dict[str, list[dict]] = {}

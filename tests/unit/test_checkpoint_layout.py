@@ -40,7 +40,9 @@ class Shards:
     def __init__(self, pieces: list[ParamSlice], source: torch.Tensor | None) -> None:
         self.owned = []
         for s in pieces:
-            region = (source if source is not None else torch.zeros(SHAPE))[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))]
+            region = (source if source is not None else torch.zeros(SHAPE))[
+                tuple(slice(o, o + n) for o, n in zip(s.offsets, s.sizes))
+            ]
             value = region.reshape(-1)[s.start : s.start + s.numel].clone()
             self.owned.append(OwnedSlice(s, value, value))
         self.moments = {id(o): o.value * 2 for o in self.owned}
@@ -64,10 +66,19 @@ def _target(shards: Shards, world: int) -> CheckpointTarget:
     counters = {"state": TrainState(global_steps=3, micro_steps=3)}
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     return CheckpointTarget(
-        module=Module(), shards=shards, optimizer=optimizer, scheduler=None, loss_scaler=_NoScale(),
+        module=Module(),
+        shards=shards,
+        optimizer=optimizer,
+        scheduler=None,
+        loss_scaler=_NoScale(),
         counters=Counters(lambda: counters["state"], lambda s: counters.update(state=s)),
-        rng=RngState(lambda: None, lambda t: None), extra={}, config={}, zero_stage=2, precision="fp32", world_size=world,
-    )  # fmt: skip
+        rng=RngState(lambda: None, lambda t: None),
+        extra={},
+        config={},
+        zero_stage=2,
+        precision="fp32",
+        world_size=world,
+    )
 
 
 class _NoScale:
@@ -113,7 +124,15 @@ def _load(path: Path, layout: list[list[ParamSlice]]) -> list[Shards]:
     loaded = []
     for rank, pieces in enumerate(layout):
         shards = Shards(pieces, None)
-        restore(_target(shards, len(layout)), CheckpointReader(path), rank, strict=True, optimizer=True, scheduler=True, module_only=False)
+        restore(
+            _target(shards, len(layout)),
+            CheckpointReader(path),
+            rank,
+            strict=True,
+            optimizer=True,
+            scheduler=True,
+            module_only=False,
+        )
         loaded.append(shards)
     return loaded
 
@@ -155,7 +174,10 @@ def test_inspect_names_the_boxes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     ],
 )
 def test_pieces_that_do_not_tile_their_tensor_exactly_are_refused(pieces: list, message: str) -> None:
-    entries = [{"name": "w", "shape": list(SHAPE), "start": s, "numel": n, "box": {"offsets": list(b[0]), "sizes": list(b[1])}} for b, s, n in pieces]
+    entries = [
+        {"name": "w", "shape": list(SHAPE), "start": s, "numel": n, "box": {"offsets": list(b[0]), "sizes": list(b[1])}}
+        for b, s, n in pieces
+    ]
     with pytest.raises(LayoutError, match=message):
         check_tiling("w", SHAPE, entries)
     assert math.prod(SHAPE) == 48
@@ -189,8 +211,11 @@ def test_a_snapshot_without_tensor_checksums_loads_and_a_checkpoint_missing_one_
     assert manifest["checksum"] == METADATA_CRC_ONLY and "crc32" not in manifest["files"]["rank00000.safetensors"]
     assert "crc32" in manifest["files"]["rank00000.json"]
     for shards in _load(tmp_path / "t", layout):
-        assert all(torch.equal(o.value, _expected(o.slice, W)) and torch.equal(shards.moments[id(o)], _expected(o.slice, W) * 2)
-                   for o in shards.owned)  # fmt: skip
+        assert all(
+            torch.equal(o.value, _expected(o.slice, W))
+            and torch.equal(shards.moments[id(o)], _expected(o.slice, W) * 2)
+            for o in shards.owned
+        )
     # An ordinary checkpoint whose manifest lost a tensor file's CRC is damaged, not a snapshot.
     full = _save(tmp_path / "disk", layout, source)
     manifest = json.loads((full / "manifest.json").read_text())

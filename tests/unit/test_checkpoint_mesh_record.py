@@ -23,7 +23,7 @@ from slipstream.engine.checkpoint.capture import capture
 from slipstream.engine.checkpoint.cli import main as checkpoint_cli
 from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader, complete_checkpoints
 from tests.unit.ckpt_helpers import eng, engine, rewrite_json, train  # noqa: F401 - eng is a fixture
-from tests.unit.test_checkpoint_layout import W, Shards, _column_boxes, _target
+from tests.unit.test_checkpoint_layout import Shards, W, _column_boxes, _target
 
 ONE_PROCESS = {"pp": 1, "dp": 1, "cp": 1, "sp": 1, "tp": 1, "ep": 1}
 V1 = Path(__file__).resolve().parents[1] / "data" / "ckpt_v1_zero2_world2"
@@ -31,7 +31,9 @@ V1 = Path(__file__).resolve().parents[1] / "data" / "ckpt_v1_zero2_world2"
 
 def inspect(directory: Path, capsys: pytest.CaptureFixture[str], tag: str | None = None) -> str:
     capsys.readouterr()
-    assert checkpoint_cli(argparse.Namespace(checkpoint_command="inspect", dir=str(directory), tag=tag, verify=True)) == 0
+    assert (
+        checkpoint_cli(argparse.Namespace(checkpoint_command="inspect", dir=str(directory), tag=tag, verify=True)) == 0
+    )
     return capsys.readouterr().out
 
 
@@ -39,7 +41,9 @@ def locks(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith(writer.LOCK_PREFIX))
 
 
-def test_the_manifest_records_the_mesh_and_inspect_prints_it(eng: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_manifest_records_the_mesh_and_inspect_prints_it(
+    eng: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = Path(eng.save_checkpoint(tmp_path, tag="m"))
     assert json.loads((path / "manifest.json").read_text())["mesh"] == ONE_PROCESS
     out = inspect(tmp_path, capsys)
@@ -47,7 +51,9 @@ def test_the_manifest_records_the_mesh_and_inspect_prints_it(eng: object, tmp_pa
     assert "all whole-tensor boxes (ZeRO flat ranges)" in out
 
 
-def test_a_checkpoint_without_the_record_still_loads_and_inspects(eng: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_checkpoint_without_the_record_still_loads_and_inspects(
+    eng: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = Path(eng.save_checkpoint(tmp_path, tag="old"))
     rewrite_json(path, "manifest.json", lambda m: {k: v for k, v in m.items() if k != "mesh"})
     assert "mesh            not recorded\n" in inspect(tmp_path, capsys)
@@ -58,7 +64,9 @@ def test_a_checkpoint_without_the_record_still_loads_and_inspects(eng: object, t
 def test_a_damaged_mesh_record_is_one_line_naming_the_field(eng: object, tmp_path: Path) -> None:
     path = Path(eng.save_checkpoint(tmp_path, tag="bad"))
     rewrite_json(path, "manifest.json", lambda m: {**m, "mesh": {"tp": "2"}})
-    with pytest.raises(CheckpointError, match=r"manifest.json field mesh is \{'tp': '2'\}, expected an object of axis sizes"):
+    with pytest.raises(
+        CheckpointError, match=r"manifest.json field mesh is \{'tp': '2'\}, expected an object of axis sizes"
+    ):
         CheckpointReader(path)
 
 
@@ -90,7 +98,7 @@ def test_a_failed_save_leaves_no_lock_file(eng: object, tmp_path: Path, monkeypa
 
 def test_locks_left_by_killed_processes_are_not_checkpoints_and_the_next_save_removes_them(
     eng: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:  # fmt: skip
+) -> None:
     eng.save_checkpoint(tmp_path, tag="x")
     for tag in ("x", "y", "global_step9"):  # what a save killed while holding its lock leaves: the file, unlocked
         (tmp_path / f"{writer.LOCK_PREFIX}{tag}").touch()
@@ -148,15 +156,28 @@ def _save_boxes(directory: Path, mesh: dict[str, int]) -> Path:
 @pytest.mark.parametrize(
     ("mesh", "shown", "boxes"),
     [
-        ({"pp": 1, "dp": 2, "cp": 1, "sp": 1, "tp": 2, "ep": 1}, "pp 1 × dp 2 × cp 1 × sp 1 × tp 2, ep 1", "tensor-parallel blocks, tp 2"),
-        ({"pp": 1, "dp": 4, "cp": 1, "sp": 1, "tp": 1, "ep": 2}, "pp 1 × dp 4 × cp 1 × sp 1 × tp 1, ep 2", "expert-parallel slices, ep 2"),
-        ({"pp": 1, "dp": 2, "cp": 1, "sp": 1, "tp": 2, "ep": 2}, "pp 1 × dp 2 × cp 1 × sp 1 × tp 2, ep 2",
-         "tensor-parallel blocks (tp 2) and expert-parallel slices (ep 2)"),
+        (
+            {"pp": 1, "dp": 2, "cp": 1, "sp": 1, "tp": 2, "ep": 1},
+            "pp 1 × dp 2 × cp 1 × sp 1 × tp 2, ep 1",
+            "tensor-parallel blocks, tp 2",
+        ),
+        (
+            {"pp": 1, "dp": 4, "cp": 1, "sp": 1, "tp": 1, "ep": 2},
+            "pp 1 × dp 4 × cp 1 × sp 1 × tp 1, ep 2",
+            "expert-parallel slices, ep 2",
+        ),
+        (
+            {"pp": 1, "dp": 2, "cp": 1, "sp": 1, "tp": 2, "ep": 2},
+            "pp 1 × dp 2 × cp 1 × sp 1 × tp 2, ep 2",
+            "tensor-parallel blocks (tp 2) and expert-parallel slices (ep 2)",
+        ),
         ({}, "not recorded", "tensor-parallel blocks or expert-parallel slices"),
     ],
     ids=["tp2", "ep2", "tp2-ep2", "not-recorded"],
-)  # fmt: skip
-def test_inspect_says_what_the_boxes_are(tmp_path: Path, capsys: pytest.CaptureFixture[str], mesh: dict[str, int], shown: str, boxes: str) -> None:
+)
+def test_inspect_says_what_the_boxes_are(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mesh: dict[str, int], shown: str, boxes: str
+) -> None:
     path = _save_boxes(tmp_path / "ckpt", mesh)
     assert ("mesh" in json.loads((path / "manifest.json").read_text())) == bool(mesh)
     out = inspect(path, capsys)

@@ -18,11 +18,22 @@ from tests.unit.ckpt_helpers import eng, engine, rewrite_json, train  # noqa: F4
 
 @pytest.mark.parametrize(
     ("tag", "says"),
-    [("x" * 300, "300 characters long"), ("two words", "whitespace"), (" lead", "whitespace"), ("tab\there", "whitespace"),
-     (12, "is a int, not a string"), (None, None), ("", "is empty"), (".hidden", "starts with '.'"), ("a/b", "path separator"),
-     ("latest", "pointer file")],
-)  # fmt: skip
-def test_odd_tags_are_one_line_naming_the_tag_and_the_fix(eng: object, tmp_path: Path, tag: object, says: str | None) -> None:
+    [
+        ("x" * 300, "300 characters long"),
+        ("two words", "whitespace"),
+        (" lead", "whitespace"),
+        ("tab\there", "whitespace"),
+        (12, "is a int, not a string"),
+        (None, None),
+        ("", "is empty"),
+        (".hidden", "starts with '.'"),
+        ("a/b", "path separator"),
+        ("latest", "pointer file"),
+    ],
+)
+def test_odd_tags_are_one_line_naming_the_tag_and_the_fix(
+    eng: object, tmp_path: Path, tag: object, says: str | None
+) -> None:
     if says is None:  # None means the default tag: fine
         assert Path(eng.save_checkpoint(tmp_path, tag=tag)).name == "global_step2"
         return
@@ -33,7 +44,9 @@ def test_odd_tags_are_one_line_naming_the_tag_and_the_fix(eng: object, tmp_path:
     assert not list(tmp_path.iterdir())  # nothing written
 
 
-@pytest.mark.parametrize(("value", "says"), [({1, 2}, "builtins.set"), (object(), "builtins.object"), ({(1, 2): 3}, "key (1, 2)")])
+@pytest.mark.parametrize(
+    ("value", "says"), [({1, 2}, "builtins.set"), (object(), "builtins.object"), ({(1, 2): 3}, "key (1, 2)")]
+)
 def test_unsupported_client_state_values_name_the_key(eng: object, tmp_path: Path, value: object, says: str) -> None:
     with pytest.raises(TypeError) as err:
         eng.save_checkpoint(tmp_path, tag="c", client_state={"bad": value})
@@ -44,10 +57,16 @@ def test_unsupported_client_state_values_name_the_key(eng: object, tmp_path: Pat
 
 @pytest.mark.parametrize(
     ("file", "field", "value"),
-    [("manifest.json", "world_size", "1"), ("manifest.json", "files", []), ("rank00000.json", "slices", {"a": 1}),
-     ("rank00000.json", "stateful", 3)],
-)  # fmt: skip
-def test_wrong_typed_json_fields_name_the_file_the_field_and_the_value(eng: object, tmp_path: Path, file: str, field: str, value: object) -> None:
+    [
+        ("manifest.json", "world_size", "1"),
+        ("manifest.json", "files", []),
+        ("rank00000.json", "slices", {"a": 1}),
+        ("rank00000.json", "stateful", 3),
+    ],
+)
+def test_wrong_typed_json_fields_name_the_file_the_field_and_the_value(
+    eng: object, tmp_path: Path, file: str, field: str, value: object
+) -> None:
     path = Path(eng.save_checkpoint(tmp_path, tag="j"))
     rewrite_json(path, file, lambda d: {**d, field: value})
     with pytest.raises(CheckpointError) as err:

@@ -87,17 +87,27 @@ def _tiny_llama(layers: int = 2) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=layers, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
-    ))  # fmt: skip
+    return LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=layers,
+            hidden_size=32,
+            intermediate_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def _config(**compile_section: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "steps_per_print": 1,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1,
         "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
-    }  # fmt: skip
+    }
     if compile_section:
         cfg["compile"] = compile_section
     return cfg
@@ -220,7 +230,9 @@ def test_config_mistakes_name_the_key(section: dict[str, Any], match: str) -> No
 
 
 def test_deepcompile_turns_compiling_on_and_its_knobs_have_no_effect(capsys: pytest.CaptureFixture[str]) -> None:
-    engine = slipstream.initialize(_tiny_llama(), _config(deepcompile=True, offload_activation=True, backend="aot_eager"))
+    engine = slipstream.initialize(
+        _tiny_llama(), _config(deepcompile=True, offload_activation=True, backend="aot_eager")
+    )
     assert engine.is_compiled
     assert "compile.offload_activation = True has no effect" in capsys.readouterr().err
     engine.close()

@@ -36,13 +36,23 @@ def test_every_public_template_parses(path: Path) -> None:
 
 def test_what_accelerate_writes_parses() -> None:
     # DeepSpeedPlugin's generated config: steps_per_print is infinity, offload devices "none" with a null path.
-    config = load_config({
-        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none", "nvme_path": None},
-                              "offload_param": {"device": "none", "nvme_path": None},
-                              "stage3_gather_16bit_weights_on_model_save": False},
-        "gradient_clipping": 1.0, "steps_per_print": math.inf, "bf16": {"enabled": True}, "fp16": {"enabled": False},
-    })  # fmt: skip
+    config = load_config(
+        {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {
+                "stage": 2,
+                "offload_optimizer": {"device": "none", "nvme_path": None},
+                "offload_param": {"device": "none", "nvme_path": None},
+                "stage3_gather_16bit_weights_on_model_save": False,
+            },
+            "gradient_clipping": 1.0,
+            "steps_per_print": math.inf,
+            "bf16": {"enabled": True},
+            "fp16": {"enabled": False},
+        }
+    )
     assert config.steps_per_print is None and config.precision == "bf16"
 
 
@@ -57,7 +67,9 @@ def test_each_alias_parses_like_its_stage3_twin(name: str, alias: str) -> None:
 
 def test_an_alias_and_its_twin_with_two_values_is_an_error() -> None:
     text = _error({"zero_optimization": {"stage3_max_live_parameters": 6, "max_live_parameters": 5}}, None)
-    assert text.startswith("zero_optimization: stage3_max_live_parameters=6 and max_live_parameters=5 are one setting"), text
+    assert text.startswith(
+        "zero_optimization: stage3_max_live_parameters=6 and max_live_parameters=5 are one setting"
+    ), text
 
 
 @pytest.mark.parametrize("key", ["sub_group_size", "reduce_bucket_size", "allgather_bucket_size"])
@@ -108,7 +120,9 @@ def test_bf16_wins_over_bfloat16() -> None:
 
 def test_load_config_is_public_and_resolves_the_triad_on_request(tmp_path: Path) -> None:
     assert slipstream.load_config is load_config
-    config = slipstream.load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, world_size=4)
+    config = slipstream.load_config(
+        {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, world_size=4
+    )
     assert config.train_batch_size == 24
     (tmp_path / "ds.json").write_text('{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}')
     assert slipstream.load_config(tmp_path / "ds.json").train_batch_size == "auto"  # no world size: left as written
@@ -119,7 +133,9 @@ def test_load_config_is_public_and_resolves_the_triad_on_request(tmp_path: Path)
 
 def test_auto_batch_sizes_without_a_trainer_say_so() -> None:
     text = _error({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"})
-    assert text.startswith('train_batch_size: train_batch_size, train_micro_batch_size_per_gpu are "auto", which a trainer fills in')
+    assert text.startswith(
+        'train_batch_size: train_batch_size, train_micro_batch_size_per_gpu are "auto", which a trainer fills in'
+    )
     assert "neither is given" not in text
 
 
@@ -135,7 +151,9 @@ def test_pydantic_type_names_never_appear_in_a_key_path() -> None:
     with pytest.raises(Exception) as info:
         model.model_validate({"warmup_min_lr": [0.1, math.inf]})
     text = format_validation_error(info.value, model, prefix="scheduler.params")  # type: ignore[arg-type]
-    assert text == "scheduler.params.warmup_min_lr.1: must be a finite number, got Infinity", text  # one line: the real problem
+    assert text == "scheduler.params.warmup_min_lr.1: must be a finite number, got Infinity", (
+        text
+    )  # one line: the real problem
     text = _error({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": "half"}}}, None)
     assert text.startswith("zero_optimization.offload_optimizer.ratio: must be a number"), text
 
@@ -150,7 +168,9 @@ def test_aio_inside_zero_optimization_is_named_a_top_level_section() -> None:
 
 
 def test_every_no_effect_key_names_a_real_field() -> None:
-    config = load_config({"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})
+    config = load_config(
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+    )
     for path in NO_EFFECT:
         node: object = config
         *sections, key = path.split(".")
@@ -182,7 +202,7 @@ def test_a_no_effect_key_set_warns_once_per_process(capsys: pytest.CaptureFixtur
         ({"fp16": {"loss_scale": math.inf}}, "fp16.loss_scale: must be a finite number, got Infinity"),
         ({"train_batch_size": math.inf}, 'train_batch_size: must be a positive integer or "auto", got Infinity'),
     ],
-)  # fmt: skip
+)
 def test_non_finite_numbers_are_config_errors(config: dict, message: str) -> None:
     assert _error({"train_micro_batch_size_per_gpu": 1, **config}) == message
 
@@ -190,19 +210,43 @@ def test_non_finite_numbers_are_config_errors(config: dict, message: str) -> Non
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"optimizer": {"type": "AdamW", "params": {"lr": math.inf}}}, "optimizer.params.lr: must be a finite number, got Infinity"),
-        ({"optimizer": {"type": "AdamW", "params": {"lr": math.nan}}}, "optimizer.params.lr: must be a finite number, got NaN"),
-        ({"optimizer": {"type": "AdamW", "params": {"weight_decay": math.inf}}}, "optimizer.params.weight_decay: must be a finite number"),
-        ({"optimizer": {"type": "AdamW", "params": {"eps": math.nan}}}, "optimizer.params.eps: must be a finite number"),
-        ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": math.inf}}}, "optimizer.params.momentum: must be a finite number"),
-        ({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": math.inf}}},
-         "scheduler.params.warmup_max_lr: must be a finite number"),
-        ({"optimizer": {"type": "AdamW"}, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.0, "cycle_max_lr": math.nan}}},
-         "scheduler.params.cycle_max_lr: must be a finite number"),
-        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "comms_timeout_seconds": math.inf},
-         "comms_timeout_seconds: must be a finite number"),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": math.inf}}},
+            "optimizer.params.lr: must be a finite number, got Infinity",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": math.nan}}},
+            "optimizer.params.lr: must be a finite number, got NaN",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"weight_decay": math.inf}}},
+            "optimizer.params.weight_decay: must be a finite number",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"eps": math.nan}}},
+            "optimizer.params.eps: must be a finite number",
+        ),
+        (
+            {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": math.inf}}},
+            "optimizer.params.momentum: must be a finite number",
+        ),
+        (
+            {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": math.inf}}},
+            "scheduler.params.warmup_max_lr: must be a finite number",
+        ),
+        (
+            {
+                "optimizer": {"type": "AdamW"},
+                "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.0, "cycle_max_lr": math.nan}},
+            },
+            "scheduler.params.cycle_max_lr: must be a finite number",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "comms_timeout_seconds": math.inf},
+            "comms_timeout_seconds: must be a finite number",
+        ),
     ],
-)  # fmt: skip
+)
 def test_initialize_refuses_non_finite_numbers(config: dict, message: str) -> None:
     with pytest.raises(slipstream.ConfigError) as info:
         slipstream.initialize(torch.nn.Linear(4, 2), {"train_batch_size": 2, **config})
@@ -214,13 +258,17 @@ def test_initialize_refuses_non_finite_numbers(config: dict, message: str) -> No
 
 def test_an_optimizer_over_other_parameters_is_refused() -> None:
     model, other = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
-    with pytest.raises(slipstream.ConfigError, match=r"^optimizer: the optimizer passed to initialize\(\) holds 2 tensor"):
+    with pytest.raises(
+        slipstream.ConfigError, match=r"^optimizer: the optimizer passed to initialize\(\) holds 2 tensor"
+    ):
         slipstream.initialize(model, {"train_batch_size": 2}, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
 
 
 def test_an_optimizer_over_the_model_is_accepted() -> None:
     model = torch.nn.Linear(4, 2)
-    engine = slipstream.initialize(model, {"train_batch_size": 2}, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    engine = slipstream.initialize(
+        model, {"train_batch_size": 2}, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+    )
     assert engine.mesh.size("dp") == 1
     engine.close()
 
@@ -229,20 +277,38 @@ def test_an_optimizer_over_the_model_is_accepted() -> None:
 
 
 def test_triad_counts_dp_not_world() -> None:
-    config = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "tensor_parallel": {"autotp_size": 2}}, world_size=8)
+    config = load_config(
+        {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "tensor_parallel": {"autotp_size": 2}},
+        world_size=8,
+    )
     assert config.train_batch_size == 16  # 2 × 2 × dp 4 (tp 2 of world 8)
-    text = _error({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                   "pipeline": {"stages": 2}}, world_size=8)  # fmt: skip
-    assert text.startswith("train_batch_size: must equal train_micro_batch_size_per_gpu × gradient_accumulation_steps × "
-                           "data-parallel size (dp of world 8) = 2 × 2 × 4 = 16, got 32"), text  # fmt: skip
+    text = _error(
+        {
+            "train_batch_size": 32,
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "pipeline": {"stages": 2},
+        },
+        world_size=8,
+    )
+    assert text.startswith(
+        "train_batch_size: must equal train_micro_batch_size_per_gpu × gradient_accumulation_steps × "
+        "data-parallel size (dp of world 8) = 2 × 2 × 4 = 16, got 32"
+    ), text
 
 
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"tensor_parallel": {"autotp_size": 3}}, "mesh: world size 8 does not factor as pipeline.stages 1 × data_parallel_size dp"),
+        (
+            {"tensor_parallel": {"autotp_size": 3}},
+            "mesh: world size 8 does not factor as pipeline.stages 1 × data_parallel_size dp",
+        ),
         ({"data_parallel_size": 2}, "data_parallel_size: 2 does not fit world size 8"),
-        ({"expert_parallel": {"enabled": True, "autoep_size": 3}}, "expert_parallel.autoep_size: 3 must divide dp × cp × sp × tp"),
+        (
+            {"expert_parallel": {"enabled": True, "autoep_size": 3}},
+            "expert_parallel.autoep_size: 3 must divide dp × cp × sp × tp",
+        ),
     ],
 )
 def test_mesh_sizes_that_do_not_fit_are_one_line_errors(config: dict, message: str) -> None:
@@ -251,4 +317,9 @@ def test_mesh_sizes_that_do_not_fit_are_one_line_errors(config: dict, message: s
 
 
 def test_pipeline_stages_auto_means_one() -> None:
-    assert load_config({"pipeline": {"stages": "auto", "partition": "best"}, "train_micro_batch_size_per_gpu": 1}, world_size=2).train_batch_size == 2
+    assert (
+        load_config(
+            {"pipeline": {"stages": "auto", "partition": "best"}, "train_micro_batch_size_per_gpu": 1}, world_size=2
+        ).train_batch_size
+        == 2
+    )

@@ -24,12 +24,34 @@ from slipstream import ConfigError, load_config
 
 CORPUS = sorted((Path(__file__).resolve().parent.parent / "data" / "configs").rglob("*.json"))
 EXAMPLES = 200  # per test; 2 tests
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
+SETTINGS = settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None
+)
 
-ODD_VALUES = st.sampled_from([
-    math.inf, -math.inf, math.nan, 1e308, -1, -1e-9, 0, 2**63, "", "auto", "nan", "yes", None, True, [], {}, [1, 2],
-    {"stage": 9}, 3.5, "1e3",
-])  # fmt: skip
+ODD_VALUES = st.sampled_from(
+    [
+        math.inf,
+        -math.inf,
+        math.nan,
+        1e308,
+        -1,
+        -1e-9,
+        0,
+        2**63,
+        "",
+        "auto",
+        "nan",
+        "yes",
+        None,
+        True,
+        [],
+        {},
+        [1, 2],
+        {"stage": 9},
+        3.5,
+        "1e3",
+    ]
+)
 
 
 def _paths(tree: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -92,7 +114,11 @@ def test_a_value_of_the_wrong_type_or_range_is_one_line_naming_the_key(index: in
 
 
 @SETTINGS
-@given(index=st.integers(0, 10_000), where=st.integers(0, 10_000), edit=st.sampled_from(["drop", "double", "swap", "upper"]))
+@given(
+    index=st.integers(0, 10_000),
+    where=st.integers(0, 10_000),
+    edit=st.sampled_from(["drop", "double", "swap", "upper"]),
+)
 def test_a_misspelled_key_is_one_line_naming_the_key(index: int, where: int, edit: str) -> None:
     raw = _template(index)
     paths = _paths(raw)
@@ -100,8 +126,10 @@ def test_a_misspelled_key_is_one_line_naming_the_key(index: int, where: int, edi
     key = str(path[-1])
     assume(len(key) >= 3)  # too short to misspell
     new = {
-        "drop": key[:1] + key[2:], "double": key[:2] + key[1:], "swap": key[:1] + key[2] + key[1] + key[3:],
+        "drop": key[:1] + key[2:],
+        "double": key[:2] + key[1:],
+        "swap": key[:1] + key[2] + key[1] + key[3:],
         "upper": key.upper(),
-    }[edit]  # fmt: skip
+    }[edit]
     _rename(raw, path, new)
     _check_outcome(raw)

@@ -27,11 +27,15 @@ from slipstream.ops.builder import nvcc_path
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("SLIPSTREAM_CUDA_TORCH_VENV", Path.home() / ".cache" / "slipstream" / "cuda-torch"))
-WHEELS = [os.environ.get("SLIPSTREAM_CUDA_TORCH_WHEEL", ""), "/opt/pypi-more/files/torch-2.14.1-cp311-*.whl", "/opt/wheels/torch-2.14.1-cp311-*.whl"]
+WHEELS = [
+    os.environ.get("SLIPSTREAM_CUDA_TORCH_WHEEL", ""),
+    "/opt/pypi-more/files/torch-2.14.1-cp311-*.whl",
+    "/opt/wheels/torch-2.14.1-cp311-*.whl",
+]
 
 # Runs inside the CUDA venv: the op builder and the op specs loaded from the checkout by file, so
 # slipstream's own dependencies (pydantic, ...) are not needed there.
-BUILD = textwrap.dedent('''
+BUILD = textwrap.dedent("""
     import importlib.util, sys, types
     from pathlib import Path
     root, target = Path(sys.argv[1]), Path(sys.argv[2])
@@ -51,7 +55,7 @@ BUILD = textwrap.dedent('''
     assert torch.version.cuda, "not a CUDA build of torch"
     module = builder._compile(specs.FUSED_ADAM, target)
     print("built", torch.__version__, torch.version.cuda, module.__file__, hasattr(module, "fused_adam_step") or dir(module))
-''')
+""")
 
 
 def _cuda_python() -> Path:
@@ -60,10 +64,14 @@ def _cuda_python() -> Path:
         return python
     wheel = next((w for pattern in WHEELS if pattern for w in sorted(glob.glob(pattern))), None)
     if wheel is None:
-        pytest.skip(f"no CUDA build of torch on this machine (looked for {', '.join(p for p in WHEELS if p)}); set SLIPSTREAM_CUDA_TORCH_WHEEL")
+        pytest.skip(
+            f"no CUDA build of torch on this machine (looked for {', '.join(p for p in WHEELS if p)}); set SLIPSTREAM_CUDA_TORCH_WHEEL"
+        )
     VENV.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True, timeout=120)
-    done = subprocess.run([str(python), "-m", "pip", "install", "-q", wheel, "ninja"], capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", wheel, "ninja"], capture_output=True, text=True, timeout=900
+    )
     if done.returncode != 0:
         pytest.fail(f"installing {wheel} into {VENV} failed: {done.stderr.strip().splitlines()[-1:]}")
     return python
@@ -80,7 +88,9 @@ def test_cuda_op_builds_against_cuda_torch(tmp_path: Path) -> None:
     python = _cuda_python()
     env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "8.0;9.0", "CUDA_HOME": cuda_home, "PYTHONPATH": ""}
     env.pop("SLIPSTREAM_ACCELERATOR", None)
-    done = subprocess.run([str(python), "-c", BUILD, str(ROOT), str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
+    done = subprocess.run(
+        [str(python), "-c", BUILD, str(ROOT), str(tmp_path)], capture_output=True, text=True, timeout=900, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "built" in done.stdout and "+cu" in done.stdout, done.stdout
     library = next(tmp_path.glob("slipstream_fused_adam*.so"))
@@ -93,6 +103,8 @@ def test_cpu_only_install_never_pulls_a_cuda_build() -> None:
     """The project's own environment (scripts/setup.sh pins whatever torch is present) holds a CPU build."""
     import torch
 
-    assert torch.version.cuda is None or os.environ.get("CI_HAS_CUDA_TORCH"), f"the test environment has a CUDA build of torch ({torch.__version__})"
+    assert torch.version.cuda is None or os.environ.get("CI_HAS_CUDA_TORCH"), (
+        f"the test environment has a CUDA build of torch ({torch.__version__})"
+    )
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert 'echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"' in setup  # dependencies resolve against the torch present

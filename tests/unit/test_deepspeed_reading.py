@@ -37,7 +37,9 @@ def _deepspeed_dir(root: Path, state: dict[str, object]) -> Path:
 
 def test_a_pickled_callable_is_refused_without_running(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
-    tag = _deepspeed_dir(tmp_path / "ckpt", {"module": {"w": torch.ones(2)}, "global_steps": 3, "trap": _Payload(marker)})
+    tag = _deepspeed_dir(
+        tmp_path / "ckpt", {"module": {"w": torch.ones(2)}, "global_steps": 3, "trap": _Payload(marker)}
+    )
     assert locate(tmp_path / "ckpt", None) == tag
     with pytest.raises(CheckpointError) as err:
         describe(tag)
@@ -48,6 +50,7 @@ def test_a_pickled_callable_is_refused_without_running(tmp_path: Path) -> None:
 
 def test_a_deepspeed_class_is_read_as_data(tmp_path: Path) -> None:
     """DeepSpeed's loss scaler is rebuilt as an inert record of its attributes, under its own class name."""
+
     class LossScaler:  # the shape DeepSpeed pickles: module.qualname + attribute dict
         pass
 
@@ -144,7 +147,9 @@ def test_zero3_partitions_tile_every_parameter(dims: list[list[int]], world: int
         shares, length = zero3_shares(shapes, rank, world)
         lengths.add(length)
         per_rank.append(shares)
-    assert lengths == {sum(math.ceil(math.prod(s) / world) for s in shapes.values())}  # equal flat groups, as DeepSpeed's
+    assert lengths == {
+        sum(math.ceil(math.prod(s) / world) for s in shapes.values())
+    }  # equal flat groups, as DeepSpeed's
     _covers_exactly(shapes, per_rank)
 
 

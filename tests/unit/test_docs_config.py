@@ -16,8 +16,8 @@ import pytest
 from pydantic import AliasChoices, BaseModel
 
 from slipstream.engine.config import IGNORED_SECTIONS, SlipstreamConfig
-from slipstream.engine.optimizers import OPTIMIZER_PARAMS
 from slipstream.engine.lr_schedules import SCHEDULER_PARAMS
+from slipstream.engine.optimizers import OPTIMIZER_PARAMS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 

@@ -32,14 +32,24 @@ class _Model(torch.nn.Module):
 
 
 def _config(**extra: object) -> dict:
-    return {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": 0, **extra}
+    return {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "steps_per_print": 0,
+        **extra,
+    }
 
 
 @pytest.mark.parametrize("output", ["tensor", "tuple", "dict", "modeloutput"])
 def test_forward_returns_the_model_output_unchanged(output: str) -> None:
     engine = slipstream.initialize(_Model(output), _config())
     out = engine(torch.randn(2, 4))
-    loss = {"tensor": lambda o: o, "tuple": lambda o: o[0], "dict": lambda o: o["loss"], "modeloutput": lambda o: o.loss}[output](out)
+    loss = {
+        "tensor": lambda o: o,
+        "tuple": lambda o: o[0],
+        "dict": lambda o: o["loss"],
+        "modeloutput": lambda o: o.loss,
+    }[output](out)
     engine.backward(loss)
     engine.step()
     assert engine.global_steps == 1
@@ -55,7 +65,11 @@ def test_counters_and_boundaries_with_accumulation() -> None:
         engine.step()
     assert boundaries == [False, True, False, True]
     assert (engine.global_steps, engine.micro_steps) == (2, 4)
-    assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()) == (4, 2, 2)
+    assert (
+        engine.train_batch_size(),
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_accumulation_steps(),
+    ) == (4, 2, 2)
     assert engine.get_global_grad_norm() > 0
     engine.close()
 
@@ -83,7 +97,9 @@ def test_param_groups_with_their_own_lr_match_torch() -> None:
     model, ref = _Model(), _Model()
     groups = [{"params": model.a.parameters(), "lr": 1e-1}, {"params": model.b.parameters()}]
     engine = slipstream.initialize(model, _config(gradient_clipping=0.5), model_parameters=groups)
-    ref_opt = torch.optim.AdamW([{"params": ref.a.parameters(), "lr": 1e-1}, {"params": ref.b.parameters(), "lr": 1e-2}], weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(
+        [{"params": ref.a.parameters(), "lr": 1e-1}, {"params": ref.b.parameters(), "lr": 1e-2}], weight_decay=0.0
+    )
     for step in range(5):
         x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
         engine.backward(engine(x))
@@ -98,8 +114,14 @@ def test_param_groups_with_their_own_lr_match_torch() -> None:
 @pytest.mark.parametrize("kind", ["instance", "callable"])
 def test_user_optimizer_drives_bf16_master_weights(kind: str) -> None:
     model = _Model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if kind == "instance" else (lambda params: torch.optim.SGD(params, lr=0.1))
-    engine = slipstream.initialize(model, {"train_batch_size": 2, "bf16": {"enabled": True}, "gradient_clipping": 0.0}, optimizer=optimizer)
+    optimizer = (
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        if kind == "instance"
+        else (lambda params: torch.optim.SGD(params, lr=0.1))
+    )
+    engine = slipstream.initialize(
+        model, {"train_batch_size": 2, "bf16": {"enabled": True}, "gradient_clipping": 0.0}, optimizer=optimizer
+    )
     assert model.a.weight.dtype == torch.bfloat16
     masters = [p for g in engine.optimizer.param_groups for p in g["params"]]
     assert all(p.dtype == torch.float32 for p in masters) and len(masters) == 4
@@ -108,7 +130,9 @@ def test_user_optimizer_drives_bf16_master_weights(kind: str) -> None:
     engine.step()
     assert not torch.equal(before, model.a.weight.float()), "the bf16 weights must receive the fp32 update"
     state = engine.consolidated_state_dict()
-    assert state["a.weight"].dtype == torch.float32 and torch.equal(state["a.weight"].bfloat16(), model.a.weight.detach())
+    assert state["a.weight"].dtype == torch.float32 and torch.equal(
+        state["a.weight"].bfloat16(), model.a.weight.detach()
+    )
     engine.close()
 
 
@@ -122,7 +146,15 @@ def test_user_optimizer_with_state_cannot_be_rebound() -> None:
 
 
 def test_config_scheduler_and_callable_scheduler() -> None:
-    engine = slipstream.initialize(_Model(), _config(scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}}))
+    engine = slipstream.initialize(
+        _Model(),
+        _config(
+            scheduler={
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"},
+            }
+        ),
+    )
     lrs = []
     for _ in range(5):
         engine.backward(engine(torch.randn(2, 4)))
@@ -131,8 +163,12 @@ def test_config_scheduler_and_callable_scheduler() -> None:
     # DeepSpeed's WarmupLR: the first step still runs at warmup_min_lr, then rises linearly.
     assert lrs == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01], abs=1e-12)
     engine.close()
-    engine = slipstream.initialize(_Model(), {"train_batch_size": 2}, optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
-                                   lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))  # fmt: skip
+    engine = slipstream.initialize(
+        _Model(),
+        {"train_batch_size": 2},
+        optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+    )
     for _ in range(3):
         engine.backward(engine(torch.randn(2, 4)))
         engine.step()
@@ -156,7 +192,9 @@ def test_training_dataloader_yields_micro_batches() -> None:
     batches = list(engine.training_dataloader)
     assert [len(b) for b in batches] == [4, 4, 2]
     assert sorted(int(v) for b in batches for v in b.view(-1)) == list(range(10))
-    assert [int(v) for b in list(engine.training_dataloader) for v in b.view(-1)] != [int(v) for b in batches for v in b.view(-1)]
+    assert [int(v) for b in list(engine.training_dataloader) for v in b.view(-1)] != [
+        int(v) for b in batches for v in b.view(-1)
+    ]
     engine.close()
 
 

@@ -25,9 +25,12 @@ class _Model(torch.nn.Module):
 
 def _config(gas: int = 1, **extra: object) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 0,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **extra,
-    }  # fmt: skip
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": 0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        **extra,
+    }
 
 
 def _inputs(n: int) -> list[torch.Tensor]:
@@ -101,13 +104,17 @@ def test_an_engine_without_an_optimizer_runs_forward_and_names_the_missing_optim
     assert torch.isfinite(loss)
     assert not engine.has_optimizer() and not engine.optimizer.state and engine.lr_scheduler is None
     # slipstream's own error class (catchable as slipstream.UsageError / SlipstreamError), still a RuntimeError
-    with pytest.raises(slipstream.UsageError, match=r"engine.backward: this engine has no optimizer .*\"optimizer\" section"):
+    with pytest.raises(
+        slipstream.UsageError, match=r"engine.backward: this engine has no optimizer .*\"optimizer\" section"
+    ):
         engine.backward(loss)
     with pytest.raises(slipstream.UsageError, match="engine.step: this engine has no optimizer"):
         engine.step()
     with pytest.raises(slipstream.UsageError, match="optimizer.step: this engine has no optimizer"):
         engine.optimizer.step()
-    assert issubclass(slipstream.UsageError, RuntimeError) and issubclass(slipstream.UsageError, slipstream.SlipstreamError)
+    assert issubclass(slipstream.UsageError, RuntimeError) and issubclass(
+        slipstream.UsageError, slipstream.SlipstreamError
+    )
     engine.close()
 
 
@@ -119,9 +126,15 @@ def test_every_error_slipstream_raises_on_purpose_is_one_family() -> None:
     from slipstream.launcher.hostfile import HostfileError
     from slipstream.ops.builder import OpBuildError
 
-    for error, builtin in [(slipstream.ConfigError, ValueError), (CheckpointError, ValueError), (HostfileError, ValueError),
-                           (CollectiveError, RuntimeError), (LaunchEnvError, RuntimeError), (OpBuildError, RuntimeError),
-                           (slipstream.UsageError, RuntimeError)]:  # fmt: skip
+    for error, builtin in [
+        (slipstream.ConfigError, ValueError),
+        (CheckpointError, ValueError),
+        (HostfileError, ValueError),
+        (CollectiveError, RuntimeError),
+        (LaunchEnvError, RuntimeError),
+        (OpBuildError, RuntimeError),
+        (slipstream.UsageError, RuntimeError),
+    ]:
         assert issubclass(error, slipstream.SlipstreamError) and issubclass(error, builtin), error
 
 

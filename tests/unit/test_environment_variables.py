@@ -22,7 +22,10 @@ LAUNCH_KEYS = tuple(VALID)
 
 # (overrides of VALID, what the one-line error must say)
 BAD = {
-    "WORLD_SIZE not a number": ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc': must be a positive integer (the number of processes)"),
+    "WORLD_SIZE not a number": (
+        {"WORLD_SIZE": "abc"},
+        "WORLD_SIZE='abc': must be a positive integer (the number of processes)",
+    ),
     "WORLD_SIZE zero": ({"WORLD_SIZE": "0", "RANK": "0"}, "WORLD_SIZE='0': must be a positive integer"),
     "WORLD_SIZE negative": ({"WORLD_SIZE": "-1"}, "WORLD_SIZE='-1': must be a positive integer"),
     "WORLD_SIZE empty": ({"WORLD_SIZE": ""}, "WORLD_SIZE='': must be a positive integer"),
@@ -111,7 +114,9 @@ def test_local_rank_beyond_the_cuda_devices_is_named(launch_env, monkeypatch) ->
     def set_device(index: int) -> None:
         raise AssertionError("torch would only say 'invalid device ordinal'")
 
-    fake_cuda = SimpleNamespace(name="cuda", communication_backend="nccl", device_count=lambda: 2, set_device=set_device)
+    fake_cuda = SimpleNamespace(
+        name="cuda", communication_backend="nccl", device_count=lambda: 2, set_device=set_device
+    )
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed, "_timeout", distributed._timeout)  # init_distributed records its timeout
     monkeypatch.setattr(distributed, "get_accelerator", lambda: fake_cuda)

@@ -42,8 +42,15 @@ def test_cli_does_not_import_torch() -> None:
 
 def test_model_config_activations_and_recommendation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "config.json"  # GPT-2 XL's config.json keys
-    config.write_text(json.dumps({"n_layer": 48, "n_embd": 1600, "n_head": 25, "vocab_size": 50257, "n_positions": 1024}))
-    assert cli_main(["estimate", "--model-config", str(config), "--dp", "8", "--micro-batch", "8", "--device-memory", "40"]) == 0
+    config.write_text(
+        json.dumps({"n_layer": 48, "n_embd": 1600, "n_head": 25, "vocab_size": 50257, "n_positions": 1024})
+    )
+    assert (
+        cli_main(
+            ["estimate", "--model-config", str(config), "--dp", "8", "--micro-batch", "8", "--device-memory", "40"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "1.6B parameters" in out and "48 layers, hidden 1600" in out
     assert "recommended for 40.0 GB per device:" in out
@@ -62,7 +69,9 @@ def test_recommendation_escalates_until_it_fits() -> None:
     assert "ZeRO stage 1, no offload, no activation checkpointing" in fits  # 31.4 GB + activations
     tight = estimator.recommend(shape, dp=8, seq=2048, micro_batch=4, precision="bf16", device_memory=24e9)
     assert "activation checkpointing on" in tight or "offload" in tight
-    assert "does not fit" in estimator.recommend(shape, dp=1, seq=2048, micro_batch=1, precision="bf16", device_memory=8e9)
+    assert "does not fit" in estimator.recommend(
+        shape, dp=1, seq=2048, micro_batch=1, precision="bf16", device_memory=8e9
+    )
 
 
 def test_offload_moves_optimizer_state_off_the_device() -> None:
@@ -91,7 +100,9 @@ def test_tiles_and_sequence_shards_in_the_activation_estimate() -> None:
     plain = activation_bytes(shape, n, 1, "bf16")
     assert plain == 2 * n * (15 * 64 + 3 * 64 + 4 * 128) + 14 * n * 1000
     # sequence over 4 ranks: a quarter of every term
-    assert activation_bytes(shape, n, 1, "bf16", tiling=Tiling(seq_shards=4)) == activation_bytes(shape, n // 4, 1, "bf16")
+    assert activation_bytes(shape, n, 1, "bf16", tiling=Tiling(seq_shards=4)) == activation_bytes(
+        shape, n // 4, 1, "bf16"
+    )
     logits = activation_bytes(shape, n, 1, "bf16", tiling=Tiling(logits_tile=256))
     assert plain - logits == 14 * (n - 256) * 1000
     mlp = activation_bytes(shape, n, 1, "bf16", tiling=Tiling(mlp_tile=256))
@@ -100,17 +111,45 @@ def test_tiles_and_sequence_shards_in_the_activation_estimate() -> None:
     budget = 50e6
     for tiling in (Tiling(), Tiling(256, 256)):
         seq = longest_sequence(shape, budget, 1, "bf16", True, True, tiling)
-        assert activation_bytes(shape, seq, 1, "bf16", True, True, tiling) <= budget < activation_bytes(shape, seq + 256, 1, "bf16", True, True, tiling)
-    assert longest_sequence(shape, budget, 1, "bf16", True, True, Tiling(256, 256)) > 4 * longest_sequence(shape, budget, 1, "bf16", True, True, Tiling())
+        assert (
+            activation_bytes(shape, seq, 1, "bf16", True, True, tiling)
+            <= budget
+            < activation_bytes(shape, seq + 256, 1, "bf16", True, True, tiling)
+        )
+    assert longest_sequence(shape, budget, 1, "bf16", True, True, Tiling(256, 256)) > 4 * longest_sequence(
+        shape, budget, 1, "bf16", True, True, Tiling()
+    )
     assert longest_sequence(shape, 10.0, 1, "bf16", True, True, Tiling()) == 0
 
 
 def test_cli_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
     from slipstream.cli import main
 
-    args = ["estimate", "--params", "8e9", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "128256",
-            "--intermediate", "14336", "--activation-checkpointing", "--seq-shards", "8", "--dp", "8", "--max-seq",
-            "--device-memory", "80", "--tiled-logits", "4096"]  # fmt: skip
+    args = [
+        "estimate",
+        "--params",
+        "8e9",
+        "--layers",
+        "32",
+        "--hidden",
+        "4096",
+        "--heads",
+        "32",
+        "--vocab",
+        "128256",
+        "--intermediate",
+        "14336",
+        "--activation-checkpointing",
+        "--seq-shards",
+        "8",
+        "--dp",
+        "8",
+        "--max-seq",
+        "--device-memory",
+        "80",
+        "--tiled-logits",
+        "4096",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].split() == ["stage", "model", "states", "untiled", "tiled", "logits", "tiled", "MLP", "both"]
@@ -127,10 +166,16 @@ def test_stage3_layouts_mics_partitions_over_its_shard_group_and_hpz_adds_its_co
     plain = estimator.model_state_bytes(1e9, 16, 3, "bf16")
     mics = estimator.model_state_bytes(1e9, 16, 3, "bf16", layout=estimator.Stage3Layout(mics=4))
     hpz = estimator.model_state_bytes(1e9, 16, 3, "bf16", layout=estimator.Stage3Layout(hpz=8))
-    assert sum(plain[:3]) == 16e9 / 16 and sum(mics[:3]) == 16e9 / 4  # 16 bytes per parameter over the partition's ranks
+    assert (
+        sum(plain[:3]) == 16e9 / 16 and sum(mics[:3]) == 16e9 / 4
+    )  # 16 bytes per parameter over the partition's ranks
     assert hpz[0] == plain[0] + 2e9 / 8 and hpz[1:] == plain[1:]  # bf16 weights: 1/8 of them once more
-    assert estimator.model_state_bytes(1e9, 16, 2, "bf16", layout=estimator.Stage3Layout(4, 4)) == estimator.model_state_bytes(1e9, 16, 2, "bf16")
-    with pytest.raises(ValueError, match=r"--mics-shard-size \(mics_shard_size\) must divide the data-parallel degree 16, got 3"):
+    assert estimator.model_state_bytes(
+        1e9, 16, 2, "bf16", layout=estimator.Stage3Layout(4, 4)
+    ) == estimator.model_state_bytes(1e9, 16, 2, "bf16")
+    with pytest.raises(
+        ValueError, match=r"--mics-shard-size \(mics_shard_size\) must divide the data-parallel degree 16, got 3"
+    ):
         estimator.model_state_bytes(1e9, 16, 3, "bf16", layout=estimator.Stage3Layout(mics=3))
     table = estimator.estimate(7e9, 16, layout=estimator.Stage3Layout(hpz=8)).table()
     assert "stage 3 with hpZ over 8" in table.splitlines()[0]

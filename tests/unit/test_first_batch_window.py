@@ -16,8 +16,17 @@ from slipstream.engine.parallel.sequence.first_batch import affordable_tokens, f
 def _config(cls_name: str, **extra: Any) -> Any:
     import transformers
 
-    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, attn_implementation="sdpa")  # fmt: skip
+    common = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     common.update(extra)
     return getattr(transformers, cls_name)(**common)
 
@@ -64,12 +73,16 @@ def test_the_window_crosses_a_sliding_window_longer_than_the_least_one_inside_on
     start, stop = _span(first_batch_window(_batch(4, 512), "sequence_parallel_size", model, divisor=2, size=2))
     assert (start, stop) == (0, 100 + 64 + 32)
     # right padding at 400: the longer run (the 400 valid tokens) fills the window, the padding keeps 32 tokens
-    start, stop = _span(first_batch_window(_batch(4, 512, padded_from=400), "sequence_parallel_size", model, divisor=2, size=2))
+    start, stop = _span(
+        first_batch_window(_batch(4, 512, padded_from=400), "sequence_parallel_size", model, divisor=2, size=2)
+    )
     assert stop == 432 and 400 - start > 100, (start, stop)
 
 
 def test_a_range_the_row_does_not_exceed_changes_nothing() -> None:
-    found = first_batch_window(_batch(2, 512, padded_from=400), "sequence_parallel_size", _mistral(4096), divisor=2, size=2)
+    found = first_batch_window(
+        _batch(2, 512, padded_from=400), "sequence_parallel_size", _mistral(4096), divisor=2, size=2
+    )
     assert _span(found) == (368, 432)
 
 
@@ -87,7 +100,9 @@ def test_the_estimator_caps_the_window_at_one_ranks_share_of_the_step(monkeypatc
     assert affordable_tokens(model, rows=1, length=256, size=2) == 128  # flash attention: activations linear in tokens
     start, stop = _span(first_batch_window(_batch(1, 256), "sequence_parallel_size", model, divisor=2, size=2))
     assert stop - start == 128
-    assert warned and "window (128 tokens) does not cross the model's attention range of 200 tokens" in warned[0], warned
+    assert warned and "window (128 tokens) does not cross the model's attention range of 200 tokens" in warned[0], (
+        warned
+    )
 
 
 def test_free_memory_lets_the_window_grow_past_one_ranks_share() -> None:
@@ -131,10 +146,26 @@ def test_a_window_the_config_switches_off_is_no_range() -> None:
 def test_sub_configs_are_read() -> None:
     import transformers
 
-    config = transformers.Gemma3Config(text_config=dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=40),
-                                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                                          image_size=28, patch_size=14))  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=dict(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=40,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            image_size=28,
+            patch_size=14,
+        ),
+    )
     model = torch.nn.Linear(2, 2)
     model.config = config  # type: ignore[assignment]
     assert model_ranges(model)[0] == 40

@@ -37,7 +37,9 @@ def test_a_rank_that_never_issued_the_awaited_collective_is_behind(tmp_path):
             recorder.issue("reduce_scatter", "world", 4096, "[1024] float32", "grads", 3)
     report = flight.analyze(flight.read_rings(tmp_path, 0), 4)
     assert report.culprits == [2]
-    assert report.summary.startswith("rank 2 is behind: ranks 0,1,3 wait in reduce_scatter #7 of world ([1024] float32 'grads', step 3)")
+    assert report.summary.startswith(
+        "rank 2 is behind: ranks 0,1,3 wait in reduce_scatter #7 of world ([1024] float32 'grads', step 3)"
+    )
     assert "rank 2: running; last collective all_gather #6 of world" in report.summary
 
 
@@ -53,7 +55,9 @@ def test_a_gone_rank_is_blamed_not_a_slow_one_behind_with_it(tmp_path):
     assert report.culprits == [2]
     assert report.summary.startswith("rank 2 is behind: ranks 0,1 wait in reduce_scatter #7 of world"), report.summary
     assert "rank 2: killed by signal SIGKILL" in report.summary
-    assert any(line.startswith("rank 3: running; last collective all_gather #6") for line in report.details), report.details
+    assert any(line.startswith("rank 3: running; last collective all_gather #6") for line in report.details), (
+        report.details
+    )
     # with no rank gone, both slow ones are behind, as before
     assert flight.analyze(flight.read_rings(tmp_path, 0), 4).culprits == [2, 3]
 
@@ -160,7 +164,10 @@ def test_process_state_reads_the_kernel(tmp_path):
     assert flight.process_state(child.pid) == "exited"
 
 
-@pytest.mark.parametrize("exitcode, text", [(-9, "killed by signal SIGKILL"), (1, "exited with code 1"), (-200, "killed by signal number 200")])
+@pytest.mark.parametrize(
+    "exitcode, text",
+    [(-9, "killed by signal SIGKILL"), (1, "exited with code 1"), (-200, "killed by signal number 200")],
+)
 def test_exit_descriptions(exitcode, text):
     from slipstream.launcher.flight_report import exit_description
 

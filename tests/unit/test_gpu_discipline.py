@@ -24,10 +24,17 @@ def _files(*parts: str) -> list[Path]:
 def _cuda_uses(tree: ast.AST) -> list[int]:
     lines = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr == "cuda" and isinstance(node.value, ast.Name) and node.value.id == "torch":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "cuda"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "torch"
+        ):
             lines.append(node.lineno)
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            names = [a.name for a in node.names] + (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            )
             if any(n == "torch.cuda" or n.startswith("torch.cuda.") for n in names):
                 lines.append(node.lineno)
     return lines
@@ -36,7 +43,9 @@ def _cuda_uses(tree: ast.AST) -> list[int]:
 @pytest.mark.parametrize("path", _files(*NO_CUDA), ids=lambda p: str(p.relative_to(SRC)))
 def test_no_torch_cuda_outside_the_accelerator(path: Path) -> None:
     uses = _cuda_uses(ast.parse(path.read_text(), str(path)))
-    assert not uses, f"{path.relative_to(SRC)} lines {uses}: use slipstream.accelerator (or the communication context) instead of torch.cuda"
+    assert not uses, (
+        f"{path.relative_to(SRC)} lines {uses}: use slipstream.accelerator (or the communication context) instead of torch.cuda"
+    )
 
 
 def test_only_the_context_makes_streams_and_events() -> None:
@@ -47,7 +56,12 @@ def test_only_the_context_makes_streams_and_events() -> None:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in STREAM_MAKERS:
                 offenders.append(f"{path.relative_to(SRC)}:{node.lineno}")
-            if isinstance(node, ast.Attribute) and node.attr in ("Stream", "Event") and isinstance(node.value, ast.Attribute) and node.value.attr == "cuda":
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("Stream", "Event")
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "cuda"
+            ):
                 offenders.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert not offenders, f"streams or events made outside comm/context.py: {offenders}"
 

@@ -54,7 +54,9 @@ def test_a_host_that_counts_another_world_size_is_named(monkeypatch: pytest.Monk
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("SLIPSTREAM_ACCELERATOR", "cpu")
     assert host_needs_cpu_flag()
-    with pytest.raises(ValueError, match=r"^TrainingArguments sees 1 process\(es\) but the launcher started WORLD_SIZE=2; .*--use_cpu"):
+    with pytest.raises(
+        ValueError, match=r"^TrainingArguments sees 1 process\(es\) but the launcher started WORLD_SIZE=2; .*--use_cpu"
+    ):
         check_host_world_size("TrainingArguments", 1)
     check_host_world_size("TrainingArguments", 2)
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -69,12 +71,19 @@ def test_any_trainer_subclass_switches_in_one_line_and_keeps_its_own_behaviour()
     trainer_cls, arguments_cls = slipstream_trainer(Seq2SeqTrainer, Seq2SeqTrainingArguments)
     assert issubclass(trainer_cls, Seq2SeqTrainer) and issubclass(trainer_cls, SlipstreamTrainerMixin)
     assert issubclass(arguments_cls, Seq2SeqTrainingArguments)
-    assert slipstream_trainer(Seq2SeqTrainer, Seq2SeqTrainingArguments) == (trainer_cls, arguments_cls)  # the same classes
-    args = arguments_cls(output_dir="/tmp/x", deepspeed={"zero_optimization": {"stage": 2}}, predict_with_generate=True, use_cpu=True)
+    assert slipstream_trainer(Seq2SeqTrainer, Seq2SeqTrainingArguments) == (
+        trainer_cls,
+        arguments_cls,
+    )  # the same classes
+    args = arguments_cls(
+        output_dir="/tmp/x", deepspeed={"zero_optimization": {"stage": 2}}, predict_with_generate=True, use_cpu=True
+    )
     assert args.predict_with_generate and args.slipstream_config["zero_optimization"]["stage"] == 2
     import pickle
 
-    assert pickle.loads(pickle.dumps(args)).slipstream_config == args.slipstream_config  # the Trainer saves it with torch.save
+    assert (
+        pickle.loads(pickle.dumps(args)).slipstream_config == args.slipstream_config
+    )  # the Trainer saves it with torch.save
     with pytest.raises(TypeError, match="is not a transformers.Trainer subclass"):
         slipstream_trainer(object, Seq2SeqTrainingArguments)
 
@@ -90,7 +99,9 @@ def test_a_plain_arguments_object_is_refused_by_a_switched_trainer() -> None:
         trainer_cls(model=torch.nn.Linear(2, 2), args=Seq2SeqTrainingArguments(output_dir="/tmp/x", use_cpu=True))
 
 
-def test_no_effect_warnings_are_said_once_and_on_rank_0(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_effect_warnings_are_said_once_and_on_rank_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Every rank of a job reads the same file; official templates carry keys that have no effect here."""
     from slipstream.engine.config import SlipstreamConfig, compat, model
     from slipstream.utils import logging as slipstream_logging
@@ -98,7 +109,11 @@ def test_no_effect_warnings_are_said_once_and_on_rank_0(monkeypatch: pytest.Monk
     monkeypatch.setattr(slipstream_logging, "_rank", None)  # an earlier test may have joined a group: RANK decides here
     monkeypatch.setattr(compat, "_warned", set())
     monkeypatch.setattr(model, "_warned_sections", set())
-    config = {"train_batch_size": 2, "tensorboard": {"enabled": False}, "zero_optimization": {"stage": 2, "round_robin_gradients": True}}
+    config = {
+        "train_batch_size": 2,
+        "tensorboard": {"enabled": False},
+        "zero_optimization": {"stage": 2, "round_robin_gradients": True},
+    }
     monkeypatch.setenv("RANK", "1")
     SlipstreamConfig.load(config)
     assert "no effect" not in capsys.readouterr().err  # rank 1 says nothing
@@ -115,8 +130,11 @@ def test_engine_ready_says_whether_offload_is_on_and_which_optimizer(capsys: pyt
 
     import slipstream
 
-    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}  # fmt: skip
+    config = {
+        "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+    }
     slipstream.initialize(torch.nn.Linear(4, 4), config).close()
     err = capsys.readouterr().err
     assert "engine ready: ZeRO stage 3, fp32, optimizer AdamW, offload parameters to cpu," in err, err

@@ -32,11 +32,7 @@ RANK_DUMP = textwrap.dedent(
 def _slipstream(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOGLEVEL")}
     return subprocess.run(
-        [sys.executable, "-m", "slipstream.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
+        [sys.executable, "-m", "slipstream.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -110,11 +106,7 @@ def test_run_two_ranks_with_env_and_args(tmp_path):
 
 def test_failed_rank_is_named_and_fails_the_run(tmp_path):
     script = _write(
-        tmp_path / "fail.py",
-        "import os, sys, time\n"
-        "if os.environ['RANK'] == '1':\n"
-        "    sys.exit(3)\n"
-        "time.sleep(60)\n",
+        tmp_path / "fail.py", "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n"
     )
     done = _slipstream("run", "--nproc_per_node", "2", script)
     assert done.returncode == 3, done.stderr
@@ -215,15 +207,11 @@ def test_oom_counter_and_kernel_log_parsing(monkeypatch, tmp_path):
     monkeypatch.setattr(oom, "_cgroup_oom_files", lambda: [str(tmp_path / "missing"), str(events)])
     assert oom.oom_kill_count() == 2
     log = "[ 12.3] Out of memory: Killed process 4242 (python) total-vm:100kB\n[ 12.4] other\n"
-    monkeypatch.setattr(
-        oom.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=log, stderr="")
-    )
+    monkeypatch.setattr(oom.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=log, stderr=""))
     assert oom._dmesg_mentions(4242) is True
     assert oom._dmesg_mentions(424) is False
     log = "[ 9.1] oom-kill:constraint=CONSTRAINT_MEMCG,task=python,pid=777,uid=0\n"
-    monkeypatch.setattr(
-        oom.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=log, stderr="")
-    )
+    monkeypatch.setattr(oom.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=log, stderr=""))
     assert oom._dmesg_mentions(777) is True
 
 
@@ -234,12 +222,15 @@ def test_root_cause_is_the_rank_that_failed_on_its_own(capsys):
 
     from slipstream.launcher.agent import _report_failures
 
-    collective = "CollectiveError: rank 0/2: all_reduce of gradient bucket 0 failed after 0.1s. Another rank probably died"
+    collective = (
+        "CollectiveError: rank 0/2: all_reduce of gradient bucket 0 failed after 0.1s. Another rank probably died"
+    )
     failures = {
-        0: SimpleNamespace(exitcode=-signal.SIGTERM, local_rank=0, pid=None, timestamp=100,
-                           error_file_data={"message": collective}),
+        0: SimpleNamespace(
+            exitcode=-signal.SIGTERM, local_rank=0, pid=None, timestamp=100, error_file_data={"message": collective}
+        ),
         1: SimpleNamespace(exitcode=-signal.SIGKILL, local_rank=1, pid=None, timestamp=101, error_file_data={}),
-    }  # fmt: skip
+    }
     # _Describer's interface without a launch spec
     who = SimpleNamespace(node="", failure=lambda rank, local, code, pid: describe_failure(rank, local, code))
     assert _report_failures(failures, who) == 128 + signal.SIGKILL
@@ -258,9 +249,11 @@ def test_a_rank_the_agent_stopped_is_never_the_root_cause(capsys):
 
     timed_out = "CollectiveError: rank 3/4: reduce_scatter of gradient bucket 0 timed out after 5.0s. Another rank probably died"
     failures = {
-        0: SimpleNamespace(exitcode=-signal.SIGTERM, local_rank=0, pid=None, timestamp=100, error_file_data={"message": timed_out}),
+        0: SimpleNamespace(
+            exitcode=-signal.SIGTERM, local_rank=0, pid=None, timestamp=100, error_file_data={"message": timed_out}
+        ),
         3: SimpleNamespace(exitcode=1, local_rank=3, pid=None, timestamp=100, error_file_data={"message": timed_out}),
-    }  # fmt: skip
+    }
     who = SimpleNamespace(node="", failure=lambda rank, local, code, pid: describe_failure(rank, local, code))
     assert _report_failures(failures, who) == 1
     lines = capsys.readouterr().err.splitlines()

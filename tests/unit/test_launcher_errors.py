@@ -24,78 +24,228 @@ MULTI = ["--hostfile", "hostfile"]  # a multi-node job: reads the hostfile and .
 # line must say). A file's content is bytes; a value of None makes a directory of that name.
 CASES = {
     # hostfile
-    "hostfile malformed line": ({"hf": b"node-a slots=4\nnode-b slots 4\n"}, ["-H", "hf", "train.py"], {},
-                                "hf line 2: expected 'HOST slots=N', got 'node-b slots 4'; write one host"),
-    "hostfile slots not a number": ({"hf": b"node-a slots=four\n"}, ["-H", "hf", "train.py"], {},
-                                    "hf line 1: slots must be a positive integer, got 'four'; e.g. 'slots=8'"),
+    "hostfile malformed line": (
+        {"hf": b"node-a slots=4\nnode-b slots 4\n"},
+        ["-H", "hf", "train.py"],
+        {},
+        "hf line 2: expected 'HOST slots=N', got 'node-b slots 4'; write one host",
+    ),
+    "hostfile slots not a number": (
+        {"hf": b"node-a slots=four\n"},
+        ["-H", "hf", "train.py"],
+        {},
+        "hf line 1: slots must be a positive integer, got 'four'; e.g. 'slots=8'",
+    ),
     "hostfile slots zero": ({"hf": b"node-a slots=0\n"}, ["-H", "hf", "train.py"], {}, "got '0'"),
-    "hostfile slots huge": ({"hf": b"node-a slots=99999999999999\n"}, ["-H", "hf", "train.py"], {},
-                            "hf line 1: slots=99999999999999 is more than 1024 processes on one node; set slots"),
-    "hostfile slots thousands of digits": ({"hf": b"node-a slots=" + b"9" * 5000 + b"\n"}, ["-H", "hf", "train.py"], {},
-                                           "(5000 digits) is more than 1024"),
-    "hostfile slots superscript digit": ({"hf": "node-a slots=²\n".encode()}, ["-H", "hf", "train.py"], {},
-                                         "slots must be a positive integer, got '²'"),
-    "hostfile duplicate host": ({"hf": b"node-a slots=2\nnode-b slots=2\nnode-a slots=2\n"}, ["-H", "hf", "train.py"], {},
-                                "hf line 3: host 'node-a' is listed twice (first on line 1); keep one line"),
-    "hostfile duplicate host as user@host": ({"hf": b"node-a slots=2\nme@node-a slots=2\n"}, ["-H", "hf", "train.py"],
-                                             {}, "hf line 2: host 'node-a' is listed twice"),
-    "hostfile not UTF-8": ({"hf": b"node-a slots=2\nn\xe9ud slots=2\n"}, ["-H", "hf", "train.py"], {},
-                           "--hostfile: hf line 2 is not UTF-8 text (byte 0xe9); save the file as UTF-8"),
-    "hostfile bad host name": ({"hf": b"n;rm slots=2\n"}, ["-H", "hf", "train.py"], {}, "hf line 1: 'n;rm' is not a valid host name; use"),
+    "hostfile slots huge": (
+        {"hf": b"node-a slots=99999999999999\n"},
+        ["-H", "hf", "train.py"],
+        {},
+        "hf line 1: slots=99999999999999 is more than 1024 processes on one node; set slots",
+    ),
+    "hostfile slots thousands of digits": (
+        {"hf": b"node-a slots=" + b"9" * 5000 + b"\n"},
+        ["-H", "hf", "train.py"],
+        {},
+        "(5000 digits) is more than 1024",
+    ),
+    "hostfile slots superscript digit": (
+        {"hf": "node-a slots=²\n".encode()},
+        ["-H", "hf", "train.py"],
+        {},
+        "slots must be a positive integer, got '²'",
+    ),
+    "hostfile duplicate host": (
+        {"hf": b"node-a slots=2\nnode-b slots=2\nnode-a slots=2\n"},
+        ["-H", "hf", "train.py"],
+        {},
+        "hf line 3: host 'node-a' is listed twice (first on line 1); keep one line",
+    ),
+    "hostfile duplicate host as user@host": (
+        {"hf": b"node-a slots=2\nme@node-a slots=2\n"},
+        ["-H", "hf", "train.py"],
+        {},
+        "hf line 2: host 'node-a' is listed twice",
+    ),
+    "hostfile not UTF-8": (
+        {"hf": b"node-a slots=2\nn\xe9ud slots=2\n"},
+        ["-H", "hf", "train.py"],
+        {},
+        "--hostfile: hf line 2 is not UTF-8 text (byte 0xe9); save the file as UTF-8",
+    ),
+    "hostfile bad host name": (
+        {"hf": b"n;rm slots=2\n"},
+        ["-H", "hf", "train.py"],
+        {},
+        "hf line 1: 'n;rm' is not a valid host name; use",
+    ),
     "hostfile without hosts": ({"hf": b"# nothing\n\n"}, ["-H", "hf", "train.py"], {}, "hf: no hosts in it; add one"),
-    "hostfile missing": ({}, ["-H", "nowhere", "train.py"], {}, "--hostfile: cannot read nowhere: No such file or directory"),
-    "hostfile is a directory": ({"hf": None}, ["-H", "hf", "train.py"], {}, "--hostfile: cannot read hf: Is a directory"),
-    "hostfile far too large": ({"hf": b"# padding\n" * 110_000}, ["-H", "hf", "train.py"], {},
-                               "--hostfile: hf is larger than 1024 KiB; it should hold a few lines of text"),
+    "hostfile missing": (
+        {},
+        ["-H", "nowhere", "train.py"],
+        {},
+        "--hostfile: cannot read nowhere: No such file or directory",
+    ),
+    "hostfile is a directory": (
+        {"hf": None},
+        ["-H", "hf", "train.py"],
+        {},
+        "--hostfile: cannot read hf: Is a directory",
+    ),
+    "hostfile far too large": (
+        {"hf": b"# padding\n" * 110_000},
+        ["-H", "hf", "train.py"],
+        {},
+        "--hostfile: hf is larger than 1024 KiB; it should hold a few lines of text",
+    ),
     # .slipstream_env (read for a multi-node job)
-    "env file bad line": ({".slipstream_env": b"A=1\nnot a pair\n"}, [*MULTI, "train.py"], {},
-                          ".slipstream_env line 2: expected KEY=VALUE, got 'not a pair'; write one variable per line"),
-    "env file bad name": ({".slipstream_env": b"1A=1\n"}, [*MULTI, "train.py"], {}, ".slipstream_env line 1: expected KEY=VALUE"),
-    "env file not UTF-8": ({".slipstream_env": b"A=caf\xe9\n"}, [*MULTI, "train.py"], {},
-                           ".slipstream_env: {cwd}/.slipstream_env line 1 is not UTF-8 text (byte 0xe9)"),
-    "env file NUL in a value": ({".slipstream_env": b"A=x\x00y\n"}, [*MULTI, "train.py"], {},
-                                ".slipstream_env line 1: the value of A contains a NUL byte; remove it"),
+    "env file bad line": (
+        {".slipstream_env": b"A=1\nnot a pair\n"},
+        [*MULTI, "train.py"],
+        {},
+        ".slipstream_env line 2: expected KEY=VALUE, got 'not a pair'; write one variable per line",
+    ),
+    "env file bad name": (
+        {".slipstream_env": b"1A=1\n"},
+        [*MULTI, "train.py"],
+        {},
+        ".slipstream_env line 1: expected KEY=VALUE",
+    ),
+    "env file not UTF-8": (
+        {".slipstream_env": b"A=caf\xe9\n"},
+        [*MULTI, "train.py"],
+        {},
+        ".slipstream_env: {cwd}/.slipstream_env line 1 is not UTF-8 text (byte 0xe9)",
+    ),
+    "env file NUL in a value": (
+        {".slipstream_env": b"A=x\x00y\n"},
+        [*MULTI, "train.py"],
+        {},
+        ".slipstream_env line 1: the value of A contains a NUL byte; remove it",
+    ),
     "env file is a directory": ({".slipstream_env": None}, [*MULTI, "train.py"], {}, ".slipstream_env: cannot read"),
     # --include / --exclude
-    "include unknown host": ({}, [*MULTI, "--include", "node-z", "train.py"], {},
-                             "--include: host 'node-z' is not in the hostfile (hosts: node-a, node-b, node-c); name one"),
-    "include slots not numbers": ({}, [*MULTI, "--include", "node-a:x", "train.py"], {}, "--include: slots of 'node-a' must be integers"),
+    "include unknown host": (
+        {},
+        [*MULTI, "--include", "node-z", "train.py"],
+        {},
+        "--include: host 'node-z' is not in the hostfile (hosts: node-a, node-b, node-c); name one",
+    ),
+    "include slots not numbers": (
+        {},
+        [*MULTI, "--include", "node-a:x", "train.py"],
+        {},
+        "--include: slots of 'node-a' must be integers",
+    ),
     "include negative slot": ({}, [*MULTI, "--include", "node-a:-1", "train.py"], {}, "cannot be negative, got '-1'"),
-    "include slot beyond the host": ({}, [*MULTI, "--include", "node-c:5", "train.py"], {},
-                                     "--include: host 'node-c' has 2 slot(s) in the hostfile (0-1), asked for slot 5"),
+    "include slot beyond the host": (
+        {},
+        [*MULTI, "--include", "node-c:5", "train.py"],
+        {},
+        "--include: host 'node-c' has 2 slot(s) in the hostfile (0-1), asked for slot 5",
+    ),
     "include empty": ({}, [*MULTI, "--include", "", "train.py"], {}, "--include: empty host in ''"),
-    "include empty host between @": ({}, [*MULTI, "--include", "node-a@@node-b", "train.py"], {}, "empty host in 'node-a@@node-b'"),
-    "include and exclude": ({}, [*MULTI, "--include", "node-a", "--exclude", "node-b", "train.py"], {},
-                            "--include and --exclude cannot be used together; give one"),
-    "exclude everything": ({}, [*MULTI, "--exclude", "node-a@node-b@node-c", "train.py"], {}, "no hosts left after --include/--exclude"),
-    "include another machine without hostfile": ({}, ["--include", "elsewhere:0", "train.py"], {},
-                                                 "--include: host 'elsewhere' is not this machine; pass a --hostfile"),
+    "include empty host between @": (
+        {},
+        [*MULTI, "--include", "node-a@@node-b", "train.py"],
+        {},
+        "empty host in 'node-a@@node-b'",
+    ),
+    "include and exclude": (
+        {},
+        [*MULTI, "--include", "node-a", "--exclude", "node-b", "train.py"],
+        {},
+        "--include and --exclude cannot be used together; give one",
+    ),
+    "exclude everything": (
+        {},
+        [*MULTI, "--exclude", "node-a@node-b@node-c", "train.py"],
+        {},
+        "no hosts left after --include/--exclude",
+    ),
+    "include another machine without hostfile": (
+        {},
+        ["--include", "elsewhere:0", "train.py"],
+        {},
+        "--include: host 'elsewhere' is not this machine; pass a --hostfile",
+    ),
     # ports and numbers
-    "master port not a number": ({}, ["--master_port", "abc", "train.py"], {}, "argument --master_port/--master-port: expected an integer, got 'abc'"),
+    "master port not a number": (
+        {},
+        ["--master_port", "abc", "train.py"],
+        {},
+        "argument --master_port/--master-port: expected an integer, got 'abc'",
+    ),
     "master port too large": ({}, ["--master_port", "70000", "train.py"], {}, "must be between 1 and 65535, got 70000"),
     "master port zero": ({}, ["--master_port", "0", "train.py"], {}, "omit --master_port to pick a free one"),
     "master port thousands of digits": ({}, ["--master_port", "9" * 5000, "train.py"], {}, "(5000 characters)"),
-    "ssh port negative": ({}, [*MULTI, "--ssh_port=-5", "train.py"], {}, "argument --ssh_port/--ssh-port: must be between 1 and 65535, got -5"),
+    "ssh port negative": (
+        {},
+        [*MULTI, "--ssh_port=-5", "train.py"],
+        {},
+        "argument --ssh_port/--ssh-port: must be between 1 and 65535, got -5",
+    ),
     "nproc zero": ({}, ["--nproc_per_node", "0", "train.py"], {}, "must be at least 1, got 0"),
-    "nproc huge": ({}, ["--nproc_per_node", "100000", "train.py"], {}, "100000 processes on one node is more than 1024"),
+    "nproc huge": (
+        {},
+        ["--nproc_per_node", "100000", "train.py"],
+        {},
+        "100000 processes on one node is more than 1024",
+    ),
     "max restarts negative": ({}, ["--max_restarts=-1", "train.py"], {}, "must be 0 or more, got -1"),
     # other options
-    "script missing": ({}, ["missing.py"], {}, "script not found: missing.py (looked in {cwd}); give the training script's path"),
-    "script is a directory": ({"job": None}, ["job"], {}, "SCRIPT 'job' is a directory; give the training script's .py file"),
+    "script missing": (
+        {},
+        ["missing.py"],
+        {},
+        "script not found: missing.py (looked in {cwd}); give the training script's path",
+    ),
+    "script is a directory": (
+        {"job": None},
+        ["job"],
+        {},
+        "SCRIPT 'job' is a directory; give the training script's .py file",
+    ),
     "no script": ({}, [], {}, "the following arguments are required: SCRIPT"),
-    "unknown option": ({}, ["--bogus", "train.py"], {}, "slipstream run: error: unrecognized arguments: --bogus; see 'slipstream run --help'"),
+    "unknown option": (
+        {},
+        ["--bogus", "train.py"],
+        {},
+        "slipstream run: error: unrecognized arguments: --bogus; see 'slipstream run --help'",
+    ),
     "unknown launcher": ({}, ["--launcher", "rsh", "train.py"], {}, "argument --launcher: invalid choice: 'rsh'"),
-    "launcher args unbalanced quote": ({}, [*MULTI, "--launcher_args", "-o 'x", "train.py"], {},
-                                       "--launcher_args \"-o 'x\": No closing quotation; give the runner's arguments as one"),
-    "master addr with a space": ({}, ["--master_addr", "bad host", "train.py"], {}, "--master_addr: 'bad host' is not a valid host name"),
-    "node rank not a number": ({}, ["--num_nodes", "2", "--node_rank", "x", "--master_addr", "a", "--master_port", "1", "train.py"],
-                               {}, "--node_rank: expected a non-negative integer (or slurm/mpi), got 'x'"),
-    "slurm node list too long": ({}, ["--launcher", "slurm", "train.py"], {"SLURM_JOB_NODELIST": "gpu[1-70000]"},
-                                 "SLURM_JOB_NODELIST: 'gpu[1-70000]' expands to more than 65536 hosts"),
-    "slurm node list malformed": ({}, ["--launcher", "slurm", "train.py"], {"SLURM_JOB_NODELIST": "gpu[a-b]"},
-                                  "SLURM_JOB_NODELIST: cannot expand 'gpu[a-b]'"),
+    "launcher args unbalanced quote": (
+        {},
+        [*MULTI, "--launcher_args", "-o 'x", "train.py"],
+        {},
+        "--launcher_args \"-o 'x\": No closing quotation; give the runner's arguments as one",
+    ),
+    "master addr with a space": (
+        {},
+        ["--master_addr", "bad host", "train.py"],
+        {},
+        "--master_addr: 'bad host' is not a valid host name",
+    ),
+    "node rank not a number": (
+        {},
+        ["--num_nodes", "2", "--node_rank", "x", "--master_addr", "a", "--master_port", "1", "train.py"],
+        {},
+        "--node_rank: expected a non-negative integer (or slurm/mpi), got 'x'",
+    ),
+    "slurm node list too long": (
+        {},
+        ["--launcher", "slurm", "train.py"],
+        {"SLURM_JOB_NODELIST": "gpu[1-70000]"},
+        "SLURM_JOB_NODELIST: 'gpu[1-70000]' expands to more than 65536 hosts",
+    ),
+    "slurm node list malformed": (
+        {},
+        ["--launcher", "slurm", "train.py"],
+        {"SLURM_JOB_NODELIST": "gpu[a-b]"},
+        "SLURM_JOB_NODELIST: cannot expand 'gpu[a-b]'",
+    ),
     "plan is reserved": ({}, None, {}, "slipstream plan: error: not available yet; 'slipstream estimate' gives"),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +318,9 @@ FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s)"
 RESTART = "[%s] Worker group %s. %s/%s attempts left; will restart worker group"
 
 
-def test_the_restart_notice_names_the_killed_rank_not_the_peer_that_failed_after_it(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_restart_notice_names_the_killed_rank_not_the_peer_that_failed_after_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # The agent logs one failure per attempt, the earliest by a one-second timestamp: under load that
     # can be the survivor whose collective lost the SIGKILLed rank. The monitor's result has both.
     from types import SimpleNamespace
@@ -177,18 +329,26 @@ def test_the_restart_notice_names_the_killed_rank_not_the_peer_that_failed_after
 
     notice = _restart_notice()
     collective = "CollectiveError: rank 0/2: all_reduce failed after 0.1s. Another rank probably died"
-    notice.saw_failures({
-        0: SimpleNamespace(exitcode=1, local_rank=0, pid=11, timestamp=100, error_file_data={"message": collective}),
-        1: SimpleNamespace(exitcode=-signal.SIGKILL, local_rank=1, pid=12, timestamp=100, error_file_data={}),
-    })  # fmt: skip
+    notice.saw_failures(
+        {
+            0: SimpleNamespace(
+                exitcode=1, local_rank=0, pid=11, timestamp=100, error_file_data={"message": collective}
+            ),
+            1: SimpleNamespace(exitcode=-signal.SIGKILL, local_rank=1, pid=12, timestamp=100, error_file_data={}),
+        }
+    )
     _log(notice, agent._PROCS_LOGGER, FAILED, (1, 0, 11))
     _log(notice, agent._AGENT_LOGGER, RESTART, ("default", "FAILED", 1, 1))
     said = capsys.readouterr().err
-    assert "rank 1 (local rank 1) was killed by signal SIGKILL" in said and "restarting all ranks (restart 1 of 1)" in said, said
+    assert (
+        "rank 1 (local rank 1) was killed by signal SIGKILL" in said and "restarting all ranks (restart 1 of 1)" in said
+    ), said
     assert "rank 0" not in said, said
 
 
-def test_without_the_monitor_result_the_restart_notice_goes_by_the_logged_failures(capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_the_monitor_result_the_restart_notice_goes_by_the_logged_failures(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from slipstream.launcher import agent
 
     notice = _restart_notice()

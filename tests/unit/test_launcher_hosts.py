@@ -106,12 +106,24 @@ def test_env_export_and_env_files(tmp_path):
     home.mkdir()
     cwd.mkdir()
     (home / ".slipstream_env").write_text("# user-wide\nNCCL_DEBUG=WARN\nexport HF_HOME=/data/hf\n")
-    (cwd / ".slipstream_env").write_text("NCCL_DEBUG=INFO\nQUOTED=\"a b\"\n\n")
-    environ = {"NCCL_IB_DISABLE": "1", "PYTHONPATH": "/src", "OMP_NUM_THREADS": "4", "CUDA_HOME": "/cuda", "HOME": "/x", "SECRET": "no"}
+    (cwd / ".slipstream_env").write_text('NCCL_DEBUG=INFO\nQUOTED="a b"\n\n')
+    environ = {
+        "NCCL_IB_DISABLE": "1",
+        "PYTHONPATH": "/src",
+        "OMP_NUM_THREADS": "4",
+        "CUDA_HOME": "/cuda",
+        "HOME": "/x",
+        "SECRET": "no",
+    }
     assert exported_env(environ, str(cwd), str(home)) == {
-        "CUDA_HOME": "/cuda", "NCCL_IB_DISABLE": "1", "OMP_NUM_THREADS": "4", "PYTHONPATH": "/src",
-        "NCCL_DEBUG": "INFO", "HF_HOME": "/data/hf", "QUOTED": "a b",
-    }  # fmt: skip
+        "CUDA_HOME": "/cuda",
+        "NCCL_IB_DISABLE": "1",
+        "OMP_NUM_THREADS": "4",
+        "PYTHONPATH": "/src",
+        "NCCL_DEBUG": "INFO",
+        "HF_HOME": "/data/hf",
+        "QUOTED": "a b",
+    }
     with pytest.raises(EnvFileError, match=r"\.slipstream_env line 2: expected KEY=VALUE, got 'not a pair'"):
         parse_env_file("A=1\nnot a pair\n", "/job/.slipstream_env")
 
@@ -128,10 +140,15 @@ def test_node_rank_from_runner_environment():
 def test_remote_command_cannot_be_shell_injected():
     nasty = ("; touch /tmp/pwned", "$(touch /tmp/pwned)", "`id`", "a'b\"c", "--flag=x y")
     job = Job(
-        nodes=(Node("node-a", (0, 1)),), script="train script.py", script_args=nasty, master_addr="node-a",
-        master_port=29500, env={"NCCL_SOCKET_IFNAME": "eth0,eth1", "ODD": "$HOME;x"}, cwd="/shared/my job",
+        nodes=(Node("node-a", (0, 1)),),
+        script="train script.py",
+        script_args=nasty,
+        master_addr="node-a",
+        master_port=29500,
+        env={"NCCL_SOCKET_IFNAME": "eth0,eth1", "ODD": "$HOME;x"},
+        cwd="/shared/my job",
         python="/opt/py/bin/python",
-    )  # fmt: skip
+    )
     remote = remote_shell_command(job, "0", (0, 1), watch_stdin=True)
     # What the remote shell will see, word by word: nothing became syntax.
     words = shlex.split(remote)
@@ -170,10 +187,22 @@ def _agent(node_rank: str, nproc: str | None, extra: str = "") -> str:
 
 def test_dry_run_ssh(clean_env, capsys):
     out = _dry_run(
-        ["--hostfile", "hostfile", "--num_nodes", "2", "--ssh_port", "2222", "--launcher_args=-o ConnectTimeout=5",
-         "--max_restarts", "1", "train.py", "--lr", "0.1"],
+        [
+            "--hostfile",
+            "hostfile",
+            "--num_nodes",
+            "2",
+            "--ssh_port",
+            "2222",
+            "--launcher_args=-o ConnectTimeout=5",
+            "--max_restarts",
+            "1",
+            "train.py",
+            "--lr",
+            "0.1",
+        ],
         capsys,
-    )  # fmt: skip
+    )
     cwd = shlex.quote(str(clean_env))
     expected = []
     for rank, host in enumerate(("node-a", "node-b")):
@@ -186,7 +215,9 @@ def test_dry_run_ssh(clean_env, capsys):
 
 
 def test_dry_run_pdsh(clean_env, capsys):
-    out = _dry_run(["--hostfile", "hostfile", "--include", "node-a:2,3@node-b:2,3", "--launcher", "pdsh", "train.py"], capsys)
+    out = _dry_run(
+        ["--hostfile", "hostfile", "--include", "node-a:2,3@node-b:2,3", "--launcher", "pdsh", "train.py"], capsys
+    )
     remote = f"cd {shlex.quote(str(clean_env))} && exec env NCCL_DEBUG=INFO CUDA_VISIBLE_DEVICES=2,3 {_agent('%n', '2')} train.py"
     assert out == f"# all 2 nodes\npdsh -S -R ssh -f 1024 -w node-a,node-b {shlex.quote(remote)}"
 
@@ -220,23 +251,53 @@ def test_dry_run_one_node(clean_env, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--hostfile", "hostfile", "--include", "node-z", "train.py"], "--include: host 'node-z' is not in the hostfile"),
-        (["--hostfile", "hostfile", "--include", "node-c:5", "train.py"], "host 'node-c' has 2 slot(s) in the hostfile (0-1), asked for slot 5"),
-        (["--hostfile", "hostfile", "--nproc_per_node", "8", "train.py"], "--nproc_per_node 8: host 'node-a' has only 4 slot(s)"),
-        (["--hostfile", "missing_hostfile", "train.py"], "--hostfile: cannot read missing_hostfile: No such file or directory"),
-        (["--hostfile", "bad_hostfile", "train.py"], "bad_hostfile line 2: expected 'HOST slots=N', got 'node-b slots 4'"),
+        (
+            ["--hostfile", "hostfile", "--include", "node-z", "train.py"],
+            "--include: host 'node-z' is not in the hostfile",
+        ),
+        (
+            ["--hostfile", "hostfile", "--include", "node-c:5", "train.py"],
+            "host 'node-c' has 2 slot(s) in the hostfile (0-1), asked for slot 5",
+        ),
+        (
+            ["--hostfile", "hostfile", "--nproc_per_node", "8", "train.py"],
+            "--nproc_per_node 8: host 'node-a' has only 4 slot(s)",
+        ),
+        (
+            ["--hostfile", "missing_hostfile", "train.py"],
+            "--hostfile: cannot read missing_hostfile: No such file or directory",
+        ),
+        (
+            ["--hostfile", "bad_hostfile", "train.py"],
+            "bad_hostfile line 2: expected 'HOST slots=N', got 'node-b slots 4'",
+        ),
         (["--hostfile", "hostfile", "missing.py"], "script not found: missing.py"),
         (["--launcher", "ssh", "train.py"], "--launcher ssh: needs --hostfile"),
         (["--launcher", "slurm", "train.py"], "--launcher slurm: SLURM_JOB_NODELIST is not set"),
-        (["--hostfile", "hostfile", "--launcher", "local", "train.py"], "--launcher local runs one node, the hostfile selects 3"),
-        (["--hostfile", "hostfile", "--launcher", "mpi", "train.py"], "--launcher mpi starts the same command on every node, but the selected slots differ"),
+        (
+            ["--hostfile", "hostfile", "--launcher", "local", "train.py"],
+            "--launcher local runs one node, the hostfile selects 3",
+        ),
+        (
+            ["--hostfile", "hostfile", "--launcher", "mpi", "train.py"],
+            "--launcher mpi starts the same command on every node, but the selected slots differ",
+        ),
         (["--num_nodes", "2", "train.py"], "pass --node_rank (0 to N-1) on each node"),
-        (["--num_nodes", "2", "--node_rank", "2", "--master_addr", "a", "--master_port", "1", "train.py"], "--node_rank 2: must be less than --num_nodes 2"),
-        (["--num_nodes", "2", "--node_rank", "1", "train.py"], "--master_addr and --master_port: required with --num_nodes > 1"),
-        (["--hostfile", "hostfile", "--node_rank", "1", "train.py"], "--node_rank: the runner numbers the nodes of a --hostfile itself"),
+        (
+            ["--num_nodes", "2", "--node_rank", "2", "--master_addr", "a", "--master_port", "1", "train.py"],
+            "--node_rank 2: must be less than --num_nodes 2",
+        ),
+        (
+            ["--num_nodes", "2", "--node_rank", "1", "train.py"],
+            "--master_addr and --master_port: required with --num_nodes > 1",
+        ),
+        (
+            ["--hostfile", "hostfile", "--node_rank", "1", "train.py"],
+            "--node_rank: the runner numbers the nodes of a --hostfile itself",
+        ),
         (["--include", "elsewhere:0", "train.py"], "host 'elsewhere' is not this machine"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_a_one_line_usage_error(clean_env, capsys, argv, message):
     (clean_env / "bad_hostfile").write_text("node-a slots=4\nnode-b slots 4\n")
     with pytest.raises(SystemExit) as exit:
@@ -278,7 +339,9 @@ def test_dry_run_pdsh_escapes_percent_signs(clean_env, capsys, monkeypatch):
     (job / "hostfile").write_text(HOSTFILE)
     (job / ".slipstream_env").write_text("TAG=100%n%%\n")
     monkeypatch.chdir(job)
-    out = _dry_run(["--hostfile", "hostfile", "--exclude", "node-c", "--launcher", "pdsh", "train.py", *PERCENT_ARGS], capsys)
+    out = _dry_run(
+        ["--hostfile", "hostfile", "--exclude", "node-c", "--launcher", "pdsh", "train.py", *PERCENT_ARGS], capsys
+    )
     remote = (
         f"cd {shlex.quote(str(clean_env))}/run%%h && exec env NCCL_DEBUG=INFO TAG=100%%n%%%% {_agent('%n', '4')} "
         "train.py --name %%h-%%u 50%% %%%%n 100%%x"
@@ -288,10 +351,15 @@ def test_dry_run_pdsh_escapes_percent_signs(clean_env, capsys, monkeypatch):
 
 def test_pdsh_passes_arguments_environment_and_paths_unchanged():
     job = Job(
-        nodes=(Node("node-a", (0,)), Node("node-b", (0,))), script="/jobs/%u/train.py", script_args=tuple(PERCENT_ARGS),
-        master_addr="fe80::1%eth0", master_port=29500, env={"TAG": "100%n%%", "P": "%"}, cwd="/shared/50%/%h",
+        nodes=(Node("node-a", (0,)), Node("node-b", (0,))),
+        script="/jobs/%u/train.py",
+        script_args=tuple(PERCENT_ARGS),
+        master_addr="fe80::1%eth0",
+        master_port=29500,
+        env={"TAG": "100%n%%", "P": "%"},
+        cwd="/shared/50%/%h",
         python="/opt/%n/python",
-    )  # fmt: skip
+    )
     remote = pdsh_command(job)[-1]
     # What the remote shell receives on node 1 after pdsh's substitution, word by word.
     words = shlex.split(_pdsh_substitute(remote, host="node-b", user="alice", rank=1))

@@ -12,11 +12,7 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.engine.monitor.flops import (
-    analytic_flops,
-    flop_counter_mode,
-    matmul_parameters,
-)
+from slipstream.engine.monitor.flops import analytic_flops, flop_counter_mode, matmul_parameters
 from slipstream.estimator import training_flops_per_token
 from tests.reference import global_batches, gpt2_loss, tiny_gpt2, tiny_llama
 
@@ -25,9 +21,12 @@ GAS, STEPS = 2, 5
 
 def _config(**extra: object) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "steps_per_print": 0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **extra,
-    }  # fmt: skip
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": GAS,
+        "steps_per_print": 0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        **extra,
+    }
 
 
 def _train(config: dict, model: torch.nn.Module | None = None) -> tuple[slipstream.Engine, list[float]]:
@@ -83,18 +82,38 @@ def test_tensorboard_and_csv_hold_the_logged_losses(tmp_path: Path) -> None:
     scalars = events.Scalars("Train/Samples/train_loss")
     assert [e.step for e in scalars] == samples
     assert [e.value for e in scalars] == pytest.approx(losses, rel=1e-6)  # TensorBoard stores float32
-    assert {"Train/Samples/lr", "Train/Samples/grad_norm", "Train/Samples/tokens_per_second",
-            "Train/Samples/tflops_per_device"} <= set(events.Tags()["scalars"])  # fmt: skip
+    assert {
+        "Train/Samples/lr",
+        "Train/Samples/grad_norm",
+        "Train/Samples/tokens_per_second",
+        "Train/Samples/tflops_per_device",
+    } <= set(events.Tags()["scalars"])
 
 
 def test_progress_line_reports_throughput_mfu_timers_and_comms(log_lines: list[str]) -> None:
-    config = _config(steps_per_print=2, wall_clock_breakdown=True, flops_profiler={"peak_tflops": 0.5, "recompute_fwd_factor": 1.0})
+    config = _config(
+        steps_per_print=2, wall_clock_breakdown=True, flops_profiler={"peak_tflops": 0.5, "recompute_fwd_factor": 1.0}
+    )
     engine, losses = _train(config)
     lines = [line for line in log_lines if line.startswith("step ")]
     assert len(lines) == STEPS // 2
     first = lines[0]
-    for part in ("loss ", "lr ", "grad norm ", "tokens/s", "samples/s", "TFLOP/s/device", "MFU ", "peak mem ",
-                 "HFU ", "time/step forward ", " backward ", " reduce ", " step ", "comms all_reduce"):  # fmt: skip
+    for part in (
+        "loss ",
+        "lr ",
+        "grad norm ",
+        "tokens/s",
+        "samples/s",
+        "TFLOP/s/device",
+        "MFU ",
+        "peak mem ",
+        "HFU ",
+        "time/step forward ",
+        " backward ",
+        " reduce ",
+        " step ",
+        "comms all_reduce",
+    ):
         assert part in first, (part, first)
     assert f"loss {losses[1]:.4f}" in first
     last = engine.monitor.last
@@ -106,10 +125,23 @@ def test_progress_line_reports_throughput_mfu_timers_and_comms(log_lines: list[s
 
 def test_flops_profiler_prints_a_measured_profile(log_lines: list[str], tmp_path: Path) -> None:
     output = tmp_path / "profile.txt"
-    _train(_config(flops_profiler={"enabled": True, "profile_step": 2, "module_depth": 4, "top_modules": 2, "output_file": str(output)}))
+    _train(
+        _config(
+            flops_profiler={
+                "enabled": True,
+                "profile_step": 2,
+                "module_depth": 4,
+                "top_modules": 2,
+                "output_file": str(output),
+            }
+        )
+    )
     text = output.read_text()
     assert "flops profile, step 2" in text and "counted/formula 1.0" in text
-    assert "depth 4, top 2: GPT2LMHeadModel.transformer.h.1 " in text or "depth 4, top 2: GPT2LMHeadModel.transformer.h.0 " in text
+    assert (
+        "depth 4, top 2: GPT2LMHeadModel.transformer.h.1 " in text
+        or "depth 4, top 2: GPT2LMHeadModel.transformer.h.0 " in text
+    )
 
 
 @pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
@@ -152,7 +184,9 @@ def test_models_without_a_config_are_measured_once() -> None:
 
 def test_wandb_needs_its_package_and_runs_offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "wandb" else types.SimpleNamespace())
+    monkeypatch.setattr(
+        "importlib.util.find_spec", lambda name, *a: None if name == "wandb" else types.SimpleNamespace()
+    )
     with pytest.raises(slipstream.ConfigError, match="wandb.enabled: the wandb package is not installed"):
         slipstream.initialize(tiny_gpt2(), _config(wandb={"enabled": True}))
     monkeypatch.undo()
@@ -176,6 +210,10 @@ def test_wandb_needs_its_package_and_runs_offline(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: types.SimpleNamespace())
     monkeypatch.delenv("WANDB_MODE", raising=False)
     _, losses = _train(_config(wandb={"enabled": True, "project": "p", "team": "t"}))
-    assert calls["init"][0]["mode"] == "offline" and calls["init"][0]["project"] == "p" and calls["init"][0]["entity"] == "t"
+    assert (
+        calls["init"][0]["mode"] == "offline"
+        and calls["init"][0]["project"] == "p"
+        and calls["init"][0]["entity"] == "t"
+    )
     assert [values["Train/Samples/train_loss"] for values, _ in calls["log"]] == pytest.approx(losses, rel=1e-6)
     assert calls["finish"] == [True]

@@ -24,7 +24,9 @@ def _batches(vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (ROWS, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def _halves_run(model: torch.nn.Module, batches: list[torch.Tensor], edit: Callable[[int, dict[str, torch.Tensor]], None]) -> dict[str, torch.Tensor]:
+def _halves_run(
+    model: torch.nn.Module, batches: list[torch.Tensor], edit: Callable[[int, dict[str, torch.Tensor]], None]
+) -> dict[str, torch.Tensor]:
     """float32 AdamW whose gradient is the mean of two half-batch gradients, summed in the other order; ``edit`` may change them."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     for step, tokens in enumerate(batches):
@@ -41,7 +43,9 @@ def _halves_run(model: torch.nn.Module, batches: list[torch.Tensor], edit: Calla
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("build", [tiny_llama, lambda: tiny_mixtral(vocab=256, positions=SEQ)], ids=["llama", "mixtral"])
+@pytest.mark.parametrize(
+    "build", [tiny_llama, lambda: tiny_mixtral(vocab=256, positions=SEQ)], ids=["llama", "mixtral"]
+)
 def test_noise_passes_and_one_flipped_gradient_sign_fails(build: Callable[[], torch.nn.Module]) -> None:
     batches = _batches(128)
     _, reference = train_lm_reference(build(), batches, LR)

@@ -9,12 +9,7 @@ import pytest
 import torch
 
 from slipstream.engine.zero.offload.chunks import Chunks, copy_in, copy_out
-from slipstream.engine.zero.offload.state_store import (
-    STATE_NAMES,
-    CPUStateStore,
-    NVMeStateStore,
-    split,
-)
+from slipstream.engine.zero.offload.state_store import STATE_NAMES, CPUStateStore, NVMeStateStore, split
 from slipstream.engine.zero.offload.swap_dir import SwapDir
 from slipstream.ops.aio import AsyncIO
 
@@ -52,12 +47,14 @@ def test_nvme_store_round_trips_with_read_ahead_and_write_behind(tmp_path: os.Pa
     numel = 10_000
     initial = torch.randint(-1000, 1000, (numel,)).float()  # exact under +1
     swap = SwapDir.open(str(tmp_path), "job", 0, "zero_optimization.offload_optimizer.nvme_path")
-    store = NVMeStateStore(numel, split(numel, [0], 2048), Chunks.flat(initial), swap, AsyncIO(block_size=4096), pin=False)
+    store = NVMeStateStore(
+        numel, split(numel, [0], 2048), Chunks.flat(initial), swap, AsyncIO(block_size=4096), pin=False
+    )
     assert len(store.subgroups) == 5 and len(store.buffers) == 3 and len(os.listdir(swap.path)) == 5 + 1  # + owner
     assert torch.equal(store.read("master", 0, numel), initial)
     assert store.read("exp_avg", 0, numel).eq(0).all()
     for _ in range(2):  # a "step": every sub-group acquired, changed, released in order
-        for k, (lo, hi) in enumerate(store.subgroups):
+        for k in range(len(store.subgroups)):
             views = store.acquire(k)
             for name in STATE_NAMES:
                 views[name].tensors[0].add_(1.0)

@@ -190,7 +190,7 @@ def test_low_precision_copy_rounds_every_bit_pattern_like_torch(op, isa):
             assert bool((same | both_nan).all()), (dtype, p[~(same | both_nan)][:5], out[~(same | both_nan)][:5])
             kept = (p.view(torch.int32) == bits) | p.isnan()
             assert bool(kept.all()), "lr=0 must leave the parameters as they were"
-    """)  # fmt: skip
+    """)
     env = {k: v for k, v in os.environ.items() if k != "SLIPSTREAM_CPU_ADAM_ISA"}
     if isa != "native":
         env["SLIPSTREAM_CPU_ADAM_ISA"] = isa
@@ -217,13 +217,15 @@ def test_every_isa_gives_the_same_bits(op):
         for t in params + m + v + out:
             digest.update(t.view(torch.int16).numpy().tobytes())
         print(builder.load(CPU_ADAM).isa(), digest.hexdigest())
-    """)  # fmt: skip
+    """)
     results = {}
     for isa in ("native", "avx2", "scalar"):
         env = {k: v for k, v in os.environ.items() if k != "SLIPSTREAM_CPU_ADAM_ISA"}
         if isa != "native":
             env["SLIPSTREAM_CPU_ADAM_ISA"] = isa
-        out = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", code], check=True, env=env, capture_output=True, text=True, timeout=120
+        )
         used, digest = out.stdout.split()
         results[used] = digest
     assert "scalar" in results, results
@@ -251,15 +253,28 @@ def test_thread_counts_agree_bitwise(op):
     for threads in (1, 2, 3):
         params, m, v = _state(shapes, seed=4)
         grads = [torch.full(s, 0.25) for s in shapes]
-        cpu_adam_step(params, grads, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                      num_threads=threads)  # fmt: skip
+        cpu_adam_step(
+            params,
+            grads,
+            m,
+            v,
+            step=1,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            num_threads=threads,
+        )
         results.append(torch.cat(params + m + v))
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
 def test_optimizer_api_state_dict_and_torch_interchange(op):
     model = torch.nn.Linear(5, 3)
-    optimizer = CPUAdam([{"params": [model.weight]}, {"params": [model.bias], "lr": 1e-2, "weight_decay": 0.1}], lr=1e-3)
+    optimizer = CPUAdam(
+        [{"params": [model.weight]}, {"params": [model.bias], "lr": 1e-2, "weight_decay": 0.1}], lr=1e-3
+    )
     assert optimizer.param_groups[0]["lr"] == 1e-3 and optimizer.param_groups[0]["adamw_mode"] is True
     assert optimizer.param_groups[1]["weight_decay"] == 0.1
     model(torch.randn(4, 5)).sum().backward()

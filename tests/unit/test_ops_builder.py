@@ -73,9 +73,11 @@ def tiny(tmp_path, monkeypatch):
 
 def _load_in_subprocesses(root: Path, name: str, count: int) -> list[dict]:
     procs = [
-        subprocess.Popen([sys.executable, "-c", LOADER, str(root), name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", LOADER, str(root), name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(count)
-    ]  # fmt: skip
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
@@ -158,7 +160,9 @@ def test_prebuilt_op_is_used_only_when_its_key_matches(tiny, monkeypatch):
     spec = builder.OpSpec(name=name, sources=("tiny.cpp",), include_dirs=(), root=root, cflags=("-O0",))
     module, how = builder.build(spec)
     assert how == "built" and module.build_key() == builder.op_key(spec)
-    library = builder.build_dir(spec) / json.loads((builder.build_dir(spec) / "slipstream_op.json").read_text())["library"]
+    library = (
+        builder.build_dir(spec) / json.loads((builder.build_dir(spec) / "slipstream_op.json").read_text())["library"]
+    )
     monkeypatch.setattr(builder, "_prebuilt_path", lambda _spec: library)
     assert builder.status(spec).state == "prebuilt"
     other = builder.OpSpec(name=name, sources=("tiny.cpp",), include_dirs=(), root=root, cflags=("-DX=1",))

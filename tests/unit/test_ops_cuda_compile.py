@@ -38,8 +38,17 @@ def test_nvcc_compiles(source: Path, arch: str, tmp_path):
     _skip_without_nvcc()
     from slipstream.ops.specs import FUSED_ADAM
 
-    cmd = [NVCC, "-c", f"-arch={arch}", "-std=c++17", *FUSED_ADAM.cuda_cflags, f"-I{CSRC / 'includes'}",
-           str(source), "-o", str(tmp_path / f"{source.stem}.{arch}.o")]  # fmt: skip
+    cmd = [
+        NVCC,
+        "-c",
+        f"-arch={arch}",
+        "-std=c++17",
+        *FUSED_ADAM.cuda_cflags,
+        f"-I{CSRC / 'includes'}",
+        str(source),
+        "-o",
+        str(tmp_path / f"{source.stem}.{arch}.o"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / f"{source.stem}.{arch}.o").stat().st_size > 0
@@ -53,7 +62,9 @@ def test_cuda_binding_parses_against_torch_headers(tmp_path):
     from torch.utils.cpp_extension import include_paths
 
     homes = [os.environ.get("CUDA_HOME", ""), str(Path(NVCC).resolve().parent.parent), "/usr/local/cuda"]
-    cuda_include = next((Path(h) / "include" for h in homes if h and (Path(h) / "include" / "cuda_runtime_api.h").exists()), None)
+    cuda_include = next(
+        (Path(h) / "include" for h in homes if h and (Path(h) / "include" / "cuda_runtime_api.h").exists()), None
+    )
     if cuda_include is None:
         pytest.skip(f"no CUDA headers found (CUDA_HOME, next to {NVCC}, /usr/local/cuda)")
     torch_include = Path(include_paths()[0])
@@ -64,9 +75,18 @@ def test_cuda_binding_parses_against_torch_headers(tmp_path):
         (stub / "c10" / "cuda" / "impl").mkdir(parents=True)
         (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = ["c++", "-std=c++20", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=probe", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           f"-I{stub}", f"-I{CSRC / 'includes'}", *(f"-isystem{p}" for p in include_paths()),
-           f"-isystem{cuda_include}", f"-isystem{sysconfig.get_paths()['include']}",
-           str(CSRC / "adam" / "fused_adam_binding.cpp")]  # fmt: skip
+    cmd = [
+        "c++",
+        "-std=c++20",
+        "-fsyntax-only",
+        "-DTORCH_EXTENSION_NAME=probe",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{stub}",
+        f"-I{CSRC / 'includes'}",
+        *(f"-isystem{p}" for p in include_paths()),
+        f"-isystem{cuda_include}",
+        f"-isystem{sysconfig.get_paths()['include']}",
+        str(CSRC / "adam" / "fused_adam_binding.cpp"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -33,9 +33,14 @@ def test_halves_alternate_at_each_collective_and_count_the_overlaps() -> None:
     assert log == [
         "F computes 0",  # F issues F0, hands the turn over
         "B computes 0",  # B computes while F0 is in flight, issues B0, hands back
-        "wait F0", "F computes 1",  # F takes F0 and issues F1; B is still running: hand over
-        "wait B0", "B ends",  # B takes B0 and finishes; the turn goes back
-        "wait F1", "F computes 2", "wait F2", "F ends",  # no partner left: F2 is a plain wait
+        "wait F0",
+        "F computes 1",  # F takes F0 and issues F1; B is still running: hand over
+        "wait B0",
+        "B ends",  # B takes B0 and finishes; the turn goes back
+        "wait F1",
+        "F computes 2",
+        "wait F2",
+        "F ends",  # no partner left: F2 is a plain wait
     ]
     assert pair.overlapped == 3  # 2·nB + 1 with nF 3 > nB 1
     assert all(t >= 0 for t in pair.held)

@@ -40,13 +40,22 @@ def _torch_order(name: str, p: int, m: int, v: int) -> dict[int, list[str]]:
         cls = ts.ScheduleGPipe if name == "afab" else ts.Schedule1F1B
         order = cls._get_pipeline_order(types.SimpleNamespace(_num_stages=p, _n_microbatches=m))
         return {r: flat(a) for r, a in order.items()}
-    cls = {"interleaved_1f1b": ts.ScheduleInterleaved1F1B, "zb1p": ts.ScheduleInterleavedZeroBubble,
-           "zbv": ts.ScheduleZBVZeroBubble, "dualpipev": ts.ScheduleDualPipeV}[name]  # fmt: skip
+    cls = {
+        "interleaved_1f1b": ts.ScheduleInterleaved1F1B,
+        "zb1p": ts.ScheduleInterleavedZeroBubble,
+        "zbv": ts.ScheduleZBVZeroBubble,
+        "dualpipev": ts.ScheduleDualPipeV,
+    }[name]
     rounds = max(1, m // p)
     state = types.SimpleNamespace(
-        pp_group_size=p, n_local_stages=v, _n_microbatches=m, number_of_rounds=rounds, microbatches_per_round=m // rounds,
-        num_stages=p * v, _num_stages=p * v,
-    )  # fmt: skip
+        pp_group_size=p,
+        n_local_stages=v,
+        _n_microbatches=m,
+        number_of_rounds=rounds,
+        microbatches_per_round=m // rounds,
+        num_stages=p * v,
+        _num_stages=p * v,
+    )
     return {r: flat(cls._calculate_single_rank_operations(state, r)) for r in range(p)}
 
 
@@ -113,8 +122,12 @@ def test_communication_pairs() -> None:
         plans = with_communication([list(a) for a in schedule.compute], schedule.layout)
         sends = {(a.op, a.stage, a.micro) for plan in plans for a in plan if a.op in (Op.SEND_F, Op.SEND_B)}
         recvs = {(a.op, a.stage, a.micro) for plan in plans for a in plan if a.op in (Op.RECV_F, Op.RECV_B)}
-        assert {(Op.RECV_F, s + 1, i) for _, s, i in (x for x in sends if x[0] is Op.SEND_F)} == {x for x in recvs if x[0] is Op.RECV_F}
-        assert {(Op.RECV_B, s - 1, i) for _, s, i in (x for x in sends if x[0] is Op.SEND_B)} == {x for x in recvs if x[0] is Op.RECV_B}
+        assert {(Op.RECV_F, s + 1, i) for _, s, i in (x for x in sends if x[0] is Op.SEND_F)} == {
+            x for x in recvs if x[0] is Op.RECV_F
+        }
+        assert {(Op.RECV_B, s - 1, i) for _, s, i in (x for x in sends if x[0] is Op.SEND_B)} == {
+            x for x in recvs if x[0] is Op.RECV_B
+        }
         crossings = schedule.layout.num_stages - 1 - (1 if schedule.layout.style == "v" else 0)
         assert len(sends) == 2 * 4 * crossings
 
@@ -148,11 +161,18 @@ def test_dualpipev_pairs_forward_and_backward_and_its_plan_cannot_deadlock(p: in
         assert all(schedule.pairs[r] for r in range(p)), (p, m)
         for rank in range(p):
             for f, b in schedule.partners(rank).items():
-                assert f.op is Op.FORWARD and b.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and (f.stage, f.micro) != (b.stage, b.micro)
+                assert (
+                    f.op is Op.FORWARD
+                    and b.op in (Op.BACKWARD, Op.BACKWARD_INPUT)
+                    and (f.stage, f.micro) != (b.stage, b.micro)
+                )
         assert _runs_to_the_end(schedule), (p, m)
     for name, v in CASES:  # the unpaired schedules' plans too
         assert _runs_to_the_end(S.build(name, 2, 4, v)), name
-    assert S.build("dualpipev", 2, 4, 2).text(0) == "0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1) (3F2;0B0) 3B2 (3F3;0B1) 3B3 0I2 0W2 0I3 0W3"
+    assert (
+        S.build("dualpipev", 2, 4, 2).text(0)
+        == "0F0 0F1 0F2 3F0 3I0 3W0 3F1 (0F3;3B1) (3F2;0B0) 3B2 (3F3;0B1) 3B3 0I2 0W2 0I3 0W3"
+    )
     one = S.build("1f1b", 2, 4)
     early = Action(0, Op.BACKWARD, 0)  # rank 0 waiting for a gradient before it sent the activation: stuck
     eager = (early, *(a for a in one.compute[0] if a != early))
@@ -180,10 +200,15 @@ def test_layouts_and_text() -> None:
 
 @pytest.mark.parametrize(
     "name,p,m,v,key",
-    [("1f1b", 4, 2, 1, "gradient_accumulation_steps"), ("dualpipev", 2, 3, 2, "gradient_accumulation_steps"),
-     ("zbv", 2, 4, 3, "pipeline.virtual_stages"), ("1f1b", 2, 4, 2, "pipeline.virtual_stages"),
-     ("interleaved_1f1b", 4, 9, 2, "gradient_accumulation_steps"), ("chimera", 2, 4, 1, "pipeline.schedule")],
-)  # fmt: skip
+    [
+        ("1f1b", 4, 2, 1, "gradient_accumulation_steps"),
+        ("dualpipev", 2, 3, 2, "gradient_accumulation_steps"),
+        ("zbv", 2, 4, 3, "pipeline.virtual_stages"),
+        ("1f1b", 2, 4, 2, "pipeline.virtual_stages"),
+        ("interleaved_1f1b", 4, 9, 2, "gradient_accumulation_steps"),
+        ("chimera", 2, 4, 1, "pipeline.schedule"),
+    ],
+)
 def test_impossible_combinations_name_the_key(name: str, p: int, m: int, v: int, key: str) -> None:
     with pytest.raises(ValueError, match=f"^{key}:"):
         S.check(name, p, m, v)
@@ -208,7 +233,10 @@ def test_partition_methods() -> None:
     # blocks the forward skips never start a stage; each goes with the stage of the block before it
     assert partition(blocks, 3, "uniform", skipped=frozenset({2, 3})) == [range(0, 1), range(1, 4), range(4, 6)]
     assert partition(blocks, 2, "uniform", skipped=frozenset({0})) == [range(0, 3), range(3, 6)]
-    with pytest.raises(ValueError, match=r"^pipeline.stages: 4 stages need at least 4 blocks; the model has 3 \(transformer.h, 3 of which run\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^pipeline.stages: 4 stages need at least 4 blocks; the model has 3 \(transformer.h, 3 of which run\)",
+    ):
         partition(blocks, 4, "uniform", skipped=frozenset({0, 1, 5}))
 
 
@@ -266,7 +294,7 @@ def test_split_backward_of_a_stage_handing_on_two_tensors_matches_one_backward()
 def test_partition_balances_ranks_when_a_rank_runs_several_stages() -> None:
     """A V puts the first and the last stage on rank 0: balanced stages can leave that rank the busiest."""
     from slipstream.engine.parallel.anatomy import Blocks
-    from slipstream.engine.parallel.pipeline.cut import _balanced, _balance_ranks
+    from slipstream.engine.parallel.pipeline.cut import _balance_ranks, _balanced
 
     v = StageLayout(2, 2, "v")
 

@@ -11,7 +11,12 @@ from slipstream.comm.quantized import BLOCK, dequantize, packed_nbytes, quantize
 
 
 @settings(max_examples=40, deadline=None)
-@given(numel=st.integers(1, 3 * BLOCK + 7), bits=st.sampled_from([4, 8]), seed=st.integers(0, 2**16), scale=st.floats(1e-6, 1e3))
+@given(
+    numel=st.integers(1, 3 * BLOCK + 7),
+    bits=st.sampled_from([4, 8]),
+    seed=st.integers(0, 2**16),
+    scale=st.floats(1e-6, 1e3),
+)
 def test_round_trip_error_is_at_most_half_a_step_of_each_block(numel: int, bits: int, seed: int, scale: float) -> None:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
     packed = quantize(x, bits)

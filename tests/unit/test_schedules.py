@@ -50,46 +50,168 @@ def record(type_name: str, params: dict, kind: str, n: int) -> tuple[list, list]
 
 # (type, params, optimizer, expected lr of every group, one row per optimizer step)
 LR_CASES = [
-    ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 5}, "adam",
-     [0.0, 0.0, 0.00430676558073393, 0.006826061944859854, 0.00861353116146786, 0.01, 0.01, 0.01, 0.01, 0.01]),
-    ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"},
-     "adam", [0.001, 0.001, 0.00325, 0.0055, 0.00775, 0.01, 0.01, 0.01]),
+    (
+        "WarmupLR",
+        {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 5},
+        "adam",
+        [0.0, 0.0, 0.00430676558073393, 0.006826061944859854, 0.00861353116146786, 0.01, 0.01, 0.01, 0.01, 0.01],
+    ),
+    (
+        "WarmupLR",
+        {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"},
+        "adam",
+        [0.001, 0.001, 0.00325, 0.0055, 0.00775, 0.01, 0.01, 0.01],
+    ),
     # warmup_max_lr omitted: each group's optimizer lr (0.1) is the target.
     ("WarmupLR", {"warmup_num_steps": 3}, "adam", [0.0, 0.0, 0.06309297535714574, 0.1, 0.1, 0.1]),
     # Per-group lists; warmup_num_steps=1 is raised to 2 by DeepSpeed.
-    ("WarmupLR", {"warmup_min_lr": [0.0, 0.001], "warmup_max_lr": [0.01, 0.02], "warmup_num_steps": 1}, "adam2",
-     [(0.0, 0.001), (0.0, 0.001), (0.01, 0.02), (0.01, 0.02)]),
-    ("WarmupDecayLR", {"total_num_steps": 10, "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4},
-     "adam", [0.0, 0.0, 0.005, 0.007924812503605782, 0.01, 0.01, 0.008333333333333333, 0.006666666666666666,
-              0.005, 0.003333333333333333, 0.0016666666666666666, 0.0, 0.0, 0.0]),
+    (
+        "WarmupLR",
+        {"warmup_min_lr": [0.0, 0.001], "warmup_max_lr": [0.01, 0.02], "warmup_num_steps": 1},
+        "adam2",
+        [(0.0, 0.001), (0.0, 0.001), (0.01, 0.02), (0.01, 0.02)],
+    ),
+    (
+        "WarmupDecayLR",
+        {"total_num_steps": 10, "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4},
+        "adam",
+        [
+            0.0,
+            0.0,
+            0.005,
+            0.007924812503605782,
+            0.01,
+            0.01,
+            0.008333333333333333,
+            0.006666666666666666,
+            0.005,
+            0.003333333333333333,
+            0.0016666666666666666,
+            0.0,
+            0.0,
+            0.0,
+        ],
+    ),
     # warmup_max_lr omitted: DeepSpeed's WarmupDecayLR default is 1e-3, not the optimizer lr.
-    ("WarmupDecayLR", {"total_num_steps": 8, "warmup_num_steps": 3, "warmup_type": "linear"}, "adam",
-     [0.0, 0.0, 0.0003333333333333333, 0.0006666666666666666, 0.001, 0.0008, 0.0006, 0.0004, 0.0002, 0.0]),
+    (
+        "WarmupDecayLR",
+        {"total_num_steps": 8, "warmup_num_steps": 3, "warmup_type": "linear"},
+        "adam",
+        [0.0, 0.0, 0.0003333333333333333, 0.0006666666666666666, 0.001, 0.0008, 0.0006, 0.0004, 0.0002, 0.0],
+    ),
     # Defaults: warmup_min_ratio 0, cos_min_ratio 1e-4. Construction writes 0.0.
-    ("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 4}, "adam",
-     [0.0, 0.0, 0.05, 0.07924812503605783, 0.1, 0.09330194006220302, 0.0750025, 0.050005, 0.025007500000000012,
-      0.006708059937796987, 1e-05, 1e-05, 1e-05]),
+    (
+        "WarmupCosineLR",
+        {"total_num_steps": 10, "warmup_num_steps": 4},
+        "adam",
+        [
+            0.0,
+            0.0,
+            0.05,
+            0.07924812503605783,
+            0.1,
+            0.09330194006220302,
+            0.0750025,
+            0.050005,
+            0.025007500000000012,
+            0.006708059937796987,
+            1e-05,
+            1e-05,
+            1e-05,
+        ],
+    ),
     # Linear warmup never reaches the peak: the cosine starts one step in.
-    ("WarmupCosineLR", {"total_num_steps": 12, "warmup_num_steps": 3, "warmup_min_ratio": 0.1,
-                        "cos_min_ratio": 0.05, "warmup_type": "linear"}, "adam2",
-     [(0.0, 0.0), (0.01, 0.02), (0.04, 0.08), (0.07, 0.14), (0.09713539948733066, 0.19427079897466132),
-      (0.08888711104815145, 0.1777742220963029), (0.07625, 0.1525), (0.060748288439179204, 0.12149657687835841),
-      (0.044251711560820806, 0.08850342312164161), (0.02875, 0.0575), (0.016112888951848547, 0.03222577790369709),
-      (0.007864600512669356, 0.015729201025338712), (0.005, 0.01), (0.005, 0.01), (0.005, 0.01)]),
-    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4}, "adam",
-     [0.01, 0.0325, 0.055, 0.0775, 0.1, 0.0775, 0.055, 0.0325, 0.01, 0.01, 0.01, 0.01]),
+    (
+        "WarmupCosineLR",
+        {
+            "total_num_steps": 12,
+            "warmup_num_steps": 3,
+            "warmup_min_ratio": 0.1,
+            "cos_min_ratio": 0.05,
+            "warmup_type": "linear",
+        },
+        "adam2",
+        [
+            (0.0, 0.0),
+            (0.01, 0.02),
+            (0.04, 0.08),
+            (0.07, 0.14),
+            (0.09713539948733066, 0.19427079897466132),
+            (0.08888711104815145, 0.1777742220963029),
+            (0.07625, 0.1525),
+            (0.060748288439179204, 0.12149657687835841),
+            (0.044251711560820806, 0.08850342312164161),
+            (0.02875, 0.0575),
+            (0.016112888951848547, 0.03222577790369709),
+            (0.007864600512669356, 0.015729201025338712),
+            (0.005, 0.01),
+            (0.005, 0.01),
+            (0.005, 0.01),
+        ],
+    ),
+    (
+        "OneCycle",
+        {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4},
+        "adam",
+        [0.01, 0.0325, 0.055, 0.0775, 0.1, 0.0775, 0.055, 0.0325, 0.01, 0.01, 0.01, 0.01],
+    ),
     # Asymmetric cycle, then lr = min_lr / (1 + rate * k / decay_step_size).
-    ("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 3, "cycle_second_step_size": 5,
-                  "decay_step_size": 2, "decay_lr_rate": 0.5, "decay_mom_rate": 0.1, "cycle_min_mom": 0.85,
-                  "cycle_max_mom": 0.95}, "adam",
-     [0.001, 0.004, 0.007, 0.01, 0.0082, 0.0064, 0.0046, 0.0028, 0.001, 0.0008, 0.0006666666666666666,
-      0.0005714285714285715, 0.0005, 0.00044444444444444447]),
-    ("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 6, "cycle_first_stair_count": 3,
-                  "cycle_second_step_size": 4, "cycle_second_stair_count": 2}, "adam",
-     [0.001, 0.001, 0.004, 0.004, 0.007, 0.007, 0.01, 0.0055, 0.0055, 0.001, 0.001, 0.001]),
-    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 2, "decay_step_size": 1,
-                  "decay_lr_rate": 1.0}, "sgd",
-     [0.01, 0.055, 0.1, 0.055, 0.01, 0.005, 0.0033333333333333335, 0.0025]),
+    (
+        "OneCycle",
+        {
+            "cycle_min_lr": 0.001,
+            "cycle_max_lr": 0.01,
+            "cycle_first_step_size": 3,
+            "cycle_second_step_size": 5,
+            "decay_step_size": 2,
+            "decay_lr_rate": 0.5,
+            "decay_mom_rate": 0.1,
+            "cycle_min_mom": 0.85,
+            "cycle_max_mom": 0.95,
+        },
+        "adam",
+        [
+            0.001,
+            0.004,
+            0.007,
+            0.01,
+            0.0082,
+            0.0064,
+            0.0046,
+            0.0028,
+            0.001,
+            0.0008,
+            0.0006666666666666666,
+            0.0005714285714285715,
+            0.0005,
+            0.00044444444444444447,
+        ],
+    ),
+    (
+        "OneCycle",
+        {
+            "cycle_min_lr": 0.001,
+            "cycle_max_lr": 0.01,
+            "cycle_first_step_size": 6,
+            "cycle_first_stair_count": 3,
+            "cycle_second_step_size": 4,
+            "cycle_second_stair_count": 2,
+        },
+        "adam",
+        [0.001, 0.001, 0.004, 0.004, 0.007, 0.007, 0.01, 0.0055, 0.0055, 0.001, 0.001, 0.001],
+    ),
+    (
+        "OneCycle",
+        {
+            "cycle_min_lr": 0.01,
+            "cycle_max_lr": 0.1,
+            "cycle_first_step_size": 2,
+            "decay_step_size": 1,
+            "decay_lr_rate": 1.0,
+        },
+        "sgd",
+        [0.01, 0.055, 0.1, 0.055, 0.01, 0.005, 0.0033333333333333335, 0.0025],
+    ),
 ]
 
 
@@ -107,22 +229,53 @@ def test_one_cycle_momentum_matches_deepspeed() -> None:
     _, betas = record("OneCycle", LR_CASES[8][1], "adam", 12)
     assert [b[1] for b in betas] == [0.99] * 12
     assert [b[0] for b in betas] == pytest.approx(
-        [0.8, 0.875, 0.85, 0.825, 0.8, 0.825, 0.85, 0.875, 0.9, 0.9, 0.9, 0.9], rel=1e-12)
+        [0.8, 0.875, 0.85, 0.825, 0.8, 0.825, 0.85, 0.875, 0.9, 0.9, 0.9, 0.9], rel=1e-12
+    )
 
 
 def test_one_cycle_momentum_decay_multiplies() -> None:
     # After the cycle DeepSpeed multiplies max_mom by (1 + rate * k / decay_step_size): beta1 grows past 1.
     _, betas = record("OneCycle", LR_CASES[9][1], "adam", 14)
     assert [b[0] for b in betas] == pytest.approx(
-        [0.85, 0.9166666666666666, 0.8833333333333333, 0.85, 0.87, 0.89, 0.91, 0.93, 0.95, 0.9975, 1.045,
-         1.0925, 1.14, 1.1875], rel=1e-12)
+        [
+            0.85,
+            0.9166666666666666,
+            0.8833333333333333,
+            0.85,
+            0.87,
+            0.89,
+            0.91,
+            0.93,
+            0.95,
+            0.9975,
+            1.045,
+            1.0925,
+            1.14,
+            1.1875,
+        ],
+        rel=1e-12,
+    )
 
 
 def test_one_cycle_stair_momentum() -> None:
     _, betas = record("OneCycle", LR_CASES[10][1], "adam", 12)
     assert [b[0] for b in betas] == pytest.approx(
-        [0.8, 0.9, 0.8666666666666667, 0.8666666666666667, 0.8333333333333334, 0.8333333333333334, 0.8, 0.85,
-         0.85, 0.9, 0.9, 0.9], rel=1e-12)
+        [
+            0.8,
+            0.9,
+            0.8666666666666667,
+            0.8666666666666667,
+            0.8333333333333334,
+            0.8333333333333334,
+            0.8,
+            0.85,
+            0.85,
+            0.9,
+            0.9,
+            0.9,
+        ],
+        rel=1e-12,
+    )
 
 
 def test_one_cycle_leaves_sgd_momentum_alone() -> None:
@@ -183,8 +336,12 @@ def test_tensor_lr_is_filled_in_place() -> None:
 
 def test_defaults_follow_deepspeed() -> None:
     assert WarmupLRParams().model_dump() == {
-        "last_batch_iteration": -1, "warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
-        "warmup_type": "log"}
+        "last_batch_iteration": -1,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": None,
+        "warmup_num_steps": 1000,
+        "warmup_type": "log",
+    }
     assert WarmupDecayLRParams(total_num_steps=2000).warmup_max_lr == 0.001
     cos = WarmupCosineLRParams(total_num_steps=2000)
     assert (cos.warmup_min_ratio, cos.cos_min_ratio, cos.warmup_num_steps) == (0.0, 0.0001, 1000)
@@ -205,21 +362,32 @@ def test_build_accepts_a_params_model() -> None:
 AFTER_WARMUP = "total_num_steps\n.*greater than warmup_num_steps"
 
 
-@pytest.mark.parametrize("type_name,params,match", [
-    ("WarmupLR", {"warmup_max_lr": 0.01, "warmup_steps": 10}, "warmup_steps"),  # unknown key
-    ("WarmupCosineLR", {"total_num_steps": 10, "warmup_max_lr": 0.01}, "warmup_max_lr"),  # ratios only
-    ("WarmupLR", {"warmup_num_steps": 0}, "greater than 0"),
-    ("WarmupLR", {"warmup_type": "cosine"}, "'log' or 'linear'"),
-    ("WarmupLR", {"warmup_min_lr": -0.1}, "warmup_min_lr\n.*must be >= 0"),
-    ("WarmupLR", {"warmup_max_lr": [0.1, -0.1]}, "warmup_max_lr\n.*must be >= 0"),
-    ("WarmupDecayLR", {"warmup_num_steps": 10}, "total_num_steps"),  # required
-    ("WarmupDecayLR", {"total_num_steps": 10, "warmup_num_steps": 10}, AFTER_WARMUP),
-    ("WarmupCosineLR", {"total_num_steps": 5, "warmup_num_steps": 10}, AFTER_WARMUP),
-    ("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 2, "cos_min_ratio": 1.5}, "less than or equal to 1"),
-    ("OneCycle", {"cycle_max_lr": 0.1}, "cycle_min_lr"),  # required
-    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 0}, "greater than 0"),
-    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_second_step_size": -1}, ">= 0|greater than or equal"),
-])
+@pytest.mark.parametrize(
+    "type_name,params,match",
+    [
+        ("WarmupLR", {"warmup_max_lr": 0.01, "warmup_steps": 10}, "warmup_steps"),  # unknown key
+        ("WarmupCosineLR", {"total_num_steps": 10, "warmup_max_lr": 0.01}, "warmup_max_lr"),  # ratios only
+        ("WarmupLR", {"warmup_num_steps": 0}, "greater than 0"),
+        ("WarmupLR", {"warmup_type": "cosine"}, "'log' or 'linear'"),
+        ("WarmupLR", {"warmup_min_lr": -0.1}, "warmup_min_lr\n.*must be >= 0"),
+        ("WarmupLR", {"warmup_max_lr": [0.1, -0.1]}, "warmup_max_lr\n.*must be >= 0"),
+        ("WarmupDecayLR", {"warmup_num_steps": 10}, "total_num_steps"),  # required
+        ("WarmupDecayLR", {"total_num_steps": 10, "warmup_num_steps": 10}, AFTER_WARMUP),
+        ("WarmupCosineLR", {"total_num_steps": 5, "warmup_num_steps": 10}, AFTER_WARMUP),
+        (
+            "WarmupCosineLR",
+            {"total_num_steps": 10, "warmup_num_steps": 2, "cos_min_ratio": 1.5},
+            "less than or equal to 1",
+        ),
+        ("OneCycle", {"cycle_max_lr": 0.1}, "cycle_min_lr"),  # required
+        ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 0}, "greater than 0"),
+        (
+            "OneCycle",
+            {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_second_step_size": -1},
+            ">= 0|greater than or equal",
+        ),
+    ],
+)
 def test_bad_params_are_rejected(type_name: str, params: dict, match: str) -> None:
     with pytest.raises(ValidationError, match=match):
         build_lr_scheduler(type_name, params, make_optimizer("adam"))

@@ -28,10 +28,16 @@ def test_import_slipstream_does_not_import_torch() -> None:
 
 def test_launcher_help_does_not_import_torch() -> None:
     result = subprocess.run(
-        [sys.executable, "-c", "import sys\nfrom slipstream.launcher.cli import main\n"
-         "try:\n    main(['run', '--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom slipstream.launcher.cli import main\n"
+            "try:\n    main(['run', '--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     assert result.stdout.strip().splitlines()[-1] == "False"
 
 

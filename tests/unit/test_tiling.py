@@ -27,30 +27,56 @@ def _llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=64,
-    ))  # fmt: skip
+    return LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def _gemma2() -> torch.nn.Module:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    return Gemma2ForCausalLM(Gemma2Config(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        vocab_size=VOCAB, max_position_embeddings=64, final_logit_softcapping=2.0,
-    ))  # fmt: skip
+    return Gemma2ForCausalLM(
+        Gemma2Config(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            final_logit_softcapping=2.0,
+        )
+    )
 
 
 def _gpt2(dropout: float = 0.0) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=dropout, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=0, eos_token_id=0,
-    ))  # fmt: skip
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=64,
+            resid_pdrop=dropout,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 class _CustomLM(torch.nn.Module):
@@ -124,7 +150,10 @@ def test_tiled_loss_equals_the_models_own(build: Callable[[], torch.nn.Module], 
     if loss_kwargs == "num_items_in_batch":
         kwargs["num_items_in_batch"] = torch.tensor(97)  # the caller's count over a larger window
     elif loss_kwargs == "shift_labels":  # as the engine passes them under sequence parallelism (already shifted)
-        kwargs = {"labels": labels, "shift_labels": torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()}
+        kwargs = {
+            "labels": labels,
+            "shift_labels": torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous(),
+        }
     a = plain(input_ids=ids, **kwargs).loss
     a.backward()
     out = tiled(input_ids=ids, **kwargs)
@@ -151,7 +180,9 @@ def test_reading_the_logits_computes_them_once_with_their_gradient() -> None:
 
 
 @pytest.mark.parametrize("after_head", ["constants", "slice", "learned-scale"])
-def test_a_custom_model_is_tiled_or_computed_whole_never_wrong(after_head: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_custom_model_is_tiled_or_computed_whole_never_wrong(
+    after_head: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     plain, tiled, _ = _pair(lambda: _CustomLM(after_head))
     ids, labels = _batch()
     a = _loss(plain(ids, labels))
@@ -161,7 +192,9 @@ def test_a_custom_model_is_tiled_or_computed_whole_never_wrong(after_head: str, 
     b.backward()
     _assert_same(plain, tiled, a, b)
     err = capsys.readouterr().err
-    assert ("computed whole" in err) == (after_head != "constants"), err  # replayable ops stay tiled; the others are named
+    assert ("computed whole" in err) == (after_head != "constants"), (
+        err
+    )  # replayable ops stay tiled; the others are named
 
 
 def test_no_labels_or_no_grad_leaves_the_head_alone() -> None:
@@ -183,8 +216,12 @@ def test_refusals_name_the_key_and_the_reason() -> None:
     cfg = SlipstreamConfig.load(on)
     with pytest.raises(ConfigError, match=r"long_context.tiled_logits: Sequential has no output embeddings"):
         TilingOptions.from_config(cfg, _sizes(), torch.nn.Sequential(torch.nn.Linear(2, 2)), False)
-    bert = BertForMaskedLM(BertConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=50))
-    with pytest.raises(ConfigError, match=r"BertForMaskedLM's loss is ForMaskedLMLoss, not transformers' ForCausalLMLoss"):
+    bert = BertForMaskedLM(
+        BertConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=50)
+    )
+    with pytest.raises(
+        ConfigError, match=r"BertForMaskedLM's loss is ForMaskedLMLoss, not transformers' ForCausalLMLoss"
+    ):
         TilingOptions.from_config(cfg, _sizes(), bert, False)
     assert TilingOptions.from_config(cfg, _sizes(pp=2), _llama(), False) is not None  # the last stage tiles its loss
     stage3 = SlipstreamConfig.load({**on, "zero_optimization": {"stage": 3, "stage3_unit_modules": ["Linear"]}})
@@ -200,14 +237,23 @@ def test_refusals_name_the_key_and_the_reason() -> None:
 def test_the_mlps_are_found_and_the_attention_is_not() -> None:
     gpt2 = _gpt2()
     # GPT-2's attention takes one required argument and holds two Conv1D leaves: only the probe tells it apart
-    assert [n for n, _ in candidates(gpt2, None)] == ["transformer.h.0.attn", "transformer.h.0.mlp", "transformer.h.1.attn", "transformer.h.1.mlp"]
+    assert [n for n, _ in candidates(gpt2, None)] == [
+        "transformer.h.0.attn",
+        "transformer.h.0.mlp",
+        "transformer.h.1.attn",
+        "transformer.h.1.mlp",
+    ]
     assert tile_mlps(gpt2, None, 5, probe=True).names == ["transformer.h.0.mlp", "transformer.h.1.mlp"]
     assert not token_wise(gpt2.transformer.h[0].attn, 32)
-    with pytest.raises(ConfigError, match=r"module_classes: GPT2Attention \(transformer.h.0.attn\) does not compute each token"):
+    with pytest.raises(
+        ConfigError, match=r"module_classes: GPT2Attention \(transformer.h.0.attn\) does not compute each token"
+    ):
         tile_mlps(_gpt2(), ["GPT2Attention"], 5, probe=True)
     from tests.reference import tiny_mixtral
 
-    with pytest.raises(ConfigError, match=r"found no MLP to tile"):  # experts are never tiled: routing depends on the batch
+    with pytest.raises(
+        ConfigError, match=r"found no MLP to tile"
+    ):  # experts are never tiled: routing depends on the batch
         tile_mlps(tiny_mixtral(), None, 5, probe=True)
 
 

@@ -59,7 +59,7 @@ def test_a_buffer_serves_a_slightly_smaller_request_but_not_a_much_smaller_one()
 def test_the_pool_never_owns_more_than_was_ever_lent_at_once() -> None:
     pool = UnitBuffers()
     sizes = [100, 120, 140, 160]  # every unit its own size, two at a time
-    for step in range(3):
+    for _step in range(3):
         for first, second in zip(sizes, sizes[1:]):
             a = pool.take(first, torch.uint8, torch.device("cpu"))
             b = pool.take(second, torch.uint8, torch.device("cpu"))

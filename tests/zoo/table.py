@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from tests.harness import run_distributed
-from tests.zoo.test_zoo import MODES, modes_of, outcome, reference, run_arch
 from tests.zoo.models import ZOO
+from tests.zoo.test_zoo import MODES, outcome, reference, run_arch
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "model_zoo.md"
 HEADER = """# Model zoo: which architecture trains under which parallel mode

@@ -55,9 +55,12 @@ def _config(mode: str) -> dict[str, Any]:
     pipelined = mode.startswith("pp")
     return {
         "train_micro_batch_size_per_gpu": ROWS // 2 if pipelined or mode in DATA_PARALLEL else ROWS,
-        "gradient_accumulation_steps": 2 if pipelined else 1, "gradient_clipping": 0.0, "steps_per_print": 10**9,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, **MODES[mode],
-    }  # fmt: skip
+        "gradient_accumulation_steps": 2 if pipelined else 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        **MODES[mode],
+    }
 
 
 def run_cell(arch: str, mode: str) -> dict[str, Any]:
@@ -127,11 +130,15 @@ def test_zoo(arch: str) -> None:
         if kinds - {"trains", "refused"} or len(kinds) > 1:
             bad.append(f"{mode}: {kind} {detail}")
         elif kind == "refused":
-            assert "\n" not in detail and ":" in detail.split(" ")[0], f"{mode}: refusal is not one line naming a key: {detail}"
+            assert "\n" not in detail and ":" in detail.split(" ")[0], (
+                f"{mode}: refusal is not one line naming a key: {detail}"
+            )
     assert not bad, f"{arch}: " + " | ".join(bad)
     documented = _documented_row(arch)
     found = {mode: outcome(results[0][mode], expected)[0] for mode in modes_of(arch)}
-    assert documented == found, f"docs/model_zoo.md is stale for {arch} (regenerate: python -m tests.zoo.table): {documented} vs {found}"
+    assert documented == found, (
+        f"docs/model_zoo.md is stale for {arch} (regenerate: python -m tests.zoo.table): {documented} vs {found}"
+    )
 
 
 def _documented_row(arch: str) -> dict[str, str]:

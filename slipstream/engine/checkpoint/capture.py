@@ -47,7 +47,9 @@ def capture(
         state = target.shards.slice_optimizer_state(owned)
         for lo, hi, part in owned.slice.split():  # a packed piece is stored as one slice per box
             if part is not owned.slice:
-                state_part = None if state is None else {k: _cut(v, owned.slice.numel, lo, hi) for k, v in state.items()}
+                state_part = (
+                    None if state is None else {k: _cut(v, owned.slice.numel, lo, hi) for k, v in state.items()}
+                )
                 owned_part = dataclasses.replace(owned, slice=part, value=owned.value[lo:hi])
                 slices.append(_capture_slice(owned_part, state_part, tensors))
             else:
@@ -169,7 +171,9 @@ def merge_spread_manifest(payload: Payload, target: CheckpointTarget, exclude_fr
     body = _module_entries(module, names)
     mine = {  # buffers are rank 0's alone: it saves their values (see _capture_common)
         "parameters": {n: v for n, v in body["parameters"].items() if n not in frozen},
-        "state_dict_keys": {k: v for k, v in body["state_dict_keys"].items() if "param" in v and v["param"] not in frozen},
+        "state_dict_keys": {
+            k: v for k, v in body["state_dict_keys"].items() if "param" in v and v["param"] not in frozen
+        },
     }
     gathered = comm.gather_objects(mine, dst=0, tag="checkpoint manifest entries")
     if payload.manifest is None or gathered is None:
@@ -186,11 +190,16 @@ def _module_entries(module: torch.nn.Module, names: dict[int, str]) -> dict[str,
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     return {
         "parameters": {
-            n: {"shape": list(global_shape_and_box(p)[0]), "dtype": str(p.dtype).removeprefix("torch."), "trainable": n in trainable}
+            n: {
+                "shape": list(global_shape_and_box(p)[0]),
+                "dtype": str(p.dtype).removeprefix("torch."),
+                "trainable": n in trainable,
+            }
             for n, p in module.named_parameters()
         },
         "buffers": {
-            n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")} for n, b in persistent_buffers(module).items()
+            n: {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch.")}
+            for n, b in persistent_buffers(module).items()
         },
         "state_dict_keys": state_dict_keys(module, names),
     }

@@ -43,12 +43,16 @@ def _convert(directory: Path, out: Path, tag: str | None) -> int:
         if out.resolve().is_relative_to(foreign.resolve()):
             raise CheckpointError(f"convert: {out} lies inside the DeepSpeed checkpoint {foreign}; write elsewhere")
         path = convert(foreign, out, foreign.name)
-        print(f"wrote slipstream checkpoint {path} from DeepSpeed checkpoint {foreign} (loads at any world size and stage)")
+        print(
+            f"wrote slipstream checkpoint {path} from DeepSpeed checkpoint {foreign} (loads at any world size and stage)"
+        )
         return 0
     from slipstream.engine.checkpoint.deepspeed.export import export_deepspeed
 
     path = export_deepspeed(directory, out, tag)
-    print(f"wrote DeepSpeed universal checkpoint {path} (DeepSpeed loads it with \"checkpoint\": {{\"load_universal\": true}})")
+    print(
+        f'wrote DeepSpeed universal checkpoint {path} (DeepSpeed loads it with "checkpoint": {{"load_universal": true}})'
+    )
     return 0
 
 
@@ -63,13 +67,19 @@ def inspect_deepspeed(path: Path) -> int:
     kind = "universal" if ds.universal else f"ZeRO stage {ds.zero_stage}, {ds.world} data-parallel rank(s)"
     print(f"checkpoint      {path}")
     print(f"written by      DeepSpeed {ds.version} ({kind}), {ds.precision}")
-    print(f"training        step {counters['global_steps']}, {counters['global_samples']} samples, {counters['skipped_steps']} skipped")
-    print(f"model           {len(shapes)} parameters, {sum(_numel(list(s)) for s in shapes.values()):,} elements; "
-          f"{len(ds.buffer_names())} buffers, {len(ds.shared_params())} tied aliases")  # fmt: skip
+    print(
+        f"training        step {counters['global_steps']}, {counters['global_samples']} samples, {counters['skipped_steps']} skipped"
+    )
+    print(
+        f"model           {len(shapes)} parameters, {sum(_numel(list(s)) for s in shapes.values()):,} elements; "
+        f"{len(ds.buffer_names())} buffers, {len(ds.shared_params())} tied aliases"
+    )
     print(f"lr_scheduler    {'saved' if ds.model_state.get('lr_scheduler') is not None else 'none'}")
     print(f"client_state    {', '.join(sorted(ds.client_state())) or 'empty'}")
     print(f"files           {sum(1 for f in path.rglob('*') if f.is_file())}, {size / 2**20:.1f} MiB")
-    print("loads with      engine.load_checkpoint (any world size, stage and mesh); 'slipstream checkpoint convert' writes ours")
+    print(
+        "loads with      engine.load_checkpoint (any world size, stage and mesh); 'slipstream checkpoint convert' writes ours"
+    )
     return 0
 
 
@@ -84,14 +94,19 @@ def _export(args: argparse.Namespace) -> int:
 
         try:
             path, plan = export_hf(
-                args.dir, args.out, args.tag, {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype or "fp32", torch.float32),
+                args.dir,
+                args.out,
+                args.tag,
+                {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype or "fp32", torch.float32),
                 getattr(args, "max_shard_size", None) or DEFAULT_MAX_SHARD_SIZE,
-            )  # fmt: skip
+            )
         except ValueError as err:  # a --max-shard-size that is no size
             raise CheckpointError(str(err)) from None
         files = len(plan.files)
-        print(f"wrote {len(plan.weight_map)} tensors ({dtype or 'fp32'}, tied weights once) from {path} to {args.out} "
-              f"in {files} file{'s' if files > 1 else ''}{' with model.safetensors.index.json' if files > 1 else ''}")  # fmt: skip
+        print(
+            f"wrote {len(plan.weight_map)} tensors ({dtype or 'fp32'}, tied weights once) from {path} to {args.out} "
+            f"in {files} file{'s' if files > 1 else ''}{' with model.safetensors.index.json' if files > 1 else ''}"
+        )
         return 0
     if dtype not in (None, "fp32") or getattr(args, "max_shard_size", None) is not None:
         raise CheckpointError("export: --dtype and --max-shard-size apply to --format hf; the single file is fp32")
@@ -125,18 +140,26 @@ def inspect(directory: Path, tag: str | None, verify: bool) -> int:
     first = next((e for e in reader.rank_meta(0)["slices"] if "optimizer" in e), None)
     common = reader.common()
     print(f"checkpoint      {path}")
-    print(f"saved           {created} by slipstream {m['slipstream_version']} (torch {m['torch_version']}), format v{m['version']}")
+    print(
+        f"saved           {created} by slipstream {m['slipstream_version']} (torch {m['torch_version']}), format v{m['version']}"
+    )
     print(
         f"training        step {m['global_steps']} (micro-step {m['micro_steps']}), {m['world_size']} rank(s), "
         f"ZeRO stage {m['zero_stage']}, {m['precision']}"
     )
     print(f"mesh            {_mesh(m.get('mesh'))}")
-    print(f"model           {m['module_class']}: {len(params)} parameters, {numel:,} elements; {len(m['buffers'])} buffers")
-    print(f"state_dict      {len(m['state_dict_keys'])} keys ({len(m['state_dict_keys']) - len(params) - len(m['buffers'])} tied aliases)")
+    print(
+        f"model           {m['module_class']}: {len(params)} parameters, {numel:,} elements; {len(m['buffers'])} buffers"
+    )
+    print(
+        f"state_dict      {len(m['state_dict_keys'])} keys ({len(m['state_dict_keys']) - len(params) - len(m['buffers'])} tied aliases)"
+    )
     print(f"optimizer state {', '.join(first['optimizer']) if first else 'none'}")
     pieces = [e for r in range(reader.world_size) for e in reader.rank_meta(r)["slices"]]
     boxed = sum(1 for e in pieces if "box" in e)
-    layout = f"{boxed} in boxes ({_boxes(m.get('mesh') or {})})" if boxed else "all whole-tensor boxes (ZeRO flat ranges)"
+    layout = (
+        f"{boxed} in boxes ({_boxes(m.get('mesh') or {})})" if boxed else "all whole-tensor boxes (ZeRO flat ranges)"
+    )
     print(f"layout          {len(pieces)} saved pieces, {layout}")
     print(f"client_state    {', '.join(_keys(common['client_state'])) or 'empty'}")
     checked = "CRC-32 verified" if verify else "sizes checked (--verify for CRC-32)"

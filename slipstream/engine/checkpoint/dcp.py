@@ -37,8 +37,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)  # fmt: skip
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -59,7 +65,14 @@ MODEL, STATE, GROUPS, EXTRA = "model.", "optimizer.state.", "optimizer.param_gro
 # Group entries that choose an implementation rather than the mathematics: a load keeps ours.
 IMPLEMENTATION = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 # What torch's Adam/AdamW hold in a group beyond lr, betas, eps, weight_decay: our Adams (adamw_mode) are saved like them.
-TORCH_ADAM = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None}
+TORCH_ADAM = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+}
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -101,22 +114,28 @@ class _SavePlanner(DefaultSavePlanner):
         super().__init__()
         self.pieces = pieces
 
-    def set_up_planner(self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         for key in self.pieces:  # recorded as if nested: tools that rebuild the state dict see FSDP2's shape
             head, _, rest = key.partition(".")
-            self.mappings[key] = (head, "state", *rest[len("state.") :].rsplit(".", 1)) if key.startswith(STATE) else (head, rest)
+            self.mappings[key] = (
+                (head, "state", *rest[len("state.") :].rsplit(".", 1)) if key.startswith(STATE) else (head, rest)
+            )
 
     def create_local_plan(self) -> Any:
         plan = super().create_local_plan()
         items = [
             WriteItem(
-                index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+                index=MetadataIndex(key, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(torch.Size(offsets), tensor.shape),
-                    properties=TensorProperties.create_from_tensor(tensor), size=torch.Size(shape),
+                    properties=TensorProperties.create_from_tensor(tensor),
+                    size=torch.Size(shape),
                 ),
-            )  # fmt: skip
+            )
             for key, (shape, boxes) in self.pieces.items()
             for offsets, tensor in boxes.items()
         ]
@@ -162,8 +181,17 @@ class _LoadPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
-_METADATA_TYPES = {"ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata", "Metadata", "MetadataIndex",
-                   "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING", "MEM_FORMAT_ENCODING"}  # fmt: skip
+_METADATA_TYPES = {
+    "ChunkStorageMetadata",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "Metadata",
+    "MetadataIndex",
+    "TensorProperties",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
+    "MEM_FORMAT_ENCODING",
+}
 _SAFE_GLOBALS = {
     "torch.distributed.checkpoint.metadata": _METADATA_TYPES,
     "torch.distributed._shard.sharded_tensor.metadata": _METADATA_TYPES,  # where older torch kept TensorProperties
@@ -179,7 +207,9 @@ class _SafeUnpickler(pickle.Unpickler):
     """DCP's ``.metadata`` is a pickle: only its own record types, torch dtypes and paths are let through."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if name in _SAFE_GLOBALS.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if name in _SAFE_GLOBALS.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
 
@@ -198,7 +228,9 @@ class _Reader(FileSystemReader):
 def _group_names(target: CheckpointTarget, owned: list[OwnedSlice]) -> list[list[str]]:
     """The parameter names of each optimizer group, over all ranks (a rank may own no slice of some). Collective."""
     index = {id(p): i for i, g in enumerate(target.optimizer.param_groups) for p in g["params"]}
-    mine = list({o.slice.name: index.get(id(o.optimizer_param), 0) for o in owned if o.optimizer_param is not None}.items())
+    mine = list(
+        {o.slice.name: index.get(id(o.optimizer_param), 0) for o in owned if o.optimizer_param is not None}.items()
+    )
     every = all_gather_objects(mine)  # a parameter the optimizer does not hold itself (offload's stand-ins): group 0
     order = {n: i for i, (n, _) in enumerate(target.module.named_parameters())}  # FSDP2 lists them in module order
     found = dict(sorted({n: i for part in every for n, i in part}.items(), key=lambda e: order.get(e[0], len(order))))
@@ -220,7 +252,9 @@ def save_dcp(target: CheckpointTarget, path: str | Path, *, optimizer: bool = Tr
     dcp.save(plain, storage_writer=dcp.FileSystemWriter(str(path)), planner=_SavePlanner(pieces))
 
 
-def _save_plan(target: CheckpointTarget, owned: list[OwnedSlice], groups: list[list[str]], optimizer: bool) -> tuple[dict, dict]:
+def _save_plan(
+    target: CheckpointTarget, owned: list[OwnedSlice], groups: list[list[str]], optimizer: bool
+) -> tuple[dict, dict]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     names = {id(p): n for n, p in target.module.named_parameters()}
     aliases: dict[str, list[str]] = {}
@@ -249,7 +283,9 @@ def _save_plan(target: CheckpointTarget, owned: list[OwnedSlice], groups: list[l
                 if torch.is_tensor(v) and v.dim() > 0 and v.numel() == o.slice.numel:
                     add(f"{STATE}{part.name}.{name}", part, v.detach().reshape(-1)[lo:hi])
                 else:  # torch keeps step as a 0-dim float32 tensor; FusedAdam as a Python float
-                    scalars.setdefault(part.name, {})[name] = torch.tensor(v, dtype=torch.float32) if name == "step" and isinstance(v, (int, float)) else v
+                    scalars.setdefault(part.name, {})[name] = (
+                        torch.tensor(v, dtype=torch.float32) if name == "step" and isinstance(v, (int, float)) else v
+                    )
     plain: dict[str, Any] = {"model": {}}
     if rank == 0:
         for name, buf in persistent_buffers(target.module).items():
@@ -358,17 +394,24 @@ def _check_tensor(path: Path, md: dict[str, Any], key: str, shape: tuple[int, ..
     if not isinstance(entry, TensorStorageMetadata):
         raise _fail(path, f"{what} is not a tensor in it (key {key!r})")
     if tuple(entry.size) != tuple(shape):
-        raise _fail(path, f"{what} has shape {list(entry.size)} in the checkpoint but {list(shape)} in the model (key {key!r})")
+        raise _fail(
+            path, f"{what} has shape {list(entry.size)} in the checkpoint but {list(shape)} in the model (key {key!r})"
+        )
     held = sum(math.prod(c.sizes) for c in entry.chunks)
     if held != math.prod(shape):
-        raise _fail(path, f"{what}: its chunks hold {held} of {math.prod(shape)} elements (key {key!r}; the checkpoint is damaged)")
+        raise _fail(
+            path,
+            f"{what}: its chunks hold {held} of {math.prod(shape)} elements (key {key!r}; the checkpoint is damaged)",
+        )
 
 
 def _placeholder(entry: Any) -> Any:
     return torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
 
 
-def _load_plan(target: CheckpointTarget, path: Path, reader: _Reader, owned: list[OwnedSlice], optimizer: bool) -> _Request:
+def _load_plan(
+    target: CheckpointTarget, path: Path, reader: _Reader, owned: list[OwnedSlice], optimizer: bool
+) -> _Request:
     try:
         md = reader.read_metadata().state_dict_metadata
     except FileNotFoundError:
@@ -413,7 +456,9 @@ def _load_plan(target: CheckpointTarget, path: Path, reader: _Reader, owned: lis
     return request
 
 
-def _plan_optimizer(path: Path, md: dict[str, Any], shapes: dict[str, tuple[int, ...]], owned: list[OwnedSlice], request: _Request) -> None:
+def _plan_optimizer(
+    path: Path, md: dict[str, Any], shapes: dict[str, tuple[int, ...]], owned: list[OwnedSlice], request: _Request
+) -> None:
     if not any(k.startswith(STATE) for k in md):
         raise _fail(path, "it holds no optimizer state (no optimizer.state.* keys); load with optimizer=False")
     by_param: dict[str, dict[str, str]] = {}
@@ -428,17 +473,24 @@ def _plan_optimizer(path: Path, md: dict[str, Any], shapes: dict[str, tuple[int,
         shape, entry = shapes[o.slice.name], {}
         for name, key in by_param.get(o.slice.name, {}).items():
             m = md[key]
-            per_element = isinstance(m, TensorStorageMetadata) and tuple(m.size) == shape and (len(shape) > 0 or name != "step")
+            per_element = (
+                isinstance(m, TensorStorageMetadata) and tuple(m.size) == shape and (len(shape) > 0 or name != "step")
+            )
             if per_element:
                 _check_tensor(path, md, key, shape, f"optimizer state {name!r} of {o.slice.name!r}")
                 entry[name] = request.rows(key, o.slice, o.optimizer_param.dtype)
             elif isinstance(m, TensorStorageMetadata) and len(m.size) > 0:
-                raise _fail(path, f"optimizer state {name!r} of {o.slice.name!r} has shape {list(m.size)}, the parameter {list(shape)} (key {key!r})")
+                raise _fail(
+                    path,
+                    f"optimizer state {name!r} of {o.slice.name!r} has shape {list(m.size)}, the parameter {list(shape)} (key {key!r})",
+                )
             else:
                 entry[name], request.plain[key] = key, _placeholder(m)
         request.states[o.slice] = entry or None
     group_keys = [k for k in md if k.startswith(GROUPS)]
-    request.nested_groups = any(k[len(GROUPS) :].partition(".")[0].isdigit() and k.endswith(".params") for k in group_keys)
+    request.nested_groups = any(
+        k[len(GROUPS) :].partition(".")[0].isdigit() and k.endswith(".params") for k in group_keys
+    )
     for key in group_keys:
         rest = key[len(GROUPS) :]
         owner, _, hyper = rest.partition(".") if request.nested_groups else rest.rpartition(".")
@@ -449,7 +501,9 @@ def _plan_optimizer(path: Path, md: dict[str, Any], shapes: dict[str, tuple[int,
 
 def _decode(
     target: CheckpointTarget, path: Path, request: _Request, owned: list[OwnedSlice], groups: list[list[str]]
-) -> tuple[list[tuple[str, Any, Any]], list[tuple[dict[str, Any], dict[str, Any]]], dict[ParamSlice, torch.Tensor], Any]:  # fmt: skip
+) -> tuple[
+    list[tuple[str, Any, Any]], list[tuple[dict[str, Any], dict[str, Any]]], dict[ParamSlice, torch.Tensor], Any
+]:
     """Everything read turned into what is applied, checked (after DCP's read, before any change)."""
     plain = request.plain
     values = {s: _joined(parts, s.numel) for s, parts in request.values.items()}
@@ -465,7 +519,9 @@ def _decode(
                 if isinstance(found, list):
                     state[name] = _joined(found, o.slice.numel).reshape(param.shape).to(param.device)
                 elif torch.is_tensor(plain[found]):  # a scalar such as step: where torch's optimizers keep it
-                    state[name] = plain[found].to(param.device if group.get("fused") or group.get("capturable") else "cpu")
+                    state[name] = plain[found].to(
+                        param.device if group.get("fused") or group.get("capturable") else "cpu"
+                    )
                 else:
                     state[name] = plain[found]
             states[o.slice] = state or None
@@ -496,14 +552,17 @@ def _joined(parts: list[tuple[int, int, torch.Tensor]], numel: int) -> torch.Ten
 
 def _decode_groups(
     opt: torch.optim.Optimizer, path: Path, request: _Request, groups: list[list[str]]
-) -> list[tuple[dict[str, Any], dict[str, Any]]]:  # fmt: skip
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """``(current group, saved hyperparameters)``: each group takes the saved group of its parameters."""
     saved = {owner: {h: request.plain[k] for h, k in keys.items()} for owner, keys in request.groups.items()}
     of_param: dict[str, dict[str, Any]] = {}
     for owner, hyper in saved.items():
         members = hyper.get("params", []) if request.nested_groups else [owner]
         if not isinstance(members, list) or not all(isinstance(n, str) for n in members):
-            raise _fail(path, f"optimizer.param_groups.{owner}.params is {members!r}, expected a list of names (the checkpoint is damaged)")
+            raise _fail(
+                path,
+                f"optimizer.param_groups.{owner}.params is {members!r}, expected a list of names (the checkpoint is damaged)",
+            )
         for name in members:
             of_param[name] = hyper
     found = []
@@ -514,7 +573,9 @@ def _decode_groups(
         first, hyper = matched[0]
         other = next((n for n, h in matched if h is not hyper and not same_values(h, hyper)), None)
         if other is not None:
-            raise _fail(path, f"parameters {first!r} and {other!r} share an optimizer group here but not in the checkpoint")
+            raise _fail(
+                path, f"parameters {first!r} and {other!r} share an optimizer group here but not in the checkpoint"
+            )
         if "adamw_mode" in group and "decoupled_weight_decay" in hyper:  # saved by torch's Adam/AdamW
             hyper = {**hyper, "adamw_mode": bool(hyper["decoupled_weight_decay"])}
         hyper = {k: v for k, v in hyper.items() if k not in IMPLEMENTATION and k in group}
@@ -526,7 +587,10 @@ def _decode_groups(
             else:
                 ok = finite(value) if torch.is_tensor(current) or finite(current) else True
             if not ok:
-                raise _fail(path, f"optimizer group hyperparameter {key!r} of {first!r} is {value!r}, this optimizer has {current!r}")
+                raise _fail(
+                    path,
+                    f"optimizer group hyperparameter {key!r} of {first!r} is {value!r}, this optimizer has {current!r}",
+                )
             hyper[key] = value
         found.append((group, hyper))
     return found

@@ -35,7 +35,11 @@ def export_fp32(checkpoint: str | Path, out: str | Path, tag: str | None = None)
     out = _check_output(Path(out), path)
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_name(out.name + ".part")
-    metadata = {"format": "pt", "slipstream_checkpoint": str(path), "global_steps": str(reader.manifest["global_steps"])}
+    metadata = {
+        "format": "pt",
+        "slipstream_checkpoint": str(path),
+        "global_steps": str(reader.manifest["global_steps"]),
+    }
     try:
         write_safetensors(part, tensors, metadata)
         os.replace(part, out)
@@ -50,7 +54,11 @@ def _check_output(out: Path, checkpoint: Path) -> Path:
     if out.is_dir():
         raise CheckpointError(f"export: {out} is a directory; pass a file path such as {out / 'model.safetensors'}")
     resolved, source = out.resolve(), checkpoint.resolve()
-    if resolved.is_relative_to(source) or resolved == source.parent / LATEST or resolved.parent.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+    if (
+        resolved.is_relative_to(source)
+        or resolved == source.parent / LATEST
+        or resolved.parent.name.startswith((TMP_PREFIX, TRASH_PREFIX))
+    ):
         raise CheckpointError(
             f"export: {out} lies inside the checkpoint {checkpoint} it exports and could overwrite one of its files; "
             "write the export elsewhere"

@@ -41,10 +41,17 @@ TRASH_PREFIX = ".trash-"
 CHUNK = 16 * 2**20  # bytes per write/checksum call: large enough to release the GIL for long stretches
 
 _DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
-}  # fmt: skip
+}
 
 
 def rank_stem(rank: int) -> str:
@@ -84,7 +91,9 @@ def write_json_durably(path: Path, obj: Any) -> dict[str, int]:
     return write_bytes_durably(path, json.dumps(obj, indent=1, sort_keys=False).encode())
 
 
-def write_safetensors(path: Path, tensors: Any, metadata: dict[str, str] | None = None, checksum: bool = True) -> dict[str, int]:
+def write_safetensors(
+    path: Path, tensors: Any, metadata: dict[str, str] | None = None, checksum: bool = True
+) -> dict[str, int]:
     """Write ``tensors`` (a dict, or a :class:`GuardedTensors`) as a safetensors file, fsync it; return size and CRC-32.
 
     ``checksum=False`` records the size only (in-memory snapshots: RAM needs no media check, and the
@@ -110,7 +119,9 @@ def write_safetensors(path: Path, tensors: Any, metadata: dict[str, str] | None 
     return {"bytes": size, "crc32": crc} if checksum else {"bytes": size}
 
 
-def safetensors_header(layout: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> bytes:
+def safetensors_header(
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> bytes:
     """What precedes a safetensors file's data: the header length (8 bytes, little-endian) and the JSON header,
     padded so the data starts 8-byte aligned; ``layout`` is (key, dtype, shape) per tensor, in file order."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
@@ -179,7 +190,11 @@ def encode_tree(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], where: 
         if all(isinstance(k, str) for k in obj) and not any(m in obj for m in markers):
             return {k: encode_tree(v, f"{prefix}/{key_part(k)}", tensors, f"{where}[{k!r}]") for k, v in obj.items()}
         if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in obj):
-            return {"__items__": [[k, encode_tree(v, f"{prefix}/{key_part(k)}", tensors, f"{where}[{k!r}]")] for k, v in obj.items()]}
+            return {
+                "__items__": [
+                    [k, encode_tree(v, f"{prefix}/{key_part(k)}", tensors, f"{where}[{k!r}]")] for k, v in obj.items()
+                ]
+            }
         bad = next(k for k in obj if not isinstance(k, (str, int)) or isinstance(k, bool))
         raise TypeError(
             f"checkpoint: {where} has the key {bad!r} ({type(bad).__name__}); checkpoint dicts take str or int keys only"

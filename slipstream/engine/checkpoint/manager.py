@@ -29,11 +29,17 @@ from slipstream.comm import all_gather_objects
 from slipstream.comm.teardown import before_teardown
 from slipstream.engine.checkpoint import writer
 from slipstream.engine.checkpoint.agree import agree as _agree
+from slipstream.engine.checkpoint.capture import Payload, capture, merge_spread_manifest
 from slipstream.engine.checkpoint.deepspeed.source import locate as locate_deepspeed
 from slipstream.engine.checkpoint.deepspeed.staging import staged
-from slipstream.engine.checkpoint.capture import Payload, capture, merge_spread_manifest
 from slipstream.engine.checkpoint.format import TMP_PREFIX, TRASH_PREFIX
-from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader, complete_checkpoints, latest_tag, resolve
+from slipstream.engine.checkpoint.reader import (
+    CheckpointError,
+    CheckpointReader,
+    complete_checkpoints,
+    latest_tag,
+    resolve,
+)
 from slipstream.engine.checkpoint.restore import restore
 from slipstream.engine.checkpoint.snapshot import GuardedTensors
 from slipstream.engine.checkpoint.tags import check_load_tag, check_tag
@@ -101,10 +107,18 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(
-        self, target: CheckpointTarget, save_dir: str | Path, tag: Any, client_state: dict[str, Any] | None, save_latest: bool = True,
-        pin: Callable[[Any], Any] | None = None, synchronize: Callable[[], None] | None = None, *,
-        exclude_frozen: bool = False, mid_window: bool = False,
-    ) -> Path:  # fmt: skip
+        self,
+        target: CheckpointTarget,
+        save_dir: str | Path,
+        tag: Any,
+        client_state: dict[str, Any] | None,
+        save_latest: bool = True,
+        pin: Callable[[Any], Any] | None = None,
+        synchronize: Callable[[], None] | None = None,
+        *,
+        exclude_frozen: bool = False,
+        mid_window: bool = False,
+    ) -> Path:
         """Save ``target`` to ``save_dir/tag``. ``pin`` pins async snapshot buffers, ``synchronize`` waits for device copies.
 
         ``exclude_frozen`` leaves out parameters that do not require gradients; ``mid_window`` says the
@@ -120,8 +134,9 @@ class CheckpointManager:
         if mid_window:  # not micro_steps % gas: training hosts force early boundaries (an epoch's end)
             logger.warning(
                 "save_checkpoint at micro-step %d, inside an accumulation window: the gradients accumulated so far are "
-                "not saved (save right after engine.step() at a boundary)", counters.micro_steps,
-            )  # fmt: skip
+                "not saved (save right after engine.step() at a boundary)",
+                counters.micro_steps,
+            )
         # e.g. a client_state value that needs pickle: rank 0 alone captures it, every rank must raise
         # [Note: snapshots without collectives] An in-memory snapshot has no client state, its
         # directory is this run's alone (no lock, no other job's leftovers) and resume() cleared the
@@ -135,22 +150,32 @@ class CheckpointManager:
         if self.in_memory:
             tmp.mkdir(parents=True, exist_ok=True)
         else:
-            self._lock = _agree(lambda: writer.prepare(save_dir, tag) if rank == 0 else None, "preparing the checkpoint directory")
+            self._lock = _agree(
+                lambda: writer.prepare(save_dir, tag) if rank == 0 else None, "preparing the checkpoint directory"
+            )
         final = save_dir / tag
         if self.config.async_save:
             self._guard = payload.tensors = GuardedTensors(payload.tensors, self._buffers, pin)
             if synchronize is not None:
                 synchronize()  # device-to-host copies are complete before training goes on
             self._thread = threading.Thread(
-                target=self._persist, args=(payload, save_dir, tag, tmp, world, save_latest, started),
-                name=f"slipstream-save-{tag}", daemon=False,
-            )  # fmt: skip
+                target=self._persist,
+                args=(payload, save_dir, tag, tmp, world, save_latest, started),
+                name=f"slipstream-save-{tag}",
+                daemon=False,
+            )
             self._thread.start()
         else:
             try:
-                _agree(lambda: writer.write_rank(tmp, payload, checksum=not self.in_memory), "writing this rank's checkpoint files")
+                _agree(
+                    lambda: writer.write_rank(tmp, payload, checksum=not self.in_memory),
+                    "writing this rank's checkpoint files",
+                )
                 if rank == 0:
-                    _agree(lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest), "committing the checkpoint")
+                    _agree(
+                        lambda: self._commit(payload, save_dir, tag, tmp, world, save_latest),
+                        "committing the checkpoint",
+                    )
                 else:
                     _agree(lambda: None, "committing the checkpoint")
             finally:
@@ -173,7 +198,9 @@ class CheckpointManager:
         """``checkpoint.in_memory_interval``: whether the step just finished is snapshotted into shared memory."""
         return self.memory is not None and global_steps % self.config.in_memory_interval == 0
 
-    def snapshot(self, target: CheckpointTarget, pin: Callable[[Any], Any] | None, synchronize: Callable[[], None] | None) -> None:
+    def snapshot(
+        self, target: CheckpointTarget, pin: Callable[[Any], Any] | None, synchronize: Callable[[], None] | None
+    ) -> None:
         """Snapshot into this node's shared memory, written in the background while training goes on.
 
         [Note: in-memory snapshots] A snapshot is an ordinary checkpoint (same writer, same atomic
@@ -185,11 +212,15 @@ class CheckpointManager:
         assert self.memory is not None
         error = self.memory.wait(raise_errors=False)
         if error is not None:
-            logger.warning("in-memory snapshot failed (training goes on; the previous snapshot and save_dir remain): %s", error)
+            logger.warning(
+                "in-memory snapshot failed (training goes on; the previous snapshot and save_dir remain): %s", error
+            )
         assert self.memory.config.save_dir is not None
         self.memory.save(target, self.memory.config.save_dir, None, None, True, pin, synchronize)
 
-    def _persist(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool, started: float) -> None:
+    def _persist(
+        self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool, started: float
+    ) -> None:
         try:
             writer.write_rank(tmp, payload, checksum=not self.in_memory)
             if payload.rank == 0:
@@ -209,7 +240,16 @@ class CheckpointManager:
 
     def _commit(self, payload: Payload, save_dir: Path, tag: str, tmp: Path, world: int, save_latest: bool) -> None:
         assert payload.manifest is not None
-        writer.commit(save_dir, tag, tmp, world, payload.manifest, save_latest, self.config.commit_timeout, self.config.keep_last_n)
+        writer.commit(
+            save_dir,
+            tag,
+            tmp,
+            world,
+            payload.manifest,
+            save_latest,
+            self.config.commit_timeout,
+            self.config.keep_last_n,
+        )
 
     def wait(self, raise_errors: bool = True) -> BaseException | None:
         """Block until the background save (if any) is on disk; re-raise its failure (or return it)."""
@@ -230,16 +270,25 @@ class CheckpointManager:
             return
         tags = all_gather_objects(tag)
         if len(set(tags)) > 1:
-            message = f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; pass the same tag on every rank"
+            message = (
+                f"save_checkpoint: ranks passed different tags {sorted(set(tags))}; pass the same tag on every rank"
+            )
             if mode == "Fail":
                 raise ValueError(message + " (checkpoint.tag_validation is Fail)")
             logger.warning(message)
 
     # ------------------------------------------------------------------ load
     def load(
-        self, target: CheckpointTarget, load_dir: str | Path, tag: Any, *, strict: bool = True, optimizer: bool = True,
-        scheduler: bool = True, module_only: bool = False,
-    ) -> tuple[str | None, dict[str, Any] | None]:  # fmt: skip
+        self,
+        target: CheckpointTarget,
+        load_dir: str | Path,
+        tag: Any,
+        *,
+        strict: bool = True,
+        optimizer: bool = True,
+        scheduler: bool = True,
+        module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
         self.wait()
         if tag is not None:
             tag = check_load_tag(tag, "load_checkpoint")
@@ -268,15 +317,26 @@ class CheckpointManager:
     def _load_from(
         self, target: CheckpointTarget, path: Path, strict: bool, optimizer: bool, scheduler: bool, module_only: bool
     ) -> tuple[str, dict[str, Any]]:
-        reader = _agree(lambda: CheckpointReader(path, verify_checksums=self.config.verify_checksums), "opening the checkpoint")
+        reader = _agree(
+            lambda: CheckpointReader(path, verify_checksums=self.config.verify_checksums), "opening the checkpoint"
+        )
         client_state = restore(
-            target, reader, dist.get_rank(), strict=strict, optimizer=optimizer, scheduler=scheduler, module_only=module_only,
+            target,
+            reader,
+            dist.get_rank(),
+            strict=strict,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            module_only=module_only,
             agree=_agree,
         )
         logger.info(
             "loaded checkpoint %s (saved at step %d by %d ranks, ZeRO stage %d)",
-            path, reader.manifest["global_steps"], reader.world_size, reader.manifest["zero_stage"],
-        )  # fmt: skip
+            path,
+            reader.manifest["global_steps"],
+            reader.world_size,
+            reader.manifest["zero_stage"],
+        )
         return str(path), client_state
 
     # ------------------------------------------------------------------ config-driven saves
@@ -303,7 +363,9 @@ class CheckpointManager:
             return None
         assert self.memory.config.save_dir is not None
         directory = Path(self.memory.config.save_dir)
-        if dist.get_rank() == 0 and directory.is_dir():  # a killed attempt's partial snapshots: no rank writes before the gather below
+        if (
+            dist.get_rank() == 0 and directory.is_dir()
+        ):  # a killed attempt's partial snapshots: no rank writes before the gather below
             for child in directory.iterdir():
                 if child.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                     shutil.rmtree(child, ignore_errors=True)
@@ -313,11 +375,17 @@ class CheckpointManager:
         disk_steps = on_disk[-1][1].get("global_steps", 0) if on_disk else -1
         choice = str(newest[0]) if newest is not None and newest[1].get("global_steps", 0) > disk_steps else None
         if len(set(all_gather_objects(choice))) > 1:  # ranks see different snapshots: only the disk is common ground
-            logger.warning("auto_resume: the ranks found different in-memory snapshots; resuming from %s instead", save_dir)
+            logger.warning(
+                "auto_resume: the ranks found different in-memory snapshots; resuming from %s instead", save_dir
+            )
             return None
         if choice is not None:
-            logger.info("auto_resume: in-memory snapshot at step %d is newer than %s's (step %d)",
-                        newest[1].get("global_steps", 0), save_dir, disk_steps)  # type: ignore[index]  # fmt: skip
+            logger.info(
+                "auto_resume: in-memory snapshot at step %d is newer than %s's (step %d)",
+                newest[1].get("global_steps", 0),
+                save_dir,
+                disk_steps,
+            )  # type: ignore[index]
         return Path(choice) if choice is not None else None
 
     def due(self, global_steps: int) -> bool:
@@ -341,8 +409,15 @@ def _snapshot_manager(config: CheckpointConfig) -> CheckpointManager:
             "/dev/shm is its own; snapshots are not replicated to a peer node yet: use disk checkpoints (checkpoint.interval), "
             "or set checkpoint.in_memory_dir to a directory every rank shares"
         )
-    memory = config.model_copy(update={
-        "save_dir": directory, "keep_last_n": SNAPSHOTS_KEPT, "async_save": True, "interval": 0, "in_memory_interval": 0,
-        "auto_resume": False, "tag_validation": "Ignore",
-    })  # fmt: skip
+    memory = config.model_copy(
+        update={
+            "save_dir": directory,
+            "keep_last_n": SNAPSHOTS_KEPT,
+            "async_save": True,
+            "interval": 0,
+            "in_memory_interval": 0,
+            "auto_resume": False,
+            "tag_validation": "Ignore",
+        }
+    )
     return CheckpointManager(memory, in_memory=True)

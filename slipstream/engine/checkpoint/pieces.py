@@ -46,12 +46,18 @@ def check_tiling(name: str, shape: tuple[int, ...], entries: list[dict[str, Any]
         box = entry_box(e, shape)
         offsets, sizes = box
         if len(offsets) != len(shape) or len(sizes) != len(shape):
-            raise LayoutError(f"parameter {name!r}: a box has {len(offsets)} offsets and {len(sizes)} sizes for a {len(shape)}-d tensor")
+            raise LayoutError(
+                f"parameter {name!r}: a box has {len(offsets)} offsets and {len(sizes)} sizes for a {len(shape)}-d tensor"
+            )
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
-            raise LayoutError(f"parameter {name!r}: box offsets {list(offsets)} sizes {list(sizes)} lie outside its shape {list(shape)}")
+            raise LayoutError(
+                f"parameter {name!r}: box offsets {list(offsets)} sizes {list(sizes)} lie outside its shape {list(shape)}"
+            )
         volume = math.prod(sizes)
         if e["start"] < 0 or e["numel"] < 0 or e["start"] + e["numel"] > volume:
-            raise LayoutError(f"parameter {name!r}: elements {e['start']}..{e['start'] + e['numel']} lie outside their box of {volume}")
+            raise LayoutError(
+                f"parameter {name!r}: elements {e['start']}..{e['start'] + e['numel']} lie outside their box of {volume}"
+            )
         boxes.setdefault(box, []).append((e["start"], e["numel"]))
     total = 0
     for box, ranges in boxes.items():
@@ -61,10 +67,14 @@ def check_tiling(name: str, shape: tuple[int, ...], entries: list[dict[str, Any]
         for start, numel in sorted(r for r in ranges if r[1] > 0):
             if start != at:
                 what = "overlap" if start < at else "gap"
-                raise LayoutError(f"parameter {name!r}: saved slices {what} at element {min(start, at)} of box {list(box[0])}")
+                raise LayoutError(
+                    f"parameter {name!r}: saved slices {what} at element {min(start, at)} of box {list(box[0])}"
+                )
             at = start + numel
         if at != volume:
-            raise LayoutError(f"parameter {name!r}: elements {at}..{volume} of box {list(box[0])} are not saved (a gap)")
+            raise LayoutError(
+                f"parameter {name!r}: elements {at}..{volume} of box {list(box[0])} are not saved (a gap)"
+            )
     numel = math.prod(shape)
     real = [b for b in boxes if math.prod(b[1]) > 0]
     for i, a in enumerate(real):

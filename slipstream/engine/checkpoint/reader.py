@@ -31,7 +31,15 @@ from slipstream.engine.checkpoint.format import (
     file_crc32,
     rank_stem,
 )
-from slipstream.engine.checkpoint.pieces import LayoutError, assemble, check_keys, check_tiling, cut, entry_box, is_whole
+from slipstream.engine.checkpoint.pieces import (
+    LayoutError,
+    assemble,
+    check_keys,
+    check_tiling,
+    cut,
+    entry_box,
+    is_whole,
+)
 from slipstream.engine.checkpoint.tags import TagError, check_load_tag, tag_problem
 from slipstream.engine.checkpoint.validate import CheckpointError, check_manifest, check_rank_meta
 from slipstream.engine.zero.slices import ParamSlice
@@ -39,7 +47,15 @@ from slipstream.utils.placement import global_shape_and_box
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt")
 
-__all__ = ["CheckpointError", "CheckpointReader", "check_coverage", "check_files", "complete_checkpoints", "latest_tag", "resolve"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointReader",
+    "check_coverage",
+    "check_files",
+    "complete_checkpoints",
+    "latest_tag",
+    "resolve",
+]
 
 
 def _looks_safetensors(head: bytes, size: int) -> bool:
@@ -77,7 +93,9 @@ def read_json(path: Path, where: str) -> Any:
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:
-        raise CheckpointError(f"checkpoint {where}: {path.name} is not UTF-8 text (byte {err.start}); the file is damaged") from None
+        raise CheckpointError(
+            f"checkpoint {where}: {path.name} is not UTF-8 text (byte {err.start}); the file is damaged"
+        ) from None
     except json.JSONDecodeError as err:
         raise CheckpointError(f"checkpoint {where}: {path.name} is corrupt ({err})") from None
     except OSError as err:
@@ -108,7 +126,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     check_manifest(path, manifest, MANIFEST)
     if manifest["version"] not in READABLE_VERSIONS:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} has format version {manifest['version']}; readable: {READABLE_VERSIONS}")
+        raise CheckpointError(
+            f"checkpoint {path}: {MANIFEST} has format version {manifest['version']}; readable: {READABLE_VERSIONS}"
+        )
     return manifest
 
 
@@ -143,7 +163,9 @@ def check_coverage(where: str, parameters: dict[str, Any], slices: list[dict[str
             )
         entries = by_name.get(name, [])
         if any(tuple(e.get("shape", info["shape"])) != tuple(info["shape"]) for e in entries):
-            raise CheckpointError(f"checkpoint {where}: a slice of parameter {name!r} records another shape than {MANIFEST}")
+            raise CheckpointError(
+                f"checkpoint {where}: a slice of parameter {name!r} records another shape than {MANIFEST}"
+            )
         if all("start" in e for e in entries):
             try:
                 check_tiling(name, tuple(info["shape"]), entries)
@@ -151,7 +173,9 @@ def check_coverage(where: str, parameters: dict[str, Any], slices: list[dict[str
                 raise CheckpointError(f"checkpoint {where}: {err} (the rank files are damaged)") from None
     unknown = sorted(set(by_name) - set(parameters))
     if unknown:
-        raise CheckpointError(f"checkpoint {where}: slices of {unknown[0]!r}, which {MANIFEST} does not list (the rank files are damaged)")
+        raise CheckpointError(
+            f"checkpoint {where}: slices of {unknown[0]!r}, which {MANIFEST} does not list (the rank files are damaged)"
+        )
 
 
 def is_complete(path: Path) -> dict[str, Any] | None:
@@ -204,7 +228,14 @@ def stand_in(save_dir: Path, tag: str) -> Path | None:
         return tmp
     if latest_tag(save_dir) != tag:
         return None
-    trash = sorted((p for p in save_dir.glob(f"{TRASH_PREFIX}{glob.escape(tag)}-*") if p.name.rpartition("-")[0] == f"{TRASH_PREFIX}{tag}"), reverse=True)
+    trash = sorted(
+        (
+            p
+            for p in save_dir.glob(f"{TRASH_PREFIX}{glob.escape(tag)}-*")
+            if p.name.rpartition("-")[0] == f"{TRASH_PREFIX}{tag}"
+        ),
+        reverse=True,
+    )
     return next((p for p in trash if is_complete(p) is not None), None)
 
 
@@ -224,7 +255,11 @@ def resolve(load_dir: str | Path, tag: str | None, checksums: bool = True) -> Pa
     if (load_dir / MANIFEST).is_file():
         return load_dir
     if load_dir.is_file():
-        raise _pickle_refusal(load_dir) if _looks_pickled(load_dir) else CheckpointError(f"{load_dir} is not a checkpoint directory")
+        raise (
+            _pickle_refusal(load_dir)
+            if _looks_pickled(load_dir)
+            else CheckpointError(f"{load_dir} is not a checkpoint directory")
+        )
     pointed, reason = read_latest(load_dir)
     if pointed is not None:
         candidate = load_dir / pointed
@@ -235,7 +270,10 @@ def resolve(load_dir: str | Path, tag: str | None, checksums: bool = True) -> Pa
             return candidate
         except CheckpointError as err:
             reason = str(err)
-    newest = next((path for path, manifest in reversed(complete_checkpoints(load_dir)) if _verifies(path, manifest, checksums)), None)
+    newest = next(
+        (path for path, manifest in reversed(complete_checkpoints(load_dir)) if _verifies(path, manifest, checksums)),
+        None,
+    )
     if newest is None:
         if pointed is not None or reason:
             raise CheckpointError(
@@ -249,7 +287,10 @@ def resolve(load_dir: str | Path, tag: str | None, checksums: bool = True) -> Pa
             stacklevel=3,
         )
     else:
-        warnings.warn(f"checkpoint: {load_dir} has no {LATEST} file; loading the newest complete checkpoint, {newest.name!r}", stacklevel=3)
+        warnings.warn(
+            f"checkpoint: {load_dir} has no {LATEST} file; loading the newest complete checkpoint, {newest.name!r}",
+            stacklevel=3,
+        )
     return newest
 
 
@@ -273,7 +314,9 @@ class CheckpointReader:
         for rank in range(self.world_size):
             for suffix in (".json", ".safetensors"):
                 if f"{rank_stem(rank)}{suffix}" not in self.manifest["files"]:
-                    raise CheckpointError(f"checkpoint {self.path}: {MANIFEST} lists no {rank_stem(rank)}{suffix} (world size {self.world_size})")
+                    raise CheckpointError(
+                        f"checkpoint {self.path}: {MANIFEST} lists no {rank_stem(rank)}{suffix} (world size {self.world_size})"
+                    )
         self._meta: dict[int, dict[str, Any]] = {}
         self._full: tuple[str, torch.Tensor] | None = None  # the last parameter assembled from boxes
         self._files: dict[int, Any] = {}
@@ -284,9 +327,13 @@ class CheckpointReader:
             for entry in self.rank_meta(rank)["slices"]:
                 wrong = check_keys(entry, self.manifest["version"])
                 if wrong is not None:
-                    raise CheckpointError(f"checkpoint {self.path}: {rank_stem(rank)}.json: a slice of {entry['name']!r} has {wrong} (the file is damaged)")
+                    raise CheckpointError(
+                        f"checkpoint {self.path}: {rank_stem(rank)}.json: a slice of {entry['name']!r} has {wrong} (the file is damaged)"
+                    )
                 self._index.setdefault(entry["name"], []).append((entry["start"], entry["numel"], rank, entry))
-        check_coverage(str(self.path), self.manifest["parameters"], [e[3] for entries in self._index.values() for e in entries])
+        check_coverage(
+            str(self.path), self.manifest["parameters"], [e[3] for entries in self._index.values() for e in entries]
+        )
         for entries in self._index.values():
             entries.sort(key=lambda e: e[0])
         self._starts = {name: [e[0] for e in entries] for name, entries in self._index.items()}
@@ -301,7 +348,11 @@ class CheckpointReader:
         file = self.path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {self.path} is incomplete: {name} is missing (listed in {MANIFEST})")
-        if (self.verify_checksums or name.endswith(".json")) and "crc32" in record and file_crc32(file) != record["crc32"]:
+        if (
+            (self.verify_checksums or name.endswith(".json"))
+            and "crc32" in record
+            and file_crc32(file) != record["crc32"]
+        ):
             raise CheckpointError(f"checkpoint {self.path}: {name} fails its CRC-32 check (corrupt)")
         self._verified.add(name)
 
@@ -326,20 +377,26 @@ class CheckpointReader:
             try:
                 handle = self._files[rank] = safe_open(str(self.path / name), framework="pt")
             except SafetensorError as err:
-                raise CheckpointError(f"checkpoint {self.path}: {name} is not a valid safetensors file ({err})") from None
+                raise CheckpointError(
+                    f"checkpoint {self.path}: {name} is not a valid safetensors file ({err})"
+                ) from None
         return handle
 
     def tensor(self, rank: int, key: Any) -> torch.Tensor:
         handle = self._open(rank)
         if not isinstance(key, str) or key not in handle.keys():
-            raise CheckpointError(f"checkpoint {self.path}: {rank_stem(rank)}.safetensors holds no tensor {key!r} (the files are damaged)")
+            raise CheckpointError(
+                f"checkpoint {self.path}: {rank_stem(rank)}.safetensors holds no tensor {key!r} (the files are damaged)"
+            )
         return handle.get_tensor(key)
 
     def _piece(self, rank: int, key: Any, numel: int) -> Any:
         """The saved 1-D tensor ``key`` as a lazy slice, after checking it has the ``numel`` its entry says."""
         handle = self._open(rank)
         if not isinstance(key, str) or key not in handle.keys():
-            raise CheckpointError(f"checkpoint {self.path}: {rank_stem(rank)}.safetensors holds no tensor {key!r} (the files are damaged)")
+            raise CheckpointError(
+                f"checkpoint {self.path}: {rank_stem(rank)}.safetensors holds no tensor {key!r} (the files are damaged)"
+            )
         piece = handle.get_slice(key)
         shape = piece.get_shape()
         if list(shape) != [numel]:
@@ -389,12 +446,15 @@ class CheckpointReader:
             parts = []
             if missing:
                 hint = " (frozen parameters left out by exclude_frozen_parameters=True: load with load_module_strict=False)"
-                parts.append(f"missing from the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
-                             + (hint if frozen_only else ""))
+                parts.append(
+                    f"missing from the checkpoint: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+                    + (hint if frozen_only else "")
+                )
             if strict and unexpected:
                 parts.append(f"not in the model: {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
             raise CheckpointError(
-                f"checkpoint {self.path} does not fit the model ({self.manifest.get('module_class')} was saved): " + "; ".join(parts)
+                f"checkpoint {self.path} does not fit the model ({self.manifest.get('module_class')} was saved): "
+                + "; ".join(parts)
             )
 
     def _overlaps(self, s: ParamSlice) -> list[tuple[int, int, int, dict[str, Any]]]:
@@ -412,7 +472,9 @@ class CheckpointReader:
                 found.append(entry)
         return found
 
-    def _assemble(self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None = None, what: str = "weights") -> torch.Tensor:
+    def _assemble(
+        self, s: ParamSlice, key_of: Any, dtype: torch.dtype | None = None, what: str = "weights"
+    ) -> torch.Tensor:
         """``s`` of the tensor ``what`` (the weights or one optimizer state) whose saved keys ``key_of(entry)`` gives."""
         end = s.start + s.numel
         if s.numel == 0:
@@ -421,7 +483,9 @@ class CheckpointReader:
         if boxed:
             return self._from_boxes(s, key_of, dtype, what)
         overlaps = self._overlaps(s)
-        if len(overlaps) == 1 and overlaps[0][0] == s.start and overlaps[0][1] == s.numel:  # saved as asked: no re-slicing
+        if (
+            len(overlaps) == 1 and overlaps[0][0] == s.start and overlaps[0][1] == s.numel
+        ):  # saved as asked: no re-slicing
             piece = self._piece(overlaps[0][2], key_of(overlaps[0][3]), s.numel)[:]
             return piece if dtype is None or piece.dtype == dtype else piece.to(dtype)
         out: torch.Tensor | None = None
@@ -472,18 +536,24 @@ class CheckpointReader:
             found = [self.read_optimizer_state(part) for _, _, part in s.split()]
             if not found or any(f is None for f in found):
                 if any(f is not None for f in found):
-                    raise CheckpointError(f"checkpoint {self.path}: parameter {s.name!r} has optimizer state for only some of its slices")
+                    raise CheckpointError(
+                        f"checkpoint {self.path}: parameter {s.name!r} has optimizer state for only some of its slices"
+                    )
                 return None
             first = found[0]
             assert first is not None
-            return {k: ("slice", torch.cat([f[k][1] for f in found])) if kind == "slice" else (kind, v)  # type: ignore[index]
-                    for k, (kind, v) in first.items()}  # fmt: skip
+            return {
+                k: ("slice", torch.cat([f[k][1] for f in found])) if kind == "slice" else (kind, v)  # type: ignore[index]
+                for k, (kind, v) in first.items()
+            }
         overlaps = self._overlaps(s)
         with_state = [e for e in overlaps if "optimizer" in e[3]]
         if not with_state:
             return None
         if len(with_state) != len(overlaps):
-            raise CheckpointError(f"checkpoint {self.path}: parameter {s.name!r} has optimizer state for only some of its slices")
+            raise CheckpointError(
+                f"checkpoint {self.path}: parameter {s.name!r} has optimizer state for only some of its slices"
+            )
         first_rank, first = with_state[0][2], with_state[0][3]
         state: dict[str, tuple[str, Any]] = {}
         for key, record in first["optimizer"].items():
@@ -500,7 +570,9 @@ def _state_key(key: str, path: Path) -> Any:
     def of(entry: dict[str, Any]) -> Any:
         record = entry.get("optimizer", {}).get(key)
         if not isinstance(record, dict) or "slice" not in record:
-            raise CheckpointError(f"checkpoint {path}: a slice of {entry['name']!r} has no optimizer state {key!r} (the files are damaged)")
+            raise CheckpointError(
+                f"checkpoint {path}: a slice of {entry['name']!r} has no optimizer state {key!r} (the files are damaged)"
+            )
         return record["slice"]
 
     return of

@@ -40,9 +40,16 @@ class _Decoded:
 
 
 def restore(
-    target: CheckpointTarget, reader: CheckpointReader, rank: int, *, strict: bool, optimizer: bool, scheduler: bool,
-    module_only: bool, agree: Any = None,
-) -> dict[str, Any]:  # fmt: skip
+    target: CheckpointTarget,
+    reader: CheckpointReader,
+    rank: int,
+    *,
+    strict: bool,
+    optimizer: bool,
+    scheduler: bool,
+    module_only: bool,
+    agree: Any = None,
+) -> dict[str, Any]:
     """Load ``reader``'s checkpoint into ``target``; returns the client state. Collective.
 
     Everything is read first (``agree`` runs that on every rank and raises everywhere if any rank
@@ -52,8 +59,17 @@ def restore(
     model_names = _model_names(target) if target.spread else None
 
     def read_all() -> _Decoded:
-        return _read(target, reader, rank, owned, strict=strict, optimizer=optimizer and not module_only,
-                     scheduler=scheduler, module_only=module_only, model_names=model_names)  # fmt: skip
+        return _read(
+            target,
+            reader,
+            rank,
+            owned,
+            strict=strict,
+            optimizer=optimizer and not module_only,
+            scheduler=scheduler,
+            module_only=module_only,
+            model_names=model_names,
+        )
 
     decoded = agree(read_all, "reading the checkpoint") if agree is not None else read_all()
     apply_stateful(decoded.stateful, reader.path)
@@ -79,9 +95,17 @@ def _model_names(target: CheckpointTarget) -> set[str]:
 
 
 def _read(
-    target: CheckpointTarget, reader: CheckpointReader, rank: int, owned: list[OwnedSlice], *, strict: bool, optimizer: bool,
-    scheduler: bool, module_only: bool, model_names: set[str] | None = None,
-) -> _Decoded:  # fmt: skip
+    target: CheckpointTarget,
+    reader: CheckpointReader,
+    rank: int,
+    owned: list[OwnedSlice],
+    *,
+    strict: bool,
+    optimizer: bool,
+    scheduler: bool,
+    module_only: bool,
+    model_names: set[str] | None = None,
+) -> _Decoded:
     reader.check_model(target.module, strict=strict, model_names=model_names)
     saved = reader.manifest["parameters"]  # a frozen parameter left out (non-strict load) keeps its value
     values = {o.slice: reader.read_param(o.slice) if o.slice.name in saved else o.value.detach().clone() for o in owned}
@@ -100,7 +124,11 @@ def _read(
         return _Decoded(values, buffers, None, None, [], {})
     states, groups = None, None
     if optimizer:
-        states = {o.slice: _check_state(reader, o, reader.read_optimizer_state(o.slice)) for o in owned if o.optimizer_param is not None}
+        states = {
+            o.slice: _check_state(reader, o, reader.read_optimizer_state(o.slice))
+            for o in owned
+            if o.optimizer_param is not None
+        }
         groups = _check_groups(reader, target.optimizer, reader.decode(0, common["optimizer_groups"]))
     stateful: list[tuple[str, Any, Any]] = []
     if scheduler and target.scheduler is not None and common["lr_scheduler"] is not None:
@@ -110,8 +138,14 @@ def _read(
     if isinstance(scaler, dict) and set(scaler) == set(current):
         stateful.append(("loss scaler", target.loss_scaler, scaler))
     elif current:  # e.g. an fp32 or bf16 checkpoint into an fp16 engine: no scale was saved
-        logger.info("checkpoint %s was saved as %s: the loss scaler keeps its initial state", reader.path, reader.manifest["precision"])
-    stateful.append(("counters", target.counters, dataclasses.asdict(counters_from(reader.path, common["counters"], target))))
+        logger.info(
+            "checkpoint %s was saved as %s: the loss scaler keeps its initial state",
+            reader.path,
+            reader.manifest["precision"],
+        )
+    stateful.append(
+        ("counters", target.counters, dataclasses.asdict(counters_from(reader.path, common["counters"], target)))
+    )
     stateful.extend(_per_rank(target, reader, rank))
     return _Decoded(values, buffers, states, groups, stateful, reader.decode(0, common["client_state"]))
 
@@ -128,9 +162,12 @@ def counters_from(where: Path, saved: Any, target: CheckpointTarget) -> TrainSta
     # Micro-steps count accumulation windows of the *current* size: another world size may mean another gas.
     into_window = saved["micro_steps"] - saved["global_steps"] * saved["gradient_accumulation_steps"]
     return TrainState(
-        global_steps=saved["global_steps"], micro_steps=saved["global_steps"] * now + into_window,
-        global_samples=saved["global_samples"], skipped_steps=saved["skipped_steps"], gradient_accumulation_steps=now,
-    )  # fmt: skip
+        global_steps=saved["global_steps"],
+        micro_steps=saved["global_steps"] * now + into_window,
+        global_samples=saved["global_samples"],
+        skipped_steps=saved["skipped_steps"],
+        gradient_accumulation_steps=now,
+    )
 
 
 def _check_groups(reader: CheckpointReader, opt: torch.optim.Optimizer, groups: Any) -> list[dict[str, Any]]:
@@ -142,9 +179,16 @@ def _check_groups(reader: CheckpointReader, opt: torch.optim.Optimizer, groups: 
     hyperparameters, the counts may differ: each current group gets them.
     """
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise CheckpointError(f"checkpoint {reader.path}: common.optimizer_groups is not a list of dicts (the file is damaged)")
+        raise CheckpointError(
+            f"checkpoint {reader.path}: common.optimizer_groups is not a list of dicts (the file is damaged)"
+        )
     current = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    if len(groups) != len(current) and groups and all(same_values(g, groups[0]) for g in groups) and all(same_values(c, current[0]) for c in current):
+    if (
+        len(groups) != len(current)
+        and groups
+        and all(same_values(g, groups[0]) for g in groups)
+        and all(same_values(c, current[0]) for c in current)
+    ):
         groups = [groups[0]] * len(current)
     if len(groups) != len(opt.param_groups):
         raise CheckpointError(
@@ -185,7 +229,9 @@ def finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_state(reader: CheckpointReader, o: OwnedSlice, state: dict[str, tuple[str, Any]] | None) -> dict[str, Any] | None:
+def _check_state(
+    reader: CheckpointReader, o: OwnedSlice, state: dict[str, tuple[str, Any]] | None
+) -> dict[str, Any] | None:
     """The optimizer state of one slice, moved to its parameter's device and shape; numel checked."""
     if state is None:
         return None
@@ -219,14 +265,23 @@ def _per_rank(target: CheckpointTarget, reader: CheckpointReader, rank: int) -> 
         if not same_world:
             logger.info("checkpoint saved by %d ranks: this rank takes rank %d's RNG state", reader.world_size, source)
     else:
-        logger.warning("checkpoint saved by %d ranks has no RNG state for rank %d; keeping the current one", reader.world_size, rank)
+        logger.warning(
+            "checkpoint saved by %d ranks has no RNG state for rank %d; keeping the current one",
+            reader.world_size,
+            rank,
+        )
     for name, obj in target.extra.items():
         # The engine's loader position is global (any rank's will do); other objects' state is per rank.
         src = next((r for r in (source, 0) if r is not None and name in reader.rank_meta(r)["stateful"]), None)
         if src is None:
             if "source" in reader.manifest:  # converted from DeepSpeed, which saves only its own engine's state
-                logger.info("%s checkpoint %s carries no state for %r; it keeps its current state (a host integration "
-                            "restores its own files)", reader.manifest["source"].get("format", "foreign"), reader.path, name)  # fmt: skip
+                logger.info(
+                    "%s checkpoint %s carries no state for %r; it keeps its current state (a host integration "
+                    "restores its own files)",
+                    reader.manifest["source"].get("format", "foreign"),
+                    reader.path,
+                    name,
+                )
             else:
                 logger.warning("checkpoint %s holds no state for %r; it starts fresh", reader.path, name)
             continue

@@ -12,7 +12,9 @@ import torch
 class RngState:
     """A ``Stateful`` over the process-global generators; the device's through the accelerator's two hooks."""
 
-    def __init__(self, device_get: Callable[[], torch.Tensor | None], device_set: Callable[[torch.Tensor], None]) -> None:
+    def __init__(
+        self, device_get: Callable[[], torch.Tensor | None], device_set: Callable[[torch.Tensor], None]
+    ) -> None:
         self._device_get, self._device_set = device_get, device_set
 
     def state_dict(self) -> dict[str, Any]:

@@ -28,7 +28,10 @@ class GuardedTensors:
     """Tensors for :func:`write_safetensors`: live views until :meth:`fence`, CPU copies after."""
 
     def __init__(
-        self, live: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], pin: Callable[[torch.Tensor], torch.Tensor] | None
+        self,
+        live: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        pin: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> None:
         self._buffers, self._pin = buffers, pin
         self._live = live

@@ -58,9 +58,16 @@ def check_tag(tag: Any, where: str) -> str:
 def check_load_tag(tag: Any, where: str) -> str:
     """A tag to read: a relative path inside the load directory (``sub/global_step2`` is fine, ``../x`` or ``/x`` is not)."""
     if not isinstance(tag, str) or not tag:
-        raise TagError(f"{where}: tag {tag!r} is not a non-empty string; pass the checkpoint's directory name, e.g. 'global_step100'")
+        raise TagError(
+            f"{where}: tag {tag!r} is not a non-empty string; pass the checkpoint's directory name, e.g. 'global_step100'"
+        )
     parts = tag.replace("\\", "/").split("/")
-    if tag.startswith(("/", "\\")) or (len(tag) > 1 and tag[1] == ":") or any(p in ("", ".", "..") for p in parts) or "\0" in tag:
+    if (
+        tag.startswith(("/", "\\"))
+        or (len(tag) > 1 and tag[1] == ":")
+        or any(p in ("", ".", "..") for p in parts)
+        or "\0" in tag
+    ):
         raise TagError(
             f"{where}: tag {tag!r} leaves the checkpoint directory (absolute, empty, '.' or '..' components); "
             "pass a checkpoint name relative to it, e.g. 'global_step100'"

@@ -82,7 +82,9 @@ class CheckpointTarget:
     zero_stage: int
     precision: str
     world_size: int
-    spread: bool = False  # ranks hold different parts of the model (tp/pp/ep): the manifest is the union of every rank's
+    spread: bool = (
+        False  # ranks hold different parts of the model (tp/pp/ep): the manifest is the union of every rank's
+    )
     # The mesh's axis sizes (pp, dp, cp, sp, tp, ep), recorded in the manifest for ``checkpoint inspect``;
     # empty: not recorded. Informational only: a checkpoint loads under any mesh.
     mesh: Mapping[str, int] = dataclasses.field(default_factory=dict)

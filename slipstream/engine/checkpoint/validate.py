@@ -73,21 +73,37 @@ _MANIFEST = {
 def check_manifest(path: Path, m: dict[str, Any], file: str) -> None:
     _check(path, file, m, _MANIFEST)
     mesh = m.get("mesh")  # optional: checkpoints written before it was recorded have none
-    if mesh is not None and not (isinstance(mesh, dict) and all(isinstance(k, str) and _is_int(v) and v >= 1 for k, v in mesh.items())):
+    if mesh is not None and not (
+        isinstance(mesh, dict) and all(isinstance(k, str) and _is_int(v) and v >= 1 for k, v in mesh.items())
+    ):
         raise _fail(path, file, "mesh", mesh, "an object of axis sizes (positive integers)")
     for name, info in m["parameters"].items():
         if not isinstance(info, dict) or not _shape(info.get("shape")):
-            raise _fail(path, file, f"parameters[{name!r}].shape", info.get("shape") if isinstance(info, dict) else info, "a list of sizes")
+            raise _fail(
+                path,
+                file,
+                f"parameters[{name!r}].shape",
+                info.get("shape") if isinstance(info, dict) else info,
+                "a list of sizes",
+            )
     for name, info in m["buffers"].items():
         if not isinstance(info, dict) or not _shape(info.get("shape")):
             raise _fail(path, file, f"buffers[{name!r}].shape", info, "a list of sizes")
     for key, source in m["state_dict_keys"].items():
-        ok = isinstance(source, dict) and len(source) == 1 and (
-            isinstance(source.get("param"), str) and source["param"] in m["parameters"]
-            or isinstance(source.get("buffer"), str) and source["buffer"] in m["buffers"]
+        ok = (
+            isinstance(source, dict)
+            and len(source) == 1
+            and (
+                isinstance(source.get("param"), str)
+                and source["param"] in m["parameters"]
+                or isinstance(source.get("buffer"), str)
+                and source["buffer"] in m["buffers"]
+            )
         )
         if not ok:
-            raise _fail(path, file, f"state_dict_keys[{key!r}]", source, "{'param': NAME} or {'buffer': NAME} of a listed one")
+            raise _fail(
+                path, file, f"state_dict_keys[{key!r}]", source, "{'param': NAME} or {'buffer': NAME} of a listed one"
+            )
     for name, record in m["files"].items():
         if not _plain_name(name):
             raise _fail(path, file, "files", name, "plain file names inside the checkpoint directory")
@@ -111,31 +127,44 @@ _SLICE = {
 def check_rank_meta(path: Path, meta: Any, file: str, rank: int) -> None:
     if not isinstance(meta, dict):
         raise _fail(path, file, "(the whole file)", meta, "a JSON object")
-    _check(path, file, meta, {
-        "slices": (lambda v: isinstance(v, list) and all(isinstance(e, dict) for e in v), "a list of objects"),
-        "stateful": (lambda v: isinstance(v, dict), "an object"),
-        "rng": (lambda v: isinstance(v, dict), "an object"),
-    })  # fmt: skip
+    _check(
+        path,
+        file,
+        meta,
+        {
+            "slices": (lambda v: isinstance(v, list) and all(isinstance(e, dict) for e in v), "a list of objects"),
+            "stateful": (lambda v: isinstance(v, dict), "an object"),
+            "rng": (lambda v: isinstance(v, dict), "an object"),
+        },
+    )
     for i, entry in enumerate(meta["slices"]):
         _check(path, file, entry, _SLICE, f"slices[{i}].")
         box = entry.get("box")
-        if box is not None and not (
-            isinstance(box, dict) and _shape(box.get("offsets")) and _shape(box.get("sizes"))
-        ):
+        if box is not None and not (isinstance(box, dict) and _shape(box.get("offsets")) and _shape(box.get("sizes"))):
             raise _fail(path, file, f"slices[{i}].box", box, "{'offsets': [...], 'sizes': [...]}")
         if "optimizer" in entry and not (
-            isinstance(entry["optimizer"], dict) and all(isinstance(r, dict) and len(r) >= 1 for r in entry["optimizer"].values())
+            isinstance(entry["optimizer"], dict)
+            and all(isinstance(r, dict) and len(r) >= 1 for r in entry["optimizer"].values())
         ):
             raise _fail(path, file, f"slices[{i}].optimizer", entry["optimizer"], "an object of records")
     if rank == 0:
         common = meta.get("common")
         if not isinstance(common, dict):
             raise _fail(path, file, "common", common, "an object")
-        _check(path, file, common, {
-            "counters": (lambda v: isinstance(v, dict), "an object"),
-            "buffers": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v.values()), "an object of tensor keys"),
-            "client_state": (lambda v: isinstance(v, (dict, list)), "an encoded dict"),
-            "optimizer_groups": (lambda v: isinstance(v, list), "a list of groups"),
-            "loss_scaler": (lambda v: isinstance(v, dict), "an object"),
-            "lr_scheduler": (lambda v: v is None or isinstance(v, dict), "an object or null"),
-        }, "common.")  # fmt: skip
+        _check(
+            path,
+            file,
+            common,
+            {
+                "counters": (lambda v: isinstance(v, dict), "an object"),
+                "buffers": (
+                    lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v.values()),
+                    "an object of tensor keys",
+                ),
+                "client_state": (lambda v: isinstance(v, (dict, list)), "an encoded dict"),
+                "optimizer_groups": (lambda v: isinstance(v, list), "a list of groups"),
+                "loss_scaler": (lambda v: isinstance(v, dict), "an object"),
+                "lr_scheduler": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+            },
+            "common.",
+        )

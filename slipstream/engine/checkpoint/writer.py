@@ -54,8 +54,14 @@ from slipstream.engine.checkpoint.format import (
     write_json_durably,
     write_safetensors,
 )
+from slipstream.engine.checkpoint.reader import (
+    CheckpointError,
+    check_coverage,
+    complete_checkpoints,
+    latest_tag,
+    stand_in,
+)
 from slipstream.engine.checkpoint.validate import METADATA_CRC_ONLY
-from slipstream.engine.checkpoint.reader import CheckpointError, check_coverage, complete_checkpoints, latest_tag, stand_in
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -92,7 +98,9 @@ class TagLock:
                 self._fd = fd
                 return
             os.close(fd)  # the previous holder removed the file after we opened it: lock the one there now
-        raise CheckpointError(f"save_checkpoint: {self.path} was replaced {self.ATTEMPTS} times while being locked; not saving")
+        raise CheckpointError(
+            f"save_checkpoint: {self.path} was replaced {self.ATTEMPTS} times while being locked; not saving"
+        )
 
     def release(self) -> None:
         """Remove the lock file while still holding it, then unlock (closing the descriptor)."""
@@ -154,7 +162,11 @@ def recover(save_dir: Path, own_tag: str) -> None:
             continue
         if not child.is_dir() or not name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             continue
-        tag = name.removeprefix(TMP_PREFIX) if name.startswith(TMP_PREFIX) else name.removeprefix(TRASH_PREFIX).rpartition("-")[0]
+        tag = (
+            name.removeprefix(TMP_PREFIX)
+            if name.startswith(TMP_PREFIX)
+            else name.removeprefix(TRASH_PREFIX).rpartition("-")[0]
+        )
         if tag == own_tag:
             _recover_tag(save_dir, tag, child)
         else:
@@ -224,9 +236,15 @@ def write_rank(tmp: Path, payload: Payload, checksum: bool = True) -> None:
 
 
 def commit(
-    save_dir: Path, tag: str, tmp: Path, world: int, manifest: dict[str, Any], save_latest: bool, timeout: float,
+    save_dir: Path,
+    tag: str,
+    tmp: Path,
+    world: int,
+    manifest: dict[str, Any],
+    save_latest: bool,
+    timeout: float,
     keep_last_n: int = 0,
-) -> Path:  # fmt: skip
+) -> Path:
     """Rank 0: wait for every rank's files, write the manifest, move the checkpoint into place, point ``latest`` at it."""
     files: dict[str, dict[str, int]] = {}
     slices: list[dict[str, Any]] = []
@@ -235,7 +253,9 @@ def commit(
         meta_path = tmp / f"{rank_stem(rank)}.json"
         while not meta_path.is_file():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"checkpoint {tag}: rank {rank} did not finish writing within {timeout:.0f}s; not committed")
+                raise TimeoutError(
+                    f"checkpoint {tag}: rank {rank} did not finish writing within {timeout:.0f}s; not committed"
+                )
             time.sleep(0.01)
         data = meta_path.read_bytes()
         meta = json.loads(data)
@@ -267,7 +287,10 @@ def commit(
     if keep_last_n > 0:
         try:
             retain(save_dir, keep_last_n)
-        except (OSError, CheckpointError) as err:  # the new checkpoint is committed: a failed cleanup must not undo that
+        except (
+            OSError,
+            CheckpointError,
+        ) as err:  # the new checkpoint is committed: a failed cleanup must not undo that
             logger.warning("checkpoint retention (keep_last_n=%d) in %s failed: %s", keep_last_n, save_dir, err)
     return final
 
@@ -298,5 +321,7 @@ def retain(save_dir: Path, keep_last_n: int) -> list[Path]:
         shutil.rmtree(trash, ignore_errors=True)
         removed.append(path)
     if removed:
-        logger.info("checkpoint retention (keep_last_n=%d): removed %s", keep_last_n, ", ".join(p.name for p in removed))
+        logger.info(
+            "checkpoint retention (keep_last_n=%d): removed %s", keep_last_n, ", ".join(p.name for p in removed)
+        )
     return removed

@@ -22,13 +22,29 @@ logger = get_logger(__name__)
 
 # DeepSpeed top-level sections we accept so existing configs load, but which have no effect here.
 IGNORED_SECTIONS = (
-    "autotuning", "elasticity", "compression_training", "data_efficiency",
-    "curriculum_learning", "progressive_layer_drop", "eigenvalue", "quantize_training", "nebula",
-    "hybrid_engine", "weight_quantization", "timers", "data_types",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "dump_state",
-    "sparse_gradients", "seq_parallel_communication_data_type", "graph_harvesting",
-    "use_data_before_expert_parallelism", "disable_allgather",
-)  # fmt: skip
+    "autotuning",
+    "elasticity",
+    "compression_training",
+    "data_efficiency",
+    "curriculum_learning",
+    "progressive_layer_drop",
+    "eigenvalue",
+    "quantize_training",
+    "nebula",
+    "hybrid_engine",
+    "weight_quantization",
+    "timers",
+    "data_types",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "memory_breakdown",
+    "dump_state",
+    "sparse_gradients",
+    "seq_parallel_communication_data_type",
+    "graph_harvesting",
+    "use_data_before_expert_parallelism",
+    "disable_allgather",
+)
 
 _NOT_YET = "not used yet"
 _MESH = "no effect until this parallelism is implemented (its size must be 1 for now)"
@@ -77,29 +93,73 @@ NO_EFFECT: dict[str, str] = {
     "checkpoint.use_node_local_storage": "every rank writes into save_dir, which must be shared between nodes",
     "checkpoint.parallel_write.pipeline_stage": "no pipeline-parallel checkpoint writing yet",
     "checkpoint.writer": "slipstream's writer streams already",
-    **{f"tensor_parallel.{key}": _MESH for key in (
-        "tp_overlap_comm", "preset_model", "keep_module_on_host",
-        "replace_with_kernel_inject", "dtype", "tp", "injection_policy_tuple",
-    )},
-    **{f"compile.{key}": "DeepCompile's passes are not slipstream's: compile.deepcompile compiles each block (docs/compile.md)" for key in (
-        "free_activation", "free_activation_threshold", "offload_activation", "offload_opt_states", "offload_parameters",
-        "double_buffer", "symmetric_memory", "dump_graphs", "debug_log", "sync_before_reduce", "sync_after_reduce",
-        "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors",
-    )},
+    **{
+        f"tensor_parallel.{key}": _MESH
+        for key in (
+            "tp_overlap_comm",
+            "preset_model",
+            "keep_module_on_host",
+            "replace_with_kernel_inject",
+            "dtype",
+            "tp",
+            "injection_policy_tuple",
+        )
+    },
+    **{
+        f"compile.{key}": "DeepCompile's passes are not slipstream's: compile.deepcompile compiles each block (docs/compile.md)"
+        for key in (
+            "free_activation",
+            "free_activation_threshold",
+            "offload_activation",
+            "offload_opt_states",
+            "offload_parameters",
+            "double_buffer",
+            "symmetric_memory",
+            "dump_graphs",
+            "debug_log",
+            "sync_before_reduce",
+            "sync_after_reduce",
+            "sync_before_allgather",
+            "sync_after_allgather",
+            "keep_int_input_tensors",
+            "keep_all_input_tensors",
+        )
+    },
     "pipeline.seed_layers": "stages are cut from the model as built; layers are not re-initialised per stage",
     "pipeline.activation_checkpoint_interval": "use the activation_checkpointing section; it applies to every stage",
     "pipeline.pipe_partitioned": "activations cross stage boundaries whole (tensor-parallel ranks each send their copy)",
     "pipeline.grad_partitioned": "gradients cross stage boundaries whole",
-    **{f"expert_parallel.{key}": "slipstream finds the experts itself (transformers' fused MoE experts, slipstream.moe.MoE); AutoEP's presets and patterns are not read" for key in (
-        "preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern", "use_grouped_mm",
-        "grouped_mm_backend", "route_norm", "route_scale", "score_apply", "score_func", "num_expert_groups",
-        "num_limited_groups", "top_k", "load_balance_coeff", "routed_scaling_factor", "expert_w1", "expert_w2",
-        "expert_w3", "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern",
-    )},
+    **{
+        f"expert_parallel.{key}": "slipstream finds the experts itself (transformers' fused MoE experts, slipstream.moe.MoE); AutoEP's presets and patterns are not read"
+        for key in (
+            "preset_model",
+            "moe_layer_pattern",
+            "expert_pattern",
+            "router_pattern",
+            "use_grouped_mm",
+            "grouped_mm_backend",
+            "route_norm",
+            "route_scale",
+            "score_apply",
+            "score_func",
+            "num_expert_groups",
+            "num_limited_groups",
+            "top_k",
+            "load_balance_coeff",
+            "routed_scaling_factor",
+            "expert_w1",
+            "expert_w2",
+            "expert_w3",
+            "num_experts_attr",
+            "top_k_attr",
+            "has_shared_experts",
+            "shared_experts_pattern",
+        )
+    },
     # expert parallelism is dropless: a capacity (and dropping what exceeds it) is never applied
     "expert_parallel.drop_tokens": "slipstream's expert parallelism is dropless, so no token is dropped",
     "expert_parallel.capacity_factor": "slipstream's expert parallelism is dropless: experts take every token routed to them",
-}  # fmt: skip
+}
 
 _warned: set[str] = set()  # NO_EFFECT keys already warned about in this process
 
@@ -123,9 +183,13 @@ def warn_no_effect(config: BaseModel) -> list[str]:
         if path not in _warned:
             _warned.add(path)
             log_rank0(  # every rank reads the same file: say it once
-                logger, "config: %s = %r has no effect in slipstream (%s); accepted for DeepSpeed compatibility", path, value, why,
+                logger,
+                "config: %s = %r has no effect in slipstream (%s); accepted for DeepSpeed compatibility",
+                path,
+                value,
+                why,
                 level=logging.WARNING,
-            )  # fmt: skip
+            )
     return found
 
 
@@ -145,5 +209,7 @@ def split_unknown_top_level(raw: dict[str, Any], known: list[str]) -> dict[str, 
     for key in unknown:
         del raw[key]
     if unknown:
-        logger.warning("config: ignoring unknown top-level key(s) %s (DeepSpeed ignores them too)", ", ".join(map(repr, unknown)))
+        logger.warning(
+            "config: ignoring unknown top-level key(s) %s (DeepSpeed ignores them too)", ", ".join(map(repr, unknown))
+        )
     return unknown

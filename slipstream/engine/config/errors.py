@@ -24,10 +24,7 @@ def key_path(loc: tuple[Any, ...]) -> tuple[Any, ...]:
 def _section_model(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The pydantic model that holds the key at ``loc`` (for did-you-mean suggestions)."""
     for key in loc:
-        field = next(
-            (f for name, f in model.model_fields.items() if key == name or key in _aliases(f)),
-            None,
-        )
+        field = next((f for name, f in model.model_fields.items() if key == name or key in _aliases(f)), None)
         if field is None:
             return None
         candidates = [field.annotation, *get_args(field.annotation)]
@@ -77,9 +74,15 @@ def _describe_expected(err: dict[str, Any]) -> str:
         return f"must be {op} {bound}"
     if kind.startswith(("int_", "float_", "bool_", "string_", "dict_", "list_", "tuple_", "model_")):
         expected = {
-            "int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
-            "dict": "an object", "list": "a list", "tuple": "a list", "model": "an object",
-        }.get(kind.split("_")[0], "")  # fmt: skip
+            "int": "an integer",
+            "float": "a number",
+            "bool": "true or false",
+            "string": "a string",
+            "dict": "an object",
+            "list": "a list",
+            "tuple": "a list",
+            "model": "an object",
+        }.get(kind.split("_")[0], "")
         return f"must be {expected}" if expected else err["msg"]
     if kind == "finite_number":
         return "must be a finite number"
@@ -122,7 +125,7 @@ def format_validation_error(
         elif e["type"] == "value_error" and (not loc or isinstance(e.get("input"), dict)):
             line = f"{path}: {_describe_expected(e)}"  # a check across keys: the section is the value
         elif e.get("input") == AUTO:
-            line = f"{path}: \"auto\" cannot be resolved here (there is no trainer to fill it in); set a value"
+            line = f'{path}: "auto" cannot be resolved here (there is no trainer to fill it in); set a value'
         else:
             line = f"{path}: {_describe_expected(e)}, got {_show(e.get('input'))}"
         found.setdefault(path, (line, len(loc) < len(e["loc"])))
@@ -131,7 +134,8 @@ def format_validation_error(
     # A value one union branch refuses as a whole ("must be a number, got [Infinity]") and another
     # refuses inside (the list's element 0): the inner line names the real problem.
     return "\n".join(
-        line for path, (line, branch) in found.items()
+        line
+        for path, (line, branch) in found.items()
         if not (branch and any(p.startswith(path + ".") for p in found))
         and not (path in suggested and path in required)
     )
@@ -140,4 +144,3 @@ def format_validation_error(
 def _show(value: Any) -> str:
     text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool, type(None))) else repr(value)
     return text if len(text) < 80 else text[:77] + "..."
-

@@ -27,7 +27,13 @@ MAX_TIMEOUT_S = 1e9
 def _batch_value(value: Any) -> int | str | None:
     if value is None or value == AUTO:
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value) or value < 1:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+        or value < 1
+    ):
         raise ValueError('must be a positive integer or "auto"')
     return int(value)
 
@@ -65,10 +71,14 @@ class SlipstreamConfig(Section):
     optimizer: sections.OptimizerConfig | None = None
     scheduler: sections.SchedulerConfig | None = None
     fp16: sections.FP16Config = Field(default_factory=sections.FP16Config)
-    bf16: sections.BF16Config = Field(default_factory=sections.BF16Config, validation_alias=AliasChoices("bf16", "bfloat16"))
+    bf16: sections.BF16Config = Field(
+        default_factory=sections.BF16Config, validation_alias=AliasChoices("bf16", "bfloat16")
+    )
     amp: dict[str, Any] | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    activation_checkpointing: sections.ActivationCheckpointingConfig = Field(default_factory=sections.ActivationCheckpointingConfig)
+    activation_checkpointing: sections.ActivationCheckpointingConfig = Field(
+        default_factory=sections.ActivationCheckpointingConfig
+    )
     aio: sections.AioConfig = Field(default_factory=sections.AioConfig)
     tensorboard: sections.TensorBoardConfig = Field(default_factory=sections.TensorBoardConfig)
     csv_monitor: sections.CSVMonitorConfig = Field(default_factory=sections.CSVMonitorConfig)
@@ -76,10 +86,14 @@ class SlipstreamConfig(Section):
     comms_logger: sections.CommsLoggerConfig = Field(default_factory=sections.CommsLoggerConfig)
     checkpoint: sections.CheckpointConfig = Field(default_factory=sections.CheckpointConfig)
     flops_profiler: sections.FlopsProfilerConfig = Field(default_factory=sections.FlopsProfilerConfig)
-    comms_timeout_seconds: float = Field(1800.0, gt=0.0, le=MAX_TIMEOUT_S, description="a collective waiting longer is an error")
+    comms_timeout_seconds: float = Field(
+        1800.0, gt=0.0, le=MAX_TIMEOUT_S, description="a collective waiting longer is an error"
+    )
     long_context: sections.LongContextConfig = Field(default_factory=sections.LongContextConfig)
     compile: sections.CompileConfig = Field(default_factory=sections.CompileConfig)
-    twin_check: bool = Field(True, description="run the parallelized model next to its unparallelized twin at initialize (parallel/twin.py)")
+    twin_check: bool = Field(
+        True, description="run the parallelized model next to its unparallelized twin at initialize (parallel/twin.py)"
+    )
     # The mesh (engine/parallel/mesh.py): world = pp · dp · cp · sp · tp.
     tensor_parallel: parallel.TensorParallelConfig = Field(default_factory=parallel.TensorParallelConfig)
     pipeline: parallel.PipelineConfig = Field(default_factory=parallel.PipelineConfig)
@@ -93,7 +107,7 @@ class SlipstreamConfig(Section):
     @classmethod
     def _no_amp(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v and v.get("enabled", False):
-            raise ValueError("NVIDIA apex AMP is not supported; use \"bf16\": {\"enabled\": true} or \"fp16\"")
+            raise ValueError('NVIDIA apex AMP is not supported; use "bf16": {"enabled": true} or "fp16"')
         return v
 
     @model_validator(mode="after")
@@ -125,7 +139,12 @@ class SlipstreamConfig(Section):
         for key in ignored:
             if key not in _warned_sections:  # once per process, on rank 0: every rank reads the same file
                 _warned_sections.add(key)
-                log_rank0(logger, "config key %r is accepted for DeepSpeed compatibility but has no effect in slipstream", key, level=logging.WARNING)
+                log_rank0(
+                    logger,
+                    "config key %r is accepted for DeepSpeed compatibility but has no effect in slipstream",
+                    key,
+                    level=logging.WARNING,
+                )
         ignored.update(split_unknown_top_level(raw, known_keys(cls)))
         try:
             config = cls.model_validate(raw)
@@ -149,7 +168,9 @@ class SlipstreamConfig(Section):
         tb, mb, gas = (None if v == AUTO else v for v in raw)
         given = f"(train_batch_size={tb}, train_micro_batch_size_per_gpu={mb}, gradient_accumulation_steps={gas}, {size} {dp})"
         if tb is not None and tb % dp:
-            raise ConfigError(f"train_batch_size: {tb} is not divisible by the data-parallel world size {dp}; use a multiple of {dp}")
+            raise ConfigError(
+                f"train_batch_size: {tb} is not divisible by the data-parallel world size {dp}; use a multiple of {dp}"
+            )
         if tb is not None and mb is not None and gas is not None:
             if tb != mb * gas * dp:
                 raise ConfigError(
@@ -158,11 +179,15 @@ class SlipstreamConfig(Section):
                 )
         elif tb is not None and mb is not None:
             if tb % (mb * dp):
-                raise ConfigError(f"train_batch_size: {tb} is not divisible by train_micro_batch_size_per_gpu × {size} = {mb * dp} {given}")
+                raise ConfigError(
+                    f"train_batch_size: {tb} is not divisible by train_micro_batch_size_per_gpu × {size} = {mb * dp} {given}"
+                )
             gas = tb // (mb * dp)
         elif tb is not None and gas is not None:
             if tb % (gas * dp):
-                raise ConfigError(f"train_batch_size: {tb} is not divisible by gradient_accumulation_steps × {size} = {gas * dp} {given}")
+                raise ConfigError(
+                    f"train_batch_size: {tb} is not divisible by gradient_accumulation_steps × {size} = {gas * dp} {given}"
+                )
             mb = tb // (gas * dp)
         elif mb is not None:
             gas = gas or 1
@@ -170,17 +195,29 @@ class SlipstreamConfig(Section):
         elif tb is not None:
             gas, mb = 1, tb // dp
         elif AUTO in raw:
-            autos = ", ".join(n for n, v in zip(("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), raw) if v == AUTO)
+            autos = ", ".join(
+                n
+                for n, v in zip(
+                    ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), raw
+                )
+                if v == AUTO
+            )
             raise ConfigError(
-                f"train_batch_size: {autos} {'is' if ',' not in autos else 'are'} \"auto\", which a trainer fills in (the Hugging Face Trainer, Accelerate), "
+                f'train_batch_size: {autos} {"is" if "," not in autos else "are"} "auto", which a trainer fills in (the Hugging Face Trainer, Accelerate), '
                 "and there is none here; set train_micro_batch_size_per_gpu (or train_batch_size) to a number, "
                 "or use slipstream.integrations"
             )
         else:
-            raise ConfigError("train_batch_size: set train_batch_size or train_micro_batch_size_per_gpu (neither is given)")
+            raise ConfigError(
+                "train_batch_size: set train_batch_size or train_micro_batch_size_per_gpu (neither is given)"
+            )
         derived = {
             name: value
-            for name, value in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb), ("gradient_accumulation_steps", gas))
+            for name, value in (
+                ("train_batch_size", tb),
+                ("train_micro_batch_size_per_gpu", mb),
+                ("gradient_accumulation_steps", gas),
+            )
             if getattr(self, name) in (None, AUTO)
         }
         if derived:

@@ -8,7 +8,6 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from slipstream.engine.config.base import Section, refuse
 
-
 # --------------------------------------------------------------------------- sections
 
 
@@ -46,7 +45,12 @@ class BF16Config(Section):
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
 
-    _fp32_masters_only = refuse("bf16_master_weights_and_grads", "bf16_optimizer_states", allowed=False, what="bf16 master weights / optimizer states (slipstream keeps them in fp32)")
+    _fp32_masters_only = refuse(
+        "bf16_master_weights_and_grads",
+        "bf16_optimizer_states",
+        allowed=False,
+        what="bf16 master weights / optimizer states (slipstream keeps them in fp32)",
+    )
 
 
 class TorchAutocastConfig(Section):
@@ -68,20 +72,36 @@ class ActivationCheckpointingConfig(Section):
     profile: bool = False
     module_classes: list[str] | None = None
     use_reentrant: bool = False
-    offload_path: str | None = Field(None, description="checkpointed inputs go to files in this directory (host memory the limit)")
+    offload_path: str | None = Field(
+        None, description="checkpointed inputs go to files in this directory (host memory the limit)"
+    )
 
-    _no_partitioning = refuse("partition_activations", allowed=False, what="partitioning activations across tensor-parallel ranks (not implemented for slipstream's tensor parallelism; tensor_parallel.sequence_parallel shards the norm/dropout activations instead)")
+    _no_partitioning = refuse(
+        "partition_activations",
+        allowed=False,
+        what="partitioning activations across tensor-parallel ranks (not implemented for slipstream's tensor parallelism; tensor_parallel.sequence_parallel shards the norm/dropout activations instead)",
+    )
 
-    _no_contiguous = refuse("contiguous_memory_optimization", allowed=False, what="contiguous_memory_optimization (it packs partitioned activations; see partition_activations)")
+    _no_contiguous = refuse(
+        "contiguous_memory_optimization",
+        allowed=False,
+        what="contiguous_memory_optimization (it packs partitioned activations; see partition_activations)",
+    )
 
-    _no_profile = refuse("profile", allowed=False, what="activation_checkpointing.profile (use wall_clock_breakdown: recomputation shows in the backward time)")
+    _no_profile = refuse(
+        "profile",
+        allowed=False,
+        what="activation_checkpointing.profile (use wall_clock_breakdown: recomputation shows in the backward time)",
+    )
 
 
 class TilingConfig(Section):
     """One of ``long_context``'s tilings: on or off, and how many tokens one tile holds."""
 
     enabled: bool = False
-    tile_tokens: int = Field(2048, ge=1, description="tokens per tile (over the micro-batch's rows and positions together)")
+    tile_tokens: int = Field(
+        2048, ge=1, description="tokens per tile (over the micro-batch's rows and positions together)"
+    )
 
 
 class TiledMLPConfig(TilingConfig):
@@ -108,7 +128,9 @@ class CompileConfig(Section):
 
     enabled: bool = False
     backend: str = "inductor"
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to torch.compile: fullgraph, dynamic, mode, options")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="passed to torch.compile: fullgraph, dynamic, mode, options"
+    )
     module_classes: list[str] | None = Field(None, description="the classes to compile (default: the repeated blocks)")
     deepcompile: bool = False
     free_activation: bool = False
@@ -199,17 +221,25 @@ class CheckpointConfig(Section):
     save_dir: str | None = Field(None, description="where interval saves go and auto_resume looks")
     interval: int = Field(0, ge=0, description="save every N optimizer steps into save_dir; 0: never")
     auto_resume: bool = Field(False, description="initialize() loads the newest complete checkpoint in save_dir")
-    async_save: bool = Field(False, validation_alias=AliasChoices("async", "async_save"), description="persist in the background")
+    async_save: bool = Field(
+        False, validation_alias=AliasChoices("async", "async_save"), description="persist in the background"
+    )
     keep_last_n: int = Field(0, ge=0, description="keep the newest N checkpoints in a save directory; 0 keeps all")
     in_memory_interval: int = Field(
-        0, ge=0, description="snapshot every N optimizer steps into this node's shared memory; auto_resume restores the newer of it and save_dir",
-    )  # fmt: skip
-    in_memory_dir: str | None = Field(None, description="where in-memory snapshots go; default: the launcher's per-run directory on /dev/shm")
+        0,
+        ge=0,
+        description="snapshot every N optimizer steps into this node's shared memory; auto_resume restores the newer of it and save_dir",
+    )
+    in_memory_dir: str | None = Field(
+        None, description="where in-memory snapshots go; default: the launcher's per-run directory on /dev/shm"
+    )
     verify_checksums: bool = Field(True, description="check every file's CRC-32 when loading")
     commit_timeout: float = Field(600.0, gt=0.0, description="seconds rank 0 waits for the other ranks' files")
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
     load_universal: bool = Field(False, description="DeepSpeed key; every slipstream checkpoint is universal")
-    use_node_local_storage: bool = Field(False, description="DeepSpeed key; accepted, no effect (save_dir must be shared)")
+    use_node_local_storage: bool = Field(
+        False, description="DeepSpeed key; accepted, no effect (save_dir must be shared)"
+    )
     parallel_write: CheckpointParallelWriteConfig = Field(default_factory=CheckpointParallelWriteConfig)
     writer: dict[str, Any] | None = Field(None, description="DeepSpeed FastPersist writer; accepted, no effect")
 
@@ -223,5 +253,7 @@ class CheckpointConfig(Section):
         if (self.auto_resume or self.interval) and not self.save_dir:
             raise ValueError("save_dir must be set when auto_resume or interval is used")
         if self.in_memory_interval and not self.auto_resume:
-            raise ValueError("in_memory_interval needs auto_resume: true (snapshots exist to be restored after a restart)")
+            raise ValueError(
+                "in_memory_interval needs auto_resume: true (snapshots exist to be restored after a restart)"
+            )
         return self

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,9 @@ def read_config_source(source: dict[str, Any] | str | os.PathLike[str]) -> dict[
     except hjson.HjsonDecodeError as err:
         raise ConfigError(f"config: {path} is not valid JSON/HJSON: {err}") from None
     except UnicodeDecodeError as err:
-        raise ConfigError(f"config: {path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
+        raise ConfigError(
+            f"config: {path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must hold an object at the top level, got {type(data).__name__}")
     return json.loads(json.dumps(data))  # hjson returns OrderedDicts
@@ -80,8 +82,8 @@ def resolve_auto(raw: dict[str, Any]) -> dict[str, Any]:
         if isinstance(node, dict) and node.get(path[-1]) == AUTO:
             if value is USE_DEFAULT:
                 del node[path[-1]]
-                logger.info("config: %s is \"auto\"; using the default", ".".join(path))
+                logger.info('config: %s is "auto"; using the default', ".".join(path))
             else:
                 node[path[-1]] = value
-                logger.info("config: %s is \"auto\"; resolved to %r", ".".join(path), value)
+                logger.info('config: %s is "auto"; resolved to %r', ".".join(path), value)
     return raw

@@ -50,12 +50,13 @@ STAGE3_ALIASES: dict[str, tuple[str, ...]] = {
     "stage3_param_persistence_threshold": ("param_persistence_threshold",),
     "stage3_model_persistence_threshold": ("model_persistence_threshold",),
     "stage3_gather_16bit_weights_on_model_save": (
-        "gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+        "gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
     ),
     "stage3_module_granularity_threshold": ("module_granularity_threshold",),
     "use_all_reduce_for_fetch_params": ("stage3_use_all_reduce_for_fetch_params",),
     "allgather_sequential": ("stage3_allgather_sequential",),
-}  # fmt: skip
+}
 
 
 ZERO_MEANS_DEFAULT = ("sub_group_size", "reduce_bucket_size", "allgather_bucket_size")
@@ -82,24 +83,36 @@ class ZeroConfig(Section):
     offload_param: OffloadParamConfig | None = None
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0, validation_alias=_stage3("max_live_parameters"))
     stage3_max_reuse_distance: int | None = Field(
-        None, ge=0, validation_alias=_stage3("max_reuse_distance"),
+        None,
+        ge=0,
+        validation_alias=_stage3("max_reuse_distance"),
         description="None: only the last block stays gathered into the backward (stage3/schedule.py, [Note: kept from the forward into the backward])",
     )
     stage3_prefetch_bucket_size: int | None = Field(
-        None, ge=0, validation_alias=_stage3("prefetch_bucket_size"),
+        None,
+        ge=0,
+        validation_alias=_stage3("prefetch_bucket_size"),
         description="None: the next unit only (see stage3/schedule.py, [Note: how far to gather ahead])",
     )
-    stage3_param_persistence_threshold: int = Field(100_000, ge=0, validation_alias=_stage3("param_persistence_threshold"))
-    stage3_model_persistence_threshold: int = Field(sys.maxsize, ge=0, validation_alias=_stage3("model_persistence_threshold"))
+    stage3_param_persistence_threshold: int = Field(
+        100_000, ge=0, validation_alias=_stage3("param_persistence_threshold")
+    )
+    stage3_model_persistence_threshold: int = Field(
+        sys.maxsize, ge=0, validation_alias=_stage3("model_persistence_threshold")
+    )
     stage3_gather_16bit_weights_on_model_save: bool = Field(
-        False, validation_alias=_stage3("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save")
+        False,
+        validation_alias=_stage3("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"),
     )
     stage3_unit_modules: list[str] | None = None
     stage3_module_granularity_threshold: int = Field(0, ge=0, validation_alias=_stage3("module_granularity_threshold"))
     use_all_reduce_for_fetch_params: bool = Field(
-        False, validation_alias=AliasChoices("use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params")
+        False,
+        validation_alias=AliasChoices("use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params"),
     )
-    allgather_sequential: bool = Field(False, validation_alias=AliasChoices("allgather_sequential", "stage3_allgather_sequential"))
+    allgather_sequential: bool = Field(
+        False, validation_alias=AliasChoices("allgather_sequential", "stage3_allgather_sequential")
+    )
     parameter_alignment: bool = False
     compute_grad_norm: bool = True
     zenflow: dict[str, Any] | None = None
@@ -108,11 +121,15 @@ class ZeroConfig(Section):
     log_trace_cache_warnings: bool = False
     pipeline_loading_checkpoint: bool = False
     legacy_stage1: bool = False
-    zero_hpz_partition_size: int = Field(1, ge=1, description="ZeRO++ hpZ: ranks of the secondary (intra-node) weight partition; 1: none")
+    zero_hpz_partition_size: int = Field(
+        1, ge=1, description="ZeRO++ hpZ: ranks of the secondary (intra-node) weight partition; 1: none"
+    )
     zero_quantized_weights: bool = False
     zero_quantized_nontrainable_weights: bool = False
     zero_quantized_gradients: bool = False
-    mics_shard_size: int = Field(-1, ge=-1, description="MiCS: shard within groups of this many ranks, replicate across them; -1: over all")
+    mics_shard_size: int = Field(
+        -1, ge=-1, description="MiCS: shard within groups of this many ranks, replicate across them; -1: over all"
+    )
     mics_hierarchical_params_gather: bool = False
 
     @model_validator(mode="before")
@@ -127,7 +144,9 @@ class ZeroConfig(Section):
                 raise ValueError(f"{spelled} are one setting with two values; keep one")
         return data
 
-    _no_quantized = refuse("zero_quantized_nontrainable_weights", allowed=False, what="ZeRO++ INT8 storage of frozen weights")
+    _no_quantized = refuse(
+        "zero_quantized_nontrainable_weights", allowed=False, what="ZeRO++ INT8 storage of frozen weights"
+    )
 
     _no_zenflow = refuse("zenflow", allowed=None, what="ZenFlow")
 
@@ -148,19 +167,25 @@ class ZeroConfig(Section):
     def _check_hierarchy(self) -> None:
         """hpZ and MiCS are layouts of stage 3's weights, and one at a time (docs/zero.md, "Hierarchical layouts")."""
         layouts = (
-            ("zero_hpz_partition_size", self.zero_hpz_partition_size, 1), ("mics_shard_size", self.mics_shard_size, -1),
-            ("zero_quantized_weights", self.zero_quantized_weights, False), ("zero_quantized_gradients", self.zero_quantized_gradients, False),
-        )  # fmt: skip
+            ("zero_hpz_partition_size", self.zero_hpz_partition_size, 1),
+            ("mics_shard_size", self.mics_shard_size, -1),
+            ("zero_quantized_weights", self.zero_quantized_weights, False),
+            ("zero_quantized_gradients", self.zero_quantized_gradients, False),
+        )
         for name, value, off in layouts:
             if value != off and self.stage != 3:
-                raise ValueError(f"zero_optimization.{name}: needs stage 3 (ZeRO++ and MiCS change how its partitions move), got stage {self.stage}")
+                raise ValueError(
+                    f"zero_optimization.{name}: needs stage 3 (ZeRO++ and MiCS change how its partitions move), got stage {self.stage}"
+                )
         if self.zero_hpz_partition_size > 1 and self.mics_shard_size > 0:
             raise ValueError(
                 "zero_optimization.zero_hpz_partition_size: hpZ and MiCS (mics_shard_size) are two layouts of the same "
                 "weights; set one (MiCS already keeps every gather inside its shard group)"
             )
         if self.mics_shard_size == 0:
-            raise ValueError("zero_optimization.mics_shard_size: 0 ranks per shard group; use -1 (off) or a divisor of the data-parallel size")
+            raise ValueError(
+                "zero_optimization.mics_shard_size: 0 ranks per shard group; use -1 (off) or a divisor of the data-parallel size"
+            )
 
     @property
     def overlap(self) -> bool:

@@ -72,7 +72,9 @@ def _cpu_flash_attention(query: Any, key: Any, value: Any, *args: Any, out_shape
     return flop_counter.sdpa_flop_count(query, key, value)
 
 
-def _cpu_flash_attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+def _cpu_flash_attention_backward(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any
+) -> int:
     return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
 
 

@@ -98,7 +98,11 @@ class NonFinite:
 
     def describe(self, reported_at: int) -> str:
         values = {f"{v:g}" for v in self.losses}
-        value = next(iter(values)) if len(values) == 1 else ", ".join(f"{v:g} on rank {r}" for r, v in zip(self.ranks, self.losses))
+        value = (
+            next(iter(values))
+            if len(values) == 1
+            else ", ".join(f"{v:g} on rank {r}" for r, v in zip(self.ranks, self.losses))
+        )
         loss = f"at step {self.loss_step} on rank(s) {', '.join(map(str, self.ranks))} (loss {value})"
         if self.source == "loss":
             return f"non-finite loss first {loss}"
@@ -106,7 +110,9 @@ class NonFinite:
         return f"non-finite gradient norm at step {self.step} (all ranks agree: it is global); the first non-finite local loss {first}"
 
 
-def over_median(seconds: Sequence[float], margin: float = SLOW_MARGIN, min_excess: float = SLOW_MIN_EXCESS_S) -> dict[int, float]:
+def over_median(
+    seconds: Sequence[float], margin: float = SLOW_MARGIN, min_excess: float = SLOW_MIN_EXCESS_S
+) -> dict[int, float]:
     """Rank → the median of the others, for each rank whose time exceeds that median by more than ``margin`` and ``min_excess``."""
     found = {}
     for rank, own in enumerate(seconds):
@@ -132,7 +138,15 @@ class RankHealth:
         self._loss_first: torch.Tensor | None = None  # on the loss's device: (step, mean loss), step nan: none yet
         self._grad_step: int | None = None
 
-    def on_step(self, step: int, loss_sum: torch.Tensor | None, losses: int, grad_norm: float | None, dynamic_scale: bool, waited: float) -> None:
+    def on_step(
+        self,
+        step: int,
+        loss_sum: torch.Tensor | None,
+        losses: int,
+        grad_norm: float | None,
+        dynamic_scale: bool,
+        waited: float,
+    ) -> None:
         """One optimizer step: ``loss_sum`` over ``losses`` micro-batches, kept on its device (no synchronization)."""
         self._steps += 1
         self._waited += waited

@@ -22,11 +22,7 @@ import torch
 from slipstream.comm import comms_log
 from slipstream.comm.comms_log import CommRecord
 from slipstream.engine.config import ConfigError, SlipstreamConfig
-from slipstream.engine.monitor.flops import (
-    TransformerFlops,
-    analytic_flops,
-    flop_counter_mode,
-)
+from slipstream.engine.monitor.flops import TransformerFlops, analytic_flops, flop_counter_mode
 from slipstream.engine.monitor.health import RankHealth, WaitClock
 from slipstream.engine.monitor.record import StepRecord
 from slipstream.engine.monitor.writers import Writer, build_writers
@@ -47,9 +43,14 @@ class TrainingMonitor:
     """One per engine; rank 0 prints and writes, every rank times and counts."""
 
     def __init__(
-        self, config: SlipstreamConfig, module: torch.nn.Module, accelerator: Any, rank: int, world_size: int,
+        self,
+        config: SlipstreamConfig,
+        module: torch.nn.Module,
+        accelerator: Any,
+        rank: int,
+        world_size: int,
         traffic_by_axis: Callable[[list[CommRecord]], Mapping[str, int]] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``traffic_by_axis``: a step's collectives → bytes per mesh axis (``Mesh.traffic``), read only for steps
         whose metrics are written."""
         self.config = config
@@ -92,10 +93,14 @@ class TrainingMonitor:
         profiler = self.config.flops_profiler
         if training and profiler.enabled and not self._profiled and global_step + 1 >= profiler.profile_step:
             self._profiled = True  # forward and backward of this micro-batch, closed in on_loss
-            self._profiling = flop_counter_mode(depth=max(profiler.module_depth, 1) if profiler.module_depth > 0 else 16)
+            self._profiling = flop_counter_mode(
+                depth=max(profiler.module_depth, 1) if profiler.module_depth > 0 else 16
+            )
             self._profiling.__enter__()
             self._profile_tokens = tokens.numel() if tokens is not None else 0
-        count_forward = training and tokens is not None and self.analytic is None and self.measured_flops_per_token is None
+        count_forward = (
+            training and tokens is not None and self.analytic is None and self.measured_flops_per_token is None
+        )
         counter = flop_counter_mode() if count_forward and self._profiling is None else contextlib.nullcontext()
         with self.timers("forward"), counter:
             yield
@@ -124,12 +129,20 @@ class TrainingMonitor:
         self._router_sum, self._routers = None, 0
         return value
 
-    def on_pipeline_step(self, measured: float | None, predicted: float | None, engine_step: int, overlapped: int | None = None) -> None:
+    def on_pipeline_step(
+        self, measured: float | None, predicted: float | None, engine_step: int, overlapped: int | None = None
+    ) -> None:
         """A pipeline schedule ran: this rank's idle time over compute time, what the schedule predicts for the same costs,
         and (schedules that pair micro-batches) how many collectives ran while the pair's other half computed."""
         self._bubble = (measured, predicted)
         self._overlapped = overlapped
-        logger.debug("step %d: pipeline bubble %.3f measured, %.3f predicted (rank %d)", engine_step, measured or 0.0, predicted or 0.0, self.rank)
+        logger.debug(
+            "step %d: pipeline bubble %.3f measured, %.3f predicted (rank %d)",
+            engine_step,
+            measured or 0.0,
+            predicted or 0.0,
+            self.rank,
+        )
 
     def on_step(self, step: StepRecord) -> None:
         """At each optimizer step: metrics for the writers, the progress line every ``steps_per_print``."""
@@ -143,7 +156,14 @@ class TrainingMonitor:
         every = self.config.steps_per_print
         printing = bool(every) and step.global_steps % every == 0
         if every:  # someone will read it: the exchange at the progress line
-            self.health.on_step(step.global_steps, self._loss_sum, self._losses, step.grad_norm, step.dynamic_loss_scale, self.timers.take_waited())
+            self.health.on_step(
+                step.global_steps,
+                self._loss_sum,
+                self._losses,
+                step.grad_norm,
+                step.dynamic_loss_scale,
+                self.timers.take_waited(),
+            )
         verdicts = self.health.exchange(step.global_steps) if printing else []  # every rank; rank 0 logs them below
         if self.rank != 0 or not (self.writers or printing):
             self._loss_sum, self._losses = None, 0
@@ -184,7 +204,9 @@ class TrainingMonitor:
             return self.analytic.per_token(self._seq_len)
         return self.measured_flops_per_token
 
-    def _metrics(self, step: StepRecord, loss: float, step_time: float, samples: int, tokens: int, timers: dict[str, float]) -> dict[str, float]:
+    def _metrics(
+        self, step: StepRecord, loss: float, step_time: float, samples: int, tokens: int, timers: dict[str, float]
+    ) -> dict[str, float]:
         metrics = {"train_loss": loss, "lr": step.lr if step.lr is not None else math.nan}
         if step.grad_norm is not None:
             metrics["grad_norm"] = step.grad_norm
@@ -219,7 +241,9 @@ class TrainingMonitor:
         if comms_log.last:
             metrics["comms_MB"] = sum(r.moved for r in comms_log.last) / 2**20
             for axis, moved in (self.traffic_by_axis(comms_log.last) if self.traffic_by_axis else {}).items():
-                metrics[f"comms_MB/{axis}"] = moved / 2**20  # which axis the step's traffic crossed (docs/monitoring.md)
+                metrics[f"comms_MB/{axis}"] = (
+                    moved / 2**20
+                )  # which axis the step's traffic crossed (docs/monitoring.md)
         for name, seconds in timers.items():
             metrics[f"time_{name}_ms"] = seconds * 1e3
         return metrics
@@ -242,13 +266,19 @@ class TrainingMonitor:
         if flops and w.tokens:
             tflops = flops * w.tokens / self.world_size / w.seconds / 1e12
             parts.append(f"{tflops:.3g} TFLOP/s/device")
-            parts.append(f"MFU {tflops / self.peak_tflops:.1%}" if self.peak_tflops else "MFU n/a (set flops_profiler.peak_tflops)")
+            parts.append(
+                f"MFU {tflops / self.peak_tflops:.1%}"
+                if self.peak_tflops
+                else "MFU n/a (set flops_profiler.peak_tflops)"
+            )
             if self.peak_tflops and self._recompute:
                 parts.append(f"HFU {tflops / self.peak_tflops * (3 + self._recompute) / 3:.1%}")
         parts.append(f"peak mem {self.accelerator.max_memory_allocated() / 2**20:.0f} MB")
         if step.compile:
             c = step.compile
-            parts.append(f"compiled {c['graphs']:.0f} graphs ({c['graph_breaks']:.0f} breaks, {c['recompiles']:.0f} recompiles) in {c['seconds']:.1f} s")
+            parts.append(
+                f"compiled {c['graphs']:.0f} graphs ({c['graph_breaks']:.0f} breaks, {c['recompiles']:.0f} recompiles) in {c['seconds']:.1f} s"
+            )
         if w.timers:
             parts.append("time/step " + " ".join(f"{n} {s / w.steps * 1e3:.1f}" for n, s in w.timers.items()) + " ms")
         if comms_log.last:
@@ -276,7 +306,9 @@ class TrainingMonitor:
         profiler = self.config.flops_profiler
         tokens = self._profile_tokens
         lines = [f"flops profile, step {step}, first micro-batch ({tokens} tokens on this rank):"]
-        lines.append(f"  counted forward+backward: {total:,} FLOPs" + (f" = {total / tokens:,.0f} per token" if tokens else ""))
+        lines.append(
+            f"  counted forward+backward: {total:,} FLOPs" + (f" = {total / tokens:,.0f} per token" if tokens else "")
+        )
         formula = self.flops_per_token()
         if formula and tokens:
             lines.append(
@@ -285,9 +317,16 @@ class TrainingMonitor:
             )
         if profiler.detailed:
             counts = {name: sum(ops.values()) for name, ops in mode.get_flop_counts().items()}
-            depth_limit = profiler.module_depth if profiler.module_depth > 0 else max((n.count(".") for n in counts), default=0) + 1
+            depth_limit = (
+                profiler.module_depth
+                if profiler.module_depth > 0
+                else max((n.count(".") for n in counts), default=0) + 1
+            )
             for depth in range(1, depth_limit + 1):
-                level = sorted(((n, c) for n, c in counts.items() if n != "Global" and n.count(".") == depth - 1), key=lambda x: -x[1])
+                level = sorted(
+                    ((n, c) for n, c in counts.items() if n != "Global" and n.count(".") == depth - 1),
+                    key=lambda x: -x[1],
+                )
                 if not level:
                     continue  # e.g. a ModuleList: never called itself
                 top = ", ".join(f"{n} {c / total:.1%}" for n, c in level[: profiler.top_modules])
@@ -317,7 +356,12 @@ def _token_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
     if isinstance(candidate, torch.Tensor):
         return candidate
     for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() >= 1 and value.dtype != torch.bool:
+        if (
+            isinstance(value, torch.Tensor)
+            and not value.is_floating_point()
+            and value.dim() >= 1
+            and value.dtype != torch.bool
+        ):
             return value
     return None
 
@@ -334,6 +378,8 @@ def _check_packages(config: SlipstreamConfig) -> None:
     import importlib.util
 
     if config.wandb.enabled and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("wandb.enabled: the wandb package is not installed; pip install wandb, or set enabled to false")
+        raise ConfigError(
+            "wandb.enabled: the wandb package is not installed; pip install wandb, or set enabled to false"
+        )
     if config.tensorboard.enabled and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("tensorboard.enabled: needs the tensorboard package; pip install tensorboard")

@@ -82,9 +82,13 @@ class WandbWriter:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("wandb.enabled: the wandb package is not installed; pip install wandb, or set enabled to false") from None
+            raise ConfigError(
+                "wandb.enabled: the wandb package is not installed; pip install wandb, or set enabled to false"
+            ) from None
         self._wandb = wandb
-        self._run = wandb.init(project=project, group=group, entity=team, config=config, mode=os.environ.get("WANDB_MODE", "offline"))
+        self._run = wandb.init(
+            project=project, group=group, entity=team, config=config, mode=os.environ.get("WANDB_MODE", "offline")
+        )
 
     def write(self, events: list[tuple[str, float, int]]) -> None:
         if events:
@@ -105,5 +109,7 @@ def build_writers(config: SlipstreamConfig) -> list[Writer]:
     if config.csv_monitor.enabled:
         writers.append(CSVWriter(config.csv_monitor.output_path, config.csv_monitor.job_name))
     if config.wandb.enabled:
-        writers.append(WandbWriter(config.wandb.project, config.wandb.group, config.wandb.team, config.model_dump(mode="json")))
+        writers.append(
+            WandbWriter(config.wandb.project, config.wandb.group, config.wandb.team, config.model_dump(mode="json"))
+        )
     return writers

@@ -33,10 +33,16 @@ class ActivationOptions:
         """:class:`ConfigError` naming ``module_classes`` when the model has no module of a class."""
         section = cfg.activation_checkpointing
         if section.cpu_checkpointing and device_type == "cpu" and section.offload_path is None:
-            log_rank0(logger, "activation_checkpointing.cpu_checkpointing: the device is the CPU, so saved activations already live in host memory; nothing to offload")
+            log_rank0(
+                logger,
+                "activation_checkpointing.cpu_checkpointing: the device is the CPU, so saved activations already live in host memory; nothing to offload",
+            )
         classes = tuple(section.module_classes or ())
         if section.offload_path is not None and not classes:
-            log_rank0(logger, "activation_checkpointing.offload_path: applies to checkpointed regions only (module_classes, or your own slipstream.checkpointing.checkpoint calls)")
+            log_rank0(
+                logger,
+                "activation_checkpointing.offload_path: applies to checkpointed regions only (module_classes, or your own slipstream.checkpointing.checkpoint calls)",
+            )
         if not classes and section.number_checkpoints is not None:
             logger.warning("activation_checkpointing.number_checkpoints: only applies with module_classes; ignored")
         missing = set(classes) - {type(m).__name__ for m in model.modules()}
@@ -47,9 +53,11 @@ class ActivationOptions:
                 f"(its classes: {', '.join(found)})"
             )
         defaults = checkpointing.CheckpointOptions(
-            cpu_checkpointing=section.cpu_checkpointing, use_reentrant=section.use_reentrant,
-            synchronize_checkpoint_boundary=section.synchronize_checkpoint_boundary, offload_path=section.offload_path,
-        )  # fmt: skip
+            cpu_checkpointing=section.cpu_checkpointing,
+            use_reentrant=section.use_reentrant,
+            synchronize_checkpoint_boundary=section.synchronize_checkpoint_boundary,
+            offload_path=section.offload_path,
+        )
         return cls(defaults, classes, section.number_checkpoints if classes else None)
 
 
@@ -64,5 +72,11 @@ def checkpoint_activations(model: torch.nn.Module, mesh: Mesh, options: Activati
     names = checkpointing.apply_activation_checkpointing(
         model, options.module_classes, options.number_checkpoints, options.defaults.cpu_checkpointing, strict=False
     )
-    log_rank0(logger, "activation checkpointing: %d modules (%s%s)", len(names), ", ".join(names[:3]), ", ..." if len(names) > 3 else "")
+    log_rank0(
+        logger,
+        "activation checkpointing: %d modules (%s%s)",
+        len(names),
+        ", ".join(names[:3]),
+        ", ..." if len(names) > 3 else "",
+    )
     return names

@@ -14,7 +14,6 @@ import dataclasses
 
 import torch
 
-
 # A class attribute of the module a pipeline stage puts in place of a block another stage runs.
 BLOCK_STAND_IN = "is_block_stand_in"
 
@@ -43,7 +42,12 @@ def find_blocks(model: torch.nn.Module) -> Blocks | None:
             continue
         children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
         slots = len(children) + sum(1 for c in module.children() if getattr(c, BLOCK_STAND_IN, False))
-        if children and slots >= 2 and len({type(c) for _, c in children}) == 1 and (best is None or len(children) > len(best)):
+        if (
+            children
+            and slots >= 2
+            and len({type(c) for _, c in children}) == 1
+            and (best is None or len(children) > len(best))
+        ):
             prefix = f"{name}." if name else ""
             best = Blocks(name, tuple(prefix + n for n, _ in children), tuple(c for _, c in children))
     return best

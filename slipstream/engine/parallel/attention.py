@@ -35,14 +35,39 @@ from slipstream.engine.parallel.segments import Segments
 RECORDER = "slipstream_recorder"  # the name ``recording_attention_callers`` registers
 # Keywords that carry no arithmetic (bookkeeping transformers threads through every layer).
 _HARMLESS = {
-    "position_ids", "cache_position", "use_cache", "output_hidden_states", "return_dict", "layer_idx",
-    "labels", "shift_labels", "num_items_in_batch", "token_type_ids", "past_key_values", "cache", "past_key_value",
-    "output_router_logits", "logits_to_keep", "inputs_embeds", "input_ids",
-}  # fmt: skip
+    "position_ids",
+    "cache_position",
+    "use_cache",
+    "output_hidden_states",
+    "return_dict",
+    "layer_idx",
+    "labels",
+    "shift_labels",
+    "num_items_in_batch",
+    "token_type_ids",
+    "past_key_values",
+    "cache",
+    "past_key_value",
+    "output_router_logits",
+    "logits_to_keep",
+    "inputs_embeds",
+    "input_ids",
+}
 # Keywords that change the result when set; None (or False) means "not used".
 # The varlen keywords never reach a kernel from the engine (the sharder reads them into the kernels' segments,
 # parallel/segments.py): arriving here they describe tokens the kernel does not know.
-_REFUSED_WHEN_SET = ("position_bias", "s_aux", "sinks", "head_mask", "alibi", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k")
+_REFUSED_WHEN_SET = (
+    "position_bias",
+    "s_aux",
+    "sinks",
+    "head_mask",
+    "alibi",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "cu_seqlens",
+    "max_length_q",
+    "max_length_k",
+)
 
 
 class UnsupportedAttention(ConfigError):
@@ -60,7 +85,9 @@ class AttentionFeatures:
     softcap: float | None
 
 
-def attention_features(method: str, module: torch.nn.Module, dropout: float, scaling: float | None, kwargs: dict[str, Any]) -> AttentionFeatures:
+def attention_features(
+    method: str, module: torch.nn.Module, dropout: float, scaling: float | None, kwargs: dict[str, Any]
+) -> AttentionFeatures:
     """Read (and check) one call's keywords; :class:`UnsupportedAttention` for any keyword no kernel here implements.
 
     ``method``: "<config key>: <kernel name>", e.g. "context_parallel.method: ring attention"."""
@@ -68,11 +95,19 @@ def attention_features(method: str, module: torch.nn.Module, dropout: float, sca
     model = type(module).__name__
     for name in _REFUSED_WHEN_SET:
         if kwargs.get(name) is not None:
-            raise UnsupportedAttention(f"{key}: {model} passes attention keyword {name!r}, which {kernel} does not implement; train this model without {kernel}")
+            raise UnsupportedAttention(
+                f"{key}: {model} passes attention keyword {name!r}, which {kernel} does not implement; train this model without {kernel}"
+            )
     if kwargs.get("output_attentions"):
-        raise UnsupportedAttention(f"{key}: {model} asks for the attention weights (output_attentions=True), which {kernel} does not compute; turn it off")
+        raise UnsupportedAttention(
+            f"{key}: {model} asks for the attention weights (output_attentions=True), which {kernel} does not compute; turn it off"
+        )
     for name, value in kwargs.items():
-        if name in _HARMLESS or name in ("is_causal", "sliding_window", "softcap", "output_attentions") or name in _REFUSED_WHEN_SET:
+        if (
+            name in _HARMLESS
+            or name in ("is_causal", "sliding_window", "softcap", "output_attentions")
+            or name in _REFUSED_WHEN_SET
+        ):
             continue
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             raise UnsupportedAttention(
@@ -84,11 +119,17 @@ def attention_features(method: str, module: torch.nn.Module, dropout: float, sca
     window = kwargs.get("sliding_window")
     softcap = kwargs.get("softcap")
     return AttentionFeatures(
-        bool(causal), scaling, float(dropout or 0.0), int(window) if window is not None else None, float(softcap) if softcap else None
+        bool(causal),
+        scaling,
+        float(dropout or 0.0),
+        int(window) if window is not None else None,
+        float(softcap) if softcap else None,
     )
 
 
-def allowed(features: AttentionFeatures, q_pos: torch.Tensor, k_pos: torch.Tensor, segments: Segments | None = None) -> torch.Tensor | None:
+def allowed(
+    features: AttentionFeatures, q_pos: torch.Tensor, k_pos: torch.Tensor, segments: Segments | None = None
+) -> torch.Tensor | None:
     """Boolean mask of the pairs a query may attend to: [q, k], or [b, 1, q, k] with the batch's ``segments``
     (padding and packed documents, parallel/segments.py); None: every pair."""
     mask = None
@@ -105,12 +146,21 @@ def allowed(features: AttentionFeatures, q_pos: torch.Tensor, k_pos: torch.Tenso
     return mask
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: AttentionFeatures, mask: torch.Tensor | None, training: bool) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    features: AttentionFeatures,
+    mask: torch.Tensor | None,
+    training: bool,
+) -> torch.Tensor:
     """Attention of [b, H, q, d] queries to [b, H, k, d] keys honouring every feature: SDPA, or explicit math for softcap.
     A query no key may see gets a zero output (what SDPA gives a fully masked row, so one process's left padding)."""
     dropout = features.dropout if training else 0.0
     if features.softcap is None:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=features.scaling)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=features.scaling
+        )
     scale = features.scaling if features.scaling is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / features.softcap) * features.softcap  # Gemma 2's logit soft-capping
@@ -156,7 +206,9 @@ def recording_attention_callers(model: torch.nn.Module) -> Iterator[list[torch.n
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    def record(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any, **__: Any) -> Any:
+    def record(
+        module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any, **__: Any
+    ) -> Any:
         if not any(m is module for m in found):
             found.append(module)
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None  # [b, s, H, d_v]

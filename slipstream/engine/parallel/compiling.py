@@ -61,9 +61,15 @@ class CompileOptions:
 
     @classmethod
     def build(
-        cls, section: CompileConfig, model: torch.nn.Module, tp: int, key: str = "compile", backend: str | None = None,
-        kwargs: Mapping[str, Any] | None = None, classes: Sequence[str] | None = None,
-    ) -> CompileOptions:  # fmt: skip
+        cls,
+        section: CompileConfig,
+        model: torch.nn.Module,
+        tp: int,
+        key: str = "compile",
+        backend: str | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        classes: Sequence[str] | None = None,
+    ) -> CompileOptions:
         """:class:`ConfigError` naming ``key``'s field: an unknown backend, or a class the model does not have.
 
         With tensor parallelism (``tp`` > 1) a model with dropout is refused too: a compiled graph draws its
@@ -75,12 +81,16 @@ class CompileOptions:
         classes = tuple(section.module_classes or ()) if classes is None else tuple(classes)
         known = torch._dynamo.list_backends(exclude_tags=())
         if backend not in known:
-            raise ConfigError(f"{key}.backend: {backend!r} is not a torch.compile backend (these are: {', '.join(sorted(known))})")
+            raise ConfigError(
+                f"{key}.backend: {backend!r} is not a torch.compile backend (these are: {', '.join(sorted(known))})"
+            )
         missing = set(classes) - {type(m).__name__ for m in model.modules()}
         if missing:
             raise ConfigError(f"{key}.module_classes: no module of class {', '.join(sorted(missing))} in the model")
         if not classes and find_blocks(model) is None:
-            raise ConfigError(f"{key}: the model has no repeated blocks to compile; name the classes in {key}.module_classes")
+            raise ConfigError(
+                f"{key}: the model has no repeated blocks to compile; name the classes in {key}.module_classes"
+            )
         dropout = find_dropout(model) if tp > 1 else None
         if dropout is not None:
             raise ConfigError(
@@ -126,10 +136,12 @@ class CompiledBlocks:
             if function not in self._compiled:
                 self._compiled[function] = torch.compile(
                     function, backend=self.options.backend, isolate_recompiles=True, **self.options.kwargs
-                )  # fmt: skip
+                )
             compiled = functools.partial(self._compiled[function], module)
         else:
-            compiled = torch.compile(original, backend=self.options.backend, isolate_recompiles=True, **self.options.kwargs)
+            compiled = torch.compile(
+                original, backend=self.options.backend, isolate_recompiles=True, **self.options.kwargs
+            )
         try:
             signature: inspect.Signature | None = inspect.signature(original)
         except (TypeError, ValueError):
@@ -142,7 +154,10 @@ class CompiledBlocks:
                 args, kwargs = without_caches(signature, args, kwargs)
             graphs, breaks = _dynamo_totals()
             # data-dependent shapes and scalars (MoE routing's nonzero, a count) stay in the graph instead of breaking it
-            with _captured_outputs_readable(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+            with (
+                _captured_outputs_readable(),
+                torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True),
+            ):
                 out = compiled(*args, **kwargs)
             made, broke = _dynamo_totals()
             if made != graphs or broke != breaks:
@@ -162,8 +177,10 @@ class CompiledBlocks:
             reasons = "; ".join(sorted(torch._dynamo.utils.counters["graph_break"]))[:600]
             logger.warning(
                 "compile: %s breaks its graph (%d break(s); the parts between run eagerly, correct but slower): %s",
-                name, breaks, reasons or "see TORCH_LOGS=graph_breaks",
-            )  # fmt: skip
+                name,
+                breaks,
+                reasons or "see TORCH_LOGS=graph_breaks",
+            )
 
     def on_step(self) -> dict[str, float]:
         """At each optimizer step: the counts so far, by name, for the step record (later graphs are recompiles)."""
@@ -190,7 +207,14 @@ def compile_blocks(model: torch.nn.Module, options: CompileOptions | None) -> Co
     if not modules:  # a pipeline stage without blocks of its own
         return None
     compiled = CompiledBlocks(modules, options)
-    log_rank0(logger, "compile: %d modules with backend %s (%s%s)", len(modules), options.backend, ", ".join(compiled.names[:3]), ", ..." if len(modules) > 3 else "")
+    log_rank0(
+        logger,
+        "compile: %d modules with backend %s (%s%s)",
+        len(modules),
+        options.backend,
+        ", ".join(compiled.names[:3]),
+        ", ..." if len(modules) > 3 else "",
+    )
     return compiled
 
 

@@ -39,7 +39,9 @@ DENSE = ("dp", "cp", "sp")  # what dense parameters are sharded over (ZeRO): eve
 BUILT = (*((axis,) for axis in ALL_AXES), DENSE, ("cp", "sp"))
 
 _groups: dict[tuple[int, tuple[int, ...]], tuple[object, dist.ProcessGroup]] = {}
-_labels: dict[tuple[int, ...], str] = {}  # groups made outside the axes (pair_group, across): what to call their traffic
+_labels: dict[
+    tuple[int, ...], str
+] = {}  # groups made outside the axes (pair_group, across): what to call their traffic
 
 
 def canonical(axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -203,7 +205,9 @@ class Mesh:
         mine: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None)
         for part in partition(self.sizes, axes):
             if len(part) % size:
-                raise ValueError(f"mesh: {label} size {size} does not divide the {'·'.join(axes)} group of {len(part)} ranks")
+                raise ValueError(
+                    f"mesh: {label} size {size} does not divide the {'·'.join(axes)} group of {len(part)} ranks"
+                )
             blocks = [part[i : i + size] for i in range(0, len(part), size)]
             for block in blocks:
                 group = _shared_group(block) if len(block) > 1 else None
@@ -252,7 +256,11 @@ class Mesh:
         totals: dict[str, int] = {}
         for record in records:
             ranks = record.ranks
-            label = world if ranks is None else names.get(ranks) or _labels.get(ranks) or ("local" if len(ranks) == 1 else "other")
+            label = (
+                world
+                if ranks is None
+                else names.get(ranks) or _labels.get(ranks) or ("local" if len(ranks) == 1 else "other")
+            )
             totals[label] = totals.get(label, 0) + record.moved
         return totals
 

@@ -36,9 +36,15 @@ class ParallelOptions:
 
     @classmethod
     def from_config(
-        cls, cfg: SlipstreamConfig, sizes: MeshSizes, model: torch.nn.Module, *, presharded: bool, optimizer_built: bool,
+        cls,
+        cfg: SlipstreamConfig,
+        sizes: MeshSizes,
+        model: torch.nn.Module,
+        *,
+        presharded: bool,
+        optimizer_built: bool,
         device_type: str,
-    ) -> ParallelOptions:  # fmt: skip
+    ) -> ParallelOptions:
         return cls(
             presharded=presharded,
             pipeline=PipelineOptions.from_config(cfg, sizes),

@@ -37,7 +37,9 @@ class Segments:
     def __init__(self, documents: torch.Tensor, valid: torch.Tensor) -> None:
         self.documents = documents  # [b, L] int64: equal numbers attend to each other (causally)
         self.valid = valid  # [b, L] bool: False hides the token as a key (padding, the engine's own fill)
-        self._blocks: dict[tuple[int, int, int, bool], tuple[torch.Tensor | None | bool, float]] = {}  # the ring's per-layer reuse
+        self._blocks: dict[
+            tuple[int, int, int, bool], tuple[torch.Tensor | None | bool, float]
+        ] = {}  # the ring's per-layer reuse
 
     def pairs(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """[b, 1, q, k] bool: same document and the key valid (causality is the caller's, attention.allowed)."""
@@ -77,7 +79,9 @@ def read_segments(kwargs: dict[str, Any], key: str, model: torch.nn.Module | Non
     valid = None
     if mask is not None and mask.dim() == 2:
         if tuple(mask.shape) != (batch, length):
-            raise ConfigError(f"{key}: attention_mask has shape {tuple(mask.shape)}, expected {(batch, length)} (batch, sequence)")
+            raise ConfigError(
+                f"{key}: attention_mask has shape {tuple(mask.shape)}, expected {(batch, length)} (batch, sequence)"
+            )
         if not bool(torch.all(mask != 0)):
             valid = (mask != 0).to(device)
     if documents is None and valid is None:
@@ -99,7 +103,9 @@ def _keeps_cache(model: torch.nn.Module | None, kwargs: dict[str, Any]) -> bool:
         use_cache = getattr(getattr(model, "config", None), "use_cache", None)
     if not use_cache:
         return False
-    checkpointing = any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) if model is not None else False
+    checkpointing = (
+        any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) if model is not None else False
+    )
     return not (checkpointing and model is not None and model.training and torch.is_grad_enabled())
 
 
@@ -113,7 +119,9 @@ def _restarting_positions(positions: torch.Tensor | None, batch: int) -> torch.T
     return documents if bool((documents[:, -1] != 0).any()) else None
 
 
-def _varlen_documents(kwargs: dict[str, Any], batch: int, length: int, key: str, device: torch.device) -> torch.Tensor | None:
+def _varlen_documents(
+    kwargs: dict[str, Any], batch: int, length: int, key: str, device: torch.device
+) -> torch.Tensor | None:
     """Document numbers from ``cu_seq_lens_q`` (offsets into the flattened batch); the key lengths must be the same."""
     q = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens_q"))
     k = kwargs.get("cu_seq_lens_k", kwargs.get("cu_seqlens_k"))
@@ -136,7 +144,10 @@ def with_fill(segments: Segments | None, batch: int, length: int, padded: int, d
     if padded == length:
         return segments
     if segments is None:
-        segments = Segments(torch.zeros(batch, length, dtype=torch.int64, device=device), torch.ones(batch, length, dtype=torch.bool, device=device))
+        segments = Segments(
+            torch.zeros(batch, length, dtype=torch.int64, device=device),
+            torch.ones(batch, length, dtype=torch.bool, device=device),
+        )
     fill = padded - length
     own = segments.documents.max() + 1
     documents = torch.cat([segments.documents, own.expand(batch, fill)], dim=1)

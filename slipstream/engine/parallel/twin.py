@@ -15,8 +15,8 @@ refuses a feature raises on the first forward: the same check turns that into th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
 import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -60,7 +60,7 @@ def gradient_floor(reference: dict[str, torch.Tensor]) -> float:
 
 def first_gradient_mismatch(
     pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], reference: dict[str, torch.Tensor], tolerance: float
-) -> TwinMismatch | None:  # fmt: skip
+) -> TwinMismatch | None:
     """The first ``(name, ours, theirs)`` whose gradients differ beyond ``tolerance`` (near-zero ones against the floor)."""
     floor = gradient_floor(reference)
     for name, ours, theirs in pairs:
@@ -83,7 +83,9 @@ def local_piece(reference: torch.Tensor, param: torch.Tensor) -> torch.Tensor | 
     if placed is None or tuple(placed.global_shape) != tuple(reference.shape):
         return reference if reference.shape == param.shape else None
     if placed.boxes is not None:
-        pieces = [reference[tuple(slice(o, o + n) for o, n in zip(off, sizes))].reshape(-1) for off, sizes in placed.boxes]
+        pieces = [
+            reference[tuple(slice(o, o + n) for o, n in zip(off, sizes))].reshape(-1) for off, sizes in placed.boxes
+        ]
         return torch.cat(pieces).view(param.shape)
     box = placed.box(tuple(param.shape))
     if box is None:
@@ -92,7 +94,9 @@ def local_piece(reference: torch.Tensor, param: torch.Tensor) -> torch.Tensor | 
     return reference[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
 
 
-def _local_pairs(model: torch.nn.Module, reference: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+def _local_pairs(
+    model: torch.nn.Module, reference: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """Each parameter's gradient beside the piece of the reference gradient it holds (sharded or whole)."""
     for name, p in model.named_parameters():
         piece = local_piece(reference[name], p) if name in reference else None
@@ -107,14 +111,20 @@ def whole_model_reference(model: torch.nn.Module, batch: Any) -> tuple[float, di
             p.grad = None
         loss = loss_of(call_model(model, batch))
         loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}  # taken (quiet_model restores .grad)
+        grads = {
+            n: p.grad for n, p in model.named_parameters() if p.grad is not None
+        }  # taken (quiet_model restores .grad)
     return float(loss.detach()), grads
 
 
 def check_whole_model(
-    model: torch.nn.Module, batch: Any, expected: tuple[float, dict[str, torch.Tensor]], group: dist.ProcessGroup,
-    headline: str, against: str,
-) -> None:  # fmt: skip
+    model: torch.nn.Module,
+    batch: Any,
+    expected: tuple[float, dict[str, torch.Tensor]],
+    group: dist.ProcessGroup,
+    headline: str,
+    against: str,
+) -> None:
     """The parallelized model on ``batch`` against ``expected`` (its unparallelized twin): the loss, then every
     parameter's gradient on this rank's piece; all ranks of ``group`` raise together naming the first difference."""
     ref_loss, ref_grads = expected
@@ -127,7 +137,10 @@ def check_whole_model(
             loss = loss_of(call_model(model, batch))
             loss.backward()
         except Exception as err:  # noqa: BLE001 - a parallelized model that cannot run is the finding
-            mismatch = TwinMismatch(f"the parallelized model fails on its own ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})", float("inf"))
+            mismatch = TwinMismatch(
+                f"the parallelized model fails on its own ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
+                float("inf"),
+            )
         if mismatch is None:
             mismatch = loss_mismatch(float(loss.detach()), ref_loss, tolerance)
         if mismatch is None:
@@ -144,7 +157,11 @@ class _Recorder:
 
     def _hook(self, name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            tensor = output[0] if isinstance(output, (tuple, list)) and output else getattr(output, "last_hidden_state", output)
+            tensor = (
+                output[0]
+                if isinstance(output, (tuple, list)) and output
+                else getattr(output, "last_hidden_state", output)
+            )
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dim() >= 2:
                 self.outputs.append((name, tensor.detach().clone()))
 
@@ -160,9 +177,13 @@ def synthetic_tokens(model: torch.nn.Module, divisor: int, seed: int = 0, target
     config = getattr(model, "config", None)
     vocab = int(getattr(config, "vocab_size", 0) or 256)
     limit = min(
-        (int(v) for v in (getattr(config, k, None) for k in ("max_position_embeddings", "n_positions", "n_ctx")) if isinstance(v, int) and v > 0),
+        (
+            int(v)
+            for v in (getattr(config, k, None) for k in ("max_position_embeddings", "n_positions", "n_ctx"))
+            if isinstance(v, int) and v > 0
+        ),
         default=256,
-    )  # fmt: skip
+    )
     length = max(divisor * max(1, target // divisor), divisor)
     if length > limit:
         length = max(divisor, limit // divisor * divisor)
@@ -185,7 +206,9 @@ def synthetic_batches(model: torch.nn.Module, count: int, divisor: int = 8, targ
     if vocab is None:
         return None
     device = next(model.parameters()).device
-    tokens = [synthetic_tokens(model, divisor, seed=k, target=target).to(device).clamp_(max=vocab - 1) for k in range(count)]
+    tokens = [
+        synthetic_tokens(model, divisor, seed=k, target=target).to(device).clamp_(max=vocab - 1) for k in range(count)
+    ]
     conventions = (lambda t: {"input_ids": t, "labels": t.clone()}, lambda t: (t, t.clone()), lambda t: t)
     with quiet_model(model), torch.no_grad():
         for make in conventions:
@@ -214,9 +237,13 @@ def quiet_model(model: torch.nn.Module) -> Any:
 
 
 def check_sequence_twin(
-    model: torch.nn.Module, sharder: Any, mode: str, averaging: Mapping[int, dist.ProcessGroup] | None = None,
-    batch: dict[str, Any] | None = None, what: str = "a synthetic batch",
-) -> None:  # fmt: skip
+    model: torch.nn.Module,
+    sharder: Any,
+    mode: str,
+    averaging: Mapping[int, dist.ProcessGroup] | None = None,
+    batch: dict[str, Any] | None = None,
+    what: str = "a synthetic batch",
+) -> None:
     """Sharded forward/backward vs. the same model's own attention on the whole sequence; raises ConfigError naming
     the first divergence. ``batch``: keyword arguments with labels (default: random tokens, ``what`` names it)."""
     if batch is None:
@@ -233,7 +260,9 @@ def check_sequence_twin(
             reference = model(**batch)
             ref_loss = getattr(reference, "loss", None)
             if ref_loss is None:
-                raise ConfigError(f"{sharder.key}: {name} returned no loss for input_ids with labels; sequence sharding needs a model that computes its loss")
+                raise ConfigError(
+                    f"{sharder.key}: {name} returned no loss for input_ids with labels; sequence sharding needs a model that computes its loss"
+                )
             ref_grads = _gradients(ref_loss, trainable)
             ref_outputs, recorder.outputs = recorder.outputs, []
             local, count = sharder.shard(batch)
@@ -248,11 +277,14 @@ def check_sequence_twin(
             ours = recorder.outputs
         finally:
             recorder.close()
-        gradients = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging, our_grads), ref_grads, tolerance)
+        gradients = first_gradient_mismatch(
+            _group_mean_pairs(model, ref_grads, sharder.group, averaging, our_grads), ref_grads, tolerance
+        )
         mismatch = (
             _first_mismatch(ref_outputs, ours, sharder, length, tolerance)
-            or loss_mismatch(float(output.loss.detach()), float(ref_loss.detach()), tolerance) or gradients
-        )  # fmt: skip
+            or loss_mismatch(float(output.loss.detach()), float(ref_loss.detach()), tolerance)
+            or gradients
+        )
         agree(mismatch, sharder.group, f"{sharder.key}: {mode} does not reproduce {name} on {what} (twin check)")
 
 
@@ -264,9 +296,13 @@ def _gradients(loss: torch.Tensor, trainable: list[tuple[str, torch.nn.Parameter
 
 
 def check_sequence_pipeline_twin(
-    pipeline: Any, sharder: Any, mode: str, averaging: Mapping[int, dist.ProcessGroup] | None = None,
-    batch: dict[str, Any] | None = None, what: str = "a synthetic batch",
-) -> None:  # fmt: skip
+    pipeline: Any,
+    sharder: Any,
+    mode: str,
+    averaging: Mapping[int, dist.ProcessGroup] | None = None,
+    batch: dict[str, Any] | None = None,
+    what: str = "a synthetic batch",
+) -> None:
     """Under a pipeline: one schedule on whole sequences with the model's own attention against one on this
     rank's shards with the sharded attention; the loss, then this stage's group-mean gradients. Every rank
     of the world raises together (the stages' verdicts differ, and none may go on while another stops).
@@ -290,19 +326,39 @@ def check_sequence_pipeline_twin(
         local = [sharder.shard(b) for b in batches]
         sharder.activate()
         try:
-            ours = pipeline.train_step([b for b, _ in local], scale, contextlib.nullcontext, lambda out, i: sharder.combine(out, local[i][1]))
+            ours = pipeline.train_step(
+                [b for b, _ in local], scale, contextlib.nullcontext, lambda out, i: sharder.combine(out, local[i][1])
+            )
         finally:
             sharder.deactivate()
-        gradients = first_gradient_mismatch(_group_mean_pairs(model, ref_grads, sharder.group, averaging), ref_grads, tolerance)
-        mismatch = loss_mismatch(sum(ours.losses) / len(ours.losses), sum(reference.losses) / len(reference.losses), tolerance, "the step's loss") or gradients
+        gradients = first_gradient_mismatch(
+            _group_mean_pairs(model, ref_grads, sharder.group, averaging), ref_grads, tolerance
+        )
+        mismatch = (
+            loss_mismatch(
+                sum(ours.losses) / len(ours.losses),
+                sum(reference.losses) / len(reference.losses),
+                tolerance,
+                "the step's loss",
+            )
+            or gradients
+        )
         pipeline.last_report = None
-    agree(mismatch, dist.group.WORLD, f"{sharder.key}: {mode} inside the pipeline's stages does not reproduce {name} on {what} (twin check)",
-          "the same pipeline with the model's own attention on whole sequences")  # fmt: skip
+    agree(
+        mismatch,
+        dist.group.WORLD,
+        f"{sharder.key}: {mode} inside the pipeline's stages does not reproduce {name} on {what} (twin check)",
+        "the same pipeline with the model's own attention on whole sequences",
+    )
 
 
 def _first_mismatch(
-    reference: list[tuple[str, torch.Tensor]], ours: list[tuple[str, torch.Tensor]], sharder: Any, length: int, tolerance: float
-) -> TwinMismatch | None:  # fmt: skip
+    reference: list[tuple[str, torch.Tensor]],
+    ours: list[tuple[str, torch.Tensor]],
+    sharder: Any,
+    length: int,
+    tolerance: float,
+) -> TwinMismatch | None:
     """The first module (in call order) whose output on this rank's tokens differs from the reference's (the
     engine's fill beyond ``length``, sequence/inputs.py, left out)."""
     index = sharder.positions(-(-length // sharder.divisor) * sharder.divisor)
@@ -331,9 +387,12 @@ def _first_mismatch(
 
 
 def _group_mean_pairs(
-    model: torch.nn.Module, reference: dict[str, torch.Tensor], group: dist.ProcessGroup,
-    averaging: Mapping[int, dist.ProcessGroup] | None = None, grads: dict[str, torch.Tensor] | None = None,
-) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    model: torch.nn.Module,
+    reference: dict[str, torch.Tensor],
+    group: dist.ProcessGroup,
+    averaging: Mapping[int, dist.ProcessGroup] | None = None,
+    grads: dict[str, torch.Tensor] | None = None,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """The group-mean gradients (one flat all-reduce per group) beside the reference's, parameter by parameter.
     Collective: every rank of ``group`` computes them, whatever it found before (a rank whose module outputs
     already differ still takes part, or its peers' all-reduce meets the verdict's and gloo aborts).
@@ -350,8 +409,15 @@ def _group_mean_pairs(
         by_group.setdefault(id(own), (own, []))[1].append((name, p))
     means: dict[str, torch.Tensor] = {}
     for own, members in by_group.values():  # the same groups in the same order on every rank: one model, one walk
-        held = [(grads.get(name) if grads is not None else p.grad) for name, p in members]  # ``grads``: by name, else .grad
-        flat = torch.cat([(g if g is not None else torch.zeros_like(reference[name])).detach().reshape(-1).float() for (name, _), g in zip(members, held)])
+        held = [
+            (grads.get(name) if grads is not None else p.grad) for name, p in members
+        ]  # ``grads``: by name, else .grad
+        flat = torch.cat(
+            [
+                (g if g is not None else torch.zeros_like(reference[name])).detach().reshape(-1).float()
+                for (name, _), g in zip(members, held)
+            ]
+        )
         comm.all_reduce(flat, group=own, tag="twin check gradients").wait()
         flat /= dist.get_world_size(own)
         offset = 0
@@ -363,16 +429,25 @@ def _group_mean_pairs(
         yield name, means[name], reference[name]
 
 
-def agree(mismatch: TwinMismatch | None, group: dist.ProcessGroup, headline: str, against: str = "the model's own attention on the whole sequence") -> None:
+def agree(
+    mismatch: TwinMismatch | None,
+    group: dist.ProcessGroup,
+    headline: str,
+    against: str = "the model's own attention on the whole sequence",
+) -> None:
     """Every rank of the group raises if any rank saw a mismatch (the lowest such rank's finding)."""
-    flag = torch.tensor([dist.get_rank(group) if mismatch is not None else dist.get_world_size(group)], dtype=torch.int64)
+    flag = torch.tensor(
+        [dist.get_rank(group) if mismatch is not None else dist.get_world_size(group)], dtype=torch.int64
+    )
     comm.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, tag="twin check verdict").wait()
     first = int(flag.item())
     if first == dist.get_world_size(group):
         return
     found = None
     if dist.get_rank(group) == first:
-        found = mismatch.what + (f" differs by {mismatch.difference:.2e} (relative)" if mismatch.difference != float("inf") else "")
+        found = mismatch.what + (
+            f" differs by {mismatch.difference:.2e} (relative)" if mismatch.difference != float("inf") else ""
+        )
     found = comm.broadcast_object(found, src=dist.get_global_rank(group, first), group=group)
     raise ConfigError(
         f"{headline}: {found} on rank {first} of the group, against {against}; the model uses something this mode "

@@ -25,7 +25,9 @@ class StepRunner(Protocol):
         """``engine(...)``: the model's output, or a stand-in for a loss known later."""
         ...
 
-    def backward(self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int) -> None:
+    def backward(
+        self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int
+    ) -> None:
         """``engine.backward``: gradients of ``loss · loss_scale / accumulation``, reduced at a ``boundary``."""
         ...
 

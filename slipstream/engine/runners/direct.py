@@ -19,17 +19,31 @@ from slipstream.engine.zero.strategy import ShardingStrategy
 
 class DirectRunner:
     def __init__(
-        self, module: torch.nn.Module, strategy: ShardingStrategy, monitor: TrainingMonitor, sharder: Sharder | None,
+        self,
+        module: torch.nn.Module,
+        strategy: ShardingStrategy,
+        monitor: TrainingMonitor,
+        sharder: Sharder | None,
         cast_dtype: torch.dtype | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``cast_dtype``: floating-point inputs are cast to it (``auto_cast``); ``sharder``: Ulysses / ring attention."""
-        self.module, self.strategy, self.monitor, self.sharder, self.cast_dtype = module, strategy, monitor, sharder, cast_dtype
+        self.module, self.strategy, self.monitor, self.sharder, self.cast_dtype = (
+            module,
+            strategy,
+            monitor,
+            sharder,
+            cast_dtype,
+        )
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], step: int) -> Any:
         if self.cast_dtype is not None:
             args, kwargs = cast_floats((args, kwargs), self.cast_dtype)
         with self.monitor.forward(args, kwargs, step):
-            output = self.module(*args, **kwargs) if self.sharder is None else self._forward_sharded(self.sharder, args, kwargs)
+            output = (
+                self.module(*args, **kwargs)
+                if self.sharder is None
+                else self._forward_sharded(self.sharder, args, kwargs)
+            )
         router = router_loss_of(output) if torch.is_grad_enabled() else None
         if router is not None:
             self.monitor.on_router_loss(router)
@@ -38,7 +52,9 @@ class DirectRunner:
     def _forward_sharded(self, sharder: Sharder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """This rank's share of the sequence through the model, the whole sequence's loss out (parallel/sequence/inputs.py)."""
         if args:
-            raise TypeError(f"engine(...): with {sharder.key} > 1 pass the batch as keyword arguments (input_ids=..., labels=...)")
+            raise TypeError(
+                f"engine(...): with {sharder.key} > 1 pass the batch as keyword arguments (input_ids=..., labels=...)"
+            )
         check = sharder.take_first_batch_check() if torch.is_grad_enabled() else None
         if check is not None:  # the first training batch, before it trains (parallel/sequence/first_batch.py)
             with self.strategy.set_aside():
@@ -62,7 +78,9 @@ class DirectRunner:
                 else:
                     sharder.deactivate()
 
-    def backward(self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int) -> None:
+    def backward(
+        self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int
+    ) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
                 f"engine.backward: expected the scalar loss tensor, got {type(loss).__name__}"

@@ -85,7 +85,9 @@ class DeferredLoss:
 
 def as_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if args and kwargs:
-        raise TypeError("engine(...): under a pipeline pass a micro-batch either as keyword arguments or as positional ones, not both")
+        raise TypeError(
+            "engine(...): under a pipeline pass a micro-batch either as keyword arguments or as positional ones, not both"
+        )
     if kwargs:
         return kwargs
     return args[0] if len(args) == 1 else args
@@ -97,10 +99,20 @@ class PipelineRunner:
     is the whole sequence's (the sharder's combine)."""
 
     def __init__(
-        self, pipeline: Pipeline, strategy: ShardingStrategy, monitor: TrainingMonitor, cast_dtype: torch.dtype | None,
+        self,
+        pipeline: Pipeline,
+        strategy: ShardingStrategy,
+        monitor: TrainingMonitor,
+        cast_dtype: torch.dtype | None,
         sharder: Sharder | None = None,
-    ) -> None:  # fmt: skip
-        self.pipeline, self.strategy, self.monitor, self.cast_dtype, self.sharder = pipeline, strategy, monitor, cast_dtype, sharder
+    ) -> None:
+        self.pipeline, self.strategy, self.monitor, self.cast_dtype, self.sharder = (
+            pipeline,
+            strategy,
+            monitor,
+            cast_dtype,
+            sharder,
+        )
         # This window's micro-batches, each with its labelled tokens on this rank (under a sharder) and its deferred loss.
         self.window: list[tuple[Any, torch.Tensor | None, DeferredLoss]] = []
         self.divisors: list[int] = []  # per micro-batch of the window: what engine.backward divides its loss by
@@ -117,7 +129,9 @@ class PipelineRunner:
         batch, count = as_batch(args, kwargs), None
         self.pipeline.check_batch(batch)
         if self.sharder is not None:
-            check = self.sharder.take_first_batch_check() if torch.is_grad_enabled() and isinstance(batch, dict) else None
+            check = (
+                self.sharder.take_first_batch_check() if torch.is_grad_enabled() and isinstance(batch, dict) else None
+            )
             if check is not None:  # the first training micro-batch, before it trains (parallel/sequence/first_batch.py)
                 with self.strategy.set_aside():
                     check(batch)
@@ -126,7 +140,9 @@ class PipelineRunner:
         self.window.append((batch, count, loss))
         return loss
 
-    def backward(self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int) -> None:
+    def backward(
+        self, loss: Any, loss_scale: float, accumulation: int, boundary: bool, retain_graph: bool, step: int
+    ) -> None:
         """Nothing until the window's last micro-batch, then the schedule.
 
         Each micro-batch's loss is divided by ``accumulation`` as the direct runner divides it: the window's size
@@ -134,7 +150,9 @@ class PipelineRunner:
         ``num_items_in_batch`` style, where the model's loss is already normalised over the window).
         """
         if not isinstance(loss, DeferredLoss):
-            raise TypeError(f"engine.backward: under a pipeline pass the loss engine(batch) returned, got {type(loss).__name__}")
+            raise TypeError(
+                f"engine.backward: under a pipeline pass the loss engine(batch) returned, got {type(loss).__name__}"
+            )
         self.divisors.append(accumulation)
         if not boundary:
             return
@@ -153,9 +171,11 @@ class PipelineRunner:
             )
         with self.monitor.timers("backward"), self._sharded():
             report = self.pipeline.train_step(
-                [b for b, _, _ in pending], loss_scale / divisors[0], self.strategy.accumulation_window,
+                [b for b, _, _ in pending],
+                loss_scale / divisors[0],
+                self.strategy.accumulation_window,
                 self._finish([c for _, c, _ in pending]),
-            )  # fmt: skip
+            )
             self.strategy.finish_gradients()
         for (_, _, deferred), value in zip(pending, report.losses):
             deferred._resolve(value)
@@ -180,7 +200,9 @@ class PipelineRunner:
     def _shard(self, batch: Any) -> tuple[dict[str, Any], torch.Tensor | None]:
         assert self.sharder is not None
         if not isinstance(batch, dict):
-            raise TypeError(f"engine(...): with {self.sharder.key} > 1 pass the batch as keyword arguments (input_ids=..., labels=...)")
+            raise TypeError(
+                f"engine(...): with {self.sharder.key} > 1 pass the batch as keyword arguments (input_ids=..., labels=...)"
+            )
         return self.sharder.shard(batch)
 
     def _finish(self, counts: list[torch.Tensor | None]) -> Callable[[Any, int], Any] | None:

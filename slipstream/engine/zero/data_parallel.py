@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slipstream import comm
 from slipstream.comm.context import CommContext
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
 from slipstream.engine.zero.params import (
@@ -25,7 +26,6 @@ from slipstream.engine.zero.params import (
     optimizer_state_bytes,
     slice_state,
 )
-from slipstream import comm
 from slipstream.engine.zero.sharding_groups import first_of, model_spread
 from slipstream.engine.zero.slices import OwnedSlice, ParamSlice, slice_of
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
@@ -63,7 +63,9 @@ class DataParallelStrategy(ShardingStrategy):
             average=options.average,
             groups=[group_of.get(id(p), self.group) for p in self.trainable],
             context=self.comm_context,
-            tail=len(self.trainable),  # the used-parameter flags ride the last bucket ([Note: a tail on the last bucket])
+            tail=len(
+                self.trainable
+            ),  # the used-parameter flags ride the last bucket ([Note: a tail on the last bucket])
         )
         logger.debug("stage 0: %d gradient buckets", len(self.reducer.buckets))
         if self.low_precision:
@@ -147,9 +149,7 @@ class DataParallelStrategy(ShardingStrategy):
         if dist.get_rank() != 0:  # global rank 0, whatever the groups: it holds everything
             return None
         master_of = {id(p): m for p, m in zip(self.trainable, self.masters)}
-        return {
-            name: master_of.get(id(p), p).detach().float().clone() for name, p in self.module.named_parameters()
-        }
+        return {name: master_of.get(id(p), p).detach().float().clone() for name, p in self.module.named_parameters()}
 
     def sharded_state(self) -> list[OwnedSlice]:
         # Every rank of the group holds everything: all slices are whole parameters (whole pieces,

@@ -57,9 +57,14 @@ class FlatLayout:
     """Buckets, padding, chunks and this rank's pieces for ``params`` split into optimizer ``groups``."""
 
     def __init__(
-        self, numels: list[int], groups: list[list[int]], bucket_numel: int, world: int, rank: int,
+        self,
+        numels: list[int],
+        groups: list[list[int]],
+        bucket_numel: int,
+        world: int,
+        rank: int,
         buckets: list[list[int]] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``buckets`` fixes the bucket members explicitly (ZeRO-3: one bucket per unit)."""
         self.world, self.rank = world, rank
         self.slots: list[Slot | None] = [None] * len(numels)

@@ -32,7 +32,9 @@ class InFlight:
 
 
 class GradientStorage(abc.ABC):
-    def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, layout: FlatLayout, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.layout, self.params, self.dtype, self.device = layout, params, dtype, device
 
     @abc.abstractmethod
@@ -66,7 +68,9 @@ class GradientStorage(abc.ABC):
 
 
 class FullGradients(GradientStorage):
-    def __init__(self, layout: FlatLayout, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, layout: FlatLayout, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__(layout, params, dtype, device)
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
         self.views = {i: layout.param_view(self.flat, i, params[i].shape) for b in layout.buckets for i in b.members}
@@ -91,9 +95,14 @@ class FullGradients(GradientStorage):
 
 class ShardedGradients(GradientStorage):
     def __init__(
-        self, layout: FlatLayout, params: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device, buffers: int,
+        self,
+        layout: FlatLayout,
+        params: list[torch.nn.Parameter],
+        dtype: torch.dtype,
+        device: torch.device,
+        buffers: int,
         inflight: dict[int, InFlight],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``inflight``: the partition's reductions in flight (a full pool reclaims the oldest one's buffer)."""
         super().__init__(layout, params, dtype, device)
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)

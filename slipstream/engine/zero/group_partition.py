@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.comm.context import CommContext
+from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.grad_storage import GradientStorage, InFlight
-from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
 from slipstream.engine.zero.strategy import ShardingOptions
@@ -28,15 +28,24 @@ StorageFactory = Callable[[FlatLayout, dict[int, InFlight]], GradientStorage]
 
 class GroupPartition:
     def __init__(
-        self, group: dist.ProcessGroup | None, trainable: list[torch.nn.Parameter], members: list[list[int]],
-        options: ShardingOptions, storage: StorageFactory, base: int, dtype: torch.dtype, device: torch.device,
+        self,
+        group: dist.ProcessGroup | None,
+        trainable: list[torch.nn.Parameter],
+        members: list[list[int]],
+        options: ShardingOptions,
+        storage: StorageFactory,
+        base: int,
+        dtype: torch.dtype,
+        device: torch.device,
         context: CommContext | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``members``: indices into ``trainable`` per optimizer group sharded over ``group``; ``context``: the strategy's."""
         self.group, self.options, self.base = group, options, base
         self.context = context if context is not None else CommContext()
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.layout = FlatLayout([p.numel() for p in trainable], members, options.reduce_bucket_numel, self.world, self.rank)
+        self.layout = FlatLayout(
+            [p.numel() for p in trainable], members, options.reduce_bucket_numel, self.world, self.rank
+        )
         self.indices = sorted({i for ms in members for i in ms})
         self.numel = self.layout.shard_numel
         self.flat_params = torch.zeros(self.layout.numel, dtype=dtype, device=device)
@@ -47,7 +56,9 @@ class GroupPartition:
                 trainable[i].data = view
         self.inflight: dict[int, InFlight] = {}
         self.grads = storage(self.layout, self.inflight)
-        self.communication_dtype = options.communication_dtype if options.communication_dtype not in (None, dtype) else None
+        self.communication_dtype = (
+            options.communication_dtype if options.communication_dtype not in (None, dtype) else None
+        )
         self.pre_scale, self.post_scale = reduction_scales(
             self.world, options.gradient_predivide_factor, options.prescale_gradients, options.average
         )
@@ -56,8 +67,10 @@ class GroupPartition:
 
     # ------------------------------------------------------------------ coordinates
     def params(self) -> Chunks:
-        return Chunks([self.base + b.shard_offset for b in self.layout.buckets],
-                      [self.layout.own_chunk(self.flat_params, b) for b in self.layout.buckets])  # fmt: skip
+        return Chunks(
+            [self.base + b.shard_offset for b in self.layout.buckets],
+            [self.layout.own_chunk(self.flat_params, b) for b in self.layout.buckets],
+        )
 
     def boundaries(self) -> list[int]:
         return [self.base + b.shard_offset for b in self.layout.buckets]
@@ -79,7 +92,9 @@ class GroupPartition:
         else:
             receive = self.grads.chunk(bucket)  # straight into place (stage 1: in place in the input)
         tag = f"gradient bucket {index}"
-        work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, send, group=self.group, tag=tag), tag)
+        work = self.context.issue(
+            "reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, send, group=self.group, tag=tag), tag
+        )
         self.inflight[index] = InFlight(work, send, receive, pooled)
 
     def finish(self) -> None:
@@ -112,9 +127,15 @@ class GroupPartition:
         for bucket in self.layout.buckets:
             mine = self.layout.own_chunk(flat, bucket)  # in place: comm handles the aliasing
             whole, tag = self.layout.bucket_view(flat, bucket), f"{what}, bucket {bucket.index}"
-            works.append(self.context.issue(
-                "all_gather", lambda whole=whole, mine=mine, tag=tag: comm.all_gather_into_tensor(whole, mine, group=self.group, tag=tag), tag
-            ))  # fmt: skip
+            works.append(
+                self.context.issue(
+                    "all_gather",
+                    lambda whole=whole, mine=mine, tag=tag: comm.all_gather_into_tensor(
+                        whole, mine, group=self.group, tag=tag
+                    ),
+                    tag,
+                )
+            )
         for work in works:
             work.wait()
 

@@ -26,19 +26,48 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from slipstream.accelerator import get_accelerator
+from slipstream.engine.config.base import ConfigError
 from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.storage import alias, copy_pieces, hollow
 from slipstream.utils.logging import get_logger
-from slipstream.engine.config.base import ConfigError
 
 logger = get_logger(__name__)
 
 _RANDOM = {
-    "uniform_", "normal_", "random_", "bernoulli_", "bernoulli", "exponential_", "geometric_", "log_normal_",
-    "cauchy_", "randn", "rand", "randint", "randperm", "normal", "rand_like", "randn_like", "randint_like",
-    "multinomial", "native_dropout", "poisson",
-}  # fmt: skip
-_OVERWRITE = {"uniform_", "normal_", "fill_", "zero_", "random_", "bernoulli_", "exponential_", "geometric_", "log_normal_", "cauchy_", "copy_"}
+    "uniform_",
+    "normal_",
+    "random_",
+    "bernoulli_",
+    "bernoulli",
+    "exponential_",
+    "geometric_",
+    "log_normal_",
+    "cauchy_",
+    "randn",
+    "rand",
+    "randint",
+    "randperm",
+    "normal",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "multinomial",
+    "native_dropout",
+    "poisson",
+}
+_OVERWRITE = {
+    "uniform_",
+    "normal_",
+    "fill_",
+    "zero_",
+    "random_",
+    "bernoulli_",
+    "exponential_",
+    "geometric_",
+    "log_normal_",
+    "cauchy_",
+    "copy_",
+}
 _META = torch.device("meta")
 
 
@@ -89,7 +118,9 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
         schema_args = func._schema.arguments
-        if any(a.name == "device" for a in schema_args) and not any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves(args)):
+        if any(a.name == "device" for a in schema_args) and not any(
+            isinstance(a, torch.Tensor) for a in pytree.tree_leaves(args)
+        ):
             device = kwargs.get("device")
             if device is None or torch.device(device).type == "cpu":
                 kwargs["device"] = _META
@@ -151,7 +182,9 @@ class Init:
     the layout; ``slipstream.zero.Init`` reads them from a config.
     """
 
-    def __init__(self, unit_classes: list[str] | None = None, persistence_threshold: int = 100_000, enabled: bool = True) -> None:
+    def __init__(
+        self, unit_classes: list[str] | None = None, persistence_threshold: int = 100_000, enabled: bool = True
+    ) -> None:
         self.unit_classes, self.persistence_threshold, self.enabled = unit_classes, persistence_threshold, enabled
         self._recorder: _Recorder | None = None
 
@@ -227,7 +260,9 @@ def leave_presharded(model: torch.nn.Module, world: int, unit_numels: list[int],
 
 
 class _Replay:
-    def __init__(self, recorder: _Recorder, models: list[torch.nn.Module], unit_classes: list[str] | None, threshold: int) -> None:
+    def __init__(
+        self, recorder: _Recorder, models: list[torch.nn.Module], unit_classes: list[str] | None, threshold: int
+    ) -> None:
         from slipstream.comm import init_distributed
 
         init_distributed()
@@ -239,14 +274,22 @@ class _Replay:
     def run(self) -> None:
         from slipstream.engine.zero.stage3.units import find_units
 
-        targets: dict[int, list[tuple[torch.Tensor, torch.Tensor, list[Any]]]] = {}  # storage key -> [(param, shard, pieces)]
+        targets: dict[
+            int, list[tuple[torch.Tensor, torch.Tensor, list[Any]]]
+        ] = {}  # storage key -> [(param, shard, pieces)]
         layouts = []
         for model in self.models:
             specs = find_units(model, self.unit_classes, self.threshold)
             managed = [p for s in specs for p in s.params]
             index = {id(p): i for i, p in enumerate(managed)}
-            layout = FlatLayout([p.numel() for p in managed], [], 0, self.world, self.rank,
-                                buckets=[[index[id(p)] for p in s.params] for s in specs])  # fmt: skip
+            layout = FlatLayout(
+                [p.numel() for p in managed],
+                [],
+                0,
+                self.world,
+                self.rank,
+                buckets=[[index[id(p)] for p in s.params] for s in specs],
+            )
             shard = torch.zeros(layout.shard_numel, dtype=managed[0].dtype if managed else torch.float32)
             pieces: dict[int, list[Any]] = {}
             for piece in layout.pieces:
@@ -339,7 +382,9 @@ def _materialize_buffers(model: torch.nn.Module, real: dict[int, torch.UntypedSt
             if buffer is not None and buffer.is_meta:
                 key = buffer.untyped_storage()._cdata
                 storage = real.get(key) or torch.UntypedStorage(buffer.untyped_storage().nbytes())
-                module._buffers[name] = alias(storage, buffer.storage_offset(), buffer.shape, buffer.dtype, buffer.stride())
+                module._buffers[name] = alias(
+                    storage, buffer.storage_offset(), buffer.shape, buffer.dtype, buffer.stride()
+                )
 
 
 def _hollow_parameters(model: torch.nn.Module, replaced: dict[int, torch.nn.Parameter]) -> None:
@@ -352,7 +397,9 @@ def _hollow_parameters(model: torch.nn.Module, replaced: dict[int, torch.nn.Para
     for dtype, metas in by_dtype.items():
         for source, tensor in zip(metas, hollow([p.shape for p in metas], dtype, torch.device("cpu"))):
             replaced[id(source)] = torch.nn.Parameter(tensor, requires_grad=source.requires_grad)
-            replaced[id(source)].__class__ = ReleasedParameter  # computing with it before initialize() raises, not crashes
+            replaced[
+                id(source)
+            ].__class__ = ReleasedParameter  # computing with it before initialize() raises, not crashes
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and id(p) in replaced:

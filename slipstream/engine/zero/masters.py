@@ -104,9 +104,12 @@ class MasterWeights(abc.ABC):
 
 class DeviceMasters(MasterWeights):
     def __init__(
-        self, spec: PartitionSpec, optimizer: torch.optim.Optimizer | OptimizerFactory, groups: list[ParamGroupSpec],
+        self,
+        spec: PartitionSpec,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        groups: list[ParamGroupSpec],
         index: dict[int, int],
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(spec)
         self.params = spec.params
         self.low_precision = spec.dtype != torch.float32
@@ -219,9 +222,13 @@ class OffloadedMasters(MasterWeights):
     """The masters and Adam moments off the device (``offload/partition.py``); the CPU Adam steps them."""
 
     def __init__(
-        self, spec: PartitionSpec, options: Any, optimizer: torch.optim.Optimizer | OptimizerFactory,
-        groups: list[ParamGroupSpec], index: dict[int, int],
-    ) -> None:  # fmt: skip
+        self,
+        spec: PartitionSpec,
+        options: Any,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        groups: list[ParamGroupSpec],
+        index: dict[int, int],
+    ) -> None:
         from slipstream.engine.zero.offload.partition import PartitionOffload
 
         super().__init__(spec)
@@ -283,9 +290,12 @@ class OffloadedMasters(MasterWeights):
 
 
 def build_masters(
-    spec: PartitionSpec, offload: Any, optimizer: torch.optim.Optimizer | OptimizerFactory,
-    groups: list[ParamGroupSpec], index: dict[int, int],
-) -> MasterWeights:  # fmt: skip
+    spec: PartitionSpec,
+    offload: Any,
+    optimizer: torch.optim.Optimizer | OptimizerFactory,
+    groups: list[ParamGroupSpec],
+    index: dict[int, int],
+) -> MasterWeights:
     """Offloaded when ``offload`` (OffloadOptions) moves the optimizer, else on the device."""
     if offload is not None and offload.optimizer != "none":
         return OffloadedMasters(spec, offload, optimizer, groups, index)

@@ -23,7 +23,9 @@ from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
 from slipstream.engine.zero.strategy import ShardingOptions, ShardingStrategy
 from slipstream.utils.placement import is_duplicate, placement_of
 
-Piece = tuple[torch.Tensor, ParamSlice, int, "dist.ProcessGroup | None"]  # (parameter, slice, partition offset, sharding group)
+Piece = tuple[
+    torch.Tensor, ParamSlice, int, "dist.ProcessGroup | None"
+]  # (parameter, slice, partition offset, sharding group)
 
 
 class MastersStrategy(ShardingStrategy):

@@ -45,8 +45,9 @@ def check_groups(groups: list[ParamGroupSpec], index: dict[int, int], names: dic
     if missing:
         logger.warning(
             "%d trainable parameter(s) are in no optimizer group and will not be updated (e.g. %s)",
-            len(missing), ", ".join(missing[:3]),
-        )  # fmt: skip
+            len(missing),
+            ", ".join(missing[:3]),
+        )
 
 
 def single_dtype(params: list[torch.nn.Parameter], stage: int) -> torch.dtype:
@@ -102,7 +103,11 @@ def bind_optimizer(
     # Groups without a trainable parameter are dropped on every rank alike; a group whose
     # parameters this rank owns no slice of stays (empty), so group indices match across ranks.
     return optimizer(
-        [{**g.options, "params": updated_by_this_rank(g.params)} for g in groups if any(id(p) in index for p in g.params)]
+        [
+            {**g.options, "params": updated_by_this_rank(g.params)}
+            for g in groups
+            if any(id(p) in index for p in g.params)
+        ]
     )
 
 
@@ -125,7 +130,9 @@ def slice_state(optimizer: torch.optim.Optimizer, optimizer_param: torch.Tensor 
     return optimizer.state.get(optimizer_param) or None
 
 
-def install_slice_state(optimizer: torch.optim.Optimizer, optimizer_param: torch.Tensor | None, state: dict[str, Any] | None) -> None:
+def install_slice_state(
+    optimizer: torch.optim.Optimizer, optimizer_param: torch.Tensor | None, state: dict[str, Any] | None
+) -> None:
     """Inverse of :func:`slice_state` (None clears the state)."""
     if state is None:
         optimizer.state.pop(optimizer_param, None)

@@ -40,4 +40,6 @@ class PartitionSpec:
     initial: Chunks  # the partition's starting values
     grads: Callable[[], Chunks]  # where the reduced gradients are (asked at the first step)
     params: Chunks | None  # where updated parameters are written in place (None: through ``publish``)
-    publish: Callable[[int, int, torch.Tensor], None] | None = None  # (sub-group, start, values) when ``params`` is None
+    publish: Callable[[int, int, torch.Tensor], None] | None = (
+        None  # (sub-group, start, values) when ``params`` is None
+    )

@@ -21,26 +21,28 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm.context import CommContext
+from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.grad_storage import FullGradients, ShardedGradients
 from slipstream.engine.zero.group_partition import GroupPartition, StorageFactory
-from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.masters import build_masters
+from slipstream.engine.zero.masters_strategy import MastersStrategy, Piece
 from slipstream.engine.zero.offload.chunks import join
 from slipstream.engine.zero.offload.swap_dir import shared_job_id
 from slipstream.engine.zero.params import TrainableParams, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
-from slipstream.engine.zero.masters_strategy import MastersStrategy, Piece
 from slipstream.engine.zero.sharding_groups import first_of, split_by_group
-from slipstream.utils.placement import is_duplicate
 from slipstream.engine.zero.slices import OwnedSlice, slice_of
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions
 from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.utils.logging import get_logger
+from slipstream.utils.placement import is_duplicate
 
 logger = get_logger(__name__)
 
 
-def _storage(stage: int, trainable: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device, overlap: bool) -> StorageFactory:
+def _storage(
+    stage: int, trainable: list[torch.nn.Parameter], dtype: torch.dtype, device: torch.device, overlap: bool
+) -> StorageFactory:
     """The one place where stages 1 and 2 differ: full-size gradients, or a shard and send buffers."""
     if stage == 1:
         return lambda layout, inflight: FullGradients(layout, trainable, dtype, device)
@@ -69,19 +71,31 @@ class PartitionedStrategy(MastersStrategy):
         for share in split_by_group(groups, options.group):
             members = [[self.index[id(p)] for p in g.params if id(p) in self.index] for g in share.specs]
             base = sum(part.numel for part in self.parts)
-            self.parts.append(GroupPartition(share.group, self.trainable, members, options, storage, base, self.dtype, device, self.comm_context))
+            self.parts.append(
+                GroupPartition(
+                    share.group, self.trainable, members, options, storage, base, self.dtype, device, self.comm_context
+                )
+            )
         self.part_of = {i: part for part in self.parts for i in part.indices}
         params_chunks = join([part.params() for part in self.parts])
         nvme = options.offload is not None and options.offload.optimizer == "nvme"
         spec = PartitionSpec(
             numel=sum(part.numel for part in self.parts),
-            pieces=tuple(OptimizedPiece(part.base + piece.shard_offset, piece.numel, piece.index)
-                         for part in self.parts for piece in part.layout.pieces),
-            num_params=len(self.trainable), boundaries=tuple(b for part in self.parts for b in part.boundaries()),
-            dtype=self.dtype, device=device, rank=dist.get_rank(options.group),
-            job_id=shared_job_id(options.group) if nvme else "", initial=params_chunks,
-            grads=lambda: join([part.grads.chunks(part.base) for part in self.parts]), params=params_chunks,
-        )  # fmt: skip
+            pieces=tuple(
+                OptimizedPiece(part.base + piece.shard_offset, piece.numel, piece.index)
+                for part in self.parts
+                for piece in part.layout.pieces
+            ),
+            num_params=len(self.trainable),
+            boundaries=tuple(b for part in self.parts for b in part.boundaries()),
+            dtype=self.dtype,
+            device=device,
+            rank=dist.get_rank(options.group),
+            job_id=shared_job_id(options.group) if nvme else "",
+            initial=params_chunks,
+            grads=lambda: join([part.grads.chunks(part.base) for part in self.parts]),
+            params=params_chunks,
+        )
         self.masters = build_masters(spec, options.offload, optimizer, groups, self.index)
         self.optimizer = self.masters.optimizer
         self.used = UsedFlags(len(self.trainable), device)  # [Note: flags on the host]
@@ -89,8 +103,11 @@ class PartitionedStrategy(MastersStrategy):
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
         logger.debug(
             "ZeRO stage %d: %d sharding group(s), %d buckets, %d elements owned by this rank",
-            stage, len(self.parts), sum(len(p.layout.buckets) for p in self.parts), spec.numel,
-        )  # fmt: skip
+            stage,
+            len(self.parts),
+            sum(len(p.layout.buckets) for p in self.parts),
+            spec.numel,
+        )
         self.zero_grad()
 
     @property
@@ -174,7 +191,9 @@ class PartitionedStrategy(MastersStrategy):
         for name, p in self.module.named_parameters():  # frozen or outside every optimizer group: replicated
             if self.index.get(id(p)) not in self.part_of:
                 duplicate = not saver or is_duplicate(p)
-                owned.append(OwnedSlice(slice_of(name, p), p.detach().view(-1), None, replicated=True, duplicate=duplicate))
+                owned.append(
+                    OwnedSlice(slice_of(name, p), p.detach().view(-1), None, replicated=True, duplicate=duplicate)
+                )
         return owned
 
     def memory_breakdown(self) -> dict[str, int]:

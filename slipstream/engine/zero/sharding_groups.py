@@ -30,7 +30,9 @@ class GroupShare:
     specs: list[ParamGroupSpec]
 
 
-def split_by_group(specs: list[ParamGroupSpec], default: dist.ProcessGroup | None, with_default: bool = False) -> list[GroupShare]:
+def split_by_group(
+    specs: list[ParamGroupSpec], default: dist.ProcessGroup | None, with_default: bool = False
+) -> list[GroupShare]:
     """One share per distinct sharding group, in first-use order. ``with_default``: the default group's
     share exists even without a parameter group (stage 3 puts parameters of no group there)."""
     shares: dict[int, GroupShare] = {}

@@ -50,7 +50,9 @@ class ParamSlice:
                 size *= n
             lo, hi = max(self.start, begin), min(end, begin + size)
             if lo < hi:
-                found.append((lo - self.start, hi - self.start, ParamSlice(self.name, self.shape, lo - begin, hi - lo, box)))
+                found.append(
+                    (lo - self.start, hi - self.start, ParamSlice(self.name, self.shape, lo - begin, hi - lo, box))
+                )
         return found
 
     @property

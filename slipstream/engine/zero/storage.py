@@ -18,9 +18,12 @@ def contiguous_strides(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
 
 
 def alias(
-    storage: torch.UntypedStorage, offset: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+    storage: torch.UntypedStorage,
+    offset: int,
+    shape: torch.Size | tuple[int, ...],
+    dtype: torch.dtype,
     stride: tuple[int, ...] | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """A tensor over ``storage`` that is not an autograd view: it has its own version counter.
 
     Writing through it does not bump the version of other tensors on the same storage (ZeRO-3's
@@ -48,4 +51,6 @@ def copy_pieces(value: torch.Tensor, shard: torch.Tensor, pieces: Iterable[Any])
     """Copy the parts of one parameter's ``value`` that this rank owns (layout pieces) into ``shard``."""
     flat = value.reshape(-1)
     for piece in pieces:
-        shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(flat[piece.param_offset : piece.param_offset + piece.numel])
+        shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(
+            flat[piece.param_offset : piece.param_offset + piece.numel]
+        )

@@ -59,7 +59,8 @@ def evaluate(model, eval_dataloader, accelerator, batch_size: int):
 def main(argv: list[str]) -> dict:
     args = parse(argv)
     if args.slipstream:  # the one-line switch (the stock example imports the dummies from accelerate.utils)
-        from slipstream.integrations.accelerate import DummyOptim, DummyScheduler, SlipstreamAccelerator as Accelerator
+        from slipstream.integrations.accelerate import DummyOptim, DummyScheduler
+        from slipstream.integrations.accelerate import SlipstreamAccelerator as Accelerator
     else:  # accelerate.utils exports the dummies only where deepspeed is installed; this is where they live
         from accelerate import Accelerator
         from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
@@ -89,12 +90,19 @@ def main(argv: list[str]) -> dict:
     with accelerator.main_process_first():
         lm_datasets = tokenized.map(group_texts, batched=True)
     train_dataset, eval_dataset = lm_datasets["train"], lm_datasets["validation"]
-    train_dataloader = DataLoader(train_dataset, shuffle=True, collate_fn=default_data_collator, batch_size=args.per_device_train_batch_size)
-    eval_dataloader = DataLoader(eval_dataset, collate_fn=default_data_collator, batch_size=args.per_device_eval_batch_size)
+    train_dataloader = DataLoader(
+        train_dataset, shuffle=True, collate_fn=default_data_collator, batch_size=args.per_device_train_batch_size
+    )
+    eval_dataloader = DataLoader(
+        eval_dataset, collate_fn=default_data_collator, batch_size=args.per_device_eval_batch_size
+    )
 
     no_decay = ["bias", "LayerNorm.weight"]
     grouped = [
-        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)], "weight_decay": args.weight_decay},
+        {
+            "params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+            "weight_decay": args.weight_decay,
+        },
         {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
     ]
     plugin = accelerator.state.deepspeed_plugin
@@ -105,16 +113,23 @@ def main(argv: list[str]) -> dict:
     if args.max_train_steps is None:
         args.max_train_steps = args.num_train_epochs * steps_per_epoch
     if plugin is None or "scheduler" not in plugin.deepspeed_config:
-        lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=args.num_warmup_steps, num_training_steps=args.max_train_steps)
+        lr_scheduler = get_scheduler(
+            args.lr_scheduler_type,
+            optimizer=optimizer,
+            num_warmup_steps=args.num_warmup_steps,
+            num_training_steps=args.max_train_steps,
+        )
     else:
-        lr_scheduler = DummyScheduler(optimizer, total_num_steps=args.max_train_steps, warmup_num_steps=args.num_warmup_steps)
+        lr_scheduler = DummyScheduler(
+            optimizer, total_num_steps=args.max_train_steps, warmup_num_steps=args.num_warmup_steps
+        )
 
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
 
     completed_steps, best_metric, best_checkpoint, losses, perplexities = 0, None, None, [], []
-    for epoch in range(args.num_train_epochs):
+    for _epoch in range(args.num_train_epochs):
         model.train()
         for batch in train_dataloader:
             with accelerator.accumulate(model):
@@ -140,14 +155,18 @@ def main(argv: list[str]) -> dict:
     accelerator.load_state(best_checkpoint)
     perplexity, eval_loss = evaluate(model, eval_dataloader, accelerator, args.per_device_eval_batch_size)
     if perplexity != best_metric:
-        raise AssertionError(f"Best metric {best_metric} does not match the metric {perplexity} of the loaded best model.")
+        raise AssertionError(
+            f"Best metric {best_metric} does not match the metric {perplexity} of the loaded best model."
+        )
 
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(
-        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
+        args.output_dir,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
         state_dict=accelerator.get_state_dict(model),
-    )  # fmt: skip
+    )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:

@@ -27,7 +27,10 @@ def pairs(count: int, seed: int) -> list[tuple[str, str, int]]:
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(count):
-        start, label = int(torch.randint(len(WORDS), ())), int(torch.randint(2, ()))
+        start, label = (
+            int(torch.randint(len(WORDS), (), generator=generator)),
+            int(torch.randint(2, (), generator=generator)),
+        )
         step = 7 if label else 3
         first = [WORDS[(start + 7 * k) % len(WORDS)] for k in range(6)]
         second = [WORDS[(start + 42 + step * k) % len(WORDS)] for k in range(6)]
@@ -70,14 +73,25 @@ def main(argv: list[str]) -> dict:
     set_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name)
     train_dataloader, eval_dataloader = get_dataloaders(accelerator, tokenizer, batch_size)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64, num_labels=2,
-    ))  # fmt: skip
+    model = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            max_position_embeddings=64,
+            num_labels=2,
+        )
+    )
     optimizer = AdamW(params=model.parameters(), lr=lr)
     lr_scheduler = get_linear_schedule_with_warmup(
-        optimizer=optimizer, num_warmup_steps=2, num_training_steps=(len(train_dataloader) * num_epochs) // gradient_accumulation_steps,
-    )  # fmt: skip
+        optimizer=optimizer,
+        num_warmup_steps=2,
+        num_training_steps=(len(train_dataloader) * num_epochs) // gradient_accumulation_steps,
+    )
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )

@@ -50,9 +50,15 @@ def write_tokenizer(directory: str | os.PathLike[str]) -> str:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]", bos_token="[EOS]",
-        cls_token="[CLS]", sep_token="[SEP]", model_max_length=64,
-    )  # fmt: skip
+        tokenizer_object=core,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        eos_token="[EOS]",
+        bos_token="[EOS]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        model_max_length=64,
+    )
     tokenizer.save_pretrained(directory)
     return str(directory)
 
@@ -62,7 +68,16 @@ def write_gpt2_config(directory: str | os.PathLike[str]) -> str:
     from transformers import GPT2Config
 
     GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=len(WORDS) + 5, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=2, eos_token_id=2, pad_token_id=0,
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=len(WORDS) + 5,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=2,
+        eos_token_id=2,
+        pad_token_id=0,
     ).save_pretrained(directory)
     return str(directory)

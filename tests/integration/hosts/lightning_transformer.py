@@ -70,9 +70,16 @@ def main(argv: list[str]) -> dict | None:
     dataloader = DataLoader(dataset, batch_size=2)
     model = LightningTransformer(vocab_size=dataset.vocab_size)
     trainer = L.Trainer(
-        max_steps=args.steps, accelerator="cpu", devices=2, strategy=args.strategy, precision=args.precision,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=2,
+        strategy=args.strategy,
+        precision=args.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model=model, train_dataloaders=dataloader)
     losses = torch.stack(model.losses)
     dist.all_reduce(losses)

@@ -15,12 +15,18 @@ import dataclasses
 import math
 from itertools import chain
 
-import torch
 from datasets import load_dataset
 from transformers import (
-    AutoConfig, AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, HfArgumentParser, Trainer, TrainingArguments, default_data_collator,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorWithFlattening,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
     set_seed,
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass
@@ -40,7 +46,9 @@ class DataTrainingArguments:
 
 
 def main(argv: list[str]) -> dict:
-    model_args, _ = HfArgumentParser(ModelArguments).parse_args_into_dataclasses(argv, return_remaining_strings=True, look_for_args_file=False)
+    model_args, _ = HfArgumentParser(ModelArguments).parse_args_into_dataclasses(
+        argv, return_remaining_strings=True, look_for_args_file=False
+    )
     trainer_cls, arguments_cls = Trainer, TrainingArguments
     if model_args.trainer_subclass == "seq2seq":
         from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
@@ -54,7 +62,9 @@ def main(argv: list[str]) -> dict:
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(argv, look_for_args_file=False)
     set_seed(training_args.seed)
 
-    raw_datasets = load_dataset("text", data_files={"train": data_args.train_file, "validation": data_args.validation_file})
+    raw_datasets = load_dataset(
+        "text", data_files={"train": data_args.train_file, "validation": data_args.validation_file}
+    )
     config = AutoConfig.from_pretrained(model_args.config_name)
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name)
     model = AutoModelForCausalLM.from_config(config)
@@ -80,7 +90,10 @@ def main(argv: list[str]) -> dict:
         labels, preds = labels[:, 1:].reshape(-1), preds[:, :-1].reshape(-1)
         return {"accuracy": float((preds == labels).mean())}
 
-    collator, metrics = default_data_collator, {"compute_metrics": compute_metrics, "preprocess_logits_for_metrics": preprocess_logits_for_metrics}
+    collator, metrics = (
+        default_data_collator,
+        {"compute_metrics": compute_metrics, "preprocess_logits_for_metrics": preprocess_logits_for_metrics},
+    )
     if data_args.flatten:  # padding-free SFT's batches: documents end to end, position ids restarting at each
         lm_datasets = tokenized.remove_columns([c for c in tokenized["train"].column_names if c != "input_ids"])
         collator, metrics = DataCollatorWithFlattening(), {}
@@ -89,9 +102,14 @@ def main(argv: list[str]) -> dict:
             lm_datasets = tokenized.map(group_texts, batched=True)
 
     trainer = trainer_cls(
-        model=model, args=training_args, train_dataset=lm_datasets["train"], eval_dataset=lm_datasets["validation"],
-        processing_class=tokenizer, data_collator=collator, **metrics,
-    )  # fmt: skip
+        model=model,
+        args=training_args,
+        train_dataset=lm_datasets["train"],
+        eval_dataset=lm_datasets["validation"],
+        processing_class=tokenizer,
+        data_collator=collator,
+        **metrics,
+    )
     train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()
     metrics = train_result.metrics

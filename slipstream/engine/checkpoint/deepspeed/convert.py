@@ -81,7 +81,9 @@ def _zero(ds: DeepSpeedCheckpoint) -> Iterator[list[Piece]]:
             yield _zero12_rank(ds, file, opt, shapes, rank)
 
 
-def _zero12_rank(ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shapes: list[dict[str, Any]], rank: int) -> list[Piece]:
+def _zero12_rank(
+    ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shapes: list[dict[str, Any]], rank: int
+) -> list[Piece]:
     flats = opt.get("single_partition_of_fp32_groups")
     paddings = opt.get("group_paddings")
     if not isinstance(flats, list) or len(flats) != len(shapes) or not isinstance(paddings, list):
@@ -97,18 +99,24 @@ def _zero12_rank(ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shape
         held = flat.numel()
         partition = held + int(paddings[g])
         if rank == ds.world - 1 and rank * partition + held < zero12_total(group, aligned):
-            raise CheckpointError(f"DeepSpeed checkpoint {ds.path}: group {g}'s partitions hold fewer elements than its parameters")
+            raise CheckpointError(
+                f"DeepSpeed checkpoint {ds.path}: group {g}'s partitions hold fewer elements than its parameters"
+            )
         for share in zero12_shares(group, aligned, rank, partition, held):
             pieces.append(_piece(share, flat, states[g]))
     return pieces
 
 
-def _zero3_rank(ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shapes: dict[str, tuple[int, ...]], rank: int) -> list[Piece]:
+def _zero3_rank(
+    ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shapes: dict[str, tuple[int, ...]], rank: int
+) -> list[Piece]:
     groups = opt.get("fp32_flat_groups")
     if not isinstance(groups, list) or not all(torch.is_tensor(t) for t in groups):
         raise CheckpointError(f"DeepSpeed checkpoint {ds.path}: {file.name} holds no fp32_flat_groups")
     if opt.get("ds_zero_partition_groups"):
-        raise CheckpointError(f"DeepSpeed checkpoint {ds.path} partitions ZeRO-3 over sub-groups (hpZ/MiCS); convert it with ds_to_universal first")
+        raise CheckpointError(
+            f"DeepSpeed checkpoint {ds.path} partitions ZeRO-3 over sub-groups (hpZ/MiCS); convert it with ds_to_universal first"
+        )
     flat = groups[0].reshape(-1) if len(groups) == 1 else torch.cat([t.reshape(-1) for t in groups])
     shares, length = zero3_shares(shapes, rank, ds.world)
     if length != flat.numel():
@@ -125,7 +133,9 @@ def _zero3_rank(ds: DeepSpeedCheckpoint, file: Path, opt: dict[str, Any], shapes
                 parts = [s[key].reshape(-1) for s in per_group]
                 joined[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
                 if joined[key].numel() != flat.numel():
-                    raise CheckpointError(f"DeepSpeed checkpoint {ds.path}: {file.name}'s optimizer state {key!r} does not match its fp32 partition")
+                    raise CheckpointError(
+                        f"DeepSpeed checkpoint {ds.path}: {file.name}'s optimizer state {key!r} does not match its fp32 partition"
+                    )
             else:
                 joined[key] = value
     return [_piece(share, flat, joined) for share in shares]
@@ -141,7 +151,9 @@ def _group_states(ds: DeepSpeedCheckpoint, file: Path, base: Any, groups: int) -
     else:
         found = [{} for _ in range(groups)]
     if len(found) != groups:
-        raise CheckpointError(f"DeepSpeed checkpoint {ds.path}: {file.name} has optimizer state for {len(found)} of {groups} groups")
+        raise CheckpointError(
+            f"DeepSpeed checkpoint {ds.path}: {file.name} has optimizer state for {len(found)} of {groups} groups"
+        )
     return [dict(s) if isinstance(s, dict) else {} for s in found]
 
 
@@ -242,14 +254,22 @@ def _universal_tensor(file: Path) -> Any:
 # --------------------------------------------------------------------------- files
 
 
-def _payload(ds: DeepSpeedCheckpoint, rank: int, world: int, pieces: list[Piece], parameters: dict[str, dict[str, Any]]) -> Payload:
+def _payload(
+    ds: DeepSpeedCheckpoint, rank: int, world: int, pieces: list[Piece], parameters: dict[str, dict[str, Any]]
+) -> Payload:
     tensors: dict[str, torch.Tensor] = {}
     slices = []
     for share, values, state in pieces:
         whole = ((0,) * len(share.shape), share.shape)
         key = piece_key("p", share.name, whole, share.shape, share.start, FORMAT_VERSION)
         tensors[key] = values
-        entry: dict[str, Any] = {"name": share.name, "shape": list(share.shape), "start": share.start, "numel": share.numel, "key": key}
+        entry: dict[str, Any] = {
+            "name": share.name,
+            "shape": list(share.shape),
+            "start": share.start,
+            "numel": share.numel,
+            "key": key,
+        }
         if state:
             entry["optimizer"] = opt = {}
             prefix = piece_key("o", share.name, whole, share.shape, share.start, FORMAT_VERSION)
@@ -262,7 +282,9 @@ def _payload(ds: DeepSpeedCheckpoint, rank: int, world: int, pieces: list[Piece]
                     tensors[okey] = value
                     opt[name] = {"tensor": okey, "on_param_device": False}
                 else:
-                    opt[name] = {"value": encode_tree(value, okey, tensors, f"optimizer state {name!r} of {share.name}")}
+                    opt[name] = {
+                        "value": encode_tree(value, okey, tensors, f"optimizer state {name!r} of {share.name}")
+                    }
         slices.append(entry)
         parameters.setdefault(share.name, {"shape": list(share.shape), "dtype": "float32", "trainable": True})
     meta: dict[str, Any] = {"rank": rank, "world_size": world, "slices": slices, "rng": {}, "stateful": {}}
@@ -276,12 +298,18 @@ def _common(ds: DeepSpeedCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[s
         if name in module and torch.is_tensor(module[name]):
             buffers[name] = f"b/{key_part(name)}"
             tensors[buffers[name]] = module[name].contiguous()
-    groups = [_plain({k: v for k, v in g.items() if k != "params"}) for g in ds.optimizer_globals["param_groups"] if isinstance(g, dict)]
+    groups = [
+        _plain({k: v for k, v in g.items() if k != "params"})
+        for g in ds.optimizer_globals["param_groups"]
+        if isinstance(g, dict)
+    ]
     scheduler = ds.model_state.get("lr_scheduler")
     return {
         "counters": ds.counters(),
         "optimizer_groups": encode_tree(groups, "common/optimizer_groups", tensors, "optimizer.param_groups"),
-        "lr_scheduler": None if scheduler is None else encode_tree(scheduler, "common/lr_scheduler", tensors, "lr_scheduler"),
+        "lr_scheduler": None
+        if scheduler is None
+        else encode_tree(scheduler, "common/lr_scheduler", tensors, "lr_scheduler"),
         "loss_scaler": ds.loss_scaler(ds.optimizer_globals["loss_scaler"]),
         "client_state": encode_tree(_plain(ds.client_state()), "common/client_state", tensors, "client_state"),
         "buffers": buffers,
@@ -293,7 +321,9 @@ def _plain(obj: Any) -> Any:
     from slipstream.engine.checkpoint.deepspeed.unpickle import DeepSpeedRecord
 
     if isinstance(obj, dict):
-        return {k if isinstance(k, (str, int)) and not isinstance(k, bool) else str(k): _plain(v) for k, v in obj.items()}
+        return {
+            k if isinstance(k, (str, int)) and not isinstance(k, bool) else str(k): _plain(v) for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple)):
         return type(obj)(_plain(v) for v in obj)
     if isinstance(obj, DeepSpeedRecord):
@@ -305,8 +335,11 @@ def _plain(obj: Any) -> Any:
 
 def _manifest(ds: DeepSpeedCheckpoint, tag: str, world: int, parameters: dict[str, dict[str, Any]]) -> dict[str, Any]:
     module = ds.model_state["module"]
-    buffers = {n: {"shape": list(module[n].shape), "dtype": str(module[n].dtype).removeprefix("torch.")}
-               for n in ds.buffer_names() if n in module and torch.is_tensor(module[n])}  # fmt: skip
+    buffers = {
+        n: {"shape": list(module[n].shape), "dtype": str(module[n].dtype).removeprefix("torch.")}
+        for n in ds.buffer_names()
+        if n in module and torch.is_tensor(module[n])
+    }
     shared = ds.shared_params()
     keys: dict[str, dict[str, str]] = {}
     for key in module:
@@ -320,13 +353,25 @@ def _manifest(ds: DeepSpeedCheckpoint, tag: str, world: int, parameters: dict[st
         keys.setdefault(name, {"param": name})
     counters = ds.counters()
     return {
-        "format": FORMAT_NAME, "version": FORMAT_VERSION, "tag": tag, "created": time.time(),
-        "slipstream_version": __version__, "torch_version": torch.__version__, "world_size": world,
-        "zero_stage": ds.zero_stage, "precision": ds.precision, "global_steps": counters["global_steps"],
-        "micro_steps": counters["micro_steps"], "module_class": f"converted from DeepSpeed {ds.version}",
-        "source": {"format": "deepspeed-universal" if ds.universal else "deepspeed", "deepspeed_version": ds.version,
-                   "path": str(ds.path), "world_size": ds.world},
-        "parameters": parameters, "buffers": buffers, "state_dict_keys": keys,
-    }  # fmt: skip
-
-
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "tag": tag,
+        "created": time.time(),
+        "slipstream_version": __version__,
+        "torch_version": torch.__version__,
+        "world_size": world,
+        "zero_stage": ds.zero_stage,
+        "precision": ds.precision,
+        "global_steps": counters["global_steps"],
+        "micro_steps": counters["micro_steps"],
+        "module_class": f"converted from DeepSpeed {ds.version}",
+        "source": {
+            "format": "deepspeed-universal" if ds.universal else "deepspeed",
+            "deepspeed_version": ds.version,
+            "path": str(ds.path),
+            "world_size": ds.world,
+        },
+        "parameters": parameters,
+        "buffers": buffers,
+        "state_dict_keys": keys,
+    }

@@ -68,7 +68,10 @@ def export_deepspeed(checkpoint: str | Path, out: str | Path, tag: str | None = 
     buffers = {name: reader.tensor(0, key) for name, key in common["buffers"].items()}
     torch.save(_optimizer_state(reader, common, step), part / "zero" / "optimizer_state.pt")
     state = _model_state(reader, common, module, buffers, shapes)
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):  # ZeRO 0-2 and ZeRO-3 names
+    for name in (
+        "mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+    ):  # ZeRO 0-2 and ZeRO-3 names
         torch.save(state, part / name)
     final = out / ds_tag
     if final.exists():
@@ -96,9 +99,12 @@ def _optimizer_state(reader: CheckpointReader, common: dict[str, Any], step: Any
 
 
 def _model_state(
-    reader: CheckpointReader, common: dict[str, Any], params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+    reader: CheckpointReader,
+    common: dict[str, Any],
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
     shapes: collections.OrderedDict[str, torch.Size],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     module: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
     shared = {}
     for key, source in reader.manifest["state_dict_keys"].items():
@@ -112,15 +118,29 @@ def _model_state(
     client = reader.decode(0, common["client_state"])
     scheduler = None if common["lr_scheduler"] is None else reader.decode(0, common["lr_scheduler"])
     state = {
-        "module": module, "buffer_names": list(buffers), "optimizer": None, "param_shapes": [shapes],
-        "frozen_param_shapes": None, "shared_params": shared, "frozen_param_fragments": None, "lr_scheduler": scheduler,
-        "data_sampler": None, "random_ltd": None, "skipped_steps": counters["skipped_steps"],
-        "global_steps": counters["global_steps"], "global_samples": counters["global_samples"], "dp_world_size": 1,
-        "mp_world_size": 1, "ds_config": _config(reader), "ds_version": DEEPSPEED_VERSION,
-    }  # fmt: skip
+        "module": module,
+        "buffer_names": list(buffers),
+        "optimizer": None,
+        "param_shapes": [shapes],
+        "frozen_param_shapes": None,
+        "shared_params": shared,
+        "frozen_param_fragments": None,
+        "lr_scheduler": scheduler,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": counters["skipped_steps"],
+        "global_steps": counters["global_steps"],
+        "global_samples": counters["global_samples"],
+        "dp_world_size": 1,
+        "mp_world_size": 1,
+        "ds_config": _config(reader),
+        "ds_version": DEEPSPEED_VERSION,
+    }
     clashes = sorted(set(client) & set(state)) if isinstance(client, dict) else []
     if clashes:
-        raise CheckpointError(f"convert: client_state key {clashes[0]!r} is one DeepSpeed's model-states file uses itself")
+        raise CheckpointError(
+            f"convert: client_state key {clashes[0]!r} is one DeepSpeed's model-states file uses itself"
+        )
     state.update(client if isinstance(client, dict) else {})
     return state
 

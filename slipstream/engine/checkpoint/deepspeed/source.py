@@ -38,13 +38,34 @@ MODEL_FILE = "mp_rank_00_model_states.pt"
 LATEST_FILES = ("latest", "latest_universal")
 
 # Keys DeepSpeed's engine writes into the model-states file; the rest are the caller's client_state.
-ENGINE_KEYS = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-    "ds_version", "universal_checkpoint_info", "checkpoint_parallel_dimensions", "pp_degree", "tp_degree",
-    "iteration", "ds_autotp_universal_checkpoint_meta",
-})  # fmt: skip
+ENGINE_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        "universal_checkpoint_info",
+        "checkpoint_parallel_dimensions",
+        "pp_degree",
+        "tp_degree",
+        "iteration",
+        "ds_autotp_universal_checkpoint_meta",
+    }
+)
 
 
 def _is_checkpoint_dir(path: Path) -> bool:
@@ -102,12 +123,18 @@ class DeepSpeedCheckpoint:
         """Per flat group, the parameter names and shapes in their flattened order."""
         groups = self.model_state.get("param_shapes")
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-            raise CheckpointError(f"DeepSpeed checkpoint {self.path}: {MODEL_FILE} has no param_shapes (written by ZeRO 0, or damaged)")
+            raise CheckpointError(
+                f"DeepSpeed checkpoint {self.path}: {MODEL_FILE} has no param_shapes (written by ZeRO 0, or damaged)"
+            )
         return [{str(n): tuple(int(d) for d in s) for n, s in g.items()} for g in groups]
 
     def merged_param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every flat group's names and shapes, in order, as one dict (empty when none are recorded, as at ZeRO 0)."""
-        return {n: s for group in self.param_shapes() for n, s in group.items()} if self.model_state.get("param_shapes") else {}
+        return (
+            {n: s for group in self.param_shapes() for n, s in group.items()}
+            if self.model_state.get("param_shapes")
+            else {}
+        )
 
     def module_params(self) -> list[str]:
         """Parameter names of the module state dict in order: not buffers, not tied aliases, each tied tensor once."""
@@ -173,9 +200,12 @@ class DeepSpeedCheckpoint:
             gas = max(1, int(batch) // (micro * self.world)) if isinstance(batch, int) else 1
         steps = int(self.model_state.get("global_steps") or 0)
         return {
-            "global_steps": steps, "micro_steps": steps * gas, "global_samples": int(self.model_state.get("global_samples") or 0),
-            "skipped_steps": int(self.model_state.get("skipped_steps") or 0), "gradient_accumulation_steps": gas,
-        }  # fmt: skip
+            "global_steps": steps,
+            "micro_steps": steps * gas,
+            "global_samples": int(self.model_state.get("global_samples") or 0),
+            "skipped_steps": int(self.model_state.get("skipped_steps") or 0),
+            "gradient_accumulation_steps": gas,
+        }
 
     def client_state(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_state.items() if isinstance(k, str) and k not in ENGINE_KEYS}
@@ -189,10 +219,11 @@ class DeepSpeedCheckpoint:
             return {}
         if "cur_hysteresis" in found or found.get("dynamic"):
             return {
-                "scale": float(found.get("cur_scale", 1.0)), "iteration": int(found.get("cur_iter", 0)),
+                "scale": float(found.get("cur_scale", 1.0)),
+                "iteration": int(found.get("cur_iter", 0)),
                 "last_overflow_iteration": int(found.get("last_overflow_iter", -1)),
                 "remaining_hysteresis": int(found.get("cur_hysteresis", 1)),
-            }  # fmt: skip
+            }
         return {"scale": float(found.get("cur_scale", 1.0))}
 
 
@@ -214,9 +245,15 @@ def describe(path: Path) -> DeepSpeedCheckpoint:
         model_file = path / f"zero_pp_rank_{ranks[0]}_mp_rank_00_model_states.pt"
     model_state = load_pickle(model_file)
     if not isinstance(model_state, dict) or "module" not in model_state:
-        raise CheckpointError(f"DeepSpeed checkpoint {path}: {model_file.name} holds no 'module' state (not a DeepSpeed model-states file)")
-    if not model_state.get("param_shapes") and not any(torch.is_tensor(v) and v.numel() for v in model_state["module"].values()):
-        raise CheckpointError(f"DeepSpeed checkpoint {path}: {model_file.name} holds no weights (an empty module state and no param_shapes)")
+        raise CheckpointError(
+            f"DeepSpeed checkpoint {path}: {model_file.name} holds no 'module' state (not a DeepSpeed model-states file)"
+        )
+    if not model_state.get("param_shapes") and not any(
+        torch.is_tensor(v) and v.numel() for v in model_state["module"].values()
+    ):
+        raise CheckpointError(
+            f"DeepSpeed checkpoint {path}: {model_file.name} holds no weights (an empty module state and no param_shapes)"
+        )
     mp = model_state.get("mp_world_size", 1)
     if isinstance(mp, int) and mp > 1:
         raise CheckpointError(
@@ -224,11 +261,19 @@ def describe(path: Path) -> DeepSpeedCheckpoint:
             "data-parallel DeepSpeed checkpoints: convert it with DeepSpeed's ds_to_universal first"
         )
     config = model_state.get("ds_config") if isinstance(model_state.get("ds_config"), dict) else {}
-    precision = "bf16" if _enabled(config, "bf16") or _enabled(config, "bfloat16") else "fp16" if _enabled(config, "fp16") else "fp32"
+    precision = (
+        "bf16"
+        if _enabled(config, "bf16") or _enabled(config, "bfloat16")
+        else "fp16"
+        if _enabled(config, "fp16")
+        else "fp32"
+    )
     if universal:
         return DeepSpeedCheckpoint(path, model_state, _stage(config), 1, precision, [], True)
     if sorted(optim) != list(range(len(optim))):
-        raise CheckpointError(f"DeepSpeed checkpoint {path}: optimizer files for ranks {sorted(optim)}; some ranks' files are missing")
+        raise CheckpointError(
+            f"DeepSpeed checkpoint {path}: optimizer files for ranks {sorted(optim)}; some ranks' files are missing"
+        )
     stage = _stage(config)
     world = len(optim) if optim else int(model_state.get("dp_world_size") or 1)
     recorded = model_state.get("dp_world_size")
@@ -253,8 +298,18 @@ def _stage(config: dict[str, Any]) -> int:
 
 def _refuse_parallel(path: Path, names: list[str]) -> None:
     for name in names:
-        if name.startswith("layer_") or "expert_" in name or re.match(r"^(zero_pp_rank_\d+_)?mp_rank_(0[1-9]|[1-9]\d)", name):
-            what = "pipeline-parallel layers" if name.startswith("layer_") else "MoE experts" if "expert_" in name else "tensor parallelism"
+        if (
+            name.startswith("layer_")
+            or "expert_" in name
+            or re.match(r"^(zero_pp_rank_\d+_)?mp_rank_(0[1-9]|[1-9]\d)", name)
+        ):
+            what = (
+                "pipeline-parallel layers"
+                if name.startswith("layer_")
+                else "MoE experts"
+                if "expert_" in name
+                else "tensor parallelism"
+            )
             raise CheckpointError(
                 f"DeepSpeed checkpoint {path} holds {name} ({what}); slipstream reads data-parallel DeepSpeed checkpoints "
                 "(ZeRO 0-3) and universal ones: convert it with DeepSpeed's ds_to_universal first"

@@ -59,5 +59,7 @@ def _node_path(mine: str | None) -> str:
     every = all_gather_objects((host, mine))
     found = next((path for name, path in every if name == host and path is not None), None)
     if found is None:
-        raise CheckpointError(f"load_checkpoint: no rank with LOCAL_RANK 0 on host {host} converted the DeepSpeed checkpoint")
+        raise CheckpointError(
+            f"load_checkpoint: no rank with LOCAL_RANK 0 on host {host} converted the DeepSpeed checkpoint"
+        )
     return found

@@ -66,14 +66,23 @@ def load_pickle(path: Path) -> Any:
     except pickle.UnpicklingError as err:
         text = str(err)
         found = _UNSUPPORTED.search(text)
-        detail = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("WeightsUnpickler error")), text)
-        what = f"the global {found.group(1)}" if found else f"something outside tensors and plain data ({detail.splitlines()[0]})"
+        detail = next(
+            (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("WeightsUnpickler error")),
+            text,
+        )
+        what = (
+            f"the global {found.group(1)}"
+            if found
+            else f"something outside tensors and plain data ({detail.splitlines()[0]})"
+        )
         raise CheckpointError(
             f"DeepSpeed checkpoint file {path} names {what}, which is not on slipstream's allow-list of DeepSpeed "
             f"checkpoint classes ({', '.join(ALLOWED)}); it was not unpickled (unpickling runs arbitrary code)"
         ) from None
     except (RuntimeError, EOFError, OSError, TypeError, ValueError) as err:
-        raise CheckpointError(f"DeepSpeed checkpoint file {path} cannot be read ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+        raise CheckpointError(
+            f"DeepSpeed checkpoint file {path} cannot be read ({type(err).__name__}: {str(err).splitlines()[0]})"
+        ) from None
 
 
 def _zip(path: Path) -> bool:

@@ -21,6 +21,7 @@ from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
 from slipstream.utils.eager_island import declare, island
 
+
 class _GatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, kv: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
@@ -33,7 +34,9 @@ class _GatherKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         mine = torch.empty(grad[0].numel(), dtype=grad.dtype, device=grad.device)
-        comm.reduce_scatter_tensor(mine, grad.reshape(-1).clone(), group=ctx.group, tag="context dk|dv reduce-scatter (backward)").wait()
+        comm.reduce_scatter_tensor(
+            mine, grad.reshape(-1).clone(), group=ctx.group, tag="context dk|dv reduce-scatter (backward)"
+        ).wait()
         return mine.view(grad.shape[1:]), None
 
 
@@ -56,15 +59,28 @@ class AllGatherKVAttention:
         self.group, self.layout = group, layout
         self.rank = dist.get_rank(group)
         self.active = False  # set by the engine's sharder for its steps only
-        self.segments: Segments | None = None  # the step's padding and documents (parallel/segments.py), from the sharder
+        self.segments: Segments | None = (
+            None  # the step's padding and documents (parallel/segments.py), from the sharder
+        )
 
     def __call__(
-        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-        dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         if not self.active:
-            raise UsageError("context_parallel: attention called outside the engine's sharded step (the model's own attention runs there)")
-        features = attention_features("context_parallel.method: all-gathered K/V attention", module, dropout, scaling, kwargs)
+            raise UsageError(
+                "context_parallel: attention called outside the engine's sharded step (the model's own attention runs there)"
+            )
+        features = attention_features(
+            "context_parallel.method: all-gathered K/V attention", module, dropout, scaling, kwargs
+        )
         b, heads, n, d = query.shape
         kv_heads = key.shape[1]
         gathered = island(_GatherKV, (torch.cat([key, value], dim=1),), (self.group,))  # [c, b, 2·Hkv, n, d]

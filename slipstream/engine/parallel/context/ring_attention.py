@@ -36,6 +36,7 @@ from slipstream.engine.parallel.segments import Segments
 from slipstream.errors import UsageError
 from slipstream.utils.eager_island import declare, island, register
 
+
 class _RingShift(torch.autograd.Function):
     """Forward: send to the next rank, receive from the previous; backward: the reverse."""
 
@@ -54,9 +55,14 @@ class _RingShift(torch.autograd.Function):
 
 
 def _block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    diagonal: bool,
+    mask: torch.Tensor | None = None,
     softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one (query chunk, key chunk) pair: output and log-sum-exp per query (-inf: no key allowed).
     ``mask``: [b, 1, n, n] or [n, n] allowed pairs (the batch's segments, parallel/segments.py, and a sliding window),
     in place of ``diagonal``; ``softcap``: Gemma 2's ``tanh(score / cap) · cap`` on the block's logits."""
@@ -74,8 +80,8 @@ def _block(
 
 
 def _window_mask(
-    q0: int, k0: int, n: int, window: int, causal: bool, device: torch.device | None, keys: int | None = None,
-) -> torch.Tensor | bool | None:  # fmt: skip
+    q0: int, k0: int, n: int, window: int, causal: bool, device: torch.device | None, keys: int | None = None
+) -> torch.Tensor | bool | None:
     """What a sliding window leaves of the block of queries ``q0…q0+n`` against keys ``k0…k0+keys`` (``keys``: n by
     default): False (no pair within the window: the block is skipped), None (every pair within it: the window
     changes nothing) or the [n, keys] mask of allowed pairs (with causality: ``0 ≤ i − j < window``; without:
@@ -97,7 +103,9 @@ def _window_mask(
     return (distance >= 0) & (distance < window) if causal else distance.abs() < window
 
 
-def _window_tiles(q0: int, k0: int, n: int, window: int, causal: bool, tile: int, device: torch.device | None) -> list[tuple[slice, slice, torch.Tensor | None]]:
+def _window_tiles(
+    q0: int, k0: int, n: int, window: int, causal: bool, tile: int, device: torch.device | None
+) -> list[tuple[slice, slice, torch.Tensor | None]]:
     """A block the window cuts, as query tiles of ``tile`` tokens, each against the contiguous run of keys the
     window lets it see: ``(query slice, key slice, mask or None)`` within the block, tiles that see nothing left
     out ([Note: windows on the ring])."""
@@ -121,7 +129,9 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isinf(lse), 0.0)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial softmax results of the same queries as one (exact; rows empty in both stay 0 with -inf)."""
     merged = torch.logaddexp(lse, block_lse)
     base = _finite(merged)
@@ -130,11 +140,19 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, block_lse: tor
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """The flash op's mask form: 0 where allowed, -inf where not."""
-    return None if mask is None else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return (
+        None
+        if mask is None
+        else torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    )
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, attn_mask=_additive(mask, q.dtype), scale=scale)
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, diagonal, attn_mask=_additive(mask, q.dtype), scale=scale
+    )
     lse = lse.unsqueeze(-1)
     if mask is not None:  # the op reports 0 for a row with no allowed key: it must weigh nothing in the merge
         lse = lse.masked_fill(~mask.any(-1, keepdim=True), float("-inf"))
@@ -145,7 +163,16 @@ class _FlashRing(torch.autograd.Function):
     """The whole ring for one layer as one autograd node: see [Note: flash blocks]."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention, scale: float, causal: bool, window: int | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring: RingAttention,
+        scale: float,
+        causal: bool,
+        window: int | None,
+    ) -> torch.Tensor:  # type: ignore[override]
         groups = q.shape[1] // k.shape[1]
         segments = ring.segments  # this micro-batch's (the backward may run after another's forward)
         q_chunks = [c.contiguous() for c in q.chunk(ring.layout.chunks_per_rank, dim=2)]
@@ -153,8 +180,13 @@ class _FlashRing(torch.autograd.Function):
         outs = [torch.zeros_like(c) for c in q_chunks]
         lses = [torch.full((*c.shape[:3], 1), float("-inf"), dtype=torch.float32, device=c.device) for c in q_chunks]
         for source, k_chunks, v_chunks in ring.travel(torch.cat([k, v], dim=1)):
-            for i, j, diagonal, mask, qs, ks in ring.tiles(source, causal, q_chunks[0].shape[2], segments, window, q.device):
-                keys, values = _heads(k_chunks[j][:, :, ks], groups).contiguous(), _heads(v_chunks[j][:, :, ks], groups).contiguous()
+            for i, j, diagonal, mask, qs, ks in ring.tiles(
+                source, causal, q_chunks[0].shape[2], segments, window, q.device
+            ):
+                keys, values = (
+                    _heads(k_chunks[j][:, :, ks], groups).contiguous(),
+                    _heads(v_chunks[j][:, :, ks], groups).contiguous(),
+                )
                 o, lse = _flash(q_chunks[i][:, :, qs].contiguous(), keys, values, scale, diagonal, mask)
                 outs[i][:, :, qs], lses[i][:, :, qs] = _merge(outs[i][:, :, qs], lses[i][:, :, qs], o, lse)
         out = torch.cat(outs, dim=2).to(q.dtype)
@@ -174,12 +206,21 @@ class _FlashRing(torch.autograd.Function):
         for source, carried_now in ring.travel(carried, whole=True):
             carried = carried_now
             kk, vv, dk, dv = (c.chunk(per, dim=2) for c in carried.split(kv_heads, dim=1))
-            for i, j, diagonal, mask, qs, ks in ring.tiles(source, ctx.causal, q_c[0].shape[2], ctx.segments, ctx.window, q.device, count=False):
+            for i, j, diagonal, mask, qs, ks in ring.tiles(
+                source, ctx.causal, q_c[0].shape[2], ctx.segments, ctx.window, q.device, count=False
+            ):
                 gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    g_c[i][:, :, qs].contiguous(), q_c[i][:, :, qs].contiguous(), _heads(kk[j][:, :, ks], groups).contiguous(),
-                    _heads(vv[j][:, :, ks], groups).contiguous(), o_c[i][:, :, qs].contiguous(), l_c[i][:, :, qs].contiguous(),
-                    0.0, diagonal, attn_mask=_additive(mask, q.dtype), scale=ctx.scale,
-                )  # fmt: skip
+                    g_c[i][:, :, qs].contiguous(),
+                    q_c[i][:, :, qs].contiguous(),
+                    _heads(kk[j][:, :, ks], groups).contiguous(),
+                    _heads(vv[j][:, :, ks], groups).contiguous(),
+                    o_c[i][:, :, qs].contiguous(),
+                    l_c[i][:, :, qs].contiguous(),
+                    0.0,
+                    diagonal,
+                    attn_mask=_additive(mask, q.dtype),
+                    scale=ctx.scale,
+                )
                 dq[i][:, :, qs] += gq
                 dk[j][:, :, ks].add_(_fold(gk, groups))  # views into `carried`
                 dv[j][:, :, ks].add_(_fold(gv, groups))
@@ -212,8 +253,12 @@ class RingAttention:
         self.nxt, self.prev = ranks[(self.rank + 1) % layout.size], ranks[(self.rank - 1) % layout.size]
         self.pairs = 0.0  # causal work done by this rank (token_layout.py's units), for tests and the monitor
         self.active = False  # set by the engine's sharder for its steps only
-        self.segments: Segments | None = None  # the step's padding and documents (parallel/segments.py), from the sharder
-        self.window_tile = 32  # the fewest queries per tile of a block a sliding window cuts ([Note: windows on the ring])
+        self.segments: Segments | None = (
+            None  # the step's padding and documents (parallel/segments.py), from the sharder
+        )
+        self.window_tile = (
+            32  # the fewest queries per tile of a block a sliding window cuts ([Note: windows on the ring])
+        )
         register(self)  # a static argument of its eager island (utils/eager_island.py)
 
     def shift(self, x: torch.Tensor, tag: str) -> torch.Tensor:
@@ -237,9 +282,15 @@ class RingAttention:
                 yield source, k.chunk(per, dim=2), v.chunk(per, dim=2)
 
     def blocks(
-        self, source: int, causal: bool, chunk: int, segments: Segments | None, count: bool = True, window: int | None = None,
+        self,
+        source: int,
+        causal: bool,
+        chunk: int,
+        segments: Segments | None,
+        count: bool = True,
+        window: int | None = None,
         device: torch.device | None = None,
-    ) -> list[tuple[int, int, bool, torch.Tensor | None]]:  # fmt: skip
+    ) -> list[tuple[int, int, bool, torch.Tensor | None]]:
         """``(query chunk, key chunk, diagonal, mask)`` of this rank against ``source``'s keys, ``chunk`` tokens each;
         skipped blocks left out. Without the batch's segments a block is full or causal-diagonal (``mask`` None);
         with them (padding, packed documents) a block no allowed pair spans is skipped too, one all of whose
@@ -251,7 +302,9 @@ class RingAttention:
             for j, kc in enumerate(self.layout.chunks(source)):
                 if causal and kc > qc:
                     continue
-                near = _window_mask(qc * chunk, kc * chunk, chunk, window, causal, device) if window is not None else None
+                near = (
+                    _window_mask(qc * chunk, kc * chunk, chunk, window, causal, device) if window is not None else None
+                )
                 if near is False:
                     continue
                 if segments is not None:
@@ -273,9 +326,15 @@ class RingAttention:
         return found
 
     def tiles(
-        self, source: int, causal: bool, chunk: int, segments: Segments | None, window: int | None, device: torch.device,
+        self,
+        source: int,
+        causal: bool,
+        chunk: int,
+        segments: Segments | None,
+        window: int | None,
+        device: torch.device,
         count: bool = True,
-    ) -> list[tuple[int, int, bool, torch.Tensor | None, slice, slice]]:  # fmt: skip
+    ) -> list[tuple[int, int, bool, torch.Tensor | None, slice, slice]]:
         """:meth:`blocks` with the slices of each block's queries and keys it runs on: a block a sliding window cuts
         (without the batch's segments) as query tiles against the keys each can see; the others whole."""
         whole = slice(None)
@@ -286,21 +345,34 @@ class RingAttention:
                 continue
             q0, k0 = self.layout.chunks(self.rank)[i] * chunk, self.layout.chunks(source)[j] * chunk
             tile = min(chunk, max(self.window_tile, window // 4))
-            found += [(i, j, False, m, qs, ks) for qs, ks, m in _window_tiles(q0, k0, chunk, window, causal, tile, device)]
+            found += [
+                (i, j, False, m, qs, ks) for qs, ks, m in _window_tiles(q0, k0, chunk, window, causal, tile, device)
+            ]
         return found
 
     def __call__(
-        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-        dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         # The causal pattern comes from the global positions, padding and documents from the step's segments.
         if not self.active:
-            raise UsageError("context_parallel: ring attention called outside the engine's sharded step (the model's own attention runs there)")
+            raise UsageError(
+                "context_parallel: ring attention called outside the engine's sharded step (the model's own attention runs there)"
+            )
         features = attention_features("context_parallel.method: ring attention", module, dropout, scaling, kwargs)
         b, heads, n, d = query.shape
         model = type(module).__name__
         if features.dropout:
-            raise UnsupportedAttention(f"context_parallel.method: {model} uses attention dropout {features.dropout}, which ring attention does not implement; set the model's attention dropout to 0")
+            raise UnsupportedAttention(
+                f"context_parallel.method: {model} uses attention dropout {features.dropout}, which ring attention does not implement; set the model's attention dropout to 0"
+            )
         # [Note: windows on the ring] A sliding window shorter than the sequence skips every block wholly
         # outside it (a query chunk meets only the key chunks within ``window`` tokens) and, on the fused CPU
         # op, cuts each block it crosses into query tiles of max(window/4, window_tile) tokens, each run
@@ -308,19 +380,33 @@ class RingAttention:
         # work per rank falls from ~s²/2c to ~s·(window + tile)/c pairs. Soft-capping is elementwise on a
         # block's logits, before its log-sum-exp, so the merge stays exact; the fused op takes masks but not
         # soft-capping, so soft-capped models run the ring with autograd through plain (masked) block attention.
-        window = features.sliding_window if features.sliding_window is not None and features.sliding_window < n * self.layout.size else None
+        window = (
+            features.sliding_window
+            if features.sliding_window is not None and features.sliding_window < n * self.layout.size
+            else None
+        )
         scale = features.scaling if features.scaling is not None else d**-0.5
         # one eager island in a compiled block: the ring's shifts, its block plan and its counters run eagerly
         return island(_ring, (query, key, value), (self, scale, features.causal, window, features.softcap)), None
 
     def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool, window: int | None,
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        causal: bool,
+        window: int | None,
         softcap: float | None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """The ring over ``[b, H, n, d]`` queries and keys: ``[b, n, H, d]`` out."""
         b, heads, n, d = query.shape
         groups = heads // key.shape[1]
-        if softcap is None and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if (
+            softcap is None
+            and query.device.type == "cpu"
+            and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ):
             out = _FlashRing.apply(query, key, value, self, scale, causal, window)
             return out.transpose(1, 2).contiguous()
         per = self.layout.chunks_per_rank
@@ -342,13 +428,25 @@ class RingAttention:
                 anchor = touch if anchor is None else anchor + touch
             k_all, v_all = kv.chunk(2, dim=1)
             k_chunks, v_chunks = k_all.chunk(per, dim=2), v_all.chunk(per, dim=2)
-            for i, j, diagonal, mask in self.blocks(source, causal, q_chunks[0].shape[2], self.segments, window=window, device=query.device):
-                o, lse = _block(q_chunks[i], _heads(k_chunks[j], groups), _heads(v_chunks[j], groups), scale, diagonal, mask, softcap)
+            for i, j, diagonal, mask in self.blocks(
+                source, causal, q_chunks[0].shape[2], self.segments, window=window, device=query.device
+            ):
+                o, lse = _block(
+                    q_chunks[i],
+                    _heads(k_chunks[j], groups),
+                    _heads(v_chunks[j], groups),
+                    scale,
+                    diagonal,
+                    mask,
+                    softcap,
+                )
                 if outs[i] is None:
                     outs[i], lses[i] = o, lse
                 else:
                     outs[i], lses[i] = _merge(outs[i], lses[i], o, lse)
-        outs = [o if o is not None else torch.zeros_like(q_chunks[i]) for i, o in enumerate(outs)]  # no key at all: zero
+        outs = [
+            o if o is not None else torch.zeros_like(q_chunks[i]) for i, o in enumerate(outs)
+        ]  # no key at all: zero
         out = torch.cat(outs, dim=2)  # [b, H, n, d]
         if anchor is not None:
             out = out + anchor
@@ -356,9 +454,15 @@ class RingAttention:
 
 
 def _ring(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ring: RingAttention, scale: float, causal: bool,
-    window: int | None, softcap: float | None,
-) -> torch.Tensor:  # fmt: skip
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    ring: RingAttention,
+    scale: float,
+    causal: bool,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
     return ring.attend(query, key, value, scale, causal, window, softcap)
 
 

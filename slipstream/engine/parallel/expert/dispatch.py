@@ -39,7 +39,9 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.Pro
 
 class _AllToAllV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, tag: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup, tag: str
+    ) -> torch.Tensor:  # type: ignore[override]
         ctx.send, ctx.recv, ctx.group, ctx.tag = send, recv, group, tag
         return _exchange(x, send, recv, group, tag)
 
@@ -49,9 +51,13 @@ class _AllToAllV(torch.autograd.Function):
 
 
 def dispatch_combine(
-    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, group: dist.ProcessGroup,
-    local: int, compute: Any,
-) -> torch.Tensor:  # fmt: skip
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    group: dist.ProcessGroup,
+    local: int,
+    compute: Any,
+) -> torch.Tensor:
     """Send each (token, choice) to the owner of its expert, ``compute(local expert, rows)`` there, combine here.
 
     Experts are owned in contiguous ranges of ``local`` per rank of ``group``.
@@ -111,18 +117,24 @@ class ExpertParallelExperts(torch.nn.Module):
         gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
         return torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         # one eager island in a compiled block: the routing is data-dependent and talks to the group
         return island(_experts, (hidden_states, top_k_index, top_k_weights), (self,))
 
-    def dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def dispatch(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         self.tokens_per_expert = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cpu()
         if torch.is_grad_enabled():  # a training forward (activation checkpointing's recompute counts again)
             self._window += self.tokens_per_expert
         return dispatch_combine(hidden_states, top_k_index, top_k_weights, self.group, self.local, self._expert)
 
 
-def _experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: ExpertParallelExperts) -> torch.Tensor:
+def _experts(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: ExpertParallelExperts
+) -> torch.Tensor:
     return experts.dispatch(hidden_states, top_k_index, top_k_weights)
 
 

@@ -110,7 +110,9 @@ def parallelize_experts(model: torch.nn.Module, mesh: Mesh, options: ExpertOptio
         )
     for name, m in found + layers:
         if m.num_experts % ep:
-            raise ConfigError(f"expert_parallel.autoep_size: {name} has {m.num_experts} experts, which do not divide by {ep}")
+            raise ConfigError(
+                f"expert_parallel.autoep_size: {name} has {m.num_experts} experts, which do not divide by {ep}"
+            )
     group = mesh.group("ep")
     scale = _GradientScale(ep)
     modules, hooks = [], []
@@ -125,17 +127,25 @@ def parallelize_experts(model: torch.nn.Module, mesh: Mesh, options: ExpertOptio
     params = [p for m in modules for p in m.parameters(recurse=False)]
     for name, layer in layers:
         params += _keep_local_experts(name, layer, group, ep, hooks, scale)
-    log_rank0(logger, "expert parallel %d: %d experts modules, %d expert parameters per rank", ep, len(modules), len(params))
+    log_rank0(
+        logger, "expert parallel %d: %d experts modules, %d expert parameters per rank", ep, len(modules), len(params)
+    )
     return ExpertPlan(params, mesh.across("ep"), modules, scale, hooks)  # the expert-data-parallel group
 
 
 def _keep_local_experts(
-    name: str, layer: MoE, group: dist.ProcessGroup, ep: int, hooks: list[torch.utils.hooks.RemovableHandle],
+    name: str,
+    layer: MoE,
+    group: dist.ProcessGroup,
+    ep: int,
+    hooks: list[torch.utils.hooks.RemovableHandle],
     scale: _GradientScale,
-) -> list[torch.nn.Parameter]:  # fmt: skip
+) -> list[torch.nn.Parameter]:
     """A ``slipstream.moe.MoE`` keeps its own experts (their global indices as names) and dispatches by all-to-all."""
     if layer.ep_size not in (1, ep):
-        raise ConfigError(f"expert_parallel.autoep_size: {ep}, but the MoE layer {name} was built with ep_size={layer.ep_size}")
+        raise ConfigError(
+            f"expert_parallel.autoep_size: {ep}, but the MoE layer {name} was built with ep_size={layer.ep_size}"
+        )
     local = layer.num_experts // ep
     first = dist.get_rank(group) * local
     for e in list(layer.experts.keys()):

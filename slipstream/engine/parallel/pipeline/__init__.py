@@ -7,6 +7,19 @@ from slipstream.engine.parallel.pipeline.schedules import NAMES, Schedule, build
 from slipstream.engine.parallel.pipeline.simulate import Costs, peak_in_flight, predicted_bubble, simulate
 
 __all__ = [
-    "NAMES", "Action", "Costs", "Op", "Pipeline", "PipelineOptions", "Schedule", "StageLayout", "StepReport", "build", "parallelize_pipeline",
-    "peak_in_flight", "predicted_bubble", "simulate", "with_communication",
-]  # fmt: skip
+    "NAMES",
+    "Action",
+    "Costs",
+    "Op",
+    "Pipeline",
+    "PipelineOptions",
+    "Schedule",
+    "StageLayout",
+    "StepReport",
+    "build",
+    "parallelize_pipeline",
+    "peak_in_flight",
+    "predicted_bubble",
+    "simulate",
+    "with_communication",
+]

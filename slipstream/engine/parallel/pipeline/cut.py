@@ -39,7 +39,9 @@ class StageOutput(Exception):
     """Raised inside the model's forward at the end of a non-last stage, carrying its output: the hidden state,
     and with a carry (carry.py) the router logits collected so far."""
 
-    def __init__(self, hidden: torch.Tensor, carried: torch.Tensor | None = None, extras: list[torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, hidden: torch.Tensor, carried: torch.Tensor | None = None, extras: list[torch.Tensor] | None = None
+    ) -> None:
         super().__init__("pipeline stage output")
         self.hidden, self.carried, self.extras = hidden, carried, extras or []
 
@@ -111,7 +113,9 @@ def _hidden_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _with_hidden(
+    args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if args:
         return (hidden, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": hidden}
@@ -119,9 +123,15 @@ def _with_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Te
 
 # ----------------------------------------------------------------------------- partition
 def partition(
-    blocks: Blocks, stages: int, method: str, prologue_numel: int = 0, epilogue_numel: int = 0, measured: list[float] | None = None,
-    rank_of: Callable[[int], int] | None = None, skipped: frozenset[int] = frozenset(),
-) -> list[range]:  # fmt: skip
+    blocks: Blocks,
+    stages: int,
+    method: str,
+    prologue_numel: int = 0,
+    epilogue_numel: int = 0,
+    measured: list[float] | None = None,
+    rank_of: Callable[[int], int] | None = None,
+    skipped: frozenset[int] = frozenset(),
+) -> list[range]:
     """Contiguous block ranges, one per stage, by ``pipeline.partition``.
 
     [Note: blocks the forward skips] ``skipped``: blocks the model's forward does not call (twin.probe_blocks). A
@@ -139,8 +149,14 @@ def partition(
     if n < stages:
         ranks = len({rank_of(s) for s in range(stages)}) if rank_of is not None else stages
         key = "pipeline.stages" if ranks == stages else "pipeline.virtual_stages"
-        how = f"{stages} stages" if ranks == stages else f"{ranks} ranks × {stages // ranks} virtual stages = {stages} stages"
-        raise ConfigError(f"{key}: {how} need at least {stages} blocks; the model has {n} ({blocks.container or 'model'})")
+        how = (
+            f"{stages} stages"
+            if ranks == stages
+            else f"{ranks} ranks × {stages // ranks} virtual stages = {stages} stages"
+        )
+        raise ConfigError(
+            f"{key}: {how} need at least {stages} blocks; the model has {n} ({blocks.container or 'model'})"
+        )
     if method == "uniform":
         weights = [1.0] * n
     elif method in ("parameters", "best"):
@@ -153,16 +169,29 @@ def partition(
         try:
             pattern = re.compile(method[5:], re.IGNORECASE)
         except re.error as err:
-            raise ConfigError(f"pipeline.partition: {method!r}: {method[5:]!r} is not a regular expression ({err}); e.g. \"type:DecoderLayer\"") from None
+            raise ConfigError(
+                f'pipeline.partition: {method!r}: {method[5:]!r} is not a regular expression ({err}); e.g. "type:DecoderLayer"'
+            ) from None
         weights = [1.0 if pattern.search(type(b).__name__) else 0.0 for b in blocks.modules]
         if sum(weights) < stages:
-            raise ConfigError(f"pipeline.partition: {method!r} matches {int(sum(weights))} blocks ({type(blocks.modules[0]).__name__}); need at least {stages}")
+            raise ConfigError(
+                f"pipeline.partition: {method!r} matches {int(sum(weights))} blocks ({type(blocks.modules[0]).__name__}); need at least {stages}"
+            )
     else:
-        raise ConfigError(f"pipeline.partition: {method!r} is not a method; use parameters, uniform, profile or type:<regex>")
+        raise ConfigError(
+            f"pipeline.partition: {method!r} is not a method; use parameters, uniform, profile or type:<regex>"
+        )
     if skipped:
         running = [i for i in range(n) if i not in skipped]
-        inner = partition(_Running(blocks, running), stages, method, prologue_numel, epilogue_numel,
-                          [measured[i] for i in running] if measured is not None else None, rank_of)  # fmt: skip
+        inner = partition(
+            _Running(blocks, running),
+            stages,
+            method,
+            prologue_numel,
+            epilogue_numel,
+            [measured[i] for i in running] if measured is not None else None,
+            rank_of,
+        )
         starts = [0] + [running[r.start] for r in inner[1:]]
         return [range(start, stop) for start, stop in zip(starts, [*starts[1:], n])]
     ranges = _balanced(weights, stages)
@@ -342,7 +371,9 @@ class StageGate:
 
 
 # ----------------------------------------------------------------------------- surgery
-def outer_modules(model: torch.nn.Module, blocks: Blocks, order: list[str] | None = None) -> tuple[list[str], list[str]]:
+def outer_modules(
+    model: torch.nn.Module, blocks: Blocks, order: list[str] | None = None
+) -> tuple[list[str], list[str]]:
     """Modules with their own parameters outside the blocks: before them (prologue) and after (epilogue).
 
     ``order``: the modules' first calls in one forward (twin.probe_blocks). With it a module is

@@ -37,7 +37,9 @@ class StepTiming:
     wall: float
     compute: float
     costs: dict[int, Costs]  # each stage's mean pass costs (every stage of the pipeline, gathered)
-    in_flight: dict[int, int] = dataclasses.field(default_factory=dict)  # per local stage: most outputs held for their backward
+    in_flight: dict[int, int] = dataclasses.field(
+        default_factory=dict
+    )  # per local stage: most outputs held for their backward
     executed: tuple[Action, ...] = ()  # this rank's compute actions in the order they ran (replayable by simulate)
     overlapped: int = 0  # collectives (expert all-to-alls) in flight while the other half of a DualPipeV pair computed
 
@@ -48,9 +50,16 @@ class StepTiming:
 
 class Executor:
     def __init__(
-        self, model: torch.nn.Module, gate: StageGate, schedule: Schedule, pp_rank: int, peers: tuple[int, ...],
-        group: dist.ProcessGroup | None, weights: Callable[[], list[torch.nn.Parameter]], synchronized_timing: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        model: torch.nn.Module,
+        gate: StageGate,
+        schedule: Schedule,
+        pp_rank: int,
+        peers: tuple[int, ...],
+        group: dist.ProcessGroup | None,
+        weights: Callable[[], list[torch.nn.Parameter]],
+        synchronized_timing: bool = False,
+    ) -> None:
         """``peers``: global rank of each pipeline rank; ``weights``: this rank's trainable parameters;
         ``synchronized_timing`` (``wall_clock_breakdown``): see [Note: timing a step]."""
         self.model, self.gate, self.schedule = model, gate, schedule
@@ -68,7 +77,9 @@ class Executor:
         self.last = self.layout.num_stages - 1
         self.cacheless = accepts_use_cache(model)  # [Note: no cache in a pipeline stage]
         self.context = CommContext()  # transfers on their own stream, ordered by events (comm/context.py)
-        self.router_losses: dict[int, torch.Tensor] = {}  # last stage: each micro-batch's balancing loss (aux_loss), if any
+        self.router_losses: dict[
+            int, torch.Tensor
+        ] = {}  # last stage: each micro-batch's balancing loss (aux_loss), if any
 
     # ------------------------------------------------------------------ training step
     def train(self, batches: list[Any], scale: float) -> tuple[list[torch.Tensor], StepTiming]:
@@ -137,9 +148,17 @@ class Executor:
         return [losses[i] for i in sorted(losses)], timing
 
     def _compute(
-        self, a: Action, batches: list[Any], inputs: dict, outputs: dict, grads: dict, sent_back: dict, deferred: dict,
-        losses: dict, scale: float,
-    ) -> None:  # fmt: skip
+        self,
+        a: Action,
+        batches: list[Any],
+        inputs: dict,
+        outputs: dict,
+        grads: dict,
+        sent_back: dict,
+        deferred: dict,
+        losses: dict,
+        scale: float,
+    ) -> None:
         key = (a.stage, a.micro)
         if a.op is Op.FORWARD:
             out = self.forward(a.stage, batches[a.micro], inputs.get(key), a.micro)
@@ -213,7 +232,9 @@ class Executor:
         finally:
             self.gate.active, self.gate.received = None, None
         if stage != self.last:
-            raise UsageError(f"pipeline: stage {stage}'s forward ran to the end of the model without reaching its last block")
+            raise UsageError(
+                f"pipeline: stage {stage}'s forward ran to the end of the model without reaching its last block"
+            )
         finished = self.finish(output, micro) if self.finish is not None else output
         router = router_loss_of(finished)
         if router is not None:
@@ -226,7 +247,9 @@ class Executor:
         for stage in self.layout.stages_of(self.rank):
             mean = {op: sum(t) / len(t) for (s, op), t in spent.items() if s == stage and t}
             if Op.BACKWARD_INPUT in mean:
-                table[stage] = torch.tensor([mean.get(Op.FORWARD, 0.0), mean[Op.BACKWARD_INPUT], mean.get(Op.BACKWARD_WEIGHT, 0.0)])
+                table[stage] = torch.tensor(
+                    [mean.get(Op.FORWARD, 0.0), mean[Op.BACKWARD_INPUT], mean.get(Op.BACKWARD_WEIGHT, 0.0)]
+                )
             else:  # a full backward: counted as halves (the simulator adds them back for a B)
                 full = mean.get(Op.BACKWARD, 0.0)
                 table[stage] = torch.tensor([mean.get(Op.FORWARD, 0.0), full / 2, full / 2])
@@ -242,7 +265,9 @@ class Executor:
 
     def _parts(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         if len(parts) != self.parts:
-            raise UsageError(f"pipeline: a stage handed on {len(parts)} tensors where the pipeline carries {self.parts}")
+            raise UsageError(
+                f"pipeline: a stage handed on {len(parts)} tensors where the pipeline carries {self.parts}"
+            )
         return parts
 
     def _receive_activation(self, a: Action) -> list[torch.Tensor]:
@@ -250,9 +275,22 @@ class Executor:
         for part in range(self.parts):
             what = "activation" if part == 0 else "carried activation"
             head = torch.empty(p2p.HEADER, dtype=torch.int64)
-            self._p2p(lambda: p2p.recv(head, source, p2p.channel(a.stage, 0, a.micro, part), self.group, tag=f"pipeline shape {a}", op="p2p_meta")).wait()
+            self._p2p(
+                lambda: p2p.recv(
+                    head,
+                    source,
+                    p2p.channel(a.stage, 0, a.micro, part),
+                    self.group,
+                    tag=f"pipeline shape {a}",
+                    op="p2p_meta",
+                )
+            ).wait()
             buf = p2p.empty_from(head, _device_of(self.model))
-            self._p2p(lambda: p2p.recv(buf, source, p2p.channel(a.stage, 1, a.micro, part), self.group, tag=f"pipeline {what} {a}")).wait()
+            self._p2p(
+                lambda: p2p.recv(
+                    buf, source, p2p.channel(a.stage, 1, a.micro, part), self.group, tag=f"pipeline {what} {a}"
+                )
+            ).wait()
             received.append(buf)
         return received
 
@@ -260,8 +298,25 @@ class Executor:
         to, pending = self._peer(a.stage + 1), []
         for part, tensor in enumerate(tensors):
             what, head = "activation" if part == 0 else "carried activation", p2p.header(tensor)
-            pending.append(self._p2p(lambda: p2p.send(head, to, p2p.channel(a.stage + 1, 0, a.micro, part), self.group, tag=f"pipeline shape {a}", op="p2p_meta")))
-            pending.append(self._p2p(lambda: p2p.send(tensor, to, p2p.channel(a.stage + 1, 1, a.micro, part), self.group, tag=f"pipeline {what} {a}")))
+            pending.append(
+                self._p2p(
+                    lambda: p2p.send(
+                        head,
+                        to,
+                        p2p.channel(a.stage + 1, 0, a.micro, part),
+                        self.group,
+                        tag=f"pipeline shape {a}",
+                        op="p2p_meta",
+                    )
+                )
+            )
+            pending.append(
+                self._p2p(
+                    lambda: p2p.send(
+                        tensor, to, p2p.channel(a.stage + 1, 1, a.micro, part), self.group, tag=f"pipeline {what} {a}"
+                    )
+                )
+            )
         return pending
 
     def _receive_gradient(self, a: Action, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -270,12 +325,28 @@ class Executor:
             # Contiguous whatever the output's strides (a Megatron sequence-parallel stage hands on a
             # transposed view): the sender sends a contiguous gradient and gloo receives into one.
             buf = torch.empty_like(out, memory_format=torch.contiguous_format)
-            self._p2p(lambda: p2p.recv(buf, self._peer(a.stage + 1), p2p.channel(a.stage, 2, a.micro, part), self.group, tag=f"pipeline gradient {a}")).wait()
+            self._p2p(
+                lambda: p2p.recv(
+                    buf,
+                    self._peer(a.stage + 1),
+                    p2p.channel(a.stage, 2, a.micro, part),
+                    self.group,
+                    tag=f"pipeline gradient {a}",
+                )
+            ).wait()
             grads.append(buf)
         return grads
 
     def _send_gradient(self, a: Action, part: int, grad: torch.Tensor) -> Pending:
-        return self._p2p(lambda: p2p.send(grad, self._peer(a.stage - 1), p2p.channel(a.stage - 1, 2, a.micro, part), self.group, tag=f"pipeline gradient {a}"))
+        return self._p2p(
+            lambda: p2p.send(
+                grad,
+                self._peer(a.stage - 1),
+                p2p.channel(a.stage - 1, 2, a.micro, part),
+                self.group,
+                tag=f"pipeline gradient {a}",
+            )
+        )
 
 
 def _backward(outputs: list[torch.Tensor], seeds: list[torch.Tensor] | None) -> None:

@@ -30,6 +30,12 @@ class PipelineOptions:
         pipe = cfg.pipeline
         schedules.check(pipe.schedule, p, cfg.gradient_accumulation_steps, pipe.virtual_stages)
         return cls(
-            p, pipe.schedule, cfg.gradient_accumulation_steps, pipe.virtual_stages, pipe.partition,
-            cfg.train_micro_batch_size_per_gpu, cfg.twin_check, cfg.wall_clock_breakdown,
-        )  # fmt: skip
+            p,
+            pipe.schedule,
+            cfg.gradient_accumulation_steps,
+            pipe.virtual_stages,
+            pipe.partition,
+            cfg.train_micro_batch_size_per_gpu,
+            cfg.twin_check,
+            cfg.wall_clock_breakdown,
+        )

@@ -45,9 +45,16 @@ class StepReport:
 
 class Pipeline:
     def __init__(
-        self, model: torch.nn.Module, mesh: Mesh, schedule: Schedule, gate: cut.StageGate, ranges: list[range],
-        ties: Ties, handles: list[torch.utils.hooks.RemovableHandle], synchronized_timing: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        model: torch.nn.Module,
+        mesh: Mesh,
+        schedule: Schedule,
+        gate: cut.StageGate,
+        ranges: list[range],
+        ties: Ties,
+        handles: list[torch.utils.hooks.RemovableHandle],
+        synchronized_timing: bool = False,
+    ) -> None:
         self.handles = handles
         self.model, self.mesh, self.schedule, self.gate, self.ranges = model, mesh, schedule, gate, ranges
         self.ties = ties
@@ -60,7 +67,13 @@ class Pipeline:
         self.peers = mesh.ranks("pp")
         self.last_rank = schedule.layout.rank_of(schedule.layout.num_stages - 1)
         self.executor = Executor(
-            model, gate, schedule, self.rank, self.peers, self.group, lambda: [p for p in model.parameters() if p.requires_grad],
+            model,
+            gate,
+            schedule,
+            self.rank,
+            self.peers,
+            self.group,
+            lambda: [p for p in model.parameters() if p.requires_grad],
             synchronized_timing,
         )
         self.last_report: StepReport | None = None
@@ -75,9 +88,12 @@ class Pipeline:
             self.gate.carry.check_batch(batch)
 
     def train_step(
-        self, batches: list[Any], scale: float, window: Callable[[], contextlib.AbstractContextManager[None]],
+        self,
+        batches: list[Any],
+        scale: float,
+        window: Callable[[], contextlib.AbstractContextManager[None]],
         finish: Callable[[Any, int], Any] | None = None,
-    ) -> StepReport:  # fmt: skip
+    ) -> StepReport:
         """One accumulation window: the schedule over ``batches`` inside the strategy's ``window``.
 
         Tied embeddings have their gradients summed between the first and last stage before the
@@ -85,7 +101,9 @@ class Pipeline:
         stage's model output as the loss is read from it (the sequence sharder's combine).
         """
         if len(batches) != self.micro_batches:
-            raise ValueError(f"pipeline: {len(batches)} micro-batches for a schedule of {self.micro_batches} (gradient_accumulation_steps)")
+            raise ValueError(
+                f"pipeline: {len(batches)} micro-batches for a schedule of {self.micro_batches} (gradient_accumulation_steps)"
+            )
         with self._finishing(finish), window():
             self._stash, self._collecting = {}, True
             self.executor.router_losses = {}
@@ -122,7 +140,9 @@ class Pipeline:
             values[:count].copy_(torch.stack([loss.double() for loss in losses]))
             if carried:
                 routers = self.executor.router_losses
-                values[count:].copy_(torch.tensor([float(routers[i]) if i in routers else float("nan") for i in range(count)]))
+                values[count:].copy_(
+                    torch.tensor([float(routers[i]) if i in routers else float("nan") for i in range(count)])
+                )
         comm.broadcast(values, src=self.peers[self.last_rank], group=self.group, tag="pipeline losses").wait()
         shared = values.tolist()
         return shared[:count], shared[count:] if carried else None
@@ -170,7 +190,12 @@ class Pipeline:
         self.tie_hooks = [param.register_hook(self._stash_tied(param)) for param in self.tied]
         for param in self.tied if self.ties.duplicate else ():
             placed = placement_of(param)
-            place(param, placed.global_shape if placed else tuple(param.shape), placed.offsets if placed else None, duplicate=True)
+            place(
+                param,
+                placed.global_shape if placed else tuple(param.shape),
+                placed.offsets if placed else None,
+                duplicate=True,
+            )
         for name in self.ties.silenced:
             cut.silence(self.model.get_submodule(name))
 
@@ -191,10 +216,19 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
     p, micro_batches = options.stages, options.micro_batches
     blocks = find_blocks(model)
     if blocks is None:
-        single = next((n for n, m in model.named_modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))
-                       and sum(1 for c in m.children() if any(True for _ in c.parameters())) == 1), None)  # fmt: skip
+        single = next(
+            (
+                n
+                for n, m in model.named_modules()
+                if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))
+                and sum(1 for c in m.children() if any(True for _ in c.parameters())) == 1
+            ),
+            None,
+        )
         if single is not None:
-            raise ConfigError(f"pipeline.stages: {p} stages need at least {p} blocks; {type(model).__name__} has 1 ({single})")
+            raise ConfigError(
+                f"pipeline.stages: {p} stages need at least {p} blocks; {type(model).__name__} has 1 ({single})"
+            )
         raise ConfigError(
             f"pipeline.stages: {type(model).__name__} has no run of repeated blocks (a ModuleList or Sequential of "
             "identical layers) to cut into stages"
@@ -206,11 +240,17 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
     if options.twin_check:
         twin_batches = synthetic_batches(model, micro_batches, target=16)
         if twin_batches is None:
-            log_rank0(logger, "pipeline: %s takes no token batch the twin check could make; its cut is not checked numerically", type(model).__name__)
+            log_rank0(
+                logger,
+                "pipeline: %s takes no token batch the twin check could make; its cut is not checked numerically",
+                type(model).__name__,
+            )
         else:
             probe = twin.probe_blocks(model, blocks, twin_batches[0])
             if probe.problem is not None:
-                raise ConfigError(f"pipeline.stages: {type(model).__name__}: {probe.problem}; train it without a pipeline")
+                raise ConfigError(
+                    f"pipeline.stages: {type(model).__name__}: {probe.problem}; train it without a pipeline"
+                )
             order = probe.order
             expected = twin.reference(model, twin_batches)
     prologue, epilogue = cut.outer_modules(model, blocks, order)
@@ -218,9 +258,15 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
     cut.check_prologue(model, prologue, keeping)
     numel = lambda names: sum(p.numel() for n in names for p in model.get_submodule(n).parameters(recurse=False))  # noqa: E731
     method = options.partition
-    measured = profile.block_times(model, blocks, prologue, epilogue, options.micro_batch_size, mesh.group("pp")) if method == "profile" else None
+    measured = (
+        profile.block_times(model, blocks, prologue, epilogue, options.micro_batch_size, mesh.group("pp"))
+        if method == "profile"
+        else None
+    )
     skipped = probe.skipped if probe is not None else frozenset()
-    ranges = cut.partition(blocks, layout.num_stages, method, numel(prologue), numel(epilogue), measured, layout.rank_of, skipped)
+    ranges = cut.partition(
+        blocks, layout.num_stages, method, numel(prologue), numel(epilogue), measured, layout.rank_of, skipped
+    )
     if measured is not None:
         log_rank0(logger, "pipeline: profiled stages: %s forward each", profile.describe(measured, ranges))
     rank = mesh.rank_of("pp")
@@ -247,22 +293,31 @@ def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOp
                 for name in _outermost(epilogue):
                     cut.set_submodule(model, name, torch.nn.Identity())
             carried = probe.carried if probe is not None else ()
-            gate = cut.StageGate({s: ranges[s] for s in local}, layout.num_stages, carry=RouterCarry.of(model), extras=carried)
+            gate = cut.StageGate(
+                {s: ranges[s] for s in local}, layout.num_stages, carry=RouterCarry.of(model), extras=carried
+            )
             return gate, gate.hooks([model.get_submodule(n) for n in blocks.names]), silenced
         except ConfigError:
             raise
         except Exception as err:
             first_line = str(err).splitlines()[0] if str(err) else ""
-            raise ConfigError(f"pipeline.stages: cannot cut {type(model).__name__} into stages ({type(err).__name__}: {first_line})") from err
+            raise ConfigError(
+                f"pipeline.stages: cannot cut {type(model).__name__} into stages ({type(err).__name__}: {first_line})"
+            ) from err
 
     # Each rank cuts its own stages: one that fails must not leave the others waiting in the next collective.
     gate, handles, silenced = agree(surgery, "pipeline.stages: cutting the model", ConfigError)
     ties = _tie_ends(model, mesh, layout.rank_of(0), layout.rank_of(layout.num_stages - 1), shared, first)
     ties.silenced = silenced
     log_rank0(
-        logger, "pipeline: %d stages on %d ranks, schedule %s, %d micro-batches; blocks per stage %s", layout.num_stages, p,
-        schedule.name, micro_batches, [len(r) for r in ranges],
-    )  # fmt: skip
+        logger,
+        "pipeline: %d stages on %d ranks, schedule %s, %d micro-batches; blocks per stage %s",
+        layout.num_stages,
+        p,
+        schedule.name,
+        micro_batches,
+        [len(r) for r in ranges],
+    )
     pipeline = Pipeline(model, mesh, schedule, gate, ranges, ties, handles, synchronized_timing=options.timed)
     pipeline.settle()
     if expected is not None:
@@ -289,7 +344,9 @@ class Ties:
     silenced: list[str] = dataclasses.field(default_factory=list)  # tied embedding modules kept but switched off
 
 
-def _tie_ends(model: torch.nn.Module, mesh: Mesh, first_rank: int, last_rank: int, shared: set[int], first: bool) -> Ties:
+def _tie_ends(
+    model: torch.nn.Module, mesh: Mesh, first_rank: int, last_rank: int, shared: set[int], first: bool
+) -> Ties:
     """The weights the first and last stage both hold, and their pair's group (``mesh.pair_group``; every rank makes every pair).
 
     Both copies already hold the same values (``parallel/weights.py`` synced the model before the cut).

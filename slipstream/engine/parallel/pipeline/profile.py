@@ -33,11 +33,20 @@ def synthetic_batch(model: torch.nn.Module, micro_batch: int) -> dict[str, torch
             '(a config with vocab_size and max_position_embeddings); use "parameters", "uniform" or "type:<regex>"'
         )
     device = next(model.parameters()).device
-    ids = torch.randint(0, vocab, (micro_batch, min(positions, MAX_SEQ)), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(
+        0, vocab, (micro_batch, min(positions, MAX_SEQ)), generator=torch.Generator().manual_seed(0)
+    ).to(device)
     return {"input_ids": ids, "labels": ids}  # the loss too: the last stage computes it
 
 
-def block_times(model: torch.nn.Module, blocks: Blocks, prologue: list[str], epilogue: list[str], micro_batch: int, group: dist.ProcessGroup | None) -> list[float]:
+def block_times(
+    model: torch.nn.Module,
+    blocks: Blocks,
+    prologue: list[str],
+    epilogue: list[str],
+    micro_batch: int,
+    group: dist.ProcessGroup | None,
+) -> list[float]:
     """Each block's forward + backward time, the prologue's added to the first and the epilogue's to the last (averaged over ``group``).
 
     What no timed module covers (gradient accumulation, the loss after the head, masks and positions)
@@ -89,7 +98,9 @@ def block_times(model: torch.nn.Module, blocks: Blocks, prologue: list[str], epi
     weights[-1] += sum(cost[name] for name in epilogue)
     # The rest (gradient accumulation into every parameter, the loss, masks): spread in proportion,
     # since most of it follows the modules' own work. Putting it all on the last stage overweights it.
-    outer = [n for n in timed if not any(n != m and n.startswith(m + ".") for m in timed)]  # nested modules counted once
+    outer = [
+        n for n in timed if not any(n != m and n.startswith(m + ".") for m in timed)
+    ]  # nested modules counted once
     rest = max(0.0, min(whole) - sum(cost[name] for name in outer))
     weights *= 1.0 + rest / max(float(weights.sum()), 1e-12)
     comm.all_reduce(weights, group=group, tag="pipeline partition profile").wait()

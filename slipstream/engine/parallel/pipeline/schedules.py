@@ -26,7 +26,7 @@ from slipstream.engine.parallel.pipeline.actions import Action, Op, StageLayout
 
 NAMES = ("afab", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev")
 ALIASES = {"gpipe": "afab"}
-F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+F, B, I, W = Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT  # noqa: E741 (the schedule letters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,9 @@ class Schedule:
             for i in indices:
                 f, b = self.compute[rank][i], self.compute[rank][i + 1]
                 if f.op is not F or b.op not in (B, I) or (f.stage, f.micro) == (b.stage, b.micro):
-                    raise ValueError(f"pipeline: {f} and {b} on rank {rank} cannot overlap (a forward and another micro-batch's backward can)")
+                    raise ValueError(
+                        f"pipeline: {f} and {b} on rank {rank} cannot overlap (a forward and another micro-batch's backward can)"
+                    )
 
     @property
     def split_backward(self) -> bool:
@@ -94,11 +96,15 @@ def check(name: str, ranks: int, micro_batches: int, virtual_stages: int) -> Non
             f"(pipeline.stages); use at least {p}"
         )
     if name == "dualpipev" and m < 2 * p:
-        raise ConfigError(f"gradient_accumulation_steps: dualpipev needs at least 2 × pipeline.stages = {2 * p} micro-batches, got {m}")
+        raise ConfigError(
+            f"gradient_accumulation_steps: dualpipev needs at least 2 × pipeline.stages = {2 * p} micro-batches, got {m}"
+        )
     if name in ("zbv", "dualpipev") and v != 2 and v != 1:
         raise ConfigError(f"pipeline.virtual_stages: {name} runs exactly 2 stages per rank (a V), got {v}")
     if name in ("afab", "1f1b") and v != 1:
-        raise ConfigError(f"pipeline.virtual_stages: {v} needs an interleaved schedule (interleaved_1f1b, zb1p, zbv, dualpipev), not {name}")
+        raise ConfigError(
+            f"pipeline.virtual_stages: {v} needs an interleaved schedule (interleaved_1f1b, zb1p, zbv, dualpipev), not {name}"
+        )
     if name in ("interleaved_1f1b", "zb1p") and m % max(1, m // p):
         raise ConfigError(
             f"gradient_accumulation_steps: {name} runs micro-batches in rounds of about pipeline.stages = {p}; {m} is "
@@ -119,7 +125,9 @@ def build(name: str, ranks: int, micro_batches: int, virtual_stages: int = 1) ->
     }.get(name)
     if generate is None:  # dualpipev: actions and the pairs that overlap
         built = [_dualpipev(r, ranks, micro_batches) for r in range(ranks)]
-        return Schedule(name, micro_batches, layout, tuple(tuple(a) for a, _ in built), tuple(pairs for _, pairs in built))
+        return Schedule(
+            name, micro_batches, layout, tuple(tuple(a) for a, _ in built), tuple(pairs for _, pairs in built)
+        )
     return Schedule(name, micro_batches, layout, tuple(tuple(generate(r)) for r in range(ranks)))
 
 
@@ -151,7 +159,9 @@ def _order(rank: int, p: int, m: int, v: int) -> tuple[list[tuple[int, int]], li
     return forwards, backwards
 
 
-def _merge(order: tuple[list[tuple[int, int]], list[tuple[int, int]]], warmup: int, split: bool, lag: int) -> list[Action]:
+def _merge(
+    order: tuple[list[tuple[int, int]], list[tuple[int, int]]], warmup: int, split: bool, lag: int
+) -> list[Action]:
     """Warm-up forwards, then one forward and one backward alternately, then the remaining backwards.
 
     ``split``: backwards are input-gradient passes, and the weight pass of the k-th one runs after

@@ -29,7 +29,11 @@ class Costs:
     backward_weight: float = 1.0
 
     def of(self, op: Op, stages_per_rank: int) -> float:
-        full = {Op.FORWARD: self.forward, Op.BACKWARD_INPUT: self.backward_input, Op.BACKWARD_WEIGHT: self.backward_weight}
+        full = {
+            Op.FORWARD: self.forward,
+            Op.BACKWARD_INPUT: self.backward_input,
+            Op.BACKWARD_WEIGHT: self.backward_weight,
+        }
         cost = full.get(op, self.backward_input + self.backward_weight)
         return cost / stages_per_rank
 
@@ -70,13 +74,17 @@ def check(schedule: Schedule) -> None:
     for rank, actions in enumerate(schedule.compute):
         for a in actions:
             if layout.rank_of(a.stage) != rank:
-                raise ValueError(f"pipeline schedule {schedule.name}: {a} is on rank {rank}, but stage {a.stage} lives on rank {layout.rank_of(a.stage)}")
+                raise ValueError(
+                    f"pipeline schedule {schedule.name}: {a} is on rank {rank}, but stage {a.stage} lives on rank {layout.rank_of(a.stage)}"
+                )
             seen[a.stage, a.op.value, a.micro] += 1
     for s in range(layout.num_stages):
         for i in range(m):
             full, parts = seen[s, "B", i], (seen[s, "I", i], seen[s, "W", i])
             if seen[s, "F", i] != 1 or not (full == 1 and parts == (0, 0) or full == 0 and parts == (1, 1)):
-                raise ValueError(f"pipeline schedule {schedule.name}: stage {s} micro-batch {i} is not run exactly once forward and once backward")
+                raise ValueError(
+                    f"pipeline schedule {schedule.name}: stage {s} micro-batch {i} is not run exactly once forward and once backward"
+                )
 
 
 def simulate(schedule: Schedule, costs: Costs | Mapping[int, Costs] = Costs()) -> Timeline:
@@ -117,7 +125,9 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[int, Costs] = Costs()) -
                 spans[rank].append((action, start, clock[rank]))
                 cursor[rank] += 1
                 progress = True
-    stuck = [f"rank {r} at {actions[cursor[r]]}" for r, actions in enumerate(schedule.compute) if cursor[r] < len(actions)]
+    stuck = [
+        f"rank {r} at {actions[cursor[r]]}" for r, actions in enumerate(schedule.compute) if cursor[r] < len(actions)
+    ]
     if stuck:
         raise ValueError(f"pipeline schedule {schedule.name} deadlocks: {', '.join(stuck)} wait forever")
     return Timeline(tuple(tuple(s) for s in spans))

@@ -72,15 +72,23 @@ class WeightPass:
                 calls.append((edges, seeds, weights))
         if self.apart and self.output is not None:
             outs, seeds = self.output
-            _accumulate(self.apart, torch.autograd.grad(outs, self.apart, seeds, retain_graph=bool(calls), allow_unused=True))
+            _accumulate(
+                self.apart, torch.autograd.grad(outs, self.apart, seeds, retain_graph=bool(calls), allow_unused=True)
+            )
         self.output = None
         if not calls:
             return
         # A captured gradient replaces what flows into its node from above (a shared weight's group may pass through it).
-        handles = [node.register_prehook(lambda _, saved=grads: saved) for node, grads in zip(self.nodes, self.grads) if grads is not None]
+        handles = [
+            node.register_prehook(lambda _, saved=grads: saved)
+            for node, grads in zip(self.nodes, self.grads)
+            if grads is not None
+        ]
         try:
             for n, (edges, seeds, weights) in enumerate(calls):
-                found = torch.autograd.grad(edges, weights, grad_outputs=seeds, retain_graph=n + 1 < len(calls), allow_unused=True)
+                found = torch.autograd.grad(
+                    edges, weights, grad_outputs=seeds, retain_graph=n + 1 < len(calls), allow_unused=True
+                )
                 _accumulate(weights, found)
         finally:
             for handle in handles:
@@ -100,8 +108,11 @@ def _accumulate(weights: list[torch.Tensor], grads: tuple[torch.Tensor | None, .
 
 
 def backward_input(
-    outputs: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor], weights: list[torch.Tensor],
-) -> tuple[list[torch.Tensor | None], WeightPass]:  # fmt: skip
+    outputs: list[torch.Tensor],
+    grads: list[torch.Tensor] | None,
+    inputs: list[torch.Tensor],
+    weights: list[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightPass]:
     """The input gradients of ``outputs`` (seeded with ``grads``; a scalar loss needs none) and the weight pass to run
     later. An output that does not require grad (an empty carry) is left out."""
     kept = [i for i, out in enumerate(outputs) if out.requires_grad]
@@ -151,15 +162,23 @@ def backward_input(
     handles = [node.register_prehook(capture(k)) for k, node in enumerate(nodes)]
     try:
         wanted = [t for t in inputs if t.requires_grad]
-        found = torch.autograd.grad(outs, wanted, grad_outputs=seeds, retain_graph=True, allow_unused=True) if wanted else ()
+        found = (
+            torch.autograd.grad(outs, wanted, grad_outputs=seeds, retain_graph=True, allow_unused=True)
+            if wanted
+            else ()
+        )
     finally:
         for handle in handles:
             handle.remove()
     by_id = {id(t): g for t, g in zip(wanted, found)}
-    return [by_id.get(id(t)) for t in inputs], WeightPass(nodes, captured, groups, apart, (outs, seeds) if apart else None)
+    return [by_id.get(id(t)) for t in inputs], WeightPass(
+        nodes, captured, groups, apart, (outs, seeds) if apart else None
+    )
 
 
-def _groups(weights: list[tuple[torch.Tensor, set[Node]]], index: dict[Node, int]) -> list[tuple[list[int], list[torch.Tensor]]]:
+def _groups(
+    weights: list[tuple[torch.Tensor, set[Node]]], index: dict[Node, int]
+) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Each weight with the captured nodes its branch meets, joined into groups that share a node
     (see [Note: one autograd call per group])."""
     parent = list(range(len(index)))

@@ -26,7 +26,13 @@ import torch
 
 from slipstream.engine.parallel.calls import call_model
 from slipstream.engine.parallel.twin import (
-    TwinMismatch, agree, first_gradient_mismatch, loss_mismatch, quiet_model, tolerance_for, whole_model_reference,
+    TwinMismatch,
+    agree,
+    first_gradient_mismatch,
+    loss_mismatch,
+    quiet_model,
+    tolerance_for,
+    whole_model_reference,
 )
 
 
@@ -39,7 +45,9 @@ class Probe:
     inputs: dict[int, tuple[torch.Size, torch.dtype]]  # each block's hidden-state input
     # modules whose first call returned a tensor of its first input's shape and dtype (a norm after the embeddings)
     shape_keeping: frozenset[str] = frozenset()
-    skipped: frozenset[int] = frozenset()  # blocks the forward did not call (cut.partition's [Note: blocks the forward skips])
+    skipped: frozenset[int] = (
+        frozenset()
+    )  # blocks the forward did not call (cut.partition's [Note: blocks the forward skips])
     # the blocks' other activation arguments (a positional index or a keyword), one tensor for every block, carried
     # between stages with the hidden state (cut.StageGate's [Note: activations carried beside the hidden state])
     carried: tuple[int | str, ...] = ()
@@ -69,8 +77,12 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
         def record(module: torch.nn.Module, args: Any, output: Any) -> None:
             if name not in keeping:
                 given = args[0] if args and isinstance(args[0], torch.Tensor) else None
-                keeping[name] = (given is not None and isinstance(output, torch.Tensor) and output.shape == given.shape
-                                 and output.dtype == given.dtype)  # fmt: skip
+                keeping[name] = (
+                    given is not None
+                    and isinstance(output, torch.Tensor)
+                    and output.shape == given.shape
+                    and output.dtype == given.dtype
+                )
 
         return record
 
@@ -80,7 +92,9 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
             hidden = args[0] if args else kwargs.get("hidden_states")
             if isinstance(hidden, torch.Tensor) and index not in inputs:
                 inputs[index] = (hidden.shape, hidden.dtype)
-            values = list(enumerate(args[1:], 1)) + [(k, v) for k, v in kwargs.items() if k != "hidden_states" or not args]
+            values = list(enumerate(args[1:], 1)) + [
+                (k, v) for k, v in kwargs.items() if k != "hidden_states" or not args
+            ]
             if not args and "hidden_states" in kwargs:
                 values = [(k, v) for k, v in kwargs.items() if k != "hidden_states"]
             for key, value in values:
@@ -105,7 +119,11 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
         counted = {i: calls.count(i) for i in range(len(blocks))}
         odd = next((i for i, n in counted.items() if n > 1), None)
         if odd is not None:
-            return Probe(f"block {blocks.names[odd]!r} runs {counted[odd]} times per forward; a pipeline cut runs each block once, in order", order, inputs)
+            return Probe(
+                f"block {blocks.names[odd]!r} runs {counted[odd]} times per forward; a pipeline cut runs each block once, in order",
+                order,
+                inputs,
+            )
         return Probe("the blocks run out of their registration order; a pipeline cut runs them in order", order, inputs)
     carried = _one_tensor_for_every_block(extras, calls)
     if carried is None:
@@ -116,12 +134,16 @@ def probe_blocks(model: torch.nn.Module, blocks: Any, batch: Any) -> Probe:
             f"block {blocks.names[index]!r} reads an activation besides its hidden state ({argument}, a tensor with "
             "gradients computed by another module) that is not the same tensor for every block (computed between "
             "blocks, such as a position bias the first block returns); a pipeline cut carries the hidden state and "
-            "the activations every block shares", order, inputs,
-        )  # fmt: skip
+            "the activations every block shares",
+            order,
+            inputs,
+        )
     return Probe(None, order, inputs, frozenset(n for n, kept in keeping.items() if kept), skipped, tuple(carried))
 
 
-def _one_tensor_for_every_block(extras: dict[int, dict[int | str, torch.Tensor]], calls: list[int]) -> dict[int | str, torch.Tensor] | None:
+def _one_tensor_for_every_block(
+    extras: dict[int, dict[int | str, torch.Tensor]], calls: list[int]
+) -> dict[int | str, torch.Tensor] | None:
     """The other activation arguments when every block that runs gets the same ones, each one tensor (the embedding
     output a value-residual model hands every block): those a stage can carry on. None when they differ (an
     activation computed between blocks, such as a bias the first block returns): no cut carries those."""
@@ -166,7 +188,10 @@ def dry_run(pipeline: Any, batch: Any, probe: Probe, headline: str) -> None:
             try:
                 executor.forward(stage, batch, [received] if received is not None else None)
             except Exception as err:  # noqa: BLE001 - any failure of the cut stage is the finding
-                problem = TwinMismatch(f"stage {stage} fails on its own ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})", float("inf"))
+                problem = TwinMismatch(
+                    f"stage {stage} fails on its own ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})",
+                    float("inf"),
+                )
                 break
     agree(problem, pipeline.group, headline, "the whole model")
 
@@ -187,7 +212,9 @@ def check(pipeline: Any, batches: list[Any], expected: tuple[float, dict[str, to
     agree(mismatch, pipeline.group, headline, "the whole model's step on the same micro-batches")
 
 
-def _stage_pairs(model: torch.nn.Module, reference: dict[str, torch.Tensor], pipeline: Any) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+def _stage_pairs(
+    model: torch.nn.Module, reference: dict[str, torch.Tensor], pipeline: Any
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """This stage's gradients beside the whole model's (a silenced tied copy counts once, through its tie)."""
     silenced = tuple(n + "." for n in pipeline.ties.silenced)
     for name, p in model.named_parameters():

@@ -10,4 +10,13 @@ from slipstream.engine.parallel.sequence.ulysses import ATTENTION_NAME, UlyssesA
 # what the step runners hold: the kernels' sharder (the batch cut on the sequence) or the blockwise one
 Sharder = SequenceSharder | BlockwiseSharder
 
-__all__ = ["ATTENTION_NAME", "BlockwiseSharder", "SequenceOptions", "SequenceSharder", "Sharder", "UlyssesAttention", "all_to_all", "parallelize_attention"]
+__all__ = [
+    "ATTENTION_NAME",
+    "BlockwiseSharder",
+    "SequenceOptions",
+    "SequenceSharder",
+    "Sharder",
+    "UlyssesAttention",
+    "all_to_all",
+    "parallelize_attention",
+]

@@ -105,7 +105,10 @@ def position_mixers(model: torch.nn.Module, blocks: Blocks, batch: Any) -> tuple
             def record_io(module: torch.nn.Module, a: tuple[Any, ...], k: dict[str, Any], output: Any) -> None:
                 if name not in seen:  # copies: the forward may change them in place later (Falcon's ``+=``)
                     given, out = _first_tensor(a, k), _first_output(output)
-                    seen[name] = (given.clone() if given is not None else None, out.clone() if out is not None else None)
+                    seen[name] = (
+                        given.clone() if given is not None else None,
+                        out.clone() if out is not None else None,
+                    )
 
             return record_io
 
@@ -133,7 +136,12 @@ def position_mixers(model: torch.nn.Module, blocks: Blocks, batch: Any) -> tuple
         given2, out2 = moved.get(name, (None, None))
         if out is None or out2 is None or out.dim() < 2 or out.shape != out2.shape or out.shape[SEQ_DIM] < 2:
             continue
-        same_input = given is not None and given2 is not None and given.shape == given2.shape and torch.equal(given[:, 1:], given2[:, 1:])
+        same_input = (
+            given is not None
+            and given2 is not None
+            and given.shape == given2.shape
+            and torch.equal(given[:, 1:], given2[:, 1:])
+        )
         if same_input and not torch.equal(out[:, 1:], out2[:, 1:]):
             mixers.append(name)
     innermost = [n for n in mixers if not any(m != n and (n == "" or m.startswith(n + ".")) for m in mixers)]
@@ -144,7 +152,15 @@ class BlockwiseSharder:
     """The engine's sharder for blockwise sequence parallelism (the module note): the same calls as
     ``SequenceSharder``; the batch is not cut, the blocks' hooks cut and gather inside the engine's steps."""
 
-    def __init__(self, model: torch.nn.Module, blocks: Blocks, group: dist.ProcessGroup, key: str, mixers: list[str], calls: list[int]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        blocks: Blocks,
+        group: dist.ProcessGroup,
+        key: str,
+        mixers: list[str],
+        calls: list[int],
+    ) -> None:
         self.group, self.key = group, key
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.layout = Layout(self.size, zigzag=False)
@@ -165,8 +181,10 @@ class BlockwiseSharder:
             held = dict(block.named_modules())
             for name in mixers:
                 if name in held:
-                    self._handles += [held[name].register_forward_pre_hook(self._enter_mixer, with_kwargs=True),
-                                      held[name].register_forward_hook(self._leave_mixer)]  # fmt: skip
+                    self._handles += [
+                        held[name].register_forward_pre_hook(self._enter_mixer, with_kwargs=True),
+                        held[name].register_forward_hook(self._leave_mixer),
+                    ]
             if index == last:
                 self._handles.append(block.register_forward_hook(self._leave_blocks))
         seen: set[int] = set()
@@ -232,7 +250,9 @@ class BlockwiseSharder:
             if hidden is None:
                 return None
             self._open, self._whole = True, int(hidden.shape[SEQ_DIM])
-        return tuple(self._cut_whole(a, hidden) for a in args), {k: self._cut_whole(v, hidden) for k, v in kwargs.items()}
+        return tuple(self._cut_whole(a, hidden) for a in args), {
+            k: self._cut_whole(v, hidden) for k, v in kwargs.items()
+        }
 
     def _left_whole(self, t: torch.Tensor) -> bool:
         ref = self._uncut.get(id(t))
@@ -254,7 +274,10 @@ class BlockwiseSharder:
         if not self.active or self._whole is None:
             return None
         length = self._whole
-        return _map_tensors(output, lambda t: ops.keep_chunk(t, SEQ_DIM, self.group) if t.dim() >= 3 and t.shape[SEQ_DIM] == length else t)
+        return _map_tensors(
+            output,
+            lambda t: ops.keep_chunk(t, SEQ_DIM, self.group) if t.dim() >= 3 and t.shape[SEQ_DIM] == length else t,
+        )
 
     def _leave_blocks(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if not self.active or not self._open or self._whole is None:
@@ -265,5 +288,9 @@ class BlockwiseSharder:
             return None
         return _map_tensors(
             output,
-            lambda t: ops.gather_keep(t, SEQ_DIM, self.group, "blockwise sp gather (blocks' end)", length) if t.dim() >= 3 and t.shape[SEQ_DIM] == local else t,
-        )  # fmt: skip
+            lambda t: (
+                ops.gather_keep(t, SEQ_DIM, self.group, "blockwise sp gather (blocks' end)", length)
+                if t.dim() >= 3 and t.shape[SEQ_DIM] == local
+                else t
+            ),
+        )

@@ -44,12 +44,16 @@ logger = get_logger(__name__)
 
 FIRST_BATCH_TOKENS = 64  # the least window: a boundary with a few dozen tokens on each side
 FREE_MEMORY_SHARE = 0.5  # of the device's free memory, the most a window's activations may plan for
-_RANGE_NAMES = ("window", "window_size", "chunk_size")  # name endings: sliding_window, attention_window, attention_chunk_size
+_RANGE_NAMES = (
+    "window",
+    "window_size",
+    "chunk_size",
+)  # name endings: sliding_window, attention_window, attention_chunk_size
 
 
 def first_batch_window(
     batch: dict[str, Any], key: str, model: torch.nn.Module, divisor: int, size: int
-) -> tuple[dict[str, Any], str] | None:  # fmt: skip
+) -> tuple[dict[str, Any], str] | None:
     """One row and a window of the batch, every key sliced alike, and a phrase naming it; None when the batch has
     no token ids to make labels from (nothing to compare then). ``size``: the ranks the step's sequence is split over."""
     source = batch.get("input_ids", batch.get("inputs_embeds"))
@@ -59,7 +63,9 @@ def first_batch_window(
     segments = read_segments(batch, key, model)
     row, edges = 0, []
     if segments is not None:
-        changes = (torch.diff(segments.documents, dim=1) != 0) | (torch.diff(segments.valid.long(), dim=1) != 0)  # [b, L-1]
+        changes = (torch.diff(segments.documents, dim=1) != 0) | (
+            torch.diff(segments.valid.long(), dim=1) != 0
+        )  # [b, L-1]
         row = int(changes.sum(dim=1).argmax())
         edges = (changes[row].nonzero().flatten() + 1).tolist()[:2]  # the first boundary and the next
     reach, thresholds = model_ranges(model)
@@ -76,7 +82,9 @@ def first_batch_window(
         out["position_ids"] = torch.arange(start, stop, device=source.device).unsqueeze(0)
     if segments is not None and any(batch.get(k) is not None for k in VARLEN_KEYS):
         documents = segments.documents[row, start:stop]
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), (torch.diff(documents) != 0).nonzero().flatten().cpu() + 1])
+        starts = torch.cat(
+            [torch.zeros(1, dtype=torch.long), (torch.diff(documents) != 0).nonzero().flatten().cpu() + 1]
+        )
         offsets = torch.cat([starts, torch.tensor([window])]).to(torch.int32)
         longest = int(torch.diff(offsets).max())
         out.update(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets.clone(), max_length_q=longest, max_length_k=longest)
@@ -107,7 +115,11 @@ def model_ranges(model: torch.nn.Module) -> tuple[int, list[int]]:
             if name.endswith(_RANGE_NAMES) and fields.get(f"use_{name}") is not False:  # Qwen2's use_sliding_window
                 reach = max([reach, *_lengths(value)])
         rope_type = getattr(source, "rope_type", None)
-        if isinstance(source, torch.nn.Module) and isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope"):
+        if (
+            isinstance(source, torch.nn.Module)
+            and isinstance(rope_type, str)
+            and ("dynamic" in rope_type or rope_type == "longrope")
+        ):
             thresholds.update(_lengths(getattr(source, "original_max_seq_len", None)))
     return reach, sorted(thresholds)
 
@@ -146,7 +158,9 @@ def _row_positions(batch: dict[str, Any], row: int, length: int) -> torch.Tensor
     return torch.arange(length)
 
 
-def _place(length: int, divisor: int, reach: int, edges: list[int], crossing: int | None, affordable: int) -> tuple[int, int]:
+def _place(
+    length: int, divisor: int, reach: int, edges: list[int], crossing: int | None, affordable: int
+) -> tuple[int, int]:
     """(window length, first token) for a row with document/padding ``edges`` (the first two), an attention
     ``reach`` and a rotary ``crossing`` token: the first edge with ``FIRST_BATCH_TOKENS // 2`` tokens on one side and
     the longer of its runs on the other, long enough to cross ``reach`` where the row is longer, spanning the crossing
@@ -156,14 +170,22 @@ def _place(length: int, divisor: int, reach: int, edges: list[int], crossing: in
     least = min(length, max(FIRST_BATCH_TOKENS, 2 * divisor))
     wanted = reach + FIRST_BATCH_TOKENS + side if 0 < reach < length else least
     boundary = edges[0] if edges else None
-    if crossing is not None and boundary is not None and abs(crossing - boundary) + FIRST_BATCH_TOKENS > max(affordable, least):
+    if (
+        crossing is not None
+        and boundary is not None
+        and abs(crossing - boundary) + FIRST_BATCH_TOKENS > max(affordable, least)
+    ):
         crossing = None  # both do not fit: the boundary is what every real batch carries
     if crossing is not None and boundary is not None:
         wanted = max(wanted, abs(crossing - boundary) + FIRST_BATCH_TOKENS)
     window = min(length, max(least, min(wanted, affordable)))
     if window < min(length, wanted) and 0 < reach < length:
-        logger.warning("the first-batch twin check's window (%d tokens) does not cross the model's attention range of %d tokens: "
-                       "the memory cap (one rank's share of the step, or half the free memory) allows no more", window, reach)  # fmt: skip
+        logger.warning(
+            "the first-batch twin check's window (%d tokens) does not cross the model's attention range of %d tokens: "
+            "the memory cap (one rank's share of the step, or half the free memory) allows no more",
+            window,
+            reach,
+        )
     if boundary is None:
         start = 0 if crossing is None else crossing - 3 * window // 4
     elif crossing is not None:
@@ -193,7 +215,9 @@ def _describe(name: str, value: Any) -> str:
     return f"{name}={value!r}" if isinstance(value, (bool, int, float)) or value is None else name
 
 
-def first_batch_check(model: torch.nn.Module, sharder: Any, run: Callable[[dict[str, Any], str], None]) -> Callable[[dict[str, Any]], None]:
+def first_batch_check(
+    model: torch.nn.Module, sharder: Any, run: Callable[[dict[str, Any], str], None]
+) -> Callable[[dict[str, Any]], None]:
     """What the runner calls with its first training batch: rank 0's window on every rank, then ``run(window, what)``.
 
     [Note: one window for the world] Every rank runs the check at once, and a rank's reference can depend on

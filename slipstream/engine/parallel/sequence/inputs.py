@@ -93,9 +93,12 @@ class SequenceSharder:
     """Cuts keyword-argument batches on the sequence for one rank of a sequence group of size ``u``."""
 
     def __init__(
-        self, group: dist.ProcessGroup, key: str = "sequence_parallel_size", layout: Layout | None = None,
+        self,
+        group: dist.ProcessGroup,
+        key: str = "sequence_parallel_size",
+        layout: Layout | None = None,
         routing: tuple[torch.nn.Module, str, str, Any] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -117,14 +120,27 @@ class SequenceSharder:
         # by id of the local position ids (tensors compare elementwise, so no WeakKeyDictionary); gone with them
         self._structure: dict[int, tuple[weakref.ref[torch.Tensor], _Step]] = {}
         self.current: _Step | None = None  # the micro-batch whose forward runs now (its segments and lengths)
-        self._hook = routing[0].register_forward_pre_hook(self._before_forward, with_kwargs=True) if routing is not None else None
+        self._hook = (
+            routing[0].register_forward_pre_hook(self._before_forward, with_kwargs=True)
+            if routing is not None
+            else None
+        )
         # rotary tables from the whole sequence's positions ([Note: rotary tables of the whole sequence])
         self._rotary = [
-            handle for module in (routing[0].modules() if routing is not None else ()) if getattr(module, "rope_type", None) is not None
-            for handle in (module.register_forward_pre_hook(self._whole_positions, with_kwargs=True), module.register_forward_hook(self._own_rows))
-        ]  # fmt: skip
+            handle
+            for module in (routing[0].modules() if routing is not None else ())
+            if getattr(module, "rope_type", None) is not None
+            for handle in (
+                module.register_forward_pre_hook(self._whole_positions, with_kwargs=True),
+                module.register_forward_hook(self._own_rows),
+            )
+        ]
         # a mixture of experts' balancing loss over the whole micro-batch (router.py's note)
-        self.router = whole_router_logits(routing[0], group, self.layout.positions, self._router_step) if routing is not None else None
+        self.router = (
+            whole_router_logits(routing[0], group, self.layout.positions, self._router_step)
+            if routing is not None
+            else None
+        )
 
     def activate(self) -> None:
         """Switch the model to the sharded kernel for one engine step."""
@@ -175,7 +191,9 @@ class SequenceSharder:
         not divide is filled up to one that does ([Note: the engine's fill])."""
         source = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         if source is None:
-            raise ConfigError(f"{self.key}: sequence parallel needs the batch as keyword arguments with input_ids (or inputs_embeds)")
+            raise ConfigError(
+                f"{self.key}: sequence parallel needs the batch as keyword arguments with input_ids (or inputs_embeds)"
+            )
         batch, length = source.shape[0], source.shape[1]
         segments = read_segments(kwargs, self.key, self.routing[0] if self.routing is not None else None)
         padded = -(-length // self.divisor) * self.divisor
@@ -251,7 +269,9 @@ class SequenceSharder:
     def _own_rows(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         step = self.current if self.active else None
         tables = output if isinstance(output, tuple) else (output,)
-        if step is None or not all(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == step.padded for t in tables):
+        if step is None or not all(
+            isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == step.padded for t in tables
+        ):
             return None  # not the whole sequence's tables (the pre-hook left this call alone)
         index = self.positions(step.padded).to(tables[0].device)
         own = tuple(t.index_select(1, index) for t in tables)
@@ -269,7 +289,11 @@ class SequenceSharder:
         routed = self.router is not None and step is not None and self.router.apply(output, step.rows)
         if step is not None:
             local_length = step.padded // self.size
-            output = with_whole_sequence(output, local_length, lambda local: gather_sequence(local, self.group, self.layout.positions, step.length))
+            output = with_whole_sequence(
+                output,
+                local_length,
+                lambda local: gather_sequence(local, self.group, self.layout.positions, step.length),
+            )
         loss = getattr(output, "loss", None)
         if loss is None or count is None:
             return output

@@ -45,7 +45,9 @@ def gather_in_order(local: torch.Tensor, group: dist.ProcessGroup, order: torch.
     return whole
 
 
-def group_positions(group: dist.ProcessGroup, positions: Callable[[int, int], torch.Tensor], padded: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def group_positions(
+    group: dist.ProcessGroup, positions: Callable[[int, int], torch.Tensor], padded: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(every rank's tokens' global positions, rank after rank; this rank's) for a sequence of ``padded`` tokens."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     return torch.cat([positions(r, padded) for r in range(size)]).to(device), positions(rank, padded).to(device)
@@ -53,7 +55,9 @@ def group_positions(group: dist.ProcessGroup, positions: Callable[[int, int], to
 
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor, mine: torch.Tensor, length: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, local: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor, mine: torch.Tensor, length: int
+    ) -> torch.Tensor:  # type: ignore[override]
         """``mine``: this rank's tokens' global positions; ``length``: the caller's (before the engine's fill)."""
         whole = gather_in_order(local, group, order, "sequence-parallel outputs all-gather")
         ctx.group_size, ctx.mine, ctx.padded = dist.get_world_size(group), mine, whole.shape[1]
@@ -66,7 +70,9 @@ class _GatherSequence(torch.autograd.Function):
         return grad[:, ctx.mine] * ctx.group_size, None, None, None, None
 
 
-def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup, positions: Callable[[int, int], torch.Tensor], length: int) -> torch.Tensor:
+def gather_sequence(
+    local: torch.Tensor, group: dist.ProcessGroup, positions: Callable[[int, int], torch.Tensor], length: int
+) -> torch.Tensor:
     """The whole sequence's values [b, length, ...] from this rank's [b, n, ...]; ``positions(rank, padded)``: a
     rank's tokens' global positions in its local order (the sharder's layout)."""
     order, mine = group_positions(group, positions, local.shape[1] * dist.get_world_size(group), local.device)
@@ -79,17 +85,24 @@ def with_whole_sequence(output: Any, local_length: int, gather: Callable[[torch.
     if not hasattr(output, "to_tuple") or not hasattr(output, "keys"):
         return output
     names = tuple(
-        k for k in output.keys()
-        if k != "loss" and isinstance(getattr(output, k, None), torch.Tensor) and getattr(output, k).dim() >= 2
+        k
+        for k in output.keys()
+        if k != "loss"
+        and isinstance(getattr(output, k, None), torch.Tensor)
+        and getattr(output, k).dim() >= 2
         and getattr(output, k).shape[1] == local_length
-    )  # fmt: skip
+    )
     if not names:
         return output
     cls = type(output)
     whole_cls = _WITH_WHOLE_SEQUENCE.get((cls, names))
     if whole_cls is None:
         fields = {name: property(_reader(name), _writer(name)) for name in names}
-        whole_cls = type(cls.__name__, (cls,), {**fields, "__getitem__": _getitem, "__module__": cls.__module__, "__doc__": cls.__doc__})
+        whole_cls = type(
+            cls.__name__,
+            (cls,),
+            {**fields, "__getitem__": _getitem, "__module__": cls.__module__, "__doc__": cls.__doc__},
+        )
         _WITH_WHOLE_SEQUENCE[(cls, names)] = whole_cls
     output.__class__ = whole_cls
     output.__dict__["_slipstream_gather"] = gather

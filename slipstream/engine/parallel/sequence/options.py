@@ -37,7 +37,7 @@ class SequenceOptions:
             raise ConfigError(
                 f"context_parallel.method: {method!r} with sequence_parallel_size {u}: zig-zag chunks (a head and a tail per "
                 "rank) are not contiguous after Ulysses' all-to-all gathers a sequence group's shards; use \"ring\" or "
-                "\"allgather_kv\""
+                '"allgather_kv"'
             )
         if u == 1 and c == 1:
             return None
@@ -64,7 +64,9 @@ def _check_heads(config: object, dispatches: bool, u: int, tp: int, name: str) -
         raise ConfigError(f"sequence_parallel_size: {u} {_NEEDS_HF}; {name} does not{_OTHERS}")
     kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % (u * tp):
-        raise ConfigError(f"sequence_parallel_size: the model's {heads} attention heads do not divide by {u}{f' × tensor parallel {tp}' if tp > 1 else ''}")
+        raise ConfigError(
+            f"sequence_parallel_size: the model's {heads} attention heads do not divide by {u}{f' × tensor parallel {tp}' if tp > 1 else ''}"
+        )
     local_kv = max(kv // tp, 1)
     if local_kv % u and u % local_kv:
         raise ConfigError(

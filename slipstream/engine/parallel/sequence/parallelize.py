@@ -26,9 +26,12 @@ logger = get_logger(__name__)
 
 
 def parallelize_attention(
-    model: torch.nn.Module, mesh: Mesh, options: SequenceOptions | None, pipeline: Pipeline | None = None,
+    model: torch.nn.Module,
+    mesh: Mesh,
+    options: SequenceOptions | None,
+    pipeline: Pipeline | None = None,
     experts: ExpertPlan | None = None,
-) -> SequenceSharder | BlockwiseSharder | None:  # fmt: skip
+) -> SequenceSharder | BlockwiseSharder | None:
     """Ulysses over ``mesh.group("sp")`` or ring attention over ``mesh.group("cp")``; None when neither is on.
 
     The sharder switches the model to the registered kernel for each step and shards each batch on
@@ -45,7 +48,14 @@ def parallelize_attention(
         method = options.method
         kernel = UlyssesAttention(mesh.group("sp"), _context_attention(mesh, method, zigzag=False))
         previous = route_attention(model, ATTENTION_NAME, kernel, "sequence_parallel_size")
-        log_rank0(logger, "Ulysses %d × %s context parallel %d: attention %r replaced in each step; batches sharded on the sequence", options.ulysses, method, options.context, previous)
+        log_rank0(
+            logger,
+            "Ulysses %d × %s context parallel %d: attention %r replaced in each step; batches sharded on the sequence",
+            options.ulysses,
+            method,
+            options.context,
+            previous,
+        )
         sharder = SequenceSharder(mesh.group("cp", "sp"), routing=(model, ATTENTION_NAME, previous, kernel))
         mode = f"Ulysses ({options.ulysses}) × {method} context parallel ({options.context})"
     elif options.ulysses > 1:
@@ -53,8 +63,15 @@ def parallelize_attention(
         ulysses = UlyssesAttention(group)
         kernel: object = ulysses
         previous = route_attention(model, ATTENTION_NAME, ulysses, "sequence_parallel_size")
-        ulysses.use_own(previous)  # a function the user registered runs on whole sequences ([Note: the model's own attention function])
-        log_rank0(logger, "sequence parallel (Ulysses) %d: attention %r replaced in each step; batches sharded on the sequence", options.ulysses, previous)
+        ulysses.use_own(
+            previous
+        )  # a function the user registered runs on whole sequences ([Note: the model's own attention function])
+        log_rank0(
+            logger,
+            "sequence parallel (Ulysses) %d: attention %r replaced in each step; batches sharded on the sequence",
+            options.ulysses,
+            previous,
+        )
         sharder = SequenceSharder(group, routing=(model, ATTENTION_NAME, previous, kernel))
         mode = f"Ulysses sequence parallel ({options.ulysses})"
     else:
@@ -62,8 +79,16 @@ def parallelize_attention(
         kernel = _context_attention(mesh, method, zigzag=method in ("zigzag", "zigzag_ring"))
         layout = kernel.layout
         previous = route_attention(model, f"slipstream_{method}", kernel, "context_parallel.size")
-        log_rank0(logger, "context parallel (%s) %d: attention %r replaced in each step; batches sharded on the sequence", method, layout.size, previous)
-        sharder = SequenceSharder(mesh.group("cp"), "context_parallel.size", layout, routing=(model, f"slipstream_{method}", previous, kernel))
+        log_rank0(
+            logger,
+            "context parallel (%s) %d: attention %r replaced in each step; batches sharded on the sequence",
+            method,
+            layout.size,
+            previous,
+        )
+        sharder = SequenceSharder(
+            mesh.group("cp"), "context_parallel.size", layout, routing=(model, f"slipstream_{method}", previous, kernel)
+        )
         mode = f"context parallel ({method}, {layout.size})"
     if options.twin_check:
         from slipstream.engine.parallel.twin import check_sequence_pipeline_twin, check_sequence_twin
@@ -79,8 +104,15 @@ def parallelize_attention(
             alone = pipeline is None and experts is None and all(mesh.size(axis) == 1 for axis in ("tp", "pp", "ep"))
             if not alone:
                 raise
-            sharder = _blockwise(model, mesh, options, str(refusal))  # the kernel does not reproduce it: blockwise.py's note
-            log_rank0(logger, "%s; the model trains blockwise instead (attention whole on every rank)", refusal, level=logging.WARNING)
+            sharder = _blockwise(
+                model, mesh, options, str(refusal)
+            )  # the kernel does not reproduce it: blockwise.py's note
+            log_rank0(
+                logger,
+                "%s; the model trains blockwise instead (attention whole on every rank)",
+                refusal,
+                level=logging.WARNING,
+            )
             return sharder
         except BaseException:
             sharder.close()
@@ -88,9 +120,10 @@ def parallelize_attention(
         # and again on the first training batch (first_batch.py's note)
         staged = pipeline
         run: Callable[[dict[str, Any], str], None] = (
-            (lambda batch, what: check_sequence_twin(model, sharder, mode, averaging, batch, what)) if staged is None
+            (lambda batch, what: check_sequence_twin(model, sharder, mode, averaging, batch, what))
+            if staged is None
             else (lambda batch, what: check_sequence_pipeline_twin(staged, sharder, mode, averaging, batch, what))
-        )  # fmt: skip
+        )
         sharder.first_batch = first_batch_check(staged.model if staged is not None else model, sharder, run)
     return sharder
 
@@ -123,14 +156,22 @@ def _blockwise(model: torch.nn.Module, mesh: Mesh, options: SequenceOptions, ref
         sharder.close()
         raise
     log_rank0(
-        logger, "%s: %s runs its blocks on 1/%d of the sequence each (attention %s whole on every rank; embeddings, "
-        "head and loss whole): its attention does not go through a Slipstream kernel", mode, type(model).__name__, size,
+        logger,
+        "%s: %s runs its blocks on 1/%d of the sequence each (attention %s whole on every rank; embeddings, "
+        "head and loss whole): its attention does not go through a Slipstream kernel",
+        mode,
+        type(model).__name__,
+        size,
         ", ".join(repr(m or "the whole block") for m in mixers) or "(none found)",
-    )  # fmt: skip
+    )
     return sharder
 
 
 def _context_attention(mesh: Mesh, method: str, zigzag: bool) -> AllGatherKVAttention | RingAttention:
     """Context parallel's attention over ``mesh.group("cp")``: all-gathered K/V, or the ring."""
     layout = Layout(mesh.size("cp"), zigzag=zigzag)
-    return AllGatherKVAttention(mesh.group("cp"), layout) if method == "allgather_kv" else RingAttention(mesh.group("cp"), layout)
+    return (
+        AllGatherKVAttention(mesh.group("cp"), layout)
+        if method == "allgather_kv"
+        else RingAttention(mesh.group("cp"), layout)
+    )

@@ -42,7 +42,16 @@ from slipstream.engine.parallel.sequence.logits import gather_in_order, group_po
 
 class _GatherRouterLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup, order: torch.Tensor, mine: torch.Tensor, batch: int, length: int, keep: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any,
+        local: torch.Tensor,
+        group: dist.ProcessGroup,
+        order: torch.Tensor,
+        mine: torch.Tensor,
+        batch: int,
+        length: int,
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:  # type: ignore[override]
         """``local``: [b·n, E] (tokens flattened before the router, as transformers does) or [b, n, E];
         ``keep``: [b, length] bool, the valid tokens (None: all)."""
         shaped = local.reshape(batch, -1, local.shape[-1])
@@ -67,7 +76,12 @@ class _GatherRouterLogits(torch.autograd.Function):
         return full[:, mine].reshape(ctx.shape), None, None, None, None, None, None
 
 
-def whole_router_logits(model: torch.nn.Module, group: dist.ProcessGroup, positions: Callable[[int, int], torch.Tensor], step: Callable[[], tuple[int, int, torch.Tensor | None] | None]) -> RouterLogitsHook:  # fmt: skip
+def whole_router_logits(
+    model: torch.nn.Module,
+    group: dist.ProcessGroup,
+    positions: Callable[[int, int], torch.Tensor],
+    step: Callable[[], tuple[int, int, torch.Tensor | None] | None],
+) -> RouterLogitsHook:
     """The hook of the note for a sequence group: ``positions(rank, padded)`` its layout; ``step()`` the running
     micro-batch's (caller's length, padded length, valid tokens or None), None when no sharded forward runs."""
 

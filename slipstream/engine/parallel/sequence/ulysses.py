@@ -45,25 +45,37 @@ class _AllToAll(torch.autograd.Function):
     """Scatter ``scatter_dim`` in ``u`` chunks to the ranks, gather theirs along ``gather_dim``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str
+    ) -> torch.Tensor:  # type: ignore[override]
         ctx.dims, ctx.group, ctx.tag = (scatter_dim, gather_dim), group, tag
         return _exchange(x, scatter_dim, gather_dim, group, tag)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         scatter_dim, gather_dim = ctx.dims
-        return _exchange(grad.contiguous(), gather_dim, scatter_dim, ctx.group, ctx.tag + " (backward)"), None, None, None, None
+        return (
+            _exchange(grad.contiguous(), gather_dim, scatter_dim, ctx.group, ctx.tag + " (backward)"),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
     u = dist.get_world_size(group)
     send = torch.stack(x.chunk(u, dim=scatter_dim)).contiguous()  # [u, ...]: chunk i goes to rank i
     received = torch.empty_like(send)
-    overlap.wait(comm.all_to_all_single(received, send, group=group, tag=tag))  # a DualPipeV pair's other half computes meanwhile
+    overlap.wait(
+        comm.all_to_all_single(received, send, group=group, tag=tag)
+    )  # a DualPipeV pair's other half computes meanwhile
     return torch.cat(received.unbind(0), dim=gather_dim)
 
 
-def _exchanged_meta(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
+def _exchanged_meta(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str
+) -> torch.Tensor:
     u = dist.get_world_size(group)
     shape = list(x.shape)
     shape[scatter_dim] //= u
@@ -74,7 +86,9 @@ def _exchanged_meta(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: d
 declare(_AllToAll, _exchanged_meta)
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str = "ulysses all-to-all") -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, tag: str = "ulysses all-to-all"
+) -> torch.Tensor:
     """Differentiable all-to-all (the inverse exchange in backward); one eager island in a compiled block."""
     return island(_AllToAll, (x,), (scatter_dim, gather_dim, group, tag))
 
@@ -95,7 +109,9 @@ class UlyssesAttention:
         self._segments: Segments | None = None
         # [Note: the model's own attention function] set by ``use_own`` for an attention function the user registered
         self.own: tuple[str, Any] | None = None
-        self.whole_positions: torch.Tensor | None = None  # the running micro-batch's [rows, s] positions (the sharder's)
+        self.whole_positions: torch.Tensor | None = (
+            None  # the running micro-batch's [rows, s] positions (the sharder's)
+        )
 
     def use_own(self, name: str) -> None:
         """Run the function registered as ``name`` (the model's own) on this rank's heads of the whole sequence,
@@ -130,11 +146,20 @@ class UlyssesAttention:
             self.inner.active = value
 
     def __call__(
-        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-        dropout: float = 0.0, scaling: float | None = None, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         if not self.active:
-            raise UsageError("sequence_parallel_size: Ulysses attention called outside the engine's sharded step (the model's own attention runs there)")
+            raise UsageError(
+                "sequence_parallel_size: Ulysses attention called outside the engine's sharded step (the model's own attention runs there)"
+            )
         features = attention_features("sequence_parallel_size: Ulysses attention", module, dropout, scaling, kwargs)
         # attention_mask: the model built it for the local tokens only; the whole sequence's padding and
         # documents come from the sharder (self.segments), applied below with causality and the window.
@@ -163,18 +188,38 @@ class UlyssesAttention:
             k, v = k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
         s = s_local * u
         training = module.training
-        if self._segments is None and features.softcap is None and (features.sliding_window is None or features.sliding_window >= s):
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=features.dropout if training else 0.0, is_causal=features.causal, scale=features.scaling)
+        if (
+            self._segments is None
+            and features.softcap is None
+            and (features.sliding_window is None or features.sliding_window >= s)
+        ):
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=features.dropout if training else 0.0,
+                is_causal=features.causal,
+                scale=features.scaling,
+            )
         else:
             positions = torch.arange(s, device=q.device)
-            out = attend(q, k, v, features, allowed(features, positions, positions, self._segments), training)  # [b, hq, s, d]
+            out = attend(
+                q, k, v, features, allowed(features, positions, positions, self._segments), training
+            )  # [b, hq, s, d]
         back = all_to_all(out.unsqueeze(1), 3, 1, self.group, "ulysses output all-to-all")  # [b, u, hq, s/u, d]
         return back.reshape(b, heads, s_local, d).transpose(1, 2).contiguous(), None
 
     def _own_attention(
-        self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, features: Any, dropout: float,
-        scaling: float | None, kwargs: dict[str, Any],
-    ) -> Any:  # fmt: skip
+        self,
+        module: torch.nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        features: Any,
+        dropout: float,
+        scaling: float | None,
+        kwargs: dict[str, Any],
+    ) -> Any:
         """[Note: the model's own attention function] After the all-to-all this rank holds whole sequences of its
         heads, so an attention function the user registered with transformers can run unchanged on them, with no
         rule written for what it computes (a bias from positions, its own masking). It gets what one process would
@@ -195,9 +240,17 @@ class UlyssesAttention:
                 )
             positions = torch.arange(s, device=q.device)
             allowed_pairs = allowed(features, positions, positions, self._segments)
-            allowed_pairs = torch.ones(s, s, dtype=torch.bool, device=q.device) if allowed_pairs is None else allowed_pairs
+            allowed_pairs = (
+                torch.ones(s, s, dtype=torch.bool, device=q.device) if allowed_pairs is None else allowed_pairs
+            )
             allowed_pairs = allowed_pairs.expand(q.shape[0], 1, s, s)
-            mask = allowed_pairs if builder is sdpa_mask else torch.zeros(allowed_pairs.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed_pairs, torch.finfo(q.dtype).min)
+            mask = (
+                allowed_pairs
+                if builder is sdpa_mask
+                else torch.zeros(allowed_pairs.shape, dtype=q.dtype, device=q.device).masked_fill(
+                    ~allowed_pairs, torch.finfo(q.dtype).min
+                )
+            )
         extra = dict(kwargs)
         if self.whole_positions is not None and extra.get("position_ids") is not None:
             extra["position_ids"] = self.whole_positions

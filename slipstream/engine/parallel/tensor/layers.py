@@ -65,7 +65,9 @@ class SharedInput:
             return x
         if self.ctx.sp:
             ctx = self.ctx
-            wrapped = ops.on_tokens(x, ctx.sp_rows, lambda t: ops.gather_sequence(t, ctx.seq_dim, ctx.group, length=ctx.sp_length))
+            wrapped = ops.on_tokens(
+                x, ctx.sp_rows, lambda t: ops.gather_sequence(t, ctx.seq_dim, ctx.group, length=ctx.sp_length)
+            )
         else:
             wrapped = ops.copy_to_tp(x, self.ctx.group)
         self._source, self._wrapped = x, wrapped
@@ -87,14 +89,22 @@ class ShardedLinear(torch.nn.Module):
     """A column- or row-parallel ``nn.Linear`` / ``Conv1D`` (``transposed``: weight ``[in, out]``)."""
 
     def __init__(
-        self, source: torch.nn.Module, style: str, ctx: TPContext, share: SharedInput, parts: int = 1, kv_heads: int = 0,
+        self,
+        source: torch.nn.Module,
+        style: str,
+        ctx: TPContext,
+        share: SharedInput,
+        parts: int = 1,
+        kv_heads: int = 0,
         gathered: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         if style not in ("column", "row", "kv"):
             raise ValueError(f"tensor parallel: unknown style {style!r}")
         if gathered and (style == "kv" or parts > 1):
-            raise ValueError("tensor parallel: a gathered column is one contiguous piece (no packed parts, no kv style)")
+            raise ValueError(
+                "tensor parallel: a gathered column is one contiguous piece (no packed parts, no kv style)"
+            )
         self.style, self.ctx, self.share, self.parts, self.gathered = style, ctx, share, parts, gathered
         self.duplicate = False
         self.transposed = not isinstance(source, torch.nn.Linear)
@@ -134,7 +144,9 @@ class ShardedLinear(torch.nn.Module):
         self.part_major = self.transposed and style == "column" and parts > 1
         if self.part_major:
             n = w.shape[1] // parts
-            self.weight = torch.nn.Parameter(w.view(w.shape[0], parts, n).permute(1, 0, 2).contiguous(), requires_grad=source.weight.requires_grad)
+            self.weight = torch.nn.Parameter(
+                w.view(w.shape[0], parts, n).permute(1, 0, 2).contiguous(), requires_grad=source.weight.requires_grad
+            )
 
     def packed_boxes(self, global_shape: tuple[int, ...], dim: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """The boxes of a packed piece along ``dim`` of ``global_shape``, in storage order (one per part)."""
@@ -221,14 +233,20 @@ class VocabEmbedding(torch.nn.Module):
         self.padding_idx = source.padding_idx
         self.global_weight_shape = tuple(source.weight.shape)
         self.start, self.end, _ = vocab_rows(self.num_embeddings, ctx)
-        self.weight = torch.nn.Parameter(source.weight.detach()[self.start : self.end].clone(), requires_grad=source.weight.requires_grad)
+        self.weight = torch.nn.Parameter(
+            source.weight.detach()[self.start : self.end].clone(), requires_grad=source.weight.requires_grad
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         # The padding row gets no gradient, as in nn.Embedding (OPT, Gemma, BART have one): its local index
         # where this rank holds it. Found by the tensor-parallel twin check (its rows were trained before).
-        pad = self.padding_idx - self.start if self.padding_idx is not None and self.start <= self.padding_idx < self.end else None
+        pad = (
+            self.padding_idx - self.start
+            if self.padding_idx is not None and self.start <= self.padding_idx < self.end
+            else None
+        )
         out = F.embedding(local, self.weight, padding_idx=pad).masked_fill(outside.unsqueeze(-1), 0.0)
         return ops.reduce_from_tp(out, self.ctx.group)
 
@@ -252,7 +270,9 @@ class VocabHead(torch.nn.Module):
         self.out_features = self.vocab  # the logits' width, as nn.Linear names it (tiled logits read it)
         self.start, end, self.chunk = vocab_rows(self.vocab, ctx)
         if weight is None:  # untied: a slice of the head's own weight
-            weight = torch.nn.Parameter(source.weight.detach()[self.start : end].clone(), requires_grad=source.weight.requires_grad)
+            weight = torch.nn.Parameter(
+                source.weight.detach()[self.start : end].clone(), requires_grad=source.weight.requires_grad
+            )
         self.weight = weight  # tied: the embedding's (already sharded) parameter itself
         if source.bias is not None:
             raise ValueError("tensor parallel: an LM head with a bias is not sharded on the vocabulary")

@@ -72,7 +72,9 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: st
     size = dist.get_world_size(group)
     front = x.movedim(dim, 0).contiguous().clone()  # scratch: the collective may overwrite it
     if front.shape[0] % size:
-        raise ValueError(f"tensor parallel: dimension {dim} of size {front.shape[0]} does not divide by the tp size {size}")
+        raise ValueError(
+            f"tensor parallel: dimension {dim} of size {front.shape[0]} does not divide by the tp size {size}"
+        )
     out = torch.empty((front.shape[0] // size, *front.shape[1:]), dtype=x.dtype, device=x.device)
     reduce_scatter_tensor(out.view(-1), front.view(-1), group=group, tag=tag).wait()
     return out.movedim(0, dim)
@@ -98,7 +100,9 @@ def _divisible(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Ten
 def _chunk(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[dim] % size:
-        raise ValueError(f"tensor parallel: dimension {dim} of size {x.shape[dim]} does not divide by the tp size {size}")
+        raise ValueError(
+            f"tensor parallel: dimension {dim} of size {x.shape[dim]} does not divide by the tp size {size}"
+        )
     return x.chunk(size, dim)[rank].contiguous()
 
 
@@ -125,14 +129,22 @@ class _Reduce(torch.autograd.Function):
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None
+    ) -> torch.Tensor:
         whole = _gather(x, dim, group, tag)
         ctx.dim, ctx.group, ctx.tag, ctx.padded = dim, group, tag, whole.shape[dim]
         return _owned(whole if length is None else _fit(whole, dim, length))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        return _reduce_scatter(_fit(grad, ctx.dim, ctx.padded), ctx.dim, ctx.group, f"{ctx.tag} (backward)"), None, None, None, None
+        return (
+            _reduce_scatter(_fit(grad, ctx.dim, ctx.padded), ctx.dim, ctx.group, f"{ctx.tag} (backward)"),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
@@ -161,7 +173,9 @@ class _GatherKeep(torch.autograd.Function):
     """Forward all-gather; backward keeps this rank's chunk (the gradient is already whole on every rank)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None
+    ) -> torch.Tensor:
         whole = _gather(x, dim, group, tag)
         ctx.dim, ctx.group, ctx.padded = dim, group, whole.shape[dim]
         return _owned(whole if length is None else _fit(whole, dim, length))
@@ -219,9 +233,14 @@ def _chunk_meta(x: torch.Tensor, dim: int, group: dist.ProcessGroup, *_: Any) ->
 
 
 for _fn, _meta in (
-    (_Copy, _same_meta), (_Reduce, _same_meta), (_GatherSeq, _gather_meta), (_ReduceScatterSeq, _chunk_meta),
-    (_Split, _chunk_meta), (_GatherKeep, _gather_meta), (_KeepChunk, _chunk_meta),
-):  # fmt: skip
+    (_Copy, _same_meta),
+    (_Reduce, _same_meta),
+    (_GatherSeq, _gather_meta),
+    (_ReduceScatterSeq, _chunk_meta),
+    (_Split, _chunk_meta),
+    (_GatherKeep, _gather_meta),
+    (_KeepChunk, _chunk_meta),
+):
     declare(_fn, _meta)
 
 
@@ -233,12 +252,16 @@ def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return island(_Reduce, (x,), (group,))
 
 
-def gather_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp gather", length: int | None = None) -> torch.Tensor:
+def gather_sequence(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp gather", length: int | None = None
+) -> torch.Tensor:
     """``length``: the region's whole sequence (the rows past it are the region's extension, cut off)."""
     return island(_GatherSeq, (x,), (dim, group, tag, length))
 
 
-def reduce_scatter_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp reduce-scatter") -> torch.Tensor:
+def reduce_scatter_sequence(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str = "sp reduce-scatter"
+) -> torch.Tensor:
     return island(_ReduceScatterSeq, (x,), (dim, group, tag))
 
 
@@ -246,5 +269,7 @@ def split_sequence(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch
     return island(_Split, (x,), (dim, group))
 
 
-def gather_keep(x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None = None) -> torch.Tensor:
+def gather_keep(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, tag: str, length: int | None = None
+) -> torch.Tensor:
     return island(_GatherKeep, (x,), (dim, group, tag, length))

@@ -27,9 +27,13 @@ class TensorOptions:
         section = cfg.tensor_parallel
         validate_partition_config(section.partition_config)
         if section.sequence_parallel and sizes.tp < 2:
-            raise ConfigError("tensor_parallel.sequence_parallel: needs tensor_parallel.autotp_size of 2 or more; set one or remove it")
+            raise ConfigError(
+                "tensor_parallel.sequence_parallel: needs tensor_parallel.autotp_size of 2 or more; set one or remove it"
+            )
         if sizes.tp == 1:
             return None
         if presharded:
-            raise ConfigError("tensor_parallel.autotp_size: a model built under slipstream.zero.Init cannot be cut for tensor parallelism; build it normally")
+            raise ConfigError(
+                "tensor_parallel.autotp_size: a model built under slipstream.zero.Init cannot be cut for tensor parallelism; build it normally"
+            )
         return cls(sizes.tp, section.sequence_parallel, section.partition_config, cfg.twin_check)

@@ -27,7 +27,7 @@ from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.rng import ShardedRegionRng, sync_default_rng
 from slipstream.engine.parallel.tensor import selfcheck, sequence
-from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext, VocabEmbedding, VocabHead
+from slipstream.engine.parallel.tensor.layers import ShardedLinear, SharedInput, TPContext, VocabEmbedding, VocabHead
 from slipstream.engine.parallel.tensor.options import TensorOptions
 from slipstream.engine.parallel.tensor.partial_grads import params_in_sharded_regions, sum_gradients_over_tp
 from slipstream.engine.parallel.tensor.plan import PlanEntry, build_plan, in_features, is_linear_like, out_features
@@ -66,7 +66,9 @@ def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
 
 
-def _check_divides(plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], model: torch.nn.Module, t: int) -> list[PlanEntry]:
+def _check_divides(
+    plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], model: torch.nn.Module, t: int
+) -> list[PlanEntry]:
     """Sizes and heads that divide by t; a column projection with fewer heads than t (and t a multiple) becomes ``kv``."""
     checked = []
     for entry in plan:
@@ -74,7 +76,9 @@ def _check_divides(plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], mo
         size = out_features(leaf) // entry.parts if entry.style == "column" else in_features(leaf)
         if entry.gathered:  # whole tensors between the pair: only the weight's cut must divide
             if size % t or entry.parts > 1:
-                raise ConfigError(f"tensor_parallel.autotp_size: {entry.name} ({entry.style}, gathered) has size {size}, which does not divide by {t}")
+                raise ConfigError(
+                    f"tensor_parallel.autotp_size: {entry.name} ({entry.style}, gathered) has size {size}, which does not divide by {t}"
+                )
             checked.append(entry)
             continue
         parent = model.get_submodule(entry.name.rpartition(".")[0])
@@ -84,7 +88,9 @@ def _check_divides(plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], mo
             checked.append(dataclasses.replace(entry, style="kv", kv_heads=heads))
             continue
         if (out_features(leaf) % entry.parts) or size % t:
-            raise ConfigError(f"tensor_parallel.autotp_size: {entry.name} ({entry.style}) has size {size}, which does not divide by {t}")
+            raise ConfigError(
+                f"tensor_parallel.autotp_size: {entry.name} ({entry.style}) has size {size}, which does not divide by {t}"
+            )
         if entry.style == "column" and heads and heads % t:
             raise ConfigError(
                 f"tensor_parallel.autotp_size: {entry.name} holds {heads} heads, which neither divide by {t} nor divide {t}; "
@@ -106,7 +112,9 @@ def _rewrite_attributes(parent: torch.nn.Module, part_sizes: set[int], t: int) -
     return changed
 
 
-def _rewrite_kv_groups(model: torch.nn.Module, plan: list[PlanEntry], part_sizes: dict[str, set[int]], rewritten: dict[str, list[str]]) -> None:
+def _rewrite_kv_groups(
+    model: torch.nn.Module, plan: list[PlanEntry], part_sizes: dict[str, set[int]], rewritten: dict[str, list[str]]
+) -> None:
     """Replicated KV heads: one KV head per rank serves all of the rank's query heads (``num_key_value_groups``)."""
     for entry in plan:
         parent_name = entry.name.rpartition(".")[0]
@@ -114,7 +122,9 @@ def _rewrite_kv_groups(model: torch.nn.Module, plan: list[PlanEntry], part_sizes
         if entry.style == "kv" and isinstance(parent.__dict__.get("num_key_value_groups"), int):
             local_q = max(size // parent.head_dim for size in part_sizes.get(parent_name, {parent.head_dim}))
             if parent.num_key_value_groups != local_q:
-                rewritten.setdefault(parent_name, []).append(f"num_key_value_groups {parent.num_key_value_groups}→{local_q}")
+                rewritten.setdefault(parent_name, []).append(
+                    f"num_key_value_groups {parent.num_key_value_groups}→{local_q}"
+                )
                 parent.num_key_value_groups = local_q
 
 
@@ -156,11 +166,22 @@ def _shard_vocab(model: torch.nn.Module, ctx: TPContext) -> list[str]:
         return done  # an embedding too small to shard: its head stays whole too
     head_name = _named(model, head) if head is not None else None
     rows = head.weight.shape[0] if isinstance(head, torch.nn.Linear) else 0
-    if isinstance(head, torch.nn.Linear) and head.bias is None and rows >= 2 * ctx.size and (new_embedding is None or rows == new_embedding.num_embeddings):
-        _replace(model, head_name, VocabHead(head, ctx, weight=new_embedding.weight if tied and new_embedding is not None else None))
+    if (
+        isinstance(head, torch.nn.Linear)
+        and head.bias is None
+        and rows >= 2 * ctx.size
+        and (new_embedding is None or rows == new_embedding.num_embeddings)
+    ):
+        _replace(
+            model,
+            head_name,
+            VocabHead(head, ctx, weight=new_embedding.weight if tied and new_embedding is not None else None),
+        )
         done.append(head_name)
     elif tied:
-        raise ConfigError(f"tensor_parallel: the LM head {head_name} is tied to the embedding but is not a plain nn.Linear; cannot shard it")
+        raise ConfigError(
+            f"tensor_parallel: the LM head {head_name} is tied to the embedding but is not a plain nn.Linear; cannot shard it"
+        )
     return done
 
 
@@ -170,7 +191,11 @@ def _place_all(model: torch.nn.Module, ctx: TPContext) -> None:
             offsets = [0, 0]
             offsets[module.shard_dim] = module.offset
             if module.parts > 1:  # a packed projection's piece is one box per part (utils/placement.py)
-                place_parts(module.weight, module.global_weight_shape, module.packed_boxes(module.global_weight_shape, module.shard_dim))
+                place_parts(
+                    module.weight,
+                    module.global_weight_shape,
+                    module.packed_boxes(module.global_weight_shape, module.shard_dim),
+                )
                 if module.bias is not None:
                     place_parts(module.bias, module.global_bias_shape, module.packed_boxes(module.global_bias_shape, 0))
                 continue
@@ -202,14 +227,18 @@ class _Shards:
             parent.__dict__.update(values)
 
 
-def _shard_blocks(model: torch.nn.Module, plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], ctx: TPContext, t: int) -> _Shards:
+def _shard_blocks(
+    model: torch.nn.Module, plan: list[PlanEntry], leaves: dict[str, torch.nn.Module], ctx: TPContext, t: int
+) -> _Shards:
     """Replace the planned leaves by sharded ones and rewrite their parents' sharded sizes and head counts."""
     shared: dict[str, SharedInput] = {}
     part_sizes: dict[str, set[int]] = {}
     opened: list[SharedInput] = []  # the column inputs of the group the next row closes (in another module, for BERT)
     parents = {entry.name.rpartition(".")[0] for entry in plan}
     watched = (*SIZE_ATTRIBUTES, *HEAD_ATTRIBUTES, "num_key_value_groups")
-    attributes = [(m, {a: m.__dict__[a] for a in watched if a in m.__dict__}) for m in map(model.get_submodule, sorted(parents))]
+    attributes = [
+        (m, {a: m.__dict__[a] for a in watched if a in m.__dict__}) for m in map(model.get_submodule, sorted(parents))
+    ]
     for entry in plan:
         parent = entry.name.rpartition(".")[0]
         share = shared.setdefault(parent, SharedInput(ctx))
@@ -223,7 +252,11 @@ def _shard_blocks(model: torch.nn.Module, plan: list[PlanEntry], leaves: dict[st
             for closed in (*opened, share):
                 closed.closed_by_row = True
             opened = []
-        _replace(model, entry.name, ShardedLinear(leaf, entry.style, ctx, share, entry.parts, kv_heads=entry.kv_heads, gathered=entry.gathered))
+        _replace(
+            model,
+            entry.name,
+            ShardedLinear(leaf, entry.style, ctx, share, entry.parts, kv_heads=entry.kv_heads, gathered=entry.gathered),
+        )
     rewritten = {p: _rewrite_attributes(model.get_submodule(p), sizes, t) for p, sizes in part_sizes.items()}
     _rewrite_kv_groups(model, plan, part_sizes, rewritten)
     ctx.rng = ShardedRegionRng(ctx.rank)  # after the plan: the self-check and training fork it per sub-block
@@ -242,9 +275,15 @@ def _group_index(plan: list[PlanEntry], block_names: Sequence[str]) -> dict[str,
 
 
 def _gathered_fallback(
-    model: torch.nn.Module, plan: list[PlanEntry], shards: _Shards, leaves: dict[str, torch.nn.Module], ctx: TPContext,
-    t: int, block_names: Sequence[str], accept: Callable[[list[PlanEntry], _Shards], list[Any]],
-) -> tuple[list[PlanEntry], _Shards, list[Any]]:  # fmt: skip
+    model: torch.nn.Module,
+    plan: list[PlanEntry],
+    shards: _Shards,
+    leaves: dict[str, torch.nn.Module],
+    ctx: TPContext,
+    t: int,
+    block_names: Sequence[str],
+    accept: Callable[[list[PlanEntry], _Shards], list[Any]],
+) -> tuple[list[PlanEntry], _Shards, list[Any]]:
     """[Note: gathered fallback] An inferred plan shards each group's heads, which needs the code between a column
     and its row to work on this rank's heads: it does not for Falcon's or GPT-BigCode's fused Q|K|V split by the
     global head counts, Bloom's ALiBi slopes for every head, StableLM's per-head norms. When the self-check refuses
@@ -262,9 +301,10 @@ def _gathered_fallback(
     for gathered in tries:
         candidate = [
             dataclasses.replace(e, style="row" if e.style == "row" else "column", parts=1, kv_heads=0, gathered=True)
-            if index.get(e.name) in gathered else e
+            if index.get(e.name) in gathered
+            else e
             for e in plan
-        ]  # fmt: skip
+        ]
         try:
             _check_divides([e for e in candidate if e.gathered], leaves, model, t)
         except ConfigError:  # a gathered weight that does not divide by t
@@ -276,9 +316,11 @@ def _gathered_fallback(
         except ConfigError:
             continue
         log_rank0(
-            logger, "tensor parallel: this model's heads do not shard as inferred; group(s) %s of each block run gathered "
-            "(weights sharded, attention whole: [Note: gathered fallback])", sorted(gathered),
-        )  # fmt: skip
+            logger,
+            "tensor parallel: this model's heads do not shard as inferred; group(s) %s of each block run gathered "
+            "(weights sharded, attention whole: [Note: gathered fallback])",
+            sorted(gathered),
+        )
         return candidate, shards, hooks
     shards.undo(model)
     _shard_blocks(model, plan, leaves, ctx, t)  # the refused plan back in place, as the refusal describes it
@@ -324,11 +366,15 @@ def parallelize_tensor(
     sync_default_rng(ctx.group, mesh.ranks("tp")[0])  # replicated dropout alike on every tp rank
     blocks = find_blocks(model)
     if blocks is None:
-        raise ConfigError("tensor_parallel.autotp_size: the model has no repeated blocks (a ModuleList/Sequential of identical layers) to shard")
+        raise ConfigError(
+            "tensor_parallel.autotp_size: the model has no repeated blocks (a ModuleList/Sequential of identical layers) to shard"
+        )
     leaves = {
-        f"{block_name}.{n}": m for block_name, block in zip(blocks.names, blocks.modules)
-        for n, m in block.named_modules() if n and is_linear_like(m)
-    }  # fmt: skip
+        f"{block_name}.{n}": m
+        for block_name, block in zip(blocks.names, blocks.modules)
+        for n, m in block.named_modules()
+        if n and is_linear_like(m)
+    }
     if not leaves:
         raise ConfigError("tensor_parallel.autotp_size: the model's blocks hold no nn.Linear or Conv1D to shard")
     twin_batch, expected = None, None
@@ -340,7 +386,9 @@ def parallelize_tensor(
     # the modules that call the attention function, found on the unsharded model (sequence.py's [Note: replicated attention])
     attention = selfcheck.attention_modules(model, blocks.modules, leaves) if options.sequence_parallel else []
     order = probe.order + [n for n in leaves if n not in probe.order]
-    plan = build_plan(model, leaves, order, options.partition_config, lambda: selfcheck.leaf_inputs(model, blocks.modules, leaves))
+    plan = build_plan(
+        model, leaves, order, options.partition_config, lambda: selfcheck.leaf_inputs(model, blocks.modules, leaves)
+    )
     plan = _check_divides(plan, leaves, model, t)
     tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 3e-2
     own_experts = set() if experts is None else {id(p) for p in experts.params}
@@ -350,18 +398,25 @@ def parallelize_tensor(
         selfcheck.verify(probe, blocks.modules, blocks.names, candidate, ctx.group, tolerance)
         _place_all(model, ctx)
         if ctx.sequence_parallel:  # every replicated block parameter: a superset of the sharded regions' ones
-            hooks = sequence.enable(model, blocks.modules, ctx, shards.shared, not_replicated=own_experts, attention=attention)
+            hooks = sequence.enable(
+                model, blocks.modules, ctx, shards.shared, not_replicated=own_experts, attention=attention
+            )
         else:
-            hooks = sum_gradients_over_tp(params_in_sharded_regions(blocks.modules, probe.calls[0], ctx), ctx, "tp replicated gradient")
+            hooks = sum_gradients_over_tp(
+                params_in_sharded_regions(blocks.modules, probe.calls[0], ctx), ctx, "tp replicated gradient"
+            )
         if expected is None:
             return hooks
         name = type(model).__name__ + (" with sequence parallel" if ctx.sequence_parallel else "")
         try:
             twin.check_whole_model(
-                model, twin_batch, expected, ctx.group,
+                model,
+                twin_batch,
+                expected,
+                ctx.group,
                 f"tensor_parallel.autotp_size: the {t}-way sharded {name} does not reproduce the unsharded model (twin check)",
                 "the unsharded model on the same batch",
-            )  # fmt: skip
+            )
         except ValueError as err:
             for handle in hooks:
                 handle.remove()
@@ -380,9 +435,17 @@ def parallelize_tensor(
     rewritten = shards.rewritten
     columns = sum(e.style != "row" for e in plan)
     log_rank0(
-        logger, "tensor parallel %d%s: %d column + %d row leaves in %d blocks (%s)%s%s", t,
-        " + sequence parallel" if ctx.sequence_parallel else "", columns, len(plan) - columns, len(blocks),
-        plan[0].source if plan else "empty plan", f"; vocabulary sharded: {', '.join(vocab)}" if vocab else "",
-        "; attributes: " + "; ".join(f"{p}: {', '.join(c)}" for p, c in rewritten.items() if c) if any(rewritten.values()) else "",
-    )  # fmt: skip
+        logger,
+        "tensor parallel %d%s: %d column + %d row leaves in %d blocks (%s)%s%s",
+        t,
+        " + sequence parallel" if ctx.sequence_parallel else "",
+        columns,
+        len(plan) - columns,
+        len(blocks),
+        plan[0].source if plan else "empty plan",
+        f"; vocabulary sharded: {', '.join(vocab)}" if vocab else "",
+        "; attributes: " + "; ".join(f"{p}: {', '.join(c)}" for p, c in rewritten.items() if c)
+        if any(rewritten.values())
+        else "",
+    )
     return TensorParallel(ctx, plan, vocab, hooks)

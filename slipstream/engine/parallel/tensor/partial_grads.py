@@ -22,7 +22,9 @@ from slipstream.comm import all_reduce
 from slipstream.engine.parallel.tensor.layers import ShardedLinear, TPContext
 
 
-def params_in_sharded_regions(blocks: Sequence[torch.nn.Module], call: tuple[Any, Any] | None, ctx: TPContext) -> list[torch.nn.Parameter]:
+def params_in_sharded_regions(
+    blocks: Sequence[torch.nn.Module], call: tuple[Any, Any] | None, ctx: TPContext
+) -> list[torch.nn.Parameter]:
     """Replicated parameters of modules that run inside a sharded (column → row) region, in every block."""
     if call is None or ctx.rng is None:
         return []
@@ -32,7 +34,9 @@ def params_in_sharded_regions(blocks: Sequence[torch.nn.Module], call: tuple[Any
     for name, module in first.named_modules():
         if isinstance(module, ShardedLinear) or not any(True for _ in module.parameters(recurse=False)):
             continue
-        handles.append(module.register_forward_pre_hook(lambda m, a, name=name: inside.add(name) if ctx.rng.inside else None))
+        handles.append(
+            module.register_forward_pre_hook(lambda m, a, name=name: inside.add(name) if ctx.rng.inside else None)
+        )
     modes = {m: m.training for m in first.modules()}
     first.eval()
     try:
@@ -52,7 +56,9 @@ def params_in_sharded_regions(blocks: Sequence[torch.nn.Module], call: tuple[Any
     return found
 
 
-def sum_gradients_over_tp(params: Iterable[torch.nn.Parameter], ctx: TPContext, tag: str, only_under_sp: bool = False) -> list[Any]:
+def sum_gradients_over_tp(
+    params: Iterable[torch.nn.Parameter], ctx: TPContext, tag: str, only_under_sp: bool = False
+) -> list[Any]:
     """Hook each parameter's gradient to be all-reduced over tp (see [Note: partial gradients])."""
 
     def reduce(grad: torch.Tensor) -> torch.Tensor:

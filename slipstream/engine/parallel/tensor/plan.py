@@ -40,8 +40,23 @@ logger = get_logger(__name__)
 # get_input/output_embeddings), gather_output, grad_allreduce (partial gradients are found by the self-check
 # replay: partial_grads.py) and partition_dim (the partition follows the layer's orientation).
 TOP_KEYS = {"use_default_specs", "layer_specs", "strict_mode", "tp_size", "embedding_partition_dim", "lm_head_patterns"}
-LAYER_SPEC_KEYS = {"patterns", "partition_type", "shape", "partition_dim", "model_types", "gather_output", "grad_allreduce"}
-NO_EFFECT = {"tp_size", "embedding_partition_dim", "lm_head_patterns", "gather_output", "grad_allreduce", "partition_dim"}
+LAYER_SPEC_KEYS = {
+    "patterns",
+    "partition_type",
+    "shape",
+    "partition_dim",
+    "model_types",
+    "gather_output",
+    "grad_allreduce",
+}
+NO_EFFECT = {
+    "tp_size",
+    "embedding_partition_dim",
+    "lm_head_patterns",
+    "gather_output",
+    "grad_allreduce",
+    "partition_dim",
+}
 PARTITION_TYPES = {"row": "row", "column": "column", "skip": "skip", "rowwise": "row", "colwise": "column"}
 
 
@@ -88,16 +103,27 @@ def validate_partition_config(section: dict[str, Any] | None) -> None:
         raise ConfigError(f"{key}: unknown key {sorted(unknown)[0]!r}; the keys are {', '.join(sorted(TOP_KEYS))}")
     specs = section.get("layer_specs", [])
     if not isinstance(specs, list):
-        raise ConfigError(f"{key}.layer_specs: must be a list of {{patterns, partition_type}}, got {type(specs).__name__}")
-    no_effect = sorted(set(section) & NO_EFFECT) + sorted({k for spec in specs if isinstance(spec, dict) for k in spec} & NO_EFFECT)
+        raise ConfigError(
+            f"{key}.layer_specs: must be a list of {{patterns, partition_type}}, got {type(specs).__name__}"
+        )
+    no_effect = sorted(set(section) & NO_EFFECT) + sorted(
+        {k for spec in specs if isinstance(spec, dict) for k in spec} & NO_EFFECT
+    )
     if no_effect:
-        log_rank0(logger, "config: %s.%s accepted for DeepSpeed compatibility, no effect in slipstream (see plan.py)", key, ", ".join(dict.fromkeys(no_effect)))
+        log_rank0(
+            logger,
+            "config: %s.%s accepted for DeepSpeed compatibility, no effect in slipstream (see plan.py)",
+            key,
+            ", ".join(dict.fromkeys(no_effect)),
+        )
     for i, spec in enumerate(specs):
         where = f"{key}.layer_specs[{i}]"
         if not isinstance(spec, dict):
             raise ConfigError(f"{where}: must be an object with patterns and partition_type")
         if set(spec) - LAYER_SPEC_KEYS:
-            raise ConfigError(f"{where}: unknown key {sorted(set(spec) - LAYER_SPEC_KEYS)[0]!r}; the keys are {', '.join(sorted(LAYER_SPEC_KEYS))}")
+            raise ConfigError(
+                f"{where}: unknown key {sorted(set(spec) - LAYER_SPEC_KEYS)[0]!r}; the keys are {', '.join(sorted(LAYER_SPEC_KEYS))}"
+            )
         patterns = spec.get("patterns")
         if not isinstance(patterns, list) or not patterns or not all(isinstance(p, str) for p in patterns):
             raise ConfigError(f"{where}.patterns: must be a non-empty list of regular expressions")
@@ -107,19 +133,31 @@ def validate_partition_config(section: dict[str, Any] | None) -> None:
             except re.error as err:
                 raise ConfigError(f"{where}.patterns: {pattern!r} is not a regular expression ({err})") from None
         if str(spec.get("partition_type", "column")).lower() not in PARTITION_TYPES:
-            raise ConfigError(f"{where}.partition_type: must be row, column or skip, got {spec.get('partition_type')!r}")
+            raise ConfigError(
+                f"{where}.partition_type: must be row, column or skip, got {spec.get('partition_type')!r}"
+            )
         shape = spec.get("shape")
-        if shape is not None and (not isinstance(shape, list) or len(shape) != 2 or not isinstance(shape[0], int) or shape[0] < 1):
+        if shape is not None and (
+            not isinstance(shape, list) or len(shape) != 2 or not isinstance(shape[0], int) or shape[0] < 1
+        ):
             unequal = isinstance(shape, list) and shape and isinstance(shape[0], list)
             raise ConfigError(
                 f"{where}.shape: must be [parts, -1] (a packed projection of equal parts), got {shape!r}"
-                + ("; packed parts of unequal sizes are not supported yet: list the projections separately" if unequal else "")
+                + (
+                    "; packed parts of unequal sizes are not supported yet: list the projections separately"
+                    if unequal
+                    else ""
+                )
             )
-        if "model_types" in spec and not (isinstance(spec["model_types"], list) and all(isinstance(m, str) for m in spec["model_types"])):
+        if "model_types" in spec and not (
+            isinstance(spec["model_types"], list) and all(isinstance(m, str) for m in spec["model_types"])
+        ):
             raise ConfigError(f"{where}.model_types: must be a list of model type names, got {spec['model_types']!r}")
 
 
-def _from_partition_config(section: dict[str, Any], leaves: dict[str, torch.nn.Module], model_type: str | None) -> dict[str, PlanEntry | None]:
+def _from_partition_config(
+    section: dict[str, Any], leaves: dict[str, torch.nn.Module], model_type: str | None
+) -> dict[str, PlanEntry | None]:
     """Leaf name → entry (None: ``skip``, keep replicated) for every leaf a layer spec matches."""
     found: dict[str, PlanEntry | None] = {}
     for i, spec in enumerate(section.get("layer_specs", [])):
@@ -175,7 +213,9 @@ def _groups_by_data_flow(order: Sequence[str], inputs: dict[str, set[str]]) -> l
     return groups
 
 
-def _inferred(order: Sequence[str], leaves: dict[str, torch.nn.Module], inputs: dict[str, set[str]] | None = None) -> dict[str, PlanEntry]:
+def _inferred(
+    order: Sequence[str], leaves: dict[str, torch.nn.Module], inputs: dict[str, set[str]] | None = None
+) -> dict[str, PlanEntry]:
     """See [Note: inference]."""
     groups: dict[str, list[str]] = {}
     if inputs:
@@ -199,9 +239,12 @@ def _inferred(order: Sequence[str], leaves: dict[str, torch.nn.Module], inputs: 
 
 
 def build_plan(
-    model: torch.nn.Module, block_leaves: dict[str, torch.nn.Module], order: Sequence[str],
-    partition_config: dict[str, Any] | None, inputs: Callable[[], dict[str, set[str]]] | None = None,
-) -> list[PlanEntry]:  # fmt: skip
+    model: torch.nn.Module,
+    block_leaves: dict[str, torch.nn.Module],
+    order: Sequence[str],
+    partition_config: dict[str, Any] | None,
+    inputs: Callable[[], dict[str, set[str]]] | None = None,
+) -> list[PlanEntry]:
     """The entries for the leaves of the blocks (``order``: execution order), first source that matches wins.
     ``inputs``: traces each leaf's source leaves in its block (selfcheck.leaf_inputs), called only when the plan
     is inferred (a forward with gradients that a model's own plan makes unnecessary)."""

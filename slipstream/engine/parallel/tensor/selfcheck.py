@@ -96,7 +96,11 @@ def capture(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: d
     probe = Probe([None] * len(blocks), [None] * len(blocks), [])  # type: ignore[list-item]
     handles = []
     for name, leaf in leaves.items():
-        handles.append(leaf.register_forward_hook(lambda m, a, o, name=name: probe.order.append(name) if name not in probe.order else None))
+        handles.append(
+            leaf.register_forward_hook(
+                lambda m, a, o, name=name: probe.order.append(name) if name not in probe.order else None
+            )
+        )
     for i, block in enumerate(blocks):
 
         def record(module: torch.nn.Module, args: Any, kwargs: Any, output: Any, i: int = i) -> None:
@@ -110,9 +114,12 @@ def capture(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: d
 
 
 def _probe_run(
-    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module],
-    handles: Sequence[Any], context: contextlib.AbstractContextManager[Any],
-) -> None:  # fmt: skip
+    model: torch.nn.Module,
+    blocks: Sequence[torch.nn.Module],
+    leaves: dict[str, torch.nn.Module],
+    handles: Sequence[Any],
+    context: contextlib.AbstractContextManager[Any],
+) -> None:
     """The probe batch through the model in eval mode inside ``context``; the hooks removed and each module's mode
     restored afterwards, even on an error."""
     modes = {m: m.training for m in model.modules()}
@@ -127,7 +134,9 @@ def _probe_run(
             module.training = mode
 
 
-def leaf_inputs(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]) -> dict[str, set[str]]:
+def leaf_inputs(
+    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]
+) -> dict[str, set[str]]:
     """For each leaf, the leaves of its block whose outputs its input is computed from (plan.py's [Note: inference]):
     one forward with gradients on the probe batch, each leaf's input traced back through the autograd graph to
     the outputs of earlier leaves, stopping at them and at the block's own input."""
@@ -174,7 +183,9 @@ def _reached(node: Any, produced: dict[Any, str], stops: set[Any], budget: int =
     return reached
 
 
-def attention_modules(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]) -> list[torch.nn.Module]:
+def attention_modules(
+    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]
+) -> list[torch.nn.Module]:
     """The modules that call transformers' attention function on the probe batch (parallel/attention.py's recorder)."""
     with recording_attention_callers(model) as found:
         _probe_run(model, blocks, leaves, (), torch.no_grad())
@@ -182,9 +193,13 @@ def attention_modules(model: torch.nn.Module, blocks: Sequence[torch.nn.Module],
 
 
 def verify(
-    probe: Probe, blocks: Sequence[torch.nn.Module], names: Sequence[str], plan: Sequence[PlanEntry],
-    group: dist.ProcessGroup, tolerance: float,
-) -> None:  # fmt: skip
+    probe: Probe,
+    blocks: Sequence[torch.nn.Module],
+    names: Sequence[str],
+    plan: Sequence[PlanEntry],
+    group: dist.ProcessGroup,
+    tolerance: float,
+) -> None:
     """Replay each block's recorded call on the sharded model; raise naming the first block that differs."""
     for i, block in enumerate(blocks):
         if probe.calls[i] is None:
@@ -200,7 +215,10 @@ def verify(
             if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):
                 problem = f"output shapes {[tuple(g.shape) for g in got]} instead of {[tuple(w.shape) for w in want]}"
             else:
-                worst = max(float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1.0)) for g, w in zip(got, want))
+                worst = max(
+                    float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1.0))
+                    for g, w in zip(got, want)
+                )
                 if not worst <= tolerance:
                     problem = f"outputs differ by {worst:.3g} relative (limit {tolerance:g})"
         except Exception as err:  # noqa: BLE001 - a wrong plan shows up as any error inside the block

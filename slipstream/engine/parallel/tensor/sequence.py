@@ -23,7 +23,7 @@ import torch
 
 from slipstream.engine.parallel.router_logits import RouterLogitsHook
 from slipstream.engine.parallel.tensor import ops
-from slipstream.engine.parallel.tensor.layers import SharedInput, ShardedLinear, TPContext
+from slipstream.engine.parallel.tensor.layers import ShardedLinear, SharedInput, TPContext
 from slipstream.engine.parallel.tensor.partial_grads import sum_gradients_over_tp
 
 
@@ -32,7 +32,9 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, A
         return "arg", 0
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return "kwarg", "hidden_states"
-    raise ValueError("sequence parallel: the first block received no hidden-state tensor (first argument or hidden_states=)")
+    raise ValueError(
+        "sequence parallel: the first block received no hidden-state tensor (first argument or hidden_states=)"
+    )
 
 
 def _gather_at_entry(parent: torch.nn.Module, share: SharedInput, ctx: TPContext) -> Any:
@@ -45,7 +47,9 @@ def _gather_at_entry(parent: torch.nn.Module, share: SharedInput, ctx: TPContext
     return parent.register_forward_pre_hook(gather, with_kwargs=True)
 
 
-def _gathered_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], ctx: TPContext, tag: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _gathered_hidden(
+    args: tuple[Any, ...], kwargs: dict[str, Any], ctx: TPContext, tag: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A module's call with its hidden state (first argument or ``hidden_states=``) gathered on the sequence."""
     kind, key = _first_tensor(args, kwargs)
     if kind == "arg":
@@ -76,9 +80,13 @@ def _whole_sequence_around(module: torch.nn.Module, ctx: TPContext) -> list[Any]
 
 
 def enable(
-    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], ctx: TPContext, shared: dict[str, SharedInput],
-    not_replicated: Collection[int] = frozenset(), attention: Sequence[torch.nn.Module] = (),
-) -> list[Any]:  # fmt: skip
+    model: torch.nn.Module,
+    blocks: Sequence[torch.nn.Module],
+    ctx: TPContext,
+    shared: dict[str, SharedInput],
+    not_replicated: Collection[int] = frozenset(),
+    attention: Sequence[torch.nn.Module] = (),
+) -> list[Any]:
     """Install the region edges, the sub-block entries and the gradient reductions; return the handles.
 
     ``not_replicated``: ids of block parameters that differ between tp ranks though no tp layer holds
@@ -95,7 +103,8 @@ def enable(
     handles = [
         _gather_at_entry(model.get_submodule(name), share, ctx)
         for name, share in shared.items()
-        if share.opens and id(model.get_submodule(name)) not in block_ids  # a module holding only a row reads sharded input
+        if share.opens
+        and id(model.get_submodule(name)) not in block_ids  # a module holding only a row reads sharded input
     ]
 
     def enter(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -125,12 +134,18 @@ def enable(
         summed over tp with the other replicated ones)."""
         if not ctx.sp:
             return None
-        gathered = ops.gather_keep(local.reshape(rows, -1, local.shape[-1]), 1, ctx.group, "sp router logits gather", ctx.sp_length)
+        gathered = ops.gather_keep(
+            local.reshape(rows, -1, local.shape[-1]), 1, ctx.group, "sp router logits gather", ctx.sp_length
+        )
         return gathered if local.dim() == 3 else gathered.reshape(-1, local.shape[-1])
 
     in_blocks = {id(m) for b in blocks for m in b.modules()}
     for module in attention:
-        if id(module) in in_blocks and id(module) not in block_ids and not any(isinstance(m, ShardedLinear) for m in module.modules()):
+        if (
+            id(module) in in_blocks
+            and id(module) not in block_ids
+            and not any(isinstance(m, ShardedLinear) for m in module.modules())
+        ):
             handles += _whole_sequence_around(module, ctx)
     ctx.enabled_sequence = True
     router = RouterLogitsHook(model, whole_router_logits)
@@ -140,7 +155,9 @@ def enable(
         *([router.handle] if router.handle is not None else []),
     ]
     sharded = {id(p) for m in model.modules() if isinstance(m, ShardedLinear) for p in m.parameters()}
-    sharded -= {id(m.bias) for m in model.modules() if isinstance(m, ShardedLinear) and m.style == "row" and m.bias is not None}
+    sharded -= {
+        id(m.bias) for m in model.modules() if isinstance(m, ShardedLinear) and m.style == "row" and m.bias is not None
+    }
     sharded |= set(not_replicated)
 
     seen: set[int] = set()

@@ -33,7 +33,9 @@ class TilingOptions:
     presharded: bool
 
     @classmethod
-    def from_config(cls, cfg: SlipstreamConfig, sizes: MeshSizes, model: torch.nn.Module, presharded: bool) -> TilingOptions | None:
+    def from_config(
+        cls, cfg: SlipstreamConfig, sizes: MeshSizes, model: torch.nn.Module, presharded: bool
+    ) -> TilingOptions | None:
         """None when both are off; :class:`ConfigError` naming the key for a model or mesh the tiles cannot serve."""
         section = cfg.long_context
         logits, mlp = section.tiled_logits, section.tiled_mlp
@@ -54,7 +56,12 @@ class TilingOptions:
                     "long_context.tiled_mlp: the model was built under zero.Init, so its MLPs cannot be probed here; name "
                     "their class in long_context.tiled_mlp.module_classes"
                 )
-        return cls(logits.tile_tokens if logits.enabled else None, mlp.tile_tokens if mlp.enabled else None, classes, presharded)
+        return cls(
+            logits.tile_tokens if logits.enabled else None,
+            mlp.tile_tokens if mlp.enabled else None,
+            classes,
+            presharded,
+        )
 
 
 def _check_head(model: torch.nn.Module, units: set[str]) -> None:
@@ -73,7 +80,9 @@ def _check_head(model: torch.nn.Module, units: set[str]) -> None:
             "transformers' ForCausalLMLoss; the tiles compute the causal-LM loss only"
         )
     if type(head).__name__ in units:
-        raise ConfigError(f"long_context.tiled_logits: the head {type(head).__name__} is a ZeRO-3 unit (zero_optimization.stage3_unit_modules); leave it in the root unit")
+        raise ConfigError(
+            f"long_context.tiled_logits: the head {type(head).__name__} is a ZeRO-3 unit (zero_optimization.stage3_unit_modules); leave it in the root unit"
+        )
 
 
 @dataclasses.dataclass
@@ -99,7 +108,13 @@ def parallelize_tiling(model: torch.nn.Module, mesh: Mesh, options: TilingOption
         log_rank0(logger, "long_context: the LM head and loss run over tiles of %d tokens", options.logits_tile)
     if options.mlp_tile is not None:
         mlp = tile_mlps(model, options.mlp_classes, options.mlp_tile, probe=not options.presharded)
-        log_rank0(logger, "long_context: %d MLPs run over tiles of %d tokens (%s, ...)", len(mlp.names), options.mlp_tile, mlp.names[0])
+        log_rank0(
+            logger,
+            "long_context: %d MLPs run over tiles of %d tokens (%s, ...)",
+            len(mlp.names),
+            options.mlp_tile,
+            mlp.names[0],
+        )
     return Tiling(logits, mlp)
 
 

@@ -41,19 +41,58 @@ from slipstream.utils.logging import get_logger
 logger = get_logger(__name__)
 
 # reads that do not need the values: answered by the storage-less stand-in (same shape, dtype, device)
-_METADATA_METHODS = frozenset({"size", "dim", "numel", "nelement", "is_floating_point", "is_complex", "element_size", "get_device", "__len__"})
-_METADATA_PROPERTIES = frozenset({"shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "is_cuda", "is_meta", "grad_fn", "is_sparse", "is_quantized"})
+_METADATA_METHODS = frozenset(
+    {"size", "dim", "numel", "nelement", "is_floating_point", "is_complex", "element_size", "get_device", "__len__"}
+)
+_METADATA_PROPERTIES = frozenset(
+    {
+        "shape",
+        "dtype",
+        "device",
+        "ndim",
+        "requires_grad",
+        "is_leaf",
+        "layout",
+        "is_cuda",
+        "is_meta",
+        "grad_fn",
+        "is_sparse",
+        "is_quantized",
+    }
+)
 # elementwise ops a model applies to its logits before its loss: recorded and replayed per tile
-_RECORDABLE = frozenset({
-    "div", "mul", "add", "sub", "neg", "tanh", "float", "to", "contiguous", "clamp", "clamp_min", "clamp_max",
-    "__truediv__", "__mul__", "__rmul__", "__add__", "__radd__", "__sub__", "__rsub__", "__neg__",
-})  # fmt: skip
+_RECORDABLE = frozenset(
+    {
+        "div",
+        "mul",
+        "add",
+        "sub",
+        "neg",
+        "tanh",
+        "float",
+        "to",
+        "contiguous",
+        "clamp",
+        "clamp_min",
+        "clamp_max",
+        "__truediv__",
+        "__mul__",
+        "__rmul__",
+        "__add__",
+        "__radd__",
+        "__sub__",
+        "__rsub__",
+        "__neg__",
+    }
+)
 _CAUSAL_LOSS = "ForCausalLMLoss"
 
 
 def is_causal_lm_loss(fn: Any) -> bool:
     """Whether ``fn`` is transformers' causal-LM loss (the one the tiles reproduce)."""
-    return getattr(fn, "__name__", None) == _CAUSAL_LOSS and str(getattr(fn, "__module__", "")).startswith("transformers.")
+    return getattr(fn, "__name__", None) == _CAUSAL_LOSS and str(getattr(fn, "__module__", "")).startswith(
+        "transformers."
+    )
 
 
 def head_vocab(head: torch.nn.Module) -> int | None:
@@ -106,10 +145,14 @@ class DeferredLogits(torch.Tensor):
         return self._value
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _METADATA_METHODS or (name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_PROPERTIES):
+        if name in _METADATA_METHODS or (
+            name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_PROPERTIES
+        ):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         recorded = _record(func, name, args, kwargs)
@@ -125,7 +168,9 @@ def _real(value: Any) -> Any:
 def _record(func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DeferredLogits | None:
     """A new ``DeferredLogits`` with ``func`` appended to its ops, or None when ``func`` is not a replayable
     elementwise op on it with constant other arguments."""
-    if name not in _RECORDABLE or not any(func is getattr(home, name, None) for home in (torch.Tensor, torch._C.TensorBase, torch)):
+    if name not in _RECORDABLE or not any(
+        func is getattr(home, name, None) for home in (torch.Tensor, torch._C.TensorBase, torch)
+    ):
         return None
     mine = [i for i, a in enumerate(args) if isinstance(a, DeferredLogits)]
     if len(mine) != 1 or any(isinstance(v, DeferredLogits) for v in kwargs.values()):
@@ -188,7 +233,11 @@ class TiledLogits:
         hidden = args[0] if len(args) == 1 and not kwargs else None
         if not self._armed or not isinstance(hidden, torch.Tensor) or self.vocab is None:
             return self._head_forward(*args, **kwargs)
-        dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
+        dtype = (
+            torch.get_autocast_dtype(hidden.device.type)
+            if torch.is_autocast_enabled(hidden.device.type)
+            else hidden.dtype
+        )
         return DeferredLogits.make(_Forward(self, hidden), (*hidden.shape[:-1], self.vocab), dtype)
 
     def call_head(self, hidden: torch.Tensor, params: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
@@ -218,12 +267,20 @@ class TiledLogits:
             return original(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        loss = self._tiled_loss(logits, a["labels"], a["vocab_size"], a["num_items_in_batch"], a["ignore_index"], a["shift_labels"])
+        loss = self._tiled_loss(
+            logits, a["labels"], a["vocab_size"], a["num_items_in_batch"], a["ignore_index"], a["shift_labels"]
+        )
         return original(*args, **kwargs) if loss is None else loss
 
     def _tiled_loss(
-        self, logits: DeferredLogits, labels: torch.Tensor | None, vocab_size: int, num_items: Any, ignore_index: int, shift_labels: torch.Tensor | None
-    ) -> torch.Tensor | None:  # fmt: skip
+        self,
+        logits: DeferredLogits,
+        labels: torch.Tensor | None,
+        vocab_size: int,
+        num_items: Any,
+        ignore_index: int,
+        shift_labels: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         """transformers' ``ForCausalLMLoss`` over tiles; None where its own code would do something else (raise)."""
         hidden = logits._forward.hidden
         if shift_labels is None:
@@ -237,7 +294,9 @@ class TiledLogits:
 
         def tile_loss(start: int, piece: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
             out = logits.replay(self.call_head(piece, weights)).float()
-            return F.cross_entropy(out, targets[start : start + piece.shape[0]], ignore_index=ignore_index, reduction="sum")
+            return F.cross_entropy(
+                out, targets[start : start + piece.shape[0]], ignore_index=ignore_index, reduction="sum"
+            )
 
         total = tiled(tile_loss, hidden.reshape(-1, hidden.shape[-1]), params, self.tile, "sum")
         self.tiled_losses += 1

@@ -31,10 +31,13 @@ _PROBE_ROWS, _PROBE_TOKENS, _PROBE_TILE = 2, 6, 4
 
 def _linear_leaves(module: torch.nn.Module) -> int:
     return sum(
-        1 for m in module.modules()
-        if not list(m.children()) and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+        1
+        for m in module.modules()
+        if not list(m.children())
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and m.weight.dim() == 2
         and not isinstance(m, torch.nn.Embedding)
-    )  # fmt: skip
+    )
 
 
 def _one_argument(module: torch.nn.Module) -> bool:
@@ -42,16 +45,27 @@ def _one_argument(module: torch.nn.Module) -> bool:
         params = inspect.signature(type(module).forward).parameters.values()
     except (TypeError, ValueError):
         return False
-    required = [p for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [
+        p
+        for p in params
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     return len(required) == 2  # self and the hidden states
 
 
 def _looks_like_mlp(module: torch.nn.Module) -> bool:
     containers = any(
-        isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)) and len({type(c) for c in m.children()}) == 1 and len(m) > 1
+        isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
+        and len({type(c) for c in m.children()}) == 1
+        and len(m) > 1
         for m in module.modules()
-    )  # fmt: skip
-    return _linear_leaves(module) >= 2 and not containers and all(p.dim() <= 2 for p in module.parameters()) and _one_argument(module)
+    )
+    return (
+        _linear_leaves(module) >= 2
+        and not containers
+        and all(p.dim() <= 2 for p in module.parameters())
+        and _one_argument(module)
+    )
 
 
 def candidates(model: torch.nn.Module, classes: Sequence[str] | None) -> list[tuple[str, torch.nn.Module]]:
@@ -66,7 +80,7 @@ def candidates(model: torch.nn.Module, classes: Sequence[str] | None) -> list[tu
         for block_name, block in zip(blocks.names, blocks.modules)
         for child_name, child in block.named_children()
         if _looks_like_mlp(child)
-    ]  # fmt: skip
+    ]
 
 
 def _hidden_size(model: torch.nn.Module, module: torch.nn.Module) -> int | None:
@@ -84,7 +98,9 @@ def token_wise(module: torch.nn.Module, hidden: int | None) -> bool:
         return False
     param = next(module.parameters())
     # the same tokens on every rank: a tensor-parallel MLP's collectives see consistent shapes and values
-    x = torch.randn(_PROBE_ROWS, _PROBE_TOKENS, hidden, generator=torch.Generator().manual_seed(0)).to(param.device, param.dtype)
+    x = torch.randn(_PROBE_ROWS, _PROBE_TOKENS, hidden, generator=torch.Generator().manual_seed(0)).to(
+        param.device, param.dtype
+    )
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:

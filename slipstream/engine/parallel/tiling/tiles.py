@@ -46,7 +46,13 @@ def replace_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Cal
     return undo
 
 
-def call_with(module: torch.nn.Module, forward: Callable[..., Any], names: Sequence[str], params: Sequence[torch.Tensor], *args: Any) -> Any:
+def call_with(
+    module: torch.nn.Module,
+    forward: Callable[..., Any],
+    names: Sequence[str],
+    params: Sequence[torch.Tensor],
+    *args: Any,
+) -> Any:
     """``forward(*args)`` with ``module``'s parameters ``names`` replaced by ``params`` for the call."""
     with _reparametrize_module(module, dict(zip(names, params)), tie_weights=True):
         return forward(*args)
@@ -58,7 +64,9 @@ class _RngState:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cpu = torch.get_rng_state()
-        self.accel = torch.get_device_module(device.type).get_rng_state() if device.type not in ("cpu", "meta") else None
+        self.accel = (
+            torch.get_device_module(device.type).get_rng_state() if device.type not in ("cpu", "meta") else None
+        )
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
@@ -81,10 +89,14 @@ class _Tiled(torch.autograd.Function):
         wants_x = ctx.needs_input_grad[3]
         wants = [ctx.needs_input_grad[4 + i] for i in range(len(ctx.params))]
         leaves = [p.detach().requires_grad_(w) for p, w in zip(ctx.params, wants)]
-        sums: list[torch.Tensor | None] = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) if w else None for p, w in zip(ctx.params, wants)]
+        sums: list[torch.Tensor | None] = [
+            torch.zeros(p.shape, dtype=torch.float32, device=p.device) if w else None for p, w in zip(ctx.params, wants)
+        ]
         grad_x = torch.empty_like(x) if wants_x else None
         on_host = x.device.type in ("cpu", "meta")
-        with torch.random.fork_rng(devices=[] if on_host else [x.device], device_type="cuda" if on_host else x.device.type):
+        with torch.random.fork_rng(
+            devices=[] if on_host else [x.device], device_type="cuda" if on_host else x.device.type
+        ):
             ctx.rng.restore()
             for start in range(0, x.shape[0], ctx.tile):
                 piece = x[start : start + ctx.tile].detach().requires_grad_(wants_x)
@@ -93,7 +105,11 @@ class _Tiled(torch.autograd.Function):
                 inputs = ([piece] if wants_x else []) + [leaf for leaf, w in zip(leaves, wants) if w]
                 if not inputs:
                     continue
-                got = list(torch.autograd.grad(out, inputs, grad if ctx.reduce == "sum" else grad[start : start + ctx.tile], allow_unused=True))
+                got = list(
+                    torch.autograd.grad(
+                        out, inputs, grad if ctx.reduce == "sum" else grad[start : start + ctx.tile], allow_unused=True
+                    )
+                )
                 if wants_x:
                     g = got.pop(0)
                     grad_x[start : start + ctx.tile] = 0 if g is None else g  # type: ignore[index]
@@ -104,7 +120,9 @@ class _Tiled(torch.autograd.Function):
         return (None, None, None, grad_x, *param_grads)
 
 
-def tiled(fn: TileFn, x: torch.Tensor, params: Sequence[torch.Tensor], tile: int, reduce: Literal["sum", "cat"]) -> torch.Tensor:
+def tiled(
+    fn: TileFn, x: torch.Tensor, params: Sequence[torch.Tensor], tile: int, reduce: Literal["sum", "cat"]
+) -> torch.Tensor:
     """``fn`` over ``x``'s rows in tiles of ``tile`` (see [Note: tiles and their gradients]); ``params``: every tensor
     ``fn`` uses that may need a gradient, passed back to it (as detached copies in the backward) in this order."""
     return _Tiled.apply(fn, reduce, tile, x, *params)

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
+from slipstream.engine.config.base import ConfigError
 from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.offload.state_store import STATE_NAMES, StateStore
 from slipstream.errors import UsageError
 from slipstream.ops.adam import cpu_adam_step, evaluate_closure
-from slipstream.engine.config.base import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +51,17 @@ def adam_hyper(optimizer: torch.optim.Optimizer) -> list[AdamHyper]:
     from slipstream.ops.adam import _Adam
 
     if isinstance(optimizer, _Adam):
-        return [AdamHyper(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"], g["adamw_mode"]) for g in optimizer.param_groups]
+        return [
+            AdamHyper(g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"], g["adamw_mode"])
+            for g in optimizer.param_groups
+        ]
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
         out = []
         for g in optimizer.param_groups:
             if g.get("amsgrad") or g.get("maximize"):
-                raise ConfigError("zero_optimization.offload_optimizer: amsgrad/maximize Adam cannot be offloaded; turn them off")
+                raise ConfigError(
+                    "zero_optimization.offload_optimizer: amsgrad/maximize Adam cannot be offloaded; turn them off"
+                )
             decoupled = type(optimizer) is torch.optim.AdamW or bool(g.get("decoupled_weight_decay", False))
             out.append(AdamHyper(float(g["lr"]), tuple(g["betas"]), g["eps"], g["weight_decay"], decoupled))
         return out
@@ -75,20 +80,37 @@ class ParamSink:
     ``values`` is then the master itself (fp32 model) or a bf16/fp16 staging buffer.
     """
 
-    def __init__(self, dtype: torch.dtype, direct: Chunks | None = None,
-                 publish: Callable[[int, int, torch.Tensor], None] | None = None, aliases_master: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        direct: Chunks | None = None,
+        publish: Callable[[int, int, torch.Tensor], None] | None = None,
+        aliases_master: bool = False,
+    ) -> None:
         self.dtype, self.direct, self.publish, self.aliases_master = dtype, direct, publish, aliases_master
 
 
 class OffloadAdam(torch.optim.Optimizer):
     def __init__(
-        self, placeholders: list[list[torch.Tensor]], hyper: list[AdamHyper], segments: list[Segment],
-        store: StateStore, sink: ParamSink, num_params: int,
-    ) -> None:  # fmt: skip
+        self,
+        placeholders: list[list[torch.Tensor]],
+        hyper: list[AdamHyper],
+        segments: list[Segment],
+        store: StateStore,
+        sink: ParamSink,
+        num_params: int,
+    ) -> None:
         groups = [
-            {"params": ph, "lr": h.lr, "betas": h.betas, "eps": h.eps, "weight_decay": h.weight_decay, "adamw_mode": h.adamw_mode}
+            {
+                "params": ph,
+                "lr": h.lr,
+                "betas": h.betas,
+                "eps": h.eps,
+                "weight_decay": h.weight_decay,
+                "adamw_mode": h.adamw_mode,
+            }
             for ph, h in zip(placeholders, hyper)
-        ]  # fmt: skip
+        ]
         super().__init__(groups, {})
         self.segments, self.store, self.sink = segments, store, sink
         self.steps = [0] * num_params  # Adam step count per trainable parameter (unused ones do not advance)
@@ -105,7 +127,9 @@ class OffloadAdam(torch.optim.Optimizer):
                 from slipstream.accelerator import get_accelerator
 
                 self.staging = get_accelerator().pinned_empty(largest, sink.dtype).zero_()
-        self.by_subgroup = [[s for s in segments if s.offset < hi and lo < s.offset + s.numel] for lo, hi in store.subgroups]
+        self.by_subgroup = [
+            [s for s in segments if s.offset < hi and lo < s.offset + s.numel] for lo, hi in store.subgroups
+        ]
 
     def prepare(self, grads: Chunks, used: list[bool]) -> None:
         """Gradients for the coming step (partition coordinates, CPU) and which parameters got one."""
@@ -148,10 +172,20 @@ class OffloadAdam(torch.optim.Optimizer):
         for (group, step), (params, grads, exp_avgs, exp_avg_sqs, outs) in calls.items():
             g = self.param_groups[group]
             cpu_adam_step(
-                params, grads, exp_avgs, exp_avg_sqs, step=step, lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
-                eps=g["eps"], weight_decay=g["weight_decay"], adamw_mode=g["adamw_mode"], grad_scale=self.grad_scale,
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                step=step,
+                lr=g["lr"],
+                beta1=g["betas"][0],
+                beta2=g["betas"][1],
+                eps=g["eps"],
+                weight_decay=g["weight_decay"],
+                adamw_mode=g["adamw_mode"],
+                grad_scale=self.grad_scale,
                 out_lowp=outs or None,
-            )  # fmt: skip
+            )
         self._publish(k, lo, hi, master)
 
     def _lowp_out(self, start: int, numel: int, lo: int) -> torch.Tensor | None:
@@ -176,7 +210,13 @@ class OffloadAdam(torch.optim.Optimizer):
                 a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
                 sink.direct.slice(a, b - a).copy_(master.slice(a, b - a))
         if sink.publish is not None:
-            sink.publish(k, lo, master.tensors[0][: hi - lo] if len(master.tensors) == 1 and master.offsets[0] == lo else _gather(master, lo, hi))
+            sink.publish(
+                k,
+                lo,
+                master.tensors[0][: hi - lo]
+                if len(master.tensors) == 1 and master.offsets[0] == lo
+                else _gather(master, lo, hi),
+            )
 
     # ------------------------------------------------------------------ state accessors
     def partition_state(self) -> dict[str, Any]:
@@ -194,7 +234,9 @@ class OffloadAdam(torch.optim.Optimizer):
         for name in STATE_NAMES:
             self.store.write(name, 0, state[name].to(torch.float32).reshape(-1))
         if len(state["steps"]) != len(self.steps):
-            raise ValueError(f"OffloadAdam: steps for {len(state['steps'])} parameters, this partition has {len(self.steps)}")
+            raise ValueError(
+                f"OffloadAdam: steps for {len(state['steps'])} parameters, this partition has {len(self.steps)}"
+            )
         self.steps = [int(s) for s in state["steps"]]
 
     def publish_masters(self) -> None:

@@ -63,13 +63,17 @@ def load_slice_state(offload: PartitionOffload, owned: OwnedSlice, state: dict[s
     for name in MOMENTS:
         values = state[name] if state is not None else torch.zeros(numel)
         if values.numel() != numel:
-            raise ValueError(f"optimizer state {name!r} of {owned.slice.name}: {values.numel()} elements, the piece has {numel}")
+            raise ValueError(
+                f"optimizer state {name!r} of {owned.slice.name}: {values.numel()} elements, the piece has {numel}"
+            )
         offload.write(name, owned.offset, values)
     step = 0 if state is None else state.get("step", 0)
     offload.set_step_count(segment.param, int(step.item() if torch.is_tensor(step) else step))
 
 
-def load_masters(offload: PartitionOffload, owned: list[OwnedSlice], read: Callable[[ParamSlice], torch.Tensor]) -> None:
+def load_masters(
+    offload: PartitionOffload, owned: list[OwnedSlice], read: Callable[[ParamSlice], torch.Tensor]
+) -> None:
     """Fill every slice with ``read(slice)``; offloaded masters on NVMe go back to the swap files in one pass."""
     swapped = [o for o in owned if isinstance(o, OffloadSlice) and not offload.in_memory()]
     with torch.no_grad():

@@ -36,9 +36,15 @@ def open_param_store(
 
 class ParamStore:
     def __init__(
-        self, mode: str, param_shard: torch.Tensor, units: list[Any], device: torch.device, pin: bool,
-        swap: SwapDir | None = None, io: AsyncIO | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        mode: str,
+        param_shard: torch.Tensor,
+        units: list[Any],
+        device: torch.device,
+        pin: bool,
+        swap: SwapDir | None = None,
+        io: AsyncIO | None = None,
+    ) -> None:
         """``mode``: "none", "cpu" or "nvme"; ``units``: ParamUnits whose ``shard`` views ``param_shard``
         (``offset``/``chunk``: where their chunk lies in it)."""
         self.mode, self.device, self.swap, self.io = mode, device, swap, io
@@ -75,7 +81,9 @@ class ParamStore:
                     self.io.wait(in_flight.pop(0))
             self.io.wait()
             kept = {u.index: u.shard.clone() for u in units if u.kind == "persistent"}
-            self._rebind(lambda u: kept[u.index] if u.index in kept else torch.empty(0, dtype=self.dtype, device=device))
+            self._rebind(
+                lambda u: kept[u.index] if u.index in kept else torch.empty(0, dtype=self.dtype, device=device)
+            )
             for u in self.swapped:
                 u.fetch = self._from_nvme(u)
 
@@ -121,7 +129,7 @@ class ParamStore:
         """Updated parameters (model dtype) over ``[lo, lo + len)``: write the swapped units' parts."""
         assert self.io is not None
         previous, current = self.write_buffers
-        for buffer, request in previous:
+        for _buffer, request in previous:
             self.io.wait(request)
         previous.clear()
         self.write_buffers = [current, previous]
@@ -205,4 +213,3 @@ class ParamStore:
         self.reads.clear()
         if self.swap is not None:
             self.swap.remove()
-

@@ -18,37 +18,31 @@ from typing import Any
 
 import torch
 
-from slipstream.comm.context import CommContext, Pending
 from slipstream.accelerator import get_accelerator
-from slipstream.engine.zero.offload.adam import (
-    OffloadAdam,
-    ParamSink,
-    Segment,
-    adam_hyper,
-)
+from slipstream.comm.context import CommContext, Pending
+from slipstream.engine.config.base import ConfigError
+from slipstream.engine.zero.offload.adam import OffloadAdam, ParamSink, Segment, adam_hyper
 from slipstream.engine.zero.offload.chunks import Chunks, copy_in, copy_out
 from slipstream.engine.zero.offload.options import OffloadOptions
-from slipstream.engine.zero.offload.state_store import (
-    CPUStateStore,
-    NVMeStateStore,
-    StateStore,
-    split,
-)
+from slipstream.engine.zero.offload.state_store import CPUStateStore, NVMeStateStore, StateStore, split
 from slipstream.engine.zero.offload.swap_dir import SwapDir
 from slipstream.engine.zero.partition import PartitionSpec
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec
 from slipstream.ops.aio import AsyncIO
 from slipstream.utils.logging import get_logger
-from slipstream.engine.config.base import ConfigError
 
 logger = get_logger(__name__)
 
 
 class PartitionOffload:
     def __init__(
-        self, options: OffloadOptions, spec: PartitionSpec, optimizer: torch.optim.Optimizer | OptimizerFactory,
-        groups: list[ParamGroupSpec], index: dict[int, int],
-    ) -> None:  # fmt: skip
+        self,
+        options: OffloadOptions,
+        spec: PartitionSpec,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        groups: list[ParamGroupSpec],
+        index: dict[int, int],
+    ) -> None:
         """``spec`` describes the partition (partition.py); ``optimizer``, ``groups`` and ``index`` (parameter id
         -> trainable index) give the Adam settings of each piece's optimizer group."""
         numel, dtype, params = spec.numel, spec.dtype, spec.params
@@ -57,16 +51,22 @@ class PartitionOffload:
         on_cuda = spec.device.type == "cuda"
         self.pin = options.pin_memory and on_cuda  # pinning only speeds host-device copies
         hyper, group_of = _hyperparameters(optimizer, groups, index)
-        self.segments = [Segment(p.offset, p.numel, group_of[p.param], p.param) for p in spec.pieces if p.param in group_of]
+        self.segments = [
+            Segment(p.offset, p.numel, group_of[p.param], p.param) for p in spec.pieces if p.param in group_of
+        ]
         self.segment_of = {s.offset: s for s in self.segments}
         self.swap: SwapDir | None = None
         self.mapped_bytes = 0
         self.io: AsyncIO | None = None
-        alias = options.optimizer == "cpu" and params is not None and params.device.type == "cpu" and dtype == torch.float32
+        alias = (
+            options.optimizer == "cpu" and params is not None and params.device.type == "cpu" and dtype == torch.float32
+        )
         self.store: StateStore
         if options.optimizer == "nvme":
             assert options.optimizer_nvme_path is not None
-            self.swap = SwapDir.open(options.optimizer_nvme_path, spec.job_id, spec.rank, "zero_optimization.offload_optimizer.nvme_path")
+            self.swap = SwapDir.open(
+                options.optimizer_nvme_path, spec.job_id, spec.rank, "zero_optimization.offload_optimizer.nvme_path"
+            )
             self.io = AsyncIO(options.aio.block_size, options.aio.threads, options.aio.use_direct)
             subgroups = split(numel, list(spec.boundaries), options.sub_group_numel)
             self.store = NVMeStateStore(numel, subgroups, spec.initial, self.swap, self.io, self.pin)
@@ -75,14 +75,20 @@ class PartitionOffload:
         in_memory = isinstance(self.store, CPUStateStore)
         placeholders: list[list[torch.Tensor]] = [[] for _ in hyper]
         for s in self.segments:
-            view = self.store.views["master"].slice(s.offset, s.numel) if in_memory else torch.empty(s.numel, device="meta")  # type: ignore[attr-defined]
+            view = (
+                self.store.views["master"].slice(s.offset, s.numel)
+                if in_memory
+                else torch.empty(s.numel, device="meta")
+            )  # type: ignore[attr-defined]
             placeholders[s.group].append(view)
         self._device_grads = spec.grads
         self.grads: Chunks | None = None
         self.context = CommContext(self.accelerator)  # the gradient copy's stream and events (comm/context.py)
         self.copy: Pending | None = None
         if on_cuda:  # gradients cross to CPU memory once per step, into one pinned buffer, on their own stream
-            self.grads = Chunks.flat(self.accelerator.pinned_empty(numel, dtype) if self.pin else torch.empty(numel, dtype=dtype))
+            self.grads = Chunks.flat(
+                self.accelerator.pinned_empty(numel, dtype) if self.pin else torch.empty(numel, dtype=dtype)
+            )
         if params is not None and params.device.type == "cpu":
             sink = ParamSink(dtype, direct=params, aliases_master=alias)
         elif params is not None:
@@ -92,9 +98,12 @@ class PartitionOffload:
         self.optimizer = OffloadAdam(placeholders, hyper, self.segments, self.store, sink, spec.num_params)
         self.optimizer.before_step = self._wait_for_gradients
         logger.debug(
-            "offload: optimizer state of %d elements on %s in %d sub-group(s)%s", numel, options.optimizer,
-            len(self.store.subgroups), " (masters alias the parameters)" if alias else "",
-        )  # fmt: skip
+            "offload: optimizer state of %d elements on %s in %d sub-group(s)%s",
+            numel,
+            options.optimizer,
+            len(self.store.subgroups),
+            " (masters alias the parameters)" if alias else "",
+        )
 
     def new_gradient(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
         """A zeroed gradient chunk for the strategy to reduce into.
@@ -134,7 +143,9 @@ class PartitionOffload:
         if self.grads is not None:
             # The copy runs while the device computes the gradient norm; step() waits for it.
             host, device_grads = self.grads.tensors[0], self._device_grads()
-            self.copy = self.context.issue("copy", lambda: copy_out(device_grads, host, 0), "offloaded gradients to host")
+            self.copy = self.context.issue(
+                "copy", lambda: copy_out(device_grads, host, 0), "offloaded gradients to host"
+            )
         if isinstance(self.store, NVMeStateStore):
             self.store.prefetch_first()  # the first read overlaps with the norm and the clipping
         self.optimizer.prepare(self.grads or self._device_grads(), used)

@@ -133,9 +133,15 @@ class NVMeStateStore(StateStore):
     """One swap file per sub-group, three buffers, read-ahead and write-behind (see the note above)."""
 
     def __init__(
-        self, numel: int, subgroups: list[tuple[int, int]], initial: Chunks, swap: SwapDir, io: AsyncIO, pin: bool,
+        self,
+        numel: int,
+        subgroups: list[tuple[int, int]],
+        initial: Chunks,
+        swap: SwapDir,
+        io: AsyncIO,
+        pin: bool,
         buffers: int = 3,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.subgroups, self.swap, self.io, self.pinned = subgroups, swap, io, pin
         self.capacity = -(-max(hi - lo for lo, hi in subgroups) // _ALIGN_NUMEL) * _ALIGN_NUMEL
         swap.check_space(len(subgroups) * 3 * self.capacity * 4)
@@ -166,7 +172,10 @@ class NVMeStateStore(StateStore):
     def _views(self, b: int, k: int) -> dict[str, Chunks]:
         lo, hi = self.subgroups[k]
         base = self.buffers[b]
-        return {name: Chunks.flat(base[i * self.capacity : i * self.capacity + hi - lo], lo) for i, name in enumerate(STATE_NAMES)}
+        return {
+            name: Chunks.flat(base[i * self.capacity : i * self.capacity + hi - lo], lo)
+            for i, name in enumerate(STATE_NAMES)
+        }
 
     def _region(self, b: int, k: int) -> list[torch.Tensor]:
         size = self._size(k)
@@ -183,7 +192,9 @@ class NVMeStateStore(StateStore):
         self._write_back(b)
         self._drain(b)
         self.holder[b] = k
-        requests = [self.io.submit_read(region, self.files[k], i * size * 4) for i, region in enumerate(self._region(b, k))]
+        requests = [
+            self.io.submit_read(region, self.files[k], i * size * 4) for i, region in enumerate(self._region(b, k))
+        ]
         self.reads[b] = requests[-1]
         self.writes.setdefault(b, []).extend(requests[:-1])  # waited with the buffer's next reuse
 

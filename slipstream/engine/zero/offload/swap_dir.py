@@ -17,8 +17,8 @@ import time
 import uuid
 from pathlib import Path
 
-from slipstream.utils.logging import get_logger
 from slipstream.engine.config.base import ConfigError
+from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
@@ -60,7 +60,9 @@ class SwapDir:
             self.path.mkdir(parents=True, exist_ok=True)
             (self.path / _OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         except OSError as err:
-            raise ConfigError(f"{key}: cannot create swap files under {str(self.root)!r} ({err.strerror or err}); point it at a writable local disk") from None
+            raise ConfigError(
+                f"{key}: cannot create swap files under {str(self.root)!r} ({err.strerror or err}); point it at a writable local disk"
+            ) from None
         self.closed, self.users = False, 1
         atexit.register(self.remove, force=True)
 

@@ -41,7 +41,7 @@ class PartitionedUnits:
     def register(self) -> None:
         for unit in self.units:
             for p in unit.params:
-                _owner[id(p)] = (weakref.ref(p, lambda _, key=id(p): _owner.pop(key, None)), weakref.ref(self))
+                _owner[id(p)] = (weakref.ref(p, lambda _, key=id(p): _owner.pop(key, None)), weakref.ref(self))  # noqa: B008 (binds the id now)
 
     def unregister(self) -> None:
         for unit in self.units:
@@ -76,7 +76,12 @@ class GatheredParameters:
     enters with the same parameters. Parameters that are not partitioned pass through untouched.
     """
 
-    def __init__(self, params: torch.nn.Parameter | Iterable[torch.nn.Parameter], modifier_rank: int | None = None, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        params: torch.nn.Parameter | Iterable[torch.nn.Parameter],
+        modifier_rank: int | None = None,
+        enabled: bool = True,
+    ) -> None:
         self.params = [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank, self.enabled = modifier_rank, enabled
         self._by_owner: dict[int, tuple[PartitionedUnits, list[ParamUnit]]] = {}

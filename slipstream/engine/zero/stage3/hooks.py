@@ -29,9 +29,14 @@ from slipstream.engine.zero.tensor_tree import tensors_in
 
 class UnitHooks:
     def __init__(
-        self, roots: list[ParamUnit], blocks: list[ParamUnit], schedule: GatherSchedule, reducer: UnitReducer,
-        buffers: UnitBuffers, owner: object,
-    ) -> None:  # fmt: skip
+        self,
+        roots: list[ParamUnit],
+        blocks: list[ParamUnit],
+        schedule: GatherSchedule,
+        reducer: UnitReducer,
+        buffers: UnitBuffers,
+        owner: object,
+    ) -> None:
         self.roots, self.blocks, self.schedule, self.reducer, self.owner = roots, blocks, schedule, reducer, owner
         self.buffers = buffers
         self.held = False  # every unit gathered for a whole accumulation window (a pipeline step): hooks stand aside

@@ -31,8 +31,8 @@ from slipstream.engine.zero.offload.chunks import Chunks
 from slipstream.engine.zero.ordered_launch import OrderedLauncher
 from slipstream.engine.zero.stage3.buffers import UnitBuffers
 from slipstream.engine.zero.stage3.unit import ParamUnit, TrainingState
-from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.engine.zero.strategy import ShardingOptions
+from slipstream.engine.zero.used_flags import UsedFlags
 
 
 @dataclasses.dataclass
@@ -46,25 +46,40 @@ class _Reduction:
 
 class UnitReducer:
     def __init__(
-        self, units: list[ParamUnit], order: list[ParamUnit], options: ShardingOptions, dtype: torch.dtype,
-        device: torch.device, used: UsedFlags, index: dict[int, int], new_chunk: Callable[[ParamUnit], torch.Tensor],
+        self,
+        units: list[ParamUnit],
+        order: list[ParamUnit],
+        options: ShardingOptions,
+        dtype: torch.dtype,
+        device: torch.device,
+        used: UsedFlags,
+        index: dict[int, int],
+        new_chunk: Callable[[ParamUnit], torch.Tensor],
         buffers: UnitBuffers,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``order``: the fixed launch order; ``used``/``index``: flags of trainable parameters (by id) that got a gradient;
         ``buffers``: the pool send buffers come from ([Note: send buffers])."""
         self.options, self.dtype, self.device, self.used, self.index = options, dtype, device, used, index
         self.buffers = buffers
-        self.communication_dtype = options.communication_dtype if options.communication_dtype not in (None, dtype) else None
+        self.communication_dtype = (
+            options.communication_dtype if options.communication_dtype not in (None, dtype) else None
+        )
         # Dividing by 2^k is exact before the sum or after; after, it scales the 1/world chunk at the boundary
         # instead of the whole unit at every reduce-scatter. Only where the sum cannot overflow (an fp32/fp64
         # wire) and the user did not ask for prescaling, which exists to avoid exactly that overflow.
-        self.divide_after_sum = dtype in (torch.float32, torch.float64) and self.communication_dtype is None and not options.prescale_gradients
+        self.divide_after_sum = (
+            dtype in (torch.float32, torch.float64)
+            and self.communication_dtype is None
+            and not options.prescale_gradients
+        )
         # Chunks only for units with trainable parameters: a frozen backbone costs no gradient memory.
         self.chunks = {u.index: new_chunk(u) for u in units if u.trainable}
         self.offsets = {u.index: u.offset for u in units}
         self.launcher = OrderedLauncher([[u.index] for u in order], lambda i: self._launch(order[i]))
         self.reductions: list[_Reduction] = []
-        self.grads_before: dict[int, list[tuple[torch.Tensor, int] | None]] = {}  # unit -> each .grad its backward started from
+        self.grads_before: dict[
+            int, list[tuple[torch.Tensor, int] | None]
+        ] = {}  # unit -> each .grad its backward started from
         self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
         self.context = CommContext()  # the strategy's (set by it): reduce-scatters on their own stream
         self.gradient_bits = 0  # qgZ: reduce-scatters travel as INT4 all-to-alls (set by the strategy)
@@ -85,7 +100,9 @@ class UnitReducer:
         """
         if unit.index not in self.chunks or unit.index in self.grads_before:
             return
-        self.grads_before[unit.index] = [None if p.grad is None else (p.grad, p.grad._version) for p, _, _ in unit.ranges()]
+        self.grads_before[unit.index] = [
+            None if p.grad is None else (p.grad, p.grad._version) for p, _, _ in unit.ranges()
+        ]
 
     def unit_done(self, unit: ParamUnit) -> None:
         """The unit's gradients for this backward are complete (once per pass; later calls are ignored)."""
@@ -97,7 +114,9 @@ class UnitReducer:
         if unit.index not in self.chunks:
             return  # frozen on every rank alike: nothing to reduce
         before = self.grads_before.pop(unit.index, None)
-        send = self.buffers.take(unit.numel, self.dtype, self.device)  # every element is written below: gradients, zeros, padding
+        send = self.buffers.take(
+            unit.numel, self.dtype, self.device
+        )  # every element is written below: gradients, zeros, padding
         end = 0
         for k, (p, begin, end) in enumerate(unit.ranges()):  # packed in order, padded after the last (flat_layout.py)
             grad, start = p.grad, before[k] if before is not None else None
@@ -116,8 +135,12 @@ class UnitReducer:
             send.mul_(pre_scale)
         chunk = self.chunks[unit.index]
         lanes, bits = unit.lanes, self.gradient_bits
-        quantized = bits and (lanes.nodes is not None or lanes.crosses_nodes)  # qgZ: only what crosses nodes is quantized
-        wire_dtype = None if quantized else self.communication_dtype  # qgZ's wire is its own: no cast of the send buffer
+        quantized = bits and (
+            lanes.nodes is not None or lanes.crosses_nodes
+        )  # qgZ: only what crosses nodes is quantized
+        wire_dtype = (
+            None if quantized else self.communication_dtype
+        )  # qgZ's wire is its own: no cast of the send buffer
         wire = send if wire_dtype is None else send.to(wire_dtype)
         into = "add" if unit.index in self.has_grad else "copy"
         if into == "copy" and wire_dtype is None:
@@ -126,21 +149,31 @@ class UnitReducer:
             receive = torch.empty(chunk.numel(), dtype=wire.dtype, device=chunk.device)
         self.has_grad.add(unit.index)
         tag = f"ZeRO-3 gradients of unit {unit.index} ({unit.spec.name})"
-        if quantized and lanes.nodes is not None:  # summed inside each node, then INT4 across ([Note: quantize only what crosses nodes])
+        if (
+            quantized and lanes.nodes is not None
+        ):  # summed inside each node, then INT4 across ([Note: quantize only what crosses nodes])
             node, across = lanes.nodes
             work = self.context.issue(
-                "reduce_scatter", lambda: reduce_scatter_across_nodes(receive, send, node, across, tag=tag, bits=bits), tag
-            )  # fmt: skip
+                "reduce_scatter",
+                lambda: reduce_scatter_across_nodes(receive, send, node, across, tag=tag, bits=bits),
+                tag,
+            )
         elif quantized:  # a group whose nodes are not even blocks: INT4 over all of it
             work = self.context.issue(
-                "reduce_scatter", lambda: reduce_scatter_quantized(receive, send, group=lanes.reduce, tag=tag, bits=bits), tag
-            )  # fmt: skip
+                "reduce_scatter",
+                lambda: reduce_scatter_quantized(receive, send, group=lanes.reduce, tag=tag, bits=bits),
+                tag,
+            )
         else:  # one node (or qgZ off): nothing crosses a slow link, nothing is quantized
-            work = self.context.issue("reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=lanes.reduce, tag=tag), tag)
+            work = self.context.issue(
+                "reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=lanes.reduce, tag=tag), tag
+            )
         self.reductions.append(_Reduction(unit, work, send, receive, into))
         # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one), and take
         # back the ones whose reduce-scatter already finished (see [Note: send buffers]).
-        while len(self.reductions) > 1 and sum(r.send.numel() for r in self.reductions) > self.options.reduce_bucket_numel:
+        while (
+            len(self.reductions) > 1 and sum(r.send.numel() for r in self.reductions) > self.options.reduce_bucket_numel
+        ):
             self._complete(self.reductions.pop(0))
         while self.reductions and self.reductions[0].work.ready():
             self._complete(self.reductions.pop(0))
@@ -160,7 +193,9 @@ class UnitReducer:
             chunk.add_(reduction.receive)
         elif reduction.into == "copy":
             chunk.copy_(reduction.receive)
-        self.context.recycle(reduction.work, lambda: self.buffers.give(reduction.send))  # only after the collective read it
+        self.context.recycle(
+            reduction.work, lambda: self.buffers.give(reduction.send)
+        )  # only after the collective read it
 
     def end_backward(self, units: list[ParamUnit]) -> None:
         """Every unit of the pass reduced exactly once on every rank (in order), all reductions complete."""
@@ -184,9 +219,12 @@ class UnitReducer:
         every replica, so their optimizers take the same step.
         """
         pending = [
-            comm.all_reduce(self.chunks[u.index], group=u.lanes.replicas, tag=f"MiCS gradients of unit {u.index} across replicas")
-            for u in units if u.lanes.replicas is not None and u.index in self.chunks
-        ]  # fmt: skip
+            comm.all_reduce(
+                self.chunks[u.index], group=u.lanes.replicas, tag=f"MiCS gradients of unit {u.index} across replicas"
+            )
+            for u in units
+            if u.lanes.replicas is not None and u.index in self.chunks
+        ]
         for work in pending:
             work.wait()
         for unit in units:

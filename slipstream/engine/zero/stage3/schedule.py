@@ -54,9 +54,14 @@ class Pass:
 
 class GatherSchedule:
     def __init__(
-        self, blocks: list[ParamUnit], units: list[ParamUnit], prefetch_numel: int | None, max_live_numel: int,
-        skipped_in_backward: Callable[[ParamUnit], None], max_reuse_numel: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        blocks: list[ParamUnit],
+        units: list[ParamUnit],
+        prefetch_numel: int | None,
+        max_live_numel: int,
+        skipped_in_backward: Callable[[ParamUnit], None],
+        max_reuse_numel: int | None = None,
+    ) -> None:
         """``skipped_in_backward(unit)``: the backward cursor passed a unit this rank did not run;
         ``max_reuse_numel``: see [Note: kept from the forward into the backward]."""
         self.blocks, self.units = blocks, units

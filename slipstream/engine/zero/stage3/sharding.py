@@ -14,11 +14,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from slipstream.engine.config.base import ConfigError
 from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.stage3.unit import GroupLanes, ParamUnit
 from slipstream.engine.zero.stage3.units import UnitSpec
 from slipstream.engine.zero.storage import copy_pieces
-from slipstream.engine.config.base import ConfigError
 
 Preshard = Callable[[FlatLayout], torch.Tensor]
 
@@ -40,7 +40,9 @@ class ShardedUnits:
     shard: torch.Tensor  # this rank's partition of the parameters (model dtype)
 
 
-def split_units(specs: list[UnitSpec], group_of: Callable[[torch.nn.Parameter], dist.ProcessGroup | None]) -> list[tuple[dist.ProcessGroup | None, UnitSpec]]:
+def split_units(
+    specs: list[UnitSpec], group_of: Callable[[torch.nn.Parameter], dist.ProcessGroup | None]
+) -> list[tuple[dist.ProcessGroup | None, UnitSpec]]:
     """Each unit cut into one unit per sharding group of its parameters, renumbered in order."""
     out: list[tuple[dist.ProcessGroup | None, UnitSpec]] = []
     for spec in specs:
@@ -54,9 +56,12 @@ def split_units(specs: list[UnitSpec], group_of: Callable[[torch.nn.Parameter], 
 
 
 def shard_units(
-    specs: list[tuple[dist.ProcessGroup | None, UnitSpec]], dtype: torch.dtype, device: torch.device, preshard: Preshard | None,
+    specs: list[tuple[dist.ProcessGroup | None, UnitSpec]],
+    dtype: torch.dtype,
+    device: torch.device,
+    preshard: Preshard | None,
     lanes_of: Callable[[dist.ProcessGroup | None], GroupLanes] = GroupLanes.of,
-) -> ShardedUnits:  # fmt: skip
+) -> ShardedUnits:
     """Lay out and partition the units; ``preshard`` (zero.Init) gives this rank's shard instead of the full weights;
     ``lanes_of``: a group's lanes (hpZ's and MiCS's extra groups)."""
     managed = [p for _, spec in specs for p in spec.params]
@@ -67,8 +72,14 @@ def shard_units(
     groups, base = [], 0
     for group, members in by_group.values():
         lanes = lanes_of(group)
-        layout = FlatLayout([p.numel() for p in managed], [], 0, lanes.world, lanes.rank,
-                            buckets=[[position[id(p)] for p in spec.params] for spec in members])  # fmt: skip
+        layout = FlatLayout(
+            [p.numel() for p in managed],
+            [],
+            0,
+            lanes.world,
+            lanes.rank,
+            buckets=[[position[id(p)] for p in spec.params] for spec in members],
+        )
         groups.append(GroupLayout(lanes, layout, base))
         base += layout.shard_numel
     if preshard is not None:

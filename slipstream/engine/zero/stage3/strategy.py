@@ -11,33 +11,34 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from slipstream import comm
-from slipstream.comm.context import CommContext
 from slipstream.accelerator import get_accelerator
-from slipstream.engine.zero.init import leave_presharded
+from slipstream.comm.context import CommContext
+from slipstream.engine.config.base import ConfigError
 from slipstream.engine.zero.flat_layout import FlatLayout
+from slipstream.engine.zero.init import leave_presharded
 from slipstream.engine.zero.masters import build_masters
+from slipstream.engine.zero.masters_strategy import MastersStrategy, Piece
 from slipstream.engine.zero.offload.param_store import open_param_store
 from slipstream.engine.zero.offload.swap_dir import shared_job_id
 from slipstream.engine.zero.params import check_groups, single_dtype
 from slipstream.engine.zero.partition import OptimizedPiece, PartitionSpec
-from slipstream.engine.zero.masters_strategy import MastersStrategy, Piece
 from slipstream.engine.zero.slices import OwnedSlice, slice_of
 from slipstream.engine.zero.stage3.buffers import UnitBuffers
 from slipstream.engine.zero.stage3.gathered import PartitionedUnits
 from slipstream.engine.zero.stage3.hooks import UnitHooks
 from slipstream.engine.zero.stage3.reducer import UnitReducer
 from slipstream.engine.zero.stage3.schedule import GatherSchedule
-from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.engine.zero.stage3.sharding import shard_units, split_units
 from slipstream.engine.zero.stage3.unit import GroupLanes, UnitState
-from slipstream.engine.config.base import ConfigError
 from slipstream.engine.zero.stage3.units import find_units
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions
+from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -71,12 +72,42 @@ class Hierarchy:
     nodes: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
 
 
+def lanes_of(h: Hierarchy | None, default: dist.ProcessGroup | None, group: dist.ProcessGroup | None) -> GroupLanes:
+    """The default group's partition gets hpZ's secondary or MiCS's replicas; groups the user named get neither."""
+    if h is not None and h.kind == "mics" and group is h.block:
+        return GroupLanes.of(group, replicas=h.across, data=default)
+    if h is not None and group is default:
+        return GroupLanes.of(group, secondary=h.block if h.kind == "hpz" else None, nodes=h.nodes)
+    return GroupLanes.of(group)
+
+
+def optimized_pieces(groups: list, managed: list[torch.nn.Parameter], index: dict[int, int]) -> list[OptimizedPiece]:
+    """The trainable pieces of this rank's shard, each with its parameter's index (frozen ones are not optimized)."""
+    return [
+        OptimizedPiece(g.base + piece.shard_offset, piece.numel, index[id(managed[piece.index])])
+        for g in groups
+        for piece in g.layout.pieces
+        if id(managed[piece.index]) in index
+    ]
+
+
+def _log_units(units: list, owned: int) -> None:
+    shown = ", ".join(f"{u.spec.name}:{u.numel}" for u in units[:4]) + ("..." if len(units) > 4 else "")
+    total = sum(u.numel for u in units)
+    logger.debug("ZeRO stage 3: %d units (%s), %d of %d elements owned by this rank", len(units), shown, owned, total)
+
+
 class Stage3Strategy(MastersStrategy):
     def __init__(
-        self, module: torch.nn.Module, groups: list[ParamGroupSpec], options: ShardingOptions,
-        optimizer: torch.optim.Optimizer | OptimizerFactory, stage3: Stage3Options,
-        preshard: Callable[[FlatLayout], torch.Tensor] | None = None, hierarchy: Hierarchy | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        module: torch.nn.Module,
+        groups: list[ParamGroupSpec],
+        options: ShardingOptions,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        stage3: Stage3Options,
+        preshard: Callable[[FlatLayout], torch.Tensor] | None = None,
+        hierarchy: Hierarchy | None = None,
+    ) -> None:
         """``preshard``: zero.Init built this rank's shards without ever holding the full model; ``hierarchy``: hpZ or MiCS."""
         self.module, self.options = module, options
         specs = find_units(module, stage3.unit_classes, stage3.persistence_threshold)
@@ -97,8 +128,12 @@ class Stage3Strategy(MastersStrategy):
         default = hierarchy.block if mics else options.group  # type: ignore[union-attr]
         group_of = {id(p): g.sharding_group(default) for g in groups for p in g.params}
         sharded = shard_units(
-            split_units(specs, lambda p: group_of.get(id(p), default)), self.dtype, device, preshard, self._lanes_of
-        )  # fmt: skip
+            split_units(specs, lambda p: group_of.get(id(p), default)),
+            self.dtype,
+            device,
+            preshard,
+            partial(lanes_of, hierarchy, options.group),
+        )
         self.units, self.groups, self.managed = sharded.units, sharded.groups, sharded.managed
         self.comm_context = CommContext()  # streams and events of every collective below (comm/context.py)
         self.buffers = UnitBuffers()
@@ -118,49 +153,51 @@ class Stage3Strategy(MastersStrategy):
             unit.refresh()
         store = self.param_store
         spec = PartitionSpec(
-            numel=sharded.shard.numel(), pieces=tuple(self._optimized_pieces()), num_params=len(self.trainable),
-            boundaries=tuple(u.offset for u in self.units), dtype=self.dtype, device=device, rank=rank, job_id=job_id,
-            initial=store.initial(), grads=lambda: self.reducer.grads(), params=store.resident(), publish=store.publish,
-        )  # fmt: skip
+            numel=sharded.shard.numel(),
+            pieces=tuple(optimized_pieces(self.groups, self.managed, self.index)),
+            num_params=len(self.trainable),
+            boundaries=tuple(u.offset for u in self.units),
+            dtype=self.dtype,
+            device=device,
+            rank=rank,
+            job_id=job_id,
+            initial=store.initial(),
+            grads=lambda: self.reducer.grads(),
+            params=store.resident(),
+            publish=store.publish,
+        )
         self.masters = build_masters(spec, offload, optimizer, groups, self.index)
         self.optimizer = self.masters.optimizer
         store.drop_initial()
         self.used = UsedFlags(len(self.trainable), device)  # [Note: flags on the host]
         reduce_order = [*reversed(self.blocks), *self.roots, *self.persistent]
         self.reducer = UnitReducer(
-            self.units, reduce_order, options, self.dtype, device, self.used, self.index,
-            lambda u: self.masters.gradient_buffer(f"grad_{u.index:05d}", u.chunk), self.buffers,
-        )  # fmt: skip
+            self.units,
+            reduce_order,
+            options,
+            self.dtype,
+            device,
+            self.used,
+            self.index,
+            lambda u: self.masters.gradient_buffer(f"grad_{u.index:05d}", u.chunk),
+            self.buffers,
+        )
         self.reducer.context = self.comm_context
         self.reducer.gradient_bits = stage3.gradient_bits
         self.schedule = GatherSchedule(
-            self.blocks, self.units, stage3.prefetch_numel, stage3.max_live_numel, self.reducer.unit_done, stage3.max_reuse_numel
-        )  # fmt: skip
+            self.blocks,
+            self.units,
+            stage3.prefetch_numel,
+            stage3.max_live_numel,
+            self.reducer.unit_done,
+            stage3.max_reuse_numel,
+        )
         self.unit_hooks = UnitHooks(self.roots, self.blocks, self.schedule, self.reducer, self.buffers, self)
         self.hooks = self.unit_hooks.register(module)
         self.gathered = PartitionedUnits(self.units, store, self.masters)
         self.gathered.register()
-        logger.debug(
-            "ZeRO stage 3: %d units (%s), %d of %d elements owned by this rank", len(self.units),
-            ", ".join(f"{u.spec.name}:{u.numel}" for u in self.units[:4]) + ("..." if len(self.units) > 4 else ""),
-            spec.numel, sum(u.numel for u in self.units),
-        )  # fmt: skip
+        _log_units(self.units, spec.numel)
         self.zero_grad()
-
-    def _lanes_of(self, group: dist.ProcessGroup | None) -> GroupLanes:
-        """The default group's partition gets hpZ's secondary or MiCS's replicas; groups the user named get neither."""
-        h, default = self.hierarchy, self.options.group
-        if h is not None and h.kind == "mics" and group is h.block:
-            return GroupLanes.of(group, replicas=h.across, data=default)
-        if h is not None and group is default:
-            return GroupLanes.of(group, secondary=h.block if h.kind == "hpz" else None, nodes=h.nodes)
-        return GroupLanes.of(group)
-
-    def _optimized_pieces(self) -> list[OptimizedPiece]:
-        return [
-            OptimizedPiece(g.base + piece.shard_offset, piece.numel, self.index[id(self.managed[piece.index])])
-            for g in self.groups for piece in g.layout.pieces if id(self.managed[piece.index]) in self.index
-        ]  # fmt: skip
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self, sync: bool) -> None:
@@ -249,7 +286,9 @@ class Stage3Strategy(MastersStrategy):
             flat = torch.empty(unit.numel, dtype=torch.float32, device=self.used.device)
             own = flat.view(unit.lanes.world, -1)[unit.lanes.rank]
             own.copy_(self.masters.read(unit.offset, unit.offset + unit.chunk))
-            comm.all_gather_into_tensor(flat, own, group=unit.lanes.group, tag=f"fp32 weights of unit {unit.index}").wait()
+            comm.all_gather_into_tensor(
+                flat, own, group=unit.lanes.group, tag=f"fp32 weights of unit {unit.index}"
+            ).wait()
             if dist.get_rank() == 0:
                 for p, begin, end in unit.ranges():
                     state[self.names[id(p)]] = flat[begin:end].view(p.shape).clone()

@@ -40,21 +40,53 @@ from slipstream.comm.context import CommContext, Pending
 from slipstream.comm.quantized import all_gather_quantized
 from slipstream.comm.topology import INTER, link_class
 from slipstream.engine.zero.flat_layout import FlatLayout, LayoutBucket
-from slipstream.engine.zero.storage import alias
 from slipstream.engine.zero.stage3.buffers import UnitBuffers
 from slipstream.engine.zero.stage3.units import UnitSpec
+from slipstream.engine.zero.storage import alias
 from slipstream.errors import UsageError
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 _HARMLESS = {
-    "shape", "size", "dim", "numel", "dtype", "device", "requires_grad", "requires_grad_", "grad", "data", "is_leaf",
-    "untyped_storage", "element_size", "stride", "storage_offset", "ndim", "layout", "is_meta", "is_cuda", "is_sparse",
-    "is_floating_point", "_version", "grad_fn", "name", "__get__", "__set__", "register_post_accumulate_grad_hook",
-    "register_hook", "__hash__", "__eq__", "__reduce_ex__", "_is_view", "is_quantized", "is_complex", "nbytes", "itemsize",
+    "shape",
+    "size",
+    "dim",
+    "numel",
+    "dtype",
+    "device",
+    "requires_grad",
+    "requires_grad_",
+    "grad",
+    "data",
+    "is_leaf",
+    "untyped_storage",
+    "element_size",
+    "stride",
+    "storage_offset",
+    "ndim",
+    "layout",
+    "is_meta",
+    "is_cuda",
+    "is_sparse",
+    "is_floating_point",
+    "_version",
+    "grad_fn",
+    "name",
+    "__get__",
+    "__set__",
+    "register_post_accumulate_grad_hook",
+    "register_hook",
+    "__hash__",
+    "__eq__",
+    "__reduce_ex__",
+    "_is_view",
+    "is_quantized",
+    "is_complex",
+    "nbytes",
+    "itemsize",
     "_has_compatible_shallow_copy_type",
-}  # fmt: skip
+}
 
 
 _MOVES = {"cpu", "cuda", "to"}
@@ -179,18 +211,28 @@ class GroupLanes:
     replicas: dist.ProcessGroup | None = None
     data: dist.ProcessGroup | None = None
     secondary: SecondaryLanes | None = None
-    nodes: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # qgZ: reduce lanes inside each node, and across nodes
+    nodes: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = (
+        None  # qgZ: reduce lanes inside each node, and across nodes
+    )
     crosses_nodes: bool = False  # the group spans several nodes (comm/topology.py)
 
     @staticmethod
-    def of(group: dist.ProcessGroup | None, replicas: dist.ProcessGroup | None = None, data: dist.ProcessGroup | None = None,
-           secondary: dist.ProcessGroup | None = None, nodes: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None,
-           ) -> GroupLanes:  # fmt: skip
+    def of(
+        group: dist.ProcessGroup | None,
+        replicas: dist.ProcessGroup | None = None,
+        data: dist.ProcessGroup | None = None,
+        secondary: dist.ProcessGroup | None = None,
+        nodes: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None,
+    ) -> GroupLanes:
         """``data`` defaults to ``group`` (no replicas: the partition's ranks are all the data's)."""
         second = None
         if secondary is not None:
-            second = SecondaryLanes(secondary, comm.lane_group(secondary, "zero3-hpz-gather"), dist.get_world_size(secondary),
-                                    dist.get_rank(secondary))  # fmt: skip
+            second = SecondaryLanes(
+                secondary,
+                comm.lane_group(secondary, "zero3-hpz-gather"),
+                dist.get_world_size(secondary),
+                dist.get_rank(secondary),
+            )
             comm.ring_context(second.gather)
         node_lanes = None
         if nodes is not None and nodes[1] is not None:
@@ -198,10 +240,18 @@ class GroupLanes:
             for lane in node_lanes:
                 comm.ring_context(lane)
         ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
-        lanes = GroupLanes(group, comm.lane_group(group, "zero3-gather"), comm.lane_group(group, "zero3-reduce"),
-                           dist.get_world_size(group), dist.get_rank(group), replicas,
-                           group if replicas is None else data, second, node_lanes,  # type: ignore[arg-type]
-                           link_class(ranks) == INTER)  # fmt: skip
+        lanes = GroupLanes(
+            group,
+            comm.lane_group(group, "zero3-gather"),
+            comm.lane_group(group, "zero3-reduce"),
+            dist.get_world_size(group),
+            dist.get_rank(group),
+            replicas,
+            group if replicas is None else data,
+            second,
+            node_lanes,  # type: ignore[arg-type]
+            link_class(ranks) == INTER,
+        )
         comm.ring_context(lanes.gather)  # set up now rather than inside a hook
         comm.ring_context(lanes.reduce)
         return lanes
@@ -215,7 +265,15 @@ class GroupLanes:
 class ParamUnit:
     """The flat buffer of one unit, this rank's chunk of it, and the collective that fills it."""
 
-    def __init__(self, spec: UnitSpec, bucket: LayoutBucket, layout: FlatLayout, shard: torch.Tensor, lanes: GroupLanes, base: int) -> None:
+    def __init__(
+        self,
+        spec: UnitSpec,
+        bucket: LayoutBucket,
+        layout: FlatLayout,
+        shard: torch.Tensor,
+        lanes: GroupLanes,
+        base: int,
+    ) -> None:
         """``shard``: this rank's chunk; ``base``: where the unit's group starts in partition coordinates."""
         self.spec, self.bucket, self.layout, self.lanes = spec, bucket, layout, lanes
         self.index, self.kind, self.numel = spec.index, spec.kind, bucket.numel
@@ -223,7 +281,9 @@ class ParamUnit:
         self.shard = shard  # persistent between steps
         self.full = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
         self.nbytes = self.full.untyped_storage().nbytes()
-        self.flat = alias(self.full.untyped_storage(), 0, (bucket.numel,), shard.dtype)  # what collectives write through
+        self.flat = alias(
+            self.full.untyped_storage(), 0, (bucket.numel,), shard.dtype
+        )  # what collectives write through
         self.state = UnitState.LIVE
         self.training_state = TrainingState.IDLE
         self.work: Pending | None = None
@@ -279,12 +339,18 @@ class ParamUnit:
         tag = f"ZeRO-3 unit {self.index} ({self.spec.name})"
         if self.secondary_current and not (exact and self.weight_bits):  # qwZ's secondary holds decoded INT8 values
             assert self.lanes.secondary is not None
-            self.staged, group, tag = self.secondary, self.lanes.secondary.gather, tag + " from the node's secondary partition"
+            self.staged, group, tag = (
+                self.secondary,
+                self.lanes.secondary.gather,
+                tag + " from the node's secondary partition",
+            )
         else:
             self.staged, group = self.shard if self.fetch is None else self.fetch(), self.lanes.gather
         staged, bits = self.staged, self.weight_bits if group is self.lanes.gather and not exact else 0
         if bits:  # qwZ: across the whole group, block-quantized ([Note: block-wise quantization] in comm/quantized.py)
-            self.work = self.context.issue("all_gather", lambda: all_gather_quantized(self.flat, staged, group=group, tag=tag, bits=bits), tag)
+            self.work = self.context.issue(
+                "all_gather", lambda: all_gather_quantized(self.flat, staged, group=group, tag=tag, bits=bits), tag
+            )
         else:
             self.work = self.context.issue(
                 "all_gather", lambda: comm.all_gather_into_tensor(self.flat, staged, group=group, tag=tag), tag

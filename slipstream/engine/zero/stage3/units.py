@@ -21,6 +21,7 @@ import weakref
 from typing import Literal
 
 import torch
+
 from slipstream.engine.config.base import ConfigError
 
 UnitKind = Literal["root", "block", "persistent"]
@@ -54,9 +55,7 @@ class UnitSpec:
         return sum(p.numel() for p in self.params)
 
 
-def find_units(
-    model: torch.nn.Module, unit_classes: list[str] | None, persistence_threshold: int
-) -> list[UnitSpec]:
+def find_units(model: torch.nn.Module, unit_classes: list[str] | None, persistence_threshold: int) -> list[UnitSpec]:
     """Cut ``model`` into units, in forward order: root first, then blocks in registration order, persistent last."""
     roots = _unit_roots(model, unit_classes)
     root_of_module: dict[int, str] = {}
