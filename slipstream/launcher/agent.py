@@ -1,9 +1,11 @@
 """The per-node agent: launch this node's ranks of a training script, torchrun-style.
 
 Process management (spawning, watching, restarts, tearing the survivors down when a rank dies,
-forwarding SIGTERM/SIGINT) is torch elastic's ``LocalElasticAgent``; this module only chooses its
+forwarding SIGTERM/SIGINT) is torch elastic's ``LocalElasticAgent``, run through a subclass that
+reports at the methods its agents override ([Note: the agent's seams]); this module chooses its
 settings and turns its failure report into one readable line per failed rank, with the tail of
-its traceback (recorded by ``worker.py``) and, for SIGKILL, whether the OOM killer did it.
+its traceback (recorded by ``worker.py``) and, for SIGKILL, whether the OOM killer did it. No log
+record of torch's is read and no class of torch's is patched.
 
 One node is the whole job by default; with ``num_nodes > 1`` this is one node of a multi-node
 job (started on every node by a runner, see ``runners.py``, or by hand like torchrun).
@@ -62,8 +64,6 @@ def launch(spec: LocalLaunch) -> int:
     oom_kills_at_start = oom_kill_count()
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # [Note: rendezvous choice]
     # Without --master_port we use the c10d rendezvous on port 0: the agent binds a TCPStore to a
@@ -88,41 +88,35 @@ def launch(spec: LocalLaunch) -> int:
     else:
         backend, endpoint, rdzv_configs = "static", f"{spec.master_addr}:{spec.master_port}", {"rank": 0}
     who = _Describer(spec, nproc, oom_kills_at_start)
+    local_addr = None if spec.multi_node else spec.master_addr
 
     # The agent writes per-rank error files (and, if asked, logs) under log_dir; by default it
     # leaves a torchelastic_* directory in /tmp on every run, so we own and remove it.
+    report = _AttemptReport(who, None, nproc * spec.num_nodes)
     with (
         tempfile.TemporaryDirectory(prefix="slipstream_run_") as log_dir,
         run_directory(run_id) as flight_dir,
         _rank_defaults(nproc),
-        _quiet_torch_elastic(who, flight_dir, nproc * spec.num_nodes),
+        _quiet_torch_elastic(),
         _exit_on_stdin_close(spec.exit_on_stdin_close),
     ):
-        config = LaunchConfig(
-            min_nodes=spec.num_nodes,
-            max_nodes=spec.num_nodes,
-            nproc_per_node=nproc,
-            run_id=run_id,
-            rdzv_backend=backend,
-            rdzv_endpoint=endpoint,
-            rdzv_configs=rdzv_configs,
-            max_restarts=spec.max_restarts,
-            local_addr=None if spec.multi_node else spec.master_addr,
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
-        )
+        report.flight_dir = flight_dir
+        rendezvous = _Rendezvous(backend, endpoint, run_id, spec.num_nodes, rdzv_configs, local_addr)
         # -u as torchrun does: ranks' output reaches the terminal as it is written. The worker
         # module runs the script as __main__ and records an uncaught exception for the report.
         entrypoint_args = ["-u", "-m", "slipstream.launcher.worker", spec.script, *spec.script_args]
         try:
-            elastic_launch(config, sys.executable)(*entrypoint_args)
-        except ChildFailedError as err:
-            return _report_failures(err.failures, who)
+            result = _run_agent(
+                rendezvous, nproc, spec.max_restarts, entrypoint_args, DefaultLogsSpecs(log_dir), report
+            )
         except SignalException as err:
             _say(f"{who.node}stopped by {err.sigval.name}; all ranks were terminated")
             return 128 + int(err.sigval)
         except Exception as err:  # rendezvous/store errors: the job never started
             _say(f"{who.node}could not start the job: {_startup_error(err, spec)}")
             return 1
+        if result.is_failed():
+            return _report_failures(result.failures, who)
     return 0
 
 
@@ -305,83 +299,193 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-_AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"
-_PROCS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+@dataclass(frozen=True)
+class _Rendezvous:
+    """How this node's agent meets the others (see [Note: rendezvous choice])."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    num_nodes: int
+    configs: dict[str, Any]
+    local_addr: str | None
 
 
-class _RestartNotice(logging.Filter):
-    """Turns the agent's restart log into one line of ours and drops every record it sees.
+def _run_agent(
+    rendezvous: _Rendezvous, nproc: int, max_restarts: int, args: list[str], logs_specs: Any, report: _AttemptReport
+) -> Any:
+    """Run torch elastic's agent (our subclass of it) until the job ends; its ``RunResult``.
 
-    With --max_restarts the agent restarts all ranks after a failure and only says so at INFO,
-    so the user would see the script's output twice with no explanation. As in
-    ``_report_failures`` the root cause is named, not a consequence (see [Note: every failure of
-    an attempt]).
+    What torchrun's ``launch_agent`` does, less its event log, metrics and health-check server: the
+    rendezvous handler, one worker spec, the agent, and the handler shut down at the end, except
+    after a signal (which would close the rendezvous for good, as torch notes).
+    """
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    parameters = RendezvousParameters(
+        backend=rendezvous.backend,
+        endpoint=rendezvous.endpoint,
+        run_id=rendezvous.run_id,
+        min_nodes=rendezvous.num_nodes,
+        max_nodes=rendezvous.num_nodes,
+        local_addr=rendezvous.local_addr,
+        **rendezvous.configs,
+    )
+    master_addr = master_port = None
+    if rendezvous.backend == "static":  # the store is where the endpoint says; c10d's agent picks and passes it on
+        master_addr, master_port = parse_rendezvous_endpoint(rendezvous.endpoint, default_port=-1)
+    spec = WorkerSpec(
+        role="default",
+        local_world_size=nproc,
+        entrypoint=sys.executable,
+        args=tuple(args),
+        rdzv_handler=get_rendezvous_handler(parameters),
+        max_restarts=max_restarts,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=rendezvous.local_addr,
+    )
+    agent = _agent_class()(spec=spec, logs_specs=logs_specs, start_method="spawn")
+    agent.report = report
+    shutdown = True
+    try:
+        return agent.run()
+    except SignalException:
+        shutdown = False
+        raise
+    finally:
+        if shutdown:
+            spec.rdzv_handler.shutdown()
+
+
+def _agent_class() -> type:
+    """torch elastic's ``LocalElasticAgent`` with our report at the two methods its agents override.
+
+    [Note: the agent's seams]
+    ``SimpleElasticAgent`` declares ``_monitor_workers`` and ``_restart_workers`` for its
+    subclasses to implement (``LocalElasticAgent`` is one): the monitor's result holds every
+    failure of an attempt, and a restart is a call, not a log line. So the report needs neither
+    torch's log wording nor a patched class; a torch that renamed the methods would fail the
+    launcher's restart test, not mute the report.
+    One moment is not a seam: the poll that finds a failed rank also stops the survivors, inside
+    the monitor, and the flight report must come first (a rank frozen by SIGSTOP is resumed by it
+    and then stops on SIGTERM; stopped, it would wait for the SIGKILL 30 s later). So before each
+    poll the subclass asks the kernel whether a worker has exited, without reaping it
+    (``waitid(WNOWAIT)``: torch's poll still collects its status), from the workers' public pids.
+    A rank that exits between that look and torch's poll, a few microseconds, is reported just
+    after the survivors were signalled instead.
+    """
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class SlipstreamAgent(LocalElasticAgent):
+        report: _AttemptReport
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            if not self.report.flight_reported:
+                gone = _exited_workers(worker_group.workers)
+                if gone:
+                    self.report.before_teardown(gone)
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed():
+                self.report.attempt_failed(result.failures)
+            return result
+
+        def _restart_workers(self, worker_group: Any) -> None:
+            if worker_group.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):  # not a membership change
+                self.report.restarting(worker_group.spec.max_restarts)
+            super()._restart_workers(worker_group)
+
+    return SlipstreamAgent
+
+
+def _exited_workers(workers: list[Any]) -> dict[int, int]:
+    """global rank -> exit code (minus the signal number if killed) of each worker that has exited, none reaped."""
+    waitid = getattr(os, "waitid", None)
+    gone: dict[int, int] = {}
+    for worker in workers:
+        if waitid is None or not isinstance(worker.id, int):
+            continue
+        try:
+            status = waitid(os.P_PID, worker.id, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except (ChildProcessError, OSError):
+            continue  # already reaped, or not our child
+        if status is not None and status.si_pid:
+            gone[worker.global_rank] = status.si_status if status.si_code == os.CLD_EXITED else -status.si_status
+    return {rank: code for rank, code in gone.items() if code != 0}
+
+
+class _AttemptReport:
+    """What we say of a failed attempt: its flight report, and with --max_restarts one restart line.
+
+    The agent restarts all ranks after a failure and says so only at INFO, so the user would see
+    the script's output twice with no explanation. As in ``_report_failures`` the root cause is
+    named, not a consequence (see [Note: every failure of an attempt]).
     """
 
     def __init__(self, who: _Describer, flight_dir: Path | None = None, world: int = 0) -> None:
-        super().__init__()
-        self._who = who
-        self._failures: list[tuple[int, str]] = []  # (exit code, description) logged since the last restart
-        self._attempt_failures: dict[int, Any] = {}  # global rank -> ProcessFailure, from the agent's result
-        self._flight_dir, self._world = flight_dir, world
-        self._attempt = 0  # restarts so far: the ranks' TORCHELASTIC_RESTART_COUNT
-        self._reported = False  # the flight report of this attempt is out
+        self.who, self.flight_dir, self.world = who, flight_dir, world
+        self.failures: dict[int, Any] = {}  # global rank -> ProcessFailure of the attempt that just failed
+        self.attempt = 0  # restarts so far: the ranks' TORCHELASTIC_RESTART_COUNT
+        self.flight_reported = False  # the flight report of this attempt is out
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            if record.name == _PROCS_LOGGER and record.msg.startswith("Sending process") and not self._reported:
-                self._report_flight(None)  # the teardown's first signal: the survivors still run, their rings are fresh
-            elif record.name == _PROCS_LOGGER and record.msg.startswith("failed (exitcode"):
-                exitcode, local_rank = int(record.args[0]), int(record.args[1])  # type: ignore[index]
-                pid = int(record.args[2]) if len(record.args) > 2 else None  # type: ignore[arg-type,index]
-                if not self._reported:  # no rank was left to stop
-                    self._report_flight((local_rank, exitcode))
-                self._failures.append((exitcode, self._who.failure(None, local_rank, exitcode, pid)))
-            elif record.name == _AGENT_LOGGER and "will restart worker group" in record.msg:
-                self._attempt += 1
-                self._reported = False
-                left, total = int(record.args[2]), int(record.args[3])  # type: ignore[index]
-                ranks = "this node's ranks" if self._who.host else "all ranks"
-                _say(f"{self._who.node}{self._cause()}; restarting {ranks} (restart {total - left + 1} of {total})")
-                self._failures, self._attempt_failures = [], {}
-        except (AttributeError, IndexError, TypeError, ValueError):
-            pass  # another torch version worded it differently; staying quiet is fine
-        return False
+    def before_teardown(self, exited: dict[int, int]) -> None:
+        """Ranks have failed (global rank -> exit code) and the survivors still run: the flight report now."""
+        self._report_flight({rank: _gone(code) for rank, code in exited.items()})
 
-    def saw_failures(self, failures: dict[int, Any]) -> None:
-        """Every failed rank of the attempt that just ended, as the agent's monitor returned them."""
-        self._attempt_failures = dict(failures)
+    def attempt_failed(self, failures: dict[int, Any]) -> None:
+        """Every failed rank of the attempt, as the agent's monitor returned them.
 
-    def _cause(self) -> str:
-        if self._attempt_failures:
-            rank, failure = _root_cause_first(self._attempt_failures)[0]
-            return self._who.failure(rank, failure.local_rank, failure.exitcode, failure.pid)
-        # Only the agent's log to go by (a torch whose monitor we could not wrap).
-        killed = [text for code, text in self._failures if code < 0 and code != -signal.SIGTERM]
-        return (killed or [text for _, text in self._failures] or ["a rank failed"])[0]
+        [Note: every failure of an attempt]
+        The agent's own log names one failure per attempt, the earliest by a timestamp of one-second
+        resolution: under load the rank whose collective lost a SIGKILLed peer can exit before the
+        agent polls, carry the same second, and be the one named. The monitor's result holds every
+        failure, so the root cause is chosen from all of them (``_root_cause_first``)."""
+        self.failures = dict(failures)
+        if not self.flight_reported:  # the rank exited in the moment between our look and torch's poll
+            self._report_flight({rank: _gone(f.exitcode) for rank, f in failures.items()})
 
-    def _report_flight(self, failed: tuple[int, int] | None) -> None:
-        """The hang report of this attempt, once, before the agent signals the survivors (see flight_report.py).
-
-        ``failed``: (local rank, exit code) of the rank that failed, when the agent said so first."""
-        self._reported = True
-        if self._flight_dir is None:
+    def _report_flight(self, exited: dict[int, str]) -> None:
+        """The hang report of this attempt, once (see flight_report.py)."""
+        self.flight_reported = True
+        if self.flight_dir is None:
             return
         try:
-            exited = {self._who.rank_base + failed[0]: exit_description(failed[1])} if failed else {}
-            lines = report_failed_attempt(self._flight_dir, self._attempt, self._world, exited)
+            lines = report_failed_attempt(self.flight_dir, self.attempt, self.world, exited)
         except Exception as err:  # noqa: BLE001 - the failure report itself must still print
             lines = [f"flight recorder: no report ({type(err).__name__}: {err})"]
         for line in lines:
-            _say(f"{self._who.node}{line}")
+            _say(f"{self.who.node}{line}")
+
+    def restarting(self, total: int) -> None:
+        self.attempt += 1
+        rank, failure = _root_cause_first(self.failures)[0] if self.failures else (None, None)
+        cause = (
+            "a rank failed"
+            if failure is None
+            else self.who.failure(rank, failure.local_rank, failure.exitcode, failure.pid)
+        )
+        ranks = "this node's ranks" if self.who.host else "all ranks"
+        _say(f"{self.who.node}{cause}; restarting {ranks} (restart {self.attempt} of {total})")
+        self.failures, self.flight_reported = {}, False
+
+
+def _gone(exitcode: int) -> str:
+    """How the flight report names a rank that ended: ``exited with code 1``, ``exited, killed by signal SIGKILL``."""
+    text = exit_description(exitcode)
+    return text if text.startswith("exited") else f"exited, {text}"
 
 
 @contextlib.contextmanager
-def _quiet_torch_elastic(who: _Describer, flight_dir: Path | None = None, world: int = 0) -> Iterator[None]:
-    """Mute torch elastic's launch-config dump, teardown warnings and failure banner.
+def _quiet_torch_elastic() -> Iterator[None]:
+    """Mute torch elastic's teardown warnings and failure logs: we print the failures and restarts ourselves.
 
-    We print the failures (and restarts) ourselves. ``LOGLEVEL`` is torch elastic's own switch
-    for its logs, so when the user sets it we leave them alone. Everything is restored afterwards.
+    ``LOGLEVEL`` is torch elastic's own switch for its logs, so when the user sets it we leave them
+    alone. Every level is restored afterwards.
     """
     if "LOGLEVEL" in os.environ:
         yield
@@ -389,59 +493,14 @@ def _quiet_torch_elastic(who: _Describer, flight_dir: Path | None = None, world:
     prefixes = ("torch.distributed.elastic", "torch.distributed.launcher")
     # Older torch sets a level on each module's logger, newer leaves them NOTSET under one parent.
     names = set(prefixes) | {name for name in logging.root.manager.loggerDict if name.startswith(prefixes)}
-    levels = {name: logging.CRITICAL for name in names}
-    levels[_AGENT_LOGGER] = levels[_PROCS_LOGGER] = logging.INFO  # seen by _RestartNotice only
-    notice = _RestartNotice(who, flight_dir, world)
-    saved = {name: logging.getLogger(name).level for name in levels}
-    for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
-    for name in (_AGENT_LOGGER, _PROCS_LOGGER):
-        logging.getLogger(name).addFilter(notice)
+    saved = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        with _failures_told_to(notice):
-            yield
+        yield
     finally:
-        for name in (_AGENT_LOGGER, _PROCS_LOGGER):
-            logging.getLogger(name).removeFilter(notice)
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
-
-
-@contextlib.contextmanager
-def _failures_told_to(notice: _RestartNotice) -> Iterator[None]:
-    """Hand every failed attempt's failures to ``notice`` as the agent's monitor returns them.
-
-    [Note: every failure of an attempt]
-    When an attempt fails, the agent logs one "failed (exitcode ...)" record: the failure with the
-    earliest timestamp, which has one-second resolution. Under load the rank whose collective lost
-    a SIGKILLed peer can exit before the agent polls, carry the same second, and be the one logged,
-    so the restart line named the survivor's CollectiveError, not the killed rank. The monitor's
-    result holds every failure; ``_monitor_workers`` is the method torch elastic's agents
-    override, so we wrap it for the launch and restore it afterwards. A torch without it leaves
-    the log records as the only source.
-    """
-    try:
-        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    except ImportError:
-        yield
-        return
-    original = getattr(LocalElasticAgent, "_monitor_workers", None)
-    if original is None:
-        yield
-        return
-
-    def monitor(agent: Any, worker_group: Any) -> Any:
-        result = original(agent, worker_group)
-        failures = getattr(result, "failures", None)
-        if failures:
-            notice.saw_failures(failures)
-        return result
-
-    LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        LocalElasticAgent._monitor_workers = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -296,7 +296,7 @@ def test_bad_input_is_one_line_without_traceback(outcomes, case: str) -> None:
     assert done.stdout == ""  # nothing ran, not even --dry_run's commands
 
 
-def _restart_notice():  # a _RestartNotice with _Describer's interface, no launch spec
+def _attempt_report():  # an _AttemptReport with _Describer's interface, no launch spec
     from slipstream.launcher import agent
 
     class Who:
@@ -305,31 +305,19 @@ def _restart_notice():  # a _RestartNotice with _Describer's interface, no launc
         def failure(self, rank: int | None, local_rank: int, exitcode: int, pid: int | None) -> str:
             return agent.describe_failure(local_rank, local_rank, exitcode)
 
-    return agent._RestartNotice(Who())  # type: ignore[arg-type]
+    return agent._AttemptReport(Who())  # type: ignore[arg-type]
 
 
-def _log(notice, name: str, msg: str, args: tuple) -> None:
-    import logging
-
-    notice.filter(logging.LogRecord(name, logging.INFO, "", 0, msg, args, None))
-
-
-FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s)"
-RESTART = "[%s] Worker group %s. %s/%s attempts left; will restart worker group"
-
-
-def test_the_restart_notice_names_the_killed_rank_not_the_peer_that_failed_after_it(
+def test_the_restart_line_names_the_killed_rank_not_the_peer_that_failed_after_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # The agent logs one failure per attempt, the earliest by a one-second timestamp: under load that
-    # can be the survivor whose collective lost the SIGKILLed rank. The monitor's result has both.
+    # The agent's log names one failure per attempt, the earliest by a one-second timestamp: under load
+    # that can be the survivor whose collective lost the SIGKILLed rank. The monitor's result has both.
     from types import SimpleNamespace
 
-    from slipstream.launcher import agent
-
-    notice = _restart_notice()
+    report = _attempt_report()
     collective = "CollectiveError: rank 0/2: all_reduce failed after 0.1s. Another rank probably died"
-    notice.saw_failures(
+    report.attempt_failed(
         {
             0: SimpleNamespace(
                 exitcode=1, local_rank=0, pid=11, timestamp=100, error_file_data={"message": collective}
@@ -337,41 +325,87 @@ def test_the_restart_notice_names_the_killed_rank_not_the_peer_that_failed_after
             1: SimpleNamespace(exitcode=-signal.SIGKILL, local_rank=1, pid=12, timestamp=100, error_file_data={}),
         }
     )
-    _log(notice, agent._PROCS_LOGGER, FAILED, (1, 0, 11))
-    _log(notice, agent._AGENT_LOGGER, RESTART, ("default", "FAILED", 1, 1))
+    report.restarting(2)
     said = capsys.readouterr().err
-    assert (
-        "rank 1 (local rank 1) was killed by signal SIGKILL" in said and "restarting all ranks (restart 1 of 1)" in said
+    assert said.strip() == (
+        "slipstream run: rank 1 (local rank 1) was killed by signal SIGKILL; restarting all ranks (restart 1 of 2)"
     ), said
-    assert "rank 0" not in said, said
+    report.attempt_failed({0: SimpleNamespace(exitcode=3, local_rank=0, pid=13, timestamp=200, error_file_data={})})
+    report.restarting(2)
+    assert "rank 0 (local rank 0) exited with code 3; restarting all ranks (restart 2 of 2)" in capsys.readouterr().err
 
 
-def test_without_the_monitor_result_the_restart_notice_goes_by_the_logged_failures(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    from slipstream.launcher import agent
-
-    notice = _restart_notice()
-    _log(notice, agent._PROCS_LOGGER, FAILED, (-9, 1, 12))
-    _log(notice, agent._PROCS_LOGGER, FAILED, (1, 0, 11))
-    _log(notice, agent._AGENT_LOGGER, RESTART, ("default", "FAILED", 1, 1))
-    said = capsys.readouterr().err
-    assert "rank 1 (local rank 1) was killed by signal SIGKILL" in said and "rank 0" not in said, said
-
-
-def test_the_agent_monitor_hands_every_failure_to_the_notice_and_is_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_agent_reports_at_its_monitor_and_restart_seams(monkeypatch: pytest.MonkeyPatch) -> None:
+    # [Note: the agent's seams]: the subclass gives the flight report its moment before torch's poll stops
+    # the survivors, hands a failed attempt's failures to the report, and says a restart only when it
+    # follows a failure (not a membership change).
     from types import SimpleNamespace
 
+    from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     from slipstream.launcher import agent
 
-    failed = SimpleNamespace(failures={0: "survivor", 1: "killed"})
-    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda agent, result: result)  # the group is the result
-    seen: list[dict] = []
-    with agent._failures_told_to(SimpleNamespace(saw_failures=seen.append)):  # type: ignore[arg-type]
-        assert LocalElasticAgent._monitor_workers(object(), failed) is failed  # type: ignore[arg-type]
-        LocalElasticAgent._monitor_workers(object(), SimpleNamespace(failures={}))  # type: ignore[arg-type]  # healthy
-    assert seen == [{0: "survivor", 1: "killed"}]
-    LocalElasticAgent._monitor_workers(object(), failed)  # type: ignore[arg-type]
-    assert len(seen) == 1  # restored
+    said: list[tuple] = []
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        while os.waitid(os.P_PID, exited.pid, os.WEXITED | os.WNOWAIT) is None:
+            pass
+        groups = {
+            "healthy": SimpleNamespace(workers=[SimpleNamespace(id=running.pid, global_rank=0)]),
+            "failed": SimpleNamespace(
+                workers=[SimpleNamespace(id=running.pid, global_rank=0), SimpleNamespace(id=exited.pid, global_rank=1)]
+            ),
+        }
+        results = {
+            "healthy": SimpleNamespace(is_failed=lambda: False, failures={}),
+            "failed": SimpleNamespace(is_failed=lambda: True, failures={1: "exited"}),
+        }
+
+        def monitor(self, group):  # torch's poll: by now it would have stopped the survivors
+            said.append(("polled",))
+            return results["failed" if len(group.workers) == 2 else "healthy"]
+
+        monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", monitor)
+        monkeypatch.setattr(LocalElasticAgent, "_restart_workers", lambda self, group: said.append(("restarted",)))
+        subclass = agent._agent_class()
+        assert issubclass(subclass, LocalElasticAgent)
+        instance = object.__new__(subclass)  # the seams need no rendezvous
+
+        class Report:
+            flight_reported = False
+
+            def before_teardown(self, gone: dict[int, int]) -> None:
+                self.flight_reported = True
+                said.append(("flight", gone))
+
+            def attempt_failed(self, failures: dict) -> None:
+                said.append(("failed", failures))
+
+            def restarting(self, total: int) -> None:
+                said.append(("restarting", total))
+
+        instance.report = Report()
+        assert instance._monitor_workers(groups["healthy"]) is results["healthy"]
+        assert instance._monitor_workers(groups["failed"]) is results["failed"]
+        spec = SimpleNamespace(max_restarts=3)
+        instance._restart_workers(SimpleNamespace(state=WorkerState.FAILED, spec=spec))
+        instance._restart_workers(SimpleNamespace(state=WorkerState.HEALTHY, spec=spec))  # new nodes joined
+        assert said == [
+            ("polled",),
+            ("flight", {1: 3}),  # before the poll, and only the rank that exited
+            ("polled",),
+            ("failed", {1: "exited"}),
+            ("restarting", 3),
+            ("restarted",),
+            ("restarted",),
+        ]
+        assert exited.wait(timeout=10) == 3  # looked at, not reaped: torch's poll still reads the code
+        running.kill()
+        while os.waitid(os.P_PID, running.pid, os.WEXITED | os.WNOWAIT) is None:
+            pass
+        assert agent._exited_workers([SimpleNamespace(id=running.pid, global_rank=5)]) == {5: -signal.SIGKILL}
+    finally:
+        running.kill()
+        running.wait()
