@@ -43,6 +43,7 @@ import torch.distributed as dist
 from slipstream.comm import all_gather_objects, broadcast_object, p2p
 from slipstream.engine.checkpoint.format import safetensors_header
 from slipstream.engine.zero.slices import OwnedSlice
+from slipstream.utils.pieces import ParamSlice, assemble
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # save_pretrained's default
 CHANNEL = 1 << 24  # p2p channels (backend tags) of a save: CHANNEL + the parameter's place in the plan
@@ -239,18 +240,12 @@ class ShardReport:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Piece:
-    rank: int
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    start: int
-    numel: int
-    duplicate: bool
+class _Held:
+    """A slice of a parameter as one rank holds it for the save."""
 
-    def whole(self, shape: tuple[int, ...]) -> bool:
-        return (
-            self.start == 0 and self.numel == math.prod(shape) and self.sizes == tuple(shape) and not any(self.offsets)
-        )
+    rank: int
+    piece: ParamSlice
+    duplicate: bool  # another rank holds the same elements and sends them
 
 
 def write_sharded(
@@ -277,7 +272,7 @@ def write_sharded(
     for o in owned:
         value = o.value.detach().reshape(-1)
         for lo, hi, s in o.slice.split():  # a packed piece (tensor parallel) is one box per part
-            pieces.append((s.name, list(s.shape), list(s.offsets), list(s.sizes), s.start, s.numel, o.duplicate))
+            pieces.append((s.entry(), o.duplicate))
             values.append(value[lo:hi])
     mine = {
         "names": names,
@@ -346,19 +341,20 @@ class _Walk:
         self.sent = self.received = 0
         self.device = _comm_device()
         self.shape: dict[str, tuple[int, ...]] = {}
-        self.pieces: dict[str, list[_Piece]] = {}
-        self.local: dict[str, list[tuple[_Piece, torch.Tensor]]] = {}
+        self.pieces: dict[str, list[_Held]] = {}
+        self.local: dict[str, list[tuple[_Held, torch.Tensor]]] = {}
         frozen: set[str] = set()
         order: dict[str, None] = {}  # names in model order: the ranks in order (pipeline stages), each its own order
         for r, found in enumerate(gathered):
             frozen.update(found["frozen"])
             order.update(dict.fromkeys(found["names"]))
-            for i, (name, shape, offsets, sizes, start, numel, duplicate) in enumerate(found["pieces"]):
-                piece = _Piece(r, tuple(offsets), tuple(sizes), start, numel, duplicate)
-                self.shape.setdefault(name, tuple(shape))
-                self.pieces.setdefault(name, []).append(piece)
+            for i, (entry, duplicate) in enumerate(found["pieces"]):
+                held = _Held(r, ParamSlice.from_entry(entry), duplicate)
+                name = held.piece.name
+                self.shape.setdefault(name, held.piece.shape)
+                self.pieces.setdefault(name, []).append(held)
                 if r == rank:
-                    self.local.setdefault(name, []).append((piece, values[i]))
+                    self.local.setdefault(name, []).append((held, values[i]))
         missing = [n for n in order if n not in self.pieces]
         if missing:
             raise RuntimeError(f"sharded save: no rank holds a slice of parameter {missing[0]!r}")
@@ -405,19 +401,16 @@ class _Walk:
         works, outgoing, own = [], [], None
         for name in (share[k] for share in self.shares if k < len(share)):  # plan order: the shares are contiguous
             owner, shape, channel = self.owner[name], self.shape[name], CHANNEL + self.place[name]
-            if any(
-                p.rank == owner and p.whole(shape) for p in self.pieces[name]
-            ):  # the writer holds it whole: no traffic
+            if any(p.rank == owner and p.piece.complete for p in self.pieces[name]):  # the writer holds it whole
                 if self.rank == owner:
-                    whole = next(v for piece, v in self.local[name] if piece.whole(shape))
-                    own = (shape, [(_Piece(owner, (0,) * len(shape), shape, 0, whole.numel(), False), whole)])
+                    own = (shape, [next((held.piece, v) for held, v in self.local[name] if held.piece.complete)])
                 continue
             saved = [p for p in self.pieces[name] if not p.duplicate]
             senders = sorted({p.rank for p in saved} - {owner})
             if self.rank == owner:
-                parts = [(piece, v) for piece, v in self.local.get(name, []) if not piece.duplicate]
+                parts = [(held.piece, v) for held, v in self.local.get(name, []) if not held.duplicate]
                 for source in senders:
-                    theirs = [p for p in saved if p.rank == source]
+                    theirs = [p.piece for p in saved if p.rank == source]
                     buffer = hold(torch.empty(sum(p.numel for p in theirs), dtype=self.dtype, device=self.device))
                     works.append(p2p.recv(buffer, source, channel, tag=f"{name} for the sharded save"))
                     self.received += buffer.numel() * buffer.element_size()
@@ -427,7 +420,7 @@ class _Walk:
                         at += piece.numel
                 own = (shape, parts)
             elif self.rank in senders:
-                sources = [v for piece, v in self.local[name] if not piece.duplicate]
+                sources = [v for held, v in self.local[name] if not held.duplicate]
                 cast = [v.to(self.device, self.dtype) for v in sources]
                 outgoing.append(cast[0].contiguous() if len(cast) == 1 else torch.cat(cast))  # kept until sent
                 if outgoing[-1] is not sources[0]:  # a new tensor; the live slice itself costs nothing more
@@ -440,21 +433,9 @@ class _Walk:
         del works, outgoing  # sent (a backend's work holds its tensor): freed before this rank's parameter is assembled
         return None if own is None else self._assemble(*own)
 
-    def _assemble(self, shape: tuple[int, ...], parts: Iterable[tuple[_Piece, torch.Tensor]]) -> torch.Tensor:
-        """The whole parameter from pieces that tile it (each a flat range inside a box), on the CPU, in the output dtype."""
-        full = self.held.hold(torch.empty(shape, dtype=self.dtype))
-        boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[_Piece, torch.Tensor]]] = {}
-        for piece, data in parts:
-            boxes.setdefault((piece.offsets, piece.sizes), []).append((piece, data))
-        for (offsets, sizes), members in boxes.items():
-            is_whole = tuple(sizes) == tuple(shape) and not any(offsets)
-            flat = full.view(-1) if is_whole else self.held.hold(torch.empty(math.prod(sizes), dtype=self.dtype))
-            for piece, data in members:
-                flat[piece.start : piece.start + piece.numel].copy_(data.to("cpu", self.dtype))
-            if not is_whole:
-                full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = flat.view(sizes)
-            del flat
-        return full
+    def _assemble(self, shape: tuple[int, ...], parts: Iterable[tuple[ParamSlice, torch.Tensor]]) -> torch.Tensor:
+        """The whole parameter from pieces that tile it, on the CPU, in the output dtype, counted as held."""
+        return assemble(shape, parts, self.dtype, self.held.hold)
 
 
 def _comm_device() -> torch.device:

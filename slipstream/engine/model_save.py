@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.hf_shards import ShardReport, write_sharded
 from slipstream.engine.zero.strategy import ShardingStrategy
+from slipstream.utils.pieces import ParamSlice, assemble
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +60,6 @@ class ModelWeights:
         the values; rank 0 assembles every parameter as the checkpoint reader does. Names keep the
         order of the ranks (pipeline stages in order), each rank's in its model order. Collective.
         """
-        from slipstream.engine.checkpoint.pieces import assemble
-
         frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad} if exclude_frozen else set()
         entries, values = [], []
         for owned in self.strategy.sharded_state():
@@ -69,30 +67,20 @@ class ModelWeights:
                 continue
             value = owned.value.detach().float().reshape(-1).cpu()
             for lo, hi, s in owned.slice.split():  # a packed piece (tensor parallel) is one box per part
-                entries.append(
-                    {
-                        "name": s.name,
-                        "shape": list(s.shape),
-                        "start": s.start,
-                        "numel": s.numel,
-                        "box": {"offsets": list(s.offsets), "sizes": list(s.sizes)},
-                    }
-                )
+                entries.append(s.entry())
                 values.append(value[lo:hi])
         mine = (entries, torch.cat(values) if values else torch.zeros(0))
         gathered = comm.gather_objects(mine, dst=0, tag="consolidated weights")
         if gathered is None:
             return None
-        pieces: dict[str, list[Any]] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
+        pieces: dict[str, list[tuple[ParamSlice, torch.Tensor]]] = {}
         for rank_entries, flat in gathered:
             offset = 0
             for entry in rank_entries:
-                part = flat[offset : offset + entry["numel"]]
-                offset += entry["numel"]
-                shapes.setdefault(entry["name"], tuple(entry["shape"]))
-                pieces.setdefault(entry["name"], []).append((entry, lambda lo, hi, part=part: part[lo:hi]))
-        return {name: assemble(shapes[name], pieces[name], torch.float32) for name in pieces}
+                piece = ParamSlice.from_entry(entry)
+                pieces.setdefault(piece.name, []).append((piece, flat[offset : offset + piece.numel]))
+                offset += piece.numel
+        return {name: assemble(parts[0][0].shape, parts, torch.float32) for name, parts in pieces.items()}
 
     def full_state(self, exclude_frozen: bool = False) -> dict[str, torch.Tensor] | None:
         """Parameters in the training dtype plus persistent buffers, on rank 0 (``None`` elsewhere). Collective."""

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) within the global tensor
+from slipstream.utils.pieces import Box
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Placement:
     duplicate: bool = False  # another rank holds the same piece and is the one that saves and counts it
     boxes: tuple[Box, ...] | None = None
 
-    def box(self, local_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    def box(self, local_shape: tuple[int, ...]) -> Box | None:
         """``(offsets, sizes)`` within the global tensor; None when the piece is the whole tensor (or packed: see ``boxes``)."""
         if self.boxes is not None:
             return None
@@ -112,7 +112,7 @@ def placement_of(param: torch.Tensor) -> Placement | None:
     return getattr(param, _ATTRIBUTE, None)
 
 
-def global_shape_and_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None]:
+def global_shape_and_box(param: torch.Tensor) -> tuple[tuple[int, ...], Box | None]:
     """What a checkpoint slice of ``param`` records: its global shape and its box (None: whole)."""
     placement = getattr(param, _ATTRIBUTE, None)
     if placement is None:

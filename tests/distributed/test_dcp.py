@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import slipstream
-from slipstream.engine.checkpoint.dcp import flat_boxes, load_dcp, save_dcp
+from slipstream.engine.checkpoint.dcp import load_dcp, save_dcp
 from slipstream.engine.checkpoint.validate import CheckpointError
+from slipstream.utils.pieces import flat_boxes
 from tests.harness import run_distributed
 
 VOCAB, HIDDEN, MB, SEQ = 29, 12, 2, 8

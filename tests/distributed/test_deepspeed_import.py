@@ -60,7 +60,7 @@ def _resume(
 
 def _loaded_state(out: Path) -> dict[str, dict[str, torch.Tensor]]:
     from slipstream.engine.checkpoint.reader import CheckpointReader
-    from slipstream.engine.zero.slices import ParamSlice
+    from slipstream.utils.pieces import ParamSlice
 
     reader = CheckpointReader(out / "after_load")
     found: dict[str, dict[str, torch.Tensor]] = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}

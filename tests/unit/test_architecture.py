@@ -19,6 +19,9 @@ source with ``ast``; nothing is imported, so it takes a fraction of a second).
 * No file under ``slipstream/`` is longer than 600 lines.
 * Only ``slipstream.comm`` calls ``torch.distributed``'s collectives and point-to-point transfers: every
   other module goes through comm, so the comms log, the flight recorder and the timeouts see each call.
+* A piece of a global tensor has one home, ``slipstream.utils.pieces`` ([Note: a piece of a global
+  tensor]): no other module binds ``Box``, declares a class with a box (or offsets) and a flat range
+  (start and numel), or indexes a box by hand (``slice(o, o + n)``).
 
 [Note: the graph's conventions] ``from a.b import c`` is an edge to ``a.b.c`` when that is a module,
 else to ``a.b``; ``import a.b.c`` is an edge to ``a.b.c`` only (for cycles, importing a submodule
@@ -482,6 +485,48 @@ def test_no_file_over_600_lines() -> None:
     assert not found, "\n".join(found)
 
 
+PIECES = "slipstream.utils.pieces"
+
+
+def piece_reimplementations(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, what) of each place a module redoes the piece type: a module-level ``Box``, a class with a box
+    and a flat range among its annotated fields, a ``slice(o, o + n)`` call (a box indexed by hand)."""
+    found = []
+    for node in tree.body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == "Box" for t in targets):
+            found.append((node.lineno, "binds Box"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            fields = {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            if fields & {"box", "offsets"} and {"start", "numel"} <= fields:
+                found.append((node.lineno, f"class {node.name} is a piece of a global tensor"))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "slice" and len(node.args) == 2:
+            first, second = node.args
+            if (
+                isinstance(second, ast.BinOp)
+                and isinstance(second.op, ast.Add)
+                and ast.dump(second.left) == ast.dump(first)
+            ):
+                found.append((node.lineno, "indexes a box by hand"))
+    return found
+
+
+def piece_types_outside_home(g: Graph) -> list[str]:
+    return [
+        f"{g.files[module].relative_to(ROOT)}:{line}: {what} (use {PIECES})"
+        for module in sorted(set(g.files) - {PIECES})
+        for line, what in piece_reimplementations(g.trees[module])
+    ]
+
+
+def test_one_piece_type() -> None:
+    found = piece_types_outside_home(graph())
+    assert not found, "\n".join(found)
+
+
 def test_only_comm_calls_collectives() -> None:
     found = collectives_outside_comm(graph())
     assert not found, "\n".join(found)
@@ -516,3 +561,9 @@ def test_the_checks_see_what_they_check() -> None:
         "d.all_reduce(x)\ndistributed.send(x, 1)\ntorch.distributed.broadcast(x, 0)\nb()\nd.get_rank()\nother.all_reduce(x)\n"
     )
     assert collective_calls(ast.parse(calls)) == [(4, "all_reduce"), (5, "send"), (6, "broadcast"), (7, "barrier")]
+    assert len(piece_reimplementations(g.trees[PIECES])) == 3  # its Box, ParamSlice and box_index are seen
+    redone = (
+        "Box = tuple\nclass P:\n    offsets: tuple\n    start: int\n    numel: int\n"
+        "x = full[tuple(slice(o, o + s) for o, s in zip(a, b))]\ny = t[slice(a, b + a)]\n"
+    )
+    assert [line for line, _ in piece_reimplementations(ast.parse(redone))] == [1, 2, 6]

@@ -17,12 +17,13 @@ import torch
 
 from slipstream.engine.checkpoint import writer
 from slipstream.engine.checkpoint.capture import capture
-from slipstream.engine.checkpoint.pieces import LayoutError, check_tiling
 from slipstream.engine.checkpoint.reader import CheckpointReader
 from slipstream.engine.checkpoint.restore import restore
 from slipstream.engine.checkpoint.rng import RngState
 from slipstream.engine.checkpoint.target import CheckpointTarget, Counters, TrainState
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.checkpoint.tiling import LayoutError, check_tiling
+from slipstream.engine.zero.slices import OwnedSlice
+from slipstream.utils.pieces import ParamSlice
 
 SHAPE = (6, 8)
 W = torch.arange(48, dtype=torch.float32).reshape(SHAPE) / 7

@@ -167,7 +167,7 @@ def test_there_and_back_keeps_every_tensor(case: str, tmp_path: Path) -> None:
     from slipstream.engine.checkpoint.deepspeed.convert import convert
     from slipstream.engine.checkpoint.deepspeed.export import export_deepspeed
     from slipstream.engine.checkpoint.reader import CheckpointReader
-    from slipstream.engine.zero.slices import ParamSlice
+    from slipstream.utils.pieces import ParamSlice
 
     first = convert(FIXTURES / case / "global_step3", tmp_path / "ours", "converted")
     back = export_deepspeed(tmp_path / "ours", tmp_path / "deepspeed")

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from slipstream.engine.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, encode_tree, key_part
-from slipstream.engine.checkpoint.pieces import piece_key
 from slipstream.engine.checkpoint.target import CheckpointTarget
+from slipstream.engine.checkpoint.tiling import piece_key
 from slipstream.engine.zero.slices import OwnedSlice
 from slipstream.utils.placement import global_shape_and_box
 from slipstream.version import __version__
@@ -89,9 +89,7 @@ def _capture_slice(owned: OwnedSlice, state: dict[str, Any] | None, tensors: dic
     s = owned.slice
     key = slice_key("p", owned)
     tensors[key] = owned.value if owned.value.dtype == torch.float32 else owned.value.float()
-    entry: dict[str, Any] = {"name": s.name, "shape": list(s.shape), "start": s.start, "numel": s.numel, "key": key}
-    if not s.whole:
-        entry["box"] = {"offsets": list(s.offsets), "sizes": list(s.sizes)}
+    entry: dict[str, Any] = {**s.entry(), "key": key}
     if state:
         entry["optimizer"] = opt = {}
         for name, value in state.items():

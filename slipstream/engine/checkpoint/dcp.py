@@ -55,8 +55,9 @@ from slipstream.engine.checkpoint.format import decode_tree, encode_tree
 from slipstream.engine.checkpoint.restore import apply_group, apply_stateful, counters_from, finite, same_values
 from slipstream.engine.checkpoint.target import CheckpointTarget
 from slipstream.engine.checkpoint.validate import CheckpointError
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.zero.slices import OwnedSlice
 from slipstream.utils.logging import get_logger
+from slipstream.utils.pieces import Box, ParamSlice, flat_boxes
 from slipstream.utils.placement import global_shape_and_box
 
 logger = get_logger(__name__)
@@ -73,38 +74,6 @@ TORCH_ADAM = {
     "differentiable": False,
     "fused": None,
 }
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def flat_boxes(sizes: tuple[int, ...], start: int, end: int) -> list[Box]:
-    """Elements ``[start, end)`` of a row-major tensor of ``sizes`` as boxes, in order (each one contiguous)."""
-    if start >= end:
-        return []
-    if not sizes:
-        return [((), ())]
-    inner = math.prod(sizes[1:])
-    (r0, c0), (r1, c1) = divmod(start, inner), divmod(end, inner)
-
-    def row(r: int, lo: int, hi: int) -> list[Box]:
-        return [((r, *o), (1, *s)) for o, s in flat_boxes(sizes[1:], lo, hi)]
-
-    if r0 == r1:
-        return row(r0, c0, c1)
-    boxes = row(r0, c0, inner) if c0 else []
-    first = r0 + 1 if c0 else r0
-    if r1 > first:
-        boxes.append(((first, *[0] * (len(sizes) - 1)), (r1 - first, *sizes[1:])))
-    return boxes + (row(r1, 0, c1) if c1 else [])
-
-
-def _covering_rows(part: ParamSlice) -> tuple[Box, int]:
-    """The box of whole rows (of ``part``'s box) that holds its flat range, and where the range starts in it."""
-    offsets, sizes = part.offsets, part.sizes
-    if not sizes:
-        return ((), ()), 0
-    inner = max(1, math.prod(sizes[1:]))
-    r0, r1 = part.start // inner, -(-(part.start + part.numel) // inner)
-    return ((offsets[0] + r0, *offsets[1:]), (r1 - r0, *sizes[1:])), part.start - r0 * inner
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -348,7 +317,7 @@ class _Request:
         """Ask for the rows covering each box of ``slice_``: ``(lo, hi, flat view)`` per part."""
         found = []
         for lo, hi, part in slice_.split():
-            box, skip = _covering_rows(part)
+            box, skip = part.covering_rows()
             buffer = torch.empty(box[1], dtype=dtype)
             self.boxes.setdefault(key, []).append((box, buffer))
             found.append((lo, hi, buffer.view(-1)[skip : skip + part.numel]))

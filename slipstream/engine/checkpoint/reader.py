@@ -31,18 +31,10 @@ from slipstream.engine.checkpoint.format import (
     file_crc32,
     rank_stem,
 )
-from slipstream.engine.checkpoint.pieces import (
-    LayoutError,
-    assemble,
-    check_keys,
-    check_tiling,
-    cut,
-    entry_box,
-    is_whole,
-)
 from slipstream.engine.checkpoint.tags import TagError, check_load_tag, tag_problem
+from slipstream.engine.checkpoint.tiling import LayoutError, assemble, check_keys, check_tiling, entry_box
 from slipstream.engine.checkpoint.validate import CheckpointError, check_manifest, check_rank_meta
-from slipstream.engine.zero.slices import ParamSlice
+from slipstream.utils.pieces import ParamSlice, is_whole
 from slipstream.utils.placement import global_shape_and_box
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt")
@@ -518,7 +510,7 @@ class CheckpointReader:
 
             pieces = [(entry, reader_of(rank, entry)) for _, _, rank, entry in entries]
             self._full = (cache_key, assemble(tuple(s.shape), pieces, dtype or torch.float32))
-        return cut(self._full[1], s)
+        return s.cut(self._full[1])
 
     def read_param(self, s: ParamSlice) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the flattened fp32 parameter, from whichever slices hold them."""

@@ -21,8 +21,9 @@ from slipstream.comm import all_gather_objects
 from slipstream.engine.checkpoint.capture import LOADER_STATE, persistent_buffers
 from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader
 from slipstream.engine.checkpoint.target import CheckpointTarget, TrainState
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.zero.slices import OwnedSlice
 from slipstream.utils.logging import get_logger
+from slipstream.utils.pieces import ParamSlice
 
 logger = get_logger(__name__)
 

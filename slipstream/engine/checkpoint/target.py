@@ -15,7 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.zero.slices import OwnedSlice
+from slipstream.utils.pieces import ParamSlice
 
 
 @runtime_checkable

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from slipstream.engine.checkpoint.reader import CheckpointReader, check_files
-from slipstream.engine.zero.slices import ParamSlice
+from slipstream.utils.pieces import ParamSlice
 
 
 def verify(reader: CheckpointReader) -> int:

@@ -77,21 +77,16 @@ def loss_mismatch(ours: float, theirs: float, tolerance: float, what: str = "the
 
 def local_piece(reference: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
     """The part of a whole-model tensor this rank's (possibly sharded) parameter holds, by its placement."""
+    from slipstream.utils.pieces import box_index
     from slipstream.utils.placement import placement_of
 
     placed = placement_of(param)
     if placed is None or tuple(placed.global_shape) != tuple(reference.shape):
         return reference if reference.shape == param.shape else None
     if placed.boxes is not None:
-        pieces = [
-            reference[tuple(slice(o, o + n) for o, n in zip(off, sizes))].reshape(-1) for off, sizes in placed.boxes
-        ]
-        return torch.cat(pieces).view(param.shape)
+        return torch.cat([reference[box_index(box)].reshape(-1) for box in placed.boxes]).view(param.shape)
     box = placed.box(tuple(param.shape))
-    if box is None:
-        return reference
-    offsets, sizes = box
-    return reference[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+    return reference if box is None else reference[box_index(box)]
 
 
 def _local_pairs(

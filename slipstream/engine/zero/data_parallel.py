@@ -27,10 +27,11 @@ from slipstream.engine.zero.params import (
     slice_state,
 )
 from slipstream.engine.zero.sharding_groups import first_of, model_spread
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice, slice_of
+from slipstream.engine.zero.slices import OwnedSlice, slice_of
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions, ShardingStrategy
 from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.utils.logging import get_logger
+from slipstream.utils.pieces import ParamSlice
 from slipstream.utils.placement import is_duplicate, placement_of
 
 logger = get_logger(__name__)

@@ -25,8 +25,9 @@ import torch
 from slipstream.engine.zero.offload.chunks import Chunks, copy_in, copy_out, overlaps
 from slipstream.engine.zero.params import bind_optimizer, install_slice_state, optimizer_state_bytes, slice_state
 from slipstream.engine.zero.partition import PartitionSpec
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.zero.slices import OwnedSlice
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec
+from slipstream.utils.pieces import ParamSlice
 
 
 class MasterWeights(abc.ABC):

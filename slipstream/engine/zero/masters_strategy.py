@@ -19,8 +19,9 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.engine.zero.masters import MasterWeights
 from slipstream.engine.zero.sharding_groups import is_replica, model_spread, sum_over_groups
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.zero.slices import OwnedSlice
 from slipstream.engine.zero.strategy import ShardingOptions, ShardingStrategy
+from slipstream.utils.pieces import ParamSlice
 from slipstream.utils.placement import is_duplicate, placement_of
 
 Piece = tuple[

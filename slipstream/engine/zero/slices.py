@@ -9,7 +9,8 @@ ranges, because the optimizer steps exactly these slices.
 
 [Note: boxes] Tensor parallelism cuts a parameter into boxes (offsets and sizes along each
 dimension) before ZeRO flattens what a rank holds. So a slice is a flat range *inside a box* of the
-global tensor; ZeRO alone is the case "box = the whole tensor", the default.
+global tensor; ZeRO alone is the case "box = the whole tensor", the default. The slice type itself,
+``ParamSlice``, lives in ``utils/pieces.py`` ([Note: a piece of a global tensor]).
 """
 
 from __future__ import annotations
@@ -18,57 +19,8 @@ import dataclasses
 
 import torch
 
+from slipstream.utils.pieces import ParamSlice
 from slipstream.utils.placement import global_shape_and_box, parts_of
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSlice:
-    """Elements ``[start, start + numel)`` of the flattened ``box`` of the parameter ``name`` of global shape ``shape``.
-
-    ``box`` is ``(offsets, sizes)`` within the global tensor; ``None`` means the whole tensor.
-    ``parts``: a packed piece (utils/placement.py, [Note: packed pieces]) is several boxes laid end
-    to end, given as ``(flat start in the piece, box)``; then ``start`` counts in the piece and
-    :meth:`split` gives the one-box slices a checkpoint stores.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    start: int
-    numel: int
-    box: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-    parts: tuple[tuple[int, tuple[tuple[int, ...], tuple[int, ...]]], ...] | None = None
-
-    def split(self) -> list[tuple[int, int, ParamSlice]]:
-        """``(lo, hi, one-box slice)``: elements ``[lo, hi)`` of this slice are that slice (itself when one box)."""
-        if self.parts is None:
-            return [(0, self.numel, self)]
-        found = []
-        end = self.start + self.numel
-        for begin, box in self.parts:
-            size = 1
-            for n in box[1]:
-                size *= n
-            lo, hi = max(self.start, begin), min(end, begin + size)
-            if lo < hi:
-                found.append(
-                    (lo - self.start, hi - self.start, ParamSlice(self.name, self.shape, lo - begin, hi - lo, box))
-                )
-        return found
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        return self.box[0] if self.box is not None else (0,) * len(self.shape)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return self.box[1] if self.box is not None else tuple(self.shape)
-
-    @property
-    def whole(self) -> bool:
-        """True when the box is the whole tensor (every ZeRO-only slice)."""
-        if self.parts is not None:
-            return False
-        return self.box is None or (all(o == 0 for o in self.box[0]) and tuple(self.box[1]) == tuple(self.shape))
 
 
 @dataclasses.dataclass

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from slipstream.engine.zero.offload.options import OffloadOptions
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.zero.slices import OwnedSlice
+from slipstream.utils.pieces import ParamSlice
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 

@@ -25,8 +25,9 @@ from slipstream.engine.checkpoint.deepspeed.partitions import Share, zero3_share
 from slipstream.engine.checkpoint.deepspeed.source import DeepSpeedCheckpoint, describe
 from slipstream.engine.checkpoint.deepspeed.unpickle import load_pickle
 from slipstream.engine.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, encode_tree, key_part
-from slipstream.engine.checkpoint.pieces import piece_key
+from slipstream.engine.checkpoint.tiling import piece_key
 from slipstream.engine.checkpoint.validate import CheckpointError
+from slipstream.utils.pieces import ParamSlice
 from slipstream.version import __version__
 
 # A piece of the output: the share, its fp32 values, its optimizer state (per-element tensors, scalars).
@@ -264,10 +265,7 @@ def _payload(
         key = piece_key("p", share.name, whole, share.shape, share.start, FORMAT_VERSION)
         tensors[key] = values
         entry: dict[str, Any] = {
-            "name": share.name,
-            "shape": list(share.shape),
-            "start": share.start,
-            "numel": share.numel,
+            **ParamSlice(share.name, tuple(share.shape), share.start, share.numel).entry(),
             "key": key,
         }
         if state:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader, resolve
-from slipstream.engine.zero.slices import ParamSlice
+from slipstream.utils.pieces import ParamSlice
 
 DEEPSPEED_VERSION = "0.19.8"  # the layout written (DeepSpeed 0.14-0.19 read it)
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from slipstream.engine.zero.offload.partition import PartitionOffload
-from slipstream.engine.zero.slices import OwnedSlice, ParamSlice
+from slipstream.engine.zero.slices import OwnedSlice
+from slipstream.utils.pieces import ParamSlice
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

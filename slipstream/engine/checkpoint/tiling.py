@@ -1,4 +1,4 @@
-"""Pieces of global tensors: exact-coverage checks and re-slicing for any target layout.
+"""A checkpoint's saved slices: exact-coverage checks, their tensor keys, and assembling from files.
 
 [Note: the layout] A saved piece is (parameter name, global shape, box, flat range inside the
 box): ``box`` = per-dimension offsets and sizes within the global tensor (absent: the whole
@@ -6,7 +6,8 @@ tensor), then elements ``[start, start + numel)`` of the box flattened row-major
 saves whole-tensor boxes cut into flat ranges; tensor parallelism adds real boxes. The boxes of
 a parameter must tile it and each box's ranges must tile the box: no overlap, no gap. A load
 asks for any (box, range) and gets it assembled from whatever pieces hold it, one parameter at a
-time, so memory is bounded by the largest parameter.
+time, so memory is bounded by the largest parameter. The slice type and the box arithmetic are
+``utils/pieces.py``'s ([Note: a piece of a global tensor]); this module adds what the files need.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from typing import Any
 import torch
 
 from slipstream.engine.checkpoint.format import key_part
-from slipstream.engine.zero.slices import ParamSlice
 from slipstream.errors import SlipstreamError
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
+from slipstream.utils.pieces import Box, ParamSlice, is_whole, whole_box
+from slipstream.utils.pieces import assemble as assemble_slices
 
 
 class LayoutError(SlipstreamError, ValueError):
@@ -31,12 +31,8 @@ class LayoutError(SlipstreamError, ValueError):
 def entry_box(entry: dict[str, Any], shape: tuple[int, ...]) -> Box:
     box = entry.get("box")
     if box is None:
-        return (0,) * len(shape), tuple(shape)
+        return whole_box(shape)
     return tuple(box["offsets"]), tuple(box["sizes"])
-
-
-def is_whole(box: Box, shape: tuple[int, ...]) -> bool:
-    return all(o == 0 for o in box[0]) and tuple(box[1]) == tuple(shape)
 
 
 def check_tiling(name: str, shape: tuple[int, ...], entries: list[dict[str, Any]]) -> None:
@@ -114,28 +110,12 @@ def check_keys(entry: dict[str, Any], version: int) -> str | None:
     return None
 
 
-def box_index(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(*box))
-
-
 def assemble(
     shape: tuple[int, ...], pieces: list[tuple[dict[str, Any], Callable[[int, int], torch.Tensor]]], dtype: torch.dtype
 ) -> torch.Tensor:
-    """The whole parameter of ``shape`` from its pieces; ``read(lo, hi)`` gives elements ``[lo, hi)`` of a piece."""
-    full = torch.empty(shape, dtype=dtype)
-    by_box: dict[Box, list[tuple[dict[str, Any], Callable[[int, int], torch.Tensor]]]] = {}
-    for entry, read in pieces:
-        by_box.setdefault(entry_box(entry, shape), []).append((entry, read))
-    for box, members in by_box.items():
-        flat = torch.empty(math.prod(box[1]), dtype=dtype)
-        for entry, read in members:
-            if entry["numel"]:
-                flat[entry["start"] : entry["start"] + entry["numel"]] = read(0, entry["numel"])
-        full[box_index(box)] = flat.view(box[1])
-    return full
-
-
-def cut(full: torch.Tensor, s: ParamSlice) -> torch.Tensor:
-    """Elements ``[start, start + numel)`` of ``s``'s box of ``full``, as a new 1-D tensor."""
-    region = full[box_index((s.offsets, s.sizes))]
-    return region.reshape(-1)[s.start : s.start + s.numel].clone()
+    """The whole parameter of ``shape`` from its saved slices; ``read(lo, hi)`` gives elements ``[lo, hi)`` of one."""
+    return assemble_slices(
+        shape,
+        ((ParamSlice.from_entry(entry), lambda read=read, n=entry["numel"]: read(0, n)) for entry, read in pieces),
+        dtype,
+    )
