@@ -157,7 +157,7 @@ def test_inference_follows_the_data_flow_across_sibling_modules() -> None:
     unsharded; traced through the probe's autograd graph, each group ends at the first leaf reading its outputs."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from slipstream.engine.parallel.tensor.selfcheck import leaf_inputs
+    from slipstream.engine.parallel.tensor.probe import leaf_inputs
 
     torch.manual_seed(0)
     model = BertForMaskedLM(

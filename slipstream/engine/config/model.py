@@ -92,7 +92,7 @@ class SlipstreamConfig(Section):
     long_context: sections.LongContextConfig = Field(default_factory=sections.LongContextConfig)
     compile: sections.CompileConfig = Field(default_factory=sections.CompileConfig)
     twin_check: bool = Field(
-        True, description="run the parallelized model next to its unparallelized twin at initialize (parallel/twin.py)"
+        True, description="run the parallelized model next to its unparallelized twin at initialize (parallel/twin/)"
     )
     # The mesh (engine/parallel/mesh.py): world = pp · dp · cp · sp · tp.
     tensor_parallel: parallel.TensorParallelConfig = Field(default_factory=parallel.TensorParallelConfig)

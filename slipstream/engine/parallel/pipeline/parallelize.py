@@ -22,13 +22,14 @@ from slipstream.comm.agree import agree
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
-from slipstream.engine.parallel.pipeline import cut, profile, twin
+from slipstream.engine.parallel.pipeline import cut, profile
 from slipstream.engine.parallel.pipeline.carry import RouterCarry
 from slipstream.engine.parallel.pipeline.executor import Executor, StepTiming, predicted_bubble
 from slipstream.engine.parallel.pipeline.options import PipelineOptions
 from slipstream.engine.parallel.pipeline.schedules import Schedule, build
 from slipstream.engine.parallel.pipeline.simulate import simulate
-from slipstream.engine.parallel.twin import synthetic_batches
+from slipstream.engine.parallel.twin import pipeline as twin
+from slipstream.engine.parallel.twin.harness import synthetic_batches
 from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.placement import place, placement_of
 
@@ -208,7 +209,7 @@ class Pipeline:
 def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOptions | None) -> Pipeline | None:
     """This rank's stages of ``model`` and their schedule; None without a pipeline. Collective over the world.
 
-    With ``twin_check`` the cut's first step is checked against the whole model's (twin.py). The
+    With ``twin_check`` the cut's first step is checked against the whole model's (twin/pipeline.py). The
     weights are already every rank's same (``parallel/weights.py``): each stage cuts its blocks out of them.
     """
     if options is None:

@@ -22,15 +22,17 @@ from typing import Any, Protocol
 import torch
 
 from slipstream.engine.config import ConfigError
-from slipstream.engine.parallel import twin
 from slipstream.engine.parallel.anatomy import find_blocks
 from slipstream.engine.parallel.mesh import Mesh
 from slipstream.engine.parallel.rng import ShardedRegionRng, sync_default_rng
-from slipstream.engine.parallel.tensor import selfcheck, sequence
+from slipstream.engine.parallel.tensor import probe as probing
+from slipstream.engine.parallel.tensor import sequence
 from slipstream.engine.parallel.tensor.layers import ShardedLinear, SharedInput, TPContext, VocabEmbedding, VocabHead
 from slipstream.engine.parallel.tensor.options import TensorOptions
 from slipstream.engine.parallel.tensor.partial_grads import params_in_sharded_regions, sum_gradients_over_tp
 from slipstream.engine.parallel.tensor.plan import PlanEntry, build_plan, in_features, is_linear_like, out_features
+from slipstream.engine.parallel.twin import harness as twin
+from slipstream.engine.parallel.twin.tensor import verify
 from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.placement import place, place_parts, placement_of
 
@@ -378,24 +380,24 @@ def parallelize_tensor(
     if not leaves:
         raise ConfigError("tensor_parallel.autotp_size: the model's blocks hold no nn.Linear or Conv1D to shard")
     twin_batch, expected = None, None
-    if options.twin_check:  # the whole model's twin, before anything is sharded (parallel/twin.py)
+    if options.twin_check:  # the whole model's twin, before anything is sharded (parallel/twin/harness.py)
         found = twin.synthetic_batches(model, 1, divisor=t)
         if found is not None:
             twin_batch, expected = found[0], twin.whole_model_reference(model, found[0])
-    probe = selfcheck.capture(model, blocks.modules, leaves)
+    probe = probing.capture(model, blocks.modules, leaves)
     # the modules that call the attention function, found on the unsharded model (sequence.py's [Note: replicated attention])
-    attention = selfcheck.attention_modules(model, blocks.modules, leaves) if options.sequence_parallel else []
+    attention = probing.attention_modules(model, blocks.modules, leaves) if options.sequence_parallel else []
     order = probe.order + [n for n in leaves if n not in probe.order]
     plan = build_plan(
-        model, leaves, order, options.partition_config, lambda: selfcheck.leaf_inputs(model, blocks.modules, leaves)
+        model, leaves, order, options.partition_config, lambda: probing.leaf_inputs(model, blocks.modules, leaves)
     )
     plan = _check_divides(plan, leaves, model, t)
-    tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 3e-2
+    tolerance = twin.tolerance_for(model, "block")
     own_experts = set() if experts is None else {id(p) for p in experts.params}
 
     def accept(candidate: list[PlanEntry], shards: _Shards) -> list[Any]:
         """The self-check, the gradient hooks and the twin check of one plan; its hooks, or ConfigError (none left)."""
-        selfcheck.verify(probe, blocks.modules, blocks.names, candidate, ctx.group, tolerance)
+        verify(probe.calls, probe.outputs, blocks.modules, blocks.names, candidate, ctx.group, tolerance)
         _place_all(model, ctx)
         if ctx.sequence_parallel:  # every replicated block parameter: a superset of the sharded regions' ones
             hooks = sequence.enable(
@@ -417,11 +419,11 @@ def parallelize_tensor(
                 f"tensor_parallel.autotp_size: the {t}-way sharded {name} does not reproduce the unsharded model (twin check)",
                 "the unsharded model on the same batch",
             )
-        except ValueError as err:
+        except ConfigError:  # undo this plan's hooks: the caller may try the gathered fallback
             for handle in hooks:
                 handle.remove()
             ctx.enabled_sequence = False
-            raise ConfigError(str(err)) from None
+            raise
         return hooks
 
     if experts is not None and ctx.sequence_parallel:  # before the twin check, which trains the experts too

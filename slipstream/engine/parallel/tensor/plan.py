@@ -9,7 +9,7 @@ ones leave unmatched.
 
 [Note: inference] Within each repeated block, the linear-like leaves (``nn.Linear``,
 transformers' ``Conv1D``) are taken in execution order and grouped by data flow (traced once through
-the autograd graph of the probe batch, ``selfcheck.leaf_inputs``): leaves that read none of the
+the autograd graph of the probe batch, ``probe.leaf_inputs``): leaves that read none of the
 open group's outputs are column-parallel, and the first leaf that reads one is the group's
 row-parallel end, so the activation between them stays sharded and the group costs one all-reduce
 each way. Leaves that no row closes stay replicated. This does not depend on module nesting: BERT's
@@ -246,7 +246,7 @@ def build_plan(
     inputs: Callable[[], dict[str, set[str]]] | None = None,
 ) -> list[PlanEntry]:
     """The entries for the leaves of the blocks (``order``: execution order), first source that matches wins.
-    ``inputs``: traces each leaf's source leaves in its block (selfcheck.leaf_inputs), called only when the plan
+    ``inputs``: traces each leaf's source leaves in its block (probe.leaf_inputs), called only when the plan
     is inferred (a forward with gradients that a model's own plan makes unnecessary)."""
     chosen: dict[str, PlanEntry | None] = {}
     use_defaults = True

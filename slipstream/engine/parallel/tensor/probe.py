@@ -1,13 +1,10 @@
-"""The self-check: the sharded blocks must reproduce the unsharded ones on a fixed tiny batch.
+"""The probe run: one fixed tiny batch through the unsharded model, recording what tensor parallel needs.
 
-[Note: why check] A wrong plan (a row layer marked column, a packed projection cut across its
-parts, an attribute that still holds the full head count) often still runs: shapes can line up
-and training proceeds, silently wrong. So before cutting, one fixed tiny batch goes through the
-model (a Hugging Face model through its own forward; otherwise a fixed random input through each
-block) and every block's inputs and outputs are recorded; after cutting the same inputs go
-through each sharded block on the tp group. The first block whose output differs (beyond 1e-5
-relative in fp32) fails ``initialize``, naming the block and its plan entries. The verdict is
-agreed over the tp group so all ranks raise together (none is left waiting in a collective).
+Before cutting, the model runs once (a Hugging Face model through its own forward, otherwise a
+fixed random input through each block) with every block's inputs and outputs recorded
+(``capture``): the tensor-parallel twin replays them on the sharded blocks
+(``twin/tensor.py``), the plan inference reads the leaves' inputs (``leaf_inputs``), and
+sequence parallel learns which modules call the attention function (``attention_modules``).
 """
 
 from __future__ import annotations
@@ -18,14 +15,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from slipstream import comm
 from slipstream.engine.config import ConfigError
 from slipstream.engine.parallel.attention import recording_attention_callers
 from slipstream.engine.parallel.calls import call_model
-from slipstream.engine.parallel.tensor.plan import PlanEntry, in_features
-from slipstream.engine.parallel.twin import synthetic_batches
+from slipstream.engine.parallel.tensor.plan import in_features
+from slipstream.engine.parallel.twin.harness import synthetic_batches
+from slipstream.engine.parallel.twin.tensor import tensors_of
 
 
 @dataclasses.dataclass
@@ -45,16 +41,6 @@ def _detach(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _detach(v) for k, v in value.items()}
     return value
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if hasattr(value, "to_tuple"):  # transformers ModelOutput
-        return _tensors(value.to_tuple())
-    return []
 
 
 def _run_model(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]) -> None:
@@ -88,7 +74,7 @@ def _run_model(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves
                 f"tensor_parallel: the self-check cannot call a block of {type(model).__name__} on its own ({err}), and the "
                 "model takes no token batch to run it with; tensor parallel cannot be checked on it"
             ) from None
-        x = out if isinstance(out, torch.Tensor) else _tensors(out)[0]
+        x = out if isinstance(out, torch.Tensor) else tensors_of(out)[0]
 
 
 def capture(model: torch.nn.Module, blocks: Sequence[torch.nn.Module], leaves: dict[str, torch.nn.Module]) -> Probe:
@@ -190,48 +176,3 @@ def attention_modules(
     with recording_attention_callers(model) as found:
         _probe_run(model, blocks, leaves, (), torch.no_grad())
     return found
-
-
-def verify(
-    probe: Probe,
-    blocks: Sequence[torch.nn.Module],
-    names: Sequence[str],
-    plan: Sequence[PlanEntry],
-    group: dist.ProcessGroup,
-    tolerance: float,
-) -> None:
-    """Replay each block's recorded call on the sharded model; raise naming the first block that differs."""
-    for i, block in enumerate(blocks):
-        if probe.calls[i] is None:
-            continue  # a block the probe batch did not reach
-        args, kwargs = probe.calls[i]
-        modes = {m: m.training for m in block.modules()}
-        block.eval()
-        problem = ""
-        try:
-            with torch.no_grad():
-                got = _tensors(block(*args, **kwargs))
-            want = _tensors(probe.outputs[i])
-            if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):
-                problem = f"output shapes {[tuple(g.shape) for g in got]} instead of {[tuple(w.shape) for w in want]}"
-            else:
-                worst = max(
-                    float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1.0))
-                    for g, w in zip(got, want)
-                )
-                if not worst <= tolerance:
-                    problem = f"outputs differ by {worst:.3g} relative (limit {tolerance:g})"
-        except Exception as err:  # noqa: BLE001 - a wrong plan shows up as any error inside the block
-            problem = f"raised {type(err).__name__}: {err}"
-        finally:
-            for module, mode in modes.items():
-                module.training = mode
-        verdict = torch.tensor([1.0 if problem else 0.0])
-        comm.all_reduce(verdict, op=comm.ReduceOp.MAX, group=group, tag="tp self-check verdict").wait()
-        if verdict.item():
-            entries = [e.describe() for e in plan if e.name.startswith(names[i] + ".")]
-            raise ConfigError(
-                f"tensor_parallel: the sharded block {names[i]} does not reproduce the unsharded one on the self-check "
-                f"batch ({problem or 'on another tp rank'}); its plan entries: {'; '.join(entries) or 'none'}. "
-                "Fix tensor_parallel.partition_config (row/column per layer, shape [parts, -1] for packed projections)"
-            )

@@ -1,4 +1,4 @@
-"""The pipeline's numerical twin check (see parallel/twin.py): the cut model's first step against the whole model's.
+"""The pipeline's numerical twin check (see the twin package): the cut model's first step against the whole model's.
 
 [Note: what the pipeline twin compares] Before the cut every rank holds the whole model (rank 0's
 weights), so each computes the reference itself: the window's ``m`` synthetic micro-batches
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from slipstream.engine.parallel.calls import call_model
-from slipstream.engine.parallel.twin import (
+from slipstream.engine.parallel.twin.harness import (
     TwinMismatch,
     agree,
     first_gradient_mismatch,
