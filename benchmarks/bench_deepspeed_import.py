@@ -10,7 +10,7 @@ world 2 (fp32, AdamW, ZeRO ``--stages``) and saves. Then, in fresh processes, al
 * A: ``zero_to_fp32.py`` (DeepSpeed's script, in its venv) writes the consolidated fp32 weights
   (pytorch_model.bin: its --safe_serialization fails on tied weights such as GPT-2's) — what users script
   before every resume elsewhere;
-* B: slipstream's import (``slipstream.engine.checkpoint.deepspeed.convert``): fp32 masters *and*
+* B: slipstream's import (``slipstream.engine.checkpoint.formats.deepspeed.convert``): fp32 masters *and*
   both Adam moments, step, scheduler and counters, resharding-ready, every file fsynced.
 
 Each process's peak RSS comes from ``getrusage(RUSAGE_CHILDREN)`` after it exits. Medians and the
@@ -56,7 +56,7 @@ _IMPORT = r"""
 import sys
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from slipstream.engine.checkpoint.deepspeed.convert import convert
+from slipstream.engine.checkpoint.formats.deepspeed.convert import convert
 convert(Path(sys.argv[1]), Path(sys.argv[2]), "converted")
 """
 

@@ -325,7 +325,9 @@ class Engine(SavesWeights, torch.nn.Module):
 
     def save_dcp(self, path: str | os.PathLike[str]) -> None:
         """Write ``path`` in torch DCP format as FSDP2's ``get_state_dict`` lays it out, each rank its own slices. Collective."""
-        from slipstream.engine.checkpoint.dcp import save_dcp  # torch.distributed.checkpoint costs ~0.9 s to import
+        from slipstream.engine.checkpoint.formats.dcp import (
+            save_dcp,  # torch.distributed.checkpoint costs ~0.9 s to import
+        )
 
         self.checkpoints.wait()
         save_dcp(self.checkpoint_target(), path, optimizer=self.has_optimizer())

@@ -8,7 +8,7 @@ as ``save_pretrained`` writes them; ``from_pretrained`` re-ties them. The file i
 
 Two ways to write it: one file gathered on rank 0 (:meth:`ModelWeights.save`), or Hugging Face's
 sharded layout with every rank writing its own files and nothing gathered (:meth:`ModelWeights.save_sharded`,
-hf_shards.py); a ``.safetensors`` name at world size > 1 takes the second by default.
+checkpoint/formats/hf/parallel_save.py); a ``.safetensors`` name at world size > 1 takes the second by default.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
-from slipstream.engine.hf_shards import ShardReport, write_sharded
+from slipstream.engine.checkpoint.formats.hf.parallel_save import ShardReport, write_sharded
 from slipstream.engine.zero.strategy import ShardingStrategy
 from slipstream.utils.pieces import ParamSlice, assemble
 
@@ -136,7 +136,7 @@ class ModelWeights:
         filename: str = "model.safetensors",
     ) -> ShardReport:
         """Hugging Face's sharded safetensors (``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``),
-        each rank writing the files of its share from what it holds: no gather on any rank (hf_shards.py, [Note:
+        each rank writing the files of its share from what it holds: no gather on any rank (parallel_save.py, [Note:
         writing in parallel]). ``dtype``: the training dtype unless given (``torch.float32`` for the masters);
         ``max_shard_size`` (bytes or ``"5GB"``) cuts a rank's share into more files. Returns this rank's report. Collective.
         """

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream
-from slipstream.engine.checkpoint.dcp import load_dcp, save_dcp
+from slipstream.engine.checkpoint.formats.dcp import load_dcp, save_dcp
 from slipstream.engine.checkpoint.validate import CheckpointError
 from slipstream.utils.pieces import flat_boxes
 from tests.harness import run_distributed

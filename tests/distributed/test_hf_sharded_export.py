@@ -64,7 +64,7 @@ def _no_whole_model_gather(engine: Any) -> Iterator[None]:
 
 def _full_disk_on_rank_1(engine: Any, directory: Path) -> str:
     """Rank 1's file write fails: every rank raises the same error (none hangs), and no index is written."""
-    from slipstream.engine import hf_shards
+    from slipstream.engine.checkpoint.formats.hf import files as hf_shards
 
     write = hf_shards.write_file
 

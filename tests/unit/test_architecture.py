@@ -19,6 +19,8 @@ source with ``ast``; nothing is imported, so it takes a fraction of a second).
 * No file under ``slipstream/`` is longer than 600 lines.
 * Only ``slipstream.comm`` calls ``torch.distributed``'s collectives and point-to-point transfers: every
   other module goes through comm, so the comms log, the flight recorder and the timeouts see each call.
+* The checkpoint formats (``engine/checkpoint/formats/<format>``) never import each other: the table in
+  ``formats/__init__.py`` composes them (any kind of import).
 * A piece of a global tensor has one home, ``slipstream.utils.pieces`` ([Note: a piece of a global
   tensor]): no other module binds ``Box``, declares a class with a box (or offsets) and a flat range
   (start and numel), or indexes a box by hand (``slice(o, o + n)``).
@@ -486,6 +488,36 @@ def test_no_file_over_600_lines() -> None:
 
 
 PIECES = "slipstream.utils.pieces"
+FORMATS = "slipstream.engine.checkpoint.formats"
+
+
+def _format_of(module: str) -> str | None:
+    """``native`` for ``...formats.native``, ``deepspeed`` for ``...formats.deepspeed.convert``; None for the table."""
+    if not module.startswith(FORMATS + "."):
+        return None
+    return module[len(FORMATS) + 1 :].split(".")[0]
+
+
+def formats_importing_each_other(g: Graph) -> list[str]:
+    found = []
+    for module in sorted(g.files):
+        mine = _format_of(module)
+        if mine is None:
+            continue
+        for target, sites in sorted(g.edges.get(module, {}).items()):
+            theirs = _format_of(target)
+            if theirs is not None and theirs != mine:
+                found.append(
+                    f"{module} imports {target} ({g.where(module, sites[0][0])}): formats meet only in the table"
+                )
+    return found
+
+
+def test_checkpoint_formats_never_import_each_other() -> None:
+    g = graph()
+    assert {_format_of(m) for m in g.files} >= {"dcp", "deepspeed", "hf", "native"}
+    found = formats_importing_each_other(g)
+    assert not found, "\n".join(found)
 
 
 def piece_reimplementations(tree: ast.Module) -> list[tuple[int, str]]:
@@ -561,6 +593,8 @@ def test_the_checks_see_what_they_check() -> None:
         "d.all_reduce(x)\ndistributed.send(x, 1)\ntorch.distributed.broadcast(x, 0)\nb()\nd.get_rank()\nother.all_reduce(x)\n"
     )
     assert collective_calls(ast.parse(calls)) == [(4, "all_reduce"), (5, "send"), (6, "broadcast"), (7, "barrier")]
+    assert _format_of(FORMATS) is None and _format_of(f"{FORMATS}.deepspeed.convert") == "deepspeed"
+    assert any(_format_of(t) == "native" for t in g.edges[FORMATS])  # the table's own imports are edges it sees
     assert len(piece_reimplementations(g.trees[PIECES])) == 3  # its Box, ParamSlice and box_index are seen
     redone = (
         "Box = tuple\nclass P:\n    offsets: tuple\n    start: int\n    numel: int\n"

@@ -12,7 +12,7 @@ import torch
 
 import slipstream
 from slipstream.cli import main
-from slipstream.engine.hf_shards import parse_size
+from slipstream.engine.checkpoint.formats.hf.files import parse_size
 from tests.reference import global_batches, tiny_gpt2
 
 CONFIG = {

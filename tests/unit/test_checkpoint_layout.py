@@ -187,7 +187,7 @@ def test_pieces_that_do_not_tile_their_tensor_exactly_are_refused(pieces: list, 
 def test_export_assembles_the_boxes_into_the_whole_tensor(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from slipstream.engine.checkpoint.export import export_fp32
+    from slipstream.engine.checkpoint.formats.hf.export import export_fp32
 
     boxed = _save(tmp_path / "boxed", _column_boxes(), W)
     export_fp32(boxed, tmp_path / "out" / "w.safetensors")

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream.engine.checkpoint.deepspeed.partitions import zero3_shares, zero12_shares, zero12_total
-from slipstream.engine.checkpoint.deepspeed.source import describe, locate
-from slipstream.engine.checkpoint.deepspeed.unpickle import DeepSpeedRecord, load_pickle
+from slipstream.engine.checkpoint.formats.deepspeed.partitions import zero3_shares, zero12_shares, zero12_total
+from slipstream.engine.checkpoint.formats.deepspeed.source import describe, locate
+from slipstream.engine.checkpoint.formats.deepspeed.unpickle import DeepSpeedRecord, load_pickle
 from slipstream.engine.checkpoint.validate import CheckpointError
 
 
@@ -164,8 +164,8 @@ def test_there_and_back_keeps_every_tensor(case: str, tmp_path: Path) -> None:
     The export is read with plain ``torch.load(weights_only=True)`` (no allow-list needed), and read
     back through the universal-checkpoint reader.
     """
-    from slipstream.engine.checkpoint.deepspeed.convert import convert
-    from slipstream.engine.checkpoint.deepspeed.export import export_deepspeed
+    from slipstream.engine.checkpoint.formats.deepspeed.convert import convert
+    from slipstream.engine.checkpoint.formats.deepspeed.export import export_deepspeed
     from slipstream.engine.checkpoint.reader import CheckpointReader
     from slipstream.utils.pieces import ParamSlice
 

@@ -7,7 +7,7 @@ import datetime
 import sys
 from pathlib import Path
 
-from slipstream.engine.checkpoint.deepspeed.source import locate as locate_deepspeed
+from slipstream.engine.checkpoint.formats.deepspeed.source import locate as locate_deepspeed
 from slipstream.engine.checkpoint.reader import (
     CheckpointError,
     CheckpointReader,
@@ -38,7 +38,7 @@ def _convert(directory: Path, out: Path, tag: str | None) -> int:
     """DeepSpeed -> slipstream (same tag, ``latest`` written), or slipstream -> DeepSpeed universal."""
     foreign = locate_deepspeed(directory, tag)
     if foreign is not None:
-        from slipstream.engine.checkpoint.deepspeed.convert import convert
+        from slipstream.engine.checkpoint.formats.deepspeed.convert import convert
 
         if out.resolve().is_relative_to(foreign.resolve()):
             raise CheckpointError(f"convert: {out} lies inside the DeepSpeed checkpoint {foreign}; write elsewhere")
@@ -47,7 +47,7 @@ def _convert(directory: Path, out: Path, tag: str | None) -> int:
             f"wrote slipstream checkpoint {path} from DeepSpeed checkpoint {foreign} (loads at any world size and stage)"
         )
         return 0
-    from slipstream.engine.checkpoint.deepspeed.export import export_deepspeed
+    from slipstream.engine.checkpoint.formats.deepspeed.export import export_deepspeed
 
     path = export_deepspeed(directory, out, tag)
     print(
@@ -58,7 +58,7 @@ def _convert(directory: Path, out: Path, tag: str | None) -> int:
 
 def inspect_deepspeed(path: Path) -> int:
     """A DeepSpeed checkpoint's summary, read through the allow-listed unpickler (nothing of it runs)."""
-    from slipstream.engine.checkpoint.deepspeed.source import describe
+    from slipstream.engine.checkpoint.formats.deepspeed.source import describe
 
     ds = describe(path)
     shapes = ds.parameter_shapes()
@@ -90,7 +90,7 @@ def _export(args: argparse.Namespace) -> int:
     if fmt == "hf":
         import torch
 
-        from slipstream.engine.hf_shards import DEFAULT_MAX_SHARD_SIZE, export_hf
+        from slipstream.engine.checkpoint.formats.hf.export import DEFAULT_MAX_SHARD_SIZE, export_hf
 
         try:
             path, plan = export_hf(
@@ -110,7 +110,7 @@ def _export(args: argparse.Namespace) -> int:
         return 0
     if dtype not in (None, "fp32") or getattr(args, "max_shard_size", None) is not None:
         raise CheckpointError("export: --dtype and --max-shard-size apply to --format hf; the single file is fp32")
-    from slipstream.engine.checkpoint.export import export_fp32
+    from slipstream.engine.checkpoint.formats.hf.export import export_fp32
 
     path, keys = export_fp32(args.dir, args.out, args.tag)
     print(f"wrote {keys} tensors (fp32 weights, every state_dict key) from {path} to {args.out}")

@@ -27,20 +27,11 @@ import torch.distributed as dist
 
 from slipstream.comm import all_gather_objects
 from slipstream.comm.teardown import before_teardown
-from slipstream.engine.checkpoint import writer
+from slipstream.engine.checkpoint import formats, writer
 from slipstream.engine.checkpoint.agree import agree as _agree
 from slipstream.engine.checkpoint.capture import Payload, capture, merge_spread_manifest
-from slipstream.engine.checkpoint.deepspeed.source import locate as locate_deepspeed
-from slipstream.engine.checkpoint.deepspeed.staging import staged
 from slipstream.engine.checkpoint.format import TMP_PREFIX, TRASH_PREFIX
-from slipstream.engine.checkpoint.reader import (
-    CheckpointError,
-    CheckpointReader,
-    complete_checkpoints,
-    latest_tag,
-    resolve,
-)
-from slipstream.engine.checkpoint.restore import restore
+from slipstream.engine.checkpoint.reader import CheckpointError, complete_checkpoints, latest_tag
 from slipstream.engine.checkpoint.snapshot import GuardedTensors
 from slipstream.engine.checkpoint.tags import check_load_tag, check_tag
 from slipstream.engine.checkpoint.target import CheckpointTarget
@@ -49,7 +40,6 @@ from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-DCP_METADATA = ".metadata"  # the file that marks a torch.distributed.checkpoint directory
 SNAPSHOT_DIR_ENV = "SLIPSTREAM_SNAPSHOT_DIR"  # set by `slipstream run`: this run's directory on /dev/shm
 SNAPSHOTS_KEPT = 2  # the newest complete one, and the one being written may replace it
 _live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
@@ -292,52 +282,15 @@ class CheckpointManager:
         self.wait()
         if tag is not None:
             tag = check_load_tag(tag, "load_checkpoint")
-        dcp_dir = Path(load_dir) / (tag or "")
-        if (dcp_dir / DCP_METADATA).is_file():  # torch.distributed.checkpoint: FSDP2's, torchtitan's or save_dcp's
-            from slipstream.engine.checkpoint.dcp import load_dcp  # imported when needed: ~0.9 s of torch imports
-
-            load_dcp(target, dcp_dir, optimizer=optimizer and not module_only)
-            logger.info("loaded DCP checkpoint %s", dcp_dir)
-            return str(dcp_dir), {}
-        foreign = _agree(lambda: locate_deepspeed(load_dir, tag), "finding the checkpoint")
-        if foreign is not None:  # a DeepSpeed checkpoint: converted per node, then loaded like ours
-            with staged(foreign) as converted:
-                try:
-                    _, client_state = self._load_from(target, converted, strict, optimizer, scheduler, module_only)
-                except (CheckpointError, RuntimeError) as err:  # name the user's checkpoint, not the temporary copy
-                    raise type(err)(str(err).replace(str(converted), f"{foreign} (DeepSpeed)")) from None
-            logger.info("loaded DeepSpeed checkpoint %s", foreign)
-            return str(foreign), client_state
-        path = _agree(lambda: resolve(load_dir, tag, self.config.verify_checksums), "finding the checkpoint")
-        if path is None:
+        found = _agree(lambda: formats.detect(load_dir, tag, self.config.verify_checksums), "finding the checkpoint")
+        if found is None:
             logger.warning("load_checkpoint: no checkpoint in %s; nothing loaded", load_dir)
             return None, None
-        return self._load_from(target, path, strict, optimizer, scheduler, module_only)
-
-    def _load_from(
-        self, target: CheckpointTarget, path: Path, strict: bool, optimizer: bool, scheduler: bool, module_only: bool
-    ) -> tuple[str, dict[str, Any]]:
-        reader = _agree(
-            lambda: CheckpointReader(path, verify_checksums=self.config.verify_checksums), "opening the checkpoint"
+        kind, path = found
+        request = formats.LoadRequest(
+            target, strict, optimizer, scheduler, module_only, verify_checksums=self.config.verify_checksums
         )
-        client_state = restore(
-            target,
-            reader,
-            dist.get_rank(),
-            strict=strict,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            module_only=module_only,
-            agree=_agree,
-        )
-        logger.info(
-            "loaded checkpoint %s (saved at step %d by %d ranks, ZeRO stage %d)",
-            path,
-            reader.manifest["global_steps"],
-            reader.world_size,
-            reader.manifest["zero_stage"],
-        )
-        return str(path), client_state
+        return kind.load(request, path)
 
     # ------------------------------------------------------------------ config-driven saves
     def resume(self, source: TargetSource) -> tuple[str | None, dict[str, Any] | None]:

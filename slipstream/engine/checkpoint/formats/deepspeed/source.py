@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from slipstream.engine.checkpoint.deepspeed.unpickle import attributes, load_pickle
+from slipstream.engine.checkpoint.formats.deepspeed.unpickle import attributes, load_pickle
 from slipstream.engine.checkpoint.validate import CheckpointError
 
 _OPTIM = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

@@ -21,10 +21,10 @@ import torch
 
 from slipstream.engine.checkpoint import writer
 from slipstream.engine.checkpoint.capture import Payload
-from slipstream.engine.checkpoint.deepspeed.partitions import Share, zero3_shares, zero12_shares, zero12_total
-from slipstream.engine.checkpoint.deepspeed.source import DeepSpeedCheckpoint, describe
-from slipstream.engine.checkpoint.deepspeed.unpickle import load_pickle
 from slipstream.engine.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, encode_tree, key_part
+from slipstream.engine.checkpoint.formats.deepspeed.partitions import Share, zero3_shares, zero12_shares, zero12_total
+from slipstream.engine.checkpoint.formats.deepspeed.source import DeepSpeedCheckpoint, describe
+from slipstream.engine.checkpoint.formats.deepspeed.unpickle import load_pickle
 from slipstream.engine.checkpoint.tiling import piece_key
 from slipstream.engine.checkpoint.validate import CheckpointError
 from slipstream.utils.pieces import ParamSlice
@@ -316,7 +316,7 @@ def _common(ds: DeepSpeedCheckpoint, tensors: dict[str, torch.Tensor]) -> dict[s
 
 def _plain(obj: Any) -> Any:
     """``obj`` with DeepSpeed stand-ins and other non-JSON objects as their attributes or their text."""
-    from slipstream.engine.checkpoint.deepspeed.unpickle import DeepSpeedRecord
+    from slipstream.engine.checkpoint.formats.deepspeed.unpickle import DeepSpeedRecord
 
     if isinstance(obj, dict):
         return {

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from slipstream import comm
 from slipstream.comm import all_gather_objects
 from slipstream.engine.checkpoint.agree import agree
-from slipstream.engine.checkpoint.deepspeed.convert import convert
+from slipstream.engine.checkpoint.formats.deepspeed.convert import convert
 from slipstream.engine.checkpoint.validate import CheckpointError
 
 TAG = "converted"
