@@ -134,7 +134,7 @@ def partition(
 ) -> list[range]:
     """Contiguous block ranges, one per stage, by ``pipeline.partition``.
 
-    [Note: blocks the forward skips] ``skipped``: blocks the model's forward does not call (twin/pipeline.py probe_blocks). A
+    [Note: blocks the forward skips] ``skipped``: blocks the model's forward does not call (twin/pipeline_step.py probe_blocks). A
     stage hands its output on at the next stage's first block and takes its input there, so every stage must start
     at a block that runs: the stages are balanced over the blocks that run, and each skipped block goes with the
     stage of the block before it (it holds its parameters, which get no gradient, as in one process).
@@ -341,7 +341,7 @@ class StageGate:
         would get the stand-in's zeros on a later stage. The stage that computed it hands it on with the hidden
         state (each later stage hands on what it received), and every block the receiving stage runs reads the
         received tensor in its place; its gradient, summed over that stage's blocks and the stages after it, goes
-        back with the hidden state's. An activation computed between blocks is not carried (twin/pipeline.py probe_blocks)."""
+        back with the hidden state's. An activation computed between blocks is not carried (twin/pipeline_step.py probe_blocks)."""
 
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if self.active is None:
@@ -376,7 +376,7 @@ def outer_modules(
 ) -> tuple[list[str], list[str]]:
     """Modules with their own parameters outside the blocks: before them (prologue) and after (epilogue).
 
-    ``order``: the modules' first calls in one forward (twin/pipeline.py probe_blocks). With it a module is
+    ``order``: the modules' first calls in one forward (twin/pipeline_step.py probe_blocks). With it a module is
     prologue or epilogue by when it runs (OPT registers its final norm before its layers); without
     it, or for a module the forward did not call, by registration order.
     """
@@ -414,7 +414,7 @@ def set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) ->
 def absent_for(module: torch.nn.Module, name: str, shape_keeping: frozenset[str] = frozenset()) -> torch.nn.Module:
     """The parameter-free stand-in for prologue module ``name`` on a stage that does not run it.
 
-    ``shape_keeping``: the modules the probe forward saw return their input's shape and dtype (twin/pipeline.py probe_blocks);
+    ``shape_keeping``: the modules the probe forward saw return their input's shape and dtype (twin/pipeline_step.py probe_blocks);
     a weighted one of those (BERT's and Bloom's LayerNorm after the embeddings) hands its input on.
     """
     if isinstance(module, torch.nn.Embedding):

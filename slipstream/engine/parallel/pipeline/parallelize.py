@@ -28,7 +28,7 @@ from slipstream.engine.parallel.pipeline.executor import Executor, StepTiming, p
 from slipstream.engine.parallel.pipeline.options import PipelineOptions
 from slipstream.engine.parallel.pipeline.schedules import Schedule, build
 from slipstream.engine.parallel.pipeline.simulate import simulate
-from slipstream.engine.parallel.twin import pipeline as twin
+from slipstream.engine.parallel.twin import pipeline_step as twin
 from slipstream.engine.parallel.twin.harness import synthetic_batches
 from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.placement import place, placement_of
@@ -209,7 +209,7 @@ class Pipeline:
 def parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, options: PipelineOptions | None) -> Pipeline | None:
     """This rank's stages of ``model`` and their schedule; None without a pipeline. Collective over the world.
 
-    With ``twin_check`` the cut's first step is checked against the whole model's (twin/pipeline.py). The
+    With ``twin_check`` the cut's first step is checked against the whole model's (twin/pipeline_step.py). The
     weights are already every rank's same (``parallel/weights.py``): each stage cuts its blocks out of them.
     """
     if options is None:

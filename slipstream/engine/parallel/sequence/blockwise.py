@@ -194,7 +194,7 @@ class BlockwiseSharder:
                     seen.add(id(param))
                     self._handles.append(param.register_hook(self._share))
 
-    # --- the engine's side (runners/direct.py, parallel/twin/sequence.py)
+    # --- the engine's side (runners/direct.py, parallel/twin/whole_sequence.py)
     def shard(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], None]:
         return dict(kwargs), None  # every rank of the group runs the whole micro-batch
 

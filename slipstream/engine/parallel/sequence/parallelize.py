@@ -38,7 +38,7 @@ def parallelize_attention(
     the sequence; the numerical twin check (parallel/twin/) runs unless ``twin_check`` is false and
     refuses a model the kernel does not reproduce (:class:`ConfigError` naming the key); under a
     ``pipeline`` (whose stages hold only part of the model) it compares one schedule with another;
-    ``experts``' gradients are averaged over their own group there (parallel/twin/sequence.py, [Note: which ranks to average]).
+    ``experts``' gradients are averaged over their own group there (parallel/twin/whole_sequence.py, [Note: which ranks to average]).
     """
     if options is None:
         return None
@@ -91,7 +91,7 @@ def parallelize_attention(
         )
         mode = f"context parallel ({method}, {layout.size})"
     if options.twin_check:
-        from slipstream.engine.parallel.twin.sequence import check_sequence_pipeline_twin, check_sequence_twin
+        from slipstream.engine.parallel.twin.whole_sequence import check_sequence_pipeline_twin, check_sequence_twin
 
         averaging = {id(p): experts.group for p in experts.params} if experts is not None else None
         try:
@@ -132,7 +132,7 @@ def _blockwise(model: torch.nn.Module, mesh: Mesh, options: SequenceOptions, ref
     """The blocks on sequence shards, the rest of the model whole ([Note: blockwise sequence parallel]), if its twin
     check passes; else ``refusal`` (what the kernels' route said) as the ConfigError."""
     from slipstream.engine.parallel.twin.harness import quiet_model, synthetic_batches
-    from slipstream.engine.parallel.twin.sequence import check_sequence_twin
+    from slipstream.engine.parallel.twin.whole_sequence import check_sequence_twin
 
     axes = tuple(axis for axis, size in (("cp", options.context), ("sp", options.ulysses)) if size > 1)
     key = "sequence_parallel_size" if options.ulysses > 1 else "context_parallel.size"

@@ -3,7 +3,7 @@
 ``parallelize_tensor(model, mesh, options)`` is the one entry ``parallelize`` calls; the
 pieces: ``ops`` (the f/g autograd pairs), ``layers`` (sharded leaves, vocabulary layers),
 ``plan`` (config → Hugging Face ``tp_plan`` → inferred), ``probe`` (the recorded run the plan and the
-block twin read; the twin itself is ``parallel/twin/tensor.py``), ``sequence``.
+block twin read; the twin itself is ``parallel/twin/tensor_blocks.py``), ``sequence``.
 """
 
 from slipstream.engine.parallel.tensor.options import TensorOptions

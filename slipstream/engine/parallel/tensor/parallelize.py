@@ -32,7 +32,7 @@ from slipstream.engine.parallel.tensor.options import TensorOptions
 from slipstream.engine.parallel.tensor.partial_grads import params_in_sharded_regions, sum_gradients_over_tp
 from slipstream.engine.parallel.tensor.plan import PlanEntry, build_plan, in_features, is_linear_like, out_features
 from slipstream.engine.parallel.twin import harness as twin
-from slipstream.engine.parallel.twin.tensor import verify
+from slipstream.engine.parallel.twin.tensor_blocks import verify
 from slipstream.utils.logging import get_logger, log_rank0
 from slipstream.utils.placement import place, place_parts, placement_of
 

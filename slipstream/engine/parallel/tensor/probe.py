@@ -3,7 +3,7 @@
 Before cutting, the model runs once (a Hugging Face model through its own forward, otherwise a
 fixed random input through each block) with every block's inputs and outputs recorded
 (``capture``): the tensor-parallel twin replays them on the sharded blocks
-(``twin/tensor.py``), the plan inference reads the leaves' inputs (``leaf_inputs``), and
+(``twin/tensor_blocks.py``), the plan inference reads the leaves' inputs (``leaf_inputs``), and
 sequence parallel learns which modules call the attention function (``attention_modules``).
 """
 
@@ -21,7 +21,7 @@ from slipstream.engine.parallel.attention import recording_attention_callers
 from slipstream.engine.parallel.calls import call_model
 from slipstream.engine.parallel.tensor.plan import in_features
 from slipstream.engine.parallel.twin.harness import synthetic_batches
-from slipstream.engine.parallel.twin.tensor import tensors_of
+from slipstream.engine.parallel.twin.tensor_blocks import tensors_of
 
 
 @dataclasses.dataclass

@@ -9,9 +9,9 @@ same way under a sequence mode (``sequence/first_batch.py``).
 
 * ``harness``: the batch, the quiet run, the comparisons, the one tolerance table, the verdict
   every rank of a group reaches together, and the whole-model twin;
-* ``sequence``: Ulysses, ring and zig-zag against the model's own attention on the whole sequence;
-* ``pipeline``: the cut model's first step against the whole model's;
-* ``tensor``: each tensor-parallel block replayed on its recorded inputs, before the whole-model twin.
+* ``whole_sequence``: Ulysses, ring and zig-zag against the model's own attention on the whole sequence;
+* ``pipeline_step``: the cut model's first step against the whole model's;
+* ``tensor_blocks``: each tensor-parallel block replayed on its recorded inputs, before the whole-model twin.
 
 Expert parallel has no twin check of its own yet: with tensor parallel its experts run inside the
 whole-model twin; alone, only the tests against one process cover it.
