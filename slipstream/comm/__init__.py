@@ -16,10 +16,13 @@ from slipstream.comm.collectives import (
     reduce_scatter_tensor,
     shift_ring,
 )
-from slipstream.comm.comms_log import CommRecord, CommsLog, comms_log
+from slipstream.comm.comms_log import CommRecord, CommsLog
 from slipstream.comm.distributed import LaunchEnvError, get_rank, get_world_size, init_distributed
 from slipstream.comm.lanes import lane_group
+from slipstream.comm.process import PROCESS
 from slipstream.comm.ring_collectives import ring_context
+
+comms_log = PROCESS.log  # the public name of this process's comms log (comm/process.py owns it)
 
 __all__ = [
     "CollectiveError",

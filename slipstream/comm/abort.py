@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from slipstream.comm.process import PROCESS
 from slipstream.errors import SlipstreamError
 from slipstream.utils.logging import get_logger
 
@@ -35,12 +36,11 @@ logger = get_logger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 FAILURE_KEY = "slipstream/failure"
-_aborted = False
 
 
 def aborted() -> bool:
     """Whether this process aborted its process groups after a failed step."""
-    return _aborted
+    return PROCESS.aborted
 
 
 def mark_raised_on_every_rank(error: BaseException) -> BaseException:
@@ -87,8 +87,7 @@ def tells_peers_on_failure(call: str) -> Callable[[F], F]:
 
 def abort_for(error: BaseException, call: str) -> None:
     """Publish ``error`` as this rank's failure in ``call`` and abort every process group (once; world > 1 only)."""
-    global _aborted
-    if _aborted or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if PROCESS.aborted or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     rank = dist.get_rank()
     text = f"rank {rank}: {call}: {type(error).__name__}: {' '.join(str(error).split())[:500]}"
@@ -97,7 +96,7 @@ def abort_for(error: BaseException, call: str) -> None:
         store.compare_set(FAILURE_KEY, "", text)
     except Exception as err:  # noqa: BLE001 - the abort below still frees the peers
         logger.warning("could not publish this rank's failure to the store: %s", err)
-    _aborted = True
+    PROCESS.aborted = True
     groups = list(dist.distributed_c10d._world.pg_map)
     for group in groups:
         with contextlib.suppress(Exception):

@@ -1,6 +1,6 @@
 """Collectives with async handles that name themselves when something goes wrong.
 
-Every call is recorded in :data:`comms_log`. A failed or timed-out wait raises
+Every call is recorded in the comms log (``comm.comms_log``, owned by comm/process.py). A failed or timed-out wait raises
 :class:`CollectiveError` saying which rank, which operation and what it was moving, instead of
 the backend's bare "Timed out waiting 1800000ms for recv operation".
 """
@@ -11,7 +11,6 @@ import concurrent.futures
 import datetime
 import pickle
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,11 +19,13 @@ import torch.distributed as dist
 
 from slipstream.comm import flight, watch
 from slipstream.comm.abort import failure_of_a_peer
-from slipstream.comm.comms_log import CommRecord, comms_log
+from slipstream.comm.comms_log import CommRecord
 from slipstream.comm.distributed import current_timeout
+from slipstream.comm.process import PROCESS
 from slipstream.comm.ring_collectives import ring_context
 from slipstream.comm.teardown import on_teardown
 from slipstream.errors import SlipstreamError
+from slipstream.utils.flight_record import FlightRecorder, group_label
 
 ReduceOp = dist.ReduceOp
 
@@ -44,7 +45,7 @@ class Work:
         record: CommRecord,
         group: dist.ProcessGroup | None,
         on_complete: Callable[[], None] | None = None,
-        flight_entry: tuple[flight.FlightRecorder, int] | None = None,
+        flight_entry: tuple[FlightRecorder, int] | None = None,
     ) -> None:
         self._work = work
         self._record = record
@@ -54,7 +55,7 @@ class Work:
         self._start = time.perf_counter()
         self.done = work is None
         if not self.done:
-            _in_flight.add(self)
+            PROCESS.in_flight.add(self)
 
     def is_completed(self) -> bool:
         """Whether :meth:`wait` would return at once (it must still be called, to finish the record)."""
@@ -67,10 +68,10 @@ class Work:
             # An explicit limit: without one gloo's point-to-point receives wait forever, whatever the group's timeout.
             self._work.wait(current_timeout())
         except Exception as err:  # the backend raises RuntimeError/DistBackendError variants
-            _in_flight.discard(self)  # reported: nothing waits for it again at exit
+            PROCESS.in_flight.discard(self)  # reported: nothing waits for it again at exit
             raise CollectiveError(self._describe(err)) from err
         self.done = True
-        _in_flight.discard(self)
+        PROCESS.in_flight.discard(self)
         if self._flight_entry is not None:
             recorder, index = self._flight_entry
             recorder.finish(index)
@@ -85,7 +86,7 @@ class Work:
         what = f"{self._record.op}" + (f" of {self._record.tag}" if self._record.tag else "")
         timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
         reason = "timed out" if timed_out else "failed"
-        # comms_log.step is the number of optimizer steps taken, so this collective belongs to the
+        # PROCESS.log.step is the number of optimizer steps taken, so this collective belongs to the
         # step after it (0-based: the engine's global_steps while the step runs).
         hint = (
             f" (the limit is comms_timeout_seconds = {current_timeout().total_seconds():g}; raise it "
@@ -98,29 +99,26 @@ class Work:
             recorder.finish(index, ok=False)
         if not _from_peer(err):  # a local error (autograd, dtype, shape): do not send the user after another rank
             return (
-                f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} failed on "
+                f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {PROCESS.log.step} failed on "
                 f"this rank ({type(err).__name__}, not a communication error): {err}"
             )
         failed = failure_of_a_peer()
         if failed is not None:  # a peer's step raised and it aborted its groups (see abort.py): its error is the news
             return (
-                f"rank {rank}/{world}: {what} in step {comms_log.step} stopped after {elapsed:.1f}s because another rank "
+                f"rank {rank}/{world}: {what} in step {PROCESS.log.step} stopped after {elapsed:.1f}s because another rank "
                 f"failed first — {failed}. Backend said: {_one_line(err)}"
             )
         return (
-            f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {comms_log.step} "
+            f"rank {rank}/{world}: {what} ({self._record.nbytes / 2**20:.2f} MiB) in step {PROCESS.log.step} "
             f"{reason} after {elapsed:.1f}s{hint}. Another rank probably died or took a different code path "
             f"(e.g. skipped backward or step). Backend said: {_one_line(err)}. Flight record: {_culprit(elapsed)}"
         )
 
 
-_in_flight: weakref.WeakSet[Work] = weakref.WeakSet()  # launched, not yet waited for
-
-
 def _finish_in_flight() -> None:
     """At exit: wait for every collective launched and not waited for, so no backend thread still holds its tensors
     when the interpreter finalizes (see [Note: no abort at exit] in teardown.py). A failure no longer matters."""
-    for work in list(_in_flight):
+    for work in list(PROCESS.in_flight):
         try:
             work.wait()
         except Exception:  # noqa: BLE001 - the script has returned; its peers may be gone
@@ -135,7 +133,7 @@ def _one_line(err: BaseException) -> str:
 
 
 def _culprit(elapsed: float) -> str:
-    """The flight recorder's verdict (see flight.py): who holds the group up, from the rings this rank can get.
+    """The flight recorder's verdict (see comm/flight.py): who holds the group up, from the rings this rank can get.
 
     The other ranks' rings are awaited for half the time this collective waited (at most 10 s): ranks
     stuck in the same collective time out within about that."""
@@ -166,10 +164,10 @@ def _launch(
     route: str = "",
 ) -> Work:
     """Log, record in the flight ring and start one collective. ``route`` (``"1->3"``) names a point-to-point transfer's ends."""
-    record = comms_log.add(op, tensor.numel() * tensor.element_size() if nbytes is None else nbytes, tag, group)
-    label = f"p2p {route}" if route else flight.group_label(record.ranks)
+    record = PROCESS.log.add(op, tensor.numel() * tensor.element_size() if nbytes is None else nbytes, tag, group)
+    label = f"p2p {route}" if route else group_label(record.ranks)
     recorder = flight.recorder(*_rank_and_world())
-    entry = (recorder, recorder.issue(op, label, record.nbytes, _shape(tensor), tag, comms_log.step))
+    entry = (recorder, recorder.issue(op, label, record.nbytes, _shape(tensor), tag, PROCESS.log.step))
     try:
         with watch.quiet():  # recorded above, with our tag: the watcher of torch.distributed must not record it again
             work = call()
@@ -314,9 +312,6 @@ def all_gather_into_tensor(
     )
 
 
-_reduce_scatter_unsupported: set[str] = set()
-
-
 def _alone(
     op: str,
     tensor: torch.Tensor,
@@ -340,7 +335,7 @@ def _alone(
     """
     if destination is not None and source is not None and destination.data_ptr() != source.data_ptr():
         destination.copy_(source)
-    return Work(None, comms_log.add(op, tensor.numel() * tensor.element_size(), tag, group), group)
+    return Work(None, PROCESS.log.add(op, tensor.numel() * tensor.element_size(), tag, group), group)
 
 
 class _FutureWork:
@@ -386,7 +381,7 @@ def reduce_scatter_tensor(
         return _launch("reduce_scatter", input, tag, group, lambda: _FutureWork(ring.submit(run)))
     aliased = output.data_ptr() == chunk.data_ptr()
     backend = str(dist.get_backend(group))
-    if backend not in _reduce_scatter_unsupported:
+    if backend not in PROCESS.reduce_scatter_unsupported:
         target = torch.empty_like(output) if aliased else output  # backend collectives may not alias
         try:
             return _launch(
@@ -400,8 +395,8 @@ def reduce_scatter_tensor(
         except CollectiveError as err:
             if not _is_unsupported(err):
                 raise
-            comms_log.records.pop()
-            _reduce_scatter_unsupported.add(backend)
+            PROCESS.log.records.pop()
+            PROCESS.reduce_scatter_unsupported.add(backend)
     return _launch(
         "all_reduce",
         input,

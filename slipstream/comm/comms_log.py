@@ -89,6 +89,3 @@ class CommsLog:
             seconds = sum(r.seconds or 0.0 for r in self.records if r.op == op)
             parts.append(f"{op}: {count} calls, {nbytes / 2**20:.2f} MiB, {seconds * 1e3:.1f} ms")
         return f"step {self.step} comms: " + ("; ".join(parts) if parts else "none")
-
-
-comms_log = CommsLog()

@@ -12,13 +12,12 @@ import torch.distributed as dist
 
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import watch
+from slipstream.comm.process import DEFAULT_TIMEOUT, PROCESS
 from slipstream.errors import SlipstreamError
 from slipstream.utils.logging import get_logger, set_rank
 
 logger = get_logger(__name__)
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
-_timeout = DEFAULT_TIMEOUT
 _LAUNCHED_BY = "`slipstream run` and torchrun set it for each process"
 _MAX_C10D_INT = 2**31 - 1  # c10d keeps ranks and world sizes in a C int
 
@@ -33,7 +32,7 @@ RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=5)  # the slowest rank's start (
 
 def current_timeout() -> datetime.timedelta:
     """The collective timeout the default group was created with (groups we add inherit it)."""
-    return _timeout
+    return PROCESS.timeout
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta | float | None = None) -> None:
@@ -44,7 +43,6 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
     the same code runs unchanged on a laptop. Does nothing if a group already exists.
     ``backend`` defaults to the accelerator's (nccl on CUDA, gloo on CPU).
     """
-    global _timeout
     watch.install()  # the flight recorder sees the user's collectives too (watch.py)
     if dist.is_initialized():
         set_rank(dist.get_rank())
@@ -56,7 +54,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | f
     backend = backend or accelerator.communication_backend
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
-    timeout = _timeout = timeout or DEFAULT_TIMEOUT
+    timeout = PROCESS.timeout = timeout or DEFAULT_TIMEOUT
     if accelerator.name == "cuda":
         local_rank, devices = int(os.environ.get("LOCAL_RANK", "0")), accelerator.device_count()
         if local_rank >= devices:  # torch would say only "invalid device ordinal"
@@ -157,10 +155,9 @@ def _apply_timeout(timeout: datetime.timedelta | float) -> None:
     Without this, ``comms_timeout_seconds`` would only reach groups slipstream creates itself and a
     desynchronized rank would hang for the 30 minutes torch defaults to.
     """
-    global _timeout
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
-    _timeout = timeout
+    PROCESS.timeout = timeout
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is None:  # older torch: only the groups created from now on get it
         logger.warning(

@@ -22,14 +22,10 @@ single-rank groups of its own until they match.
 
 from __future__ import annotations
 
-import threading
-
 import torch.distributed as dist
 
 from slipstream.comm.distributed import current_timeout
-
-_lanes: dict[tuple[int, str], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-_lock = threading.Lock()
+from slipstream.comm.process import PROCESS
 
 
 def lane_group(group: dist.ProcessGroup | None, lane: str) -> dist.ProcessGroup | None:
@@ -42,12 +38,12 @@ def lane_group(group: dist.ProcessGroup | None, lane: str) -> dist.ProcessGroup 
         return group
     parent = group if group is not None else dist.group.WORLD
     key = (id(parent), lane)
-    with _lock:
-        cached = _lanes.get(key)
+    with PROCESS.lanes_lock:
+        cached = PROCESS.lanes.get(key)
         if cached is not None and cached[0] is parent:
             return cached[1]
         twin = twin_group(group, str(dist.get_backend(group)))
-        _lanes[key] = (parent, twin)
+        PROCESS.lanes[key] = (parent, twin)
         return twin
 
 

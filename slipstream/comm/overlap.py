@@ -34,8 +34,7 @@ from typing import Protocol
 import torch
 
 from slipstream.accelerator import get_accelerator
-
-_current = threading.local()  # .pair and .side of the half running on this thread
+from slipstream.comm.process import PROCESS
 
 
 class _Waitable(Protocol):
@@ -44,9 +43,9 @@ class _Waitable(Protocol):
 
 def wait(work: _Waitable) -> None:
     """Wait for ``work``, a collective this thread has just issued; inside a :class:`Pair`, the other half runs meanwhile."""
-    pair: Pair | None = getattr(_current, "pair", None)
+    pair: Pair | None = getattr(PROCESS.overlap_local, "pair", None)
     if pair is not None:
-        pair.hand_over(_current.side)
+        pair.hand_over(PROCESS.overlap_local.side)
     work.wait()
 
 
@@ -97,13 +96,13 @@ class Pair:
     def _half(self, side: int, fn: Callable[[], None], errors: list[BaseException | None]) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self._turn == side)
-        _current.pair, _current.side = self, side
+        PROCESS.overlap_local.pair, PROCESS.overlap_local.side = self, side
         try:
             fn()
         except BaseException as error:  # noqa: BLE001 - re-raised by run() on the caller's thread
             errors[side] = error
         finally:
-            _current.pair = None
+            PROCESS.overlap_local.pair = None
             with self._cond:
                 self._done[side] = True
                 self._switch(1 - side)

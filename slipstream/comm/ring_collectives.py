@@ -18,7 +18,6 @@ this thread and in this order.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from slipstream.comm import watch
 from slipstream.comm.distributed import current_timeout
 from slipstream.comm.lanes import twin_group
+from slipstream.comm.process import PROCESS
 from slipstream.comm.shm import shared_slots
 from slipstream.comm.teardown import on_teardown
 
@@ -104,10 +104,6 @@ class RingContext:
         self.shared = None
 
 
-_contexts: dict[int, RingContext] = {}
-_lock = threading.Lock()
-
-
 def _close_rings() -> None:
     """[Note: rings closed before the interpreter]
     A ring holds its twin process group, its thread and its shared-memory views for as long as it
@@ -116,9 +112,9 @@ def _close_rings() -> None:
     (see [Note: no abort at exit] in teardown.py). Closing the rings at exit, while the interpreter
     is whole, takes our part out of finalization, in a defined order.
     """
-    with _lock:
-        contexts = list(_contexts.values())
-        _contexts.clear()
+    with PROCESS.rings_lock:
+        contexts = list(PROCESS.rings.values())
+        PROCESS.rings.clear()
     for context in contexts:
         context.close()
 
@@ -132,8 +128,8 @@ def ring_context(group: dist.ProcessGroup | None) -> RingContext | None:
         return None
     parent = group if group is not None else dist.group.WORLD
     key = id(parent)
-    with _lock:
-        context = _contexts.get(key)
+    with PROCESS.rings_lock:
+        context = PROCESS.rings.get(key)
         if context is None or context.parent is not parent:  # a destroyed-and-recreated world
-            context = _contexts[key] = RingContext(group)
+            context = PROCESS.rings[key] = RingContext(group)
         return context

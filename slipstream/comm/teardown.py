@@ -29,39 +29,35 @@ from __future__ import annotations
 
 import atexit
 import sys
-import threading
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 from slipstream.comm.abort import aborted
+from slipstream.comm.process import PROCESS
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_before: list[Callable[[], None]] = []
-_closers: list[Callable[[], None]] = []
-_lock = threading.Lock()
-
 
 def before_teardown(callback: Callable[[], None]) -> None:
     """Run ``callback`` at exit before anything of comm is torn down (idempotent per callback)."""
-    with _lock:
-        if callback not in _before:
-            _before.append(callback)
+    with PROCESS.teardown_lock:
+        if callback not in PROCESS.before_teardown:
+            PROCESS.before_teardown.append(callback)
 
 
 def on_teardown(closer: Callable[[], None]) -> None:
     """Run ``closer`` at exit after the in-flight collectives, before the groups go (comm's own parts: rings, works)."""
-    with _lock:
-        if closer not in _closers:
-            _closers.append(closer)
+    with PROCESS.teardown_lock:
+        if closer not in PROCESS.closers:
+            PROCESS.closers.append(closer)
 
 
 def teardown() -> None:
     """The exit sequence of [Note: no abort at exit]; safe to call more than once."""
-    with _lock:
-        before, closers = list(_before), list(_closers)
+    with PROCESS.teardown_lock:
+        before, closers = list(PROCESS.before_teardown), list(PROCESS.closers)
     for step in (*before, *closers):
         try:
             step()

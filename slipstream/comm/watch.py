@@ -29,7 +29,6 @@ import functools
 import inspect
 import os
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm import flight
-from slipstream.comm.comms_log import comms_log
+from slipstream.comm.process import PROCESS
+from slipstream.utils.flight_record import FlightRecorder, group_label
 
 _COLLECTIVES = (
     "all_reduce",
@@ -79,29 +79,25 @@ _OP_NAMES = {
     "gather_object": "gather_obj",
     "scatter_object_list": "scatter_obj",
 }
-_local = threading.local()
-_installed = False
-_lock = threading.Lock()
 _HERE = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(dist.__file__)))
 
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Calls made inside record nothing here (``comm``'s own launches, which record themselves; ring threads)."""
-    _local.depth = getattr(_local, "depth", 0) + 1
+    PROCESS.watch_local.depth = getattr(PROCESS.watch_local, "depth", 0) + 1
     try:
         yield
     finally:
-        _local.depth -= 1
+        PROCESS.watch_local.depth -= 1
 
 
 def install() -> None:
     """Wrap ``torch.distributed``'s collectives once per process (see the module note)."""
-    global _installed
-    with _lock:
-        if _installed:
+    with PROCESS.watch_lock:
+        if PROCESS.watch_installed:
             return
-        _installed = True
+        PROCESS.watch_installed = True
         for name in (*_COLLECTIVES, *_POINT_TO_POINT):
             original = getattr(dist, name, None)
             if original is None or getattr(original, "__slipstream_original__", None) is not None:
@@ -115,7 +111,7 @@ def _watched(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_local, "depth", 0) or not dist.is_initialized():
+        if getattr(PROCESS.watch_local, "depth", 0) or not dist.is_initialized():
             return original(*args, **kwargs)
         try:
             values = signature.bind(*args, **kwargs).arguments
@@ -126,7 +122,7 @@ def _watched(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         tensor = _first_tensor(values)
         shape = f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}" if tensor is not None else "objects"
         nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
-        index = recorder.issue(op, _label(name, values, rank), nbytes, shape, _call_site(), comms_log.step)
+        index = recorder.issue(op, _label(name, values, rank), nbytes, shape, _call_site(), PROCESS.log.step)
         with quiet():
             try:
                 result = original(*args, **kwargs)
@@ -165,7 +161,7 @@ def _label(name: str, values: dict[str, Any], rank: int) -> str:
     if group is None or group is dist.group.WORLD:
         return "world"
     try:
-        return flight.group_label(dist.get_process_group_ranks(group))
+        return group_label(dist.get_process_group_ranks(group))
     except Exception:  # noqa: BLE001 - a group this rank is not in: the original raises
         return "unknown group"
 
@@ -180,7 +176,7 @@ def _call_site() -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-def _finish_when_done(result: Any, recorder: flight.FlightRecorder, index: int) -> Any:
+def _finish_when_done(result: Any, recorder: FlightRecorder, index: int) -> Any:
     """Mark the record completed when the work(s) complete: through their futures, or, for point-to-point works that
     have none (gloo), when the caller's ``wait()`` returns (the works are handed back behind :class:`_WaitedWork`)."""
     works = result if isinstance(result, list) else [result]

@@ -2,7 +2,7 @@
 in-memory snapshots, and the hang report when a rank fails.
 
 Each rank writes its last collectives into a ring file of the directory this module sets up
-(``slipstream/comm/flight.py``). When the agent sees the first rank of an attempt fail (an exit, a
+(``slipstream/utils/flight_record.py``, analysed by ``flight_analysis.py``). When the agent sees the first rank of an attempt fail (an exit, a
 signal, a collective that timed out), it reads its node's rings, says which rank holds the others up
 and where (out of band: the hung process group is never used), and only then tears the ranks down.
 
@@ -37,7 +37,7 @@ def run_directory(run_id: str) -> Iterator[Path]:
     Variables the user exported already are kept: a scheduler may want the rings elsewhere.
     Yields the flight directory.
     """
-    from slipstream.comm.flight import FLIGHT_DIR_ENV  # torch's package: launch() has imported torch already
+    from slipstream.utils.flight_record import FLIGHT_DIR_ENV
 
     base = _SHARED_MEMORY if _SHARED_MEMORY.is_dir() and os.access(_SHARED_MEMORY, os.W_OK) else None
     root = Path(tempfile.mkdtemp(prefix=f"slipstream_run_{run_id[:8]}_", dir=base))
@@ -66,14 +66,14 @@ def exit_description(exitcode: int) -> str:
 
 def report_failed_attempt(directory: Path, attempt: int, world: int, exited: dict[int, str]) -> list[str]:
     """Lines naming the rank that failed or holds the others up (empty when no ring was written)."""
-    from slipstream.comm import flight  # imports torch's package: only when a rank has failed
+    from slipstream.utils import flight_analysis, flight_record  # torch-free: the agent reads the rings itself
 
-    rings = flight.read_rings(directory, attempt)
+    rings = flight_record.read_rings(directory, attempt)
     if not rings:
         return []
-    report = flight.analyze(rings, world, exited=exited)
+    report = flight_analysis.analyze(rings, world, exited=exited)
     for ring in rings.values():
-        if flight.process_state(ring.pid).startswith("stopped"):
+        if flight_record.process_state(ring.pid).startswith("stopped"):
             with contextlib.suppress(OSError):
                 os.kill(ring.pid, signal.SIGCONT)
     return [f"flight recorder: {report.summary}", *(f"    | {line}" for line in report.details)]

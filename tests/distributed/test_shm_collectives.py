@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.comm import ring_collectives, shm
+from slipstream.comm.process import PROCESS
 from tests.harness import run_distributed
 
 LEFT_BEHIND = os.path.join(shm.SHM_DIR, "slipstream-*")
@@ -33,7 +34,7 @@ def _fresh_ring() -> Iterator[ring_collectives.RingContext]:
         yield context
     finally:
         context.executor.shutdown()
-        del ring_collectives._contexts[id(group)]
+        del PROCESS.rings[id(group)]
         dist.destroy_process_group(context.group)
         dist.destroy_process_group(group)
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import slipstream
 from slipstream.comm import collectives, comms_log, ring_collectives
+from slipstream.comm.process import PROCESS
 from tests.distributed.test_data_parallel import _overflow_body, _unused_body
 from tests.harness import run_distributed
 from tests.reference import (
@@ -256,7 +257,7 @@ def _backend_path_body(stage: int, reduce_scatter_missing: bool) -> list[float]:
     pretending the backend has no reduce-scatter at all."""
     ring_collectives.RING_BACKENDS.discard("gloo")
     if reduce_scatter_missing:
-        collectives._reduce_scatter_unsupported.add("gloo")
+        PROCESS.reduce_scatter_unsupported.add("gloo")
     try:
         comms_log.keep_history = 1
         result = _parity_body(stage, 1, SMALL_BUCKET)  # asserts parity with the reference on rank 0
@@ -265,7 +266,7 @@ def _backend_path_body(stage: int, reduce_scatter_missing: bool) -> list[float]:
         return result["losses"]
     finally:
         ring_collectives.RING_BACKENDS.add("gloo")
-        collectives._reduce_scatter_unsupported.discard("gloo")
+        PROCESS.reduce_scatter_unsupported.discard("gloo")
         comms_log.keep_history = 0
         comms_log.history.clear()
 

@@ -19,6 +19,9 @@ source with ``ast``; nothing is imported, so it takes a fraction of a second).
 * No file under ``slipstream/`` is longer than 600 lines.
 * Only ``slipstream.comm`` calls ``torch.distributed``'s collectives and point-to-point transfers: every
   other module goes through comm, so the comms log, the flight recorder and the timeouts see each call.
+* ``slipstream.comm`` keeps no module-level mutable state outside ``comm/process.py`` ([Note: one owner of
+  comm's state]): no ``global`` statement, no module-level name bound to a mutable container or a lock
+  (``ALL_CAPS`` tables of constants aside).
 * The checkpoint formats (``engine/checkpoint/formats/<format>``) never import each other: the table in
   ``formats/__init__.py`` composes them (any kind of import).
 * A piece of a global tensor has one home, ``slipstream.utils.pieces`` ([Note: a piece of a global
@@ -488,6 +491,65 @@ def test_no_file_over_600_lines() -> None:
 
 
 PIECES = "slipstream.utils.pieces"
+COMM_STATE = "slipstream.comm.process"
+MUTABLE = frozenset(
+    {
+        "list",
+        "dict",
+        "set",
+        "defaultdict",
+        "deque",
+        "Counter",
+        "OrderedDict",
+        "WeakSet",
+        "WeakKeyDictionary",
+        "WeakValueDictionary",
+        "local",
+        "Lock",
+        "RLock",
+        "Condition",
+        "Event",
+        "CommsLog",
+        "ProcessComm",
+    }
+)
+
+
+def module_state(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, what) of each ``global`` statement and each module-level binding of a mutable object."""
+    found = [(node.lineno, "a global statement") for node in ast.walk(tree) if isinstance(node, ast.Global)]
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        names = [t.id for t in targets if isinstance(t, ast.Name) and t.id != "__all__"]
+        if not names:
+            continue
+        called = value.func.attr if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) else None
+        called = value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else called
+        display = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp))
+        if called in MUTABLE or (display and not all(n.isupper() for n in names)):
+            found.append((node.lineno, f"{', '.join(names)} is mutable module state"))
+    return found
+
+
+def comm_state_outside_its_owner(g: Graph) -> list[str]:
+    return [
+        f"{g.files[module].relative_to(ROOT)}:{line}: {what} (keep it on comm/process.py's PROCESS)"
+        for module in sorted(g.under("slipstream.comm"))
+        if module != COMM_STATE
+        for line, what in module_state(g.trees[module])
+    ]
+
+
+def test_no_module_level_comm_state() -> None:
+    found = comm_state_outside_its_owner(graph())
+    assert not found, "\n".join(found)
+
+
 FORMATS = "slipstream.engine.checkpoint.formats"
 
 
@@ -593,6 +655,9 @@ def test_the_checks_see_what_they_check() -> None:
         "d.all_reduce(x)\ndistributed.send(x, 1)\ntorch.distributed.broadcast(x, 0)\nb()\nd.get_rank()\nother.all_reduce(x)\n"
     )
     assert collective_calls(ast.parse(calls)) == [(4, "all_reduce"), (5, "send"), (6, "broadcast"), (7, "barrier")]
+    assert len(module_state(g.trees[COMM_STATE])) == 1  # its one binding, PROCESS, is seen
+    kept = "_a = {}\nB = {1: 2}\n_c = threading.Lock()\nd = weakref.WeakSet()\ndef f():\n    global e\n__all__ = []\n"
+    assert [line for line, _ in module_state(ast.parse(kept))] == [6, 1, 3, 4]
     assert _format_of(FORMATS) is None and _format_of(f"{FORMATS}.deepspeed.convert") == "deepspeed"
     assert any(_format_of(t) == "native" for t in g.edges[FORMATS])  # the table's own imports are edges it sees
     assert len(piece_reimplementations(g.trees[PIECES])) == 3  # its Box, ParamSlice and box_index are seen

@@ -15,6 +15,7 @@ import pytest
 
 import slipstream.comm.distributed as distributed
 from slipstream.comm.distributed import LaunchEnvError, check_launch_env
+from slipstream.comm.process import PROCESS
 from slipstream.utils.logging import current_rank
 
 VALID = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -101,7 +102,7 @@ def test_init_distributed_refuses_before_any_rendezvous(launch_env, monkeypatch)
         raise AssertionError("a store or process group was created before the environment was checked")
 
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(distributed, "_timeout", distributed._timeout)  # init_distributed records its timeout
+    monkeypatch.setattr(PROCESS, "timeout", PROCESS.timeout)  # init_distributed records its timeout
     monkeypatch.setattr(distributed.dist, "init_process_group", rendezvous)
     monkeypatch.setattr(distributed.dist, "TCPStore", rendezvous)
     with pytest.raises(LaunchEnvError, match=r"^MASTER_PORT='99999': must be an integer in 1\.\.65535"):
@@ -118,7 +119,7 @@ def test_local_rank_beyond_the_cuda_devices_is_named(launch_env, monkeypatch) ->
         name="cuda", communication_backend="nccl", device_count=lambda: 2, set_device=set_device
     )
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(distributed, "_timeout", distributed._timeout)  # init_distributed records its timeout
+    monkeypatch.setattr(PROCESS, "timeout", PROCESS.timeout)  # init_distributed records its timeout
     monkeypatch.setattr(distributed, "get_accelerator", lambda: fake_cuda)
     with pytest.raises(LaunchEnvError, match=r"^LOCAL_RANK=2 is not below this node's 2 visible CUDA device\(s\)"):
         distributed.init_distributed()
