@@ -6,7 +6,8 @@ name (gathered from the shards at any stage) and every persistent buffer. Tied w
 as ``save_pretrained`` writes them; ``from_pretrained`` re-ties them. The file is safetensors or a
 ``torch.save`` of a plain tensor dict, so loading it never needs to unpickle objects.
 
-Two ways to write it: one file gathered on rank 0 (:meth:`ModelWeights.save`), or Hugging Face's
+Two ways to write it, both in checkpoint/formats/hf/ (this module is the engine's glue): one file gathered on rank 0
+(:meth:`ModelWeights.save`, ``files.write_whole``), or Hugging Face's
 sharded layout with every rank writing its own files and nothing gathered (:meth:`ModelWeights.save_sharded`,
 checkpoint/formats/hf/parallel_save.py); a ``.safetensors`` name at world size > 1 takes the second by default.
 """
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import comm
+from slipstream.engine.checkpoint.formats.hf.files import write_whole
 from slipstream.engine.checkpoint.formats.hf.parallel_save import ShardReport, write_sharded
 from slipstream.engine.zero.strategy import ShardingStrategy
 from slipstream.utils.pieces import ParamSlice, assemble
@@ -122,7 +124,7 @@ class ModelWeights:
             return True
         state = self.full_state(exclude_frozen)
         if state is not None:
-            write_weights(Path(save_dir) / filename, state)
+            write_whole(Path(save_dir) / filename, state)
         if dist.is_initialized():
             comm.barrier(tag="save_16bit_model: written")
         return True
@@ -155,19 +157,6 @@ class ModelWeights:
             exclude_frozen,
             max_shard_size,
         )
-
-
-def write_weights(path: Path, state: dict[str, torch.Tensor]) -> None:
-    """Write ``state`` atomically: safetensors for a ``.safetensors`` name, else a plain-dict ``torch.save``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".part")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        save_file(state, str(part), metadata={"format": "pt"})
-    else:
-        torch.save(state, part)
-    os.replace(part, path)
 
 
 class SavesWeights:

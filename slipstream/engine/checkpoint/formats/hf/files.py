@@ -185,3 +185,17 @@ def finish_directory(save_dir: Path, plan: FilePlan, total_parameters: int) -> N
     for path in stale:
         if path.is_file():
             path.unlink()
+
+
+def write_whole(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """The whole model in one file, atomically: safetensors for a ``.safetensors`` name, else a plain-dict
+    ``torch.save`` (``pytorch_model.bin``), as ``save_pretrained`` writes when everything fits in one shard."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(part), metadata={"format": "pt"})
+    else:
+        torch.save(state, part)
+    os.replace(part, path)
