@@ -38,9 +38,18 @@ class MasterWeights(abc.ABC):
     def __init__(self, spec: PartitionSpec) -> None:
         self.spec = spec
 
-    @abc.abstractmethod
     def gradients_ready(self, used: list[bool]) -> None:
         """The reduced gradients are final; ``used[i]`` says whether trainable parameter i got one on any rank."""
+        self.prepare_gradients()
+        self.use_gradients(used)
+
+    @abc.abstractmethod
+    def prepare_gradients(self) -> None:
+        """The reduced gradients are final: make them what the norm and the optimizer read (no collective)."""
+
+    @abc.abstractmethod
+    def use_gradients(self, used: list[bool]) -> None:
+        """Hand the optimizer the gradients of the parameters ``used`` on any rank (the others step with none)."""
 
     @abc.abstractmethod
     def _reduced_grads(self) -> Chunks:
@@ -139,13 +148,13 @@ class DeviceMasters(MasterWeights):
         assert self.params is not None
         return self.params.slice(offset, numel)
 
-    def gradients_ready(self, used: list[bool]) -> None:
-        grads = self.spec.grads()
+    def prepare_gradients(self) -> None:
         if self.low_precision:  # the optimizer steps fp32 masters: give it fp32 gradients
             self.grad32 = torch.zeros(self.spec.numel, dtype=torch.float32, device=self.spec.device)
-            copy_out(grads, self.grad32, 0)
-            grads = Chunks.flat(self.grad32)
-        views = self._grad_views(grads)
+            copy_out(self.spec.grads(), self.grad32, 0)
+
+    def use_gradients(self, used: list[bool]) -> None:
+        views = self._grad_views(self._reduced_grads())
         for p in self.spec.pieces:
             self.views[p.offset].grad = views[p.offset] if used[p.param] else None
 
@@ -236,8 +245,11 @@ class OffloadedMasters(MasterWeights):
         self.offload = PartitionOffload(options, spec, optimizer, groups, index)
         self.optimizer = self.offload.optimizer
 
-    def gradients_ready(self, used: list[bool]) -> None:
-        self.offload.gradients_ready(used)
+    def prepare_gradients(self) -> None:
+        self.offload.prepare_gradients()
+
+    def use_gradients(self, used: list[bool]) -> None:
+        self.offload.use_gradients(used)
 
     def _reduced_grads(self) -> Chunks:
         return self.spec.grads()  # the CPU Adam reads them in the model's dtype

@@ -21,6 +21,7 @@ from slipstream.engine.zero.masters import MasterWeights
 from slipstream.engine.zero.sharding_groups import is_replica, model_spread, sum_over_groups
 from slipstream.engine.zero.slices import OwnedSlice
 from slipstream.engine.zero.strategy import ShardingOptions, ShardingStrategy
+from slipstream.engine.zero.used_flags import UsedFlags
 from slipstream.utils.pieces import ParamSlice
 from slipstream.utils.placement import is_duplicate, placement_of
 
@@ -32,6 +33,8 @@ Piece = tuple[
 class MastersStrategy(ShardingStrategy):
     masters: MasterWeights
     options: ShardingOptions
+    used: UsedFlags
+    _norm: torch.Tensor | None = None  # this boundary's norm, when it rode with the flags
 
     @abc.abstractmethod
     def _ranges(self) -> list[tuple[dist.ProcessGroup | None, int, int]]:
@@ -45,7 +48,37 @@ class MastersStrategy(ShardingStrategy):
     def _pieces(self) -> list[Piece]:
         """Every piece of this rank's partition (frozen parameters' too), in partition order."""
 
+    def _gradients_final(self, members: list[tuple[dist.ProcessGroup | None, list[int]]]) -> None:
+        """The window's gradients are reduced: agree on the used flags over ``members`` and hand them to the masters.
+
+        [Note: the flags ride the norm] Every boundary needs both the used flags (which parameters got a
+        gradient on any rank) and the gradient norm (the overflow check and the clipping), each an
+        all-reduce over the sharding group. Where the flags and the norm share that one group (no MiCS,
+        no tp/pp/ep spread, one parameter group), this rank's squared norm rides in the flags' tensor:
+        one all-reduce instead of two. The flags are summed rather than maxed (a count above zero is a
+        use), and the norm is the sum over the same group of the same partial :meth:`global_grad_norm`
+        makes. The norm is kept for that boundary's ``global_grad_norm``.
+        """
+        self.masters.prepare_gradients()  # the fp32 copies the norm reads
+        ranges = self._ranges()
+        one_group = len(members) == 1 and len(ranges) == 1 and members[0][0] is ranges[0][0]
+        if one_group and self._counted_ranges() is None:
+            group, lo, hi = ranges[0]
+            fused = torch.empty(1 + len(self.used.local), dtype=torch.float32, device=self.used.device)
+            fused[:1] = self.masters.grad_norm_squared(lo, hi)
+            self.used.write(fused[1:])
+            comm.all_reduce(fused, group=group, tag="used-parameter flags and gradient norm").wait()
+            self._norm = fused[:1].sqrt()[0]
+            used = self.used.read(fused[1:])
+        else:
+            self._norm = None
+            used = self.used.reduce(members)
+        self.masters.use_gradients(used)
+
     def global_grad_norm(self) -> torch.Tensor:
+        norm, self._norm = self._norm, None
+        if norm is not None:  # [Note: the flags ride the norm]
+            return norm
         counted = self._counted_ranges()
         if counted is None:  # one sum per sharding group counts each element once
             partials = [(group, self.masters.grad_norm_squared(lo, hi)) for group, lo, hi in self._ranges()]

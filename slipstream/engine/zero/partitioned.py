@@ -132,7 +132,7 @@ class PartitionedStrategy(MastersStrategy):
     def finish_gradients(self) -> None:
         for part in self.parts:
             part.finish()
-        self.masters.gradients_ready(self.used.reduce([(part.group, part.indices) for part in self.parts]))
+        self._gradients_final([(part.group, part.indices) for part in self.parts])
         self.sync = False
 
     # ------------------------------------------------------------------ step

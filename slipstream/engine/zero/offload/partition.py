@@ -1,8 +1,8 @@
 """``PartitionOffload``: what a ZeRO strategy calls to keep its optimizer partition off the device.
 
 A strategy hands over its partition as one value (``PartitionSpec``: pieces, gradient and
-parameter storage in partition coordinates) and from then on calls four things: :meth:`gradients_ready` when the reduced
-gradients are final, ``grad_scale`` (instead of scaling gradients in place), :meth:`step`, and
+parameter storage in partition coordinates) and from then on calls four things: :meth:`prepare_gradients` and
+:meth:`use_gradients` when the reduced gradients are final, ``grad_scale`` (instead of scaling gradients in place), :meth:`step`, and
 :meth:`masters` for consolidation. ``optimizer`` is the :class:`OffloadAdam` the engine sees.
 
 [Note: no copies on a CPU device] On CPU the gradients are read where the reduction left them
@@ -138,8 +138,8 @@ class PartitionOffload:
     def grad_scale(self, value: float) -> None:
         self.optimizer.grad_scale = value
 
-    def gradients_ready(self, used: list[bool]) -> None:
-        """The strategy's reduced gradients are final: bring them to CPU memory (CUDA) and arm the step."""
+    def prepare_gradients(self) -> None:
+        """The strategy's reduced gradients are final: start bringing them to CPU memory (CUDA)."""
         if self.grads is not None:
             # The copy runs while the device computes the gradient norm; step() waits for it.
             host, device_grads = self.grads.tensors[0], self._device_grads()
@@ -148,6 +148,9 @@ class PartitionOffload:
             )
         if isinstance(self.store, NVMeStateStore):
             self.store.prefetch_first()  # the first read overlaps with the norm and the clipping
+
+    def use_gradients(self, used: list[bool]) -> None:
+        """Arm the step with the gradients of the parameters ``used`` on any rank."""
         self.optimizer.prepare(self.grads or self._device_grads(), used)
 
     def _wait_for_gradients(self) -> None:

@@ -251,7 +251,7 @@ class Stage3Strategy(MastersStrategy):
         flags = {id(g.lanes): (g.lanes.data, []) for g in self.groups}  # MiCS: replicas saw other data
         for unit in self.units:
             flags[id(unit.lanes)][1].extend(self.index[id(p)] for p in unit.params if id(p) in self.index)
-        self.masters.gradients_ready(self.used.reduce(list(flags.values())))
+        self._gradients_final(list(flags.values()))
 
     # ------------------------------------------------------------------ step
     def _ranges(self) -> list[tuple[dist.ProcessGroup | None, int, int]]:
