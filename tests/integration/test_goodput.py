@@ -67,13 +67,13 @@ def test_stopped_rank_is_named_as_behind_with_its_last_collective(tmp_path):
     assert code == 1, stderr
     line = _flight_line(stderr)
     waiters = ",".join(str(r) for r in range(4) if r != rank)
-    # ZeRO-1 at world 4 issues 4 collectives per step on the world group (gradient reduce-scatter, used-parameter
-    # flags, gradient norm, weight all-gather) after the initial broadcast: step s's reduce-scatter is #4s+2.
+    # ZeRO-1 at world 4 issues 3 collectives per step on the world group (gradient reduce-scatter, the used-parameter
+    # flags with the gradient norm, weight all-gather) after the initial broadcast: step s's reduce-scatter is #3s+2.
     assert (
-        f"rank {rank} is behind: ranks {waiters} wait in reduce_scatter #{4 * step + 2} of world ([29568] float32 'gradient bucket 0', step {step})"
+        f"rank {rank} is behind: ranks {waiters} wait in reduce_scatter #{3 * step + 2} of world ([29568] float32 'gradient bucket 0', step {step})"
         in line
     ), (step, rank, line)
-    assert f"(rank {rank}: stopped (SIGSTOP); last collective all_gather #{4 * step + 1} of world" in line, line
+    assert f"(rank {rank}: stopped (SIGSTOP); last collective all_gather #{3 * step + 1} of world" in line, line
     # the wait is measured: on a loaded machine the first rank to give up reports a little more than the limit
     assert re.search(rf"timed out after \d+\.\ds \(the limit is comms_timeout_seconds = {TIMEOUT_S};", stderr), stderr[
         -3000:
@@ -87,7 +87,7 @@ def test_rank_taking_another_code_path_is_named_at_the_first_divergence(tmp_path
     assert code == 1, stderr
     others = ",".join(str(r) for r in range(4) if r != rank)
     assert (
-        f"rank {rank} took a different code path: the first divergence is collective #{4 * step + 2} of world in step {step}: "
+        f"rank {rank} took a different code path: the first divergence is collective #{3 * step + 2} of world in step {step}: "
         f"rank {rank} issued broadcast ([16] float32); ranks {others} issued reduce_scatter ([29568] float32)"
     ) in _flight_line(stderr), (step, rank)
 
@@ -99,10 +99,10 @@ def test_rank_skipping_the_users_own_all_reduce_is_named_at_that_call(tmp_path):
     code, stderr, _ = _job(tmp_path, "--faults", f"skipuser@{step}:{rank}", "--user_allreduce", "1")
     assert code == 1, stderr
     others = ",".join(str(r) for r in range(4) if r != rank)
-    # 5 collectives a step on world: ZeRO-1's 4, then the user's all_reduce (#5s+6) that rank `rank` skips at step `step`
+    # 4 collectives a step on world: ZeRO-1's 3, then the user's all_reduce (#4s+5) that rank `rank` skips at step `step`
     line = _flight_line(stderr)
     assert (
-        f"rank {rank} took a different code path: the first divergence is collective #{5 * step + 6} of world" in line
+        f"rank {rank} took a different code path: the first divergence is collective #{4 * step + 5} of world" in line
     ), (step, rank, line)
     assert f"rank {rank} issued reduce_scatter ([29568] float32)" in line, line
     assert (
