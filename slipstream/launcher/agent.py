@@ -92,7 +92,6 @@ def launch(spec: LocalLaunch) -> int:
 
     # The agent writes per-rank error files (and, if asked, logs) under log_dir; by default it
     # leaves a torchelastic_* directory in /tmp on every run, so we own and remove it.
-    report = _AttemptReport(who, None, nproc * spec.num_nodes)
     with (
         tempfile.TemporaryDirectory(prefix="slipstream_run_") as log_dir,
         run_directory(run_id) as flight_dir,
@@ -100,7 +99,7 @@ def launch(spec: LocalLaunch) -> int:
         _quiet_torch_elastic(),
         _exit_on_stdin_close(spec.exit_on_stdin_close),
     ):
-        report.flight_dir = flight_dir
+        report = _AttemptReport(who, flight_dir, nproc * spec.num_nodes)
         rendezvous = _Rendezvous(backend, endpoint, run_id, spec.num_nodes, rdzv_configs, local_addr)
         # -u as torchrun does: ranks' output reaches the terminal as it is written. The worker
         # module runs the script as __main__ and records an uncaught exception for the report.
@@ -405,18 +404,22 @@ def _agent_class() -> type:
 
 def _exited_workers(workers: list[Any]) -> dict[int, int]:
     """global rank -> exit code (minus the signal number if killed) of each worker that has exited, none reaped."""
-    waitid = getattr(os, "waitid", None)
     gone: dict[int, int] = {}
+    if not hasattr(os, "waitid"):  # not on this platform: the report comes from the monitor's result
+        return gone
     for worker in workers:
-        if waitid is None or not isinstance(worker.id, int):
-            continue
+        if not isinstance(worker.id, int):
+            continue  # not started
         try:
-            status = waitid(os.P_PID, worker.id, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except (ChildProcessError, OSError):
-            continue  # already reaped, or not our child
-        if status is not None and status.si_pid:
-            gone[worker.global_rank] = status.si_status if status.si_code == os.CLD_EXITED else -status.si_status
-    return {rank: code for rank, code in gone.items() if code != 0}
+            status = os.waitid(os.P_PID, worker.id, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except OSError:  # ChildProcessError too: already reaped, or not our child
+            continue
+        if status is None or not status.si_pid:
+            continue  # still running
+        code = status.si_status if status.si_code == os.CLD_EXITED else -status.si_status
+        if code != 0:
+            gone[worker.global_rank] = code
+    return gone
 
 
 class _AttemptReport:

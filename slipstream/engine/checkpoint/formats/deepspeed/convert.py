@@ -27,7 +27,7 @@ from slipstream.engine.checkpoint.formats.deepspeed.source import DeepSpeedCheck
 from slipstream.engine.checkpoint.formats.deepspeed.unpickle import load_pickle
 from slipstream.engine.checkpoint.tiling import piece_key
 from slipstream.engine.checkpoint.validate import CheckpointError
-from slipstream.utils.pieces import ParamSlice
+from slipstream.utils.pieces import ParamSlice, whole_box
 from slipstream.version import __version__
 
 # A piece of the output: the share, its fp32 values, its optimizer state (per-element tensors, scalars).
@@ -261,7 +261,7 @@ def _payload(
     tensors: dict[str, torch.Tensor] = {}
     slices = []
     for share, values, state in pieces:
-        whole = ((0,) * len(share.shape), share.shape)
+        whole = whole_box(share.shape)
         key = piece_key("p", share.name, whole, share.shape, share.start, FORMAT_VERSION)
         tensors[key] = values
         entry: dict[str, Any] = {

@@ -10,12 +10,11 @@ Neither may write into the checkpoint it reads (``_check_output``).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-from slipstream.engine.checkpoint.format import LATEST, TMP_PREFIX, TRASH_PREFIX, write_safetensors
+from slipstream.engine.checkpoint.format import LATEST, TMP_PREFIX, TRASH_PREFIX
 from slipstream.engine.checkpoint.formats.hf.files import (
     DEFAULT_MAX_SHARD_SIZE,
     FilePlan,
@@ -24,16 +23,15 @@ from slipstream.engine.checkpoint.formats.hf.files import (
     parse_size,
     plan_files,
     write_file,
+    write_safetensors_file,
 )
 from slipstream.engine.checkpoint.reader import CheckpointError, CheckpointReader, resolve
 
 
 def export_fp32(checkpoint: str | Path, out: str | Path, tag: str | None = None) -> tuple[Path, int]:
     """Write the checkpoint (``latest``, or ``tag``) to ``out``; returns the checkpoint used and the key count."""
-    path = resolve(checkpoint, tag)
-    if path is None:
-        raise CheckpointError(f"no checkpoint in {checkpoint}")
-    reader = CheckpointReader(path)
+    path, reader = _open(checkpoint, tag)
+    out = _check_output(Path(out), path, directory=False)
     buffers = reader.common()["buffers"]
     values: dict[str, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -45,20 +43,9 @@ def export_fp32(checkpoint: str | Path, out: str | Path, tag: str | None = None)
             tensors[key] = values[name]
         else:
             tensors[key] = reader.tensor(0, buffers[source["buffer"]])
-    out = _check_output(Path(out), path, directory=False)
     out.parent.mkdir(parents=True, exist_ok=True)
-    part = out.with_name(out.name + ".part")
-    metadata = {
-        "format": "pt",
-        "slipstream_checkpoint": str(path),
-        "global_steps": str(reader.manifest["global_steps"]),
-    }
-    try:
-        write_safetensors(part, tensors, metadata)
-        os.replace(part, out)
-    finally:
-        if part.is_file():
-            part.unlink()
+    metadata = {"slipstream_checkpoint": str(path), "global_steps": str(reader.manifest["global_steps"])}
+    write_safetensors_file(out, tensors, metadata)  # a safetensors file whatever the name
     return path, len(tensors)
 
 
@@ -72,11 +59,8 @@ def export_hf(
     """Write a checkpoint (``latest``, or ``tag``) as Hugging Face safetensors shards into ``out_dir``, one parameter in
     memory at a time; returns the checkpoint used and the plan written. Parameters in ``dtype``, buffers as saved."""
     max_bytes = parse_size(max_shard_size)
-    path = resolve(checkpoint, tag)
-    if path is None:
-        raise CheckpointError(f"no checkpoint in {checkpoint}")
+    path, reader = _open(checkpoint, tag)
     out = _check_output(Path(out_dir), path, directory=True)
-    reader = CheckpointReader(path)
     manifest, saved_buffers = reader.manifest, reader.common()["buffers"]
     specs: list[Spec] = []
     for key, held in manifest["state_dict_keys"].items():  # tied aliases point at another name: written once
@@ -98,6 +82,14 @@ def export_hf(
         write_file(out / name, file_specs, fetch)
     finish_directory(out, plan, sum(s.numel for s in specs if s.key in manifest["parameters"]))
     return path, plan
+
+
+def _open(checkpoint: str | Path, tag: str | None) -> tuple[Path, CheckpointReader]:
+    """The checkpoint ``checkpoint`` (``latest``, or ``tag``) names, and its reader (every file checked)."""
+    path = resolve(checkpoint, tag)
+    if path is None:
+        raise CheckpointError(f"no checkpoint in {checkpoint}")
+    return path, CheckpointReader(path)
 
 
 def _check_output(out: Path, checkpoint: Path, directory: bool) -> Path:

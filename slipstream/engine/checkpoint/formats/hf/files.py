@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.engine.checkpoint.format import safetensors_header
+from slipstream.engine.checkpoint.format import safetensors_header, write_safetensors
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # save_pretrained's default
 
@@ -187,15 +187,28 @@ def finish_directory(save_dir: Path, plan: FilePlan, total_parameters: int) -> N
             path.unlink()
 
 
-def write_whole(path: Path, state: dict[str, torch.Tensor]) -> None:
+def write_whole(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """The whole model in one file, atomically: safetensors for a ``.safetensors`` name, else a plain-dict
     ``torch.save`` (``pytorch_model.bin``), as ``save_pretrained`` writes when everything fits in one shard."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".part")
     if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        save_file(state, str(part), metadata={"format": "pt"})
-    else:
-        torch.save(state, part)
+        write_safetensors_file(path, state, metadata)
+        return
+    part = path.with_name(path.name + ".part")
+    torch.save(state, part)
     os.replace(part, path)
+
+
+def write_safetensors_file(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
+    """``tensors`` as one safetensors file with ``{"format": "pt"}`` and ``metadata``, atomically: written to
+    ``<name>.part``, fsynced and renamed; a failed write leaves no ``.part`` behind. A tensor under two keys
+    (tied weights in ``state_dict()``) is written under each."""
+    part = path.with_name(path.name + ".part")
+    try:
+        write_safetensors(part, tensors, {"format": "pt", **(metadata or {})}, checksum=False)
+        os.replace(part, path)
+    finally:
+        if part.is_file():
+            part.unlink()
