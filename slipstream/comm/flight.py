@@ -13,7 +13,7 @@ from typing import Any
 
 from slipstream.comm.process import PROCESS
 from slipstream.utils.flight_analysis import HangReport, analyze
-from slipstream.utils.flight_record import FLIGHT_DIR_ENV, FlightRecorder, RankFlight, _parse, read_rings, ring_path
+from slipstream.utils.flight_record import FLIGHT_DIR_ENV, FlightRecorder, RankFlight, parse_ring, read_rings, ring_path
 
 
 def reset() -> None:
@@ -74,7 +74,7 @@ def _exchange(
         for other in sorted(missing):
             key = f"{_STORE_PREFIX}{PROCESS.generation}/{other}"
             if store.check([key]):
-                parsed = _parse(store.get(key))
+                parsed = parse_ring(store.get(key))
                 if parsed is not None:
                     flights[other] = parsed
                 missing.discard(other)

@@ -126,7 +126,7 @@ class FlightRecorder:
         struct.pack_into("<d", self._map, 32, now)
 
     def snapshot(self) -> RankFlight:
-        return _parse(bytes(self._map))  # type: ignore[return-value]
+        return parse_ring(bytes(self._map))  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -186,7 +186,8 @@ class RankFlight:
         return next((r for r in self.records if r.state != "completed" and r.seq > done.get(r.group, 0)), None)
 
 
-def _parse(data: bytes) -> RankFlight | None:
+def parse_ring(data: bytes) -> RankFlight | None:
+    """A ring's bytes (its file, or what a rank published to the store) as records; None for what is not one."""
     if len(data) < _HEADER_SIZE or data[:8] != _MAGIC:
         return None
     _, rank, world, pid, capacity, started, last_write = _HEADER.unpack_from(data, 0)
@@ -220,7 +221,7 @@ def read_rings(directory: str | Path, attempt: int | str) -> dict[int, RankFligh
     found: dict[int, RankFlight] = {}
     for path in sorted((Path(directory) / f"attempt{attempt}").glob("rank*.flight")):
         try:
-            flight = _parse(path.read_bytes())
+            flight = parse_ring(path.read_bytes())
         except OSError:
             continue
         if flight is not None:
