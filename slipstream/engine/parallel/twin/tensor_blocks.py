@@ -76,9 +76,9 @@ def verify(
         if call is None:
             continue  # a block the probe batch did not reach
         problem = _replay(block, call, outputs[i], tolerance)
-        entries = "; ".join(e.describe() for e in plan if e.name.startswith(names[i] + ".")) or "none"
 
-        def message(finding: str, rank: int, name: str = names[i], entries: str = entries) -> str:
+        def message(finding: str, rank: int, name: str = names[i]) -> str:  # called only on a mismatch
+            entries = "; ".join(e.describe() for e in plan if e.name.startswith(name + ".")) or "none"
             return (
                 f"tensor_parallel: the sharded block {name} does not reproduce the unsharded one on the self-check "
                 f"batch ({finding} on tp rank {rank}); its plan entries: {entries}. "
