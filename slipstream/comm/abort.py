@@ -101,6 +101,11 @@ def abort_for(error: BaseException, call: str) -> None:
     for group in groups:
         with contextlib.suppress(Exception):
             group.abort()
+    with PROCESS.rings_lock:  # the same-host rings meet at pipes, not in a group: closing them frees the peers too
+        rings = list(PROCESS.rings.values())
+    for ring in rings:
+        with contextlib.suppress(Exception):
+            ring.abort(text)
     logger.error(
         "%s; aborted this rank's %d process group(s) so the other ranks stop now with this error", text, len(groups)
     )

@@ -22,7 +22,7 @@ from slipstream.comm.abort import failure_of_a_peer
 from slipstream.comm.comms_log import CommRecord
 from slipstream.comm.distributed import current_timeout
 from slipstream.comm.process import PROCESS
-from slipstream.comm.ring_collectives import ring_context
+from slipstream.comm.ring_collectives import existing_ring, ring_context
 from slipstream.comm.teardown import on_teardown
 from slipstream.errors import SlipstreamError
 from slipstream.utils.flight_record import FlightRecorder, group_label
@@ -205,10 +205,23 @@ def all_reduce(
     group: dist.ProcessGroup | None = None,
     tag: str = "",
 ) -> Work:
-    """In-place all-reduce, launched asynchronously."""
+    """In-place all-reduce, launched asynchronously. Between ranks of one host it goes through shared memory
+    on the ring thread (see [Note: the small all-reduce] in shm.py), in order with the ring's other collectives,
+    once the group has a ring (the engine makes one for each group it reduces over)."""
     if dist.get_world_size(group) == 1:
         return _alone("all_reduce", tensor, tag, group)  # every reduction of one value is that value
+    combine = _SHARED_FOLDS.get(op)
+    if combine is not None and tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype != torch.bool:
+        ring = existing_ring(group)  # made by the engine for its groups at set-up: a first use here could block
+        if ring is not None and ring.shared is not None:
+            shared = ring.shared
+            return _launch(
+                "all_reduce", tensor, tag, group, lambda: _FutureWork(ring.submit(shared.all_reduce, tensor, combine))
+            )
     return _launch("all_reduce", tensor, tag, group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+
+
+_SHARED_FOLDS = {ReduceOp.SUM: "add", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum"}
 
 
 def all_to_all_single(

@@ -96,6 +96,11 @@ class RingContext:
 
         return self.executor.submit(untracked)
 
+    def abort(self, why: str) -> None:
+        """This rank failed: peers waiting at the shared-memory barrier stop now (see [Note: a barrier of pipes])."""
+        if self.shared is not None:
+            self.shared.barrier.stop(f"aborted: {why}")
+
     def close(self) -> None:
         """Finish queued jobs and let go of the thread and the shared memory (the group goes with the context)."""
         self.executor.shutdown(wait=True)
@@ -133,3 +138,12 @@ def ring_context(group: dist.ProcessGroup | None) -> RingContext | None:
         if context is None or context.parent is not parent:  # a destroyed-and-recreated world
             context = PROCESS.rings[key] = RingContext(group)
         return context
+
+
+def existing_ring(group: dist.ProcessGroup | None) -> RingContext | None:
+    """The ring already made for ``group`` (by :func:`ring_context`), else None; never collective, so a collective
+    that only uses a ring when one exists cannot block in the ring's set-up while a peer is elsewhere."""
+    parent = group if group is not None else dist.group.WORLD
+    with PROCESS.rings_lock:
+        context = PROCESS.rings.get(id(parent))
+    return context if context is not None and context.parent is parent else None

@@ -14,8 +14,8 @@ equivalent of two, so on one host the kernel's share decided most of the distanc
 
 How: every rank makes one file in ``/dev/shm``, split in two halves; it maps its own and opens
 its peers' for reading. A collective goes in pieces of at most ``PIECE_BYTES``: a rank copies its
-part of the piece into the next half of its own file, all ranks meet at a barrier on the ring's
-group, and each reads what it needs from its peers' halves (``preadv`` into the destination; the
+part of the piece into the next half of its own file, all ranks meet at a barrier (of pipes: ``host_barrier.py``),
+and each reads what it needs from its peers' halves (``preadv`` into the destination; the
 reduce-scatter sums its chunk over the ranks in rank order, the same order on every rank). The
 halves alternate, so one barrier per piece is enough: a rank writes a half again only after the
 next barrier, which every peer reaches only after it has finished reading that half.
@@ -46,6 +46,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from slipstream.comm import host_barrier
+
 PIECE_BYTES = 8 << 20  # one half of a rank's file: a ZeRO-3 unit's reduce-scatter in two pieces
 SHM_DIR = "/dev/shm"
 ENV_SWITCH = "SLIPSTREAM_SHM_COLLECTIVES"
@@ -54,9 +56,18 @@ ENV_SWITCH = "SLIPSTREAM_SHM_COLLECTIVES"
 class SharedSlots:
     """Every rank's two halves of ``PIECE_BYTES``, mapped here, and the barrier that orders them."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, own: mmap.mmap, peers: dict[int, int]) -> None:
-        """``own``: this rank's file, mapped; ``peers``: each peer's file, open for reading (see [Note: read, not mapped])."""
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        size: int,
+        own: mmap.mmap,
+        peers: dict[int, int],
+        barrier: host_barrier.HostBarrier,
+    ) -> None:
+        """``own``: this rank's file, mapped; ``peers``: each peer's file, open for reading (see [Note: read, not
+        mapped]); ``barrier``: the pipes the ranks meet at (see [Note: a barrier of pipes])."""
+        self.group, self.rank, self.size, self.barrier = group, rank, size, barrier
         self._own = own  # kept open: the tensor below is a view of it
         self._halves = torch.frombuffer(own, dtype=torch.uint8).view(2, PIECE_BYTES)
         self._peers = peers
@@ -65,9 +76,8 @@ class SharedSlots:
 
     def close(self) -> None:
         """Close the peers' files (our own mapping goes with the last view of it)."""
-        for fd in self._peers.values():
-            os.close(fd)
-        self._peers = {}
+        host_barrier.close_all(self._peers)
+        self.barrier.close()
 
     def _next_half(self) -> int:
         half, self._uses = self._uses % 2, self._uses + 1
@@ -97,7 +107,7 @@ class SharedSlots:
         for start, end in _pieces(chunks.shape[1], PIECE_BYTES // buffer.element_size()):
             half = self._next_half()
             self._slot(half, buffer.dtype)[: end - start].copy_(chunks[self.rank, start:end])
-            dist.barrier(group=self.group)
+            self.barrier.wait()
             for peer in range(self.size):
                 if peer != self.rank:
                     self._read(peer, half, 0, chunks[peer, start:end])
@@ -119,7 +129,7 @@ class SharedSlots:
                 piece[self.rank + 1 :].copy_(chunks[self.rank + 1 :, start:end])
             else:
                 piece.copy_(chunks[:, start:end])
-            dist.barrier(group=self.group)
+            self.barrier.wait()
             if self._scratch is None:  # a row of a piece is at most PIECE_BYTES / size bytes (the piece bound above)
                 self._scratch = torch.empty(PIECE_BYTES // self.size, dtype=torch.uint8)
             scratch = self._scratch[: width * buffer.element_size()].view(buffer.dtype)
@@ -134,6 +144,37 @@ class SharedSlots:
                     self._read(peer, half, offset, scratch)
                     total.add_(scratch)
 
+    def all_reduce(self, buffer: torch.Tensor, combine: str = "add") -> None:
+        """Reduce ``buffer`` (contiguous) over ranks in place; every rank gets the same bits.
+
+        [Note: the small all-reduce] Every rank writes its piece to its half, meets the others at one barrier
+        and folds every rank's piece into its own in rank order (``combine``: ``add``, ``maximum`` or
+        ``minimum``), so the result is the same on every rank, as gloo's is. One barrier per piece where a
+        reduce-scatter and an all-gather take two: for the few-KB all-reduces of a step (the gradient norm
+        and the used flags, a small model's buckets) the wake-ups are the cost, not the bytes. A rank reads
+        ``size - 1`` pieces where the ring reads ``2 (size - 1) / size``: at 2 ranks the same bytes.
+        """
+        fold = _FOLDS[combine]
+        flat = buffer.view(-1)
+        for start, end in _pieces(flat.numel(), PIECE_BYTES // (buffer.element_size() * self.size)):
+            half = self._next_half()
+            mine = self._slot(half, buffer.dtype)[: end - start]
+            mine.copy_(flat[start:end])
+            self.barrier.wait()
+            if self._scratch is None:
+                self._scratch = torch.empty(PIECE_BYTES // self.size, dtype=torch.uint8)
+            scratch = self._scratch[: (end - start) * buffer.element_size()].view(buffer.dtype)
+            total = flat[start:end]  # holds rank 0's piece after the first turn
+            for peer in range(self.size):
+                if peer == 0:
+                    if self.rank != 0:
+                        self._read(0, half, 0, total)
+                elif peer == self.rank:
+                    fold(total, mine)
+                else:
+                    self._read(peer, half, 0, scratch)
+                    fold(total, scratch)
+
 
 def shared_slots(group: dist.ProcessGroup, rank: int, size: int) -> SharedSlots | None:
     """Map every rank's file in ``/dev/shm`` if all ranks of ``group`` can; else None on every rank.
@@ -145,24 +186,35 @@ def shared_slots(group: dist.ProcessGroup, rank: int, size: int) -> SharedSlots 
     names = _from_every_rank(uuid.uuid4().hex if wanted else None, group, size)
     prefix = names[0]
     made = _create(_path(prefix, rank)) if all(n is not None for n in names) else None
+    incoming = host_barrier.make_incoming(prefix, rank, size) if made is not None else None
     peers: dict[int, int] = {}
-    if all(_from_every_rank(made is not None, group, size)):
+    outgoing: dict[int, int] | None = None
+    if all(_from_every_rank(made is not None and incoming is not None, group, size)):
+        outgoing = host_barrier.open_outgoing(prefix, rank, size)
         for peer in range(size):
             if peer != rank:
                 fd = _open(_path(prefix, peer))
                 if fd is None:
                     break
                 peers[peer] = fd
-    opened = _from_every_rank(len(peers) == size - 1, group, size)  # also: every peer has opened ours
+    opened = _from_every_rank(len(peers) == size - 1 and outgoing is not None, group, size)  # every peer holds ours
     if made is not None:
         os.unlink(_path(prefix, rank))
-    if made is not None and all(opened):
-        return SharedSlots(group, rank, size, made, peers)
-    for fd in peers.values():
-        os.close(fd)
+    host_barrier.unlink_incoming(prefix, rank, size)
+    if made is not None and incoming is not None and outgoing is not None and all(opened):
+        return SharedSlots(group, rank, size, made, peers, host_barrier.HostBarrier(incoming, outgoing))
+    for fds in (peers, incoming or {}, outgoing or {}):
+        host_barrier.close_all(fds)
     if made is not None:
         made.close()
     return None
+
+
+_FOLDS = {
+    "add": torch.Tensor.add_,
+    "maximum": lambda total, x: torch.maximum(total, x, out=total),
+    "minimum": lambda total, x: torch.minimum(total, x, out=total),
+}
 
 
 def _from_every_rank(value: object, group: dist.ProcessGroup, size: int) -> list[object]:

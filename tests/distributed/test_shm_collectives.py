@@ -1,12 +1,15 @@
-"""Same-host shared memory under the ring's all-gather and reduce-scatter (``slipstream/comm/shm.py``).
+"""Same-host shared memory under the ring's all-gather, reduce-scatter and all-reduce (``slipstream/comm/shm.py``).
 
 The shared path must give what the socket ring gives (the gather bit for bit, the sum in rank
 order), over many pieces so the two halves alternate, and the set-up must be all-or-nothing: one
-rank that cannot map the files keeps the whole group on sockets, and no file is left behind.
+rank that cannot map the files keeps the whole group on sockets, and no file is left behind. The
+ranks meet at a barrier of pipes (``host_barrier.py``): a rank that never arrives is named when the
+timeout passes, and one that aborts frees its peers at once.
 """
 
 from __future__ import annotations
 
+import datetime
 import glob
 import os
 from collections.abc import Iterator
@@ -33,7 +36,7 @@ def _fresh_ring() -> Iterator[ring_collectives.RingContext]:
     try:
         yield context
     finally:
-        context.executor.shutdown()
+        context.close()
         del PROCESS.rings[id(group)]
         dist.destroy_process_group(context.group)
         dist.destroy_process_group(group)
@@ -70,9 +73,29 @@ def _match_body(piece_bytes: int) -> None:
                 assert torch.equal(gathered, torch.cat([data[p].view(world, -1)[p] for p in range(world)])), dtype
             reduced, gathered = _collectives(context, 0, torch.float32)  # empty: no piece, no barrier, on every rank
             assert reduced.numel() == gathered.numel() == 0
+            _check_all_reduce(context, numel)
     finally:
         shm.PIECE_BYTES = saved
     assert not glob.glob(LEFT_BEHIND)
+
+
+def _check_all_reduce(context: ring_collectives.RingContext, numel: int) -> None:
+    """Sum, max and min through shared memory: each rank's result is the fold in rank order, bit for bit, on every
+    rank (so replicated parameters stay identical), for floats, bf16 and integers, over many pieces."""
+    world, rank = context.size, context.rank
+    folds = {dist.ReduceOp.SUM: lambda a, b: a + b, dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum}
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        data = (torch.randn(world, numel, generator=torch.Generator().manual_seed(7)) * 100).to(dtype)
+        for op, fold in folds.items():
+            tensor = data[rank].clone()
+            records = len(PROCESS.log.records)
+            comm.all_reduce(tensor, op=op, group=context.parent, tag="probe").wait()
+            expected = data[0].clone()
+            for peer in range(1, world):
+                expected = fold(expected, data[peer])
+            assert torch.equal(tensor, expected), (dtype, op)
+            assert [r.op for r in PROCESS.log.records[records:]] == ["all_reduce"]
+            assert torch.equal(comm.all_gather_objects(tensor, group=context.parent)[0], tensor)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -109,3 +132,33 @@ def _refused_body(how: str) -> None:
 @pytest.mark.parametrize("how", ["switched off", "cannot open a peer's file"])
 def test_one_rank_that_cannot_share_memory_keeps_the_group_on_sockets(how: str) -> None:
     run_distributed(2, _refused_body, how)
+
+
+def _absent_peer_body(how: str) -> str:
+    rank = dist.get_rank()
+    saved = PROCESS.timeout
+    PROCESS.timeout = datetime.timedelta(seconds=3 if how == "never arrives" else 120)
+    try:
+        with _fresh_ring() as context:
+            assert context.shared is not None
+            if rank == 1:
+                if how == "aborts":
+                    context.abort("rank 1: step: ValueError: bad batch")
+                dist.barrier()  # after rank 0 has failed (the default group: its timeout is not the 3 s)
+                return "absent"
+            with pytest.raises(comm.CollectiveError) as info:
+                comm.all_reduce(torch.ones(8), group=context.parent, tag="probe").wait()
+            dist.barrier()
+            return str(info.value)
+    finally:
+        PROCESS.timeout = saved
+
+
+@pytest.mark.parametrize("how", ["never arrives", "aborts"])
+def test_a_peer_absent_from_the_shared_memory_barrier_is_named(how: str) -> None:
+    message = run_distributed(2, _absent_peer_body, how)[0]
+    assert "rank 0/2: all_reduce of probe" in message, message
+    if how == "never arrives":
+        assert "timed out after 3.0s" in message and "rank 1 did not answer" in message, message
+    else:  # at once, not after the 120 s timeout (the harness's own limit would fail the test first)
+        assert "rank 1 closed its pipe" in message, message
