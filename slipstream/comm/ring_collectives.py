@@ -47,6 +47,7 @@ class RingContext:
         self.failure: str | None = None  # the first failed job's error: later jobs are refused (see submit)
         # Ranks of one host exchange through shared memory instead (see [Note: shared memory between ranks of one host]).
         self.shared = shared_slots(self.group, self.rank, self.size)
+        self._left: list = []  # shared memory given up by an abort, closed with the ring
 
     def _exchange(self, send: torch.Tensor, receive: torch.Tensor) -> None:
         ops = [
@@ -97,16 +98,24 @@ class RingContext:
         return self.executor.submit(untracked)
 
     def abort(self, why: str) -> None:
-        """This rank failed: peers waiting at the shared-memory barrier stop now (see [Note: a barrier of pipes])."""
-        if self.shared is not None:
-            self.shared.barrier.stop(f"aborted: {why}")
+        """This rank failed: peers waiting at the shared-memory barrier stop now (see [Note: a barrier of pipes]).
+
+        This rank's later collectives on the ring go over its sockets: its pipes are closed for good, and a peer
+        reaches them only to fail (and abort in turn, so the ranks agree again). Ranks that all raised alike and
+        carry on (the epoch idiom's ``StopIteration`` from ``train_batch``) all aborted, so all leave the shared path.
+        """
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            shared.barrier.stop(f"aborted: {why}")
+            self._left.append(shared)
 
     def close(self) -> None:
         """Finish queued jobs and let go of the thread and the shared memory (the group goes with the context)."""
         self.executor.shutdown(wait=True)
-        if self.shared is not None:
-            self.shared.close()
-        self.shared = None
+        for shared in [self.shared, *self._left]:
+            if shared is not None:
+                shared.close()
+        self.shared, self._left = None, []
 
 
 def _close_rings() -> None:
