@@ -216,9 +216,21 @@ def all_reduce(
         if ring is not None and ring.shared is not None:
             shared = ring.shared
             return _launch(
-                "all_reduce", tensor, tag, group, lambda: _FutureWork(ring.submit(shared.all_reduce, tensor, combine))
+                "all_reduce",
+                tensor,
+                tag,
+                group,
+                lambda: _FutureWork(ring.submit(shared.all_reduce, tensor, combine, inline=_small(tensor))),
             )
     return _launch("all_reduce", tensor, tag, group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+
+
+INLINE_BYTES = 64 << 10  # a ring collective this small runs on the caller's thread when the ring is idle
+
+
+def _small(tensor: torch.Tensor) -> bool:
+    """Whether a ring collective over ``tensor`` is small enough to run inline ([Note: small collectives run inline])."""
+    return tensor.numel() * tensor.element_size() <= INLINE_BYTES
 
 
 _SHARED_FOLDS = {ReduceOp.SUM: "add", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum"}
@@ -317,7 +329,7 @@ def all_gather_into_tensor(
                 mine.copy_(shard)
             ring.all_gather(output)
 
-        return _launch("all_gather", output, tag, group, lambda: _FutureWork(ring.submit(run)))
+        return _launch("all_gather", output, tag, group, lambda: _FutureWork(ring.submit(run, inline=_small(output))))
     if shard.data_ptr() == mine.data_ptr():
         shard = shard.clone()  # backend collectives may not read what they overwrite
     return _launch(
@@ -391,7 +403,7 @@ def reduce_scatter_tensor(
             if output.data_ptr() != chunk.data_ptr():
                 output.copy_(chunk)
 
-        return _launch("reduce_scatter", input, tag, group, lambda: _FutureWork(ring.submit(run)))
+        return _launch("reduce_scatter", input, tag, group, lambda: _FutureWork(ring.submit(run, inline=_small(input))))
     aliased = output.data_ptr() == chunk.data_ptr()
     backend = str(dist.get_backend(group))
     if backend not in PROCESS.reduce_scatter_unsupported:
