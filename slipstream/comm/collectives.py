@@ -46,13 +46,14 @@ class Work:
         group: dist.ProcessGroup | None,
         on_complete: Callable[[], None] | None = None,
         flight_entry: tuple[FlightRecorder, int] | None = None,
+        start: float | None = None,
     ) -> None:
         self._work = work
         self._record = record
         self._group = group
         self._on_complete = on_complete
         self._flight_entry = flight_entry  # (the recorder it was issued to, its index there)
-        self._start = time.perf_counter()
+        self._start = time.perf_counter() if start is None else start  # a collective run inline began before its handle
         self.done = work is None
         if not self.done:
             PROCESS.in_flight.add(self)
@@ -168,13 +169,14 @@ def _launch(
     label = f"p2p {route}" if route else group_label(record.ranks)
     recorder = flight.recorder(*_rank_and_world())
     entry = (recorder, recorder.issue(op, label, record.nbytes, _shape(tensor), tag, PROCESS.log.step))
+    start = time.perf_counter()
     try:
         with watch.quiet():  # recorded above, with our tag: the watcher of torch.distributed must not record it again
             work = call()
     except Exception as err:
-        handle = Work(None, record, group, flight_entry=entry)
+        handle = Work(None, record, group, flight_entry=entry, start=start)
         raise CollectiveError(handle._describe(err)) from err
-    return Work(work, record, group, on_complete, entry)
+    return Work(work, record, group, on_complete, entry, start)
 
 
 _PEER_SIGNS = (
@@ -204,8 +206,9 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
     group: dist.ProcessGroup | None = None,
     tag: str = "",
+    inline: bool = False,
 ) -> Work:
-    """In-place all-reduce, launched asynchronously. Between ranks of one host it goes through shared memory
+    """In-place all-reduce, launched asynchronously (``inline``: see :func:`all_gather_into_tensor`). Between ranks of one host it goes through shared memory
     on the ring thread (see [Note: the small all-reduce] in shm.py), in order with the ring's other collectives,
     once the group has a ring (the engine makes one for each group it reduces over)."""
     if dist.get_world_size(group) == 1:
@@ -220,17 +223,9 @@ def all_reduce(
                 tensor,
                 tag,
                 group,
-                lambda: _FutureWork(ring.submit(shared.all_reduce, tensor, combine, inline=_small(tensor))),
+                lambda: _FutureWork(ring.submit(shared.all_reduce, tensor, combine, inline=inline)),
             )
     return _launch("all_reduce", tensor, tag, group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
-
-
-INLINE_BYTES = 64 << 10  # a ring collective this small runs on the caller's thread when the ring is idle
-
-
-def _small(tensor: torch.Tensor) -> bool:
-    """Whether a ring collective over ``tensor`` is small enough to run inline ([Note: small collectives run inline])."""
-    return tensor.numel() * tensor.element_size() <= INLINE_BYTES
 
 
 _SHARED_FOLDS = {ReduceOp.SUM: "add", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum"}
@@ -312,11 +307,17 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 def all_gather_into_tensor(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = ""
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    tag: str = "",
+    inline: bool = False,
 ) -> Work:
     """Gather equal-sized shards from every rank into one flat ``output`` (rank order).
 
     ``shard`` may be ``output``'s own chunk (in place). On gloo this runs as a ring (see ``ring``).
+    ``inline``: the caller waits for this before it issues a collective on another group, so where the
+    group's ring is idle it may run on the caller's thread ([Note: waited-for collectives run inline]).
     """
     mine = _own_chunk(output, group)
     if dist.get_world_size(group) == 1:
@@ -329,7 +330,7 @@ def all_gather_into_tensor(
                 mine.copy_(shard)
             ring.all_gather(output)
 
-        return _launch("all_gather", output, tag, group, lambda: _FutureWork(ring.submit(run, inline=_small(output))))
+        return _launch("all_gather", output, tag, group, lambda: _FutureWork(ring.submit(run, inline=inline)))
     if shard.data_ptr() == mine.data_ptr():
         shard = shard.clone()  # backend collectives may not read what they overwrite
     return _launch(
@@ -384,7 +385,11 @@ def _own_chunk(flat: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
 
 
 def reduce_scatter_tensor(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, tag: str = ""
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    tag: str = "",
+    inline: bool = False,
 ) -> Work:
     """Sum ``input`` over ranks and leave chunk ``rank`` of the result in ``output``.
 
@@ -403,7 +408,7 @@ def reduce_scatter_tensor(
             if output.data_ptr() != chunk.data_ptr():
                 output.copy_(chunk)
 
-        return _launch("reduce_scatter", input, tag, group, lambda: _FutureWork(ring.submit(run, inline=_small(input))))
+        return _launch("reduce_scatter", input, tag, group, lambda: _FutureWork(ring.submit(run, inline=inline)))
     aliased = output.data_ptr() == chunk.data_ptr()
     backend = str(dist.get_backend(group))
     if backend not in PROCESS.reduce_scatter_unsupported:

@@ -84,12 +84,18 @@ class RingContext:
     def submit(self, fn, *args, inline: bool = False) -> concurrent.futures.Future:  # noqa: ANN001
         """Queue ``fn(*args)`` on the ring thread; with ``inline``, run it on this thread instead if the ring is idle.
 
-        [Note: small collectives run inline] Handing a job to the ring thread and its result back costs two
-        thread wake-ups: measured at 2 ranks, ~95 µs, where the shared-memory barrier itself takes ~26 µs. For a
-        small collective (the gradient norm and used flags, a tiny model's buckets) that hop was most of its
-        time. So when nothing is queued or running on the ring, a small one runs at once on the caller's thread
-        (it returns done), in the same order with the ring's other jobs: every job, here or there, holds the
-        ring's one turn while it runs. Larger ones stay on the thread, so they overlap with compute.
+        [Note: waited-for collectives run inline] Handing a job to the ring thread and its result back costs
+        two thread wake-ups: measured at 2 ranks, ~95 µs, where the shared-memory barrier itself takes ~26 µs.
+        For a small collective the caller waits for at once (the gradient norm and used flags, the updated
+        weights' all-gather of a small model) that hop was most of its time. So when nothing is queued or
+        running on the ring, such a job runs at once on the caller's thread (it returns done), in order with
+        the ring's other jobs: every job, here or there, holds the ring's one turn while it runs.
+
+        Only a collective the caller waits for before it issues one on another group may run so: ZeRO-3's
+        gathers and reductions go over two rings, and ranks whose forward paths differ issue them in
+        different orders; on their threads each ring still makes progress, but a rank blocked inside one
+        would leave its peer blocked inside the other (measured: a deadlock). Waiting at once, the caller
+        blocks either way; inline it blocks without the hop.
         """
         with self._turns:
             idle = self._queued == 0

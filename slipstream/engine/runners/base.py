@@ -81,7 +81,7 @@ def mean_over_dp(losses: list[float], mesh: Mesh) -> torch.Tensor:
     """The mean of ``losses`` over the data-parallel ranks (each saw other batches; the other axes saw the same)."""
     mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
     if mesh.size("dp") > 1:
-        comm.all_reduce(mean, group=mesh.group("dp"), tag="train_batch mean loss").wait()
+        comm.all_reduce(mean, group=mesh.group("dp"), tag="train_batch mean loss", inline=True).wait()
         mean /= mesh.size("dp")
     return mean[0].float()
 

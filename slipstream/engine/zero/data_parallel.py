@@ -129,7 +129,7 @@ class DataParallelStrategy(ShardingStrategy):
         for p, view in zip(self.trainable, self.reducer.views):
             if self._saves(p):
                 total += torch.linalg.vector_norm(view, dtype=torch.float32) ** 2
-        comm.all_reduce(total, tag="gradient norm").wait()
+        comm.all_reduce(total, tag="gradient norm", inline=True).wait()
         return total.sqrt()[0]
 
     def scale_gradients(self, factor: float) -> None:

@@ -131,7 +131,7 @@ class GroupPartition:
                 self.context.issue(
                     "all_gather",
                     lambda whole=whole, mine=mine, tag=tag: comm.all_gather_into_tensor(
-                        whole, mine, group=self.group, tag=tag
+                        whole, mine, group=self.group, tag=tag, inline=True
                     ),
                     tag,
                 )

@@ -67,7 +67,7 @@ class MastersStrategy(ShardingStrategy):
             fused = torch.empty(1 + len(self.used.local), dtype=torch.float32, device=self.used.device)
             fused[:1] = self.masters.grad_norm_squared(lo, hi)
             self.used.write(fused[1:])
-            comm.all_reduce(fused, group=group, tag="used-parameter flags and gradient norm").wait()
+            comm.all_reduce(fused, group=group, tag="used-parameter flags and gradient norm", inline=True).wait()
             self._norm = fused[:1].sqrt()[0]
             used = self.used.read(fused[1:])
         else:
@@ -86,7 +86,7 @@ class MastersStrategy(ShardingStrategy):
         total = torch.zeros(1, dtype=torch.float32, device=self.used.device)
         for lo, hi in counted:
             total += self.masters.grad_norm_squared(lo, hi)
-        comm.all_reduce(total, tag="gradient norm").wait()  # [Note: the norm of a spread model]
+        comm.all_reduce(total, tag="gradient norm", inline=True).wait()  # [Note: the norm of a spread model]
         return total.sqrt()[0]
 
     def _counted_ranges(self) -> list[tuple[int, int]] | None:

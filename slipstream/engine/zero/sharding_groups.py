@@ -48,7 +48,7 @@ def sum_over_groups(partials: list[tuple[dist.ProcessGroup | None, torch.Tensor]
     """Sum each partial (e.g. a squared norm, shape (1,)) over its group, then add them up."""
     total: Any = None
     for group, partial in partials:
-        comm.all_reduce(partial, group=group, tag="gradient norm").wait()
+        comm.all_reduce(partial, group=group, tag="gradient norm", inline=True).wait()
         total = partial if total is None else total + partial
     return total
 

@@ -47,12 +47,12 @@ class UsedFlags:
 def reduce_flags(used: torch.Tensor, members: list[tuple[dist.ProcessGroup | None, list[int]]]) -> None:
     """``used[i]`` = 1 where parameter ``i`` got a gradient on any rank of its group (MAX, in place)."""
     if len(members) == 1:
-        comm.all_reduce(used, op=dist.ReduceOp.MAX, group=members[0][0], tag="used-parameter flags").wait()
+        comm.all_reduce(used, op=dist.ReduceOp.MAX, group=members[0][0], tag="used-parameter flags", inline=True).wait()
         return
     for group, indices in members:
         if not indices:  # the same on every rank of the group: its ranks share their parameter groups
             continue
         mine = torch.tensor(indices, dtype=torch.long, device=used.device)
         flags = used.index_select(0, mine)
-        comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, tag="used-parameter flags").wait()
+        comm.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, tag="used-parameter flags", inline=True).wait()
         used.index_copy_(0, mine, flags)
