@@ -254,6 +254,7 @@ class GroupLanes:
         )
         comm.ring_context(lanes.gather)  # set up now rather than inside a hook
         comm.ring_context(lanes.reduce)
+        comm.ring_context(group)  # the used flags and the norm's all-reduce (through shared memory on one host)
         return lanes
 
     @property
@@ -325,9 +326,10 @@ class ParamUnit:
             p.data = self.full[begin:end].view(p.shape)
 
     # ------------------------------------------------------------------ storage
-    def unshard(self, exact: bool = False) -> None:
+    def unshard(self, exact: bool = False, inline: bool = False) -> None:
         """Start filling ``full`` from every rank's chunk (asynchronous). ``exact``: never quantized (qwZ), for values
-        that leave the training step: ``GatheredParameters``, the weights handed back at close."""
+        that leave the training step: ``GatheredParameters``, the weights handed back at close. ``inline``: the caller
+        waits at once (comm's [Note: waited-for collectives run inline])."""
         if self.state is not UnitState.FREE:
             return
         storage = self.full.untyped_storage()
@@ -353,7 +355,9 @@ class ParamUnit:
             )
         else:
             self.work = self.context.issue(
-                "all_gather", lambda: comm.all_gather_into_tensor(self.flat, staged, group=group, tag=tag), tag
+                "all_gather",
+                lambda: comm.all_gather_into_tensor(self.flat, staged, group=group, tag=tag, inline=inline),
+                tag,
             )
         self.state = UnitState.GATHERING
 
@@ -367,7 +371,7 @@ class ParamUnit:
 
     def gathered(self, exact: bool = False) -> None:
         """Unshard and wait."""
-        self.unshard(exact)
+        self.unshard(exact, inline=True)
         self.wait()
 
     def reshard(self) -> None:
