@@ -109,7 +109,7 @@ class BucketedAllReduce:
         last = self.tail is not None and bucket.index == len(self.buckets) - 1
         return self._storage[bucket.start : bucket.end + (self.tail.numel() if last else 0)]  # type: ignore[union-attr]
 
-    def _launch(self, index: int) -> None:
+    def _launch(self, index: int, waited: bool = False) -> None:
         bucket = self.buckets[index]
         if self.tail is not None and index == len(self.buckets) - 1:
             assert self.fill_tail is not None, "a reducer with a tail needs fill_tail"
@@ -122,7 +122,9 @@ class BucketedAllReduce:
             bucket.staging = flat.to(self.communication_dtype)
             flat = bucket.staging
         tag = f"gradient bucket {bucket.index}"
-        bucket.work = self.context.issue("all_reduce", lambda: comm.all_reduce(flat, group=bucket.group, tag=tag), tag)
+        bucket.work = self.context.issue(
+            "all_reduce", lambda: comm.all_reduce(flat, group=bucket.group, tag=tag, inline=waited), tag
+        )
 
     def finish(self) -> None:
         """Launch what is left (in order) and wait for everything.

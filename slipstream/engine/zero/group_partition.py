@@ -81,7 +81,7 @@ class GroupPartition:
         if sync:
             self.launcher.mark_ready(i, launch=self.options.overlap_comm)
 
-    def _launch(self, index: int) -> None:
+    def _launch(self, index: int, waited: bool = False) -> None:
         bucket = self.layout.buckets[index]
         send, pooled = self.grads.send(bucket)
         if self.pre_scale != 1.0:
@@ -93,7 +93,9 @@ class GroupPartition:
             receive = self.grads.chunk(bucket)  # straight into place (stage 1: in place in the input)
         tag = f"gradient bucket {index}"
         work = self.context.issue(
-            "reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, send, group=self.group, tag=tag), tag
+            "reduce_scatter",
+            lambda: comm.reduce_scatter_tensor(receive, send, group=self.group, tag=tag, inline=waited),
+            tag,
         )
         self.inflight[index] = InFlight(work, send, receive, pooled)
 

@@ -4,17 +4,30 @@
 rank must launch the same buckets in the same order even when gradients arrive differently
 (data-dependent control flow, parameters unused on some ranks). A complete bucket waits until every
 lower-indexed bucket has launched; :meth:`flush` launches whatever is left, in order.
+
+[Note: the last bucket launches at the flush] When the last bucket is complete every gradient of
+the window has arrived, so nothing of the backward is left for its collective to overlap with; the
+caller's flush comes next and waits for every bucket at once. Launched from the hook it would go
+to the ring's thread and come back (~95 µs at 2 ranks, a third of a small model's step); launched
+by the flush with ``waited=True`` it may run on the caller's thread where the ring is idle ([Note:
+waited-for collectives run inline] in ``comm/ring_collectives.py``). Every other bucket launches
+as soon as it and the ones before it are complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 from slipstream.errors import UsageError
 
 
+class Launch(Protocol):
+    def __call__(self, index: int, waited: bool) -> None:
+        """Launch bucket ``index``; ``waited``: the caller waits for it before it issues anything else."""
+
+
 class OrderedLauncher:
-    def __init__(self, members: list[list[int]], launch: Callable[[int], None]) -> None:
+    def __init__(self, members: list[list[int]], launch: Launch) -> None:
         self.members = members
         self.bucket_of = {i: b for b, ms in enumerate(members) for i in ms}
         self.launch = launch
@@ -43,8 +56,10 @@ class OrderedLauncher:
         self._advance(force=True)
 
     def _advance(self, force: bool) -> None:
-        while self.next < len(self.members):
-            if self.pending[self.next] and not force:
+        last = len(self.members) - 1
+        while self.next <= last:
+            # [Note: the last bucket launches at the flush]
+            if not force and (self.pending[self.next] or self.next == last):
                 return
             bucket, self.next = self.next, self.next + 1
-            self.launch(bucket)
+            self.launch(bucket, bucket == last)

@@ -75,7 +75,7 @@ class UnitReducer:
         # Chunks only for units with trainable parameters: a frozen backbone costs no gradient memory.
         self.chunks = {u.index: new_chunk(u) for u in units if u.trainable}
         self.offsets = {u.index: u.offset for u in units}
-        self.launcher = OrderedLauncher([[u.index] for u in order], lambda i: self._launch(order[i]))
+        self.launcher = OrderedLauncher([[u.index] for u in order], lambda i, waited: self._launch(order[i], waited))
         self.reductions: list[_Reduction] = []
         self.grads_before: dict[
             int, list[tuple[torch.Tensor, int] | None]
@@ -110,7 +110,7 @@ class UnitReducer:
             unit.training_state = TrainingState.POST_BACKWARD
             self.launcher.mark_ready(unit.index, launch=self.options.overlap_comm)
 
-    def _launch(self, unit: ParamUnit) -> None:
+    def _launch(self, unit: ParamUnit, waited: bool = False) -> None:
         if unit.index not in self.chunks:
             return  # frozen on every rank alike: nothing to reduce
         before = self.grads_before.pop(unit.index, None)
@@ -166,7 +166,9 @@ class UnitReducer:
             )
         else:  # one node (or qgZ off): nothing crosses a slow link, nothing is quantized
             work = self.context.issue(
-                "reduce_scatter", lambda: comm.reduce_scatter_tensor(receive, wire, group=lanes.reduce, tag=tag), tag
+                "reduce_scatter",
+                lambda: comm.reduce_scatter_tensor(receive, wire, group=lanes.reduce, tag=tag, inline=waited),
+                tag,
             )
         self.reductions.append(_Reduction(unit, work, send, receive, into))
         # Bound the send buffers alive at once by reduce_bucket_size (at least the newest one), and take
