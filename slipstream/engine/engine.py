@@ -81,7 +81,7 @@ class Engine(SavesWeights, CheckpointCalls, torch.nn.Module):
         self.global_steps = self.micro_steps = self.skipped_steps = 0
         self.global_samples = 0  # counted over dp (ranks that share a dp coordinate see the same samples)
         self._no_sync = self._backward_since_step = self._step_applied = False
-        self._global_grad_norm: float | None = None
+        self._global_grad_norm: float | torch.Tensor | None = None  # a device scalar until someone reads it
         self._forced_boundary: bool | None = None  # integrations API: set_gradient_accumulation_boundary
         self._window_micro_steps = 0  # micro-steps since the last boundary (forced boundaries included)
         self.weights = ModelWeights(module, strategy, parallel.spread, DTYPES[config.precision])
@@ -262,8 +262,10 @@ class Engine(SavesWeights, CheckpointCalls, torch.nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """Global gradient L2 norm of the last optimizer step, before clipping (None before the first)."""
-        return self._global_grad_norm
+        """Global gradient L2 norm of the last optimizer step, before clipping (None before the first).
+
+        Reading it waits for the device ([Note: the step does not wait for the device]): it is read here, when asked."""
+        return None if self._global_grad_norm is None else float(self._global_grad_norm)
 
     def loss_scale(self) -> float:
         return self.loss_scaler.scale

@@ -4,6 +4,15 @@
 read once: it is the fp16/bf16 overflow check (non-finite: the step is skipped, the loss scale
 backs off) and the clipping coefficient, folded with the loss-scale inverse into one scaling of
 the gradients before the strategy steps.
+
+[Note: the step does not wait for the device] Reading the norm on the host (``float(norm)``)
+waits for everything queued on the device: the backward, the reductions, the norm itself. The
+host then launches the optimizer and the next forward into an idle GPU, which is the host overhead
+a GPU step shows and DDP's does not (torch's ``clip_grad_norm_`` never reads the norm). Only the
+overflow check needs the value on the host: it decides whether the step runs at all (fp16 always,
+bf16 unless ``bf16.check_grad_overflow`` is off). Without it the clipping coefficient is computed
+on the device, as torch's ``clip_grad_norm_`` computes it, and the norm stays a device tensor that
+is read only where someone asks for it (``get_global_grad_norm``, the progress line, the writers).
 """
 
 from __future__ import annotations
@@ -12,6 +21,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from slipstream.engine.precision import LossScaler
 from slipstream.engine.zero.strategy import ShardingStrategy
@@ -22,7 +33,7 @@ logger = get_logger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    grad_norm: float  # unscaled, before clipping
+    grad_norm: float | torch.Tensor  # unscaled, before clipping; a device scalar where the host never read it
     applied: bool  # False: a non-finite norm skipped the step
 
 
@@ -36,13 +47,22 @@ class OptimizerStep:
 
     def __call__(self, lr_scheduler: Any, step: int) -> StepResult:
         inv_scale = 1.0 / self.loss_scaler.scale
-        norm = float(self.strategy.global_grad_norm()) * inv_scale
-        overflow = not math.isfinite(norm) and self.check_overflow
+        norm: float | torch.Tensor = self.strategy.global_grad_norm()
+        coef: float | torch.Tensor
+        if self.check_overflow:  # whether the step runs at all is the host's decision: it reads the norm
+            norm = float(norm) * inv_scale
+            overflow = not math.isfinite(norm)
+            coef = inv_scale * (min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0)
+        else:  # [Note: the step does not wait for the device]
+            norm, overflow = norm * inv_scale if inv_scale != 1.0 else norm, False
+            coef = inv_scale
+            if self.clip > 0:
+                coef = (self.clip / (norm + 1e-6)).clamp(max=1.0)
+                coef = coef * inv_scale if inv_scale != 1.0 else coef
         if overflow:
             if not self.loss_scaler.dynamic:
                 logger.warning("step %d: non-finite gradient norm (%s); step skipped", step, norm)
         else:
-            coef = inv_scale * (min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0)
             self.strategy.scale_gradients(coef)
             self.before_update()
             self.strategy.step()

@@ -1,5 +1,5 @@
 """Host work per step does not grow with the number of parameter tensors (issue 50): the same collectives and the
-same host synchronisations per step for a model of 20 tensors as for one of 200, at every ZeRO stage on 2 ranks;
+same host synchronisations per step (none) for a model of 20 tensors as for one of 200, at every ZeRO stage on 2 ranks;
 and slipstream's own Python per tensor is a gradient hook's few calls, counted.
 
 The model is benchmarks/bench_overhead.py's chain of tiny linear layers: its arithmetic is nothing, so what a
@@ -89,7 +89,9 @@ def test_host_work_per_step_does_not_grow_with_the_tensor_count(results: list[di
     for rank, found in enumerate(results):
         small, large = found[f"{stage}/{SIZES[0]}"], found[f"{stage}/{SIZES[1]}"]
         assert small["collectives"] == large["collectives"], (rank, small["collectives"], large["collectives"])
-        assert small["syncs"] == large["syncs"] <= 2, (rank, small["syncs"], large["syncs"])  # the flags and the norm
+        # none: every parameter was used here, so the flags are not read back, and fp32 has no overflow check, so
+        # the norm stays on the device ([Note: the step does not wait for the device])
+        assert small["syncs"] == large["syncs"] == 0, (rank, small["syncs"], large["syncs"])
         per_tensor = (large["calls"] - small["calls"]) / (SIZES[1] - SIZES[0])
         assert per_tensor <= CALLS_PER_TENSOR, (
             f"stage {stage} rank {rank}: {per_tensor:.1f} slipstream calls per tensor per step"

@@ -136,14 +136,16 @@ class RankHealth:
         self._streaks: dict[int, int] = {}
         self._steps, self._waited, self._start = 0, 0.0, time.perf_counter()
         self._loss_first: torch.Tensor | None = None  # on the loss's device: (step, mean loss), step nan: none yet
-        self._grad_step: int | None = None
+        self._grad_first: torch.Tensor | None = (
+            None  # on the norm's device: the first step of a non-finite norm, or nan
+        )
 
     def on_step(
         self,
         step: int,
         loss_sum: torch.Tensor | None,
         losses: int,
-        grad_norm: float | None,
+        grad_norm: float | torch.Tensor | None,
         dynamic_scale: bool,
         waited: float,
     ) -> None:
@@ -157,8 +159,12 @@ class RankHealth:
             fresh = torch.isnan(self._loss_first[0]) & ~torch.isfinite(mean)
             self._loss_first = torch.where(fresh, torch.stack((torch.full_like(mean, step), mean)), self._loss_first)
         # dynamic loss scaling overflows by design: a skipped step there is the scale search, not a symptom
-        if grad_norm is not None and not math.isfinite(grad_norm) and not dynamic_scale and self._grad_step is None:
-            self._grad_step = step
+        if grad_norm is not None and not dynamic_scale:  # kept on the norm's device, as the loss
+            norm = torch.as_tensor(grad_norm, dtype=torch.float64)
+            if self._grad_first is None:
+                self._grad_first = torch.full((), math.nan, dtype=torch.float64, device=norm.device)
+            fresh = torch.isnan(self._grad_first) & ~torch.isfinite(norm)
+            self._grad_first = torch.where(fresh, torch.full_like(self._grad_first, step), self._grad_first)
 
     def exchange(self, step: int) -> list[tuple[int, str]]:
         """At a progress line, on every rank: one all_gather (none on one process); the lines to log (level, text)."""
@@ -188,8 +194,10 @@ class RankHealth:
         loss_step = min((s for s, _ in bad.values()), default=None)
         ranks = tuple(r for r, (s, _) in sorted(bad.items()) if s == loss_step)
         losses = tuple(bad[r][1] for r in ranks)
-        if self._grad_step is not None and (loss_step is None or self._grad_step < loss_step):
-            verdict = NonFinite(self._grad_step, "gradient norm", loss_step, ranks, losses)
+        grad_first = math.nan if self._grad_first is None else float(self._grad_first)
+        grad_step = None if math.isnan(grad_first) else int(grad_first)
+        if grad_step is not None and (loss_step is None or grad_step < loss_step):
+            verdict = NonFinite(grad_step, "gradient norm", loss_step, ranks, losses)
         elif loss_step is not None:
             verdict = NonFinite(loss_step, "loss", loss_step, ranks, losses)
         else:

@@ -209,7 +209,7 @@ class TrainingMonitor:
     ) -> dict[str, float]:
         metrics = {"train_loss": loss, "lr": step.lr if step.lr is not None else math.nan}
         if step.grad_norm is not None:
-            metrics["grad_norm"] = step.grad_norm
+            metrics["grad_norm"] = float(step.grad_norm)
         metrics["loss_scale"] = step.loss_scale
         metrics["samples_per_second"] = samples / step_time
         if tokens:
@@ -255,7 +255,7 @@ class TrainingMonitor:
             parts.append(f"router loss {router:.4f}")
         parts.append(f"lr {step.lr if step.lr is not None else math.nan:.3g}")
         if step.grad_norm is not None:
-            parts.append(f"grad norm {step.grad_norm:.3f}")
+            parts.append(f"grad norm {float(step.grad_norm):.3f}")
         if step.dynamic_loss_scale:
             parts.append(f"loss scale {step.loss_scale:g}")
         if w.tokens:

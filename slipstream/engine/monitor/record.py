@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+import torch
+
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
@@ -14,7 +16,7 @@ class StepRecord:
     global_samples: int
     train_batch_size: int
     lr: float | None  # the first parameter group's; None without groups
-    grad_norm: float | None
+    grad_norm: float | torch.Tensor | None  # a device scalar: read only where it is shown
     loss_scale: float
     dynamic_loss_scale: bool
     # per MoE layer, the choices this rank's tokens made of each expert over the step (expert parallel)

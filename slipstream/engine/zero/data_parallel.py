@@ -132,8 +132,8 @@ class DataParallelStrategy(ShardingStrategy):
         comm.all_reduce(total, tag="gradient norm", inline=True).wait()
         return total.sqrt()[0]
 
-    def scale_gradients(self, factor: float) -> None:
-        if factor != 1.0:
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
+        if isinstance(factor, torch.Tensor) or factor != 1.0:
             self.reducer.buffer.mul_(factor)
 
     def step(self) -> None:

@@ -63,7 +63,8 @@ class MasterWeights(abc.ABC):
         return squared
 
     @abc.abstractmethod
-    def scale_gradients(self, factor: float) -> None: ...
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
+        """Multiply the gradients the optimizer reads by ``factor`` (a device scalar: no host read, see optimizer_step.py)."""
 
     @abc.abstractmethod
     def step(self) -> None:
@@ -170,8 +171,8 @@ class DeviceMasters(MasterWeights):
     def _reduced_grads(self) -> Chunks:
         return Chunks.flat(self.grad32) if self.grad32 is not None else self.spec.grads()
 
-    def scale_gradients(self, factor: float) -> None:
-        if factor != 1.0:
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
+        if isinstance(factor, torch.Tensor) or factor != 1.0:
             for g in self._reduced_grads().tensors:
                 g.mul_(factor)
 
@@ -254,8 +255,9 @@ class OffloadedMasters(MasterWeights):
     def _reduced_grads(self) -> Chunks:
         return self.spec.grads()  # the CPU Adam reads them in the model's dtype
 
-    def scale_gradients(self, factor: float) -> None:
-        self.offload.grad_scale = factor  # applied by the CPU Adam as it reads each gradient
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
+        # applied by the CPU Adam as it reads each gradient; the host steps, so it reads the factor anyway
+        self.offload.grad_scale = float(factor)
 
     def step(self) -> None:
         self.optimizer.step()  # writes the updated parameters itself (in place, or through publish)

@@ -112,7 +112,7 @@ class MastersStrategy(ShardingStrategy):
             return is_duplicate(param)
         return is_replica(group, self.options.group)
 
-    def scale_gradients(self, factor: float) -> None:
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
         self.masters.scale_gradients(factor)
 
     def _owned_slices(self) -> list[OwnedSlice]:

@@ -152,8 +152,9 @@ class ShardingStrategy(abc.ABC):
         """L2 norm over all gradients, each parameter counted once (identical on every rank; inf/nan on overflow)."""
 
     @abc.abstractmethod
-    def scale_gradients(self, factor: float) -> None:
-        """Multiply every gradient this rank owns by ``factor`` (unscaling and clipping)."""
+    def scale_gradients(self, factor: float | torch.Tensor) -> None:
+        """Multiply every gradient this rank owns by ``factor`` (unscaling and clipping; a tensor: a device scalar
+        the host never reads, [Note: the step does not wait for the device])."""
 
     @abc.abstractmethod
     def step(self) -> None:

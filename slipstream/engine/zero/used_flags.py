@@ -5,6 +5,12 @@ cost a byte store: a tensor element write is a dispatcher call (microseconds; a 
 parameter per step. The flags cross to the device once per step for the MAX reduction over each group and come
 back once as a list of bools, which the masters read: one host synchronisation per step, where reading a device
 tensor's element per parameter (``if used[i]``) waited for the device once per parameter.
+
+[Note: used here, used everywhere] A parameter that got a gradient on this rank got one on some rank of its
+group, so where this rank marked every flag (a dense model: every step of most trainings) the answer is known
+without the reduced flags: they are not read back, and the step has no host synchronisation for them ([Note:
+the step does not wait for the device] in ``optimizer_step.py``). The all-reduce itself still runs: a peer that
+missed a parameter needs this rank's flags.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ class UsedFlags:
     def __init__(self, count: int, device: torch.device) -> None:
         self.device = device
         self.local = bytearray(count)  # this rank's, set by the hooks
+        self._all = [True] * count
 
     def mark(self, index: int) -> None:
         self.local[index] = 1
@@ -28,17 +35,20 @@ class UsedFlags:
         flags = torch.zeros(len(self.local), dtype=torch.float32, device=self.device)
         self.write(flags)
         reduce_flags(flags, members)
-        return flags.bool().tolist()
+        return self._all if self.all_here() else flags.bool().tolist()
 
     def write(self, into: torch.Tensor) -> None:
         """This rank's flags into ``into`` (for a sum: reduce_flags', or grad_buckets' tail)."""
         if self.local:  # one copy of the bytes (frombuffer shares them, and refuses none): no Python work per parameter
             into.copy_(torch.frombuffer(self.local, dtype=torch.uint8))
 
-    @staticmethod
-    def read(summed: torch.Tensor) -> list[bool]:
+    def read(self, summed: torch.Tensor) -> list[bool]:
         """Any rank's flags from what :meth:`write` wrote after a sum (any positive scaling of it)."""
-        return (summed > 0).tolist()
+        return self._all if self.all_here() else (summed > 0).tolist()
+
+    def all_here(self) -> bool:
+        """Every flag set on this rank: every parameter was used on some rank ([Note: used here, used everywhere])."""
+        return 0 not in self.local
 
     def reset(self) -> None:
         self.local[:] = bytes(len(self.local))
