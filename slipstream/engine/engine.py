@@ -261,11 +261,15 @@ class Engine(SavesWeights, CheckpointCalls, torch.nn.Module):
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
-    def get_global_grad_norm(self) -> float | None:
+    def get_global_grad_norm(self, as_tensor: bool = False) -> float | torch.Tensor | None:
         """Global gradient L2 norm of the last optimizer step, before clipping (None before the first).
 
-        Reading it waits for the device ([Note: the step does not wait for the device]): it is read here, when asked."""
-        return None if self._global_grad_norm is None else float(self._global_grad_norm)
+        A float waits for the device ([Note: the step does not wait for the device]); ``as_tensor``: a scalar
+        tensor, on the device where the step never read it, for a caller that reads it later (the Trainer's log)."""
+        norm = self._global_grad_norm
+        if norm is None or not as_tensor:
+            return None if norm is None else float(norm)
+        return norm if isinstance(norm, torch.Tensor) else torch.tensor(norm)
 
     def loss_scale(self) -> float:
         return self.loss_scaler.scale

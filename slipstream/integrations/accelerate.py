@@ -352,8 +352,7 @@ class SlipstreamAccelerator(Accelerator):
                 max_norm,
                 configured,
             )
-        norm = engine.get_global_grad_norm()
-        return None if norm is None else torch.tensor(norm)
+        return engine.get_global_grad_norm(as_tensor=True)  # read by the Trainer only when it logs
 
     def unwrap_model(self, model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
         if isinstance(model, slipstream.Engine):
