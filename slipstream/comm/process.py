@@ -54,6 +54,7 @@ class ProcessComm:
         self.watch_installed = False
         self.watch_lock = threading.Lock()
         self.watch_local = threading.local()
+        self.watch_pending: set[object] = set()  # a token per async work whose completion callback has not run
         # overlap.py: the pair and side of the half running on each thread
         self.overlap_local = threading.local()
         # comms_log.py: every collective of the current step

@@ -20,6 +20,17 @@ What is and is not seen:
   and torch's own nested calls (``all_gather_object``'s inner ``all_gather`` is one record);
 * slipstream's ``comm`` launches record themselves with their byte counts and tags; they run
   inside :func:`quiet` so nothing is recorded twice, and so do the ring threads' exchanges.
+
+[Note: completion callbacks run before the exit] An ``async_op`` work's record is completed by a
+callback on its future, and the backend runs that callback on its own worker thread, taking the
+GIL. A work the script never waited for (a metric all-reduce left in flight) may complete late on a
+loaded machine: if that is after the interpreter began to finalize, taking the GIL ends the worker
+thread (``pthread_exit``), and the unwind through gloo's ``noexcept`` loop aborts the process
+("terminate called without an active exception", SIGABRT after the script returned; seen in CI on
+``test_teardown.py``, the main thread in finalization's garbage collection). So each pending callback
+holds a token in ``PROCESS.watch_pending``, and at exit (``teardown.py``) the process waits, with the
+GIL released, until every callback has run (at most :data:`EXIT_GRACE_S`: a work whose peer never
+joins stays pending, and the exit goes on).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import functools
 import inspect
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +49,7 @@ import torch.distributed as dist
 
 from slipstream.comm import flight
 from slipstream.comm.process import PROCESS
+from slipstream.comm.teardown import on_teardown
 from slipstream.utils.flight_record import FlightRecorder, group_label
 
 _COLLECTIVES = (
@@ -193,8 +206,36 @@ def _finish_when_done(result: Any, recorder: FlightRecorder, index: int) -> Any:
         wrapped = [_WaitedWork(work, done) for work in works]
         return wrapped if isinstance(result, list) else wrapped[0]
     for future in futures:
-        future.add_done_callback(done)
+        future.add_done_callback(_pending(done))
     return result
+
+
+def _pending(callback: Callable[[], None]) -> Callable[[Any], None]:
+    """``callback`` as a future's done-callback whose run the exit waits for ([Note: completion callbacks run
+    before the exit])."""
+    token = object()
+    PROCESS.watch_pending.add(token)
+
+    def run(_: Any = None) -> None:
+        try:
+            callback()
+        finally:
+            PROCESS.watch_pending.discard(token)
+
+    return run
+
+
+EXIT_GRACE_S = 10.0  # the longest the exit waits for the callbacks of works left in flight
+
+
+def _callbacks_run(grace_s: float = EXIT_GRACE_S) -> None:
+    """At exit: until every pending completion callback has run (or ``grace_s`` passed), the GIL released."""
+    deadline = time.monotonic() + min(grace_s, PROCESS.timeout.total_seconds())
+    while PROCESS.watch_pending and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+on_teardown(_callbacks_run)
 
 
 class _WaitedWork:

@@ -22,7 +22,9 @@ import atexit, sys
 import torch.distributed as dist
 
 def after_slipstream():  # registered before slipstream is imported, so it runs after slipstream's handler
-    print(f"AFTER rank={RANK} initialized={dist.is_initialized()}", flush=True)
+    from slipstream.comm.process import PROCESS
+    pending = len(PROCESS.watch_pending)  # completion callbacks not yet run (the user's all-reduce's)
+    print(f"AFTER rank={RANK} initialized={dist.is_initialized()} pending={pending}", flush=True)
 
 atexit.register(after_slipstream)
 import torch
@@ -64,7 +66,7 @@ def test_a_script_that_returns_with_collectives_in_flight_exits_cleanly_with_its
     assert done.returncode == 0, output[-3000:]
     assert "terminate called" not in output, output[-3000:]
     for rank in (0, 1):
-        assert f"AFTER rank={rank} initialized=False" in output, output[-3000:]
+        assert f"AFTER rank={rank} initialized=False pending=0" in output, output[-3000:]
 
 
 def test_a_script_that_raises_keeps_its_groups_and_reports_its_error(tmp_path: Path) -> None:
