@@ -15,6 +15,9 @@ class Accelerator(abc.ABC):
 
     name: str
     communication_backend: str
+    # Kernels run behind the host (CUDA streams): reading a device value waits for everything queued before it.
+    # False where work runs in program order (CPU), so such a read costs nothing.
+    runs_ahead_of_host: bool = True
 
     @abc.abstractmethod
     def device(self, index: int | None = None) -> torch.device: ...

@@ -99,6 +99,7 @@ class _CPUEvent:
 class CPUAccelerator(Accelerator):
     name = "cpu"
     communication_backend = "gloo"
+    runs_ahead_of_host = False
 
     def __init__(self) -> None:
         self._process = psutil.Process()

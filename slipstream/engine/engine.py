@@ -89,7 +89,12 @@ class Engine(SavesWeights, CheckpointCalls, torch.nn.Module):
         # As DeepSpeed: fp16 always skips steps with non-finite gradients; bf16 unless told not to.
         overflow = config.fp16.enabled or (config.bf16.enabled and config.bf16.check_grad_overflow)
         self._update = OptimizerStep(
-            strategy, loss_scaler, config.gradient_clipping, overflow, self.checkpoints.before_update
+            strategy,
+            loss_scaler,
+            config.gradient_clipping,
+            overflow,
+            self.checkpoints.before_update,
+            accelerator.runs_ahead_of_host,
         )
         self.checkpoint_states: dict[str, Any] = {}  # extra objects saved through state_dict()/load_state_dict()
         self._windows = Windows(training_dataloader, config.gradient_accumulation_steps)  # train_batch/eval_batch

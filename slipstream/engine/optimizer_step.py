@@ -13,6 +13,8 @@ overflow check needs the value on the host: it decides whether the step runs at 
 bf16 unless ``bf16.check_grad_overflow`` is off). Without it the clipping coefficient is computed
 on the device, as torch's ``clip_grad_norm_`` computes it, and the norm stays a device tensor that
 is read only where someone asks for it (``get_global_grad_norm``, the progress line, the writers).
+On a CPU nothing runs ahead of the host, so there the norm is read as before: the read waits for
+nothing, and a coefficient of one skips a pass over the gradients that the device path makes.
 """
 
 from __future__ import annotations
@@ -44,14 +46,16 @@ class OptimizerStep:
     clip: float  # gradient_clipping (0: off)
     check_overflow: bool  # fp16 always, bf16 unless bf16.check_grad_overflow is off (as DeepSpeed)
     before_update: Callable[[], None]  # e.g. wait for an async checkpoint still reading the weights
+    device_runs_ahead: bool  # the accelerator's runs_ahead_of_host: reading the norm would wait for it
 
     def __call__(self, lr_scheduler: Any, step: int) -> StepResult:
         inv_scale = 1.0 / self.loss_scaler.scale
         norm: float | torch.Tensor = self.strategy.global_grad_norm()
         coef: float | torch.Tensor
-        if self.check_overflow:  # whether the step runs at all is the host's decision: it reads the norm
+        # whether the step runs at all is the host's decision: it reads the norm (as it may where that waits for nothing)
+        if self.check_overflow or not self.device_runs_ahead:
             norm = float(norm) * inv_scale
-            overflow = not math.isfinite(norm)
+            overflow = self.check_overflow and not math.isfinite(norm)
             coef = inv_scale * (min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0)
         else:  # [Note: the step does not wait for the device]
             norm, overflow = norm * inv_scale if inv_scale != 1.0 else norm, False
