@@ -63,7 +63,7 @@ def teardown() -> None:
             step()
         except Exception as err:  # noqa: BLE001 - exiting: report and go on with the rest
             logger.warning("at exit: %s failed: %s", getattr(step, "__qualname__", step), err)
-    if dist.is_available() and dist.is_initialized() and not _dying_of_an_exception() and not aborted():
+    if dist.is_available() and dist.is_initialized() and not dying_of_an_exception() and not aborted():
         try:
             dist.destroy_process_group()
         except Exception as err:  # noqa: BLE001 - exiting
@@ -73,6 +73,6 @@ def teardown() -> None:
 atexit.register(teardown)
 
 
-def _dying_of_an_exception() -> bool:
+def dying_of_an_exception() -> bool:
     """Whether the interpreter is exiting because of an unhandled exception (it sets ``sys.last_value`` first)."""
     return getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None

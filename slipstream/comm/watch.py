@@ -29,8 +29,8 @@ thread (``pthread_exit``), and the unwind through gloo's ``noexcept`` loop abort
 ("terminate called without an active exception", SIGABRT after the script returned; seen in CI on
 ``test_teardown.py``, the main thread in finalization's garbage collection). So each pending callback
 holds a token in ``PROCESS.watch_pending``, and at exit (``teardown.py``) the process waits, with the
-GIL released, until every callback has run (at most :data:`EXIT_GRACE_S`: a work whose peer never
-joins stays pending, and the exit goes on).
+GIL released, until every callback has run (at most :data:`EXIT_GRACE_S`, 1 s after an unhandled
+exception or an abort: a work whose peer never joins stays pending, and the exit goes on).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm import flight
+from slipstream.comm.abort import aborted
 from slipstream.comm.process import PROCESS
-from slipstream.comm.teardown import on_teardown
+from slipstream.comm.teardown import dying_of_an_exception, on_teardown
 from slipstream.utils.flight_record import FlightRecorder, group_label
 
 _COLLECTIVES = (
@@ -225,11 +226,14 @@ def _pending(callback: Callable[[], None]) -> Callable[[Any], None]:
     return run
 
 
-EXIT_GRACE_S = 10.0  # the longest the exit waits for the callbacks of works left in flight
+EXIT_GRACE_S = 10.0  # the longest a clean exit waits for the callbacks of works left in flight
+FAILED_EXIT_GRACE_S = 1.0  # after an unhandled exception or an abort: peers may be gone, the error is the news
 
 
-def _callbacks_run(grace_s: float = EXIT_GRACE_S) -> None:
-    """At exit: until every pending completion callback has run (or ``grace_s`` passed), the GIL released."""
+def _callbacks_run(grace_s: float | None = None) -> None:
+    """At exit: until every pending completion callback has run (or the grace passed), the GIL released."""
+    if grace_s is None:
+        grace_s = FAILED_EXIT_GRACE_S if aborted() or dying_of_an_exception() else EXIT_GRACE_S
     deadline = time.monotonic() + min(grace_s, PROCESS.timeout.total_seconds())
     while PROCESS.watch_pending and time.monotonic() < deadline:
         time.sleep(0.002)
