@@ -51,12 +51,11 @@ class WaitClock(Timers):
         super().__init__(enabled, synchronize)
         self.waited = 0.0  # seconds in WAIT_TIMERS since the last take_waited()
 
+    def __call__(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self._waited(name) if name in WAIT_TIMERS else super().__call__(name)
+
     @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        if name not in WAIT_TIMERS:
-            with super().__call__(name):
-                yield
-            return
+    def _waited(self, name: str) -> Iterator[None]:
         before = self._totals.get(name, 0.0) if self.enabled else time.perf_counter()
         with super().__call__(name):
             yield

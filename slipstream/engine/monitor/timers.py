@@ -16,17 +16,21 @@ from collections.abc import Callable, Iterator
 ENGINE_TIMERS = ("forward", "backward", "reduce", "step")
 
 
+_OFF = contextlib.nullcontext()  # reusable: what a disabled timer enters, four times a step
+
+
 class Timers:
     def __init__(self, enabled: bool, synchronize: Callable[[], None] | None = None) -> None:
         self.enabled = enabled
         self._synchronize = synchronize or (lambda: None)
         self._totals: dict[str, float] = {}
 
+    def __call__(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Time the block under ``name``; disabled, a shared no-op (a generator-based context costs ~2.5 µs a use)."""
+        return self._timed(name) if self.enabled else _OFF
+
     @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
+    def _timed(self, name: str) -> Iterator[None]:
         self._synchronize()
         start = time.perf_counter()
         try:
