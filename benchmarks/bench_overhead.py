@@ -1,7 +1,7 @@
 """Host overhead per step: a launch-bound model swept over its number of parameter tensors, Slipstream's ZeRO
 stages against torch DDP and DeepSpeed (issue 50).
 
-    python benchmarks/bench_overhead.py [--tensors 10 100 1000 10000] [--worlds 1 2] [--stages 0 1 2 3]
+    python benchmarks/bench_overhead.py [--tensors 10 100 1000 10000] [--worlds 1 2] [--stages 0 1 2 3 2+cpu 3+cpu]
                                         [--rounds 2] [--steps 10] [--profile] [--deepspeed-python /tmp/dsvenv/bin/python]
 
 The model is a chain of ``Linear(8, 8)`` layers (two tensors each) on a 4 × 8 batch: its arithmetic is nothing,
@@ -12,6 +12,9 @@ same processes (DDP, stage 0, ..., fresh engines each time, for every size), the
 its own interpreter (``--deepspeed-python``: its venv; skipped without one); medians of each framework's steps over
 the rounds, and ratios to DDP's and to DeepSpeed's same stage. ``--profile`` adds Python calls per step (cProfile,
 rank 0, after warm-up) for every run: host work that grows with the tensor count shows as calls that grow with it.
+A stage written ``S+cpu`` offloads the optimizer to CPU memory (stage 3: the parameters too), with the AdamW of the
+config (Slipstream's CPU Adam op, DeepSpeed's ``DeepSpeedCPUAdam``) instead of torch's fused one; DDP's step stays
+the fused AdamW, so its ratio includes the CPU Adam's own cost (on a CPU both step the same memory).
 """
 
 from __future__ import annotations
@@ -67,10 +70,18 @@ def _ddp(tensors: int) -> tuple[object, object]:
     return step, None
 
 
-def _engine(framework: str, tensors: int, stage: int) -> tuple[object, object]:
-    """Slipstream's or DeepSpeed's engine at ``stage``, with torch's fused AdamW and clipping at 1.0, and its step."""
+def _engine(framework: str, tensors: int, stage: str) -> tuple[object, object]:
+    """Slipstream's or DeepSpeed's engine at ``stage`` ("2", "3+cpu"), with torch's fused AdamW (the config's AdamW
+    where the optimizer is offloaded) and clipping at 1.0, and its step."""
     model = Chain(tensors)
-    config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
+    level, _, offload = stage.partition("+")
+    zero: dict = {"stage": int(level)}
+    config: dict = {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 1.0, "zero_optimization": zero}
+    if offload:
+        zero["offload_optimizer"] = {"device": offload}
+        if level == "3":
+            zero["offload_param"] = {"device": offload}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
 
     def adamw(params: object) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)  # type: ignore[arg-type]
@@ -78,12 +89,15 @@ def _engine(framework: str, tensors: int, stage: int) -> tuple[object, object]:
     if framework == "zero":
         import slipstream
 
-        engine = slipstream.initialize(model, {**config, "steps_per_print": 0}, optimizer=adamw)
+        engine = slipstream.initialize(model, {**config, "steps_per_print": 0}, optimizer=None if offload else adamw)
     else:
         import deepspeed
 
         config = {**config, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
+        optimizer = None if offload else adamw(model.parameters())
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), optimizer=optimizer, config=config
+        )
 
     def step(batch: torch.Tensor) -> None:
         loss = engine(batch)
@@ -112,8 +126,8 @@ def worker(rank: int, world: int, port: int, kinds: list[str], args: argparse.Na
     found: dict[str, list[float]] = {}
     for tensors in args.tensors:
         for kind in kinds:
-            framework = kind.rstrip("0123456789")
-            step, engine = _ddp(tensors) if kind == "ddp" else _engine(framework, tensors, int(kind[len(framework) :]))
+            framework = "zero" if kind.startswith("zero") else "deepspeed"
+            step, engine = _ddp(tensors) if kind == "ddp" else _engine(framework, tensors, kind[len(framework) :])
             found[f"{tensors}/{kind}"] = time_steps(step, batches, WARMUP)  # type: ignore[arg-type]
             if args.profile:
                 found[f"{tensors}/{kind}/calls"] = [_calls(step, batches[:3])]
@@ -150,7 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensors", type=int, nargs="+", default=[10, 100, 1000, 10000])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3"], help='"S", or "S+cpu": optimizer offloaded')
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
