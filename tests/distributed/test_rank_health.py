@@ -7,6 +7,7 @@ import math
 import time
 import types
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -171,3 +172,16 @@ def test_nonfinite_verdicts() -> None:
     dynamic = RankHealth(0, torch.device("cpu"))
     dynamic.on_step(1, torch.tensor(1.0), 1, math.inf, True, 0.0)  # fp16 loss-scale search: not a symptom
     assert dynamic.exchange(2) == [] and dynamic.first_nonfinite is None
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_the_first_nonfinite_gradient_norm_is_kept_whether_the_host_read_it_or_not(on_device: bool) -> None:
+    # a device scalar is the norm of a step that never waited for the device (optimizer_step.py)
+    def norm(value: float) -> float | torch.Tensor:
+        return torch.tensor(value) if on_device else value
+
+    health = RankHealth(0, torch.device("cpu"))
+    for step, value in ((1, 1.0), (2, math.inf), (3, math.nan), (4, 1.0)):
+        health.on_step(step, torch.tensor(1.0), 1, norm(value), False, 0.0)
+    [(_, line)] = health.exchange(5)
+    assert line.startswith("non-finite gradient norm at step 2 "), line

@@ -158,12 +158,15 @@ class RankHealth:
             fresh = torch.isnan(self._loss_first[0]) & ~torch.isfinite(mean)
             self._loss_first = torch.where(fresh, torch.stack((torch.full_like(mean, step), mean)), self._loss_first)
         # dynamic loss scaling overflows by design: a skipped step there is the scale search, not a symptom
-        if grad_norm is not None and not dynamic_scale:  # kept on the norm's device, as the loss
-            norm = torch.as_tensor(grad_norm, dtype=torch.float64)
+        if grad_norm is None or dynamic_scale:
+            return
+        if isinstance(grad_norm, torch.Tensor):  # kept on the norm's device, as the loss (it was never read)
             if self._grad_first is None:
-                self._grad_first = torch.full((), math.nan, dtype=torch.float64, device=norm.device)
-            fresh = torch.isnan(self._grad_first) & ~torch.isfinite(norm)
+                self._grad_first = torch.full((), math.nan, dtype=torch.float64, device=grad_norm.device)
+            fresh = torch.isnan(self._grad_first) & ~torch.isfinite(grad_norm)
             self._grad_first = torch.where(fresh, torch.full_like(self._grad_first, step), self._grad_first)
+        elif not math.isfinite(grad_norm) and (self._grad_first is None or math.isnan(float(self._grad_first))):
+            self._grad_first = torch.tensor(float(step), dtype=torch.float64)
 
     def exchange(self, step: int) -> list[tuple[int, str]]:
         """At a progress line, on every rank: one all_gather (none on one process); the lines to log (level, text)."""
