@@ -164,7 +164,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensors", type=int, nargs="+", default=[10, 100, 1000, 10000])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3"], help='"S", or "S+cpu": optimizer offloaded')
+    parser.add_argument(
+        "--stages", nargs="+", default=["0", "1", "2", "3"], help='"S", or "S+cpu": optimizer offloaded'
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
