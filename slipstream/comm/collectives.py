@@ -23,6 +23,7 @@ from slipstream.comm.comms_log import CommRecord
 from slipstream.comm.distributed import current_timeout
 from slipstream.comm.process import PROCESS
 from slipstream.comm.ring_collectives import existing_ring, ring_context
+from slipstream.comm.shm import FOLDS
 from slipstream.comm.teardown import on_teardown
 from slipstream.errors import SlipstreamError
 from slipstream.utils.flight_record import FlightRecorder, group_label
@@ -213,8 +214,7 @@ def all_reduce(
     once the group has a ring (the engine makes one for each group it reduces over)."""
     if dist.get_world_size(group) == 1:
         return _alone("all_reduce", tensor, tag, group)  # every reduction of one value is that value
-    combine = _SHARED_FOLDS.get(op)
-    if combine is not None and tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype != torch.bool:
+    if op in FOLDS and tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.dtype != torch.bool:
         ring = existing_ring(group)  # made by the engine for its groups at set-up: a first use here could block
         if ring is not None and ring.shared is not None:
             shared = ring.shared
@@ -223,12 +223,9 @@ def all_reduce(
                 tensor,
                 tag,
                 group,
-                lambda: _FutureWork(ring.submit(shared.all_reduce, tensor, combine, inline=inline)),
+                lambda: _FutureWork(ring.submit(shared.all_reduce, tensor, op, inline=inline)),
             )
     return _launch("all_reduce", tensor, tag, group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
-
-
-_SHARED_FOLDS = {ReduceOp.SUM: "add", ReduceOp.MAX: "maximum", ReduceOp.MIN: "minimum"}
 
 
 def all_to_all_single(

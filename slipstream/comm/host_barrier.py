@@ -110,8 +110,6 @@ class HostBarrier:
 
     def wait(self) -> None:
         """Arrive and leave once every peer has arrived. Raises :class:`HostBarrierError` naming the peer."""
-        if self.stopped is not None:
-            raise HostBarrierError(f"same-host barrier not entered: {self.stopped}")
         with self._writing:
             if self.stopped is not None:
                 raise HostBarrierError(f"same-host barrier not entered: {self.stopped}")

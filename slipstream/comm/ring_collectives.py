@@ -122,10 +122,8 @@ class RingContext:
                 if self.failure is not None:
                     raise RuntimeError(f"not run: an earlier collective on this ring failed ({self.failure})")
                 try:
-                    with (
-                        torch.no_grad(),
-                        watch.quiet(),
-                    ):  # the ring's exchanges are recorded as the collective they make up
+                    # the ring's exchanges are recorded as the collective they make up
+                    with torch.no_grad(), watch.quiet():
                         return fn(*args)
                 except Exception as err:
                     self.failure = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"

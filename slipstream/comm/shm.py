@@ -130,9 +130,7 @@ class SharedSlots:
             else:
                 piece.copy_(chunks[:, start:end])
             self.barrier.wait()
-            if self._scratch is None:  # a row of a piece is at most PIECE_BYTES / size bytes (the piece bound above)
-                self._scratch = torch.empty(PIECE_BYTES // self.size, dtype=torch.uint8)
-            scratch = self._scratch[: width * buffer.element_size()].view(buffer.dtype)
+            scratch = self._scratch_of(width, buffer.dtype)
             offset = self.rank * width * buffer.element_size()  # our row of each peer's piece
             for peer in range(self.size):  # the sum in rank order, the same bits on every rank (a + b == b + a)
                 if peer == self.rank:
@@ -144,26 +142,30 @@ class SharedSlots:
                     self._read(peer, half, offset, scratch)
                     total.add_(scratch)
 
-    def all_reduce(self, buffer: torch.Tensor, combine: str = "add") -> None:
+    def _scratch_of(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Room for one peer's row of a piece, made once (a row is at most PIECE_BYTES / size bytes: the piece bound)."""
+        if self._scratch is None:
+            self._scratch = torch.empty(PIECE_BYTES // self.size, dtype=torch.uint8)
+        return self._scratch[: numel * dtype.itemsize].view(dtype)
+
+    def all_reduce(self, buffer: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """Reduce ``buffer`` (contiguous) over ranks in place; every rank gets the same bits.
 
         [Note: the small all-reduce] Every rank writes its piece to its half, meets the others at one barrier
-        and folds every rank's piece into its own in rank order (``combine``: ``add``, ``maximum`` or
-        ``minimum``), so the result is the same on every rank, as gloo's is. One barrier per piece where a
+        and folds every rank's piece into its own in rank order (``op``: one of :data:`FOLDS`' sum, max and
+        min), so the result is the same on every rank, as gloo's is. One barrier per piece where a
         reduce-scatter and an all-gather take two: for the few-KB all-reduces of a step (the gradient norm
         and the used flags, a small model's buckets) the wake-ups are the cost, not the bytes. A rank reads
         ``size - 1`` pieces where the ring reads ``2 (size - 1) / size``: at 2 ranks the same bytes.
         """
-        fold = _FOLDS[combine]
+        fold = FOLDS[op]
         flat = buffer.view(-1)
         for start, end in _pieces(flat.numel(), PIECE_BYTES // (buffer.element_size() * self.size)):
             half = self._next_half()
             mine = self._slot(half, buffer.dtype)[: end - start]
             mine.copy_(flat[start:end])
             self.barrier.wait()
-            if self._scratch is None:
-                self._scratch = torch.empty(PIECE_BYTES // self.size, dtype=torch.uint8)
-            scratch = self._scratch[: (end - start) * buffer.element_size()].view(buffer.dtype)
+            scratch = self._scratch_of(end - start, buffer.dtype)
             total = flat[start:end]  # holds rank 0's piece after the first turn
             for peer in range(self.size):
                 if peer == 0:
@@ -210,10 +212,11 @@ def shared_slots(group: dist.ProcessGroup, rank: int, size: int) -> SharedSlots 
     return None
 
 
-_FOLDS = {
-    "add": torch.Tensor.add_,
-    "maximum": lambda total, x: torch.maximum(total, x, out=total),
-    "minimum": lambda total, x: torch.minimum(total, x, out=total),
+# The reductions :meth:`SharedSlots.all_reduce` folds, in place into the running total.
+FOLDS = {
+    dist.ReduceOp.SUM: torch.Tensor.add_,
+    dist.ReduceOp.MAX: lambda total, x: torch.maximum(total, x, out=total),
+    dist.ReduceOp.MIN: lambda total, x: torch.minimum(total, x, out=total),
 }
 
 

@@ -135,9 +135,8 @@ class RankHealth:
         self._streaks: dict[int, int] = {}
         self._steps, self._waited, self._start = 0, 0.0, time.perf_counter()
         self._loss_first: torch.Tensor | None = None  # on the loss's device: (step, mean loss), step nan: none yet
-        self._grad_first: torch.Tensor | None = (
-            None  # on the norm's device: the first step of a non-finite norm, or nan
-        )
+        # on the norm's device: the first step of a non-finite norm, or nan
+        self._grad_first: torch.Tensor | None = None
 
     def on_step(
         self,

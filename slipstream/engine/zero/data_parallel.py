@@ -69,10 +69,9 @@ class DataParallelStrategy(ShardingStrategy):
             ),  # the used-parameter flags ride the last bucket ([Note: a tail on the last bucket])
         )
         logger.debug("stage 0: %d gradient buckets", len(self.reducer.buckets))
+        # collective set-up now, not in a backward hook: all-reduces take the ring's memory
         for group in {id(b.group): b.group for b in self.reducer.buckets}.values():
-            comm.ring_context(
-                group
-            )  # collective set-up now, not in a backward hook: all-reduces take the ring's memory
+            comm.ring_context(group)
         if self.low_precision:
             self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.trainable]
         else:

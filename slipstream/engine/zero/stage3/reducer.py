@@ -81,7 +81,6 @@ class UnitReducer:
             int, list[tuple[torch.Tensor, int] | None]
         ] = {}  # unit -> each .grad its backward started from
         self.has_grad: set[int] = set()  # units whose gradient chunk holds something this window
-        self._packed: dict[int, bool] = {}  # unit -> its parameters sit end to end ([Note: one copy packs the unit])
         self.context = CommContext()  # the strategy's (set by it): reduce-scatters on their own stream
         self.gradient_bits = 0  # qgZ: reduce-scatters travel as INT4 all-to-alls (set by the strategy)
 
@@ -121,8 +120,12 @@ class UnitReducer:
         ranges = unit.ranges()  # packed in order, padded after the last (flat_layout.py)
         grads = [p.grad for p, _, _ in ranges]
         end = ranges[-1][2] if ranges else 0
-        if self._packs_whole(unit, ranges) and all(g is not None and g.dtype == send.dtype for g in grads):
-            torch.cat([g.reshape(-1) for g in grads], out=send[:end])  # [Note: one copy packs the unit]
+        # [Note: one copy packs the unit] Copying each gradient into its slice of the send buffer cost a slice and
+        # a copy dispatched per parameter tensor, ~5 µs each: a tenth of a step of a model of a thousand small
+        # tensors. The layout puts a unit's parameters end to end from its start (``FlatLayout._close``), so where
+        # every gradient is there one ``torch.cat`` into the buffer's front writes them all.
+        if grads and all(g is not None and g.dtype == send.dtype for g in grads):
+            torch.cat([g.reshape(-1) for g in grads], out=send[:end])
         else:
             for (_, begin, stop), grad in zip(ranges, grads):
                 if grad is not None:
@@ -186,21 +189,6 @@ class UnitReducer:
             self._complete(self.reductions.pop(0))
         while self.reductions and self.reductions[0].work.ready():
             self._complete(self.reductions.pop(0))
-
-    def _packs_whole(self, unit: ParamUnit, ranges: list[tuple[torch.nn.Parameter, int, int]]) -> bool:
-        """Whether the unit's parameters sit end to end from its start, so one concatenation writes them all.
-
-        [Note: one copy packs the unit] Copying each gradient into its slice of the send buffer cost a
-        slice and a copy dispatched per parameter tensor, ~5 µs each: a tenth of a step of a model of a
-        thousand small tensors. Where the parameters sit end to end (always, in the layout's order) and
-        every gradient is there, one ``torch.cat`` into the buffer's front writes them all.
-        """
-        packed = self._packed.get(unit.index)
-        if packed is None:
-            packed = self._packed[unit.index] = all(
-                begin == (ranges[k - 1][2] if k else 0) for k, (_, begin, _) in enumerate(ranges)
-            )
-        return packed
 
     def _scales(self, unit: ParamUnit) -> tuple[float, float]:
         o = self.options
