@@ -132,6 +132,7 @@ class CompileConfig(Section):
         default_factory=dict, description="passed to torch.compile: fullgraph, dynamic, mode, options"
     )
     module_classes: list[str] | None = Field(None, description="the classes to compile (default: the repeated blocks)")
+    loss: bool = Field(True, description="compile the model's loss_function too (fused cross entropy: less memory)")
     deepcompile: bool = False
     free_activation: bool = False
     free_activation_threshold: int = 10 * 1024 * 1024

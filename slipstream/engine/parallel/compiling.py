@@ -22,6 +22,18 @@ break warns once with dynamo's reasons, naming the class; the monitor reports gr
 graphs made after the first optimizer step (recompiles) and compile seconds each step.
 ``compile.kwargs.fullgraph`` turns a break into an error instead.
 
+[Note: the loss is compiled too] transformers' causal-LM loss upcasts the ``[tokens x vocab]``
+logits to fp32 and runs ``log_softmax`` and ``nll_loss`` eagerly: at its peak it holds the logits,
+their log-probabilities and the gradients of both. Compiled, the reductions fuse into the kernel
+that reads the logits and the backward writes only the logits' gradient: measured on the CPU
+(4 x 512 tokens, vocabulary 32,000) the loss's peak above the logits fell from 750 to 251 MiB and
+its forward + backward from 134 to 69 ms (8,192 entries: 20 to 10 ms). So the model's own
+``loss_function`` (any of transformers' losses, or a model's attribute of that name) is compiled
+as well, counted with the blocks under the name ``loss``; ``compile.loss: false`` leaves it eager.
+Not when ``long_context.tiled_logits`` replaced it: the tiles never hold the whole logits, and
+their deferred logits are not a tensor dynamo can trace. The loss runs outside every module, so no
+engine hook is inside its graph.
+
 Compiling comes before activation checkpointing (``parallelize``'s order), so a checkpointed block
 runs its compiled forward, and again when backward recomputes it.
 """
@@ -54,6 +66,7 @@ class CompileOptions:
     backend: str
     kwargs: Mapping[str, Any]
     module_classes: tuple[str, ...]
+    loss: bool = True  # the model's loss_function too ([Note: the loss is compiled too])
 
     @classmethod
     def from_config(cls, cfg: SlipstreamConfig, sizes: MeshSizes, model: torch.nn.Module) -> CompileOptions | None:
@@ -97,7 +110,7 @@ class CompileOptions:
                 f"{key}: tensor parallelism with dropout ({dropout}) would give every tp rank's shard the same "
                 "dropout masks in a compiled graph; set the model's dropout to 0, or turn compile off"
             )
-        return cls(backend, dict(kwargs), classes)
+        return cls(backend, dict(kwargs), classes, section.loss)
 
 
 @dataclasses.dataclass
@@ -113,45 +126,78 @@ class CompileCounts:
 class CompiledBlocks:
     """The compiled forwards of this rank's blocks: counted per call, undone by :meth:`close`."""
 
-    def __init__(self, modules: list[tuple[str, torch.nn.Module]], options: CompileOptions) -> None:
+    def __init__(
+        self,
+        modules: list[tuple[str, torch.nn.Module]],
+        options: CompileOptions,
+        loss_owner: torch.nn.Module | None = None,
+    ) -> None:
+        """``loss_owner``: the model whose ``loss_function`` is compiled too (None: the loss stays as it is)."""
         self.options = options
         self.names = [name for name, _ in modules]
         self.modules = [module for _, module in modules]
         self.counts = CompileCounts()
+        self.loss_compiled = False
         self._settled = False  # after the first optimizer step, every new graph is a recompile
         self._warned: set[str] = set()
         self._kinds: set[tuple[str, bool]] = set()  # (class, with gradients) a graph was made for
         self._compiled: dict[Any, Any] = {}  # a class's forward function -> its compiled form
-        self._undo: list[Callable[[], None]] = []  # puts back each block's forward
+        self._undo: list[Callable[[], None]] = []  # puts back each block's forward, and the loss
         self._seconds_at_start = _compile_seconds()
         for module in self.modules:
             self._compile(module)
+        if loss_owner is not None:
+            self._compile_loss(loss_owner)
+
+    def _torch_compile(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        # In a recompile region of its own: another engine's graphs in this process count against neither's limit.
+        return torch.compile(function, backend=self.options.backend, isolate_recompiles=True, **self.options.kwargs)
 
     def _compile(self, module: torch.nn.Module) -> None:
         original = module.forward  # the class's, or what an earlier step put on the instance
         function = getattr(original, "__func__", None)
         if function is not None and getattr(original, "__self__", None) is module:
-            # One compiled function per class forward, shared by its blocks (one graph for all of them), in a
-            # region of its own: another engine's graphs in this process count against neither's recompile limit.
+            # One compiled function per class forward, shared by its blocks (one graph for all of them).
             if function not in self._compiled:
-                self._compiled[function] = torch.compile(
-                    function, backend=self.options.backend, isolate_recompiles=True, **self.options.kwargs
-                )
+                self._compiled[function] = self._torch_compile(function)
             compiled = functools.partial(self._compiled[function], module)
         else:
-            compiled = torch.compile(
-                original, backend=self.options.backend, isolate_recompiles=True, **self.options.kwargs
-            )
+            compiled = self._torch_compile(original)
         try:
             signature: inspect.Signature | None = inspect.signature(original)
         except (TypeError, ValueError):
             signature = None
-        name = type(module).__name__
+        counted = self._counted(type(module).__name__, compiled)
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if torch.is_grad_enabled():  # see [Note: caches recompile]
                 args, kwargs = without_caches(signature, args, kwargs)
+            return counted(*args, **kwargs)
+
+        self._undo.append(replace_forward(module, forward))
+
+    def _compile_loss(self, model: torch.nn.Module) -> None:
+        """The model's ``loss_function`` compiled (see [Note: the loss is compiled too]); ``close`` puts its own back."""
+        loss = getattr(model, "loss_function", None)
+        if not callable(loss) or isinstance(loss, torch.nn.Module):
+            return
+        # transformers keeps a set loss_function in ``_loss_function`` (behind a property); a plain module in the attribute
+        own = {k: model.__dict__[k] for k in ("loss_function", "_loss_function") if k in model.__dict__}
+        model.loss_function = functools.wraps(loss)(self._counted("loss", self._torch_compile(loss)))
+        self.loss_compiled = True
+
+        def undo() -> None:
+            for key in ("loss_function", "_loss_function"):
+                model.__dict__.pop(key, None)
+            model.__dict__.update(own)
+
+        self._undo.append(undo)
+
+    def _counted(self, name: str, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        """``compiled`` with what dynamo made and broke during each call recorded under ``name``."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
             graphs, breaks = _dynamo_totals()
             # data-dependent shapes and scalars (MoE routing's nonzero, a count) stay in the graph instead of breaking it
             with (
@@ -164,7 +210,7 @@ class CompiledBlocks:
                 self._record(name, made - graphs, broke - breaks, torch.is_grad_enabled())
             return out
 
-        self._undo.append(replace_forward(module, forward))
+        return call
 
     def _record(self, name: str, graphs: int, breaks: int, training: bool) -> None:
         self.counts.graphs += graphs
@@ -195,8 +241,11 @@ class CompiledBlocks:
         self._undo = []
 
 
-def compile_blocks(model: torch.nn.Module, options: CompileOptions | None) -> CompiledBlocks | None:
-    """Compile the forward of each block this rank runs (see [Note: what is compiled]); None when off."""
+def compile_blocks(
+    model: torch.nn.Module, options: CompileOptions | None, loss_tiled: bool = False
+) -> CompiledBlocks | None:
+    """Compile the forward of each block this rank runs (see [Note: what is compiled]) and the model's loss unless
+    ``loss_tiled`` (the long-context tiles compute it); None when off."""
     if options is None:
         return None
     if options.module_classes:
@@ -206,11 +255,12 @@ def compile_blocks(model: torch.nn.Module, options: CompileOptions | None) -> Co
         modules = list(zip(blocks.names, blocks.modules)) if blocks is not None else []
     if not modules:  # a pipeline stage without blocks of its own
         return None
-    compiled = CompiledBlocks(modules, options)
+    compiled = CompiledBlocks(modules, options, model if options.loss and not loss_tiled else None)
     log_rank0(
         logger,
-        "compile: %d modules with backend %s (%s%s)",
+        "compile: %d modules%s with backend %s (%s%s)",
         len(modules),
+        " and the loss" if compiled.loss_compiled else "",
         options.backend,
         ", ".join(compiled.names[:3]),
         ", ..." if len(modules) > 3 else "",

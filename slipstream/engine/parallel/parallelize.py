@@ -102,7 +102,7 @@ class Parallelized:
         remove_activation_checkpointing(self.model)
         if self.compiled is not None:
             self.compiled.close()
-        self.compiled = compile_blocks(self.model, options)
+        self.compiled = compile_blocks(self.model, options, _loss_tiled(self.tiling))
         checkpoint_activations(self.model, self.mesh, self.options.activations)
         return self.compiled
 
@@ -127,9 +127,13 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, options: ParallelOptions) ->
     separate_slices(*(mesh.rank_of(axis) for axis in ("pp", "cp", "sp")))
     sequence = parallelize_attention(model, mesh, options.sequence, pipeline, experts)
     tiling = parallelize_tiling(model, mesh, options.tiling)
-    compiled = compile_blocks(model, options.compile)
+    compiled = compile_blocks(model, options.compile, _loss_tiled(tiling))
     checkpoint_activations(model, mesh, options.activations)
     return Parallelized(model, pipeline, experts, tensor, sequence, tiling, original, mesh, options, compiled)
+
+
+def _loss_tiled(tiling: Tiling | None) -> bool:
+    return tiling is not None and tiling.logits is not None
 
 
 def _remap(params: list[Any], original: Mapping[int, str], model: torch.nn.Module) -> list[Any]:
