@@ -34,13 +34,21 @@ def _libc_mallinfo2() -> ctypes._CFuncPtr | None:
     return function
 
 
+def _large_blocks() -> int:
+    """Bytes of the CPU blocks slipstream maps on their own, outside malloc (``slipstream/ops/large_blocks.py``)."""
+    from slipstream.ops import large_blocks
+
+    return large_blocks.stats()["mapped_bytes"]
+
+
 def malloc_in_use() -> int:
-    """Bytes malloc has handed out and not had back: heap chunks in use plus mmap'd blocks (0 where unknown)."""
+    """Bytes the allocators have handed out and not had back: malloc's heap chunks in use and mmap'd blocks, plus the
+    large blocks slipstream maps itself (0 where malloc's figures are unknown)."""
     mallinfo2 = _libc_mallinfo2()
     if mallinfo2 is None:
         return 0
     info = mallinfo2()
-    return int(info.uordblks + info.hblkhd)
+    return int(info.uordblks + info.hblkhd) + _large_blocks()
 
 
 def _mallinfo() -> dict[str, float]:
@@ -48,8 +56,13 @@ def _mallinfo() -> dict[str, float]:
     if mallinfo2 is None:
         return {}
     info = mallinfo2()
-    # uordblks: bytes in use in the heaps; fordblks: free bytes the heaps keep; hblkhd: bytes in mmap'd blocks
-    return {"heap_used": info.uordblks / MIB, "heap_free": info.fordblks / MIB, "mmapped": info.hblkhd / MIB}
+    # uordblks: bytes in use in the heaps; fordblks: free bytes the heaps keep; hblkhd: bytes in mmap'd blocks (malloc's
+    # and the large blocks slipstream maps itself)
+    return {
+        "heap_used": info.uordblks / MIB,
+        "heap_free": info.fordblks / MIB,
+        "mmapped": (info.hblkhd + _large_blocks()) / MIB,
+    }
 
 
 def _rollup() -> dict[str, float]:

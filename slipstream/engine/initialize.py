@@ -22,6 +22,7 @@ from slipstream.engine.runners import DirectRunner, PipelineRunner, StepRunner
 from slipstream.engine.sharding import shard
 from slipstream.engine.zero.init import is_presharded, prepare_presharded
 from slipstream.engine.zero.strategy import ShardingStrategy
+from slipstream.ops import large_blocks
 from slipstream.utils.logging import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -60,6 +61,8 @@ def initialize(
     )  # 1. options: every check, nothing built
     accelerator = get_accelerator()
     cfg = options.config
+    if accelerator.device().type == "cpu" and large_blocks.install():  # the model's memory is the host's
+        log_rank0(logger, "host memory: blocks of %g MiB or more on their own mappings", large_blocks.installed_mib())
     groups = list(model_parameters) if model_parameters is not None else None  # on the parameters as they are now
     _place_model(model, cfg.precision, accelerator)  # 2. device and dtype (a zero.Init model keeps its shards)
     mesh = Mesh.build(options.sizes)  # 3. the mesh (no process group at all for a data-parallel-only run)

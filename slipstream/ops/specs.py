@@ -34,3 +34,9 @@ AIO = OpSpec(
 )
 
 ALL_OPS["aio"] = AIO
+
+# Large CPU blocks on their own mappings (huge pages where the kernel has them): only c10's allocator header and
+# CPython's, so it builds in seconds (slipstream/ops/large_blocks.py).
+LARGE_BLOCKS = OpSpec(name="slipstream_large_blocks", sources=("alloc/large_blocks.cpp",))
+
+ALL_OPS["large_blocks"] = LARGE_BLOCKS

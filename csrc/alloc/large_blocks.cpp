@@ -1,0 +1,183 @@
+// A CPU allocator that maps every block of at least `threshold` bytes on its own, on huge pages where the
+// kernel has them, and unmaps it when freed; smaller blocks go to the allocator it replaced.
+//
+// Why: glibc serves large blocks from its heaps once its dynamic mmap threshold has risen (up to 32 MiB), and
+// a heap keeps freed pages resident: a training step's activations and their gradients, freed in a different
+// order than they were made, leave holes the next block does not fit, so a process's resident size sits far
+// above what it uses (measured: 300-440 MiB of free heap on a 700 MiB working set). Mapping large blocks
+// returns them at once. Mapping costs a page fault per page touched; on 2 MiB huge pages (MADV_HUGEPAGE,
+// the mapping aligned so whole huge pages fit) that is one fault per 2 MiB, which keeps a step's time
+// where it was. See slipstream/ops/large_blocks.py.
+//
+// Only for glibc's malloc behind torch's default CPU allocator (the Python side checks): see kMagic.
+// A plain CPython module (no pybind, no torch/extension.h): it only needs c10's allocator interface.
+#include <Python.h>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <new>
+
+namespace {
+
+constexpr size_t kHugePage = size_t(2) << 20;
+constexpr size_t kPage = 4096;
+// Written just before a large block's data. glibc keeps a chunk's size in the word before every pointer it
+// hands out, and no chunk is 2^63 bytes, so a word with the top bit set there can only be ours: one deleter
+// serves both kinds of block, which raw_allocate/raw_deallocate (used by some kernels for scratch) need.
+constexpr uint64_t kMagic = 0xD1CE5A1E5CAFEB10ull;
+
+std::atomic<int64_t> g_mapped_bytes{0};  // bytes of live large blocks (their data, not the header page)
+std::atomic<int64_t> g_maps{0};          // large blocks mapped so far
+std::atomic<int64_t> g_live_blocks{0};   // large blocks not yet freed
+c10::DeleterFnPtr g_small_deleter = nullptr;  // the replaced allocator's deleter (glibc's free behind it)
+
+bool is_large(void* data) {
+  return reinterpret_cast<const uint64_t*>(data)[-1] == kMagic;
+}
+
+void release(void* data) {
+  if (data == nullptr) {
+    return;
+  }
+  if (!is_large(data)) {
+    g_small_deleter(data);
+    return;
+  }
+  const uint64_t length = reinterpret_cast<const uint64_t*>(data)[-2];
+  munmap(static_cast<char*>(data) - kPage, length + kPage);
+  g_mapped_bytes.fetch_sub(static_cast<int64_t>(length));
+  g_live_blocks.fetch_sub(1);
+}
+
+// Maps `nbytes` (rounded up to whole pages) starting on a huge-page boundary, after one header page: over-map by
+// one huge page and trim both ends, so the kernel can back every whole 2 MiB of the block with one huge page.
+void* map_aligned(size_t nbytes) {
+  const size_t length = (nbytes + kPage - 1) / kPage * kPage;
+  const size_t over = kPage + length + kHugePage;
+  void* raw = mmap(nullptr, over, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) {
+    return nullptr;
+  }
+  const auto start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t data = (start + kPage + kHugePage - 1) / kHugePage * kHugePage;
+  const uintptr_t head = data - kPage;
+  if (head > start) {
+    munmap(raw, head - start);
+  }
+  const uintptr_t end = start + over;
+  if (end > data + length) {
+    munmap(reinterpret_cast<void*>(data + length), end - (data + length));
+  }
+  madvise(reinterpret_cast<void*>(data), length, MADV_HUGEPAGE);  // a hint: without THP, 4 KiB pages serve
+  auto* header = reinterpret_cast<uint64_t*>(data);
+  header[-2] = length;
+  header[-1] = kMagic;
+  g_mapped_bytes.fetch_add(static_cast<int64_t>(length));
+  g_maps.fetch_add(1);
+  g_live_blocks.fetch_add(1);
+  return reinterpret_cast<void*>(data);
+}
+
+class LargeBlockAllocator final : public c10::Allocator {
+ public:
+  LargeBlockAllocator(c10::Allocator* small, size_t threshold) : small_(small), threshold_(threshold) {}
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    if (nbytes >= threshold_) {
+      void* data = map_aligned(nbytes);
+      if (data != nullptr) {
+        return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+      }  // out of mappings: the small path raises its own out-of-memory error if it must
+    }
+    c10::DataPtr small = small_->allocate(nbytes);
+    void* data = small.get();
+    small.release_context();  // the same pointer, freed by release() through the small allocator's deleter
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &release;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+
+  c10::Allocator* small() const {
+    return small_;
+  }
+
+ private:
+  c10::Allocator* small_;
+  size_t threshold_;
+};
+
+LargeBlockAllocator* g_installed = nullptr;  // never deleted: blocks it mapped may outlive any uninstall
+
+PyObject* install(PyObject*, PyObject* args) {
+  unsigned long long threshold = 0;
+  if (!PyArg_ParseTuple(args, "K", &threshold)) {
+    return nullptr;
+  }
+  if (threshold < kPage) {
+    PyErr_SetString(PyExc_ValueError, "large_blocks.install: the threshold must be at least 4096 bytes");
+    return nullptr;
+  }
+  c10::Allocator* current = c10::GetCPUAllocator();
+  c10::Allocator* small = current;
+  if (g_installed != nullptr && current == g_installed) {
+    small = g_installed->small();  // reinstalling with another threshold: keep the original small-block path
+  } else if (current != c10::GetDefaultCPUAllocator() || current->raw_deleter() == nullptr) {
+    Py_RETURN_FALSE;  // someone else's allocator: its blocks may not carry glibc's header word; leave it be
+  }
+  g_small_deleter = small->raw_deleter();
+  // Never freed: tensors mapped under an earlier threshold still point at it through their deleter only,
+  // so an old instance may be dropped, but keeping it costs a few bytes.
+  g_installed = new LargeBlockAllocator(small, static_cast<size_t>(threshold));
+  c10::SetCPUAllocator(g_installed, /*priority=*/UINT8_MAX);
+  Py_RETURN_TRUE;
+}
+
+PyObject* uninstall(PyObject*, PyObject*) {
+  if (g_installed != nullptr && c10::GetCPUAllocator() == g_installed) {
+    c10::SetCPUAllocator(g_installed->small(), /*priority=*/UINT8_MAX);  // blocks already mapped keep their deleter
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* installed(PyObject*, PyObject*) {
+  return PyBool_FromLong(g_installed != nullptr && c10::GetCPUAllocator() == g_installed);
+}
+
+PyObject* stats(PyObject*, PyObject*) {
+  return Py_BuildValue(
+      "{s:L,s:L,s:L}",
+      "mapped_bytes",
+      static_cast<long long>(g_mapped_bytes.load()),
+      "maps",
+      static_cast<long long>(g_maps.load()),
+      "live_blocks",
+      static_cast<long long>(g_live_blocks.load()));
+}
+
+PyMethodDef kMethods[] = {
+    {"install", install, METH_VARARGS, "install(threshold) -> bool: map CPU blocks of at least threshold bytes on their own (False: not the default allocator)"},
+    {"uninstall", uninstall, METH_NOARGS, "put the allocator that was replaced back (mapped blocks stay valid)"},
+    {"installed", installed, METH_NOARGS, "whether it is torch's CPU allocator now"},
+    {"stats", stats, METH_NOARGS, "{mapped_bytes, maps, live_blocks}"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "slipstream_large_blocks", nullptr, -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_slipstream_large_blocks() {
+  return PyModule_Create(&kModule);
+}
