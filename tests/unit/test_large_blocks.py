@@ -96,7 +96,11 @@ def test_the_environment_variable_is_read_and_checked(monkeypatch: pytest.Monkey
 
 def test_transparent_huge_pages_are_read_from_the_kernel_setting(tmp_path: Path) -> None:
     setting = tmp_path / "enabled"
-    for text, available in (("always [madvise] never", True), ("[always] madvise never", True), ("always madvise [never]", False)):
+    for text, available in (
+        ("always [madvise] never", True),
+        ("[always] madvise never", True),
+        ("always madvise [never]", False),
+    ):
         setting.write_text(text + "\n")
         assert large_blocks.thp_available(setting) is available
     assert large_blocks.thp_available(tmp_path / "missing") is False
