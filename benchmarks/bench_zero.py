@@ -73,6 +73,12 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
     setup_rank_env(rank, world, port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    # The process before the model: its libraries loaded too (transformers alone is ~164 MiB of RSS), so that what
+    # the estimate adds to it is the model's states and activations
+    from transformers import GPT2LMHeadModel  # noqa: F401
+
+    import slipstream  # noqa: F401
+
     before_model = sample()["rss"]
     model = build_gpt2(args.model)
     psi = sum(p.numel() for p in model.parameters())

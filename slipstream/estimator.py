@@ -21,10 +21,15 @@ b = micro-batch, h = hidden size, a = attention heads; the 5·a·s/h term is the
 matrices, which memory-efficient attention (SDPA/flash) does not keep. fp32 doubles it. With
 activation checkpointing each layer keeps only its input (2·s·b·h bytes at 16 bit) and one layer's
 activations exist at a time during recomputation. The loss adds ``LOSS_BYTES``·s·b·V: what
-transformers' (unfused) causal-LM loss holds at its peak in the backward — the logits, their fp32
-copy, the log-softmax and the gradients of both — measured with ``LiveTensorMeter`` on a Llama
-(vocabulary 32,000, 1024 and 2048 tokens): 16.2 bytes per token per vocabulary entry in fp32, 14.1 in
-bf16 (the paper's fused loss keeps 4).
+transformers' (unfused) causal-LM loss holds at its peak in the backward of a training loop that
+keeps the loss and drops the outputs (``loss = model(...).loss``, as the HF Trainer does) — the
+fp32 log-softmax and the gradients of the loss's two steps, 12 bytes per token per vocabulary entry
+in fp32 and in bf16, measured with ``LiveTensorMeter``. A loop that keeps the logits alive through
+its backward (``out`` held, a z-loss) adds them: 4 bytes more in fp32, 2 in bf16 (16 and 14 were
+this estimate's figures before, measured with the output kept). Against peak RSS under Ulysses on
+2 ranks (``benchmarks/bench_long_context.py --curve``, vocabulary 32,000, 2k-16k tokens) 12 is
+within 3% untiled, where 16 was 12-30% above it. The paper's fused loss keeps 4; compiled
+(``compile.loss``), the loss keeps only the logits' gradient.
 
 [Note: sequence shards and tiles] Ulysses and ring attention (``seq_shards`` = u·c) divide every
 term by the shard count: each rank holds s/(u·c) tokens of every layer (Ulysses' attention holds the
@@ -33,7 +38,8 @@ hidden unit), the MLP's are ``3·h + 4·I`` per token (its input, the up project
 activation's, a dropout mask; 19·h at I = 4h). ``long_context.tiled_mlp`` keeps only the MLP's
 input (2·h) per token and per layer, plus one tile's ``(3·h + 4·I)·t`` while an MLP runs;
 ``long_context.tiled_logits`` holds one tile's ``LOSS_BYTES``·t·V at a time instead of the whole
-sequence's (measured: 14.0 and 13.5 bytes per token of a tile in fp32 and bf16).
+sequence's (measured with the tile's logits alive: 14.0 and 13.5 bytes per token of a tile in fp32 and
+bf16; the tiles free them, and the peak RSS follows 12 within 6%).
 """
 
 from __future__ import annotations
@@ -46,9 +52,9 @@ from typing import Any
 GB = 1e9  # the paper's unit: 1e9 bytes
 STAGES = (0, 1, 2, 3)
 HEADROOM = 0.9  # fraction of device memory a recommendation may plan for (allocator slack, buffers)
-# Bytes per token per vocabulary entry that transformers' loss holds at its peak (the logits, their fp32 copy, the
-# log-softmax and the gradients of both), by whether the model is fp32; measured with LiveTensorMeter (see the note).
-LOSS_BYTES = {True: 16, False: 14}
+# Bytes per token per vocabulary entry that transformers' loss holds at its peak (the fp32 log-softmax and the
+# gradients of both steps; the outputs dropped), by whether the model is fp32; measured with LiveTensorMeter (see the note).
+LOSS_BYTES = {True: 12, False: 12}
 
 
 @dataclasses.dataclass(frozen=True)
