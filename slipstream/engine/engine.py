@@ -34,6 +34,7 @@ from slipstream.engine.precision import DTYPES, LossScaler
 from slipstream.engine.runners import StepRunner, Windows, mean_over_dp
 from slipstream.engine.zero.strategy import ShardingStrategy
 from slipstream.errors import UsageError
+from slipstream.ops import large_blocks
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -140,6 +141,7 @@ class Engine(SavesWeights, CheckpointCalls, torch.nn.Module):
                 "outside engine.no_sync()"
             )
         accumulation = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        large_blocks.trim(everything=True)  # nothing freed held idle at the step's peak (ops/large_blocks.py)
         self.runner.backward(loss, self.loss_scaler.scale, accumulation, boundary, retain_graph, self.global_steps)
         self._backward_since_step = True
         return loss
@@ -189,6 +191,7 @@ class Engine(SavesWeights, CheckpointCalls, torch.nn.Module):
         self._global_grad_norm, self._step_applied = result.grad_norm, result.applied
         self.skipped_steps += 0 if result.applied else 1
         self.global_steps += 1
+        large_blocks.trim()  # the step's freed large blocks that it did not take again (ops/large_blocks.py)
         if self.config.comms_logger.enabled and self.config.comms_logger.verbose:
             logger.info(comms_log.summary())
         comms_log.next_step()

@@ -11,15 +11,22 @@ Pinning glibc's threshold lower returns those blocks, but each one is then mappe
 4 KiB pages afresh (1.18x the step time at 4 MiB).
 
 The compiled op (``csrc/alloc/large_blocks.cpp``) becomes torch's CPU allocator: a block of at
-least ``threshold`` bytes gets a mapping of its own, aligned so that whole 2 MiB huge pages fit
-and advised ``MADV_HUGEPAGE``, and is unmapped when freed; smaller blocks go to the allocator it
-replaced. One fault per 2 MiB keeps the step's time: measured on that workload, stage 3's peak
-RSS fell from ~1,195 to ~1,100 MB at 1.03x DDP's step (with the same mappings through torch's own
-huge-page path, ``THP_MEM_ALLOC_ENABLE=1``). So it is installed only where the kernel offers
-transparent huge pages (``always`` or ``madvise``); without them the faults would cost more than
-the memory is worth. ``SLIPSTREAM_LARGE_BLOCKS`` sets the threshold in bytes (default 4 MiB, the
-measured point; ``0`` keeps glibc for everything). Tensors made before it was installed keep
-their own deleter, so installing and uninstalling are safe at any time.
+least ``threshold`` bytes gets a mapping of its own, in whole 2 MiB huge pages, aligned and
+advised ``MADV_HUGEPAGE``; smaller blocks go to the allocator it replaced. A freed block waits in
+a cache for the next block of its size (a step makes the same sizes as the one before), so it is
+neither unmapped nor faulted in and zeroed again: a fresh mapping per block had cost 1.15-1.29x
+DDP's step at 2 ranks. Two trims keep the cache from becoming the heap's slack again: the start
+of each backward (the step's peak, every activation alive) unmaps all of it, and each optimizer
+step unmaps what the step before freed and this one did not take. Measured on gpt2-large at 2
+ranks without huge pages (``bench_zero.py --thp 0``, 2 alternating rounds): stage 3 peaks at 1,102
+MiB per rank against 1,190 on glibc and DDP's 1,386 (1.26 of the formula's saving, was 0.87 in
+that run and 0.56-0.74 in others), at 0.93x DDP's step (1.06x on glibc); stage 0 at 1,229 against
+1,321, 1.02x (1.01x). It is installed only where the kernel offers transparent huge pages
+(``always`` or ``madvise``): without them every new block would fault in 4 KiB pages.
+``SLIPSTREAM_LARGE_BLOCKS`` sets the threshold in bytes (default 4 MiB; ``0`` keeps glibc for
+everything). Only over glibc's ``malloc`` and torch's default CPU allocator (see
+:func:`glibc_malloc`). Tensors made before it was installed keep their own deleter, so installing
+and uninstalling are safe at any time.
 """
 
 from __future__ import annotations
@@ -28,17 +35,19 @@ import functools
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
 from slipstream.ops import builder
 from slipstream.ops.specs import LARGE_BLOCKS
 from slipstream.utils.logging import get_logger
 
-__all__ = ["DEFAULT_THRESHOLD", "glibc_malloc", "install", "installed", "stats", "thp_available", "uninstall"]
+__all__ = ["DEFAULT_THRESHOLD", "glibc_malloc", "install", "installed", "stats", "thp_available", "trim", "uninstall"]
 
 logger = get_logger(__name__)
 
 DEFAULT_THRESHOLD = 4 << 20
 _installed_threshold = 0  # what install() last installed (0: not installed by us)
+_module: Any = None  # the op, once install() loaded it (trim() runs every step: no lookup there)
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -71,7 +80,7 @@ def install(threshold: int | None = None) -> bool:
     False, and nothing changes, when the threshold is 0, the kernel has no transparent huge pages, or the op
     is unavailable (no compiler, ``SLIPSTREAM_DISABLE_OPS=1``); see [Note: large blocks leave the heap].
     """
-    global _installed_threshold
+    global _installed_threshold, _module
     threshold = configured_threshold() if threshold is None else threshold
     if threshold == 0 or not thp_available() or not glibc_malloc():
         return False
@@ -81,8 +90,15 @@ def install(threshold: int | None = None) -> bool:
     if not (module.installed() and _installed_threshold == threshold):  # each engine asks; install once
         if not module.install(threshold):  # torch's CPU allocator is not its default one: leave it be
             return False
-        _installed_threshold = threshold
+        _installed_threshold, _module = threshold, module
     return True
+
+
+def trim(everything: bool = False) -> None:
+    """Unmap cached freed blocks: those the last step did not take again (after each optimizer step), or all of
+    them (``everything``: at the start of a backward, the step's peak); see the cache in the source."""
+    if _module is not None:
+        _module.trim(everything)
 
 
 @functools.cache
@@ -113,6 +129,9 @@ def installed() -> bool:
 
 
 def stats() -> dict[str, int]:
-    """``mapped_bytes`` (live large blocks), ``maps`` (mapped so far), ``live_blocks``; zeros when never loaded."""
+    """``mapped_bytes`` (live large blocks), ``cached_bytes`` (freed, kept for reuse until :func:`trim`), ``maps``
+    (mapped so far), ``reused`` (allocations served from the cache), ``live_blocks``; zeros when never loaded."""
     module = builder.load(LARGE_BLOCKS) if builder.loaded_status(LARGE_BLOCKS) is not None else None
-    return dict(module.stats()) if module is not None else {"mapped_bytes": 0, "maps": 0, "live_blocks": 0}
+    if module is None:
+        return {"mapped_bytes": 0, "cached_bytes": 0, "maps": 0, "reused": 0, "live_blocks": 0}
+    return dict(module.stats())

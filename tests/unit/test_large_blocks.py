@@ -24,18 +24,33 @@ def installed() -> None:
     large_blocks.install()  # as the engine leaves it (the default threshold)
 
 
-def test_a_large_block_is_mapped_aligned_and_unmapped_when_freed(installed: None) -> None:
+def test_a_large_block_is_mapped_aligned_cached_when_freed_and_unmapped_by_trim(installed: None) -> None:
+    large_blocks.trim(everything=True)
     before = large_blocks.stats()
     block = torch.empty(5 * MIB, dtype=torch.uint8)
     during = large_blocks.stats()
     assert during["maps"] == before["maps"] + 1 and during["live_blocks"] == before["live_blocks"] + 1
-    assert during["mapped_bytes"] - before["mapped_bytes"] == 5 * MIB  # whole pages, nothing rounded to 2 MiB
+    assert during["mapped_bytes"] - before["mapped_bytes"] == 6 * MIB  # whole huge pages: the class of 5 MiB
     assert block.data_ptr() % (2 * MIB) == 0, "the mapping must start on a huge-page boundary"
-    block.fill_(3)
-    assert int(block[-1]) == 3 and int(block.sum()) == 3 * 5 * MIB
+    block.fill_(3)  # (a sum would make a 40 MiB int64 copy: a large block of its own)
+    assert int(block[0]) == int(block[5 * MIB // 2]) == int(block[-1]) == 3
+    address = block.data_ptr()
     del block
-    after = large_blocks.stats()
-    assert after["mapped_bytes"] == before["mapped_bytes"] and after["live_blocks"] == before["live_blocks"]
+    freed = large_blocks.stats()
+    assert freed["mapped_bytes"] == before["mapped_bytes"] and freed["live_blocks"] == before["live_blocks"]
+    assert freed["cached_bytes"] == 6 * MIB, "a freed block waits for the next one of its size"
+    again = torch.empty(5 * MIB + 4096, dtype=torch.uint8)  # the same class: served from the cache, not mapped
+    assert again.data_ptr() == address and large_blocks.stats()["maps"] == during["maps"]
+    assert large_blocks.stats()["reused"] == before["reused"] + 1 and large_blocks.stats()["cached_bytes"] == 0
+    del again
+    large_blocks.trim()  # freed since the last trim: kept one more step
+    assert large_blocks.stats()["cached_bytes"] == 6 * MIB
+    large_blocks.trim()  # not taken again for a whole step: unmapped
+    assert large_blocks.stats()["cached_bytes"] == 0
+    kept = torch.empty(8 * MIB, dtype=torch.uint8)
+    del kept
+    large_blocks.trim(everything=True)  # the start of a backward: nothing freed is held idle
+    assert large_blocks.stats()["cached_bytes"] == 0
 
 
 def test_small_blocks_stay_with_the_allocator_it_replaced(installed: None) -> None:
@@ -59,26 +74,34 @@ def test_training_math_is_unchanged_on_mapped_blocks(installed: None) -> None:
             optimizer.zero_grad()
         return [p.detach().clone() for p in model.parameters()]
 
-    maps = large_blocks.stats()["maps"]
+    def served() -> int:
+        stats = large_blocks.stats()
+        return stats["maps"] + stats["reused"]
+
+    before = served()
     mapped = train()
-    assert large_blocks.stats()["maps"] > maps, "the 8 MiB weights and activations should have been mapped"
+    assert served() > before, "the 8 MiB weights and activations should have been large blocks"
     large_blocks.uninstall()
     assert not large_blocks.installed()
-    maps = large_blocks.stats()["maps"]
+    before = served()
     plain = train()
-    assert large_blocks.stats()["maps"] == maps, "uninstalled, nothing is mapped"
+    assert served() == before, "uninstalled, nothing is a large block"
     for a, b in zip(mapped, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_reinstalling_is_idempotent_and_a_new_threshold_applies() -> None:
+    def served() -> int:  # large blocks handed out so far, mapped or from the cache
+        stats = large_blocks.stats()
+        return stats["maps"] + stats["reused"]
+
     assert large_blocks.install(8 * MIB)
-    maps = large_blocks.stats()["maps"]
+    before = served()
     six = torch.empty(6 * MIB, dtype=torch.uint8)
-    assert large_blocks.stats()["maps"] == maps, "6 MiB is below an 8 MiB threshold"
+    assert served() == before, "6 MiB is below an 8 MiB threshold"
     assert large_blocks.install(4 * MIB) and large_blocks.install(4 * MIB) and large_blocks.installed_mib() == 4
     seven = torch.empty(7 * MIB, dtype=torch.uint8)
-    assert large_blocks.stats()["maps"] == maps + 1
+    assert served() == before + 1
     del six, seven
     large_blocks.install()
 
