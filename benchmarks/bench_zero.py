@@ -9,8 +9,9 @@ A stage written ``S+cpu`` / ``S+nvme`` / ``3+nvme+nvme`` offloads as ``bench_off
 every block stays gathered from its forward into its backward; DeepSpeed's 3 and 3+reuse are alike).
 A stage ending in ``+sockets`` (``3+sockets``, ``3+reuse+sockets``) runs with the same-host shared-memory
 collectives off (``SLIPSTREAM_SHM_COLLECTIVES=0``): gloo's loopback sockets, as before they existed.
-A stage ending in ``+glibc`` (``3+glibc``) keeps every CPU block in glibc's malloc
-(``SLIPSTREAM_LARGE_BLOCKS=0``): large blocks on heaps, as before ``slipstream/ops/large_blocks.py``.
+A stage ending in ``+blocks`` (``3+blocks``) maps large CPU blocks on their own
+(``SLIPSTREAM_LARGE_BLOCKS=4194304``, ``slipstream/ops/large_blocks.py``, opt-in); ``+glibc`` keeps
+every block in glibc's malloc (``SLIPSTREAM_LARGE_BLOCKS=0``, the default).
 
 FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
 
@@ -99,6 +100,9 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
         if stage.endswith("+glibc"):  # every CPU block from glibc's malloc (slipstream/ops/large_blocks.py off)
             os.environ["SLIPSTREAM_LARGE_BLOCKS"] = "0"
             stage = stage.removesuffix("+glibc")
+        if stage.endswith("+blocks"):  # large CPU blocks on mappings of their own (opt-in, ops/large_blocks.py)
+            os.environ["SLIPSTREAM_LARGE_BLOCKS"] = str(4 << 20)
+            stage = stage.removesuffix("+blocks")
         offloaded = "+" in stage.removesuffix(
             "+reuse"
         )  # bench_offload's JSON: the optimizer comes from the config (CPU Adam offloaded)
@@ -230,7 +234,7 @@ def main() -> None:
         median = statistics.median(times)
         rss = "/".join(f"{r:.0f}" for r in results[kind]["rss"])
         peer = kind.replace("slipstream", "deepspeed")
-        peer = peer.removesuffix("+sockets").removesuffix("+glibc")  # DeepSpeed has no such switches
+        peer = peer.removesuffix("+sockets").removesuffix("+glibc").removesuffix("+blocks")  # DeepSpeed has none
         if peer not in results:  # DeepSpeed's stage 3 defaults to the 1e9 reuse distance: its 3 is our 3+reuse
             peer = peer.removesuffix("+reuse")
         vs_ds = ""

@@ -23,8 +23,14 @@ MiB per rank against 1,190 on glibc and DDP's 1,386 (1.26 of the formula's savin
 that run and 0.56-0.74 in others), at 0.93x DDP's step (1.06x on glibc); stage 0 at 1,229 against
 1,321, 1.02x (1.01x). It is installed only where the kernel offers transparent huge pages
 (``always`` or ``madvise``): without them every new block would fault in 4 KiB pages.
-``SLIPSTREAM_LARGE_BLOCKS`` sets the threshold in bytes (default 4 MiB; ``0`` keeps glibc for
-everything). Only over glibc's ``malloc`` and torch's default CPU allocator (see
+``SLIPSTREAM_LARGE_BLOCKS`` sets the threshold in bytes (4194304, ``DEFAULT_THRESHOLD``, is the
+measured point; unset or ``0`` keeps glibc for everything).
+
+[Note: opt-in, for now] It is off unless ``SLIPSTREAM_LARGE_BLOCKS`` is set. With it on by
+default, the fresh-clone suite failed the NVMe offload capacity test (peak RSS growth 384 MB
+against its 320 MiB cap: the cache held freed swap buffers, and a block's last huge page is
+resident whole), and a long-context run with tiled logits peaked 200 MB above the uncached
+version. Until the cache's policy holds both, glibc stays the default. Only over glibc's ``malloc`` and torch's default CPU allocator (see
 :func:`glibc_malloc`). Tensors made before it was installed keep their own deleter, so installing
 and uninstalling are safe at any time.
 """
@@ -61,10 +67,11 @@ def thp_available(setting: Path = _THP_SETTING) -> bool:
 
 
 def configured_threshold() -> int:
-    """``SLIPSTREAM_LARGE_BLOCKS`` in bytes (0: off), else the default; a value that is not an integer is an error."""
+    """``SLIPSTREAM_LARGE_BLOCKS`` in bytes; unset or 0: off (see [Note: opt-in, for now]); a value that is not an
+    integer is an error."""
     raw = os.environ.get("SLIPSTREAM_LARGE_BLOCKS")
     if raw is None or not raw.strip():
-        return DEFAULT_THRESHOLD
+        return 0
     try:
         value = int(raw)
     except ValueError:

@@ -12,8 +12,8 @@ from slipstream.ops import large_blocks
 MIB = 2**20
 
 pytestmark = pytest.mark.skipif(
-    not large_blocks.thp_available() or large_blocks.configured_threshold() == 0,
-    reason="the kernel offers no transparent huge pages (or SLIPSTREAM_LARGE_BLOCKS=0): nothing is installed",
+    not large_blocks.thp_available() or not large_blocks.glibc_malloc(),
+    reason="the kernel offers no transparent huge pages, or malloc is not glibc's: nothing is installed",
 )
 
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(
 def installed() -> None:
     assert large_blocks.install(4 * MIB), "the op did not build or load"
     yield
-    large_blocks.install()  # as the engine leaves it (the default threshold)
+    large_blocks.trim(everything=True)
+    large_blocks.uninstall()  # as the engine leaves it by default (off: [Note: opt-in, for now])
 
 
 def test_a_large_block_is_mapped_aligned_cached_when_freed_and_unmapped_by_trim(installed: None) -> None:
@@ -103,10 +104,13 @@ def test_reinstalling_is_idempotent_and_a_new_threshold_applies() -> None:
     seven = torch.empty(7 * MIB, dtype=torch.uint8)
     assert served() == before + 1
     del six, seven
-    large_blocks.install()
+    large_blocks.trim(everything=True)
+    large_blocks.uninstall()
 
 
 def test_the_environment_variable_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLIPSTREAM_LARGE_BLOCKS", raising=False)
+    assert large_blocks.configured_threshold() == 0, "off unless asked for ([Note: opt-in, for now])"
     monkeypatch.setenv("SLIPSTREAM_LARGE_BLOCKS", "0")
     assert large_blocks.configured_threshold() == 0 and large_blocks.install() is False
     monkeypatch.setenv("SLIPSTREAM_LARGE_BLOCKS", str(16 * MIB))
