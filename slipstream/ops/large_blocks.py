@@ -30,9 +30,11 @@ measured point; unset or ``0`` keeps glibc for everything).
 default, the fresh-clone suite failed the NVMe offload capacity test (peak RSS growth 384 MB
 against its 320 MiB cap: the cache held freed swap buffers, and a block's last huge page is
 resident whole), and a long-context run with tiled logits peaked 200 MB above the uncached
-version. Until the cache's policy holds both, glibc stays the default. Only over glibc's ``malloc`` and torch's default CPU allocator (see
-:func:`glibc_malloc`). Tensors made before it was installed keep their own deleter, so installing
-and uninstalling are safe at any time.
+version. Until the cache's policy holds both, glibc stays the default.
+
+Only over glibc's ``malloc`` and torch's default CPU allocator (see :func:`glibc_malloc`). Tensors
+made before it was installed keep their own deleter, so installing and uninstalling are safe at
+any time.
 """
 
 from __future__ import annotations
@@ -123,22 +125,27 @@ def installed_mib() -> float:
     return _installed_threshold / 2**20 if installed() else 0.0
 
 
+def _loaded() -> Any:
+    """The op if this process already loaded it (never builds it: asking about it must not compile anything)."""
+    return builder.load(LARGE_BLOCKS) if builder.loaded_status(LARGE_BLOCKS) is not None else None
+
+
 def uninstall() -> None:
     """Put the replaced allocator back; blocks already mapped stay valid and are unmapped when freed."""
-    module = builder.load(LARGE_BLOCKS) if builder.loaded_status(LARGE_BLOCKS) is not None else None
+    module = _loaded()
     if module is not None:
         module.uninstall()
 
 
 def installed() -> bool:
-    module = builder.load(LARGE_BLOCKS) if builder.loaded_status(LARGE_BLOCKS) is not None else None
+    module = _loaded()
     return bool(module is not None and module.installed())
 
 
 def stats() -> dict[str, int]:
     """``mapped_bytes`` (live large blocks), ``cached_bytes`` (freed, kept for reuse until :func:`trim`), ``maps``
     (mapped so far), ``reused`` (allocations served from the cache), ``live_blocks``; zeros when never loaded."""
-    module = builder.load(LARGE_BLOCKS) if builder.loaded_status(LARGE_BLOCKS) is not None else None
+    module = _loaded()
     if module is None:
         return {"mapped_bytes": 0, "cached_bytes": 0, "maps": 0, "reused": 0, "live_blocks": 0}
     return dict(module.stats())
