@@ -53,7 +53,7 @@ from slipstream.checkpointing import outermost_of_classes, without_caches
 from slipstream.engine.config import ConfigError, MeshSizes, SlipstreamConfig
 from slipstream.engine.config.sections import CompileConfig
 from slipstream.engine.parallel.anatomy import find_blocks
-from slipstream.engine.parallel.tiling.tiles import replace_forward
+from slipstream.engine.parallel.tiling.tiles import replace_forward, replace_loss
 from slipstream.utils.logging import get_logger, log_rank0
 
 logger = get_logger(__name__)
@@ -182,17 +182,8 @@ class CompiledBlocks:
         loss = getattr(model, "loss_function", None)
         if not callable(loss) or isinstance(loss, torch.nn.Module):
             return
-        # transformers keeps a set loss_function in ``_loss_function`` (behind a property); a plain module in the attribute
-        own = {k: model.__dict__[k] for k in ("loss_function", "_loss_function") if k in model.__dict__}
-        model.loss_function = functools.wraps(loss)(self._counted("loss", self._torch_compile(loss)))
+        self._undo.append(replace_loss(model, functools.wraps(loss)(self._counted("loss", self._torch_compile(loss)))))
         self.loss_compiled = True
-
-        def undo() -> None:
-            for key in ("loss_function", "_loss_function"):
-                model.__dict__.pop(key, None)
-            model.__dict__.update(own)
-
-        self._undo.append(undo)
 
     def _counted(self, name: str, compiled: Callable[..., Any]) -> Callable[..., Any]:
         """``compiled`` with what dynamo made and broke during each call recorded under ``name``."""

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from slipstream.engine.parallel.tiling.tiles import call_with, replace_forward, tiled
+from slipstream.engine.parallel.tiling.tiles import call_with, replace_forward, replace_loss, tiled
 from slipstream.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -205,10 +205,8 @@ class TiledLogits:
         self.tiled_losses = 0  # losses computed over tiles so far (the logits never whole): what tests and logs read
         self._head_forward = head.forward  # its own (or an instance-level one someone set before us)
         self._restore_head = replace_forward(head, self._deferring_forward)
-        # transformers keeps a set loss_function in ``_loss_function`` (a property); a plain module in the attribute
-        self._own_loss = {k: model.__dict__[k] for k in ("loss_function", "_loss_function") if k in model.__dict__}
         loss = model.loss_function
-        model.loss_function = functools.partial(self._loss, loss, inspect.signature(loss))
+        self._restore_loss = replace_loss(model, functools.partial(self._loss, loss, inspect.signature(loss)))
         try:
             names = list(inspect.signature(model.forward).parameters)
         except (TypeError, ValueError):
@@ -309,6 +307,4 @@ class TiledLogits:
         for hook in self._hooks:
             hook.remove()
         self._restore_head()
-        for key in ("loss_function", "_loss_function"):
-            self.model.__dict__.pop(key, None)
-        self.model.__dict__.update(self._own_loss)
+        self._restore_loss()

@@ -46,6 +46,22 @@ def replace_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> Cal
     return undo
 
 
+def replace_loss(model: torch.nn.Module, loss: Callable[..., Any]) -> Callable[[], None]:
+    """Set ``model.loss_function``; returns the undo, which puts back what the instance held before.
+
+    transformers keeps a set ``loss_function`` in ``_loss_function`` (behind a property); a plain module holds it in
+    the attribute itself: the undo restores whichever the instance had, and drops what this call set."""
+    own = {k: model.__dict__[k] for k in ("loss_function", "_loss_function") if k in model.__dict__}
+    model.loss_function = loss
+
+    def undo() -> None:
+        for key in ("loss_function", "_loss_function"):
+            model.__dict__.pop(key, None)
+        model.__dict__.update(own)
+
+    return undo
+
+
 def call_with(
     module: torch.nn.Module,
     forward: Callable[..., Any],
