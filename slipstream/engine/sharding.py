@@ -21,9 +21,11 @@ from slipstream.engine.optimizers import build_optimizer
 from slipstream.engine.options import EngineOptions
 from slipstream.engine.parallel.mesh import DENSE, Mesh, partition
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
-from slipstream.engine.zero.init import take_preshard
+from slipstream.engine.zero.init import is_presharded, take_preshard
 from slipstream.engine.zero.partitioned import PartitionedStrategy
+from slipstream.engine.zero.single_rank import SingleRankStrategy
 from slipstream.engine.zero.stage3.strategy import Hierarchy, Stage3Options, Stage3Strategy
+from slipstream.engine.zero.stage3.units import find_units
 from slipstream.engine.zero.strategy import ParamGroupSpec, ShardingStrategy
 from slipstream.utils.logging import get_logger, log_rank0
 
@@ -56,7 +58,9 @@ def shard(
     # None is the default group: a dense group spanning the world is exactly that (no second group).
     sharding = dataclasses.replace(options.sharding, group=None if mesh.spans_world(*DENSE) else mesh.dense_group)
     strategy: ShardingStrategy
-    if options.stage == 0:
+    if _single_rank(model, options, mesh):  # [Note: a world of one shards nothing]
+        strategy = SingleRankStrategy(model, groups, sharding, optimizer, options.stage)
+    elif options.stage == 0:
         strategy = DataParallelStrategy(model, groups, sharding, optimizer)
     elif options.stage3 is not None:
         strategy = Stage3Strategy(
@@ -72,6 +76,26 @@ def shard(
         strategy = PartitionedStrategy(model, groups, sharding, optimizer, stage=options.stage)
     _attached[model] = weakref.ref(strategy)
     return strategy
+
+
+def _single_rank(model: torch.nn.Module, options: EngineOptions, mesh: Mesh) -> bool:
+    """Whether this stage runs as the plain step of one process (zero/single_rank.py): a world of one, nothing
+    offloaded, no zero.Init shards to start from, and not ``zero_optimization.partition_single_rank``. The stage's
+    own config mistakes are refused here as at any world size, so a config that runs on one process runs on many."""
+    if dist.get_world_size() != 1 or options.sharding.offload is not None or is_presharded(model):
+        return False
+    if options.config.zero_optimization.partition_single_rank:
+        return False
+    if options.stage3 is not None:
+        find_units(model, options.stage3.unit_classes, options.stage3.persistence_threshold)
+        hierarchy(options.stage3, mesh)
+    if options.stage > 0:
+        log_rank0(
+            logger,
+            f"ZeRO stage {options.stage} on one process: nothing to partition, so it runs as the plain step with the "
+            "same memory (zero_optimization.partition_single_rank: true keeps the stage's partitioning)",
+        )
+    return True
 
 
 def hierarchy(stage3: Stage3Options, mesh: Mesh) -> Hierarchy | None:

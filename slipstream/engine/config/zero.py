@@ -105,6 +105,11 @@ class ZeroConfig(Section):
         validation_alias=_stage3("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"),
     )
     stage3_unit_modules: list[str] | None = None
+    partition_single_rank: bool = Field(
+        False,
+        description="on one process (world size 1, nothing offloaded) every stage runs as the plain step, which holds "
+        "the same memory; true keeps the stage's own partitioning there",
+    )
     stage3_module_granularity_threshold: int = Field(0, ge=0, validation_alias=_stage3("module_granularity_threshold"))
     use_all_reduce_for_fetch_params: bool = Field(
         False,

@@ -90,7 +90,8 @@ class DirectRunner:
         self.strategy.begin_backward(boundary)
         with self.monitor.timers("backward"):
             try:
-                (loss.float() * (loss_scale / accumulation)).backward(retain_graph=retain_graph)
+                scale = loss_scale / accumulation  # a product with 1.0 is the loss itself: no node for it
+                (loss.float() if scale == 1.0 else loss.float() * scale).backward(retain_graph=retain_graph)
             finally:
                 if self.sharder is not None and not retain_graph:
                     self.sharder.deactivate()
