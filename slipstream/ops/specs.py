@@ -40,3 +40,9 @@ ALL_OPS["aio"] = AIO
 LARGE_BLOCKS = OpSpec(name="slipstream_large_blocks", sources=("alloc/large_blocks.cpp",))
 
 ALL_OPS["large_blocks"] = LARGE_BLOCKS
+
+# Gradient arrivals counted in C++ post hooks on the parameters' gradient accumulators: no Python per parameter
+# tensor per step (engine/zero/arrivals.py).
+GRAD_ARRIVALS = OpSpec(name="slipstream_grad_arrivals", sources=("hooks/grad_arrivals.cpp",))
+
+ALL_OPS["grad_arrivals"] = GRAD_ARRIVALS

@@ -74,7 +74,8 @@ def _engine_run(config: dict) -> tuple[list[float], dict[str, torch.Tensor], tup
         engine.step()
         losses.append(loss.item())
     weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    strategy = type(engine.strategy), len(engine.strategy.hooks)
+    solo = isinstance(engine.strategy, SingleRankStrategy)
+    strategy = type(engine.strategy), engine.strategy.arrivals.hooks() if solo else -1
     engine.close()
     return losses, weights, strategy
 

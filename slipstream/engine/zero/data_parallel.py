@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.comm.context import CommContext
+from slipstream.engine.zero.arrivals import ADD_AND_FREE, ADOPT, attach
 from slipstream.engine.zero.grad_buckets import BucketedAllReduce
 from slipstream.engine.zero.params import (
     TrainableParams,
-    adopt_grad,
     bind_optimizer,
     install_slice_state,
     optimizer_state_bytes,
@@ -80,27 +80,39 @@ class DataParallelStrategy(ShardingStrategy):
         self.used = UsedFlags(len(self.trainable), self.reducer.buffer.device)  # [Note: flags on the host]
         self.reducer.fill_tail = self.used.write
         self.spread = model_spread(list(module.parameters()), self.group)
-        self.sync = False
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
+        # [Note: arrivals in C++] (arrivals.py): fp32 gradients stay views of the buffer, bf16/fp16 ones are added
+        # into it and freed; every arrival marks its flag and counts its bucket down to the launch.
+        launcher = self.reducer.launcher
+        self.arrivals = attach(
+            self.trainable,
+            range(len(self.trainable)),
+            self.reducer.views,
+            ADD_AND_FREE if self.low_precision else ADOPT,
+            [launcher.bucket_of[i] for i in range(len(self.trainable))],
+            len(launcher.members),
+            self.used.local,
+            launcher.complete,
+            launcher.twice,
+        )
+        self.arrivals.launch = options.overlap_comm
+        self.hooks = [self.arrivals]
         self.zero_grad()
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self, sync: bool) -> None:
-        self.sync = sync
+        self.arrivals.sync = sync
+
+    @property  # type: ignore[override]
+    def aside(self) -> bool:
+        return self.arrivals.aside
+
+    @aside.setter
+    def aside(self, value: bool) -> None:
+        self.arrivals.aside = value
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self.aside:
-            return  # set_aside: the gradient is the check's, not the step's
-        i = self.index[id(param)]
-        view = self.reducer.views[i]
-        if self.low_precision:
-            view.add_(param.grad)
-            param.grad = None
-        else:
-            adopt_grad(param, view)
-        self.used.local[i] = 1  # UsedFlags.mark, inlined: a byte per hook
-        if self.sync:
-            self.reducer.mark_ready(i, launch=self.options.overlap_comm)
+        """A gradient that reached ``.grad`` without autograd's accumulator (adopt_gradients)."""
+        self.arrivals.arrive(self.index[id(param)])
 
     def finish_gradients(self) -> None:
         self.reducer.finish()
@@ -114,7 +126,7 @@ class DataParallelStrategy(ShardingStrategy):
             used = self.used.reduce(list(members.values()) or [(self.group, [])])
         for master, view, got in zip(self.masters, self.reducer.views, used):
             master.grad = view if got else None
-        self.sync = False
+        self.arrivals.sync = False
 
     # ------------------------------------------------------------------ step
     def global_grad_norm(self) -> torch.Tensor:
@@ -144,6 +156,7 @@ class DataParallelStrategy(ShardingStrategy):
     def zero_grad(self) -> None:
         self.reducer.buffer.zero_()
         self.reducer.reset()
+        self.arrivals.reset()
         self.used.reset()
         if not self.low_precision:
             for p, view in zip(self.trainable, self.reducer.views):

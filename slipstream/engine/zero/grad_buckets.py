@@ -95,7 +95,6 @@ class BucketedAllReduce:
             current.end = offset + n
             offset += n
         self.launcher = OrderedLauncher([b.members for b in self.buckets], self._launch)
-        self.mark_ready = self.launcher.mark_ready  # (index, launch): gradient ``index`` is final; one frame per hook
 
     def reset(self) -> None:
         """Start a new reduction window (does not zero the buffer)."""

@@ -18,9 +18,9 @@ import torch
 
 from slipstream import comm
 from slipstream.comm.context import Pending
+from slipstream.engine.zero.arrivals import ADOPT, COUNT
 from slipstream.engine.zero.flat_layout import FlatLayout, LayoutBucket
 from slipstream.engine.zero.offload.chunks import Chunks
-from slipstream.engine.zero.params import adopt_grad
 
 
 @dataclasses.dataclass
@@ -37,9 +37,11 @@ class GradientStorage(abc.ABC):
     ) -> None:
         self.layout, self.params, self.dtype, self.device = layout, params, dtype, device
 
-    @abc.abstractmethod
-    def on_grad(self, i: int, param: torch.Tensor, sync: bool) -> None:
-        """Parameter ``i``'s gradient was accumulated; ``sync``: this micro-step completes the window."""
+    arrival = COUNT  # what a gradient's arrival does to it (arrivals.py): left where autograd put it
+
+    def arrival_views(self, indices: list[int]) -> list[torch.Tensor]:
+        """Where the gradients of parameters ``indices`` are kept (for ``arrival = ADOPT``)."""
+        return []
 
     @abc.abstractmethod
     def send(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -75,8 +77,10 @@ class FullGradients(GradientStorage):
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
         self.views = {i: layout.param_view(self.flat, i, params[i].shape) for b in layout.buckets for i in b.members}
 
-    def on_grad(self, i: int, param: torch.Tensor, sync: bool) -> None:
-        adopt_grad(param, self.views[i])
+    arrival = ADOPT  # .grad is a view into the flat buffer: autograd accumulates in place
+
+    def arrival_views(self, indices: list[int]) -> list[torch.Tensor]:
+        return [self.views[i] for i in indices]
 
     def send(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.layout.bucket_view(self.flat, bucket), None
@@ -110,9 +114,6 @@ class ShardedGradients(GradientStorage):
         self.pool = SendBuffers(largest, dtype, device, count=buffers)
         self.views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (pooled buffer, bucket) -> its members' places
         self.inflight = inflight
-
-    def on_grad(self, i: int, param: torch.Tensor, sync: bool) -> None:
-        """Nothing per gradient: the bucket packs its members in one go when it launches ([Note: packed at launch])."""
 
     def send(self, bucket: LayoutBucket) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The bucket's send buffer with every gradient its members hold, which are then freed.

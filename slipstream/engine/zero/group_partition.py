@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.comm.context import CommContext
+from slipstream.engine.zero.arrivals import Arrivals, attach
 from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.grad_storage import GradientStorage, InFlight
@@ -76,10 +77,22 @@ class GroupPartition:
         return [self.base + b.shard_offset for b in self.layout.buckets]
 
     # ------------------------------------------------------------------ gradients
-    def on_grad(self, i: int, param: torch.Tensor, sync: bool) -> None:
-        self.grads.on_grad(i, param, sync)
-        if sync:
-            self.launcher.mark_ready(i, launch=self.options.overlap_comm)
+    def attach(self, trainable: list[torch.nn.Parameter], used: bytearray) -> Arrivals:
+        """Hooks on this partition's parameters: each arrival marks ``used``, keeps the gradient where the storage
+        wants it, and counts its bucket down to the launch ([Note: arrivals in C++] in arrivals.py)."""
+        self.arrivals = attach(
+            [trainable[i] for i in self.indices],
+            self.indices,
+            self.grads.arrival_views(self.indices),
+            self.grads.arrival,
+            [self.launcher.bucket_of[i] for i in self.indices],
+            len(self.layout.buckets),
+            used,
+            self.launcher.complete,
+            self.launcher.twice,
+        )
+        self.arrivals.launch = self.options.overlap_comm
+        return self.arrivals
 
     def _launch(self, index: int, waited: bool = False) -> None:
         bucket = self.layout.buckets[index]
@@ -115,6 +128,7 @@ class GroupPartition:
     def zero_grad(self) -> None:
         self.grads.zero()
         self.launcher.reset()
+        self.arrivals.reset()
 
     # ------------------------------------------------------------------ weights
     def write_own(self, flat: torch.Tensor, values: Callable[[int, int], torch.Tensor]) -> None:

@@ -41,16 +41,26 @@ class OrderedLauncher:
     def mark_ready(self, index: int, launch: bool = True) -> None:
         """Gradient ``index`` is final for this window; launch every bucket that can go."""
         if index in self.ready:
-            raise UsageError(
-                f"gradient of parameter #{index} arrived twice in the micro-step that completes an accumulation "
-                "window: run one backward pass per micro-step (add the losses and call engine.backward once), "
-                "and use non-reentrant activation checkpointing"
-            )
+            self.twice(index)
         self.ready.add(index)
         bucket = self.bucket_of[index]
         self.pending[bucket] -= 1
-        if launch and bucket == self.next and not self.pending[bucket]:  # only the next bucket can open the way
+        if launch and not self.pending[bucket]:
+            self.complete(bucket)
+
+    def complete(self, bucket: int) -> None:
+        """Every gradient of ``bucket`` is final for this window (counted by the caller: ``arrivals.py``)."""
+        self.pending[bucket] = 0
+        if bucket == self.next:  # only the next bucket can open the way
             self._advance(force=False)
+
+    @staticmethod
+    def twice(index: int) -> None:
+        raise UsageError(
+            f"gradient of parameter #{index} arrived twice in the micro-step that completes an accumulation "
+            "window: run one backward pass per micro-step (add the losses and call engine.backward once), "
+            "and use non-reentrant activation checkpointing"
+        )
 
     def flush(self) -> None:
         self._advance(force=True)

@@ -111,18 +111,6 @@ def bind_optimizer(
     )
 
 
-def adopt_grad(param: torch.Tensor, view: torch.Tensor) -> None:
-    """Make ``param.grad`` the strategy's buffer view again, keeping whatever gradient it holds.
-
-    Autograd accumulates in place into an existing ``.grad``; after a user's
-    ``zero_grad(set_to_none=True)`` it allocates a fresh one, which is copied back here.
-    """
-    if param.grad is not view:
-        if param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-        param.grad = view
-
-
 def slice_state(optimizer: torch.optim.Optimizer, optimizer_param: torch.Tensor | None) -> dict[str, Any] | None:
     """The optimizer's state of one checkpoint slice (``optimizer.state[optimizer_param]``); None when frozen or unstepped."""
     if optimizer_param is None:

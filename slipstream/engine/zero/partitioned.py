@@ -99,8 +99,7 @@ class PartitionedStrategy(MastersStrategy):
         self.masters = build_masters(spec, options.offload, optimizer, groups, self.index)
         self.optimizer = self.masters.optimizer
         self.used = UsedFlags(len(self.trainable), device)  # [Note: flags on the host]
-        self.sync = False
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
+        self.hooks = [part.attach(self.trainable, self.used.local) for part in self.parts]
         logger.debug(
             "ZeRO stage %d: %d sharding group(s), %d buckets, %d elements owned by this rank",
             stage,
@@ -117,23 +116,31 @@ class PartitionedStrategy(MastersStrategy):
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self, sync: bool) -> None:
-        self.sync = sync
+        for part in self.parts:
+            part.arrivals.sync = sync
+
+    @property  # type: ignore[override]
+    def aside(self) -> bool:
+        return any(part.arrivals.aside for part in self.parts)
+
+    @aside.setter
+    def aside(self, value: bool) -> None:
+        for part in self.parts:
+            part.arrivals.aside = value
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self.aside:
-            return  # set_aside: the gradient is the check's, not the step's
+        """A gradient that reached ``.grad`` without autograd's accumulator (adopt_gradients)."""
         i = self.index[id(param)]
         part = self.part_of.get(i)
-        if part is None:
-            return  # in no optimizer group: never updated
-        self.used.local[i] = 1  # UsedFlags.mark, inlined: a byte per hook
-        part.on_grad(i, param, self.sync)
+        if part is not None:  # else in no optimizer group: never updated
+            part.arrivals.arrive(part.indices.index(i))
 
     def finish_gradients(self) -> None:
         for part in self.parts:
             part.finish()
         self._gradients_final([(part.group, part.indices) for part in self.parts])
-        self.sync = False
+        for part in self.parts:
+            part.arrivals.sync = False
 
     # ------------------------------------------------------------------ step
     def _ranges(self) -> list[tuple[dist.ProcessGroup | None, int, int]]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from slipstream.engine.zero.arrivals import ADD_AND_FREE, attach
 from slipstream.engine.zero.data_parallel import DataParallelStrategy
 from slipstream.engine.zero.params import TrainableParams, bind_optimizer, optimizer_state_bytes, single_dtype
 from slipstream.engine.zero.stage3.gathered import MasterCopies
@@ -59,32 +60,30 @@ class SingleRankStrategy(DataParallelStrategy):
         self.low_precision = any(p.dtype != torch.float32 for p in self.trainable)
         self.group_of: dict[int, dist.ProcessGroup | None] = {}
         self.spread = False
-        self.sync = False
-        self.hooks = []
         self.gathered: MasterCopies | None = None
+        self.used = bytearray(len(self.trainable))
         if self.low_precision:
             device = self.trainable[0].device
             self.grad_buffer = torch.zeros(sum(p.numel() for p in self.trainable), device=device)
             self.views = _views(self.grad_buffer, self.trainable)
             self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.trainable]
-            self.used = bytearray(len(self.trainable))
-            self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.trainable]
             # GatheredParameters(modifier_rank=...) changes the low-precision weights: the masters take them
             self.gathered = MasterCopies(self.trainable, self._masters_from_params)
             self.gathered.register()
         else:
-            self.masters = self.trainable
+            self.views, self.masters = [], self.trainable
+        # bf16/fp16: each gradient is added into fp32 and freed as it arrives; fp32: nothing to hook (no buckets)
+        hooked = self.trainable if self.low_precision else []
+        self.arrivals = attach(
+            hooked, range(len(hooked)), self.views, ADD_AND_FREE, [-1] * len(hooked), 0, self.used, _never, _never
+        )
+        self.hooks = [self.arrivals]
         self.optimizer = bind_optimizer(optimizer, groups, self.index, lambda i: [self.masters[i]])
         self.zero_grad()
 
     # ------------------------------------------------------------------ backward
-    def _on_grad(self, param: torch.Tensor) -> None:
-        if self.aside:
-            return  # set_aside: the gradient is the check's, not the step's
-        i = self.index[id(param)]
-        self.views[i].add_(param.grad)
-        param.grad = None
-        self.used[i] = 1
+    def begin_backward(self, sync: bool) -> None:
+        """Nothing to launch: a gradient may arrive any number of times, as in plain PyTorch."""
 
     def adopt_gradients(self) -> None:
         if self.low_precision:  # fp32 gradients already are where the step reads them
@@ -139,6 +138,10 @@ class SingleRankStrategy(DataParallelStrategy):
         super().close()
         if self.gathered is not None:
             self.gathered.unregister()
+
+
+def _never(_: int) -> None:
+    raise AssertionError("single rank: no bucket to launch, no window to check")
 
 
 def _views(buffer: torch.Tensor, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

@@ -124,7 +124,7 @@ class UnitReducer:
         # a copy dispatched per parameter tensor, ~5 µs each: a tenth of a step of a model of a thousand small
         # tensors. The layout puts a unit's parameters end to end from its start (``FlatLayout._close``), so where
         # every gradient is there one ``torch.cat`` into the buffer's front writes them all.
-        if grads and all(g is not None and g.dtype == send.dtype for g in grads):
+        if grads and not [g for g in grads if g is None or g.dtype != send.dtype]:  # a list: no frame per tensor
             torch.cat([g.reshape(-1) for g in grads], out=send[:end])
         else:
             for (_, begin, stop), grad in zip(ranges, grads):
@@ -138,7 +138,7 @@ class UnitReducer:
             arrived = grad is not None and (start is None or grad is not start[0] or grad._version != start[1])
             p.grad = None
             if arrived and id(p) in self.index:
-                self.used.mark(self.index[id(p)])
+                self.used.local[self.index[id(p)]] = 1  # UsedFlags.mark, inlined: a byte, not a call per tensor
         send[end:].zero_()  # the padding (and a pooled buffer's old values)
         pre_scale, _ = self._scales(unit)
         if pre_scale != 1.0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -248,10 +249,15 @@ class Stage3Strategy(MastersStrategy):
 
     def finish_gradients(self) -> None:
         self.reducer.finish(self.units)
+        self._gradients_final(self._flag_groups)
+
+    @functools.cached_property
+    def _flag_groups(self) -> list[tuple[dist.ProcessGroup | None, list[int]]]:
+        """Each lane group's data group and the trainable indices its units hold (fixed: made once)."""
         flags = {id(g.lanes): (g.lanes.data, []) for g in self.groups}  # MiCS: replicas saw other data
         for unit in self.units:
             flags[id(unit.lanes)][1].extend(self.index[id(p)] for p in unit.params if id(p) in self.index)
-        self._gradients_final(list(flags.values()))
+        return list(flags.values())
 
     # ------------------------------------------------------------------ step
     def _ranges(self) -> list[tuple[dist.ProcessGroup | None, int, int]]:

@@ -297,6 +297,7 @@ class ParamUnit:
         self.secondary: torch.Tensor | None = None
         self.weight_bits = 0  # qwZ: gathers from the primary shards travel as INT8 (set by the strategy)
         self.secondary_current = False  # holds the weights the primary shards hold now
+        self._ranges: list[tuple[torch.nn.Parameter, int, int]] | None = None
         self.adopt()
         self.reshard()  # ``full`` holds nothing yet: the secondary copy starts after this
         if lanes.secondary is not None and spec.kind != "persistent":  # [Note: hpZ's secondary partition]
@@ -317,8 +318,11 @@ class ParamUnit:
         return begin, begin + slot.numel
 
     def ranges(self) -> list[tuple[torch.nn.Parameter, int, int]]:
-        """Each parameter with its ``[begin, end)`` inside the gathered buffer."""
-        return [(p, *self.param_range(i)) for p, i in zip(self.spec.params, self.bucket.members)]
+        """Each parameter with its ``[begin, end)`` inside the gathered buffer (fixed at set-up: made once, read every
+        backward)."""
+        if self._ranges is None:
+            self._ranges = [(p, *self.param_range(i)) for p, i in zip(self.spec.params, self.bucket.members)]
+        return self._ranges
 
     def adopt(self) -> None:
         """Make the parameters views into ``full`` (once, at set-up, before any graph exists)."""
