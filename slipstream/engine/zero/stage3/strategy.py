@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -35,8 +34,8 @@ from slipstream.engine.zero.stage3.gathered import PartitionedUnits
 from slipstream.engine.zero.stage3.hooks import UnitHooks
 from slipstream.engine.zero.stage3.reducer import UnitReducer
 from slipstream.engine.zero.stage3.schedule import GatherSchedule
-from slipstream.engine.zero.stage3.sharding import shard_units, split_units
-from slipstream.engine.zero.stage3.unit import GroupLanes, UnitState
+from slipstream.engine.zero.stage3.sharding import GroupLayout, shard_units, split_units
+from slipstream.engine.zero.stage3.unit import GroupLanes, ParamUnit, UnitState
 from slipstream.engine.zero.stage3.units import find_units
 from slipstream.engine.zero.strategy import OptimizerFactory, ParamGroupSpec, ShardingOptions
 from slipstream.engine.zero.used_flags import UsedFlags
@@ -171,6 +170,7 @@ class Stage3Strategy(MastersStrategy):
         self.optimizer = self.masters.optimizer
         store.drop_initial()
         self.used = UsedFlags(len(self.trainable), device)  # [Note: flags on the host]
+        self.flag_groups = _flag_groups(self.groups, self.units, self.index)
         reduce_order = [*reversed(self.blocks), *self.roots, *self.persistent]
         self.reducer = UnitReducer(
             self.units,
@@ -249,15 +249,7 @@ class Stage3Strategy(MastersStrategy):
 
     def finish_gradients(self) -> None:
         self.reducer.finish(self.units)
-        self._gradients_final(self._flag_groups)
-
-    @functools.cached_property
-    def _flag_groups(self) -> list[tuple[dist.ProcessGroup | None, list[int]]]:
-        """Each lane group's data group and the trainable indices its units hold (fixed: made once)."""
-        flags = {id(g.lanes): (g.lanes.data, []) for g in self.groups}  # MiCS: replicas saw other data
-        for unit in self.units:
-            flags[id(unit.lanes)][1].extend(self.index[id(p)] for p in unit.params if id(p) in self.index)
-        return list(flags.values())
+        self._gradients_final(self.flag_groups)
 
     # ------------------------------------------------------------------ step
     def _ranges(self) -> list[tuple[dist.ProcessGroup | None, int, int]]:
@@ -351,3 +343,14 @@ class Stage3Strategy(MastersStrategy):
             unit.detach()
         super().close()
         self.param_store.close()
+
+
+def _flag_groups(
+    groups: list[GroupLayout], units: list[ParamUnit], index: dict[int, int]
+) -> list[tuple[dist.ProcessGroup | None, list[int]]]:
+    """Each lane group's data group and the trainable indices its units hold: the used flags' reduction (fixed at
+    set-up, so made once rather than per step)."""
+    flags = {id(g.lanes): (g.lanes.data, []) for g in groups}  # MiCS: replicas saw other data
+    for unit in units:
+        flags[id(unit.lanes)][1].extend(index[id(p)] for p in unit.params if id(p) in index)
+    return list(flags.values())
