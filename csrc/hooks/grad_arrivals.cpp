@@ -78,7 +78,9 @@ class GradArrivals {
     }
   }
 
-  ~GradArrivals() { remove(); }
+  ~GradArrivals() {
+    for (size_t k = 0; k < accumulators_.size(); ++k) accumulators_[k]->del_post_hook(keys_[k]);
+  }
 
   // The gradient of slot k was accumulated (from the hook, or from Python for a gradient that reached
   // .grad without autograd's accumulator: GIL held then).
@@ -115,10 +117,14 @@ class GradArrivals {
     std::fill(ready_.begin(), ready_.end(), 0);
   }
 
+  // Detach, and let go of the callbacks: they lead back to the strategy that holds this object, a cycle that
+  // Python's collector cannot see through C++ (called with the GIL, from Python).
   void remove() {
     for (size_t k = 0; k < accumulators_.size(); ++k) accumulators_[k]->del_post_hook(keys_[k]);
     accumulators_.clear();
     keys_.clear();
+    on_bucket_ = py::function();
+    on_twice_ = py::function();
   }
 
   int64_t hooks() const { return static_cast<int64_t>(accumulators_.size()); }
@@ -130,6 +136,7 @@ class GradArrivals {
  private:
   // A Python callback with the GIL; a Python error goes back through autograd as itself.
   static void call(const py::function& fn, int64_t arg) {
+    if (!fn) return;  // removed
     py::gil_scoped_acquire gil;
     try {
       fn(arg);

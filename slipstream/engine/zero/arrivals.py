@@ -18,6 +18,7 @@ Both take their parameters in *slots* (the order given) and write used flags at 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -57,15 +58,84 @@ def attach(
     used: bytearray,
     on_bucket: Callable[[int], None],
     on_twice: Callable[[int], None],
-) -> Arrivals:
+) -> Hooked:
     """Hooks on ``params``: the compiled op's where it loads ([Note: arrivals in C++]), else Python's.
 
     ``views[k]``: slot k's gradient place (empty with COUNT); ``bucket_of[k]``: its bucket (-1: none);
     ``on_bucket(b)``: bucket b's last gradient arrived; ``on_twice(index)``: a gradient arrived twice in a
     window (raises)."""
-    op = builder.load(GRAD_ARRIVALS) if params else None  # nothing to hook: no build
-    kind = op.GradArrivals if op is not None else PythonArrivals
-    return kind(list(params), list(indices), list(views), mode, list(bucket_of), buckets, used, on_bucket, on_twice)
+    args = (list(params), list(indices), list(views), mode, list(bucket_of), buckets, used, on_bucket, on_twice)
+    return Hooked(args)
+
+
+def _compiled_autograd() -> bool:
+    """Whether a backward now would run under compiled autograd (never imports dynamo: not loaded, not on)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    return bool(
+        sys.modules["torch._dynamo.compiled_autograd"].compiled_autograd_enabled or dynamo.config.compiled_autograd
+    )
+
+
+class Hooked:
+    """One strategy's arrivals: the compiled op's hooks, or :class:`PythonArrivals`.
+
+    [Note: compiled autograd traces Python hooks] Compiled autograd traces every hook of the graph it
+    compiles; a C++ hook it cannot trace fails the backward (``compiled_args nyi``). So before each
+    backward (:meth:`before_backward`) a backward that compiled autograd would run moves these
+    parameters to the Python hooks, once, with the same flags and state: the counting starts fresh at
+    the window's first backward, the used flags live in the strategy's bytearray.
+    """
+
+    def __init__(self, args: tuple) -> None:  # type: ignore[type-arg]
+        self.args = args
+        op = builder.load(GRAD_ARRIVALS) if args[0] and not _compiled_autograd() else None  # nothing to hook: no build
+        self.impl: Arrivals = (op.GradArrivals if op is not None else PythonArrivals)(*args)
+
+    def before_backward(self, sync: bool) -> None:
+        if not isinstance(self.impl, PythonArrivals) and _compiled_autograd():
+            aside, launch = self.impl.aside, self.impl.launch
+            self.impl.remove()
+            self.impl = PythonArrivals(*self.args)
+            self.impl.aside, self.impl.launch = aside, launch
+        self.impl.sync = sync
+
+    @property
+    def sync(self) -> bool:
+        return self.impl.sync
+
+    @sync.setter
+    def sync(self, value: bool) -> None:
+        self.impl.sync = value
+
+    @property
+    def aside(self) -> bool:
+        return self.impl.aside
+
+    @aside.setter
+    def aside(self, value: bool) -> None:
+        self.impl.aside = value
+
+    @property
+    def launch(self) -> bool:
+        return self.impl.launch
+
+    @launch.setter
+    def launch(self, value: bool) -> None:
+        self.impl.launch = value
+
+    def arrive(self, slot: int) -> None:
+        self.impl.arrive(slot)
+
+    def reset(self) -> None:
+        self.impl.reset()
+
+    def remove(self) -> None:
+        self.impl.remove()
+
+    def hooks(self) -> int:
+        return self.impl.hooks()
 
 
 class PythonArrivals:
@@ -129,6 +199,11 @@ class PythonArrivals:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        self.on_bucket = self.on_twice = _removed
 
     def hooks(self) -> int:
         return len(self.handles)
+
+
+def _removed(_: int) -> None:
+    raise AssertionError("gradient arrivals: called after remove()")

@@ -100,7 +100,7 @@ class DataParallelStrategy(ShardingStrategy):
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self, sync: bool) -> None:
-        self.arrivals.sync = sync
+        self.arrivals.before_backward(sync)
 
     @property  # type: ignore[override]
     def aside(self) -> bool:

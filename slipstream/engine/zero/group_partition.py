@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.comm.context import CommContext
-from slipstream.engine.zero.arrivals import Arrivals, attach
+from slipstream.engine.zero.arrivals import Hooked, attach
 from slipstream.engine.zero.flat_layout import FlatLayout
 from slipstream.engine.zero.grad_buckets import reduction_scales
 from slipstream.engine.zero.grad_storage import GradientStorage, InFlight
@@ -77,7 +77,7 @@ class GroupPartition:
         return [self.base + b.shard_offset for b in self.layout.buckets]
 
     # ------------------------------------------------------------------ gradients
-    def attach(self, trainable: list[torch.nn.Parameter], used: bytearray) -> Arrivals:
+    def attach(self, trainable: list[torch.nn.Parameter], used: bytearray) -> Hooked:
         """Hooks on this partition's parameters: each arrival marks ``used``, keeps the gradient where the storage
         wants it, and counts its bucket down to the launch ([Note: arrivals in C++] in arrivals.py)."""
         self.arrivals = attach(

@@ -117,7 +117,7 @@ class PartitionedStrategy(MastersStrategy):
     # ------------------------------------------------------------------ backward
     def begin_backward(self, sync: bool) -> None:
         for part in self.parts:
-            part.arrivals.sync = sync
+            part.arrivals.before_backward(sync)
 
     @property  # type: ignore[override]
     def aside(self) -> bool:

@@ -83,7 +83,8 @@ class SingleRankStrategy(DataParallelStrategy):
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self, sync: bool) -> None:
-        """Nothing to launch: a gradient may arrive any number of times, as in plain PyTorch."""
+        """Nothing to launch: a gradient may arrive any number of times, as in plain PyTorch (never ``sync``)."""
+        self.arrivals.before_backward(False)
 
     def adopt_gradients(self) -> None:
         if self.low_precision:  # fp32 gradients already are where the step reads them
