@@ -47,13 +47,19 @@ def _reference(batches: list[torch.Tensor], pinned: bool = False) -> tuple[list[
 
 
 def _engine_run(
-    stage: int, batches: list[torch.Tensor], rank: int = 0, world: int = 1, offload: bool = False
+    stage: int,
+    batches: list[torch.Tensor],
+    rank: int = 0,
+    world: int = 1,
+    offload: bool = False,
+    partition: bool = False,
 ) -> tuple[list[float], Any]:
+    """``partition``: on one GPU, the stage's own partitioning rather than the plain step (single_rank.py)."""
     import torch.distributed as dist
 
     import slipstream
 
-    zero: dict[str, Any] = {"stage": stage}
+    zero: dict[str, Any] = {"stage": stage, "partition_single_rank": partition}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     micro = batches[0].shape[0] // world
@@ -98,11 +104,12 @@ def test_fused_adam_matches_torch_fused_adamw() -> None:
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("partition", [False, True], ids=["plain-step", "partitioned"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_zero_stages_match_pytorch_on_one_gpu(stage: int) -> None:
+def test_zero_stages_match_pytorch_on_one_gpu(stage: int, partition: bool) -> None:
     batches = global_batches(4, 4)
     ref_losses, ref_state = _reference(batches)
-    losses, state = _in_process(_one_gpu_body, stage, batches)
+    losses, state = _in_process(_one_gpu_body, stage, batches, partition)
     for ours, theirs in zip(losses, ref_losses, strict=True):
         assert abs(ours - theirs) <= 1e-4 * theirs
     for name, value in ref_state.items():
@@ -120,8 +127,10 @@ def _in_process(body: Any, *args: Any) -> Any:
             dist.destroy_process_group()
 
 
-def _one_gpu_body(stage: int, batches: list[torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    losses, engine = _engine_run(stage, batches)
+def _one_gpu_body(
+    stage: int, batches: list[torch.Tensor], partition: bool
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses, engine = _engine_run(stage, batches, partition=partition)
     state = {k: v.cpu() for k, v in engine.consolidated_state_dict().items()}
     engine.close()
     return losses, state

@@ -70,12 +70,10 @@ def attach(
 
 def _compiled_autograd() -> bool:
     """Whether a backward now would run under compiled autograd (never imports dynamo: not loaded, not on)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
+    dynamo, compiled = sys.modules.get("torch._dynamo"), sys.modules.get("torch._dynamo.compiled_autograd")
+    if dynamo is None or compiled is None:
         return False
-    return bool(
-        sys.modules["torch._dynamo.compiled_autograd"].compiled_autograd_enabled or dynamo.config.compiled_autograd
-    )
+    return bool(compiled.compiled_autograd_enabled or dynamo.config.compiled_autograd)
 
 
 class Hooked:
