@@ -128,7 +128,7 @@ def _runner(parallel: Parallelized, strategy: ShardingStrategy, monitor: Trainin
     cast = DTYPES[cfg.precision] if auto_cast else None
     if parallel.pipeline is not None:
         return PipelineRunner(parallel.pipeline, strategy, monitor, cast, parallel.sequence)
-    return DirectRunner(parallel.model, strategy, monitor, parallel.sequence, cast)
+    return DirectRunner(parallel.model, strategy, monitor, parallel.sequence, cast, lambda: parallel.compiled)
 
 
 def _log_ready(options: EngineOptions) -> None:

@@ -133,6 +133,9 @@ class CompileConfig(Section):
     )
     module_classes: list[str] | None = Field(None, description="the classes to compile (default: the repeated blocks)")
     loss: bool = Field(True, description="compile the model's loss_function too (fused cross entropy: less memory)")
+    compiled_autograd: bool = Field(
+        False, description="run each backward under compiled autograd, with the same backend and kwargs"
+    )
     deepcompile: bool = False
     free_activation: bool = False
     free_activation_threshold: int = 10 * 1024 * 1024

@@ -67,9 +67,17 @@ class CompileOptions:
     kwargs: Mapping[str, Any]
     module_classes: tuple[str, ...]
     loss: bool = True  # the model's loss_function too ([Note: the loss is compiled too])
+    compiled_autograd: bool = False  # each backward under compiled autograd (:meth:`CompiledBlocks.backward`)
 
     @classmethod
     def from_config(cls, cfg: SlipstreamConfig, sizes: MeshSizes, model: torch.nn.Module) -> CompileOptions | None:
+        if cfg.compile.compiled_autograd and not cfg.compile.on:
+            raise ConfigError("compile.compiled_autograd: set compile.enabled too (it compiles with that backend)")
+        if cfg.compile.compiled_autograd and sizes.pp > 1:
+            raise ConfigError(
+                "compile.compiled_autograd: not with pipeline parallelism (its schedule runs each stage's backward "
+                "in pieces); turn one of them off"
+            )
         return cls.build(cfg.compile, model, sizes.tp) if cfg.compile.on else None
 
     @classmethod
@@ -110,7 +118,7 @@ class CompileOptions:
                 f"{key}: tensor parallelism with dropout ({dropout}) would give every tp rank's shard the same "
                 "dropout masks in a compiled graph; set the model's dropout to 0, or turn compile off"
             )
-        return cls(backend, dict(kwargs), classes, section.loss)
+        return cls(backend, dict(kwargs), classes, section.loss, section.compiled_autograd)
 
 
 @dataclasses.dataclass
@@ -148,6 +156,17 @@ class CompiledBlocks:
             self._compile(module)
         if loss_owner is not None:
             self._compile_loss(loss_owner)
+
+    def backward(self) -> contextlib.AbstractContextManager[None]:
+        """Where the engine runs a backward: under compiled autograd with the blocks' backend and arguments when
+        ``compile.compiled_autograd`` asks for it (stages 0-2's gradient hooks then run in Python, [Note: compiled
+        autograd traces Python hooks] in zero/arrivals.py), else as it is."""
+        if not self.options.compiled_autograd:
+            return contextlib.nullcontext()
+        from torch._dynamo import compiled_autograd
+
+        compiler = torch.compile(backend=self.options.backend, **self.options.kwargs)
+        return compiled_autograd._enable(compiler)
 
     def _torch_compile(self, function: Callable[..., Any]) -> Callable[..., Any]:
         # In a recompile region of its own: another engine's graphs in this process count against neither's limit.

@@ -6,12 +6,15 @@ sharded on the sequence first and the whole sequence's loss comes out (``paralle
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from slipstream.engine.monitor import TrainingMonitor
 from slipstream.engine.parallel.calls import call_model, loss_of, router_loss_of
+from slipstream.engine.parallel.compiling import CompiledBlocks
 from slipstream.engine.parallel.sequence import Sharder
 from slipstream.engine.runners.base import cast_floats
 from slipstream.engine.zero.strategy import ShardingStrategy
@@ -25,8 +28,10 @@ class DirectRunner:
         monitor: TrainingMonitor,
         sharder: Sharder | None,
         cast_dtype: torch.dtype | None,
+        compiled: Callable[[], CompiledBlocks | None] = lambda: None,
     ) -> None:
-        """``cast_dtype``: floating-point inputs are cast to it (``auto_cast``); ``sharder``: Ulysses / ring attention."""
+        """``cast_dtype``: floating-point inputs are cast to it (``auto_cast``); ``sharder``: Ulysses / ring attention;
+        ``compiled``: the compiled blocks now (``engine.compile`` replaces them), whose context each backward runs in."""
         self.module, self.strategy, self.monitor, self.sharder, self.cast_dtype = (
             module,
             strategy,
@@ -34,6 +39,7 @@ class DirectRunner:
             sharder,
             cast_dtype,
         )
+        self.compiled = compiled
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], step: int) -> Any:
         if self.cast_dtype is not None:
@@ -87,14 +93,17 @@ class DirectRunner:
                 + (f" with shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                 + " (for a ModelOutput pass output.loss)"
             )
-        self.strategy.begin_backward(boundary)
-        with self.monitor.timers("backward"):
-            try:
-                scale = loss_scale / accumulation  # a product with 1.0 is the loss itself: no node for it
-                (loss.float() if scale == 1.0 else loss.float() * scale).backward(retain_graph=retain_graph)
-            finally:
-                if self.sharder is not None and not retain_graph:
-                    self.sharder.deactivate()
+        compiled = self.compiled()
+        # compiled autograd (compile.compiled_autograd) is on before the strategy prepares its hooks for it
+        with compiled.backward() if compiled is not None else contextlib.nullcontext():
+            self.strategy.begin_backward(boundary)
+            with self.monitor.timers("backward"):
+                try:
+                    scale = loss_scale / accumulation  # a product with 1.0 is the loss itself: no node for it
+                    (loss.float() if scale == 1.0 else loss.float() * scale).backward(retain_graph=retain_graph)
+                finally:
+                    if self.sharder is not None and not retain_graph:
+                        self.sharder.deactivate()
         with self.monitor.timers("reduce"):
             self.strategy.end_backward()
             if boundary:  # like DDP: when backward returns, .grad holds the averaged gradients
