@@ -227,22 +227,25 @@ def test_tensor_parallel_with_dropout_is_refused() -> None:
     assert message.startswith("compile: tensor parallelism with dropout (") and "= 0.1)" in message, message
 
 
-def _compiled_autograd_run(stage: int) -> dict[str, Any]:
-    """The same three steps with the backward eager and under compiled autograd, fresh engines in one process group."""
+def _compiled_autograd_run(stage: int, by_config: bool) -> dict[str, Any]:
+    """The same three steps with the backward eager and under compiled autograd, fresh engines in one process group:
+    the user's own ``_enable`` around ``engine.backward``, or ``compile.compiled_autograd`` (``by_config``)."""
     import torch._dynamo.compiled_autograd as compiled_autograd
     from torch._dynamo.utils import counters
 
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "steps_per_print": 0,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": stage},
-    }
     found: dict[str, Any] = {}
     for traced in (False, True):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "steps_per_print": 0,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage},
+        }
+        if traced and by_config:
+            config["compile"] = {"enabled": True, "backend": "eager", "compiled_autograd": True}
         engine = slipstream.initialize(model, config)
         generator = torch.Generator().manual_seed(torch.distributed.get_rank())
         losses = []
@@ -250,7 +253,7 @@ def _compiled_autograd_run(stage: int) -> dict[str, Any]:
         compiled_autograd.reset()  # its graphs cached by an earlier test in this worker would count no capture
         for _ in range(3):
             loss = engine(torch.randn(4, 8, generator=generator)).square().mean()
-            if traced:
+            if traced and not by_config:
                 with compiled_autograd._enable(torch.compile(backend="eager")):
                     engine.backward(loss)
             else:
@@ -266,63 +269,26 @@ def _compiled_autograd_run(stage: int) -> dict[str, Any]:
     return found
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_compiled_autograd_trains_as_the_eager_backward(stage: int) -> None:
-    """Compiled autograd composes with every stage: stages 0-2's gradient hooks move to Python, which it traces
-    ([Note: compiled autograd traces Python hooks] in zero/arrivals.py), ZeRO-3's are per unit. Same losses and
-    weights, bit for bit, on both ranks."""
-    for rank, found in enumerate(run_distributed(2, _compiled_autograd_run, stage)):
-        eager, traced = found["False"], found["True"]
-        assert traced["captures"] > 0 and eager["captures"] == 0, rank  # the backward really was compiled
-        assert traced["losses"] == eager["losses"], rank
-        for a, b in zip(traced["weights"], eager["weights"], strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def _compiled_autograd_by_config() -> dict[str, Any]:
-    """``compile.compiled_autograd``: the engine runs every backward under compiled autograd (one compiled model's
-    steps against an eager one's, ZeRO-2)."""
-    import torch._dynamo.compiled_autograd as compiled_autograd
-    from torch._dynamo.utils import counters
-
-    found: dict[str, Any] = {}
-    for traced in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
-        compile_section = {"enabled": True, "backend": "eager", "compiled_autograd": True} if traced else {}
-        config = {
-            "train_micro_batch_size_per_gpu": 4,
-            "steps_per_print": 0,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": 2},
-            "compile": compile_section,
-        }
-        engine = slipstream.initialize(model, config)
-        generator = torch.Generator().manual_seed(torch.distributed.get_rank())
-        counters.clear()
-        compiled_autograd.reset()  # its graphs cached by an earlier test in this worker would count no capture
-        losses = []
-        for _ in range(3):
-            loss = engine(torch.randn(4, 8, generator=generator)).square().mean()
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        found[str(traced)] = {
-            "losses": losses,
-            "weights": [p.detach().clone() for p in engine.module.parameters()],
-            "captures": counters["compiled_autograd"]["captures"],
-        }
-        engine.close()
-    return found
-
-
-def test_compiled_autograd_by_config() -> None:
-    for rank, found in enumerate(run_distributed(2, _compiled_autograd_by_config)):
+def _check_compiled_autograd(results: list[dict[str, Any]]) -> None:
+    """Same losses and weights, bit for bit, on every rank, and the traced backward really was compiled."""
+    for rank, found in enumerate(results):
         eager, traced = found["False"], found["True"]
         assert traced["captures"] > 0 and eager["captures"] == 0, rank
         assert traced["losses"] == eager["losses"], rank
         for a, b in zip(traced["weights"], eager["weights"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_compiled_autograd_trains_as_the_eager_backward(stage: int) -> None:
+    """Compiled autograd composes with every stage: stages 0-2's gradient hooks move to Python, which it traces
+    ([Note: compiled autograd traces Python hooks] in zero/arrivals.py), ZeRO-3's are per unit."""
+    _check_compiled_autograd(run_distributed(2, _compiled_autograd_run, stage, False))
+
+
+def test_compiled_autograd_by_config() -> None:
+    """``compile.compiled_autograd``: the engine runs every backward under compiled autograd (ZeRO-2)."""
+    _check_compiled_autograd(run_distributed(2, _compiled_autograd_run, 2, True))
 
 
 def test_compiled_autograd_config_mistakes() -> None:

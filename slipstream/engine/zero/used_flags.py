@@ -24,11 +24,10 @@ from slipstream import comm
 class UsedFlags:
     def __init__(self, count: int, device: torch.device) -> None:
         self.device = device
-        self.local = bytearray(count)  # this rank's, set by the hooks
+        self.local = bytearray(
+            count
+        )  # this rank's: a hook stores 1 at a parameter's index (arrivals.py, stage3/reducer.py)
         self._all = [True] * count
-
-    def mark(self, index: int) -> None:
-        self.local[index] = 1
 
     def reduce(self, members: list[tuple[dist.ProcessGroup | None, list[int]]]) -> list[bool]:
         """Any rank's flags (MAX over each parameter's group: reduce_flags); collective."""

@@ -138,7 +138,7 @@ class UnitReducer:
             arrived = grad is not None and (start is None or grad is not start[0] or grad._version != start[1])
             p.grad = None
             if arrived and id(p) in self.index:
-                self.used.local[self.index[id(p)]] = 1  # UsedFlags.mark, inlined: a byte, not a call per tensor
+                self.used.local[self.index[id(p)]] = 1  # a byte per tensor ([Note: flags on the host]), not a call
         send[end:].zero_()  # the padding (and a pooled buffer's old values)
         pre_scale, _ = self._scales(unit)
         if pre_scale != 1.0:
