@@ -9,9 +9,8 @@ A stage written ``S+cpu`` / ``S+nvme`` / ``3+nvme+nvme`` offloads as ``bench_off
 every block stays gathered from its forward into its backward; DeepSpeed's 3 and 3+reuse are alike).
 A stage ending in ``+sockets`` (``3+sockets``, ``3+reuse+sockets``) runs with the same-host shared-memory
 collectives off (``SLIPSTREAM_SHM_COLLECTIVES=0``): gloo's loopback sockets, as before they existed.
-A stage ending in ``+blocks`` (``3+blocks``) maps large CPU blocks on their own
-(``SLIPSTREAM_LARGE_BLOCKS=4194304``, ``slipstream/ops/large_blocks.py``, opt-in); ``+glibc`` keeps
-every block in glibc's malloc (``SLIPSTREAM_LARGE_BLOCKS=0``, the default).
+Large CPU blocks are mapped on their own by default (``slipstream/ops/large_blocks.py``); a stage
+ending in ``+glibc`` (``3+glibc``) keeps every block in glibc's malloc (``SLIPSTREAM_LARGE_BLOCKS=0``).
 
 FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
 
@@ -100,9 +99,6 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
         if stage.endswith("+glibc"):  # every CPU block from glibc's malloc (slipstream/ops/large_blocks.py off)
             os.environ["SLIPSTREAM_LARGE_BLOCKS"] = "0"
             stage = stage.removesuffix("+glibc")
-        if stage.endswith("+blocks"):  # large CPU blocks on mappings of their own (opt-in, ops/large_blocks.py)
-            os.environ["SLIPSTREAM_LARGE_BLOCKS"] = str(4 << 20)
-            stage = stage.removesuffix("+blocks")
         offloaded = "+" in stage.removesuffix(
             "+reuse"
         )  # bench_offload's JSON: the optimizer comes from the config (CPU Adam offloaded)

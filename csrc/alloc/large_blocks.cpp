@@ -18,6 +18,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -40,17 +41,29 @@ std::atomic<int64_t> g_mapped_bytes{0};  // bytes of live large blocks (their da
 std::atomic<int64_t> g_maps{0};          // large blocks mapped so far
 std::atomic<int64_t> g_live_blocks{0};   // large blocks not yet freed
 std::atomic<int64_t> g_reused{0};        // allocations served from the cache
+std::atomic<int64_t> g_evicted{0};       // cached blocks unmapped to keep the cache under the high-water mark
 c10::DeleterFnPtr g_small_deleter = nullptr;  // the replaced allocator's deleter (glibc's free behind it)
 
-// Freed blocks by mapping length, with the generation they were freed in. A step frees its activations and
-// makes the same sizes again in the next one: served from here, a block is neither faulted in nor zeroed
-// again (a fresh mapping per block cost 10-15% of a 2-rank step). trim(everything=True) at the start of each
-// backward, the step's peak, unmaps all of them, so none is held idle there; trim() after each optimizer step
-// unmaps what was freed before the previous trim and not taken since.
+// Freed blocks by mapping length, each with the sequence number of its free. A step frees its activations
+// and makes the same sizes again in the next one: served from here, a block is neither faulted in nor zeroed
+// again (a fresh mapping per block cost 10-15% of a 2-rank step).
+//
+// [Note: the cache holds only what the peak already paid for] Live plus cached bytes never exceed the most
+// live bytes there ever were (g_high_water). Freeing a block moves its bytes from live to cached, which keeps
+// the sum; mapping a new block when no cached one fits first unmaps the least recently freed cached blocks
+// until the sum with the new block is at most max(high water, live with it). So the large blocks' resident
+// size never rises above what an allocator that unmaps at once would reach at its peak, at every moment of a
+// step, whatever the step frees when: no trim at a chosen moment is needed to keep the cache out of a peak
+// (the earlier policy emptied it at each backward and still held a capacity test's swap buffers and a tiled
+// loss's freed tiles at peaks inside the step). trim() after each optimizer step unmaps what the step did not
+// take again, so a block of a size no longer made is not held for the rest of the run.
 std::mutex g_cache_mutex;
-std::unordered_map<size_t, std::vector<std::pair<void*, uint64_t>>> g_cache;
+std::unordered_map<size_t, std::vector<std::pair<void*, uint64_t>>> g_cache;  // length -> (data, free sequence)
 int64_t g_cached_bytes = 0;  // under g_cache_mutex
-uint64_t g_generation = 0;   // under g_cache_mutex
+int64_t g_live_bytes = 0;    // under g_cache_mutex: the same as g_mapped_bytes, kept beside the cache's count
+int64_t g_high_water = 0;    // under g_cache_mutex: the most live bytes so far
+uint64_t g_sequence = 0;     // under g_cache_mutex: frees so far
+uint64_t g_trimmed_at = 0;   // under g_cache_mutex: g_sequence at the last trim()
 
 bool is_large(void* data) {
   return reinterpret_cast<const uint64_t*>(data)[-1] == kMagic;
@@ -72,20 +85,47 @@ void release(void* data) {
   g_mapped_bytes.fetch_sub(static_cast<int64_t>(length));
   g_live_blocks.fetch_sub(1);
   std::lock_guard<std::mutex> lock(g_cache_mutex);
-  g_cache[length].emplace_back(data, g_generation);
+  g_live_bytes -= static_cast<int64_t>(length);
+  g_cache[length].emplace_back(data, ++g_sequence);  // live + cached unchanged: within the high water
   g_cached_bytes += static_cast<int64_t>(length);
 }
 
-// A cached block of exactly `length` bytes, or nullptr.
-void* take_cached(size_t length) {
-  std::lock_guard<std::mutex> lock(g_cache_mutex);
-  auto found = g_cache.find(length);
-  if (found == g_cache.end() || found->second.empty()) {
-    return nullptr;
+// Takes a cached block of exactly `length` bytes, or, when there is none, unmaps the least recently freed
+// cached blocks until a new mapping of `length` bytes keeps live + cached within the high water (see the
+// Note) and returns nullptr. Counts the block as live either way.
+void* take_cached_or_make_room(size_t length) {
+  std::vector<std::pair<void*, uint64_t>> evicted;  // (data, length): unmapped outside the lock
+  void* data = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    g_live_bytes += static_cast<int64_t>(length);
+    auto found = g_cache.find(length);
+    if (found != g_cache.end() && !found->second.empty()) {
+      data = found->second.back().first;  // the most recently freed: its pages are the warmest
+      found->second.pop_back();
+      g_cached_bytes -= static_cast<int64_t>(length);
+    } else {
+      g_high_water = std::max(g_high_water, g_live_bytes);
+      while (g_live_bytes + g_cached_bytes > g_high_water) {
+        std::vector<std::pair<void*, uint64_t>>* oldest = nullptr;
+        size_t oldest_length = 0;
+        for (auto& [cached_length, blocks] : g_cache) {
+          if (!blocks.empty() && (oldest == nullptr || blocks.front().second < oldest->front().second)) {
+            oldest = &blocks;
+            oldest_length = cached_length;
+          }
+        }
+        evicted.emplace_back(oldest->front().first, oldest_length);
+        oldest->erase(oldest->begin());
+        g_cached_bytes -= static_cast<int64_t>(oldest_length);
+      }
+    }
+    g_high_water = std::max(g_high_water, g_live_bytes);
   }
-  void* data = found->second.back().first;  // the most recently freed: its pages are the warmest
-  found->second.pop_back();
-  g_cached_bytes -= static_cast<int64_t>(length);
+  for (auto& [block, block_length] : evicted) {
+    unmap(block, block_length);
+  }
+  g_evicted.fetch_add(static_cast<int64_t>(evicted.size()));
   return data;
 }
 
@@ -116,9 +156,7 @@ void* map_aligned(size_t length) {
   auto* header = reinterpret_cast<uint64_t*>(data);
   header[-2] = length;
   header[-1] = kMagic;
-  g_mapped_bytes.fetch_add(static_cast<int64_t>(length));
   g_maps.fetch_add(1);
-  g_live_blocks.fetch_add(1);
   return reinterpret_cast<void*>(data);
 }
 
@@ -129,17 +167,19 @@ class LargeBlockAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     if (nbytes >= threshold_) {
       const size_t length = class_length(nbytes);
-      void* data = take_cached(length);
+      void* data = take_cached_or_make_room(length);
       if (data != nullptr) {
         g_reused.fetch_add(1);
-        g_mapped_bytes.fetch_add(static_cast<int64_t>(length));
-        g_live_blocks.fetch_add(1);
       } else {
         data = map_aligned(length);
       }
       if (data != nullptr) {
+        g_mapped_bytes.fetch_add(static_cast<int64_t>(length));
+        g_live_blocks.fetch_add(1);
         return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
-      }  // out of mappings: the small path raises its own out-of-memory error if it must
+      }
+      std::lock_guard<std::mutex> lock(g_cache_mutex);  // out of mappings: the small path raises its own
+      g_live_bytes -= static_cast<int64_t>(length);      // out-of-memory error if it must
     }
     c10::DataPtr small = small_->allocate(nbytes);
     void* data = small.get();
@@ -211,17 +251,17 @@ PyObject* trim(PyObject*, PyObject* args) {
     std::lock_guard<std::mutex> lock(g_cache_mutex);
     for (auto& [length, blocks] : g_cache) {
       std::vector<std::pair<void*, uint64_t>> kept;
-      for (auto& [data, generation] : blocks) {
-        if (everything || generation < g_generation) {
+      for (auto& [data, sequence] : blocks) {
+        if (everything || sequence <= g_trimmed_at) {
           idle.emplace_back(data, length);
           g_cached_bytes -= static_cast<int64_t>(length);
         } else {
-          kept.emplace_back(data, generation);
+          kept.emplace_back(data, sequence);
         }
       }
       blocks.swap(kept);
     }
-    ++g_generation;
+    g_trimmed_at = g_sequence;
   }
   for (auto& [data, length] : idle) {
     unmap(data, length);
@@ -229,22 +269,34 @@ PyObject* trim(PyObject*, PyObject* args) {
   return PyLong_FromSize_t(idle.size());
 }
 
+PyObject* reset_high_water(PyObject*, PyObject*) {
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  g_high_water = g_live_bytes;
+  Py_RETURN_NONE;
+}
+
 PyObject* stats(PyObject*, PyObject*) {
   int64_t cached = 0;
+  int64_t high_water = 0;
   {
     std::lock_guard<std::mutex> lock(g_cache_mutex);
     cached = g_cached_bytes;
+    high_water = g_high_water;
   }
   return Py_BuildValue(
-      "{s:L,s:L,s:L,s:L,s:L}",
+      "{s:L,s:L,s:L,s:L,s:L,s:L,s:L}",
       "mapped_bytes",
       static_cast<long long>(g_mapped_bytes.load()),
       "cached_bytes",
       static_cast<long long>(cached),
+      "high_water",
+      static_cast<long long>(high_water),
       "maps",
       static_cast<long long>(g_maps.load()),
       "reused",
       static_cast<long long>(g_reused.load()),
+      "evicted",
+      static_cast<long long>(g_evicted.load()),
       "live_blocks",
       static_cast<long long>(g_live_blocks.load()));
 }
@@ -254,7 +306,8 @@ PyMethodDef kMethods[] = {
     {"uninstall", uninstall, METH_NOARGS, "put the allocator that was replaced back (mapped blocks stay valid)"},
     {"installed", installed, METH_NOARGS, "whether it is torch's CPU allocator now"},
     {"trim", trim, METH_VARARGS, "trim(everything=False): unmap the cached blocks freed before the last trim (or all)"},
-    {"stats", stats, METH_NOARGS, "{mapped_bytes, cached_bytes, maps, reused, live_blocks}"},
+    {"reset_high_water", reset_high_water, METH_NOARGS, "let the cache hold no more than what is live now (tests)"},
+    {"stats", stats, METH_NOARGS, "{mapped_bytes, cached_bytes, high_water, maps, reused, evicted, live_blocks}"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -141,7 +141,6 @@ class Engine(SavesWeights, CheckpointCalls, torch.nn.Module):
                 "outside engine.no_sync()"
             )
         accumulation = self.gradient_accumulation_steps() if scale_wrt_gas else 1
-        large_blocks.trim(everything=True)  # nothing freed held idle at the step's peak (ops/large_blocks.py)
         self.runner.backward(loss, self.loss_scaler.scale, accumulation, boundary, retain_graph, self.global_steps)
         self._backward_since_step = True
         return loss

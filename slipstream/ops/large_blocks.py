@@ -15,22 +15,19 @@ least ``threshold`` bytes gets a mapping of its own, in whole 2 MiB huge pages, 
 advised ``MADV_HUGEPAGE``; smaller blocks go to the allocator it replaced. A freed block waits in
 a cache for the next block of its size (a step makes the same sizes as the one before), so it is
 neither unmapped nor faulted in and zeroed again: a fresh mapping per block had cost 1.15-1.29x
-DDP's step at 2 ranks. Two trims keep the cache from becoming the heap's slack again: the start
-of each backward (the step's peak, every activation alive) unmaps all of it, and each optimizer
-step unmaps what the step before freed and this one did not take. Measured on gpt2-large at 2
-ranks without huge pages (``bench_zero.py --thp 0``, 2 alternating rounds): stage 3 peaks at 1,102
-MiB per rank against 1,190 on glibc and DDP's 1,386 (1.26 of the formula's saving, was 0.87 in
-that run and 0.56-0.74 in others), at 0.93x DDP's step (1.06x on glibc); stage 0 at 1,229 against
-1,321, 1.02x (1.01x). It is installed only where the kernel offers transparent huge pages
-(``always`` or ``madvise``): without them every new block would fault in 4 KiB pages.
-``SLIPSTREAM_LARGE_BLOCKS`` sets the threshold in bytes (4194304, ``DEFAULT_THRESHOLD``, is the
-measured point; unset or ``0`` keeps glibc for everything).
+DDP's step at 2 ranks. The cache never holds more than the most live bytes there ever were, less
+what is live now ([Note: the cache holds only what the peak already paid for] in the source), so
+the large blocks' resident size never rises above the peak an allocator that unmaps at once would
+reach; after each optimizer step it also unmaps what that step did not take again. It is installed
+only where the kernel offers transparent huge pages (``always`` or ``madvise``): without them every
+new block would fault in 4 KiB pages. ``SLIPSTREAM_LARGE_BLOCKS`` sets the threshold in bytes
+(``DEFAULT_THRESHOLD``, 4 MiB, when unset: the measured point); ``0`` keeps glibc for everything.
 
-[Note: opt-in, for now] It is off unless ``SLIPSTREAM_LARGE_BLOCKS`` is set. With it on by
-default, the fresh-clone suite failed the NVMe offload capacity test (peak RSS growth 384 MB
-against its 320 MiB cap: the cache held freed swap buffers, and a block's last huge page is
-resident whole), and a long-context run with tiled logits peaked 200 MB above the uncached
-version. Until the cache's policy holds both, glibc stays the default.
+[Note: on by default] An earlier cache, emptied at each backward and trimmed per step, was opt-in:
+with it on, the fresh-clone suite failed the NVMe offload capacity test (peak RSS growth 384 MB
+against its 320 MiB cap: the cache held freed swap buffers), and a long-context run with tiled
+logits peaked 200 MB above the uncached version. Bounded by the high water, the capacity test's
+growth is 293-294 MB (282-283 on glibc); see benchmarks/README.md for the step times and peaks.
 
 Only over glibc's ``malloc`` and torch's default CPU allocator (see :func:`glibc_malloc`). Tensors
 made before it was installed keep their own deleter, so installing and uninstalling are safe at
@@ -49,7 +46,17 @@ from slipstream.ops import builder
 from slipstream.ops.specs import LARGE_BLOCKS
 from slipstream.utils.logging import get_logger
 
-__all__ = ["DEFAULT_THRESHOLD", "glibc_malloc", "install", "installed", "stats", "thp_available", "trim", "uninstall"]
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "glibc_malloc",
+    "install",
+    "installed",
+    "reset_high_water",
+    "stats",
+    "thp_available",
+    "trim",
+    "uninstall",
+]
 
 logger = get_logger(__name__)
 
@@ -69,11 +76,11 @@ def thp_available(setting: Path = _THP_SETTING) -> bool:
 
 
 def configured_threshold() -> int:
-    """``SLIPSTREAM_LARGE_BLOCKS`` in bytes; unset or 0: off (see [Note: opt-in, for now]); a value that is not an
-    integer is an error."""
+    """``SLIPSTREAM_LARGE_BLOCKS`` in bytes; unset: :data:`DEFAULT_THRESHOLD`; 0: off (glibc for every block); a
+    value that is not an integer is an error."""
     raw = os.environ.get("SLIPSTREAM_LARGE_BLOCKS")
     if raw is None or not raw.strip():
-        return 0
+        return DEFAULT_THRESHOLD
     try:
         value = int(raw)
     except ValueError:
@@ -104,8 +111,8 @@ def install(threshold: int | None = None) -> bool:
 
 
 def trim(everything: bool = False) -> None:
-    """Unmap cached freed blocks: those the last step did not take again (after each optimizer step), or all of
-    them (``everything``: at the start of a backward, the step's peak); see the cache in the source."""
+    """Unmap cached freed blocks: those freed before the last trim and not taken since (the engine trims after each
+    optimizer step), or all of them (``everything``); see the cache in the source."""
     if _module is not None:
         _module.trim(everything)
 
@@ -142,10 +149,20 @@ def installed() -> bool:
     return bool(module is not None and module.installed())
 
 
+def reset_high_water() -> None:
+    """Let the cache hold no more than what is live now: the next new block unmaps cached ones first (tests)."""
+    module = _loaded()
+    if module is not None:
+        module.reset_high_water()
+
+
 def stats() -> dict[str, int]:
-    """``mapped_bytes`` (live large blocks), ``cached_bytes`` (freed, kept for reuse until :func:`trim`), ``maps``
-    (mapped so far), ``reused`` (allocations served from the cache), ``live_blocks``; zeros when never loaded."""
+    """``mapped_bytes`` (live large blocks), ``cached_bytes`` (freed, kept for reuse), ``high_water`` (the most live
+    bytes so far: live + cached never exceeds it), ``maps`` (mapped so far), ``reused`` (allocations served from the
+    cache), ``evicted`` (cached blocks unmapped to stay under the high water), ``live_blocks``; zeros when never
+    loaded."""
     module = _loaded()
     if module is None:
-        return {"mapped_bytes": 0, "cached_bytes": 0, "maps": 0, "reused": 0, "live_blocks": 0}
+        keys = ("mapped_bytes", "cached_bytes", "high_water", "maps", "reused", "evicted", "live_blocks")
+        return dict.fromkeys(keys, 0)
     return dict(module.stats())

@@ -22,7 +22,7 @@ def installed() -> None:
     assert large_blocks.install(4 * MIB), "the op did not build or load"
     yield
     large_blocks.trim(everything=True)
-    large_blocks.uninstall()  # as the engine leaves it by default (off: [Note: opt-in, for now])
+    large_blocks.uninstall()  # the rest of the unit suite on glibc, as before it was installed
 
 
 def test_a_large_block_is_mapped_aligned_cached_when_freed_and_unmapped_by_trim(installed: None) -> None:
@@ -50,8 +50,39 @@ def test_a_large_block_is_mapped_aligned_cached_when_freed_and_unmapped_by_trim(
     assert large_blocks.stats()["cached_bytes"] == 0
     kept = torch.empty(8 * MIB, dtype=torch.uint8)
     del kept
-    large_blocks.trim(everything=True)  # the start of a backward: nothing freed is held idle
+    large_blocks.trim(everything=True)
     assert large_blocks.stats()["cached_bytes"] == 0
+
+
+def test_the_cache_never_holds_more_than_the_peak_already_paid_for(installed: None) -> None:
+    """[Note: the cache holds only what the peak already paid for]: live + cached never exceeds the high water;
+    a block that does not fit in the cache's room unmaps the least recently freed ones first."""
+    large_blocks.trim(everything=True)
+    large_blocks.reset_high_water()  # only what is live now (the tests before may have left blocks alive)
+    base = large_blocks.stats()["mapped_bytes"]
+
+    def above_base() -> tuple[int, int, int]:
+        stats = large_blocks.stats()
+        return stats["mapped_bytes"] - base, stats["cached_bytes"], stats["high_water"] - base
+
+    six, ten = torch.empty(6 * MIB, dtype=torch.uint8), torch.empty(10 * MIB, dtype=torch.uint8)
+    assert above_base() == (16 * MIB, 0, 16 * MIB)
+    del six, ten  # the six first: the least recently freed
+    assert above_base() == (0, 16 * MIB, 16 * MIB), "freeing keeps live + cached at the high water"
+    evicted = large_blocks.stats()["evicted"]
+    eight = torch.empty(8 * MIB, dtype=torch.uint8)  # no 8 MiB block cached: room for it is made
+    live, cached, high = above_base()
+    assert live + cached <= high == 16 * MIB, "a new block may not lift live + cached above the high water"
+    assert (live, cached) == (8 * MIB, 0) and large_blocks.stats()["evicted"] == evicted + 2, (
+        "the 6 MiB block went first (least recently freed), and the 10 MiB one no longer fit beside 8 MiB"
+    )
+    twelve = torch.empty(12 * MIB, dtype=torch.uint8)  # a new peak: the high water rises with what is live
+    assert above_base() == (20 * MIB, 0, 20 * MIB)
+    del eight, twelve
+    assert above_base() == (0, 20 * MIB, 20 * MIB)
+    again = torch.empty(12 * MIB - 4096, dtype=torch.uint8)  # its class is cached: taken, nothing unmapped
+    assert above_base() == (12 * MIB, 8 * MIB, 20 * MIB) and large_blocks.stats()["evicted"] == evicted + 2
+    del again
 
 
 def test_small_blocks_stay_with_the_allocator_it_replaced(installed: None) -> None:
@@ -110,7 +141,7 @@ def test_reinstalling_is_idempotent_and_a_new_threshold_applies() -> None:
 
 def test_the_environment_variable_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLIPSTREAM_LARGE_BLOCKS", raising=False)
-    assert large_blocks.configured_threshold() == 0, "off unless asked for ([Note: opt-in, for now])"
+    assert large_blocks.configured_threshold() == large_blocks.DEFAULT_THRESHOLD, "on by default ([Note: on by default])"
     monkeypatch.setenv("SLIPSTREAM_LARGE_BLOCKS", "0")
     assert large_blocks.configured_threshold() == 0 and large_blocks.install() is False
     monkeypatch.setenv("SLIPSTREAM_LARGE_BLOCKS", str(16 * MIB))
