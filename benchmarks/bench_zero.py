@@ -17,7 +17,8 @@ FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the unit
 Memory: peak RSS per rank (``ru_maxrss``, the whole run) and, over a few untimed steps after the timed
 ones, a sampler's peak PSS (a shared page split between the ranks that map it) and what the highest-RSS
 moment was made of (``benchmarks/memory_probe.py``): the process before the model (imports, process
-group), malloc's bytes in use, the free bytes its heaps keep (allocator slack), shared-memory
+group; and the malloc bytes in use of it), malloc's bytes in use, the free bytes its heaps keep (allocator
+slack), the freed large blocks kept for reuse (``slipstream/ops/large_blocks.py``), shared-memory
 collective mappings and transparent huge pages. Beside each: the saving below DDP's peak RSS against
 the model-state formula's (16Ψ bytes for fp32 AdamW, less each stage's share; ``slipstream.estimator``)
 and the estimator's peak (the process before the model + model states + activations).
@@ -79,7 +80,8 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
 
     import slipstream  # noqa: F401
 
-    before_model = sample()["rss"]
+    before = sample()
+    before_model = before["rss"]
     model = build_gpt2(args.model)
     psi = sum(p.numel() for p in model.parameters())
     batches = random_batches(WARMUP + args.steps + PEAK_STEPS, seed=rank)
@@ -136,6 +138,7 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
     extra = {
         "psi": psi,
         "before_model": before_model,
+        "malloc_before_model": before.get("heap_used", 0.0) + before.get("mmapped", 0.0),
         "at_peak": peak.at_rss,
         "pss": peak.pss,
         "shm": shm_rss_mib(),
@@ -259,8 +262,9 @@ def _stage_of(kind: str) -> int | None:
 
 def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: int, model: str) -> None:
     """Peak RSS and PSS per rank, what the peak was made of, the saving against the formula's, the estimator's peak."""
-    from benchmarks.common import MICRO_BATCH, MODELS, SEQ, VOCAB
-    from slipstream.estimator import estimate
+    from benchmarks.common import MICRO_BATCH, MODELS, SEQ, VOCAB, build_gpt2
+    from slipstream.estimator import Stage3Layout, estimate
+    from slipstream.estimator_measure import measure_activations, stage3_gathered_params
 
     mib = 2**20
     worst = {
@@ -269,6 +273,8 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
     }
     psi = worst[kinds[0]]["psi"]
     shape = MODELS[model]
+    built = build_gpt2(model)  # activations measured on fake tensors, units as stage 3 cuts them (estimator_measure.py)
+    plain = estimate(psi, world, precision="fp32")
     found = estimate(
         psi,
         world,
@@ -280,6 +286,8 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
         heads=shape["n_head"],
         vocab=VOCAB,
         flash_attention=True,
+        activations=measure_activations(built, SEQ, MICRO_BATCH, "fp32"),
+        layout=Stage3Layout(gathered=stage3_gathered_params(built)),
     )
     ddp_peak = max(results["ddp"]["rss"])  # peak per rank: the largest rank's, what a user provisions for
     print(
@@ -288,7 +296,8 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
     )
     print(
         f"{'config':<14} {'peak RSS':>9} {'peak PSS':>9} {'saving':>7} {'formula':>8} {'ratio':>6}   at the highest RSS: {'before model':>12}"
-        f" {'malloc used':>11} {'heap free':>9} {'shm':>5} {'huge':>5}   estimate {'error':>6}   engine holds (params/grads/optimizer/buffers)"
+        f" {'(malloc)':>8} {'malloc used':>11} {'heap free':>9} {'cached':>6} {'shm':>5} {'huge':>5}   estimate {'error':>6}"
+        "   engine holds (params/grads/optimizer/buffers)"
     )
     for kind in kinds:
         w, stage = worst[kind], _stage_of(kind)
@@ -297,7 +306,7 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
         saving = ddp_peak - peak
         formula = ratio = est = error = ""
         if stage is not None:
-            states = found.stage(0).model_states - found.stage(stage).model_states
+            states = plain.stage(0).model_states - plain.stage(stage).model_states  # the formula: states only
             formula = f"{states / mib:.0f}"
             ratio = f"{saving / (states / mib):.2f}" if states else ""
             predicted = w["before_model"] + found.stage(stage).total / mib
@@ -305,7 +314,8 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
         held = "/".join(f"{w['held'][k]:.0f}" for k in ("params", "grads", "optimizer", "buffers") if k in w["held"])
         print(
             f"{kind:<14} {peak:9.0f} {max(r['pss'] for e in results[kind]['extra'] for r in e):9.0f} {saving:7.0f} {formula:>8} {ratio:>6}"
-            f"   {'':>18}{w['before_model']:12.0f} {at.get('heap_used', 0) + at.get('mmapped', 0):11.0f} {at.get('heap_free', 0):9.0f}"
+            f"   {'':>18}{w['before_model']:12.0f} {w.get('malloc_before_model', 0):8.0f}"
+            f" {at.get('heap_used', 0) + at.get('mmapped', 0):11.0f} {at.get('heap_free', 0):9.0f} {at.get('large_cached', 0):6.0f}"
             f" {w['shm']:5.0f} {at.get('huge', 0):5.0f}   {est:>8} {error:>6}   {held}"
         )
 

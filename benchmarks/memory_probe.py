@@ -34,11 +34,12 @@ def _libc_mallinfo2() -> ctypes._CFuncPtr | None:
     return function
 
 
-def _large_blocks() -> int:
-    """Bytes of the CPU blocks slipstream maps on their own, outside malloc (``slipstream/ops/large_blocks.py``)."""
+def _large_blocks(key: str = "mapped_bytes") -> int:
+    """Bytes of the CPU blocks slipstream maps on their own, outside malloc (``slipstream/ops/large_blocks.py``): live
+    (``mapped_bytes``) or freed and cached for reuse (``cached_bytes``)."""
     from slipstream.ops import large_blocks
 
-    return large_blocks.stats()["mapped_bytes"]
+    return large_blocks.stats()[key]
 
 
 def malloc_in_use() -> int:
@@ -57,11 +58,12 @@ def _mallinfo() -> dict[str, float]:
         return {}
     info = mallinfo2()
     # uordblks: bytes in use in the heaps; fordblks: free bytes the heaps keep; hblkhd: bytes in mmap'd blocks (malloc's
-    # and the large blocks slipstream maps itself)
+    # and the large blocks slipstream maps itself); large_cached: freed large blocks slipstream keeps for reuse
     return {
         "heap_used": info.uordblks / MIB,
         "heap_free": info.fordblks / MIB,
         "mmapped": (info.hblkhd + _large_blocks()) / MIB,
+        "large_cached": _large_blocks("cached_bytes") / MIB,
     }
 
 

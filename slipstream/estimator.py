@@ -83,10 +83,15 @@ class Stage3Layout:
 
     hpz: int = 1
     mics: int | None = None
+    # Parameters held whole beyond the shard at stage 3's peak (gathered units, a unit's packed gradients):
+    # estimator_measure.stage3_gathered_params(model); 0 leaves them out.
+    gathered: float = 0.0
 
     def describe(self) -> str:
-        return (f", stage 3 with hpZ over {self.hpz}" if self.hpz > 1 else "") + (
-            f", stage 3 with MiCS shards of {self.mics}" if self.mics else ""
+        return (
+            (f", stage 3 with hpZ over {self.hpz}" if self.hpz > 1 else "")
+            + (f", stage 3 with MiCS shards of {self.mics}" if self.mics else "")
+            + (f", stage 3 holding {_count(self.gathered)} parameters gathered" if self.gathered else "")
         )
 
 
@@ -134,6 +139,7 @@ class Estimate:
     tiling: Tiling = Tiling()
     flash: bool = True
     layout: Stage3Layout = Stage3Layout()
+    measured: bool = False  # activations measured on fake tensors (estimator_measure.py), not the formula
 
     def stage(self, stage: int) -> StageEstimate:
         return self.stages[stage]
@@ -166,6 +172,7 @@ class Estimate:
             head += (
                 f"; activations for micro-batch {self.micro_batch} × sequence {self.seq_len}, {s.layers} layers, hidden {s.hidden}"
                 + (", checkpointed" if self.activation_checkpointing else "")
+                + (", measured on fake tensors" if self.measured else "")
                 + (f", sequence over {self.tiling.seq_shards} ranks" if self.tiling.seq_shards > 1 else "")
                 + (f", logits tiled by {self.tiling.logits_tile}" if self.tiling.logits_tile else "")
                 + (f", MLP tiled by {self.tiling.mlp_tile}" if self.tiling.mlp_tile else "")
@@ -227,6 +234,8 @@ def model_state_bytes(
     p, gr, opt = shard
     if stage == 3 and layout.hpz > 1:
         p += w * n / layout.hpz  # hpZ's secondary partition (stage3/unit.py)
+    if stage == 3:
+        p += w * layout.gathered
     offloaded = 0.0
     if offload != "none" and stage > 0:
         offloaded = (
@@ -329,12 +338,14 @@ def estimate(
     intermediate: int | None = None,
     tiling: Tiling = Tiling(),
     layout: Stage3Layout = Stage3Layout(),
+    activations: float | None = None,
 ) -> Estimate:
     """Per-device memory for every ZeRO stage; ``model`` is a parameter count, an ``nn.Module`` or a config dict.
 
     For a transformers model (or its ``config.json`` as a dict) layers, hidden size, heads, vocabulary
     and sequence length are read from the config unless given. With ``device_memory`` (bytes) the
-    result carries a recommendation.
+    result carries a recommendation. ``activations`` (bytes, from ``estimator_measure.measure_activations``)
+    replaces the formula's activations at every stage.
     """
     if precision not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
@@ -365,6 +376,9 @@ def estimate(
         tiling,
         layout,
     )
+    if activations is not None:
+        stages = [dataclasses.replace(e, activations=float(activations)) for e in result.stages]
+        result = dataclasses.replace(result, stages=stages, measured=True)
     if device_memory:
         result = dataclasses.replace(
             result, recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention)

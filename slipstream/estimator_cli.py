@@ -264,6 +264,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stage 3 with MiCS shard groups of S ranks (mics_shard_size)",
     )
     parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="with --model-config: build the model on fake tensors (transformers, torch) and measure its activations"
+        " and stage 3's gathered units instead of the formulas",
+    )
+    parser.add_argument(
         "--max-seq",
         action="store_true",
         help="the longest sequence that fits in --device-memory, by stage, with and without the tilings",
@@ -291,6 +297,7 @@ def main(args: argparse.Namespace) -> int:
     if args.max_seq and not args.device_memory:
         fail(prog, "--max-seq needs --device-memory GB (the memory the sequence must fit in)")
     tiling = Tiling(args.tiled_logits, args.tiled_mlp, args.seq_shards)
+    activations, gathered = _measured(prog, args, tiling) if args.measure else (None, 0)
     try:
         result = estimate(
             source,
@@ -309,7 +316,8 @@ def main(args: argparse.Namespace) -> int:
             vocab=args.vocab,
             flash_attention=not args.no_flash_attention,
             fp32_grads=args.fp32_grads,
-            layout=Stage3Layout(args.hpz, args.mics_shard_size),
+            layout=Stage3Layout(args.hpz, args.mics_shard_size, gathered),
+            activations=activations,
         )
     except (ValueError, TypeError) as err:
         fail(prog, str(err))
@@ -320,6 +328,34 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(result.table())
     return 0
+
+
+def _measured(prog: str, args: argparse.Namespace, tiling: Tiling) -> tuple[int, int]:
+    """``--measure``: the plain model's activations and stage 3's gathered parameters, measured on fake tensors."""
+    if args.model_config is None:
+        fail(prog, "--measure builds the model from --model-config config.json; give one")
+    combined = [
+        flag
+        for flag, on in (
+            ("--activation-checkpointing", args.activation_checkpointing),
+            ("--seq-shards", tiling.seq_shards > 1),
+            ("--tiled-logits", tiling.logits_tile),
+            ("--tiled-mlp", tiling.mlp_tile),
+            ("--max-seq", args.max_seq),
+        )
+        if on
+    ]
+    if combined:
+        fail(prog, f"--measure runs the plain model once; it does not combine with {', '.join(combined)}")
+    seq = args.seq_len or _describe(dict(args.model_config.data)).get("seq_len")
+    if not seq:
+        fail(prog, "--measure needs --seq-len (the config gives no maximum sequence length)")
+    from slipstream.estimator_measure import MeasureError, measure_config  # torch: only when asked for
+
+    try:
+        return measure_config(dict(args.model_config.data), seq, args.micro_batch, args.precision)
+    except MeasureError as err:
+        fail(prog, f"--measure: {err}")
 
 
 def max_sequence_table(result: Estimate, device_memory: float) -> str:

@@ -16,6 +16,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -204,6 +205,15 @@ class LargeBlockAllocator final : public c10::Allocator {
   size_t threshold_;
 };
 
+// A fork (a DataLoader's workers) copies the cache's mutex as it is at that moment: held by another thread,
+// the child's first large block would wait forever. Held across the fork, it is released on both sides.
+void lock_before_fork() {
+  g_cache_mutex.lock();
+}
+void unlock_after_fork() {
+  g_cache_mutex.unlock();
+}
+
 LargeBlockAllocator* g_installed = nullptr;  // never deleted: blocks it mapped may outlive any uninstall
 
 PyObject* install(PyObject*, PyObject* args) {
@@ -221,6 +231,11 @@ PyObject* install(PyObject*, PyObject* args) {
     small = g_installed->small();  // reinstalling with another threshold: keep the original small-block path
   } else if (current != c10::GetDefaultCPUAllocator() || current->raw_deleter() == nullptr) {
     Py_RETURN_FALSE;  // someone else's allocator: its blocks may not carry glibc's header word; leave it be
+  }
+  static const bool fork_safe = pthread_atfork(&lock_before_fork, &unlock_after_fork, &unlock_after_fork) == 0;
+  if (!fork_safe) {
+    PyErr_SetString(PyExc_RuntimeError, "large_blocks.install: pthread_atfork failed");
+    return nullptr;
   }
   g_small_deleter = small->raw_deleter();
   // Never freed: tensors mapped under an earlier threshold still point at it through their deleter only,

@@ -141,7 +141,9 @@ def test_reinstalling_is_idempotent_and_a_new_threshold_applies() -> None:
 
 def test_the_environment_variable_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLIPSTREAM_LARGE_BLOCKS", raising=False)
-    assert large_blocks.configured_threshold() == large_blocks.DEFAULT_THRESHOLD, "on by default ([Note: on by default])"
+    assert large_blocks.configured_threshold() == large_blocks.DEFAULT_THRESHOLD, (
+        "on by default ([Note: on by default])"
+    )
     monkeypatch.setenv("SLIPSTREAM_LARGE_BLOCKS", "0")
     assert large_blocks.configured_threshold() == 0 and large_blocks.install() is False
     monkeypatch.setenv("SLIPSTREAM_LARGE_BLOCKS", str(16 * MIB))
@@ -162,3 +164,31 @@ def test_transparent_huge_pages_are_read_from_the_kernel_setting(tmp_path: Path)
         setting.write_text(text + "\n")
         assert large_blocks.thp_available(setting) is available
     assert large_blocks.thp_available(tmp_path / "missing") is False
+
+
+def test_a_forked_child_allocates_large_blocks_while_the_parent_frees_them(installed: None) -> None:
+    """DataLoader workers fork: the cache's lock is held across the fork and released on both sides, so a child
+    forked while another thread frees a block into the cache still maps and frees its own."""
+    import os
+    import threading
+
+    stop = threading.Event()
+
+    def churn() -> None:  # frees into the cache and takes from it, on another thread, across the forks
+        while not stop.is_set():
+            torch.empty(6 * MIB, dtype=torch.uint8)
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        for _ in range(5):
+            pid = os.fork()
+            if pid == 0:  # the child: a large block of its own, then out without running the parent's teardown
+                block = torch.empty(10 * MIB, dtype=torch.uint8)
+                block.fill_(1)
+                os._exit(0 if int(block[-1]) == 1 else 1)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        stop.set()
+        worker.join()

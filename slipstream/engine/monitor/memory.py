@@ -24,8 +24,9 @@ class LiveTensorMeter(TorchDispatchMode):
     them do not).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, count_meta: bool = False) -> None:
         super().__init__()
+        self._skipped = () if count_meta else ("meta",)  # meta storages: a shape-only run (estimator_measure.py)
         self._storages: dict[int, tuple[StorageWeakRef, int, str]] = {}
         self.peak: Counter[str] = Counter()
 
@@ -36,7 +37,7 @@ class LiveTensorMeter(TorchDispatchMode):
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         grew = False
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+            if isinstance(leaf, torch.Tensor) and leaf.device.type not in self._skipped:
                 storage = leaf.untyped_storage()
                 key = storage._cdata
                 if key in inputs:
