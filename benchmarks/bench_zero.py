@@ -10,7 +10,8 @@ every block stays gathered from its forward into its backward; DeepSpeed's 3 and
 A stage ending in ``+sockets`` (``3+sockets``, ``3+reuse+sockets``) runs with the same-host shared-memory
 collectives off (``SLIPSTREAM_SHM_COLLECTIVES=0``): gloo's loopback sockets, as before they existed.
 Large CPU blocks are mapped on their own by default (``slipstream/ops/large_blocks.py``); a stage
-ending in ``+glibc`` (``3+glibc``) keeps every block in glibc's malloc (``SLIPSTREAM_LARGE_BLOCKS=0``).
+ending in ``+glibc`` (``3+glibc``) keeps every block in glibc's malloc (``SLIPSTREAM_LARGE_BLOCKS=0``),
+one ending in ``+1m`` maps blocks from 1 MiB (``SLIPSTREAM_LARGE_BLOCKS=1048576``) rather than 4.
 
 FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
 
@@ -98,6 +99,9 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
         if stage.endswith("+sockets"):  # the same-host shared-memory collectives off (slipstream/comm/shm.py)
             os.environ["SLIPSTREAM_SHM_COLLECTIVES"] = "0"
             stage = stage.removesuffix("+sockets")
+        if stage.endswith("+1m"):  # blocks from 1 MiB on mappings of their own (ops/large_blocks.py; default 4 MiB)
+            os.environ["SLIPSTREAM_LARGE_BLOCKS"] = str(1 << 20)
+            stage = stage.removesuffix("+1m")
         if stage.endswith("+glibc"):  # every CPU block from glibc's malloc (slipstream/ops/large_blocks.py off)
             os.environ["SLIPSTREAM_LARGE_BLOCKS"] = "0"
             stage = stage.removesuffix("+glibc")
@@ -233,7 +237,7 @@ def main() -> None:
         median = statistics.median(times)
         rss = "/".join(f"{r:.0f}" for r in results[kind]["rss"])
         peer = kind.replace("slipstream", "deepspeed")
-        peer = peer.removesuffix("+sockets").removesuffix("+glibc").removesuffix("+blocks")  # DeepSpeed has none
+        peer = peer.removesuffix("+sockets").removesuffix("+glibc").removesuffix("+1m")  # DeepSpeed has none
         if peer not in results:  # DeepSpeed's stage 3 defaults to the 1e9 reuse distance: its 3 is our 3+reuse
             peer = peer.removesuffix("+reuse")
         vs_ds = ""

@@ -130,14 +130,30 @@ void* take_cached_or_make_room(size_t length) {
   return data;
 }
 
-// Rounded up to whole huge pages: tensors of nearby sizes share a class, at most 2 MiB apart.
+// Rounded up to whole huge pages: tensors of nearby sizes share a class, at most 2 MiB apart. A block below one
+// huge page (a threshold under 2 MiB) is rounded to 64 KiB instead: a huge page for it would be mostly waste.
+constexpr size_t kSmallClass = size_t(64) << 10;
 size_t class_length(size_t nbytes) {
-  return (nbytes + kHugePage - 1) / kHugePage * kHugePage;
+  const size_t unit = nbytes < kHugePage ? kSmallClass : kHugePage;
+  return (nbytes + unit - 1) / unit * unit;
+}
+
+void* with_header(uintptr_t data, size_t length) {
+  auto* header = reinterpret_cast<uint64_t*>(data);
+  header[-2] = length;
+  header[-1] = kMagic;
+  g_maps.fetch_add(1);
+  return reinterpret_cast<void*>(data);
 }
 
 // Maps `length` bytes (whole huge pages) starting on a huge-page boundary, after one header page: over-map by
-// one huge page and trim both ends, so the kernel can back the block with huge pages.
+// one huge page and trim both ends, so the kernel can back the block with huge pages. A block below one huge
+// page gets its header page and its own pages, in 4 KiB pages.
 void* map_aligned(size_t length) {
+  if (length < kHugePage) {
+    void* raw = mmap(nullptr, kPage + length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return raw == MAP_FAILED ? nullptr : with_header(reinterpret_cast<uintptr_t>(raw) + kPage, length);
+  }
   const size_t over = kPage + length + kHugePage;
   void* raw = mmap(nullptr, over, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) {
@@ -154,11 +170,7 @@ void* map_aligned(size_t length) {
     munmap(reinterpret_cast<void*>(data + length), end - (data + length));
   }
   madvise(reinterpret_cast<void*>(data), length, MADV_HUGEPAGE);  // a hint: without THP, 4 KiB pages serve
-  auto* header = reinterpret_cast<uint64_t*>(data);
-  header[-2] = length;
-  header[-1] = kMagic;
-  g_maps.fetch_add(1);
-  return reinterpret_cast<void*>(data);
+  return with_header(data, length);
 }
 
 class LargeBlockAllocator final : public c10::Allocator {

@@ -85,6 +85,21 @@ def test_the_cache_never_holds_more_than_the_peak_already_paid_for(installed: No
     del again
 
 
+def test_a_block_below_one_huge_page_is_rounded_to_64_kib_not_to_a_huge_page() -> None:
+    """Under a threshold below 2 MiB a 1 MiB activation gets 1 MiB and 64 KiB at most, not a huge page."""
+    assert large_blocks.install(1 * MIB)
+    try:
+        before = large_blocks.stats()["mapped_bytes"]
+        block = torch.empty(MIB + 100, dtype=torch.uint8)
+        assert large_blocks.stats()["mapped_bytes"] - before == MIB + 64 * 1024
+        block.fill_(7)
+        assert int(block[-1]) == 7
+        del block
+    finally:
+        large_blocks.trim(everything=True)
+        large_blocks.uninstall()
+
+
 def test_small_blocks_stay_with_the_allocator_it_replaced(installed: None) -> None:
     before = large_blocks.stats()["maps"]
     small = [torch.empty(4 * MIB - 64, dtype=torch.uint8), torch.randn(1000), torch.zeros(0)]
