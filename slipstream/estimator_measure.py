@@ -31,6 +31,7 @@ import torch
 from torch.func import functional_call
 
 from slipstream.engine.monitor.memory import LiveTensorMeter
+from slipstream.engine.parallel.calls import loss_of
 
 __all__ = ["MeasureError", "causal_lm_inputs", "measure_activations", "stage3_gathered_params"]
 
@@ -48,12 +49,12 @@ def causal_lm_inputs(micro_batch: int, seq_len: int) -> dict[str, torch.Tensor]:
 
 
 def _loss_of(output: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if loss is None:
-        loss = output[0] if isinstance(output, (tuple, list)) else output
-    if not isinstance(loss, torch.Tensor):
-        raise MeasureError(f"the model returned {type(output).__name__}, with no loss tensor to run the backward from")
-    return loss if loss.dim() == 0 else loss.sum()
+    try:
+        return loss_of(output)  # the engine's own reading of a model's output (engine/parallel/calls.py)
+    except TypeError:
+        raise MeasureError(
+            f"the model returned {type(output).__name__}, with no scalar loss to run the backward from"
+        ) from None
 
 
 def measure_activations(

@@ -62,6 +62,11 @@ def test_a_model_that_reads_a_value_back_is_refused_with_its_name() -> None:
         measure_activations(ReadsBack(), 4, 2, "fp32")
 
 
+def test_a_model_without_a_scalar_loss_is_refused() -> None:
+    with pytest.raises(MeasureError, match="with no scalar loss to run the backward from"):
+        measure_activations(torch.nn.Linear(4, 4), 4, 2, "fp32", make_inputs=lambda b, s: {"input": torch.ones(b, 4)})
+
+
 def test_measured_activations_and_gathered_units_enter_every_stage() -> None:
     model = tiny_gpt2(seed=0, n_layer=3, n_embd=64)
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.transformer.h]
