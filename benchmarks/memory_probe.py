@@ -34,12 +34,12 @@ def _libc_mallinfo2() -> ctypes._CFuncPtr | None:
     return function
 
 
-def _large_blocks(key: str = "mapped_bytes") -> int:
-    """Bytes of the CPU blocks slipstream maps on their own, outside malloc (``slipstream/ops/large_blocks.py``): live
-    (``mapped_bytes``) or freed and cached for reuse (``cached_bytes``)."""
+def _large_blocks() -> dict[str, int]:
+    """The CPU blocks slipstream maps on their own, outside malloc (``slipstream/ops/large_blocks.py``): live bytes
+    (``mapped_bytes``) and those freed and cached for reuse (``cached_bytes``)."""
     from slipstream.ops import large_blocks
 
-    return large_blocks.stats()[key]
+    return large_blocks.stats()
 
 
 def malloc_in_use() -> int:
@@ -49,21 +49,21 @@ def malloc_in_use() -> int:
     if mallinfo2 is None:
         return 0
     info = mallinfo2()
-    return int(info.uordblks + info.hblkhd) + _large_blocks()
+    return int(info.uordblks + info.hblkhd) + _large_blocks()["mapped_bytes"]
 
 
 def _mallinfo() -> dict[str, float]:
     mallinfo2 = _libc_mallinfo2()
     if mallinfo2 is None:
         return {}
-    info = mallinfo2()
+    info, large = mallinfo2(), _large_blocks()
     # uordblks: bytes in use in the heaps; fordblks: free bytes the heaps keep; hblkhd: bytes in mmap'd blocks (malloc's
     # and the large blocks slipstream maps itself); large_cached: freed large blocks slipstream keeps for reuse
     return {
         "heap_used": info.uordblks / MIB,
         "heap_free": info.fordblks / MIB,
-        "mmapped": (info.hblkhd + _large_blocks()) / MIB,
-        "large_cached": _large_blocks("cached_bytes") / MIB,
+        "mmapped": (info.hblkhd + large["mapped_bytes"]) / MIB,
+        "large_cached": large["cached_bytes"] / MIB,
     }
 
 

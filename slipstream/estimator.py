@@ -375,10 +375,8 @@ def estimate(
         fp32_grads,
         tiling,
         layout,
+        activations,
     )
-    if activations is not None:
-        stages = [dataclasses.replace(e, activations=float(activations)) for e in result.stages]
-        result = dataclasses.replace(result, stages=stages, measured=True)
     if device_memory:
         result = dataclasses.replace(
             result, recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention)
@@ -398,13 +396,30 @@ def _estimate(
     fp32_grads: bool,
     tiling: Tiling = Tiling(),
     layout: Stage3Layout = Stage3Layout(),
+    measured: float | None = None,
 ) -> Estimate:
-    act = activation_bytes(shape, seq, mb, precision, ac, flash, tiling) if seq else None
+    if measured is not None:  # estimator_measure.measure_activations: replaces the formula
+        act: float | None = float(measured)
+    else:
+        act = activation_bytes(shape, seq, mb, precision, ac, flash, tiling) if seq else None
     stages = []
     for stage in STAGES:
         p, g, o, off = model_state_bytes(shape.params, dp, stage, precision, offload, fp32_grads, layout)
         stages.append(StageEstimate(stage, p, g, o, off, act))
-    return Estimate(shape, dp, precision, offload, seq, mb, ac, stages, tiling=tiling, flash=flash, layout=layout)
+    return Estimate(
+        shape,
+        dp,
+        precision,
+        offload,
+        seq,
+        mb,
+        ac,
+        stages,
+        tiling=tiling,
+        flash=flash,
+        layout=layout,
+        measured=measured is not None,
+    )
 
 
 def recommend(

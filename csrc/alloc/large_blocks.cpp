@@ -38,7 +38,6 @@ constexpr size_t kPage = 4096;
 // serves both kinds of block, which raw_allocate/raw_deallocate (used by some kernels for scratch) need.
 constexpr uint64_t kMagic = 0xD1CE5A1E5CAFEB10ull;
 
-std::atomic<int64_t> g_mapped_bytes{0};  // bytes of live large blocks (their data, not the header page)
 std::atomic<int64_t> g_maps{0};          // large blocks mapped so far
 std::atomic<int64_t> g_live_blocks{0};   // large blocks not yet freed
 std::atomic<int64_t> g_reused{0};        // allocations served from the cache
@@ -61,7 +60,7 @@ c10::DeleterFnPtr g_small_deleter = nullptr;  // the replaced allocator's delete
 std::mutex g_cache_mutex;
 std::unordered_map<size_t, std::vector<std::pair<void*, uint64_t>>> g_cache;  // length -> (data, free sequence)
 int64_t g_cached_bytes = 0;  // under g_cache_mutex
-int64_t g_live_bytes = 0;    // under g_cache_mutex: the same as g_mapped_bytes, kept beside the cache's count
+int64_t g_live_bytes = 0;    // under g_cache_mutex: bytes of live large blocks (their data, not the header page)
 int64_t g_high_water = 0;    // under g_cache_mutex: the most live bytes so far
 uint64_t g_sequence = 0;     // under g_cache_mutex: frees so far
 uint64_t g_trimmed_at = 0;   // under g_cache_mutex: g_sequence at the last trim()
@@ -83,7 +82,6 @@ void release(void* data) {
     return;
   }
   const uint64_t length = reinterpret_cast<const uint64_t*>(data)[-2];
-  g_mapped_bytes.fetch_sub(static_cast<int64_t>(length));
   g_live_blocks.fetch_sub(1);
   std::lock_guard<std::mutex> lock(g_cache_mutex);
   g_live_bytes -= static_cast<int64_t>(length);
@@ -187,7 +185,6 @@ class LargeBlockAllocator final : public c10::Allocator {
         data = map_aligned(length);
       }
       if (data != nullptr) {
-        g_mapped_bytes.fetch_add(static_cast<int64_t>(length));
         g_live_blocks.fetch_add(1);
         return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
       }
@@ -303,17 +300,19 @@ PyObject* reset_high_water(PyObject*, PyObject*) {
 }
 
 PyObject* stats(PyObject*, PyObject*) {
+  int64_t live = 0;
   int64_t cached = 0;
   int64_t high_water = 0;
   {
     std::lock_guard<std::mutex> lock(g_cache_mutex);
+    live = g_live_bytes;
     cached = g_cached_bytes;
     high_water = g_high_water;
   }
   return Py_BuildValue(
       "{s:L,s:L,s:L,s:L,s:L,s:L,s:L}",
       "mapped_bytes",
-      static_cast<long long>(g_mapped_bytes.load()),
+      static_cast<long long>(live),
       "cached_bytes",
       static_cast<long long>(cached),
       "high_water",

@@ -24,9 +24,8 @@ from slipstream import comm
 class UsedFlags:
     def __init__(self, count: int, device: torch.device) -> None:
         self.device = device
-        self.local = bytearray(
-            count
-        )  # this rank's: a hook stores 1 at a parameter's index (arrivals.py, stage3/reducer.py)
+        # this rank's: a hook stores 1 at a parameter's index (arrivals.py, stage3/reducer.py)
+        self.local = bytearray(count)
         self._all = [True] * count
 
     def reduce(self, members: list[tuple[dist.ProcessGroup | None, list[int]]]) -> list[bool]:
