@@ -27,11 +27,15 @@ the few buffers its schedule uses, not one per size. Gathering every unit at onc
 accumulation window, a checkpoint) is not a schedule to remember: ``shrink`` frees what it left.
 Without ``_swap_data_ptr_`` (an older torch) gathering resizes the storage as before.
 
-[Note: nothing idle into the backward] The step's peak is the start of backward, when every
-activation is alive. A pooled buffer idle then is memory no activation can use (on a GPU the
-caching allocator would hand it to them; glibc cannot), so the end of a forward that a backward
-follows frees the idle ones: measured on gpt2-large at 2 ranks, two 12.6 MB buffers, whose
-pages the backward then faults in again (~1% of the step) for 25 MB less at the peak.
+[Note: nothing idle into the backward] The step's peak is the end of the forward or the start of
+backward, when every activation is alive. A pooled buffer idle then is memory no activation can
+use (on a GPU the caching allocator would hand it to them; glibc cannot), so once a forward that a
+backward follows has started its last gather (the pre-hook of its last block), the idle ones are
+freed: measured on gpt2-large at 2 ranks, two 12.6 MB buffers, whose pages the backward then
+faults in again (~1% of the step) for 25 MB less at the peak. Not at the end of the model's
+forward, as before: the last block, the head and the loss (a vocabulary's logits) run before it
+and make the peak there; on a 16-block GPT-2 the buffers idle then (7 MiB) had been a fifth of
+what stage 3 held beyond its shard at its peak.
 """
 
 from __future__ import annotations

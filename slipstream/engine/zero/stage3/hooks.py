@@ -85,6 +85,8 @@ class UnitHooks:
             unit.pre_forward()
             if not torch.is_grad_enabled():
                 return None
+            if self.schedule.forward_gathered_all():
+                self.buffers.shrink()  # [Note: nothing idle into the backward] in buffers.py
             return _wrap_inputs(self, unit, args, kwargs)
 
         return hook

@@ -83,6 +83,11 @@ class GatherSchedule:
                 if unit.depth == 0 and unit.index not in current.kept:
                     unit.reshard()
 
+    def forward_gathered_all(self) -> bool:
+        """Whether the running forward has started every gather it will make: nothing more is gathered before
+        the backward (a block run twice aside), so a buffer idle now waits for the backward."""
+        return self.forward is not None and self.forward.cursor >= len(self.forward.order)
+
     def keeps(self, unit: ParamUnit) -> bool:
         """Whether the running forward leaves ``unit`` gathered for its backward."""
         return self.forward is not None and unit.index in self.forward.kept
