@@ -510,3 +510,24 @@ def _discarded_body() -> bool:
 
 def test_a_discarded_engine_and_model_are_freed() -> None:
     assert run_distributed(2, _discarded_body) == [True, True]
+
+
+def _idle_at_last_block_body() -> list[int]:
+    model = tiny_gpt2(seed=0, n_layer=4)
+    engine = slipstream.initialize(model, _config(dist.get_world_size(), 1))
+    idle: list[int] = []
+    # registered after the engine's pre-hook, so it sees the pool as the last block's forward runs
+    model.transformer.h[-1].register_forward_pre_hook(lambda *_: idle.append(engine.strategy.buffers.held_bytes()))
+    for batch in global_batches(3, 2 * dist.get_world_size()):
+        ids = micro_batch(batch, 0, dist.get_rank(), dist.get_world_size(), 2)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.close()
+    return idle
+
+
+def test_no_gather_buffer_is_idle_while_the_last_block_the_head_and_the_loss_run() -> None:
+    """[Note: nothing idle into the backward]: the forward's peak is its end (the head's logits, the loss); the
+    buffers earlier blocks gave back have no use until the backward and are freed at the last gather."""
+    for idle in run_distributed(2, _idle_at_last_block_body):
+        assert idle == [0, 0, 0], f"bytes idle in the gather pool as the last block ran, per step: {idle}"
