@@ -11,7 +11,12 @@ parameter of fp32 master weights, momentum and variance:
 
     stage 0: (2 + 2 + K)Ψ    stage 1: (2 + 2)Ψ + KΨ/N    stage 2: 2Ψ + (2 + K)Ψ/N    stage 3: (2 + 2 + K)Ψ/N
 
-With fp32 training the weights are their own masters: 4 + 4 + 8 bytes. Offload (stages 1-3) moves
+With fp32 training the weights are their own masters: 4 + 4 + 8 bytes. Stage 2 also keeps two
+send buffers of one gradient bucket each, reused every step (``grad_storage.SendBuffers``): a
+bucket holds ``reduce_bucket_size`` elements (unset: 25 MiB of fp32, the engine's default), or the
+largest parameter where that is larger (the embedding, vocabulary × hidden), never more than the
+model; measured on gpt2-large (Ψ = 29.5M, fp32) 49 MiB, which the estimate had left out (+18%
+against peak RSS at 2 ranks). Stages 0 and 1 reduce in the gradient buffer itself. Offload (stages 1-3) moves
 the optimizer's share, plus an fp32 gradient copy for the host Adam (16Ψ/N in all), off the device;
 at stage 3 it moves the parameter shards too (ZeRO-Infinity), leaving the gathered units.
 
@@ -48,6 +53,8 @@ import dataclasses
 import functools
 import math
 from typing import Any
+
+from slipstream.engine.config.zero import DEFAULT_REDUCE_BUCKET_NUMEL
 
 GB = 1e9  # the paper's unit: 1e9 bytes
 STAGES = (0, 1, 2, 3)
@@ -140,6 +147,7 @@ class Estimate:
     flash: bool = True
     layout: Stage3Layout = Stage3Layout()
     measured: bool = False  # activations measured on fake tensors (estimator_measure.py), not the formula
+    bucket: float = 0.0  # elements of the largest gradient bucket: stage 2 keeps two send buffers of it
 
     def stage(self, stage: int) -> StageEstimate:
         return self.stages[stage]
@@ -188,7 +196,11 @@ class Estimate:
             if self.offload != "none":
                 line += f"   {_gb(e.offloaded) if e.stage else 'n/a (offload needs stage 1-3)'}"
             lines.append(line)
-        lines.append("(GB = 1e9 bytes per device; ZeRO paper formulas, see docs/monitoring.md#memory-estimator)")
+        lines.append(
+            "(GB = 1e9 bytes per device; ZeRO paper formulas, see docs/monitoring.md#memory-estimator"
+            + (f"; stage 2's grads include two send buffers of {_count(self.bucket)} elements" if self.bucket else "")
+            + ")"
+        )
         tiles = self.tiling_line()
         if tiles:
             lines.append(tiles)
@@ -205,12 +217,14 @@ def model_state_bytes(
     offload: str = "none",
     fp32_grads: bool = False,
     layout: Stage3Layout = Stage3Layout(),
+    bucket: float = 0.0,
 ) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, offloaded) bytes per device for ``stage``; see [Note: the formulas].
 
     ``fp32_grads``: gradients accumulate in fp32 even with bf16/fp16 weights (4 bytes, not 2), as
     slipstream's stage 0 does. ``layout``: at stage 3, MiCS partitions over its shard group instead
-    of ``dp``, and hpZ adds its secondary copy of the weights (1/hpz of them).
+    of ``dp``, and hpZ adds its secondary copy of the weights (1/hpz of them). ``bucket``: elements of
+    the largest gradient bucket (:func:`gradient_bucket`), whose two send buffers stage 2 keeps.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
@@ -232,6 +246,8 @@ def model_state_bytes(
         3: (w * n / s3, g * n / s3, k * n / s3),
     }[stage]
     p, gr, opt = shard
+    if stage == 2:
+        gr += 2 * g * min(bucket, n)  # the send buffers (grad_storage.SendBuffers)
     if stage == 3 and layout.hpz > 1:
         p += w * n / layout.hpz  # hpZ's secondary partition (stage3/unit.py)
     if stage == 3:
@@ -246,6 +262,13 @@ def model_state_bytes(
             offloaded += p
             p = 0.0
     return p, gr, opt, offloaded
+
+
+def gradient_bucket(params: float, reduce_bucket_size: int | None = None, largest_param: float = 0.0) -> float:
+    """Elements of ZeRO-1/2's largest gradient bucket: ``reduce_bucket_size`` (None or 0: the engine's default), or
+    the largest parameter where it is larger (a parameter is never split across buckets), at most the model."""
+    cap = reduce_bucket_size or DEFAULT_REDUCE_BUCKET_NUMEL
+    return float(min(params, max(cap, largest_param)))
 
 
 def activation_bytes(
@@ -339,13 +362,15 @@ def estimate(
     tiling: Tiling = Tiling(),
     layout: Stage3Layout = Stage3Layout(),
     activations: float | None = None,
+    reduce_bucket_size: int | None = None,
 ) -> Estimate:
     """Per-device memory for every ZeRO stage; ``model`` is a parameter count, an ``nn.Module`` or a config dict.
 
     For a transformers model (or its ``config.json`` as a dict) layers, hidden size, heads, vocabulary
     and sequence length are read from the config unless given. With ``device_memory`` (bytes) the
     result carries a recommendation. ``activations`` (bytes, from ``estimator_measure.measure_activations``)
-    replaces the formula's activations at every stage.
+    replaces the formula's activations at every stage. ``reduce_bucket_size`` (elements; None: the engine's
+    default) sizes stage 2's send buffers.
     """
     if precision not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
@@ -363,6 +388,7 @@ def estimate(
     if shape.params <= 0:
         raise ValueError("the parameter count is unknown: pass a number of parameters, a model or a config with one")
     seq = seq_len or found.get("seq_len")
+    bucket = gradient_bucket(shape.params, reduce_bucket_size, (shape.vocab or 0) * (shape.hidden or 0))
     result = _estimate(
         shape,
         dp,
@@ -376,10 +402,12 @@ def estimate(
         tiling,
         layout,
         activations,
+        bucket,
     )
     if device_memory:
         result = dataclasses.replace(
-            result, recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention)
+            result,
+            recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention, bucket),
         )
     return result
 
@@ -397,6 +425,7 @@ def _estimate(
     tiling: Tiling = Tiling(),
     layout: Stage3Layout = Stage3Layout(),
     measured: float | None = None,
+    bucket: float = 0.0,
 ) -> Estimate:
     if measured is not None:  # estimator_measure.measure_activations: replaces the formula
         act: float | None = float(measured)
@@ -404,7 +433,7 @@ def _estimate(
         act = activation_bytes(shape, seq, mb, precision, ac, flash, tiling) if seq else None
     stages = []
     for stage in STAGES:
-        p, g, o, off = model_state_bytes(shape.params, dp, stage, precision, offload, fp32_grads, layout)
+        p, g, o, off = model_state_bytes(shape.params, dp, stage, precision, offload, fp32_grads, layout, bucket)
         stages.append(StageEstimate(stage, p, g, o, off, act))
     return Estimate(
         shape,
@@ -419,6 +448,7 @@ def _estimate(
         flash=flash,
         layout=layout,
         measured=measured is not None,
+        bucket=bucket,
     )
 
 
@@ -430,6 +460,7 @@ def recommend(
     precision: str,
     device_memory: float,
     flash: bool = True,
+    bucket: float = 0.0,
 ) -> str:
     """The cheapest configuration that fits in ``HEADROOM`` of ``device_memory`` bytes.
 
@@ -447,7 +478,7 @@ def recommend(
                 for stage in STAGES:
                     if offload != "none" and stage == 0:
                         continue
-                    p, g, o, _ = model_state_bytes(shape.params, dp, stage, precision, offload)
+                    p, g, o, _ = model_state_bytes(shape.params, dp, stage, precision, offload, bucket=bucket)
                     act = (activation_bytes(shape, seq, mb, precision, ac, flash) if seq else 0.0) or 0.0
                     if p + g + o + act <= budget:
                         parts = [f"ZeRO stage {stage}"]

@@ -47,6 +47,15 @@ class ConfigFile:
 
 def parse_params(text: str) -> int:
     """``--params``: a finite count from 1 to ``MAX_PARAMS``, as ``7e9``, ``7.5e9`` or ``7B`` (K, M, B, T)."""
+    return _parse_count(text, "parameters")
+
+
+def parse_elements(text: str) -> int:
+    """``--reduce-bucket-size``: elements, written as DeepSpeed configs write them (``5e8``, ``500000000``)."""
+    return _parse_count(text, "elements")
+
+
+def _parse_count(text: str, noun: str) -> int:
     number, scale = text.strip(), 1.0
     if number[-1:].upper() in _SUFFIXES:
         number, scale = number[:-1], _SUFFIXES[number[-1].upper()]
@@ -55,11 +64,9 @@ def parse_params(text: str) -> int:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value >= 1):
-        raise argparse.ArgumentTypeError(
-            f"{shown(text)}: must be a finite positive number of parameters (e.g. 7e9 or 7B)"
-        )
+        raise argparse.ArgumentTypeError(f"{shown(text)}: must be a finite positive number of {noun} (e.g. 7e9 or 7B)")
     if value > MAX_PARAMS:
-        raise argparse.ArgumentTypeError(f"{shown(text)}: must be at most {_MAX_PARAMS_TEXT} parameters")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: must be at most {_MAX_PARAMS_TEXT} {noun}")
     return round(value)
 
 
@@ -264,6 +271,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stage 3 with MiCS shard groups of S ranks (mics_shard_size)",
     )
     parser.add_argument(
+        "--reduce-bucket-size",
+        type=parse_elements,
+        metavar="N",
+        help="zero_optimization.reduce_bucket_size in elements (default: the engine's 25 MiB of fp32): stage 2's two"
+        " send buffers",
+    )
+    parser.add_argument(
         "--measure",
         action="store_true",
         help="with --model-config: build the model on fake tensors (transformers, torch) and measure its activations"
@@ -318,6 +332,7 @@ def main(args: argparse.Namespace) -> int:
             fp32_grads=args.fp32_grads,
             layout=Stage3Layout(args.hpz, args.mics_shard_size, gathered),
             activations=activations,
+            reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else None,
         )
     except (ValueError, TypeError) as err:
         fail(prog, str(err))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from slipstream.accelerator import get_accelerator
 from slipstream.comm import init_distributed
 from slipstream.engine.config import AioConfig, ConfigError, MeshSizes, SlipstreamConfig, ZeroConfig, mesh_sizes
+from slipstream.engine.config.zero import DEFAULT_REDUCE_BUCKET_NUMEL
 from slipstream.engine.optimizers import validate_optimizer_config
 from slipstream.engine.parallel.options import ParallelOptions
 from slipstream.engine.precision import DTYPES
@@ -28,10 +29,6 @@ from slipstream.engine.zero.offload.options import AUTO_SUB_GROUP_NUMEL, AioOpti
 from slipstream.engine.zero.stage3.strategy import Stage3Options
 from slipstream.engine.zero.strategy import ShardingOptions
 from slipstream.utils.logging import get_logger
-
-# The default bucket when reduce_bucket_size is not set: DeepSpeed's 5e8 elements would put a whole
-# model in one bucket and leave nothing to overlap with backward (DDP uses 25 MB).
-DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4
 
 ConfigSource = dict[str, Any] | str | os.PathLike[str] | SlipstreamConfig
 OptimizerSource = torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None
@@ -97,7 +94,7 @@ def engine_options(
     sharding = ShardingOptions(
         reduce_bucket_numel=zero.reduce_bucket_size
         if "reduce_bucket_size" in zero.model_fields_set
-        else DEFAULT_BUCKET_NUMEL,
+        else DEFAULT_REDUCE_BUCKET_NUMEL,
         overlap_comm=zero.overlap,
         communication_dtype=DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
         gradient_predivide_factor=cfg.gradient_predivide_factor,

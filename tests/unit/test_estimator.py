@@ -12,22 +12,40 @@ import pytest
 import slipstream
 from slipstream import estimator
 from slipstream.cli import main as cli_main
+from slipstream.engine.config.zero import DEFAULT_REDUCE_BUCKET_NUMEL
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_paper_example_7_5b_on_64_ranks() -> None:
-    # ZeRO paper, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.9 GB per device.
+    # ZeRO paper, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.9 GB per device. Stage 2 also
+    # keeps two send buffers of one gradient bucket (the engine's default: 25 MiB of fp32 elements), bf16.
     result = slipstream.estimate(7.5e9, dp=64)
-    totals = [round(result.stage(s).model_states / 1e9, 1) for s in range(4)]
-    assert totals == [120.0, 31.4, 16.6, 1.9]
+    send_buffers = 2 * 2 * DEFAULT_REDUCE_BUCKET_NUMEL
+    totals = [result.stage(s).model_states - (send_buffers if s == 2 else 0) for s in range(4)]
+    assert [round(t / 1e9, 1) for t in totals] == [120.0, 31.4, 16.6, 1.9]
+    assert result.bucket == DEFAULT_REDUCE_BUCKET_NUMEL
+
+
+def test_stage2_send_buffers_follow_the_bucket_the_largest_parameter_and_the_model() -> None:
+    """DeepSpeed's 5e8 in a config: 2 GB of bf16 send buffers at stage 2, which the paper's formula does not show."""
+    plain = slipstream.estimate(7.5e9, dp=64).stage(2).grads
+    deepspeed = slipstream.estimate(7.5e9, dp=64, reduce_bucket_size=500_000_000).stage(2).grads
+    assert deepspeed - plain == 2 * 2 * (500_000_000 - DEFAULT_REDUCE_BUCKET_NUMEL)
+    for stage in (0, 1, 3):  # reduced in the gradient buffer itself, or per unit
+        assert slipstream.estimate(7.5e9, dp=64, reduce_bucket_size=500_000_000).stage(stage).grads == (
+            slipstream.estimate(7.5e9, dp=64).stage(stage).grads
+        )
+    assert estimator.gradient_bucket(1e6) == 1e6  # never more than the model
+    assert estimator.gradient_bucket(1e9, 1000, largest_param=50257 * 1600) == 50257 * 1600  # one parameter, one bucket
 
 
 def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["estimate", "--params", "7.5e9", "--dp", "64"]) == 0
+    assert cli_main(["estimate", "--params", "7.5e9", "--dp", "64", "--reduce-bucket-size", "5e8"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
-    assert [rows[s][4] for s in "0123"] == ["120.0", "31.4", "16.6", "1.9"]  # the model-states column
+    assert [rows[s][4] for s in "0123"] == ["120.0", "31.4", "18.6", "1.9"]  # the model-states column
+    assert "stage 2's grads include two send buffers of 500M elements" in out
 
 
 def test_cli_does_not_import_torch() -> None:

@@ -61,6 +61,11 @@ STAGE3_ALIASES: dict[str, tuple[str, ...]] = {
 
 ZERO_MEANS_DEFAULT = ("sub_group_size", "reduce_bucket_size", "allgather_bucket_size")
 
+# The gradient bucket, in elements, when reduce_bucket_size is not set: DeepSpeed's 5e8 would put a whole
+# model in one bucket and leave nothing to overlap with backward (DDP uses 25 MB). The estimator sizes
+# stage 2's send buffers by it too.
+DEFAULT_REDUCE_BUCKET_NUMEL = 25 * 2**20 // 4
+
 
 class ZeroConfig(Section):
     """``zero_optimization``; defaults follow DeepSpeed 0.19.8 except ``overlap_comm`` (docs/config.md)."""
