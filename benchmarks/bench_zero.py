@@ -145,6 +145,7 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
         "malloc_before_model": before.get("heap_used", 0.0) + before.get("mmapped", 0.0),
         "at_peak": peak.at_rss,
         "pss": peak.pss,
+        "live": peak.live,
         "shm": shm_rss_mib(),
         "held": held,
     }
@@ -301,6 +302,7 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
     print(
         f"{'config':<14} {'peak RSS':>9} {'peak PSS':>9} {'saving':>7} {'formula':>8} {'ratio':>6}   at the highest RSS: {'before model':>12}"
         f" {'(malloc)':>8} {'malloc used':>11} {'heap free':>9} {'cached':>6} {'shm':>5} {'huge':>5}   estimate {'error':>6}"
+        f"   {'peak live':>9} {'estimate':>8} {'error':>6}"
         "   engine holds (params/grads/optimizer/buffers)"
     )
     for kind in kinds:
@@ -308,19 +310,25 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
         at = w["at_peak"]
         peak = max(results[kind]["rss"])
         saving = ddp_peak - peak
-        formula = ratio = est = error = ""
+        formula = ratio = est = error = est_live = error_live = ""
+        live = max(r.get("live", 0.0) for e in results[kind]["extra"] for r in e)
         if stage is not None:
             states = plain.stage(0).model_states - plain.stage(stage).model_states  # the formula: states only
             formula = f"{states / mib:.0f}"
             ratio = f"{saving / (states / mib):.2f}" if states else ""
             predicted = w["before_model"] + found.stage(stage).total / mib
             est, error = f"{predicted:.0f}", f"{peak / predicted - 1:+.0%}"
+            # the allocators' bytes handed out (sampled every 5 ms) against the malloc bytes before the model + the
+            # estimate: what the estimate models, without the memory the allocators keep free (heap, cache)
+            predicted_live = w.get("malloc_before_model", 0.0) + found.stage(stage).total / mib
+            est_live, error_live = f"{predicted_live:.0f}", f"{live / predicted_live - 1:+.0%}"
         held = "/".join(f"{w['held'][k]:.0f}" for k in ("params", "grads", "optimizer", "buffers") if k in w["held"])
         print(
             f"{kind:<14} {peak:9.0f} {max(r['pss'] for e in results[kind]['extra'] for r in e):9.0f} {saving:7.0f} {formula:>8} {ratio:>6}"
             f"   {'':>18}{w['before_model']:12.0f} {w.get('malloc_before_model', 0):8.0f}"
             f" {at.get('heap_used', 0) + at.get('mmapped', 0):11.0f} {at.get('heap_free', 0):9.0f} {at.get('large_cached', 0):6.0f}"
-            f" {w['shm']:5.0f} {at.get('huge', 0):5.0f}   {est:>8} {error:>6}   {held}"
+            f" {w['shm']:5.0f} {at.get('huge', 0):5.0f}   {est:>8} {error:>6}   {live:9.0f} {est_live:>8} {error_live:>6}"
+            f"   {held}"
         )
 
 

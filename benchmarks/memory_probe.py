@@ -109,12 +109,14 @@ def sample() -> dict[str, float]:
 
 
 class PeakSampler:
-    """``with PeakSampler() as peak:`` polls every ``interval`` seconds; ``peak.at_rss`` / ``peak.pss`` afterwards."""
+    """``with PeakSampler() as peak:`` polls every ``interval`` seconds; ``peak.at_rss`` / ``peak.pss`` / ``peak.live``
+    (the most bytes the allocators had handed out, MiB: what an estimate of live tensors predicts) afterwards."""
 
     def __init__(self, interval: float = 0.005) -> None:
         self.interval = interval
         self.at_rss: dict[str, float] = {}
         self.pss = 0.0
+        self.live = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-sampler", daemon=True)
 
@@ -124,6 +126,7 @@ class PeakSampler:
             if now["rss"] > self.at_rss.get("rss", -1.0):
                 self.at_rss = now
             self.pss = max(self.pss, now["pss"])
+            self.live = max(self.live, now.get("heap_used", 0.0) + now.get("mmapped", 0.0))
             time.sleep(self.interval)
 
     def __enter__(self) -> PeakSampler:
