@@ -18,6 +18,8 @@ with its router loss), the long-context tilings, and two pairs at world 4.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import pytest
@@ -264,6 +266,7 @@ def _compiled_autograd_run(stage: int, by_config: bool) -> dict[str, Any]:
             "losses": losses,
             "weights": [p.detach().clone() for p in engine.module.parameters()],
             "captures": counters["compiled_autograd"]["captures"],
+            "counts": dataclasses.asdict(engine.parallel.compiled.counts) if traced and by_config else None,
         }
         engine.close()
     return found
@@ -274,6 +277,9 @@ def _check_compiled_autograd(results: list[dict[str, Any]]) -> None:
     for rank, found in enumerate(results):
         eager, traced = found["False"], found["True"]
         assert traced["captures"] > 0 and eager["captures"] == 0, rank
+        if traced["counts"] is not None:  # by config: the backward's graphs are the engine's to count
+            # the blocks' forward is one graph (one Linear class); compiled autograd's come on top, none after step 1
+            assert traced["counts"]["graphs"] > 1 and traced["counts"]["recompiles"] == 0, traced["counts"]
         assert traced["losses"] == eager["losses"], rank
         for a, b in zip(traced["weights"], eager["weights"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)

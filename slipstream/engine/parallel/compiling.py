@@ -166,7 +166,22 @@ class CompiledBlocks:
         from torch._dynamo import compiled_autograd
 
         compiler = torch.compile(backend=self.options.backend, **self.options.kwargs)
-        return compiled_autograd._enable(compiler)
+        return self._counted_backward(compiled_autograd._enable(compiler))
+
+    @contextlib.contextmanager
+    def _counted_backward(self, enabled: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+        """Compiled autograd's graphs and breaks, counted under the name ``backward`` like a block's ([Note:
+        counted, never silent]); a block recomputed inside the backward (checkpointing) counts its own graphs, which
+        are taken out of the backward's so that nothing is counted twice."""
+        graphs, breaks = _dynamo_totals()
+        recorded = self.counts.graphs, self.counts.graph_breaks
+        with enabled:
+            yield
+        made, broke = _dynamo_totals()
+        made -= self.counts.graphs - recorded[0]
+        broke -= self.counts.graph_breaks - recorded[1]
+        if made != graphs or broke != breaks:
+            self._record("backward", made - graphs, broke - breaks, True)
 
     def _torch_compile(self, function: Callable[..., Any]) -> Callable[..., Any]:
         # In a recompile region of its own: another engine's graphs in this process count against neither's limit.
