@@ -19,7 +19,6 @@ with its router loss), the long-context tilings, and two pairs at world 4.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 import pytest
