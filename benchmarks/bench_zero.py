@@ -11,7 +11,8 @@ A stage ending in ``+sockets`` (``3+sockets``, ``3+reuse+sockets``) runs with th
 collectives off (``SLIPSTREAM_SHM_COLLECTIVES=0``): gloo's loopback sockets, as before they existed.
 Large CPU blocks are mapped on their own by default (``slipstream/ops/large_blocks.py``); a stage
 ending in ``+glibc`` (``3+glibc``) keeps every block in glibc's malloc (``SLIPSTREAM_LARGE_BLOCKS=0``),
-one ending in ``+1m`` maps blocks from 1 MiB (``SLIPSTREAM_LARGE_BLOCKS=1048576``) rather than 4.
+one ending in ``+1m`` maps blocks from 1 MiB (``SLIPSTREAM_LARGE_BLOCKS=1048576``) rather than 4. A stage
+ending in ``+trim`` returns glibc's free heap pages after every step (``malloc_trim(0)`` in the loop).
 
 FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
 
@@ -35,6 +36,7 @@ is not importable here.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import json
 import os
@@ -99,6 +101,8 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
         if stage.endswith("+sockets"):  # the same-host shared-memory collectives off (slipstream/comm/shm.py)
             os.environ["SLIPSTREAM_SHM_COLLECTIVES"] = "0"
             stage = stage.removesuffix("+sockets")
+        trim_each_step = stage.endswith("+trim")  # glibc's free heap pages returned after every step
+        stage = stage.removesuffix("+trim")
         if stage.endswith("+1m"):  # blocks from 1 MiB on mappings of their own (ops/large_blocks.py; default 4 MiB)
             os.environ["SLIPSTREAM_LARGE_BLOCKS"] = str(1 << 20)
             stage = stage.removesuffix("+1m")
@@ -131,6 +135,8 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
             loss = engine(input_ids=batch, labels=batch).loss
             engine.backward(loss)
             engine.step()
+            if trim_each_step:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
 
     times = time_steps(step, batches[: WARMUP + args.steps], WARMUP)
     with PeakSampler() as peak:
@@ -238,7 +244,7 @@ def main() -> None:
         median = statistics.median(times)
         rss = "/".join(f"{r:.0f}" for r in results[kind]["rss"])
         peer = kind.replace("slipstream", "deepspeed")
-        peer = peer.removesuffix("+sockets").removesuffix("+glibc").removesuffix("+1m")  # DeepSpeed has none
+        peer = peer.removesuffix("+sockets").removesuffix("+glibc").removesuffix("+1m").removesuffix("+trim")  # DeepSpeed has none
         if peer not in results:  # DeepSpeed's stage 3 defaults to the 1e9 reuse distance: its 3 is our 3+reuse
             peer = peer.removesuffix("+reuse")
         vs_ds = ""

@@ -70,6 +70,17 @@ def register(obj: Any) -> None:
             _OBJECT_BY_NUMBER[number] = lambda: obj
 
 
+def number_of(obj: Any) -> int:
+    """``obj``'s number (registering it first): a constant a graph can carry in place of the object."""
+    register(obj)
+    return _OBJECTS[id(obj)]
+
+
+def object_of(number: int) -> Any:
+    """The object registered under ``number`` (None once an object held weakly is gone)."""
+    return _OBJECT_BY_NUMBER[number]()
+
+
 def island(
     fn: Callable[..., Any] | type[torch.autograd.Function],
     tensors: Sequence[torch.Tensor],

@@ -18,9 +18,7 @@ Both take their parameters in *slots* (the order given) and write used flags at 
 
 from __future__ import annotations
 
-import itertools
 import sys
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -28,6 +26,7 @@ import torch
 
 from slipstream.ops import builder
 from slipstream.ops.specs import GRAD_ARRIVALS
+from slipstream.utils import eager_island
 
 COUNT, ADOPT, ADD_AND_FREE = 0, 1, 2  # what happens to the gradient before it is counted (see the C++ Mode)
 
@@ -145,15 +144,14 @@ class Hooked:
 # traces, the hook instead calls ``slipstream::gradient_arrived``, a custom op dynamo keeps in the graph
 # without looking inside; when the graph runs, the op runs the arrival in Python, unchanged. The op
 # "mutates" a one-element token, so no pass drops it as unused (it returns nothing) and the arrivals keep
-# their order in the graph. Outside dynamo the hook calls the arrival directly, as before.
-_TRACED: weakref.WeakValueDictionary[int, PythonArrivals] = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
+# their order in the graph. The arrivals object travels as its number (``eager_island.number_of``, the
+# registry the islands' objects use). Outside dynamo the hook calls the arrival directly, as before.
 _TOKEN = torch.zeros(1)
 
 
 @torch.library.custom_op("slipstream::gradient_arrived", mutates_args=("token",))
 def _gradient_arrived(param: torch.Tensor, token: torch.Tensor, owner: int, slot: int) -> None:
-    _TRACED[owner].arrive(slot)
+    eager_island.object_of(owner).arrive(slot)
 
 
 @_gradient_arrived.register_fake
@@ -185,8 +183,7 @@ class PythonArrivals:
         self.sync = self.aside = False
         self.launch = True
         self.reset()
-        self.key = next(_KEYS)
-        _TRACED[self.key] = self
+        self.key = eager_island.number_of(self)
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(k)) for k, p in enumerate(params)]
 
     def _hook(self, slot: int) -> Callable[[torch.Tensor], None]:
@@ -232,7 +229,6 @@ class PythonArrivals:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        _TRACED.pop(self.key, None)
         self.on_bucket = self.on_twice = _removed
 
     def hooks(self) -> int:
