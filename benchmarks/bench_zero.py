@@ -244,7 +244,9 @@ def main() -> None:
         median = statistics.median(times)
         rss = "/".join(f"{r:.0f}" for r in results[kind]["rss"])
         peer = kind.replace("slipstream", "deepspeed")
-        peer = peer.removesuffix("+sockets").removesuffix("+glibc").removesuffix("+1m").removesuffix("+trim")  # DeepSpeed has none
+        peer = (
+            peer.removesuffix("+sockets").removesuffix("+glibc").removesuffix("+1m").removesuffix("+trim")
+        )  # DeepSpeed has none
         if peer not in results:  # DeepSpeed's stage 3 defaults to the 1e9 reuse distance: its 3 is our 3+reuse
             peer = peer.removesuffix("+reuse")
         vs_ds = ""
