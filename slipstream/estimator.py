@@ -388,7 +388,8 @@ def estimate(
     if shape.params <= 0:
         raise ValueError("the parameter count is unknown: pass a number of parameters, a model or a config with one")
     seq = seq_len or found.get("seq_len")
-    bucket = gradient_bucket(shape.params, reduce_bucket_size, (shape.vocab or 0) * (shape.hidden or 0))
+    largest = found.get("largest_param") or (shape.vocab or 0) * (shape.hidden or 0)  # else the embedding
+    bucket = gradient_bucket(shape.params, reduce_bucket_size, largest)
     result = _estimate(
         shape,
         dp,
@@ -540,13 +541,14 @@ def _describe(model: Any) -> dict[str, int]:
         return found
     if hasattr(model, "parameters"):  # an nn.Module: torch is loaded already
         seen: set[int] = set()
-        params = 0
+        params = largest = 0
         for p in model.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 params += p.numel()
+                largest = max(largest, p.numel())
         found = shape_from_config(getattr(model, "config", None) or {})
-        found["params"] = params
+        found["params"], found["largest_param"] = params, largest
         return found
     raise TypeError(f"estimate: expected a parameter count, an nn.Module or a config dict, got {type(model).__name__}")
 

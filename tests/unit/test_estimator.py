@@ -38,6 +38,10 @@ def test_stage2_send_buffers_follow_the_bucket_the_largest_parameter_and_the_mod
         )
     assert estimator.gradient_bucket(1e6) == 1e6  # never more than the model
     assert estimator.gradient_bucket(1e9, 1000, largest_param=50257 * 1600) == 50257 * 1600  # one parameter, one bucket
+    import torch  # a module's own largest parameter sizes the bucket
+
+    module = torch.nn.Sequential(torch.nn.Linear(400, 400, bias=False), torch.nn.Linear(10, 10))
+    assert slipstream.estimate(module, dp=2, reduce_bucket_size=1000).bucket == 400 * 400
 
 
 def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
