@@ -321,14 +321,16 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
         formula = ratio = est = error = est_live = error_live = ""
         live = max(r.get("live", 0.0) for e in results[kind]["extra"] for r in e)
         if stage is not None:
-            states = plain.stage(0).model_states - plain.stage(stage).model_states  # the formula: states only
+            # the formula: model states only (stage 2's with its two send buffers, slipstream/estimator.py)
+            states = plain.stage(0).model_states - plain.stage(stage).model_states
             formula = f"{states / mib:.0f}"
             ratio = f"{saving / (states / mib):.2f}" if states else ""
-            predicted = w["before_model"] + found.stage(stage).total / mib
+            estimated = found.stage(stage).total / mib
+            predicted = w["before_model"] + estimated
             est, error = f"{predicted:.0f}", f"{peak / predicted - 1:+.0%}"
             # the allocators' bytes handed out (sampled every 5 ms) against the malloc bytes before the model + the
             # estimate: what the estimate models, without the memory the allocators keep free (heap, cache)
-            predicted_live = w.get("malloc_before_model", 0.0) + found.stage(stage).total / mib
+            predicted_live = w.get("malloc_before_model", 0.0) + estimated
             est_live, error_live = f"{predicted_live:.0f}", f"{live / predicted_live - 1:+.0%}"
         held = "/".join(f"{w['held'][k]:.0f}" for k in ("params", "grads", "optimizer", "buffers") if k in w["held"])
         print(

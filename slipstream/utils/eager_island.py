@@ -125,7 +125,7 @@ def _statics(codes: str, ints: Sequence[int], floats: Sequence[float], strings: 
         elif code == "s":
             out.append(next(next_string))
         else:
-            out.append(_OBJECT_BY_NUMBER[next(next_int)]())
+            out.append(object_of(next(next_int)))
     return tuple(out)
 
 
