@@ -11,7 +11,7 @@ A stage ending in ``+sockets`` (``3+sockets``, ``3+reuse+sockets``) runs with th
 collectives off (``SLIPSTREAM_SHM_COLLECTIVES=0``): gloo's loopback sockets, as before they existed.
 Large CPU blocks are mapped on their own by default (``slipstream/ops/large_blocks.py``); a stage
 ending in ``+glibc`` (``3+glibc``) keeps every block in glibc's malloc (``SLIPSTREAM_LARGE_BLOCKS=0``),
-one ending in ``+1m`` maps blocks from 1 MiB (``SLIPSTREAM_LARGE_BLOCKS=1048576``) rather than 4. A stage
+one ending in ``+4m`` maps blocks from 4 MiB (``SLIPSTREAM_LARGE_BLOCKS=4194304``, the default until 2026-12-03) rather than 1. A stage
 ending in ``+trim`` returns glibc's free heap pages after every step (``malloc_trim(0)`` in the loop).
 
 FSDP2 shards with ``fully_shard`` on every GPT2Block and then the root (the units ZeRO-3 picks).
@@ -103,9 +103,9 @@ def _worker(rank: int, world: int, port: int, kind: str, args: argparse.Namespac
             stage = stage.removesuffix("+sockets")
         trim_each_step = stage.endswith("+trim")  # glibc's free heap pages returned after every step
         stage = stage.removesuffix("+trim")
-        if stage.endswith("+1m"):  # blocks from 1 MiB on mappings of their own (ops/large_blocks.py; default 4 MiB)
-            os.environ["SLIPSTREAM_LARGE_BLOCKS"] = str(1 << 20)
-            stage = stage.removesuffix("+1m")
+        if stage.endswith("+4m"):  # blocks from 4 MiB on mappings of their own (ops/large_blocks.py; default 1 MiB)
+            os.environ["SLIPSTREAM_LARGE_BLOCKS"] = str(4 << 20)
+            stage = stage.removesuffix("+4m")
         if stage.endswith("+glibc"):  # every CPU block from glibc's malloc (slipstream/ops/large_blocks.py off)
             os.environ["SLIPSTREAM_LARGE_BLOCKS"] = "0"
             stage = stage.removesuffix("+glibc")
@@ -245,7 +245,7 @@ def main() -> None:
         rss = "/".join(f"{r:.0f}" for r in results[kind]["rss"])
         peer = kind.replace("slipstream", "deepspeed")
         peer = (
-            peer.removesuffix("+sockets").removesuffix("+glibc").removesuffix("+1m").removesuffix("+trim")
+            peer.removesuffix("+sockets").removesuffix("+glibc").removesuffix("+4m").removesuffix("+trim")
         )  # DeepSpeed has none
         if peer not in results:  # DeepSpeed's stage 3 defaults to the 1e9 reuse distance: its 3 is our 3+reuse
             peer = peer.removesuffix("+reuse")
@@ -301,6 +301,7 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
         flash_attention=True,
         activations=measure_activations(built, SEQ, MICRO_BATCH, "fp32"),
         layout=Stage3Layout(gathered=stage3_gathered_params(built)),
+        on_cpu=True,  # the same-host collectives' shared files and scratch rows (utils/host_rings.py)
     )
     ddp_peak = max(results["ddp"]["rss"])  # peak per rank: the largest rank's, what a user provisions for
     print(

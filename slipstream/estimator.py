@@ -55,6 +55,8 @@ import math
 from typing import Any
 
 from slipstream.engine.config.zero import DEFAULT_REDUCE_BUCKET_NUMEL
+from slipstream.estimator_shape import describe_model
+from slipstream.utils.host_rings import ring_bytes
 
 GB = 1e9  # the paper's unit: 1e9 bytes
 STAGES = (0, 1, 2, 3)
@@ -122,6 +124,7 @@ class StageEstimate:
     optimizer: float
     offloaded: float  # bytes per rank kept in host memory or on NVMe instead
     activations: float | None
+    collectives: float = 0.0  # ranks on CPU: the same-host collectives' buffers (host_collective_bytes)
 
     @property
     def model_states(self) -> float:
@@ -129,7 +132,7 @@ class StageEstimate:
 
     @property
     def total(self) -> float:
-        return self.model_states + (self.activations or 0.0)
+        return self.model_states + (self.activations or 0.0) + self.collectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +151,7 @@ class Estimate:
     layout: Stage3Layout = Stage3Layout()
     measured: bool = False  # activations measured on fake tensors (estimator_measure.py), not the formula
     bucket: float = 0.0  # elements of the largest gradient bucket: stage 2 keeps two send buffers of it
+    on_cpu: bool = False  # ranks train on CPU on one host: totals count the shared-memory collectives' buffers
 
     def stage(self, stage: int) -> StageEstimate:
         return self.stages[stage]
@@ -201,6 +205,11 @@ class Estimate:
             + (f"; stage 2's grads include two send buffers of {_count(self.bucket)} elements" if self.bucket else "")
             + ")"
         )
+        if self.on_cpu and any(e.collectives for e in self.stages):
+            lines.append(
+                "totals include, per rank on CPU, the same-host collectives' buffers: "
+                + ", ".join(f"stage {e.stage} {_gb(e.collectives)}" for e in self.stages)
+            )
         tiles = self.tiling_line()
         if tiles:
             lines.append(tiles)
@@ -269,6 +278,22 @@ def gradient_bucket(params: float, reduce_bucket_size: int | None = None, larges
     the largest parameter where it is larger (a parameter is never split across buckets), at most the model."""
     cap = reduce_bucket_size or DEFAULT_REDUCE_BUCKET_NUMEL
     return float(min(params, max(cap, largest_param)))
+
+
+def host_collective_bytes(stage: int, dp: int, layout: Stage3Layout = Stage3Layout()) -> float:
+    """Bytes per rank that ranks training on CPU on one host keep for their shared-memory collectives: one ring
+    carries the gradients at stages 0-2 (the data-parallel group's), two at stage 3 (its gather and reduce lanes,
+    over MiCS's shard group where set) and one more for hpZ's secondary gathers; each as
+    ``utils/host_rings.py`` sizes it ([Note: a ring's resident bytes]). The rings' small all-reduces (flags, the
+    gradient norm) touch a page or two and are not counted."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    if stage < 3:
+        return float(ring_bytes(dp))
+    rings = 2 * ring_bytes(layout.mics or dp)
+    if layout.hpz > 1:
+        rings += ring_bytes(layout.hpz)
+    return float(rings)
 
 
 def activation_bytes(
@@ -363,6 +388,7 @@ def estimate(
     layout: Stage3Layout = Stage3Layout(),
     activations: float | None = None,
     reduce_bucket_size: int | None = None,
+    on_cpu: bool = False,
 ) -> Estimate:
     """Per-device memory for every ZeRO stage; ``model`` is a parameter count, an ``nn.Module`` or a config dict.
 
@@ -370,13 +396,14 @@ def estimate(
     and sequence length are read from the config unless given. With ``device_memory`` (bytes) the
     result carries a recommendation. ``activations`` (bytes, from ``estimator_measure.measure_activations``)
     replaces the formula's activations at every stage. ``reduce_bucket_size`` (elements; None: the engine's
-    default) sizes stage 2's send buffers.
+    default) sizes stage 2's send buffers. ``on_cpu``: the ranks train on CPU on one host (gloo), and each total
+    counts the shared-memory collectives' buffers (:func:`host_collective_bytes`).
     """
     if precision not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
     if offload not in ("none", "cpu", "nvme"):
         raise ValueError(f"offload must be none, cpu or nvme, got {offload!r}")
-    found = _describe(model)
+    found = describe_model(model)
     shape = ModelShape(
         params=int(found.get("params", 0)),
         layers=layers or found.get("layers"),
@@ -404,11 +431,14 @@ def estimate(
         layout,
         activations,
         bucket,
+        on_cpu,
     )
     if device_memory:
         result = dataclasses.replace(
             result,
-            recommendation=recommend(shape, dp, seq, micro_batch, precision, device_memory, flash_attention, bucket),
+            recommendation=recommend(
+                shape, dp, seq, micro_batch, precision, device_memory, flash_attention, bucket, on_cpu
+            ),
         )
     return result
 
@@ -427,6 +457,7 @@ def _estimate(
     layout: Stage3Layout = Stage3Layout(),
     measured: float | None = None,
     bucket: float = 0.0,
+    on_cpu: bool = False,
 ) -> Estimate:
     if measured is not None:  # estimator_measure.measure_activations: replaces the formula
         act: float | None = float(measured)
@@ -435,7 +466,8 @@ def _estimate(
     stages = []
     for stage in STAGES:
         p, g, o, off = model_state_bytes(shape.params, dp, stage, precision, offload, fp32_grads, layout, bucket)
-        stages.append(StageEstimate(stage, p, g, o, off, act))
+        comm = host_collective_bytes(stage, dp, layout) if on_cpu else 0.0
+        stages.append(StageEstimate(stage, p, g, o, off, act, comm))
     return Estimate(
         shape,
         dp,
@@ -450,6 +482,7 @@ def _estimate(
         layout=layout,
         measured=measured is not None,
         bucket=bucket,
+        on_cpu=on_cpu,
     )
 
 
@@ -462,8 +495,10 @@ def recommend(
     device_memory: float,
     flash: bool = True,
     bucket: float = 0.0,
+    on_cpu: bool = False,
 ) -> str:
-    """The cheapest configuration that fits in ``HEADROOM`` of ``device_memory`` bytes.
+    """The cheapest configuration that fits in ``HEADROOM`` of ``device_memory`` bytes (``on_cpu``: beside the
+    shared-memory collectives' buffers, :func:`host_collective_bytes`).
 
     Cheapest first: no offload before CPU before NVMe offload; without activation checkpointing
     (which costs about a third more compute) before with it; lower stages (less communication:
@@ -481,6 +516,7 @@ def recommend(
                         continue
                     p, g, o, _ = model_state_bytes(shape.params, dp, stage, precision, offload, bucket=bucket)
                     act = (activation_bytes(shape, seq, mb, precision, ac, flash) if seq else 0.0) or 0.0
+                    act += host_collective_bytes(stage, dp) if on_cpu else 0.0
                     if p + g + o + act <= budget:
                         parts = [f"ZeRO stage {stage}"]
                         parts.append(f"offload {offload}" if offload != "none" else "no offload")
@@ -495,76 +531,6 @@ def recommend(
         f"does not fit in {_gb(device_memory)} GB per device even with NVMe offload, activation checkpointing and "
         f"micro-batch 1: add data-parallel ranks (--dp) or shorten the sequence"
     )
-
-
-# --------------------------------------------------------------------------- model description
-
-
-_CONFIG_KEYS = {
-    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "hidden": ("hidden_size", "n_embd", "d_model"),
-    "heads": ("num_attention_heads", "n_head"),
-    "vocab": ("vocab_size",),
-    "intermediate": ("intermediate_size", "n_inner", "ffn_dim"),
-    "seq_len": ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"),
-}
-
-
-def shape_from_config(config: Any) -> dict[str, int]:
-    """layers/hidden/heads/vocab/seq_len from a transformers config (object or dict)."""
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    found: dict[str, int] = {}
-    for field, keys in _CONFIG_KEYS.items():
-        for key in keys:
-            value = get(key, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                found[field] = value
-                break
-    return found
-
-
-def _describe(model: Any) -> dict[str, int]:
-    if isinstance(model, (int, float)) and not isinstance(model, bool):
-        return {"params": _whole_params(model)}
-    if isinstance(model, dict):
-        found = shape_from_config(model)
-        if "params" in model or "num_parameters" in model:
-            found["params"] = _whole_params(model.get("params", model.get("num_parameters")))
-        elif {"layers", "hidden", "vocab"} <= found.keys():
-            found["params"] = gpt_params(
-                found["layers"],
-                found["hidden"],
-                found["vocab"],
-                found.get("seq_len", 0),
-                model.get("intermediate_size"),
-            )
-        return found
-    if hasattr(model, "parameters"):  # an nn.Module: torch is loaded already
-        seen: set[int] = set()
-        params = largest = 0
-        for p in model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                params += p.numel()
-                largest = max(largest, p.numel())
-        found = shape_from_config(getattr(model, "config", None) or {})
-        found["params"], found["largest_param"] = params, largest
-        return found
-    raise TypeError(f"estimate: expected a parameter count, an nn.Module or a config dict, got {type(model).__name__}")
-
-
-def _whole_params(value: Any) -> int:
-    """A parameter count as an int; ValueError (not OverflowError) for inf/NaN or a non-number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"the parameter count must be a finite number, got {value!r}")
-    return int(value)
-
-
-def gpt_params(layers: int, hidden: int, vocab: int, positions: int = 0, intermediate: int | None = None) -> int:
-    """Parameters of a GPT-style model: embeddings + per layer (attention 4h², MLP 2·h·ffn, biases, norms)."""
-    ffn = intermediate or 4 * hidden
-    per_layer = 4 * hidden * hidden + 2 * hidden * ffn + 9 * hidden + ffn
-    return vocab * hidden + positions * hidden + layers * per_layer + 2 * hidden
 
 
 # --------------------------------------------------------------------------- command line

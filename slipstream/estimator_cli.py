@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 from slipstream.estimator import (
-    _CONFIG_KEYS,
     GB,
     HEADROOM,
     MAX_COUNT,
@@ -23,11 +22,11 @@ from slipstream.estimator import (
     Stage3Layout,
     Tiling,
     _count,
-    _describe,
     _gb,
     estimate,
     longest_sequence,
 )
+from slipstream.estimator_shape import CONFIG_KEYS, describe_model
 from slipstream.launcher.textfile import read_small_text
 from slipstream.launcher.usage import fail, shown
 
@@ -130,7 +129,7 @@ def read_model_config(text: str) -> ConfigFile:
             raise argparse.ArgumentTypeError(
                 f"{text}: {key!r} is {_as_json(data[key])}; it must be a number of parameters from 1 to {_MAX_PARAMS_TEXT}"
             )
-    for key in [*(k for keys in _CONFIG_KEYS.values() for k in keys), "intermediate_size"]:
+    for key in [*(k for keys in CONFIG_KEYS.values() for k in keys), "intermediate_size"]:
         value = data.get(key)
         if key == "intermediate_size":  # gpt_params multiplies by it: absent, null or a whole number
             wrong = value is not None and not (isinstance(value, int) and _is_number(value) and 1 <= value <= MAX_COUNT)
@@ -278,6 +277,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " send buffers",
     )
     parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the ranks train on CPU on one host (gloo): count the shared-memory collectives' buffers per rank"
+        " (16-40 MiB)",
+    )
+    parser.add_argument(
         "--measure",
         action="store_true",
         help="with --model-config: build the model on fake tensors (transformers, torch) and measure its activations"
@@ -298,7 +303,7 @@ def main(args: argparse.Namespace) -> int:
         source = dict(args.model_config.data)
         if args.params:
             source["params"] = args.params
-        params = _describe(source).get("params", 0)
+        params = describe_model(source).get("params", 0)
         if not 1 <= params <= MAX_PARAMS:
             why = (
                 "no parameter count (params or num_parameters) and not all of layers, hidden size and vocabulary size to derive one"
@@ -333,6 +338,7 @@ def main(args: argparse.Namespace) -> int:
             layout=Stage3Layout(args.hpz, args.mics_shard_size, gathered),
             activations=activations,
             reduce_bucket_size=int(args.reduce_bucket_size) if args.reduce_bucket_size else None,
+            on_cpu=args.cpu,
         )
     except (ValueError, TypeError) as err:
         fail(prog, str(err))
@@ -362,7 +368,7 @@ def _measured(prog: str, args: argparse.Namespace, tiling: Tiling) -> tuple[int,
     ]
     if combined:
         fail(prog, f"--measure runs the plain model once; it does not combine with {', '.join(combined)}")
-    seq = args.seq_len or _describe(dict(args.model_config.data)).get("seq_len")
+    seq = args.seq_len or describe_model(dict(args.model_config.data)).get("seq_len")
     if not seq:
         fail(prog, "--measure needs --seq-len (the config gives no maximum sequence length)")
     from slipstream.estimator_measure import MeasureError, measure_config  # torch: only when asked for
@@ -385,7 +391,7 @@ def max_sequence_table(result: Estimate, device_memory: float) -> str:
         f"{'stage':<6}{'model states':>14}" + "".join(f"{name:>14}" for name in variants),
     ]
     for e in result.stages:
-        budget = HEADROOM * device_memory - e.model_states
+        budget = HEADROOM * device_memory - e.model_states - e.collectives
         cells = [
             longest_sequence(
                 result.shape,

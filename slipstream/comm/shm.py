@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from slipstream.comm import host_barrier
+from slipstream.utils.host_rings import PIECE_BYTES  # one half of a rank's file ([Note: a ring's resident bytes])
 
-PIECE_BYTES = 8 << 20  # one half of a rank's file: a ZeRO-3 unit's reduce-scatter in two pieces
 SHM_DIR = "/dev/shm"
 ENV_SWITCH = "SLIPSTREAM_SHM_COLLECTIVES"
 

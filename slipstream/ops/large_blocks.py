@@ -11,8 +11,9 @@ Pinning glibc's threshold lower returns those blocks, but each one is then mappe
 4 KiB pages afresh (1.18x the step time at 4 MiB).
 
 The compiled op (``csrc/alloc/large_blocks.cpp``) becomes torch's CPU allocator: a block of at
-least ``threshold`` bytes gets a mapping of its own, in whole 2 MiB huge pages, aligned and
-advised ``MADV_HUGEPAGE``; smaller blocks go to the allocator it replaced. A freed block waits in
+least ``threshold`` bytes gets a mapping of its own, aligned on a 2 MiB boundary and advised
+``MADV_HUGEPAGE`` (its length rounded to whole huge pages where that wastes at most an eighth of it,
+else to 64 KiB: a touched huge page is resident whole); smaller blocks go to the allocator it replaced. A freed block waits in
 a cache for the next block of its size (a step makes the same sizes as the one before), so it is
 neither unmapped nor faulted in and zeroed again: a fresh mapping per block had cost 1.15-1.29x
 DDP's step at 2 ranks. The cache never holds more than the most live bytes there ever were, less
@@ -21,7 +22,18 @@ the large blocks' resident size never rises above the peak an allocator that unm
 reach; after each optimizer step it also unmaps what that step did not take again. It is installed
 only where the kernel offers transparent huge pages (``always`` or ``madvise``): without them every
 new block would fault in 4 KiB pages. ``SLIPSTREAM_LARGE_BLOCKS`` sets the threshold in bytes
-(``DEFAULT_THRESHOLD``, 4 MiB, when unset: the measured point); ``0`` keeps glibc for everything.
+(``DEFAULT_THRESHOLD`` when unset); ``0`` keeps glibc for everything.
+
+[Note: why 1 MiB] The threshold decides which blocks glibc's heap still serves, and the heap keeps
+its own freed pages under its own high water, beside the cache's: at 4 MiB, what the heap kept of
+the step's 1-4 MiB activations was 83-128 MiB at the highest RSS of the gpt2-large workload (2
+ranks, no huge pages), peak RSS 9-13% above the live peak at ZeRO 0-3. From 1 MiB the heap keeps
+2-9 MiB and peak RSS falls 20-28 MiB at every stage (benchmarks/README.md, 2026-12-03). The cost is
+churn: blocks freed before the step's peak and wanted after it are unmapped to keep the cache under
+the high water and mapped again; at stage 3 that is 27 mappings a step against 15 (9 more of 1 MiB,
+in 4 KiB pages: about 2,300 faults, a millisecond), within the noise of a 1.6 s step (4 alternating
+rounds: 0.856/0.933/0.931x DDP at stages 0/1/3 against 0.839/0.926/0.875). Below 1 MiB blocks are
+too many and too short-lived for a mapping each; glibc's own mmap threshold starts at 128 KiB.
 
 [Note: on by default] An earlier cache, emptied at each backward and trimmed per step, was opt-in:
 with it on, the fresh-clone suite failed the NVMe offload capacity test (peak RSS growth 384 MB
@@ -60,7 +72,7 @@ __all__ = [
 
 logger = get_logger(__name__)
 
-DEFAULT_THRESHOLD = 4 << 20
+DEFAULT_THRESHOLD = 1 << 20  # [Note: why 1 MiB]
 _installed_threshold = 0  # what install() last installed (0: not installed by us)
 _module: Any = None  # the op, once install() loaded it (trim() runs every step: no lookup there)
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")

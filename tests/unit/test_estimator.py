@@ -52,6 +52,27 @@ def test_cli_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "stage 2's grads include two send buffers of 500M elements" in out
 
 
+def test_ranks_on_cpu_count_their_shared_memory_rings() -> None:
+    """One ring carries the gradients at stages 0-2, two lanes at stage 3, one more for hpZ (utils/host_rings.py)."""
+    from slipstream.utils.host_rings import PIECE_BYTES
+
+    ring = 2 * PIECE_BYTES + PIECE_BYTES // 4  # a rank's own file of two halves and the scratch row, at 4 ranks
+    on_gpu, on_cpu = slipstream.estimate(1e8, dp=4), slipstream.estimate(1e8, dp=4, on_cpu=True)
+    assert [on_cpu.stage(s).collectives for s in range(4)] == [ring, ring, ring, 2 * ring]
+    assert all(on_cpu.stage(s).total - on_gpu.stage(s).total == on_cpu.stage(s).collectives for s in range(4))
+    assert all(on_gpu.stage(s).collectives == 0 for s in range(4))
+    hpz = 2 * PIECE_BYTES + PIECE_BYTES // 2
+    assert estimator.host_collective_bytes(3, 4, estimator.Stage3Layout(hpz=2)) == 2 * ring + hpz
+    assert estimator.host_collective_bytes(3, 1) == 0, "one rank has no ring"
+
+
+def test_cli_cpu_prints_the_rings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["estimate", "--params", "1e8", "--dp", "2", "--cpu"]) == 0
+    out = capsys.readouterr().out
+    line = "totals include, per rank on CPU, the same-host collectives' buffers: stage 0 0.021, stage 1 0.021"
+    assert line in out and "stage 3 0.042" in out  # 20 MiB per ring at 2 ranks (GB = 1e9 bytes)
+
+
 def test_cli_does_not_import_torch() -> None:
     code = (
         "import sys; from slipstream.cli import main; main(['estimate', '--params', '1e9', '--dp', '8']); "

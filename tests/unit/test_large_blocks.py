@@ -28,19 +28,19 @@ def installed() -> None:
 def test_a_large_block_is_mapped_aligned_cached_when_freed_and_unmapped_by_trim(installed: None) -> None:
     large_blocks.trim(everything=True)
     before = large_blocks.stats()
-    block = torch.empty(5 * MIB, dtype=torch.uint8)
+    block = torch.empty(5 * MIB + MIB // 2, dtype=torch.uint8)
     during = large_blocks.stats()
     assert during["maps"] == before["maps"] + 1 and during["live_blocks"] == before["live_blocks"] + 1
-    assert during["mapped_bytes"] - before["mapped_bytes"] == 6 * MIB  # whole huge pages: the class of 5 MiB
+    assert during["mapped_bytes"] - before["mapped_bytes"] == 6 * MIB  # whole huge pages: the class of 5.5 MiB
     assert block.data_ptr() % (2 * MIB) == 0, "the mapping must start on a huge-page boundary"
     block.fill_(3)  # (a sum would make a 40 MiB int64 copy: a large block of its own)
-    assert int(block[0]) == int(block[5 * MIB // 2]) == int(block[-1]) == 3
+    assert int(block[0]) == int(block[3 * MIB]) == int(block[-1]) == 3
     address = block.data_ptr()
     del block
     freed = large_blocks.stats()
     assert freed["mapped_bytes"] == before["mapped_bytes"] and freed["live_blocks"] == before["live_blocks"]
     assert freed["cached_bytes"] == 6 * MIB, "a freed block waits for the next one of its size"
-    again = torch.empty(5 * MIB + 4096, dtype=torch.uint8)  # the same class: served from the cache, not mapped
+    again = torch.empty(6 * MIB - 4096, dtype=torch.uint8)  # the same class: served from the cache, not mapped
     assert again.data_ptr() == address and large_blocks.stats()["maps"] == during["maps"]
     assert large_blocks.stats()["reused"] == before["reused"] + 1 and large_blocks.stats()["cached_bytes"] == 0
     del again
@@ -83,6 +83,23 @@ def test_the_cache_never_holds_more_than_the_peak_already_paid_for(installed: No
     again = torch.empty(12 * MIB - 4096, dtype=torch.uint8)  # its class is cached: taken, nothing unmapped
     assert above_base() == (12 * MIB, 8 * MIB, 20 * MIB) and large_blocks.stats()["evicted"] == evicted + 2
     del again
+
+
+def test_a_block_is_rounded_to_whole_huge_pages_only_where_that_wastes_at_most_an_eighth(installed: None) -> None:
+    """A touched huge page is resident whole: 3.1 MiB in 4 MiB would keep 29% more than it uses."""
+    for nbytes, length in (
+        (6 * MIB - 512 * 1024, 6 * MIB),  # 0.5 MiB over 5.5: within an eighth, whole huge pages
+        (5 * MIB + 100_000, 5 * MIB + 128 * 1024),  # 0.9 MiB over 5.1: 64 KiB classes
+        (40 * MIB + 1, 42 * MIB),  # large blocks: at most 2 MiB over
+    ):
+        before = large_blocks.stats()["mapped_bytes"]
+        block = torch.empty(nbytes, dtype=torch.uint8)
+        assert large_blocks.stats()["mapped_bytes"] - before == length, f"{nbytes} bytes"
+        assert block.data_ptr() % (2 * MIB) == 0, "its whole huge pages start on a huge-page boundary"
+        block.fill_(1)
+        assert int(block[-1]) == 1
+        del block
+    large_blocks.trim(everything=True)
 
 
 def test_a_block_below_one_huge_page_is_rounded_to_64_kib_not_to_a_huge_page() -> None:

@@ -15,7 +15,8 @@ import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from slipstream.estimator import shape_from_config, training_flops_per_token
+from slipstream.estimator import training_flops_per_token
+from slipstream.estimator_shape import shape_from_config
 
 
 def matmul_parameters(model: torch.nn.Module) -> int:

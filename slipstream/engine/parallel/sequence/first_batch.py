@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from slipstream import comm, estimator
+from slipstream import comm, estimator, estimator_shape
 from slipstream.accelerator import get_accelerator
 from slipstream.engine.parallel.attention import attention_configs
 from slipstream.engine.parallel.segments import VARLEN_KEYS, read_segments
@@ -135,7 +135,7 @@ def affordable_tokens(model: torch.nn.Module, rows: int, length: int, size: int)
     one rank's share of the step's (``rows`` × ``length`` tokens over ``size`` ranks, whose kernels keep no s × s
     scores) and half the memory the device has free now, with the model's own attention (eager keeps the scores):
     the check then fits wherever the step does, and uses the room there is."""
-    found = estimator.shape_from_config(getattr(model, "config", None) or {})
+    found = estimator_shape.shape_from_config(getattr(model, "config", None) or {})
     shape = estimator.ModelShape(1, found.get("layers"), found.get("hidden"), found.get("heads"), found.get("vocab"))
     first = next(model.parameters(), None)
     precision = "fp32" if first is None or first.dtype in (torch.float32, torch.float64) else "bf16"
