@@ -18,7 +18,9 @@ then bisects (to a multiple of 256 tokens) between the last fit and the first mi
 measures the listed lengths instead (peak against length) for each variant, in alternating order
 (A B A B) so a drifting machine affects all variants alike; ``--plot`` draws them (SVG) beside the
 estimator's prediction: the job's RSS after ``initialize`` plus the gradients and AdamW's states
-(12 bytes per parameter in fp32) plus ``slipstream.estimator.activation_bytes`` for the variant.
+(12 bytes per parameter in fp32) plus ``slipstream.estimator.activation_bytes`` for the variant plus
+the same-host collectives' ring (``host_collective_bytes``: its shared file is touched by the first
+step's gradient all-reduce, after ``initialize``).
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ def _worker(rank: int, variant: str, seq: int, stage: int, layers: int, port: in
                     "loss": float(loss.detach()),
                     "params": params,
                     "layers": layers,
+                    "stage": stage,
                 }
             )
         )
@@ -162,7 +165,7 @@ def longest(variant: str, cap: float, start: int, stage: int, layers: int) -> tu
 
 def predicted(row: dict, variant: str, seq: int) -> float:
     """The estimate of a job's peak RSS per rank (MB), see the module docstring."""
-    from slipstream.estimator import ModelShape, Tiling, activation_bytes
+    from slipstream.estimator import ModelShape, Tiling, activation_bytes, host_collective_bytes
 
     shape = ModelShape(row["params"], layers=row.get("layers", 2), hidden=256, heads=4, vocab=VOCAB, intermediate=1024)
     section = VARIANTS[variant]
@@ -172,7 +175,8 @@ def predicted(row: dict, variant: str, seq: int) -> float:
         seq_shards=2,
     )
     acts = activation_bytes(shape, seq, 1, "fp32", checkpointing=True, flash=True, tiling=tiling) or 0.0
-    return row["init"] + (12 * row["params"] + acts) / 2**20
+    rings = host_collective_bytes(row.get("stage", 0), 2)  # touched by the first step, not yet after initialize
+    return row["init"] + (12 * row["params"] + acts + rings) / 2**20
 
 
 def plot(rows: dict, variants: list[str], lengths: list[int], path: str, stage: int) -> None:

@@ -23,7 +23,8 @@ group; and the malloc bytes in use of it), malloc's bytes in use, the free bytes
 slack), the freed large blocks kept for reuse (``slipstream/ops/large_blocks.py``), shared-memory
 collective mappings and transparent huge pages. Beside each: the saving below DDP's peak RSS against
 the model-state formula's (16Ψ bytes for fp32 AdamW, less each stage's share; ``slipstream.estimator``)
-and the estimator's peak (the process before the model + model states + activations).
+and the estimator's peak (the process before the model + model states + activations + the same-host collectives'
+rings, ``estimate(..., on_cpu=True)``).
 
 Every configuration runs as a fresh 2-rank job (gloo, one thread per rank), so peak RSS is its own;
 configurations alternate round by round (A B C ... A B C ...). All use AdamW(fused=True), lr 1e-3,
@@ -278,6 +279,7 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
     from benchmarks.common import MICRO_BATCH, MODELS, SEQ, VOCAB, build_gpt2
     from slipstream.estimator import Stage3Layout, estimate
     from slipstream.estimator_measure import measure_activations, stage3_gathered_params
+    from slipstream.utils.host_rings import PIECE_BYTES, ring_bytes
 
     mib = 2**20
     worst = {
@@ -330,8 +332,10 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
             predicted = w["before_model"] + estimated
             est, error = f"{predicted:.0f}", f"{peak / predicted - 1:+.0%}"
             # the allocators' bytes handed out (sampled every 5 ms) against the malloc bytes before the model + the
-            # estimate: what the estimate models, without the memory the allocators keep free (heap, cache)
-            predicted_live = w.get("malloc_before_model", 0.0) + estimated
+            # estimate: what the estimate models, without the memory the allocators keep free (heap, cache) and
+            # without the rings' shared files (shared memory, not the allocators'; their scratch rows are)
+            rings = found.stage(stage).collectives / ring_bytes(world)  # every ring over the world here
+            predicted_live = w.get("malloc_before_model", 0.0) + estimated - rings * 2 * PIECE_BYTES / mib
             est_live, error_live = f"{predicted_live:.0f}", f"{live / predicted_live - 1:+.0%}"
         held = "/".join(f"{w['held'][k]:.0f}" for k in ("params", "grads", "optimizer", "buffers") if k in w["held"])
         print(

@@ -25,15 +25,15 @@ new block would fault in 4 KiB pages. ``SLIPSTREAM_LARGE_BLOCKS`` sets the thres
 (``DEFAULT_THRESHOLD`` when unset); ``0`` keeps glibc for everything.
 
 [Note: why 1 MiB] The threshold decides which blocks glibc's heap still serves, and the heap keeps
-its own freed pages under its own high water, beside the cache's: at 4 MiB, what the heap kept of
-the step's 1-4 MiB activations was 83-128 MiB at the highest RSS of the gpt2-large workload (2
-ranks, no huge pages), peak RSS 9-13% above the live peak at ZeRO 0-3. From 1 MiB the heap keeps
-2-9 MiB and peak RSS falls 20-28 MiB at every stage (benchmarks/README.md, 2026-12-03). The cost is
-churn: blocks freed before the step's peak and wanted after it are unmapped to keep the cache under
-the high water and mapped again; at stage 3 that is 27 mappings a step against 15 (9 more of 1 MiB,
-in 4 KiB pages: about 2,300 faults, a millisecond), within the noise of a 1.6 s step (4 alternating
-rounds: 0.856/0.933/0.931x DDP at stages 0/1/3 against 0.839/0.926/0.875). Below 1 MiB blocks are
-too many and too short-lived for a mapping each; glibc's own mmap threshold starts at 128 KiB.
+its own freed pages under its own high water, beside the cache's: from 4 MiB, what the heap kept of
+the step's 1-4 MiB activations was 105-136 MiB at the highest RSS of the gpt2-large workload (no
+huge pages), peak RSS 7-9% above the estimate at ZeRO 0 and 3 (9-13% at stages 1-3 without the
+collectives' rings). From 1 MiB the heap keeps 2-10 MiB, stage 3 peaks 48-60 MiB lower at 2 and 4
+ranks, and the estimate is within 2-6% at stages 0-3 (benchmarks/README.md, 2026-12-03). The cost
+is churn: blocks freed before the step's peak and wanted after it are unmapped to keep the cache
+under the high water and mapped again, 27 mappings a step at stage 3 against 15; over nine rounds
+side by side stage 3's step took 0.82-1.11 of the 4 MiB one, median 1.03. Below 1 MiB the blocks
+are many and short-lived; glibc's own mmap threshold starts at 128 KiB.
 
 [Note: on by default] An earlier cache, emptied at each backward and trimmed per step, was opt-in:
 with it on, the fresh-clone suite failed the NVMe offload capacity test (peak RSS growth 384 MB
