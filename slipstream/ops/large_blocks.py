@@ -39,7 +39,7 @@ are many and short-lived; glibc's own mmap threshold starts at 128 KiB.
 with it on, the fresh-clone suite failed the NVMe offload capacity test (peak RSS growth 384 MB
 against its 320 MiB cap: the cache held freed swap buffers), and a long-context run with tiled
 logits peaked 200 MB above the uncached version. Bounded by the high water, the capacity test's
-growth is 293-294 MB (282-283 on glibc); see benchmarks/README.md for the step times and peaks.
+growth is 293-296 MB (282-283 on glibc; 294-296 from 1 MiB); see benchmarks/README.md for the step times and peaks.
 
 Only over glibc's ``malloc`` and torch's default CPU allocator (see :func:`glibc_malloc`). Tensors
 made before it was installed keep their own deleter, so installing and uninstalling are safe at
