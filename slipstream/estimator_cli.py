@@ -280,7 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu",
         action="store_true",
         help="the ranks train on CPU on one host (gloo): count the shared-memory collectives' buffers per rank"
-        " (16-40 MiB)",
+        " (16-20 MiB per ring: one at stages 0-2, two at stage 3)",
     )
     parser.add_argument(
         "--measure",
