@@ -277,9 +277,9 @@ def _stage_of(kind: str) -> int | None:
 def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: int, model: str) -> None:
     """Peak RSS and PSS per rank, what the peak was made of, the saving against the formula's, the estimator's peak."""
     from benchmarks.common import MICRO_BATCH, MODELS, SEQ, VOCAB, build_gpt2
-    from slipstream.estimator import Stage3Layout, estimate
+    from slipstream.estimator import Stage3Layout, estimate, host_rings
     from slipstream.estimator_measure import measure_activations, stage3_gathered_params
-    from slipstream.utils.host_rings import PIECE_BYTES, ring_bytes
+    from slipstream.utils.host_rings import PIECE_BYTES
 
     mib = 2**20
     worst = {
@@ -334,8 +334,8 @@ def print_memory(kinds: list[str], results: dict[str, dict[str, list]], world: i
             # the allocators' bytes handed out (sampled every 5 ms) against the malloc bytes before the model + the
             # estimate: what the estimate models, without the memory the allocators keep free (heap, cache) and
             # without the rings' shared files (shared memory, not the allocators'; their scratch rows are)
-            rings = found.stage(stage).collectives / ring_bytes(world)  # every ring over the world here
-            predicted_live = w.get("malloc_before_model", 0.0) + estimated - rings * 2 * PIECE_BYTES / mib
+            shared_files = sum(2 * PIECE_BYTES for size in host_rings(stage, world, found.layout) if size > 1)
+            predicted_live = w.get("malloc_before_model", 0.0) + estimated - shared_files / mib
             est_live, error_live = f"{predicted_live:.0f}", f"{live / predicted_live - 1:+.0%}"
         held = "/".join(f"{w['held'][k]:.0f}" for k in ("params", "grads", "optimizer", "buffers") if k in w["held"])
         print(

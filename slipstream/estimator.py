@@ -280,20 +280,22 @@ def gradient_bucket(params: float, reduce_bucket_size: int | None = None, larges
     return float(min(params, max(cap, largest_param)))
 
 
-def host_collective_bytes(stage: int, dp: int, layout: Stage3Layout = Stage3Layout()) -> float:
-    """Bytes per rank that ranks training on CPU on one host keep for their shared-memory collectives: one ring
-    carries the gradients at stages 0-2 (the data-parallel group's), two at stage 3 (its gather and reduce lanes,
-    over MiCS's shard group where set) and one more for hpZ's secondary gathers; each as
-    ``utils/host_rings.py`` sizes it ([Note: a ring's resident bytes]). The rings' small all-reduces (flags, the
-    gradient norm) touch a page or two and are not counted."""
+def host_rings(stage: int, dp: int, layout: Stage3Layout = Stage3Layout()) -> list[int]:
+    """The sizes of the rings that carry a stage's bulk traffic between ranks training on CPU on one host: one for
+    the gradients at stages 0-2 (the data-parallel group's), two at stage 3 (its gather and reduce lanes, over
+    MiCS's shard group where set) and one more for hpZ's secondary gathers. The rings' small all-reduces (flags,
+    the gradient norm) touch a page or two and are not counted."""
     if stage not in STAGES:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if stage < 3:
-        return float(ring_bytes(dp))
-    rings = 2 * ring_bytes(layout.mics or dp)
-    if layout.hpz > 1:
-        rings += ring_bytes(layout.hpz)
-    return float(rings)
+        return [dp]
+    return [layout.mics or dp] * 2 + ([layout.hpz] if layout.hpz > 1 else [])
+
+
+def host_collective_bytes(stage: int, dp: int, layout: Stage3Layout = Stage3Layout()) -> float:
+    """Bytes per rank those rings (:func:`host_rings`) keep, each as ``utils/host_rings.py`` sizes it ([Note: a
+    ring's resident bytes])."""
+    return float(sum(ring_bytes(size) for size in host_rings(stage, dp, layout)))
 
 
 def activation_bytes(
