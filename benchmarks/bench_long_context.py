@@ -1,6 +1,6 @@
 """The longest sequence that trains within a peak-RSS cap per rank: plain vs tiled logits vs tiled MLP vs both.
 
-    python benchmarks/bench_long_context.py [--cap-mb 1200] [--variants plain,logits,mlp,both] [--start 2048]
+    python benchmarks/bench_long_context.py [--cap-mb 1200] [--variants plain,logits,mlp,both] [--start 2048] [--stop N]
     python benchmarks/bench_long_context.py --curve 2048,4096,8192 [--variants plain,both] [--plot peak.svg]
 
 Model: a Llama from a config whose vocabulary is large beside its width, as real ones are (32,000
@@ -143,11 +143,14 @@ def measure(variant: str, seq: int, stage: int, layers: int = 2) -> dict:
     return result
 
 
-def longest(variant: str, cap: float, start: int, stage: int, layers: int) -> tuple[int, int]:
-    """(longest fitting length, first length found not to fit) under ``cap`` MB."""
+def longest(variant: str, cap: float, start: int, stage: int, layers: int, stop: int = 0) -> tuple[int, int]:
+    """(longest fitting length, first length found not to fit) under ``cap`` MB; doubling no further than ``stop``
+    (when set): a variant that fits there is reported as fitting at least that (first miss 0, not measured)."""
     fit, miss = 0, 0
     seq = start
     while miss == 0:
+        if stop and seq > stop:
+            return fit, 0
         if measure(variant, seq, stage, layers)["peak"] <= cap:
             fit, seq = seq, seq * 2
         else:
@@ -173,6 +176,7 @@ def predicted(row: dict, variant: str, seq: int) -> float:
         section["tiled_logits"]["tile_tokens"] if "tiled_logits" in section else None,
         section["tiled_mlp"]["tile_tokens"] if "tiled_mlp" in section else None,
         seq_shards=2,
+        offload_checkpoints=variant in OFFLOADED,
     )
     acts = activation_bytes(shape, seq, 1, "fp32", checkpointing=True, flash=True, tiling=tiling) or 0.0
     rings = host_collective_bytes(row.get("stage", 0), 2)  # touched by the first step, not yet after initialize
@@ -207,6 +211,9 @@ def main() -> None:
     parser.add_argument(
         "--layers", type=int, default=2, help="decoder layers (more: more checkpointed inputs per token)"
     )
+    parser.add_argument(
+        "--stop", type=int, default=0, help="search: double no further than this many tokens (reported as >= it)"
+    )
     parser.add_argument("--curve", default="", help="comma-separated lengths: measure these instead of searching")
     parser.add_argument(
         "--plot", default="", help="with --curve: an SVG of peak RSS against length beside the estimate"
@@ -230,15 +237,16 @@ def main() -> None:
     found = {}
     for variant in variants:
         print(f"{variant}: searching under {args.cap_mb:.0f} MB per rank", flush=True)
-        found[variant] = longest(variant, args.cap_mb, args.start, args.stage, args.layers)
+        found[variant] = longest(variant, args.cap_mb, args.start, args.stage, args.layers, args.stop)
     base = found.get("plain", (0, 0))[0]
     print(
         f"\nlongest sequence under {args.cap_mb:.0f} MB peak RSS per rank (Ulysses 2 on 2 ranks, ZeRO {args.stage}, {args.layers} layers, tiles of {TILE} tokens)"
     )
     print(f"{'variant':<10}{'fits':>10}{'first miss':>12}{'vs plain':>10}")
     for variant, (fit, miss) in found.items():
-        ratio = f"{fit / base:.2f}x" if base else ""
-        print(f"{variant:<10}{fit:>10}{miss:>12}{ratio:>10}")
+        at_least = "" if miss else ">="  # fitted at --stop: the search went no further
+        ratio = f"{at_least}{fit / base:.2f}x" if base else ""
+        print(f"{variant:<10}{at_least + str(fit):>10}{miss or 'not run':>12}{ratio:>10}")
 
 
 if __name__ == "__main__":

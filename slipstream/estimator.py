@@ -45,6 +45,15 @@ input (2·h) per token and per layer, plus one tile's ``(3·h + 4·I)·t`` while
 ``long_context.tiled_logits`` holds one tile's ``LOSS_BYTES``·t·V at a time instead of the whole
 sequence's (measured with the tile's logits alive: 14.0 and 13.5 bytes per token of a tile in fp32 and
 bf16; the tiles free them, and the peak RSS follows 12 within 6%).
+
+[Note: offloaded checkpoints] Checkpointed, every layer keeps its input (``2·s·b·h``) until its backward, and
+one layer at a time holds all of its activations while it is recomputed (the ``34·s·b·h`` term, which
+counts that layer's input among them). With the inputs offloaded (``Tiling.offload_checkpoints``:
+``cpu_checkpointing`` to pinned host memory on an accelerator, ``offload_path`` to files) the kept term
+is gone: an input comes back to the device only for its own layer's recomputation, where the layer's
+term already counts it. The offloaded bytes (:func:`offloaded_checkpoint_bytes`) wait in host memory
+or in files instead; a file's pages are dropped from the page cache once written
+(``saved_tensor_offload.py``), so on the CPU they are in no process's RSS.
 """
 
 from __future__ import annotations
@@ -68,21 +77,28 @@ LOSS_BYTES = {True: 12, False: 12}
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """``long_context``'s tiles as the estimate sees them: tokens per tile (None: untiled), and the sequence shards."""
+    """Long context as the estimate sees it: ``long_context``'s tiles (tokens per tile, None: untiled), the
+    sequence shards, and whether the checkpointed inputs wait off the device (``activation_checkpointing``'s
+    ``cpu_checkpointing`` on an accelerator, ``offload_path``: [Note: offloaded checkpoints])."""
 
     logits_tile: int | None = None
     mlp_tile: int | None = None
     seq_shards: int = 1  # Ulysses × ring ranks the sequence is cut over
+    offload_checkpoints: bool = False
 
-    def variants(self) -> dict[str, Tiling]:
-        """Untiled, each tiling and both, over the same shards (tiles of this size, else 2048)."""
+    def variants(self, checkpointing: bool = False) -> dict[str, Tiling]:
+        """Untiled, each tiling and both, over the same shards (tiles of this size, else 2048); checkpointed, also
+        both with the checkpointed inputs offloaded ("all three")."""
         logits, mlp, u = self.logits_tile or 2048, self.mlp_tile or 2048, self.seq_shards
-        return {
+        found = {
             "untiled": Tiling(None, None, u),
             "tiled logits": Tiling(logits, None, u),
             "tiled MLP": Tiling(None, mlp, u),
             "both": Tiling(logits, mlp, u),
         }
+        if checkpointing:
+            found["all three"] = Tiling(logits, mlp, u, offload_checkpoints=True)
+        return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +185,15 @@ class Estimate:
             self.activation_checkpointing,
             self.flash,
         )
-        parts = [f"{name} {_gb(act(tiling=v) or 0.0)}" for name, v in self.tiling.variants().items()]
-        return f"activations by long_context tiling (GB per device): {', '.join(parts)}"
+        variants = self.tiling.variants(self.activation_checkpointing)
+        parts = [f"{name} {_gb(act(tiling=v) or 0.0)}" for name, v in variants.items()]
+        line = f"activations by long_context tiling (GB per device): {', '.join(parts)}"
+        if self.activation_checkpointing:
+            away = offloaded_checkpoint_bytes(
+                self.shape, self.seq_len, self.micro_batch, self.precision, self.tiling.seq_shards
+            )
+            line += f" (all three: both, and the checkpointed inputs, {_gb(away)} GB, in host memory or files)"
+        return line
 
     def table(self) -> str:
         """The per-stage table ``slipstream estimate`` prints."""
@@ -188,6 +211,7 @@ class Estimate:
                 + (f", sequence over {self.tiling.seq_shards} ranks" if self.tiling.seq_shards > 1 else "")
                 + (f", logits tiled by {self.tiling.logits_tile}" if self.tiling.logits_tile else "")
                 + (f", MLP tiled by {self.tiling.mlp_tile}" if self.tiling.mlp_tile else "")
+                + (", checkpointed inputs offloaded" if self.tiling.offload_checkpoints else "")
             )
         lines = [
             head,
@@ -326,8 +350,20 @@ def activation_bytes(
     logits = LOSS_BYTES[precision == "fp32"] * tokens_with_logits * (shape.vocab or 0)
     transient = mlp_tile * scale
     if checkpointing:
-        return layers * 2 * n * h * scale + per_layer + transient + logits
+        kept = 0 if tiling.offload_checkpoints else layers  # [Note: offloaded checkpoints]
+        return kept * 2 * n * h * scale + per_layer + transient + logits
     return layers * per_layer + transient + logits
+
+
+def offloaded_checkpoint_bytes(
+    shape: ModelShape, seq_len: int, micro_batch: int, precision: str = "bf16", seq_shards: int = 1
+) -> float:
+    """Bytes per rank that the checkpointed inputs of every layer hold (in host memory or files once offloaded):
+    [Note: offloaded checkpoints]."""
+    if not (shape.layers and shape.hidden):
+        return 0.0
+    tokens = -(-seq_len // seq_shards) * micro_batch
+    return float(shape.layers * tokens * shape.hidden * (4 if precision == "fp32" else 2))
 
 
 def longest_sequence(

@@ -25,6 +25,7 @@ from slipstream.estimator import (
     _gb,
     estimate,
     longest_sequence,
+    offloaded_checkpoint_bytes,
 )
 from slipstream.estimator_shape import CONFIG_KEYS, describe_model
 from slipstream.launcher.textfile import read_small_text
@@ -257,6 +258,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="long_context.tiled_mlp with tiles of T tokens",
     )
     parser.add_argument(
+        "--offload-checkpoints",
+        action="store_true",
+        help="the checkpointed inputs wait in host memory or files (activation_checkpointing.cpu_checkpointing or "
+        "offload_path; needs --activation-checkpointing)",
+    )
+    parser.add_argument(
         "--hpz",
         type=whole_number("ranks of hpZ's secondary partition"),
         default=1,
@@ -315,7 +322,9 @@ def main(args: argparse.Namespace) -> int:
         fail(prog, f"give --params N (e.g. 7e9 or 7B) or --model-config config.json; see '{prog} --help'")
     if args.max_seq and not args.device_memory:
         fail(prog, "--max-seq needs --device-memory GB (the memory the sequence must fit in)")
-    tiling = Tiling(args.tiled_logits, args.tiled_mlp, args.seq_shards)
+    if args.offload_checkpoints and not args.activation_checkpointing:
+        fail(prog, "--offload-checkpoints offloads the checkpointed inputs; it needs --activation-checkpointing")
+    tiling = Tiling(args.tiled_logits, args.tiled_mlp, args.seq_shards, args.offload_checkpoints)
     activations, gathered = _measured(prog, args, tiling) if args.measure else (None, 0)
     try:
         result = estimate(
@@ -362,6 +371,7 @@ def _measured(prog: str, args: argparse.Namespace, tiling: Tiling) -> tuple[int,
             ("--seq-shards", tiling.seq_shards > 1),
             ("--tiled-logits", tiling.logits_tile),
             ("--tiled-mlp", tiling.mlp_tile),
+            ("--offload-checkpoints", tiling.offload_checkpoints),
             ("--max-seq", args.max_seq),
         )
         if on
@@ -381,9 +391,10 @@ def _measured(prog: str, args: argparse.Namespace, tiling: Tiling) -> tuple[int,
 
 def max_sequence_table(result: Estimate, device_memory: float) -> str:
     """``--max-seq``: per stage, the longest sequence whose activations fit beside the model states in ``HEADROOM``
-    of ``device_memory``, untiled and with each tiling (the given tile sizes, else 2048)."""
+    of ``device_memory``, untiled and with each tiling (the given tile sizes, else 2048) and, checkpointed, with
+    both and the checkpointed inputs offloaded."""
     t = result.tiling
-    variants = t.variants()
+    variants = t.variants(result.activation_checkpointing)
     lines = [
         f"longest sequence in {HEADROOM:.0%} of {_gb(device_memory)} GB per device: {_count(result.shape.params)} parameters, "
         f"micro-batch {result.micro_batch}, {result.precision}, sequence over {t.seq_shards} rank(s)"
@@ -406,5 +417,14 @@ def max_sequence_table(result: Estimate, device_memory: float) -> str:
         ]
         lines.append(
             f"{e.stage:<6}{_gb(e.model_states):>14}" + "".join(f"{c:>14,}" if c else f"{'none':>14}" for c in cells)
+        )
+        longest_offloaded = cells[-1] if "all three" in variants else 0
+    if longest_offloaded:  # the last stage's: the longest; what it asks of host memory or disk is not on the device
+        away = offloaded_checkpoint_bytes(
+            result.shape, longest_offloaded, result.micro_batch, result.precision, t.seq_shards
+        )
+        lines.append(
+            f"all three: both tilings, and the checkpointed inputs in host memory or files "
+            f"({_gb(away)} GB per rank at {longest_offloaded:,} tokens)"
         )
     return "\n".join(lines)

@@ -136,7 +136,7 @@ def test_estimate_from_a_model_reads_its_config() -> None:
 
 def test_tiles_and_sequence_shards_in_the_activation_estimate() -> None:
     """The terms of [Note: sequence shards and tiles], each checked by its own arithmetic."""
-    from slipstream.estimator import ModelShape, Tiling, activation_bytes, longest_sequence
+    from slipstream.estimator import ModelShape, Tiling, activation_bytes, longest_sequence, offloaded_checkpoint_bytes
 
     shape = ModelShape(10**6, layers=2, hidden=64, heads=4, vocab=1000, intermediate=128)
     n = 4096
@@ -163,6 +163,12 @@ def test_tiles_and_sequence_shards_in_the_activation_estimate() -> None:
         shape, budget, 1, "bf16", True, True, Tiling()
     )
     assert longest_sequence(shape, 10.0, 1, "bf16", True, True, Tiling()) == 0
+    # the checkpointed inputs offloaded: every layer's input (2·n·h in bf16) leaves the device, nothing else does
+    both = activation_bytes(shape, n, 1, "bf16", True, True, Tiling(256, 256))
+    offloaded = activation_bytes(shape, n, 1, "bf16", True, True, Tiling(256, 256, offload_checkpoints=True))
+    assert both - offloaded == 2 * 2 * n * 64 == offloaded_checkpoint_bytes(shape, n, 1, "bf16")
+    assert offloaded_checkpoint_bytes(shape, n, 2, "fp32", seq_shards=4) == 2 * 2 * n * 64 * 2 * 2 / 4
+    assert activation_bytes(shape, n, 1, "bf16", tiling=Tiling(offload_checkpoints=True)) == plain  # not checkpointed
 
 
 def test_cli_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -195,14 +201,36 @@ def test_cli_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     assert main(args) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1].split() == ["stage", "model", "states", "untiled", "tiled", "logits", "tiled", "MLP", "both"]
+    assert out[1].split() == [
+        "stage",
+        "model",
+        "states",
+        "untiled",
+        "tiled",
+        "logits",
+        "tiled",
+        "MLP",
+        "both",
+        "all",
+        "three",
+    ]
     stage0, stage3 = out[2].split(), out[5].split()
-    assert stage0[2:] == ["none"] * 4  # 128 GB of model states alone exceed 72 GB
+    assert stage0[2:] == ["none"] * 5  # 128 GB of model states alone exceed 72 GB
     longest = [int(x.replace(",", "")) for x in stage3[2:]]
-    assert longest[0] < longest[2] < longest[1] < longest[3]
+    assert longest[0] < longest[2] < longest[1] < longest[3] < longest[4]
+    # what the longest offloaded sequence asks of host memory or disk: 32 layers' inputs, 1/8 of its tokens each, bf16
+    assert out[6].endswith(f"({32 * -(-longest[4] // 8) * 4096 * 2 / 1e9:.1f} GB per rank at {longest[4]:,} tokens)")
+    # without checkpointing there are no checkpointed inputs to offload: no such column
+    assert main([a for a in args if a != "--activation-checkpointing"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[-1] == "both"
     with pytest.raises(SystemExit):
         main(["estimate", "--params", "8e9", "--max-seq"])
     assert "--max-seq needs --device-memory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["estimate", "--params", "8e9", "--offload-checkpoints"])
+    assert "--offload-checkpoints offloads the checkpointed inputs; it needs --activation-checkpointing" in (
+        capsys.readouterr().err
+    )
 
 
 def test_stage3_layouts_mics_partitions_over_its_shard_group_and_hpz_adds_its_copy() -> None:
