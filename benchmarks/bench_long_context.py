@@ -183,7 +183,7 @@ def predicted(row: dict, variant: str, seq: int) -> float:
     return row["init"] + (12 * row["params"] + acts + rings) / 2**20
 
 
-def plot(rows: dict, variants: list[str], lengths: list[int], path: str, stage: int) -> None:
+def plot(rows: dict, variants: list[str], lengths: list[int], path: str, stage: int, layers: int) -> None:
     from benchmarks.svg_plot import COLORS, Series, line_plot
 
     series = []
@@ -195,7 +195,7 @@ def plot(rows: dict, variants: list[str], lengths: list[int], path: str, stage: 
     line_plot(
         series,
         path,
-        f"Peak RSS per rank, Ulysses 2 on 2 ranks, ZeRO {stage}, fp32, checkpointed blocks",
+        f"Peak RSS per rank, Ulysses 2 on 2 ranks, ZeRO {stage}, fp32, {layers} checkpointed layers",
         "sequence length (tokens)",
         "MB per rank",
     )
@@ -232,7 +232,7 @@ def main() -> None:
         for n in lengths:
             print(f"{n:>8}" + "".join(f"{predicted(rows[(v, n)], v, n):>10.0f}" for v in variants))
         if args.plot:
-            plot(rows, variants, lengths, args.plot, args.stage)
+            plot(rows, variants, lengths, args.plot, args.stage, args.layers)
         return
     found = {}
     for variant in variants:

@@ -203,6 +203,7 @@ class TiledLogits:
         self._armed = False
         self._warned = False
         self.tiled_losses = 0  # losses computed over tiles so far (the logits never whole): what tests and logs read
+        self.whole_logits = 0  # training forwards whose logits something computed whole before the loss (warned once)
         self._head_forward = head.forward  # its own (or an instance-level one someone set before us)
         self._restore_head = replace_forward(head, self._deferring_forward)
         loss = model.loss_function
@@ -246,7 +247,10 @@ class TiledLogits:
 
     def materialized(self, forward: _Forward) -> None:
         """Called when a forward's logits are computed whole: a warning the first time it happens inside the forward."""
-        if self._armed and not self._warned:
+        if not self._armed:
+            return
+        self.whole_logits += 1
+        if not self._warned:
             self._warned = True
             logger.warning(
                 "long_context.tiled_logits: %s uses its logits before its loss in a way the tiles cannot replay (an op "

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from slipstream import comm
 from slipstream.engine.config import ConfigError
+from slipstream.engine.parallel.tiling.logits import DeferredLogits
 from slipstream.engine.parallel.twin.harness import (
     TwinMismatch,
     agree,
@@ -45,6 +46,8 @@ class _Recorder:
                 if isinstance(output, (tuple, list)) and output
                 else getattr(output, "last_hidden_state", output)
             )
+            if isinstance(tensor, DeferredLogits):
+                return  # long_context's head: not computed until its tiled loss, which the loss comparison covers
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dim() >= 2:
                 self.outputs.append((name, tensor.detach().clone()))
 
