@@ -375,10 +375,19 @@ def longest_sequence(
     flash: bool,
     tiling: Tiling,
     step: int = 256,
+    host_budget: float | None = None,
 ) -> int:
-    """The longest sequence (a multiple of ``step``) whose activations fit in ``budget`` bytes; 0 if none does."""
+    """The longest sequence (a multiple of ``step``) whose activations fit in ``budget`` bytes; 0 if none does.
+    With the checkpointed inputs offloaded, ``host_budget`` (bytes per rank, None: unbounded) bounds what they put
+    in host memory or files too."""
+    offloaded = checkpointing and tiling.offload_checkpoints and host_budget is not None
 
     def fits(seq: int) -> bool:
+        if (
+            offloaded
+            and offloaded_checkpoint_bytes(shape, seq, micro_batch, precision, tiling.seq_shards) > host_budget
+        ):
+            return False
         return (activation_bytes(shape, seq, micro_batch, precision, checkpointing, flash, tiling) or 0.0) <= budget
 
     if budget <= 0 or not fits(step):

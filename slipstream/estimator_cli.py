@@ -83,6 +83,19 @@ def parse_device_memory(text: str) -> float:
     return value
 
 
+def parse_host_memory(text: str) -> float:
+    """``--host-memory``: GB (1e9 bytes) per rank of host memory or disk, finite, from ``MIN_DEVICE_GB`` to 1e6."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not MIN_DEVICE_GB <= value <= 1e6:  # NaN fails every comparison
+        raise argparse.ArgumentTypeError(
+            f"{shown(text)}: must be a number of GB (1e9 bytes) per rank from {MIN_DEVICE_GB:g} to 1,000,000 (e.g. 200)"
+        )
+    return value
+
+
 def whole_number(meaning: str) -> Callable[[str], int]:
     """A ``type=`` converter for a count from 1 to ``MAX_COUNT``; ``meaning`` says what it counts in errors."""
 
@@ -264,6 +277,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "offload_path; needs --activation-checkpointing)",
     )
     parser.add_argument(
+        "--host-memory",
+        type=parse_host_memory,
+        metavar="GB",
+        help="with --max-seq: host memory (or disk) per rank the offloaded checkpointed inputs may take; bounds the "
+        "'all three' column (default: unbounded)",
+    )
+    parser.add_argument(
         "--hpz",
         type=whole_number("ranks of hpZ's secondary partition"),
         default=1,
@@ -320,6 +340,11 @@ def main(args: argparse.Namespace) -> int:
             fail(prog, f"--model-config {args.model_config.path}: {why}; give --params")
     if source is None:
         fail(prog, f"give --params N (e.g. 7e9 or 7B) or --model-config config.json; see '{prog} --help'")
+    if args.host_memory and not (args.max_seq and args.activation_checkpointing):
+        fail(
+            prog,
+            "--host-memory bounds the offloaded checkpointed inputs of --max-seq; it needs --max-seq and --activation-checkpointing",
+        )
     if args.max_seq and not args.device_memory:
         fail(prog, "--max-seq needs --device-memory GB (the memory the sequence must fit in)")
     if args.offload_checkpoints and not args.activation_checkpointing:
@@ -354,7 +379,7 @@ def main(args: argparse.Namespace) -> int:
     if args.max_seq:
         if not (result.shape.layers and result.shape.hidden):
             fail(prog, "--max-seq needs the model's layers and hidden size (--layers/--hidden or --model-config)")
-        print(max_sequence_table(result, args.device_memory * GB))
+        print(max_sequence_table(result, args.device_memory * GB, args.host_memory * GB if args.host_memory else None))
         return 0
     print(result.table())
     return 0
@@ -389,10 +414,10 @@ def _measured(prog: str, args: argparse.Namespace, tiling: Tiling) -> tuple[int,
         fail(prog, f"--measure: {err}")
 
 
-def max_sequence_table(result: Estimate, device_memory: float) -> str:
+def max_sequence_table(result: Estimate, device_memory: float, host_memory: float | None = None) -> str:
     """``--max-seq``: per stage, the longest sequence whose activations fit beside the model states in ``HEADROOM``
     of ``device_memory``, untiled and with each tiling (the given tile sizes, else 2048) and, checkpointed, with
-    both and the checkpointed inputs offloaded."""
+    both and the checkpointed inputs offloaded (into at most ``host_memory`` bytes per rank, when given)."""
     t = result.tiling
     variants = t.variants(result.activation_checkpointing)
     lines = [
@@ -412,6 +437,7 @@ def max_sequence_table(result: Estimate, device_memory: float) -> str:
                 result.activation_checkpointing,
                 result.flash,
                 v,
+                host_budget=host_memory,
             )
             for v in variants.values()
         ]
@@ -423,8 +449,9 @@ def max_sequence_table(result: Estimate, device_memory: float) -> str:
         away = offloaded_checkpoint_bytes(
             result.shape, longest_offloaded, result.micro_batch, result.precision, t.seq_shards
         )
+        bound = f"; at most {_gb(host_memory)} GB per rank given" if host_memory else ""
         lines.append(
             f"all three: both tilings, and the checkpointed inputs in host memory or files "
-            f"({_gb(away)} GB per rank at {longest_offloaded:,} tokens)"
+            f"({_gb(away)} GB per rank at {longest_offloaded:,} tokens{bound})"
         )
     return "\n".join(lines)

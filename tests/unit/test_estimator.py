@@ -220,6 +220,11 @@ def test_cli_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert longest[0] < longest[2] < longest[1] < longest[3] < longest[4]
     # what the longest offloaded sequence asks of host memory or disk: 32 layers' inputs, 1/8 of its tokens each, bf16
     assert out[6].endswith(f"({32 * -(-longest[4] // 8) * 4096 * 2 / 1e9:.1f} GB per rank at {longest[4]:,} tokens)")
+    # host memory bounds the offloaded inputs: the longest sequence's fit in it, 256 tokens more would not
+    assert main([*args, "--host-memory", "100"]) == 0
+    bounded = int(capsys.readouterr().out.splitlines()[5].split()[-1].replace(",", ""))
+    per_token = 32 * 4096 * 2 / 8  # bytes per rank per token of the sequence
+    assert bounded * per_token <= 100e9 < (bounded + 256) * per_token and bounded < longest[4]
     # without checkpointing there are no checkpointed inputs to offload: no such column
     assert main([a for a in args if a != "--activation-checkpointing"]) == 0
     assert capsys.readouterr().out.splitlines()[1].split()[-1] == "both"
@@ -231,6 +236,9 @@ def test_cli_max_seq_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--offload-checkpoints offloads the checkpointed inputs; it needs --activation-checkpointing" in (
         capsys.readouterr().err
     )
+    with pytest.raises(SystemExit):
+        main(["estimate", "--params", "8e9", "--host-memory", "100"])
+    assert "--host-memory bounds the offloaded checkpointed inputs of --max-seq" in capsys.readouterr().err
 
 
 def test_stage3_layouts_mics_partitions_over_its_shard_group_and_hpz_adds_its_copy() -> None:
