@@ -313,3 +313,33 @@ def test_tiles_inside_checkpointed_blocks_equal_the_untiled_model() -> None:
     b = tiled(input_ids=ids, labels=labels).loss
     b.backward()
     _assert_same(plain, tiled, a, b)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "cat"])
+def test_tile_gradients_summed_in_their_own_tensors(reduce: str) -> None:
+    """The first tile's gradient becomes the sum ([Note: the first tile's gradient]) only where nothing else holds it:
+    two parameters added together get one gradient tensor, and an addition passes the incoming gradient through."""
+    from slipstream.engine.parallel.tiling.tiles import tiled
+
+    torch.manual_seed(0)
+    x = torch.randn(10, 4, requires_grad=True)
+    params = [
+        torch.randn(4, 4, requires_grad=True),
+        torch.randn(4, 4, requires_grad=True),
+        torch.randn(4, requires_grad=True),
+    ]
+
+    def fn(start: int, piece: torch.Tensor, ps: Any) -> torch.Tensor:
+        a, c, bias = ps
+        out = piece + bias + (piece @ (a + c)).tanh()
+        return out.pow(2).sum() if reduce == "sum" else out
+
+    def run(tile: int) -> list[torch.Tensor]:
+        for p in (x, *params):
+            p.grad = None
+        out = tiled(fn, x, params, tile, reduce) if tile else fn(0, x, params)
+        (out if reduce == "sum" else out.pow(2).sum()).backward()
+        return [p.grad.clone() for p in (x, *params)]
+
+    for got, want in zip(run(3), run(0)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

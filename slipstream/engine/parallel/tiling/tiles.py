@@ -105,9 +105,7 @@ class _Tiled(torch.autograd.Function):
         wants_x = ctx.needs_input_grad[3]
         wants = [ctx.needs_input_grad[4 + i] for i in range(len(ctx.params))]
         leaves = [p.detach().requires_grad_(w) for p, w in zip(ctx.params, wants)]
-        sums: list[torch.Tensor | None] = [
-            torch.zeros(p.shape, dtype=torch.float32, device=p.device) if w else None for p, w in zip(ctx.params, wants)
-        ]
+        sums: list[torch.Tensor | None] = [None] * len(ctx.params)  # fp32, from the first tile that reaches each
         grad_x = torch.empty_like(x) if wants_x else None
         on_host = x.device.type in ("cpu", "meta")
         with torch.random.fork_rng(
@@ -131,9 +129,29 @@ class _Tiled(torch.autograd.Function):
                     grad_x[start : start + ctx.tile] = 0 if g is None else g  # type: ignore[index]
                 for i, w in enumerate(wants):
                     if w and (g := got.pop(0)) is not None:
-                        sums[i].add_(g)  # type: ignore[union-attr]
-        param_grads = tuple(None if s is None else s.to(p.dtype) for s, p in zip(sums, ctx.params))
+                        if sums[i] is None:
+                            sums[i] = _accumulator(g, [grad, *(t for t in sums if t is not None)])
+                        else:
+                            sums[i].add_(g)  # type: ignore[union-attr]
+        param_grads = tuple(
+            None if not w else (torch.zeros_like(p) if s is None else s.to(p.dtype))
+            for s, p, w in zip(sums, ctx.params, wants)
+        )
         return (None, None, None, grad_x, *param_grads)
+
+
+def _accumulator(first: torch.Tensor, others: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The fp32 sum over the tiles, started from the first tile's gradient: that tensor itself where it is fp32 and
+    this backward's alone, else a copy.
+
+    [Note: the first tile's gradient] A zero-filled fp32 buffer beside the first tile's gradient cost a parameter's
+    size once more at the head's peak (2 GB for a 128k × 4096 head). The gradient autograd returned is adopted
+    only where adding into it cannot write anywhere else: not a view, and sharing no storage with ``others`` (the
+    incoming gradient, which an addition passes through unchanged, and the sums already started: two parameters
+    added together get one gradient tensor)."""
+    taken = {t.untyped_storage().data_ptr() for t in others}
+    own = first._base is None and first.untyped_storage().data_ptr() not in taken
+    return first if own and first.dtype == torch.float32 else first.to(torch.float32, copy=True)
 
 
 def tiled(
