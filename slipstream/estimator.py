@@ -51,7 +51,7 @@ one layer at a time holds all of its activations while it is recomputed (the ``3
 counts that layer's input among them). With the inputs offloaded (``Tiling.offload_checkpoints``:
 ``cpu_checkpointing`` to pinned host memory on an accelerator, ``offload_path`` to files) the kept term
 is gone: an input comes back to the device only for its own layer's recomputation, where the layer's
-term already counts it. The offloaded bytes (:func:`offloaded_checkpoint_bytes`) wait in host memory
+term already counts it. The offloaded bytes (:func:`checkpointed_input_bytes`) wait in host memory
 or in files instead; a file's pages are dropped from the page cache once written
 (``saved_tensor_offload.py``), so on the CPU they are in no process's RSS.
 """
@@ -90,12 +90,8 @@ class Tiling:
         """Untiled, each tiling and both, over the same shards (tiles of this size, else 2048); checkpointed, also
         both with the checkpointed inputs offloaded ("all three")."""
         logits, mlp, u = self.logits_tile or 2048, self.mlp_tile or 2048, self.seq_shards
-        found = {
-            "untiled": Tiling(None, None, u),
-            "tiled logits": Tiling(logits, None, u),
-            "tiled MLP": Tiling(None, mlp, u),
-            "both": Tiling(logits, mlp, u),
-        }
+        found = {"untiled": Tiling(None, None, u), "tiled logits": Tiling(logits, None, u)}
+        found.update({"tiled MLP": Tiling(None, mlp, u), "both": Tiling(logits, mlp, u)})
         if checkpointing:
             found["all three"] = Tiling(logits, mlp, u, offload_checkpoints=True)
         return found
@@ -189,7 +185,7 @@ class Estimate:
         parts = [f"{name} {_gb(act(tiling=v) or 0.0)}" for name, v in variants.items()]
         line = f"activations by long_context tiling (GB per device): {', '.join(parts)}"
         if self.activation_checkpointing:
-            away = offloaded_checkpoint_bytes(
+            away = checkpointed_input_bytes(
                 self.shape, self.seq_len, self.micro_batch, self.precision, self.tiling.seq_shards
             )
             line += f" (all three: both, and the checkpointed inputs, {_gb(away)} GB, in host memory or files)"
@@ -349,17 +345,21 @@ def activation_bytes(
     tokens_with_logits = n if tiling.logits_tile is None else min(n, tiling.logits_tile)
     logits = LOSS_BYTES[precision == "fp32"] * tokens_with_logits * (shape.vocab or 0)
     transient = mlp_tile * scale
-    if checkpointing:
-        kept = 0 if tiling.offload_checkpoints else layers  # [Note: offloaded checkpoints]
-        return kept * 2 * n * h * scale + per_layer + transient + logits
+    if checkpointing:  # [Note: offloaded checkpoints]
+        inputs = (
+            0.0
+            if tiling.offload_checkpoints
+            else checkpointed_input_bytes(shape, seq_len, b, precision, tiling.seq_shards)
+        )
+        return inputs + per_layer + transient + logits
     return layers * per_layer + transient + logits
 
 
-def offloaded_checkpoint_bytes(
+def checkpointed_input_bytes(
     shape: ModelShape, seq_len: int, micro_batch: int, precision: str = "bf16", seq_shards: int = 1
 ) -> float:
-    """Bytes per rank that the checkpointed inputs of every layer hold (in host memory or files once offloaded):
-    [Note: offloaded checkpoints]."""
+    """Bytes per rank the checkpointed inputs of every layer hold: on the device, or offloaded to host memory or
+    files ([Note: offloaded checkpoints])."""
     if not (shape.layers and shape.hidden):
         return 0.0
     tokens = -(-seq_len // seq_shards) * micro_batch
@@ -383,10 +383,7 @@ def longest_sequence(
     offloaded = checkpointing and tiling.offload_checkpoints and host_budget is not None
 
     def fits(seq: int) -> bool:
-        if (
-            offloaded
-            and offloaded_checkpoint_bytes(shape, seq, micro_batch, precision, tiling.seq_shards) > host_budget
-        ):
+        if offloaded and checkpointed_input_bytes(shape, seq, micro_batch, precision, tiling.seq_shards) > host_budget:
             return False
         return (activation_bytes(shape, seq, micro_batch, precision, checkpointing, flash, tiling) or 0.0) <= budget
 

@@ -23,9 +23,9 @@ from slipstream.estimator import (
     Tiling,
     _count,
     _gb,
+    checkpointed_input_bytes,
     estimate,
     longest_sequence,
-    offloaded_checkpoint_bytes,
 )
 from slipstream.estimator_shape import CONFIG_KEYS, describe_model
 from slipstream.launcher.textfile import read_small_text
@@ -446,7 +446,7 @@ def max_sequence_table(result: Estimate, device_memory: float, host_memory: floa
         )
         longest_offloaded = cells[-1] if "all three" in variants else 0
     if longest_offloaded:  # the last stage's: the longest; what it asks of host memory or disk is not on the device
-        away = offloaded_checkpoint_bytes(
+        away = checkpointed_input_bytes(
             result.shape, longest_offloaded, result.micro_batch, result.precision, t.seq_shards
         )
         bound = f"; at most {_gb(host_memory)} GB per rank given" if host_memory else ""

@@ -136,7 +136,7 @@ def test_estimate_from_a_model_reads_its_config() -> None:
 
 def test_tiles_and_sequence_shards_in_the_activation_estimate() -> None:
     """The terms of [Note: sequence shards and tiles], each checked by its own arithmetic."""
-    from slipstream.estimator import ModelShape, Tiling, activation_bytes, longest_sequence, offloaded_checkpoint_bytes
+    from slipstream.estimator import ModelShape, Tiling, activation_bytes, checkpointed_input_bytes, longest_sequence
 
     shape = ModelShape(10**6, layers=2, hidden=64, heads=4, vocab=1000, intermediate=128)
     n = 4096
@@ -166,8 +166,8 @@ def test_tiles_and_sequence_shards_in_the_activation_estimate() -> None:
     # the checkpointed inputs offloaded: every layer's input (2·n·h in bf16) leaves the device, nothing else does
     both = activation_bytes(shape, n, 1, "bf16", True, True, Tiling(256, 256))
     offloaded = activation_bytes(shape, n, 1, "bf16", True, True, Tiling(256, 256, offload_checkpoints=True))
-    assert both - offloaded == 2 * 2 * n * 64 == offloaded_checkpoint_bytes(shape, n, 1, "bf16")
-    assert offloaded_checkpoint_bytes(shape, n, 2, "fp32", seq_shards=4) == 2 * 2 * n * 64 * 2 * 2 / 4
+    assert both - offloaded == 2 * 2 * n * 64 == checkpointed_input_bytes(shape, n, 1, "bf16")
+    assert checkpointed_input_bytes(shape, n, 2, "fp32", seq_shards=4) == 2 * 2 * n * 64 * 2 * 2 / 4
     assert activation_bytes(shape, n, 1, "bf16", tiling=Tiling(offload_checkpoints=True)) == plain  # not checkpointed
 
 
