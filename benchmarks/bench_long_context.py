@@ -216,7 +216,9 @@ def main() -> None:
     )
     parser.add_argument("--curve", default="", help="comma-separated lengths: measure these instead of searching")
     parser.add_argument(
-        "--plot", default="", help="with --curve: an SVG of peak RSS against length beside the estimate"
+        "--plot",
+        default="",
+        help="with --curve: peak RSS against length beside the estimate, as SVG (a .png path: SVG and PNG)",
     )
     args = parser.parse_args()
     variants = args.variants.split(",")

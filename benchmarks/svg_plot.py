@@ -1,12 +1,15 @@
 """A line plot as SVG text: the benchmarks' figures without a plotting library (none is a dependency).
 
-SVG renders in any browser and on GitHub, and diffs as text.
+SVG renders in any browser and on GitHub, and diffs as text. A path ending in ``.png`` writes the SVG beside it
+and rasterises it with ``rsvg-convert`` (librsvg, ``apt-get install librsvg2-bin``), where a PNG is asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
+import subprocess
 from pathlib import Path
 from xml.sax.saxutils import escape
 
@@ -35,7 +38,8 @@ def _ticks(low: float, high: float, count: int = 6) -> list[float]:
 
 
 def line_plot(series: list[Series], path: str | Path, title: str, xlabel: str, ylabel: str) -> None:
-    """Write ``series`` (solid or dashed lines with points) to ``path`` as an SVG file; y starts at 0."""
+    """Write ``series`` (solid or dashed lines with points) to ``path`` as an SVG file (and a PNG, for a ``.png``
+    path: see the module's docstring); y starts at 0."""
     xs = [x for s in series for x in s.xs]
     ys = [y for s in series for y in s.ys]
     x0, x1, y0, y1 = min(xs), max(xs), 0.0, max(ys) * 1.05
@@ -76,4 +80,16 @@ def line_plot(series: list[Series], path: str | Path, title: str, xlabel: str, y
         )
         out.append(f'<text x="{WIDTH - RIGHT + 42}" y="{ly + 4}">{escape(s.label)}</text>')
     out.append("</svg>")
-    Path(path).write_text("\n".join(out) + "\n")
+    target = Path(path)
+    svg = target.with_suffix(".svg")
+    svg.write_text("\n".join(out) + "\n")
+    if target.suffix.lower() == ".png":
+        to_png(svg, target)
+
+
+def to_png(svg: Path, png: Path) -> None:
+    """Rasterise ``svg`` to ``png`` with ``rsvg-convert``; a clear error where it is not installed."""
+    tool = shutil.which("rsvg-convert")
+    if tool is None:
+        raise SystemExit(f"{png}: a PNG needs rsvg-convert (apt-get install librsvg2-bin); {svg} is written")
+    subprocess.run([tool, "--format", "png", "--background-color", "white", "-o", str(png), str(svg)], check=True)

@@ -42,8 +42,38 @@ def _llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return LlamaForCausalLM(config).to(dtype)
 
 
+def _gpt_neox() -> torch.nn.Module:
+    """Another shape of block: a quarter of each head rotated, attention and MLP side by side on one residual."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
+    return GPTNeoXForCausalLM(config)
+
+
+MODELS = {"llama": (_llama, "LlamaDecoderLayer"), "gpt_neox": (_gpt_neox, "GPTNeoXLayer")}
+
+
 def _config(
-    mode: str, stage: int, batch: int, tiled: bool, bf16: bool = False, offload: str | None = None
+    mode: str,
+    stage: int,
+    batch: int,
+    tiled: bool,
+    bf16: bool = False,
+    offload: str | None = None,
+    block: str = "LlamaDecoderLayer",
 ) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
@@ -62,7 +92,7 @@ def _config(
     elif mode == "pp":  # a 1F1B window of two micro-batches of half the rows
         cfg.update(pipeline={"stages": 2}, train_micro_batch_size_per_gpu=batch // 2, gradient_accumulation_steps=2)
     if offload is not None:  # every block checkpointed, its inputs waiting in files
-        cfg["activation_checkpointing"] = {"module_classes": ["LlamaDecoderLayer"], "offload_path": offload}
+        cfg["activation_checkpointing"] = {"module_classes": [block], "offload_path": offload}
     if tiled:
         cfg["long_context"] = {
             "tiled_logits": {"enabled": True, "tile_tokens": 7},
@@ -72,15 +102,16 @@ def _config(
 
 
 def _train(
-    mode: str, stage: int, batch: int, tiled: bool, bf16: bool, offload: str | None = None
+    mode: str, stage: int, batch: int, tiled: bool, bf16: bool, offload: str | None = None, arch: str = "llama"
 ) -> tuple[list[float], dict[str, torch.Tensor], bool]:
-    model = _llama()
+    build, block = MODELS[arch]
+    model = build()
     if offload is not None:  # this test's inputs are small: every one of them goes to a file
         from slipstream import checkpointing
         from slipstream.saved_tensor_offload import FileOffload
 
         checkpointing._offloads[offload] = FileOffload(offload, min_bytes=0)
-    engine = slipstream.initialize(model, _config(mode, stage, batch, tiled, bf16, offload))
+    engine = slipstream.initialize(model, _config(mode, stage, batch, tiled, bf16, offload, block))
     start = engine.consolidated_state_dict()
     tiles = engine.parallel.tiling.logits if tiled and engine.parallel.tiling is not None else None
     counted = tiles.tiled_losses if tiles is not None else 0  # the twin check's forward at initialize may count one
@@ -111,6 +142,10 @@ def _train(
         losses.append(float(out.loss.detach()))
     if tiles is not None:  # nothing, the engine's first-batch check included, computed the logits whole
         deferred = deferred and tiles.whole_logits == 0
+    if tiled:  # and the MLP of every block this rank runs was found and tiled
+        deferred = deferred and len(engine.parallel.tiling.mlp.names) == (
+            1 if mode == "pp" else 2
+        )  # pp: a block a stage
     engine.close()
     if offload is not None:
         from slipstream import checkpointing
@@ -121,11 +156,12 @@ def _train(
     return losses, {k: (first[k].float() - start[k].float()) for k in first} if first else {}, deferred
 
 
-def _both(mode: str, stage: int, batch: int, bf16: bool, offload: str | None = None) -> dict[str, Any]:
-    plain = _train(mode, stage, batch, False, bf16)
-    tiled = _train(
-        mode, stage, batch, True, bf16, None if offload is None else f"{offload}/rank{torch.distributed.get_rank()}"
-    )
+def _both(
+    mode: str, stage: int, batch: int, bf16: bool, offload: str | None = None, arch: str = "llama"
+) -> dict[str, Any]:
+    plain = _train(mode, stage, batch, False, bf16, arch=arch)
+    where = None if offload is None else f"{offload}/rank{torch.distributed.get_rank()}"
+    tiled = _train(mode, stage, batch, True, bf16, where, arch)
     return {"plain": plain, "tiled": tiled}
 
 
@@ -174,9 +210,10 @@ def test_tiled_in_bf16_follows_the_untiled_bf16_run() -> None:
     _compare(results[0], 2e-2, 1e-1)
 
 
-def test_all_three_with_the_checkpointed_inputs_in_files(tmp_path: Any) -> None:
-    """Tiled logits, tiled MLP and checkpointed blocks whose inputs wait in files: Ulysses, ZeRO-3, the untiled run's result."""
-    results = run_distributed(2, _both, "ulysses", 3, 2, False, str(tmp_path))
+@pytest.mark.parametrize("arch,mode", [("llama", "ulysses"), ("gpt_neox", "ulysses"), ("gpt_neox", "zigzag")])
+def test_all_three_with_the_checkpointed_inputs_in_files(tmp_path: Any, arch: str, mode: str) -> None:
+    """Tiled logits, tiled MLP and checkpointed blocks whose inputs wait in files, ZeRO-3: the untiled run's result."""
+    results = run_distributed(2, _both, mode, 3, 2, False, str(tmp_path), arch)
     _compare(results[0], 1e-5, 1e-3)
 
 
