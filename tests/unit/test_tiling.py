@@ -251,10 +251,11 @@ def test_the_mlps_are_found_and_the_attention_is_not() -> None:
         tile_mlps(_gpt2(), ["GPT2Attention"], 5, probe=True)
     from tests.reference import tiny_mixtral
 
-    with pytest.raises(
-        ConfigError, match=r"found no MLP to tile"
-    ):  # experts are never tiled: routing depends on the batch
+    # experts are never tiled (routing depends on the batch): the refusal names the experts' class
+    with pytest.raises(ConfigError, match=r"long_context\.tiled_mlp: .*mixtures of experts \(MixtralSparseMoeBlock\)"):
         tile_mlps(tiny_mixtral(), None, 5, probe=True)
+    with pytest.raises(ConfigError, match=r"found no MLP to tile"):  # nothing MLP-shaped, and no experts either
+        tile_mlps(torch.nn.Sequential(torch.nn.Linear(4, 4)), None, 5, probe=True)
 
 
 @pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2"])

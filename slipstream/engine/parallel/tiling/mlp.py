@@ -83,6 +83,22 @@ def candidates(model: torch.nn.Module, classes: Sequence[str] | None) -> list[tu
     ]
 
 
+def _experts(model: torch.nn.Module) -> str | None:
+    """The class of the first block child that holds experts (several modules of one class, or weights stacked
+    over experts in one 3-D parameter), or None."""
+    blocks = find_blocks(model)
+    for block in blocks.modules if blocks is not None else ():
+        for child in block.children():
+            stacked = any(p.dim() == 3 for p in child.parameters())
+            repeated = any(
+                isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(c) for c in m.children()}) == 1
+                for m in child.modules()
+            )
+            if stacked or (repeated and _linear_leaves(child) >= 2):
+                return type(child).__name__
+    return None
+
+
 def _hidden_size(model: torch.nn.Module, module: torch.nn.Module) -> int | None:
     size = getattr(getattr(model, "config", None), "hidden_size", None)
     if isinstance(size, int):
@@ -178,6 +194,12 @@ def tile_mlps(model: torch.nn.Module, classes: Sequence[str] | None, tile_tokens
             continue
         kept.append((name, module))
     if not kept:
+        experts = None if classes else _experts(model)
+        if experts is not None:
+            raise ConfigError(
+                f"long_context.tiled_mlp: the blocks' feed-forward layers are mixtures of experts ({experts}), which are "
+                "never tiled (routing and capacity depend on the whole batch); turn long_context.tiled_mlp off"
+            )
         raise ConfigError(
             "long_context.tiled_mlp: found no MLP to tile in the model's blocks (a child with two linear layers computing "
             "each token alone); name the class in long_context.tiled_mlp.module_classes"
