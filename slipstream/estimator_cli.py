@@ -70,30 +70,27 @@ def _parse_count(text: str, noun: str) -> int:
     return round(value)
 
 
-def parse_device_memory(text: str) -> float:
-    """``--device-memory``: GB (1e9 bytes) per device, finite, from ``MIN_DEVICE_GB`` to ``MAX_DEVICE_GB``."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not MIN_DEVICE_GB <= value <= MAX_DEVICE_GB:  # NaN fails every comparison
-        raise argparse.ArgumentTypeError(
-            f"{shown(text)}: must be a number of GB (1e9 bytes) per device from {MIN_DEVICE_GB:g} to {MAX_DEVICE_GB:,.0f} (e.g. 80)"
-        )
-    return value
+def gigabytes(per: str, example: str) -> Callable[[str], float]:
+    """A ``type=`` converter for GB (1e9 bytes) ``per`` device or rank, finite, from ``MIN_DEVICE_GB`` to
+    ``MAX_DEVICE_GB``; ``example`` is shown in the error."""
+
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not MIN_DEVICE_GB <= value <= MAX_DEVICE_GB:  # NaN fails every comparison
+            raise argparse.ArgumentTypeError(
+                f"{shown(text)}: must be a number of GB (1e9 bytes) per {per} from {MIN_DEVICE_GB:g} to {MAX_DEVICE_GB:,.0f} (e.g. {example})"
+            )
+        return value
+
+    convert.__name__ = f"GB per {per}"
+    return convert
 
 
-def parse_host_memory(text: str) -> float:
-    """``--host-memory``: GB (1e9 bytes) per rank of host memory or disk, finite, from ``MIN_DEVICE_GB`` to 1e6."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not MIN_DEVICE_GB <= value <= 1e6:  # NaN fails every comparison
-        raise argparse.ArgumentTypeError(
-            f"{shown(text)}: must be a number of GB (1e9 bytes) per rank from {MIN_DEVICE_GB:g} to 1,000,000 (e.g. 200)"
-        )
-    return value
+parse_device_memory = gigabytes("device", "80")  # --device-memory
+parse_host_memory = gigabytes("rank", "200")  # --host-memory: host memory or disk
 
 
 def whole_number(meaning: str) -> Callable[[str], int]:

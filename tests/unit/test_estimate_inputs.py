@@ -56,6 +56,11 @@ BAD_OPTIONS = {
     "device-memory inf": ([*P, "--device-memory", "inf"], "--device-memory: 'inf': must be a number of GB"),
     "device-memory negative": ([*P, "--device-memory", "-1"], "--device-memory: '-1': must be a number of GB"),
     "device-memory zero": ([*P, "--device-memory", "0"], "--device-memory: '0': must be a number of GB"),
+    "host-memory nan": (
+        [*P, "--host-memory", "nan"],
+        "--host-memory: 'nan': must be a number of GB (1e9 bytes) per rank from 0.001 to 1,000,000",
+    ),
+    "host-memory zero": ([*P, "--host-memory", "0"], "--host-memory: '0': must be a number of GB"),
     "neither params nor config": ([], "give --params N (e.g. 7e9 or 7B) or --model-config config.json"),
 }
 

@@ -53,16 +53,20 @@ def _one_argument(module: torch.nn.Module) -> bool:
     return len(required) == 2  # self and the hidden states
 
 
-def _looks_like_mlp(module: torch.nn.Module) -> bool:
-    containers = any(
+def _repeats_modules(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds a list (or dict) of several modules of one class: experts, or a stack of layers."""
+    return any(
         isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
         and len({type(c) for c in m.children()}) == 1
         and len(m) > 1
         for m in module.modules()
     )
+
+
+def _looks_like_mlp(module: torch.nn.Module) -> bool:
     return (
         _linear_leaves(module) >= 2
-        and not containers
+        and not _repeats_modules(module)
         and all(p.dim() <= 2 for p in module.parameters())
         and _one_argument(module)
     )
@@ -90,11 +94,7 @@ def _experts(model: torch.nn.Module) -> str | None:
     for block in blocks.modules if blocks is not None else ():
         for child in block.children():
             stacked = any(p.dim() == 3 for p in child.parameters())
-            repeated = any(
-                isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(c) for c in m.children()}) == 1
-                for m in child.modules()
-            )
-            if stacked or (repeated and _linear_leaves(child) >= 2):
+            if stacked or (_repeats_modules(child) and _linear_leaves(child) >= 2):
                 return type(child).__name__
     return None
 
