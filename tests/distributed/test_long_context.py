@@ -72,10 +72,11 @@ def _mixtral() -> torch.nn.Module:
     return model
 
 
+# builder, block class, whether its MLPs are tiled (experts never are; a model of experts only is refused)
 MODELS = {
-    "llama": (_llama, "LlamaDecoderLayer"),
-    "gpt_neox": (_gpt_neox, "GPTNeoXLayer"),
-    "mixtral": (_mixtral, "MixtralDecoderLayer"),
+    "llama": (_llama, "LlamaDecoderLayer", True),
+    "gpt_neox": (_gpt_neox, "GPTNeoXLayer", True),
+    "mixtral": (_mixtral, "MixtralDecoderLayer", False),
 }
 
 
@@ -87,6 +88,7 @@ def _config(
     bf16: bool = False,
     offload: str | None = None,
     block: str = "LlamaDecoderLayer",
+    tile_mlp: bool = True,
 ) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
@@ -107,26 +109,23 @@ def _config(
     if offload is not None:  # every block checkpointed, its inputs waiting in files
         cfg["activation_checkpointing"] = {"module_classes": [block], "offload_path": offload}
     if tiled:
-        cfg["long_context"] = {
-            "tiled_logits": {"enabled": True, "tile_tokens": 7},
-            "tiled_mlp": {"enabled": True, "tile_tokens": 10},
-        }
-        if block == "MixtralDecoderLayer":  # experts are never tiled (a model of experts only is refused)
-            del cfg["long_context"]["tiled_mlp"]
+        cfg["long_context"] = {"tiled_logits": {"enabled": True, "tile_tokens": 7}}
+        if tile_mlp:
+            cfg["long_context"]["tiled_mlp"] = {"enabled": True, "tile_tokens": 10}
     return cfg
 
 
 def _train(
     mode: str, stage: int, batch: int, tiled: bool, bf16: bool, offload: str | None = None, arch: str = "llama"
 ) -> tuple[list[float], dict[str, torch.Tensor], bool]:
-    build, block = MODELS[arch]
+    build, block, tile_mlp = MODELS[arch]
     model = build()
     if offload is not None:  # this test's inputs are small: every one of them goes to a file
         from slipstream import checkpointing
         from slipstream.saved_tensor_offload import FileOffload
 
         checkpointing._offloads[offload] = FileOffload(offload, min_bytes=0)
-    engine = slipstream.initialize(model, _config(mode, stage, batch, tiled, bf16, offload, block))
+    engine = slipstream.initialize(model, _config(mode, stage, batch, tiled, bf16, offload, block, tile_mlp))
     start = engine.consolidated_state_dict()
     tiles = engine.parallel.tiling.logits if tiled and engine.parallel.tiling is not None else None
     counted = tiles.tiled_losses if tiles is not None else 0  # the twin check's forward at initialize may count one
@@ -157,7 +156,7 @@ def _train(
         losses.append(float(out.loss.detach()))
     if tiles is not None:  # nothing, the engine's first-batch check included, computed the logits whole
         deferred = deferred and tiles.whole_logits == 0
-    if tiled and arch != "mixtral":  # and the MLP of every block this rank runs was found and tiled
+    if tiled and tile_mlp:  # and the MLP of every block this rank runs was found and tiled
         deferred = deferred and len(engine.parallel.tiling.mlp.names) == (
             1 if mode == "pp" else 2
         )  # pp: a block a stage
